@@ -1,0 +1,1 @@
+"""Cloud server: finishes the model, with early exits and feature caches."""

@@ -1,0 +1,70 @@
+"""The ``tierflow`` command: one entry point with subcommands.
+
+Each subcommand lives with the code it drives and contributes a ``register(subparsers)``
+function; this module only wires them together, configures logging, and turns every
+:class:`~tierflow.errors.TierflowError` into one line on stderr and exit status 2.
+Subcommand modules import heavy libraries (onnx, torch) inside their handlers, so
+``tierflow serve edge`` never imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from tierflow import __version__
+from tierflow.errors import TierflowError
+
+# Modules that define ``register(subparsers)``, in the order their commands are listed.
+COMMAND_MODULES: tuple[str, ...] = (
+    "tierflow.partitioner.commands",  # profile, plan
+    "tierflow.edge.commands",  # serve edge / serve cloud, probe
+    "tierflow.device.commands",  # run
+    "tierflow.partitioner.exit_commands",  # exits add
+    "tierflow.demo",  # demo
+)
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierflow",
+        description="Run one neural network across a device, an edge server and the cloud.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"tierflow {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # that part of tierflow is not built yet
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        result = args.handler(args)
+    except TierflowError as exc:
+        print(f"tierflow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tierflow {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The one error hierarchy of tierflow.
+
+Every error a user can cause or meet is a :class:`TierflowError`; the CLI prints its
+message on one line and exits non-zero, never with a traceback. Errors from gRPC, ONNX
+and ONNX Runtime are translated where they enter (``raise PlanError(...) from exc``).
+Messages say what was expected and what was found.
+
+    TierflowError
+    ├── UsageError          bad command-line values: unknown tier/link names, malformed
+    │                       rates, sizes, RTTs, shapes
+    ├── ModelError          not an ONNX file, truncated, invalid graph, unsupported ops,
+    │                       unknown symbolic dimensions
+    ├── ProfileError        malformed profile, or a profile made for another model
+    ├── PlanError           malformed plan directory, a budget nothing fits, a plan that
+    │                       does not match the model
+    ├── InputError          request inputs with the wrong names, shapes or dtypes
+    ├── CodecError          corrupt, oversized or hostile encoded tensors (including
+    │                       decompression bombs)
+    ├── CacheError          a feature-cache backend failed or was misconfigured
+    └── TransportError      a tier could not be reached or went away mid-stream
+        ├── DeadlineError   a request was not answered within its deadline
+        └── RemoteError     another tier answered a request with an error; ``code``
+                            names its kind (one of the ``ErrorCode`` names in the proto)
+
+Asserts are only for internal invariants, never for user input.
+"""
+
+from __future__ import annotations
+
+
+class TierflowError(Exception):
+    """Base class of every error tierflow raises on purpose."""
+
+
+class UsageError(TierflowError):
+    """A command-line value is malformed or names something that does not exist."""
+
+
+class ModelError(TierflowError):
+    """An ONNX model cannot be loaded, analysed or run as given."""
+
+
+class ProfileError(TierflowError):
+    """A profile file is malformed or belongs to another model."""
+
+
+class PlanError(TierflowError):
+    """A plan cannot be made, read or used."""
+
+
+class InputError(TierflowError):
+    """Inputs of a request do not match what the model expects."""
+
+
+class CodecError(TierflowError):
+    """An encoded tensor is corrupt, oversized or not what it claims to be."""
+
+
+class CacheError(TierflowError):
+    """A feature cache backend failed."""
+
+
+class TransportError(TierflowError):
+    """A tier could not be reached, or the stream to it broke."""
+
+
+class DeadlineError(TransportError):
+    """A request was not answered within its deadline."""
+
+
+class RemoteError(TransportError):
+    """Another tier answered a request with an error.
+
+    ``code`` is the name of the wire ``ErrorCode`` (for example ``"INVALID_INPUT"``),
+    ``tier`` the tier that raised it.
+    """
+
+    def __init__(self, message: str, *, code: str = "INTERNAL", tier: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.tier = tier

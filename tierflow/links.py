@@ -1,0 +1,76 @@
+"""The link model: what crossing a link costs, and the names of the links.
+
+A link carries features one way between two neighbouring tiers. Its cost for a message
+of ``n`` bytes is ``n * 8 / rate + rtt / 2`` (serialisation plus one-way propagation);
+the cost model adds the codec's encode and decode time on either side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tierflow.errors import UsageError
+from tierflow.units import format_duration, format_rate, parse_duration, parse_rate
+
+TIERS: tuple[str, ...] = ("device", "edge", "cloud")
+LINKS: tuple[str, ...] = ("device-edge", "edge-cloud")
+
+
+def check_tier(name: str) -> str:
+    """Return ``name`` if it is a tier name, else raise a :class:`UsageError`."""
+    if name not in TIERS:
+        raise UsageError(f"unknown tier {name!r}: expected one of {', '.join(TIERS)}")
+    return name
+
+
+def check_link(name: str) -> str:
+    """Return ``name`` if it is a link name, else raise a :class:`UsageError`."""
+    if name not in LINKS:
+        raise UsageError(f"unknown link {name!r}: expected one of {', '.join(LINKS)}")
+    return name
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """Rate (bits per second) and round-trip time (seconds) of one link."""
+
+    rate_bps: float
+    rtt_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.rate_bps > 0:
+            raise UsageError(f"a link rate must be positive, got {self.rate_bps!r}")
+        if not self.rtt_s >= 0:
+            raise UsageError(f"a link RTT must not be negative, got {self.rtt_s!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> LinkSpec:
+        """Read ``RATE[,RTT]`` as the command line writes it, e.g. ``20mbit,10ms``."""
+        rate, _, rtt = text.partition(",")
+        return cls(parse_rate(rate), parse_duration(rtt) if rtt else 0.0)
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Seconds for ``nbytes`` to arrive: serialisation plus one-way propagation."""
+        return nbytes * 8.0 / self.rate_bps + self.rtt_s / 2.0
+
+    def __str__(self) -> str:
+        return f"{format_rate(self.rate_bps)},{format_duration(self.rtt_s)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rate_bps": self.rate_bps, "rtt_s": self.rtt_s}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LinkSpec:
+        try:
+            return cls(float(data["rate_bps"]), float(data.get("rtt_s", 0.0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UsageError(f"malformed link {data!r}: expected rate_bps and rtt_s") from exc
+
+
+def parse_link_option(text: str) -> tuple[str, LinkSpec]:
+    """Read one ``--link NAME=RATE[,RTT]`` value."""
+    name, sep, value = text.partition("=")
+    if not sep or not value:
+        raise UsageError(f"malformed --link {text!r}: expected NAME=RATE[,RTT], like device-edge=20mbit,10ms")
+    return check_link(name.strip()), LinkSpec.parse(value)

@@ -1,0 +1,245 @@
+"""The plan directory: ``plan.json`` plus one ONNX file per segment.
+
+This is a contract other tools read (the runtimes, the benchmarks, users' scripts); see
+DESIGN.md, "Plan directory contract". Reading a plan validates it completely, so the
+runtimes can trust what they get. Reading needs no onnx and no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tierflow.errors import PlanError
+from tierflow.links import LINKS, TIERS, LinkSpec
+
+PLAN_FORMAT = "tierflow.plan/1"
+PLAN_FILE = "plan.json"
+
+
+def _str_tuple(value: Any, what: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise PlanError(f"malformed plan: {what} must be a list of names, got {value!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class ExitSpec:
+    """An early exit: a segment output holding class probabilities, and its threshold.
+
+    A request leaves at this exit when the top class probability is at least
+    ``threshold``. ``calibration`` records how the threshold was chosen (target and
+    achieved figures), for people reading the plan.
+    """
+
+    name: str
+    threshold: float
+    calibration: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "threshold": self.threshold, "calibration": self.calibration}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ExitSpec:
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+            raise PlanError(f"malformed plan: an exit must be an object with a name, got {data!r}")
+        try:
+            threshold = float(data["threshold"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"malformed plan: exit {data['name']!r} has no numeric threshold") from exc
+        return cls(data["name"], threshold, dict(data.get("calibration") or {}))
+
+
+@dataclass(frozen=True)
+class SegmentSpec:
+    """One segment of the split model: which tier runs it, its file, inputs and outputs."""
+
+    tier: str
+    file: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    exits: tuple[ExitSpec, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "tier": self.tier,
+            "file": self.file,
+            "inputs": list(self.inputs),
+            "outputs": list(self.outputs),
+        }
+        if self.exits:
+            data["exits"] = [e.to_dict() for e in self.exits]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SegmentSpec:
+        if not isinstance(data, dict):
+            raise PlanError(f"malformed plan: a segment must be an object, got {data!r}")
+        tier = data.get("tier")
+        if tier not in TIERS:
+            raise PlanError(f"malformed plan: segment tier {tier!r} is not one of {', '.join(TIERS)}")
+        file = data.get("file")
+        if not isinstance(file, str) or not file or "/" in file or "\\" in file or file.startswith("."):
+            raise PlanError(f"malformed plan: segment file {file!r} must be a plain file name")
+        return cls(
+            tier=tier,
+            file=file,
+            inputs=_str_tuple(data.get("inputs"), "segment inputs"),
+            outputs=_str_tuple(data.get("outputs"), "segment outputs"),
+            exits=tuple(ExitSpec.from_dict(e) for e in data.get("exits", [])),
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated plan: segments in execution order and the links between tiers.
+
+    ``codec`` maps each link name to the codec spec used on it (see
+    :mod:`tierflow.codec`); ``estimate`` is the cost model's prediction (free-form,
+    at least ``latency_s``); ``cuts`` the cut positions the planner chose.
+    """
+
+    model_file: str
+    model_sha256: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    segments: tuple[SegmentSpec, ...]
+    links: dict[str, LinkSpec] = field(default_factory=dict)
+    codec: dict[str, str] = field(default_factory=dict)
+    estimate: dict[str, Any] = field(default_factory=dict)
+    cuts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    def _check(self) -> None:
+        if not self.segments:
+            raise PlanError("malformed plan: it has no segments")
+        order = [TIERS.index(s.tier) for s in self.segments]
+        if order != sorted(order):
+            tiers = [s.tier for s in self.segments]
+            raise PlanError(
+                f"malformed plan: segments must run device, then edge, then cloud; found {tiers}"
+            )
+        files = [s.file for s in self.segments]
+        if len(set(files)) != len(files):
+            raise PlanError(f"malformed plan: segment files must be distinct, found {files}")
+        available = set(self.inputs)
+        for segment in self.segments:
+            missing = [name for name in segment.inputs if name not in available]
+            if missing:
+                raise PlanError(
+                    f"malformed plan: segment {segment.file} needs {missing}, which no earlier "
+                    "segment or model input provides"
+                )
+            available.update(segment.outputs)
+            exit_names = {e.name for e in segment.exits}
+            if not exit_names <= set(segment.outputs):
+                raise PlanError(
+                    f"malformed plan: exits {sorted(exit_names - set(segment.outputs))} of "
+                    f"{segment.file} are not among its outputs"
+                )
+        missing_outputs = [name for name in self.outputs if name not in available]
+        if missing_outputs:
+            raise PlanError(f"malformed plan: no segment yields model outputs {missing_outputs}")
+        for name in list(self.links) + list(self.codec):
+            if name not in LINKS:
+                raise PlanError(f"malformed plan: unknown link {name!r}, expected one of {', '.join(LINKS)}")
+
+    @property
+    def plan_id(self) -> str:
+        """A short hash naming this plan on the wire: model, segments and codecs."""
+        key = json.dumps(
+            {
+                "model": self.model_sha256,
+                "segments": [s.to_dict() for s in self.segments],
+                "codec": self.codec,
+            },
+            sort_keys=True,
+        )
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def segments_for(self, tier: str) -> list[tuple[int, SegmentSpec]]:
+        """The segments a tier runs, with their indices, in order; empty if it has no work.
+
+        A tier usually runs one segment; it runs several when early exits split its
+        work (it checks each exit before going on).
+        """
+        return [(i, s) for i, s in enumerate(self.segments) if s.tier == tier]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "model": {"file": self.model_file, "sha256": self.model_sha256},
+            "inputs": list(self.inputs),
+            "outputs": list(self.outputs),
+            "segments": [s.to_dict() for s in self.segments],
+            "links": {name: link.to_dict() for name, link in self.links.items()},
+            "codec": dict(self.codec),
+            "estimate": dict(self.estimate),
+            "cuts": list(self.cuts),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        if not isinstance(data, dict):
+            raise PlanError("malformed plan: plan.json must hold a JSON object")
+        if data.get("format") != PLAN_FORMAT:
+            raise PlanError(f"unsupported plan format {data.get('format')!r}: expected {PLAN_FORMAT!r}")
+        model = data.get("model")
+        if not isinstance(model, dict) or not isinstance(model.get("sha256"), str):
+            raise PlanError("malformed plan: 'model' must be an object with 'file' and 'sha256'")
+        segments = data.get("segments")
+        if not isinstance(segments, list):
+            raise PlanError("malformed plan: 'segments' must be a list")
+        links = data.get("links") or {}
+        codec = data.get("codec") or {}
+        if not isinstance(links, dict) or not isinstance(codec, dict):
+            raise PlanError("malformed plan: 'links' and 'codec' must be objects keyed by link name")
+        try:
+            parsed_links = {name: LinkSpec.from_dict(value) for name, value in links.items()}
+        except Exception as exc:
+            raise PlanError(f"malformed plan links: {exc}") from exc
+        cuts = data.get("cuts") or []
+        if not isinstance(cuts, list) or not all(isinstance(c, int) for c in cuts):
+            raise PlanError("malformed plan: 'cuts' must be a list of integers")
+        return cls(
+            model_file=str(model.get("file", "")),
+            model_sha256=model["sha256"],
+            inputs=_str_tuple(data.get("inputs"), "inputs"),
+            outputs=_str_tuple(data.get("outputs"), "outputs"),
+            segments=tuple(SegmentSpec.from_dict(s) for s in segments),
+            links=parsed_links,
+            codec={str(k): str(v) for k, v in codec.items()},
+            estimate=dict(data.get("estimate") or {}),
+            cuts=tuple(cuts),
+        )
+
+
+def load_plan(plan_dir: str | Path) -> Plan:
+    """Read and validate ``PLAN_DIR/plan.json``; every segment file must exist."""
+    directory = Path(plan_dir)
+    path = directory / PLAN_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise PlanError(f"no plan at {directory}: {PLAN_FILE} not found") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError(f"cannot read {path}: {exc}") from exc
+    plan = Plan.from_dict(data)
+    for segment in plan.segments:
+        if not (directory / segment.file).is_file():
+            raise PlanError(f"plan {directory} names segment file {segment.file}, which is missing")
+    return plan
+
+
+def save_plan(plan: Plan, plan_dir: str | Path) -> Path:
+    """Write ``plan.json`` into ``plan_dir`` (created if needed); return its path."""
+    directory = Path(plan_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / PLAN_FILE
+    path.write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+    return path
