@@ -21,10 +21,14 @@ float32 values. The decoded tensor has ``dtype`` and ``shape`` exactly.
   ±inf, tiny values flush towards zero, NaN and inf are kept). Decodes to ``dtype``.
 * ``int8``: per-tensor affine. ``params`` = ``(scale, offset)``; element codes ``q`` are
   uint8 and decode to ``offset + q * scale``, so ``|x - decoded| <= scale / 2`` (plus the
-  rounding of the output dtype) for every finite ``x``. ``scale = (max - min) / 255``
-  over the finite elements, so a constant tensor has ``scale == 0`` and decodes exactly.
+  rounding of the output dtype) for every finite ``x`` of a float16/float32 tensor;
+  float64 tensors add the float32 rounding of ``offset`` (at most ``|offset| * 2**-23``).
+  ``scale = (max - min) / 255`` over the finite elements (rounded up, with ``offset`` the
+  minimum rounded down), so a constant tensor has ``scale == 0`` and decodes exactly.
   Non-finite values cannot be represented: ``+inf`` saturates to the largest finite
-  element, ``-inf`` to the smallest, and ``NaN`` decodes as the smallest (``offset``).
+  element, ``-inf`` to the smallest, and ``NaN`` decodes as the smallest (``offset``); a
+  tensor with no finite element decodes as zeros. float64 values beyond the float32 range
+  cannot be int8-quantised (a CodecError: use fp16 or a lossless codec).
 * ``int8c``: per-channel affine, as ``int8`` but one ``(scale, offset)`` pair per channel:
   ``params`` = all scales, then all offsets. The channel axis is 1 for tensors of 4 or
   more dimensions (NCHW convolution features) and the last axis for 2-D and 3-D tensors
@@ -314,20 +318,31 @@ class _Int8(_Quantiser):
             high = np.where(none, 0.0, high)
         low64 = low.astype(np.float64)
         high64 = high.astype(np.float64)
+        largest = float(np.finfo(np.float32).max)
+        if low64.min() < -largest or high64.max() > largest:
+            raise CodecError(
+                "cannot int8-quantise: the value range exceeds float32 "
+                f"(min {float(low64.min())}, max {float(high64.max())})"
+            )
+        # Offset rounded down in float32 so that no element lies below it.
         offset = low64.astype(np.float32)
+        offset = np.where(
+            offset.astype(np.float64) > low64, np.nextafter(offset, np.float32(-np.inf)), offset
+        )
         # Scale rounded up in float32 so that offset + 255 * scale reaches the maximum.
         span = np.maximum(high64 - offset.astype(np.float64), 0.0)
         scale = (span / 255.0).astype(np.float32)
         short = scale.astype(np.float64) * 255.0 < span
         scale = np.where(short, np.nextafter(scale, np.float32(np.inf)), scale)
-        if not (np.isfinite(scale).all() and np.isfinite(offset).all()):
-            raise CodecError(
-                "cannot int8-quantise: the value range exceeds float32 "
-                f"(min {float(low64.min())}, max {float(high64.max())})"
-            )
-        inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+        assert np.isfinite(scale).all() and np.isfinite(offset).all(), (scale, offset)
+        scale64 = scale.astype(np.float64)
+        inverse = np.divide(1.0, scale64, out=np.zeros_like(scale64), where=scale64 > 0)
+        if work == np.float32 and inverse.max() > np.finfo(np.float32).max:
+            work = np.float64  # subnormal scales: 1/scale overflows float32
+        codes = np.empty(array.shape, work)
         with np.errstate(invalid="ignore", over="ignore"):
-            codes = (array - offset.astype(work)) * inverse.astype(work)
+            np.subtract(array, offset.astype(work), out=codes)
+            np.multiply(codes, inverse.astype(work), out=codes)
             np.rint(codes, out=codes)
             np.clip(codes, 0, 255, out=codes)
             if not finite:
@@ -341,21 +356,36 @@ class _Int8(_Quantiser):
         count = self.channels(shape)
         values = np.frombuffer(params, "<f4")
         if not np.isfinite(values).all():
-            raise CodecError(f"malformed int8 parameters: non-finite scale or offset {values}")
+            bad = int((~np.isfinite(values)).sum())
+            raise CodecError(f"malformed int8 parameters: {bad} non-finite scales or offsets")
         scale, offset = values[:count], values[count:]
         if (scale < 0).any():
             raise CodecError(f"malformed int8 parameters: negative scale {scale.min()}")
+        if count:
+            top = offset.astype(np.float64) + 255.0 * scale.astype(np.float64)
+            reach = max(float(np.abs(offset).max()), float(np.abs(top).max()))
+            largest = float(np.finfo(np.float16 if dtype == "float16" else np.float32).max)
+            if reach > largest * (1 + 2**-10):
+                raise CodecError(
+                    f"malformed int8 parameters: values up to {reach:g} do not fit {dtype}"
+                )
         axis = self._axis(len(shape))
-        if axis is not None:
+        if axis is None:
+            scale = scale.reshape(())
+            offset = offset.reshape(())
+        else:
             view = [1] * len(shape)
             view[axis] = count
             scale = scale.reshape(view)
             offset = offset.reshape(view)
         work = np.float64 if dtype == "float64" else np.float32
         out = stored.astype(work)
-        out *= scale.astype(work)
-        out += offset.astype(work)
-        return out if out.dtype == np.dtype(dtype) else out.astype(dtype)
+        np.multiply(out, scale.astype(work), out=out)
+        np.add(out, offset.astype(work), out=out)
+        if out.dtype == np.dtype(dtype):
+            return out
+        with np.errstate(over="ignore"):  # within the margin above float16's largest
+            return out.astype(dtype)
 
 
 _QUANTISERS: dict[str, _Quantiser] = {
@@ -396,7 +426,7 @@ def shuffle_bytes(buffer: np.ndarray, itemsize: int) -> np.ndarray:
     flat = buffer.reshape(-1).view(np.uint8)
     if itemsize == 1:
         return flat
-    return np.ascontiguousarray(flat.reshape(-1, itemsize).T)
+    return np.ascontiguousarray(flat.reshape(-1, itemsize).T).reshape(-1)
 
 
 def unshuffle_bytes(planes: np.ndarray, itemsize: int) -> np.ndarray:
@@ -411,7 +441,7 @@ def _compress(stored: np.ndarray, spec: CodecSpec) -> bytes:
         return stored.tobytes()
     if spec.compress == "shuffle+zstd":
         stored = shuffle_bytes(stored, stored.dtype.itemsize)
-    return _compressor(spec.level).compress(stored.reshape(-1).view(np.uint8))
+    return _compressor(spec.level).compress(stored.reshape(-1).view(np.uint8).data)
 
 
 def _decompress(data: bytes, spec: CodecSpec, expected: int) -> np.ndarray:
@@ -458,7 +488,7 @@ def encode(name: str, array: np.ndarray, spec: CodecSpec | str) -> EncodedTensor
         dtype not in _FLOAT_DTYPES or (codec.quant == "fp16" and dtype == "float16")
     ):
         codec = codec.lossless_part()
-    arr = np.ascontiguousarray(arr, dtype=_wire_dtype(dtype))
+    arr = np.asarray(arr, dtype=_wire_dtype(dtype), order="C")
     params, stored = _QUANTISERS[codec.quant].encode(arr)
     return EncodedTensor(
         name=name,
@@ -486,7 +516,9 @@ def check_header(tensor: EncodedTensor, *, max_bytes: int = DEFAULT_MAX_TENSOR_B
     except UsageError as exc:
         raise CodecError(f"{what}: {exc}") from exc
     if codec.quant != "none" and tensor.dtype not in _FLOAT_DTYPES:
-        raise CodecError(f"{what}: codec {codec} quantises, but its dtype {tensor.dtype} is not float")
+        raise CodecError(
+            f"{what}: codec {codec} quantises, but its dtype {tensor.dtype} is not float"
+        )
     shape = tensor.shape
     if len(shape) > MAX_NDIM:
         raise CodecError(f"{what} has {len(shape)} dimensions, expected at most {MAX_NDIM}")
@@ -498,6 +530,10 @@ def check_header(tensor: EncodedTensor, *, max_bytes: int = DEFAULT_MAX_TENSOR_B
             f"{what} of shape {shape} and dtype {tensor.dtype} would decode to {size} bytes, "
             f"more than the limit of {max_bytes}"
         )
+    # numpy refuses shapes whose dimensions multiply past its index range even when one
+    # of them is zero, so the nonzero ones must fit the bound too.
+    if math.prod(d for d in shape if d) * np.dtype(tensor.dtype).itemsize > max(max_bytes, 1):
+        raise CodecError(f"{what} has shape {shape}: its dimensions are too large")
     need = _QUANTISERS[codec.quant].params_len(shape)
     if len(tensor.params) != need:
         raise CodecError(
@@ -593,7 +629,9 @@ def measure(spec: CodecSpec | str, arrays: Sequence[np.ndarray], *, repeats: int
         encoded = [encode(f"t{i}", a, codec) for i, a in enumerate(arrays)]
         encode_times.append(time.perf_counter() - start)
         start = time.perf_counter()
-        decoded = [decode(t, max_bytes=max(t_bytes(t), 1)) for t in encoded]
+        decoded = [
+            decode(t, max_bytes=max(decoded_nbytes(t), DEFAULT_MAX_TENSOR_BYTES)) for t in encoded
+        ]
         decode_times.append(time.perf_counter() - start)
     error = max(_max_abs_error(np.asarray(a), d) for a, d in zip(arrays, decoded, strict=True))
     encoded_bytes = sum(t.nbytes for t in encoded)
@@ -607,6 +645,6 @@ def measure(spec: CodecSpec | str, arrays: Sequence[np.ndarray], *, repeats: int
     )
 
 
-def t_bytes(tensor: EncodedTensor) -> int:
+def decoded_nbytes(tensor: EncodedTensor) -> int:
     """Decoded size in bytes that ``tensor`` declares (shape times item size)."""
     return math.prod(tensor.shape) * np.dtype(tensor.dtype).itemsize

@@ -50,7 +50,10 @@ class ExitSpec:
             threshold = float(data["threshold"])
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"malformed plan: exit {data['name']!r} has no numeric threshold") from exc
-        return cls(data["name"], threshold, dict(data.get("calibration") or {}))
+        calibration = data.get("calibration") or {}
+        if not isinstance(calibration, dict):
+            raise PlanError(f"malformed plan: exit {data['name']!r} calibration must be an object")
+        return cls(data["name"], threshold, dict(calibration))
 
 
 @dataclass(frozen=True)
@@ -84,12 +87,15 @@ class SegmentSpec:
         file = data.get("file")
         if not isinstance(file, str) or not file or "/" in file or "\\" in file or file.startswith("."):
             raise PlanError(f"malformed plan: segment file {file!r} must be a plain file name")
+        exits = data.get("exits") or []
+        if not isinstance(exits, list):
+            raise PlanError(f"malformed plan: segment {file} exits must be a list, got {exits!r}")
         return cls(
             tier=tier,
             file=file,
             inputs=_str_tuple(data.get("inputs"), "segment inputs"),
             outputs=_str_tuple(data.get("outputs"), "segment outputs"),
-            exits=tuple(ExitSpec.from_dict(e) for e in data.get("exits", [])),
+            exits=tuple(ExitSpec.from_dict(e) for e in exits),
         )
 
 
@@ -203,6 +209,9 @@ class Plan:
             parsed_links = {name: LinkSpec.from_dict(value) for name, value in links.items()}
         except Exception as exc:
             raise PlanError(f"malformed plan links: {exc}") from exc
+        estimate = data.get("estimate") or {}
+        if not isinstance(estimate, dict):
+            raise PlanError("malformed plan: 'estimate' must be an object")
         cuts = data.get("cuts") or []
         if not isinstance(cuts, list) or not all(isinstance(c, int) for c in cuts):
             raise PlanError("malformed plan: 'cuts' must be a list of integers")
@@ -214,7 +223,7 @@ class Plan:
             segments=tuple(SegmentSpec.from_dict(s) for s in segments),
             links=parsed_links,
             codec={str(k): str(v) for k, v in codec.items()},
-            estimate=dict(data.get("estimate") or {}),
+            estimate=dict(estimate),
             cuts=tuple(cuts),
         )
 

@@ -8,11 +8,12 @@ Sizes are bytes (``64MiB``, ``1.5GB``, ``512k``; ``KiB``/``MiB``/``GiB`` are bin
 
 from __future__ import annotations
 
+import math
 import re
 
 from tierflow.errors import UsageError
 
-_NUMBER = r"(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(?P<unit>[A-Za-z/]*)"
+_NUMBER = r"(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(?P<unit>[A-Za-zµ/]*)"
 
 _RATE_UNITS = {
     "bit": 1.0, "bps": 1.0, "b/s": 1.0,
@@ -35,7 +36,10 @@ def _split(text: str, what: str, example: str) -> tuple[float, str]:
     match = re.fullmatch(_NUMBER, text.strip())
     if match is None:
         raise UsageError(f"malformed {what} {text!r}: expected a number and a unit, like {example}")
-    return float(match["num"]), match["unit"].lower()
+    value = float(match["num"])
+    if not math.isfinite(value):
+        raise UsageError(f"malformed {what} {text!r}: the number is too large")
+    return value, match["unit"].lower()
 
 
 def parse_rate(text: str) -> float:

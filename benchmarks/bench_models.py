@@ -1,0 +1,220 @@
+"""The benchmark's model suite: which networks, at which sizes, and what requests they get.
+
+Every model is built in code (``tierflow.partitioner.zoo`` and the digits demo model),
+exported once to ONNX and cached by its recipe, so a rerun skips the export. Requests are
+deterministic: images are smooth 8-bit pictures (low-resolution noise upsampled and
+quantised to 256 levels, then normalised as ImageNet images are), because real camera
+frames compress and white noise does not; the demo model gets real held-out digits; the
+transformer gets token ids and a padding mask.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# Builders return (torch module, example inputs); typed loosely so this module imports
+# without torch until a model is actually built.
+Builder = Callable[..., tuple[Any, tuple[Any, ...]]]
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """One model of the suite at one size: how to build it and how big it is."""
+
+    name: str
+    kind: str  # "chain", "residual", "mobilenet", "transformer", "demo"
+    description: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def recipe(self) -> str:
+        """Short hash of everything that decides the exported file."""
+        key = json.dumps(
+            {"name": self.name, "kind": self.kind, "params": self.params}, sort_keys=True
+        )
+        return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "description": self.description,
+            "params": dict(self.params),
+        }
+
+
+def suite(quick: bool) -> list[BenchModel]:
+    """The five models: full sizes for the committed run, small ones for ``--quick``."""
+    if quick:
+        return [
+            BenchModel(
+                "vgg-like",
+                "chain",
+                "VGG-like chain CNN, 64x64, width 0.25",
+                {"size": 64, "width": 0.25},
+            ),
+            BenchModel(
+                "resnet18",
+                "residual",
+                "ResNet-18 shape, 64x64, width 0.25",
+                {"size": 64, "width": 0.25, "num_classes": 100},
+            ),
+            BenchModel(
+                "mobilenetv2",
+                "mobilenet",
+                "MobileNetV2-like, 64x64, width 0.5",
+                {"size": 64, "width": 0.5, "num_classes": 100},
+            ),
+            BenchModel(
+                "transformer",
+                "transformer",
+                "transformer encoder, 32 tokens, dim 64, 2 layers, padding mask",
+                {"seq": 32, "dim": 64, "heads": 4, "layers": 2, "vocab": 1000},
+            ),
+            BenchModel("demo-digits", "demo", "tierflow demo: residual CNN on 32x32 digits", {}),
+        ]
+    return [
+        BenchModel(
+            "vgg-like",
+            "chain",
+            "VGG-like chain CNN (8 conv), 224x224, width 0.5",
+            {"size": 224, "width": 0.5, "num_classes": 1000},
+        ),
+        BenchModel(
+            "resnet18",
+            "residual",
+            "ResNet-18, 224x224, 1000 classes",
+            {"size": 224, "width": 1.0, "num_classes": 1000},
+        ),
+        BenchModel(
+            "mobilenetv2",
+            "mobilenet",
+            "MobileNetV2, 224x224, 1000 classes",
+            {"size": 224, "width": 1.0, "num_classes": 1000},
+        ),
+        BenchModel(
+            "transformer",
+            "transformer",
+            "transformer encoder, 128 tokens, dim 256, 8 heads, 6 layers, padding mask",
+            {"seq": 128, "dim": 256, "heads": 8, "layers": 6, "vocab": 8000},
+        ),
+        BenchModel("demo-digits", "demo", "tierflow demo: residual CNN on 32x32 digits", {}),
+    ]
+
+
+def default_work_dir() -> Path:
+    """Where exported models are cached: $TIERFLOW_CACHE/bench, else ~/.cache/tierflow/bench."""
+    root = os.environ.get("TIERFLOW_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "tierflow"
+    return base / "bench"
+
+
+def _builder(kind: str) -> Builder:
+    from tierflow.partitioner import zoo
+
+    builders: dict[str, Builder] = {
+        "chain": zoo.chain_cnn,
+        "residual": zoo.resnet18,
+        "mobilenet": zoo.mobilenet_v2,
+        "transformer": zoo.transformer_encoder,
+    }
+    return builders[kind]
+
+
+def export(model: BenchModel, work_dir: Path) -> Path:
+    """The model's ONNX file, exported on first use and cached by recipe."""
+    if model.kind == "demo":
+        from tierflow.partitioner.digits import build_demo_model
+
+        return build_demo_model().model_path
+    path = work_dir / "models" / f"{model.name}-{model.recipe}.onnx"
+    if path.is_file():
+        return path
+    from tierflow.partitioner import zoo
+
+    module, example = _builder(model.kind)(**model.params)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.onnx")  # concurrent runs
+    # The legacy exporter: several times faster than dynamo here, same graph shapes.
+    zoo.export_onnx(module, example, tmp, dynamo=False)
+    tmp.replace(path)
+    logger.info("[bench] exported %s to %s", model.name, path)
+    return path
+
+
+def smooth_images(count: int, channels: int, size: int, seed: int) -> np.ndarray:
+    """``count`` smooth 8-bit-origin images [count, 1, C, H, W], ImageNet-normalised."""
+    rng = np.random.default_rng(seed)
+    coarse_size = max(2, size // 16)
+    coarse = rng.random((count, channels, coarse_size, coarse_size))
+    # Bilinear upsampling by separable linear interpolation.
+    grid = np.linspace(0, coarse_size - 1, size)
+    low = np.floor(grid).astype(int)
+    high = np.minimum(low + 1, coarse_size - 1)
+    frac = grid - low
+    rows = (
+        coarse[:, :, low, :] * (1 - frac)[None, None, :, None]
+        + coarse[:, :, high, :] * frac[None, None, :, None]
+    )
+    image = rows[:, :, :, low] * (1 - frac) + rows[:, :, :, high] * frac
+    image = image + rng.normal(0, 0.02, image.shape)  # sensor noise
+    pixels = np.clip(np.round(image * 255), 0, 255) / 255.0
+    normalised = (pixels - 0.45) / 0.225
+    return normalised.astype(np.float32)[:, None]
+
+
+def demo_indices(count: int, seed: int, available: int) -> list[int]:
+    """Which held-out digits the demo model's requests are: different seeds, other digits."""
+    return [(seed * 100 + i) % available for i in range(count)]
+
+
+def requests(
+    model: BenchModel,
+    input_specs: list[tuple[str, str, tuple[int, ...]]],
+    count: int,
+    seed: int = 0,
+) -> list[dict[str, np.ndarray]]:
+    """``count`` request input dicts for ``model`` (one array per model input, batch 1).
+
+    ``input_specs`` lists (name, numpy dtype, shape) of the model inputs.
+    """
+    if model.kind == "demo":
+        from tierflow.partitioner.digits import build_demo_model
+
+        with np.load(build_demo_model().heldout_path) as data:
+            images = data["image"]
+        name = input_specs[0][0]
+        return [
+            {name: np.ascontiguousarray(images[i])} for i in demo_indices(count, seed, len(images))
+        ]
+    if model.kind == "transformer":
+        rng = np.random.default_rng(seed)
+        vocab = int(model.params.get("vocab", 100))
+        out: list[dict[str, np.ndarray]] = []
+        for _ in range(count):
+            feeds: dict[str, np.ndarray] = {}
+            for name, dtype, shape in input_specs:
+                if np.dtype(dtype).kind in "iu":
+                    feeds[name] = rng.integers(0, vocab, size=shape).astype(dtype)
+                else:  # the padding mask: a random number of real tokens, then padding
+                    seq = shape[-1]
+                    length = int(rng.integers(seq // 2, seq + 1))
+                    mask = np.zeros(shape, dtype=dtype)
+                    mask[..., :length] = 1
+                    feeds[name] = mask
+            out.append(feeds)
+        return out
+    name, dtype, shape = input_specs[0]
+    _, channels, height, _ = shape
+    images = smooth_images(count, channels, height, seed)
+    return [{name: images[i].reshape(shape).astype(dtype)} for i in range(count)]

@@ -1,0 +1,94 @@
+"""The strategies the benchmark compares, and how each one picks its plan.
+
+Every strategy is a plan in tierflow's own terms: cuts ``a <= b`` (device ``[0, a)``,
+edge ``[a, b)``, cloud ``[b, last)``) and a codec per link used. They differ only in how
+the plan is chosen, so they are measured by the same code on the same requests:
+
+``device-only``            the whole model on the device; nothing crosses a link.
+``cloud-only``             the raw input crosses both links (the edge only forwards);
+                           the whole model runs in the cloud.
+``cloud-only-compressed``  as cloud-only, the input sent as ``int8+zstd``: images are
+                           8-bit to begin with, so this is what a careful client sends.
+``single-split``           Neurosurgeon's approach: the best single device|cloud cut by
+                           the same cost model restricted to two tiers (edge forwards,
+                           no compute there) with raw fp32 features.
+``tierflow``               the planner's choice over all cut pairs and codecs (``auto``).
+``tierflow-exits``         the tierflow plan with early exits and the cloud's feature
+                           cache (measured separately, see ``bench_exits``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tierflow.codec import PLANNER_CODECS
+from tierflow.links import LinkSpec
+from tierflow.partitioner.cost import CostTables, Estimate, Problem, build_tables, estimate
+from tierflow.partitioner.profile import Profile
+from tierflow.partitioner.search import search
+
+STRATEGIES: tuple[str, ...] = (
+    "device-only",
+    "cloud-only",
+    "cloud-only-compressed",
+    "single-split",
+    "tierflow",
+    "tierflow-exits",
+)
+#: Strategies whose plan comes from the cost model alone (``tierflow-exits`` adds exits).
+PLANNED: tuple[str, ...] = STRATEGIES[:-1]
+COMPRESSED_INPUT_CODEC = "int8+zstd"
+RAW = {"device-edge": "raw", "edge-cloud": "raw"}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The plan a strategy picked at one link setting, and the cost model's prediction."""
+
+    strategy: str
+    cuts: tuple[int, int]
+    codec: dict[str, str]
+    predicted_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "cuts": list(self.cuts),
+            "codec": dict(self.codec),
+            "predicted_ms": self.predicted_s * 1e3,
+        }
+
+
+def _choice(strategy: str, est: Estimate) -> Choice:
+    full = {"device-edge": "raw", "edge-cloud": "raw"}
+    full.update(est.codec)
+    return Choice(strategy, est.cuts, full, est.latency_s)
+
+
+def problem_at(profiles: Mapping[str, Profile], links: Mapping[str, LinkSpec]) -> Problem:
+    """The planner's problem at one link setting: no memory budgets, every planner codec."""
+    return Problem(profiles=profiles, links=links, codecs=PLANNER_CODECS)
+
+
+def choose(tables: CostTables) -> dict[str, Choice]:
+    """Each cost-model strategy's plan for the link setting of ``tables``."""
+    last = tables.last
+    compressed = {"device-edge": COMPRESSED_INPUT_CODEC, "edge-cloud": COMPRESSED_INPUT_CODEC}
+    splits = [estimate(tables, a, a, RAW) for a in range(last + 1)]
+    # Ties go to the later cut (more work kept on the device), as the search does.
+    single = min(reversed(splits), key=lambda e: round(e.latency_s, 12))
+    return {
+        "device-only": _choice("device-only", estimate(tables, last, last, RAW)),
+        "cloud-only": _choice("cloud-only", estimate(tables, 0, 0, RAW)),
+        "cloud-only-compressed": _choice(
+            "cloud-only-compressed", estimate(tables, 0, 0, compressed)
+        ),
+        "single-split": _choice("single-split", single),
+        "tierflow": _choice("tierflow", search(tables.problem, top=1, tables=tables).best),
+    }
+
+
+def choose_at(profiles: Mapping[str, Profile], links: Mapping[str, LinkSpec]) -> dict[str, Choice]:
+    return choose(build_tables(problem_at(profiles, links)))

@@ -1,0 +1,309 @@
+"""Transport benchmark: what the runtime adds on top of compute, codecs and raw gRPC.
+
+Not a test. Starts a cloud and an edge as real processes (``tierflow serve``) on this
+machine with unlimited links, and runs the device in this process:
+
+* **overhead per hop**: for features of 100 KB and 1 MB (raw codec, so the codec is a
+  copy), one request at a time; per request, end-to-end time minus every tier's compute
+  and codec time, divided by the two hops (device-edge and edge-cloud, each a round
+  trip). Beside it, the **baseline**: a bare gRPC bidirectional round trip carrying the
+  same payload up and a small reply down (the ``Probe`` echo of the same edge process).
+* **pipelined throughput**: a plan whose edge stage takes ~10 ms (an emulated slow edge:
+  ``--slowdown``, which sleeps, so this small machine's cores are not the bottleneck)
+  with one worker per tier; requests with a window of 16 in flight, against the bound
+  of the slowest stage (1 / its mean time per request).
+
+Prints an aligned table of medians and ratios and writes
+``benchmarks/results/transport.json``. Usage::
+
+    python benchmarks/transport_bench.py [--requests 200] [--throughput-requests 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import queue
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from tierflow.device.client import DeviceClient, Result
+from tierflow.mux import channel_options
+from tierflow.plan import Plan, SegmentSpec, save_plan
+from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.server import tune_for_latency
+
+RESULTS = Path(__file__).resolve().parent / "results" / "transport.json"
+SIZES = {"100KB": 100_000, "1MB": 1_000_000}
+EDGE_STAGE_MS = 10.0
+
+
+def _plan(directory: Path, feature_bytes: int, edge_op: str = "Relu") -> Path:
+    """device: x -> Relu -> h1 | edge: h1 -> OP -> h2 | cloud: h2 -> ReduceMax -> y.
+
+    Each crossing tensor is float32 of ``feature_bytes`` bytes; the compute is trivial,
+    so what is measured is the transport.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    n = feature_bytes // 4
+
+    def vec(name: str, width: int) -> Any:
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, width])
+
+    parts = [
+        ("device", helper.make_node("Relu", ["x"], ["h1"]), "x", "h1", n),
+        ("edge", helper.make_node(edge_op, ["h1"], ["h2"]), "h1", "h2", n),
+        ("cloud", helper.make_node("ReduceMax", ["h2"], ["y"], keepdims=1), "h2", "y", 1),
+    ]
+    segments = []
+    for tier, node, src, dst, width in parts:
+        graph = helper.make_graph([node], tier, [vec(src, n)], [vec(dst, width)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        onnx.save(model, directory / f"{tier}.onnx")
+        segments.append(SegmentSpec(tier, f"{tier}.onnx", (src,), (dst,)))
+    plan = Plan(
+        "bench.onnx",
+        "0" * 64,
+        ("x",),
+        ("y",),
+        tuple(segments),
+        codec={"device-edge": "raw", "edge-cloud": "raw"},
+    )
+    save_plan(plan, directory)
+    return directory
+
+
+class _Server:
+    def __init__(self, tier: str, plan_dir: Path, *args: str) -> None:
+        command = [sys.executable, "-m", "tierflow.cli", "serve", tier, "--plan", str(plan_dir)]
+        self.process = subprocess.Popen(
+            [*command, "--listen", "127.0.0.1:0", "--grace", "0.5", *args],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], 60)
+        line = self.process.stdout.readline() if ready else ""
+        if " on " not in line:
+            self.stop()
+            raise RuntimeError(f"tierflow serve {tier} did not start: {line!r}")
+        self.address = line.rsplit(" on ", 1)[1].strip()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+@contextmanager
+def _tiers(plan_dir: Path, *edge_args: str, workers: int = 2) -> Iterator[str]:
+    cloud = _Server("cloud", plan_dir, "--workers", str(workers))
+    try:
+        edge = _Server(
+            "edge", plan_dir, "--upstream", cloud.address, "--workers", str(workers), *edge_args
+        )
+        try:
+            yield edge.address
+        finally:
+            edge.stop()
+    finally:
+        cloud.stop()
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def _work_ms(result: Result) -> float:
+    """Compute and codec time of every tier (queueing is the runtime's, so not included)."""
+    return sum(t["compute_ms"] + t["codec_ms"] for t in result.timings.values())
+
+
+def baseline_round_trip_ms(address: str, payload_bytes: int, count: int) -> float:
+    """Median bare gRPC bidi round trip: ``payload_bytes`` up, an 8-byte reply down."""
+    channel = grpc.insecure_channel(address, options=channel_options())
+    messages: queue.SimpleQueue[tier_pb2.ProbeMessage | None] = queue.SimpleQueue()
+
+    def requests() -> Iterator[tier_pb2.ProbeMessage]:
+        while (message := messages.get()) is not None:
+            yield message
+
+    call = tier_pb2_grpc.TierStub(channel).Probe(requests())
+    replies = iter(call)
+    payload = bytes(payload_bytes)
+    times = []
+    for seq in range(count + 10):
+        start = time.perf_counter()
+        messages.put(tier_pb2.ProbeMessage(seq=seq, payload=payload, reply_bytes=8))
+        next(replies)
+        if seq >= 10:
+            times.append((time.perf_counter() - start) * 1e3)
+    messages.put(None)
+    call.cancel()
+    channel.close()
+    return _median(times)
+
+
+def overhead(size_name: str, feature_bytes: int, count: int, work: Path) -> dict[str, Any]:
+    plan_dir = _plan(work / f"plan-{size_name}", feature_bytes)
+    rng = np.random.default_rng(0)
+    x = {"x": rng.standard_normal((1, feature_bytes // 4)).astype(np.float32)}
+    with _tiers(plan_dir) as edge, DeviceClient(plan_dir, edge, window=1) as device:
+        for _ in range(20):  # warm up: connections, allocations, sessions
+            device.infer(x)
+        results = [device.infer(x) for _ in range(count)]
+        baseline = baseline_round_trip_ms(edge, feature_bytes, count)
+    totals = [r.ms["total"] for r in results]
+    per_hop = [(r.ms["total"] - _work_ms(r)) / 2 for r in results]
+    return {
+        "feature": size_name,
+        "feature_bytes": feature_bytes,
+        "requests": count,
+        "total_ms_p50": _median(totals),
+        "work_ms_p50": _median([_work_ms(r) for r in results]),
+        "queue_ms_p50": _median([sum(t["queue_ms"] for t in r.timings.values()) for r in results]),
+        "overhead_per_hop_ms_p50": _median(per_hop),
+        "grpc_round_trip_ms_p50": baseline,
+        "overhead_vs_grpc": _median(per_hop) / baseline if baseline > 0 else float("nan"),
+    }
+
+
+def throughput(count: int, work: Path) -> dict[str, Any]:
+    feature_bytes = 100_000
+    plan_dir = _plan(work / "plan-throughput", feature_bytes, edge_op="Sigmoid")
+    rng = np.random.default_rng(1)
+    requests = [
+        {"x": rng.standard_normal((1, feature_bytes // 4)).astype(np.float32)} for _ in range(count)
+    ]
+    # Time the edge's Sigmoid alone, then ask for a slowdown that makes it ~10 ms.
+    from tierflow.segment_runner import SegmentRunner
+
+    runner = SegmentRunner(plan_dir / "edge.onnx")
+    feed = {"h1": requests[0]["x"]}
+    for _ in range(20):
+        runner.run(feed)
+    start = time.perf_counter()
+    for _ in range(50):
+        runner.run(feed)
+    compute_ms = (time.perf_counter() - start) / 50 * 1e3
+    slowdown = max(EDGE_STAGE_MS / compute_ms, 1.0)
+    with (
+        _tiers(plan_dir, "--slowdown", f"{slowdown:.3f}", workers=1) as edge,
+        DeviceClient(plan_dir, edge, window=16) as device,
+    ):
+        list(device.run_stream(requests[:30]))  # warm up
+        start = time.perf_counter()
+        results = [r.unwrap() for r in device.run_stream(requests)]
+        elapsed = time.perf_counter() - start
+    # A saturated stage serves 1 / (mean service time) requests per second.
+    stage_ms = {
+        tier: statistics.fmean(
+            r.timings[tier]["compute_ms"] + r.timings[tier]["codec_ms"] for r in results
+        )
+        for tier in ("device", "edge", "cloud")
+    }
+    slowest = max(stage_ms, key=lambda tier: stage_ms[tier])
+    bound = 1000.0 / stage_ms[slowest]
+    achieved = count / elapsed
+    return {
+        "requests": count,
+        "window": 16,
+        "feature_bytes": feature_bytes,
+        "stage_ms_mean": stage_ms,
+        "slowest_stage": slowest,
+        "bound_req_s": bound,
+        "achieved_req_s": achieved,
+        "ratio": achieved / bound,
+    }
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for index, row in enumerate(rows):
+        cells = [
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells))
+        if index == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--requests", type=int, default=200, help="sequential requests per size")
+    parser.add_argument("--throughput-requests", type=int, default=300)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    tune_for_latency()  # as `tierflow run` does for its process
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        hops = [overhead(name, size, args.requests, work) for name, size in SIZES.items()]
+        pipe = throughput(args.throughput_requests, work)
+    rows = [("feature", "total p50", "compute+codec", "overhead/hop", "raw gRPC RT", "ratio")]
+    for hop in hops:
+        rows.append(
+            (
+                hop["feature"],
+                f"{hop['total_ms_p50']:.3f} ms",
+                f"{hop['work_ms_p50']:.3f} ms",
+                f"{hop['overhead_per_hop_ms_p50']:.3f} ms",
+                f"{hop['grpc_round_trip_ms_p50']:.3f} ms",
+                f"{hop['overhead_vs_grpc']:.2f}x",
+            )
+        )
+    print("Transport overhead per hop (unlimited links, one request at a time; target <= 0.5 ms)")
+    print(_table(rows))
+    print()
+    stages = ", ".join(f"{t} {ms:.2f} ms" for t, ms in pipe["stage_ms_mean"].items())
+    print(f"Pipelined throughput (window {pipe['window']}, mean stage times: {stages})")
+    print(
+        _table(
+            [
+                ("slowest stage", "bound", "achieved", "ratio"),
+                (
+                    pipe["slowest_stage"],
+                    f"{pipe['bound_req_s']:.1f} req/s",
+                    f"{pipe['achieved_req_s']:.1f} req/s",
+                    f"{pipe['ratio']:.1%}",
+                ),
+            ]
+        )
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "overhead": hops,
+        "throughput": pipe,
+    }
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,376 @@
+"""The device runtime: run the first segment(s) here, stream the features to the edge.
+
+:class:`DeviceClient` is what ``tierflow run``, the demo and the benchmarks call. It runs
+the device's segments in ONNX Runtime, encodes what the next tier needs with the plan's
+device-edge codec and sends it on one long-lived stream to the edge, with up to
+``window`` requests in flight so that device, links, edge and cloud work as a pipeline.
+Each request ends as one :class:`Result`: the outputs, or a typed error
+(``TransportError``, ``DeadlineError`` or ``RemoteError``) — never a hang: a request not
+answered within ``deadline_s`` fails with a ``DeadlineError``, and a tier that goes away
+fails every request in flight at once (see ``tierflow.mux``).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
+from tierflow.errors import DeadlineError, InputError, TierflowError, UsageError
+from tierflow.linkemu import LinkShaper, Transfer
+from tierflow.links import LINKS, TIERS, LinkSpec
+from tierflow.mux import StreamClient
+from tierflow.plan import load_plan
+from tierflow.rpc import tier_pb2
+from tierflow.segment_runner import DEFAULT_OPTIMIZATION, TierRunner
+from tierflow.service import error_from_proto, link_codec, put_tensors
+from tierflow.wire import DEFAULT_MESSAGE_BYTES, decode_tensors
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WINDOW = 16
+DEFAULT_DEADLINE_S = 30.0
+
+
+@dataclass(frozen=True)
+class Result:
+    """One request's outcome, as the device saw it.
+
+    ``outputs`` are the model outputs, or, when an early exit answered, that exit's class
+    scores under the exit's name. ``bytes`` and ``rate_bps`` are per link, as measured by
+    the sender of the request's features on that link (0 where nothing crossed).
+    ``ms`` holds each tier's compute + codec (+ queueing) time, ``total`` (wall time on
+    the device) and ``network`` (total minus the tiers: links, gRPC and waiting).
+    ``error`` is set, and ``outputs`` empty, when the request failed. ``timings`` splits
+    each remote tier's time into ``compute_ms``, ``codec_ms`` and ``queue_ms``.
+    """
+
+    id: str
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    answered_by: str | None = None
+    exit: str | None = None
+    cache_hit: bool = False
+    bytes: dict[str, int] = field(default_factory=dict)
+    rate_bps: dict[str, float] = field(default_factory=dict)
+    ms: dict[str, float] = field(default_factory=dict)
+    error: TierflowError | None = None
+    timings: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def unwrap(self) -> Result:
+        """Return self, or raise the request's error."""
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report line of this request (``R.jsonl``); outputs are not included."""
+        error = None
+        if self.error is not None:
+            error = {
+                "type": type(self.error).__name__,
+                "code": getattr(self.error, "code", None),
+                "tier": getattr(self.error, "tier", None),
+                "message": str(self.error),
+            }
+        return {
+            "id": self.id,
+            "answered_by": self.answered_by,
+            "exit": self.exit,
+            "cache_hit": self.cache_hit,
+            "bytes": dict(self.bytes),
+            "rate_bps": dict(self.rate_bps),
+            "ms": dict(self.ms),
+            "error": error,
+            "timings": {tier: dict(parts) for tier, parts in self.timings.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Result:
+        """A report line read back (outputs are not in reports; errors become TierflowError)."""
+        error = data.get("error")
+        return cls(
+            id=str(data["id"]),
+            answered_by=data.get("answered_by"),
+            exit=data.get("exit"),
+            cache_hit=bool(data.get("cache_hit", False)),
+            bytes={str(k): int(v) for k, v in (data.get("bytes") or {}).items()},
+            rate_bps={str(k): float(v) for k, v in (data.get("rate_bps") or {}).items()},
+            ms={str(k): float(v) for k, v in (data.get("ms") or {}).items()},
+            error=TierflowError(error["message"]) if error else None,
+            timings={
+                str(tier): {str(k): float(v) for k, v in parts.items()}
+                for tier, parts in (data.get("timings") or {}).items()
+            },
+        )
+
+
+class Ticket:
+    """A request on its way: :meth:`result` waits for its :class:`Result`."""
+
+    def __init__(
+        self,
+        request_id: str,
+        started: float,
+        device_ms: float,
+        *,
+        compute_ms: float = 0.0,
+        sent: Future[tier_pb2.Reply] | None = None,
+        transfer: Transfer | None = None,
+        result: Result | None = None,
+        timeout: float = DEFAULT_DEADLINE_S,
+        max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+    ) -> None:
+        self.id = request_id
+        self._started = started
+        self._device_ms = device_ms
+        self._compute_ms = compute_ms
+        self._future = sent
+        self._transfer = transfer
+        self._result = result
+        self._timeout = timeout
+        self._max_tensor_bytes = max_tensor_bytes
+        self._arrived: float | None = None
+        if sent is not None:
+            # When the reply came, not when the caller got round to asking for it.
+            sent.add_done_callback(self._mark_arrival)
+
+    def _mark_arrival(self, future: Future[tier_pb2.Reply]) -> None:
+        self._arrived = time.perf_counter()
+
+    def done(self) -> bool:
+        return self._result is not None or (self._future is not None and self._future.done())
+
+    def result(self) -> Result:
+        """Wait for the reply (the stream client resolves it by the deadline at the latest)."""
+        if self._result is None:
+            self._result = self._finish()
+        return self._result
+
+    def _finish(self) -> Result:
+        assert self._future is not None and self._transfer is not None
+        bytes_ = {link: 0 for link in LINKS}
+        rates = {link: 0.0 for link in LINKS}
+        bytes_["device-edge"] = self._transfer.nbytes
+        stat = self._transfer.stat("device-edge")
+        rates["device-edge"] = stat.rate_bps
+        try:
+            reply = self._future.result(timeout=self._timeout + 5.0)
+        except TierflowError as exc:
+            return self._failed(exc, bytes_, rates)
+        except TimeoutError:
+            return self._failed(DeadlineError("no reply within the deadline"), bytes_, rates)
+        ended = self._arrived or time.perf_counter()
+        ms = {tier: 0.0 for tier in TIERS}
+        ms["device"] = self._device_ms
+        timings: dict[str, dict[str, float]] = {}
+        for timing in reply.timings:
+            if timing.tier in ms:
+                ms[timing.tier] += timing.compute_ms + timing.codec_ms + timing.queue_ms
+                timings[timing.tier] = {
+                    "compute_ms": timing.compute_ms,
+                    "codec_ms": timing.codec_ms,
+                    "queue_ms": timing.queue_ms,
+                }
+        for link in reply.links:
+            if link.link in bytes_:
+                bytes_[link.link] += link.bytes
+                rates[link.link] = link.rate_bps
+        if reply.HasField("error"):
+            return self._failed(error_from_proto(reply.error), bytes_, rates)
+        start = time.perf_counter()
+        try:
+            outputs = decode_tensors(reply.outputs, max_bytes=self._max_tensor_bytes)
+        except TierflowError as exc:
+            return self._failed(exc, bytes_, rates)
+        decode_ms = (time.perf_counter() - start) * 1e3
+        ms["device"] += decode_ms
+        timings["device"] = {
+            "compute_ms": self._compute_ms,
+            "codec_ms": self._device_ms - self._compute_ms + decode_ms,
+            "queue_ms": 0.0,
+        }
+        ms["total"] = (ended - self._started) * 1e3 + (time.perf_counter() - start) * 1e3
+        ms["network"] = max(ms["total"] - sum(ms[tier] for tier in TIERS), 0.0)
+        return Result(
+            self.id,
+            outputs,
+            reply.answered_by or None,
+            reply.exit or None,
+            reply.cache_hit,
+            bytes_,
+            rates,
+            ms,
+            timings=timings,
+        )
+
+    def _failed(
+        self, error: TierflowError, bytes_: dict[str, int], rates: dict[str, float]
+    ) -> Result:
+        total = ((self._arrived or time.perf_counter()) - self._started) * 1e3
+        ms = {"device": self._device_ms, "edge": 0.0, "cloud": 0.0, "total": total, "network": 0.0}
+        return Result(self.id, bytes=bytes_, rate_bps=rates, ms=ms, error=error)
+
+
+class DeviceClient:
+    """Runs a plan from the device: local segments, then the edge and cloud over gRPC.
+
+    ``edge`` (``HOST:PORT``) is needed unless the plan runs entirely on the device.
+    ``links`` are emulated links (``tierflow.linkemu``); only ``device-edge`` matters
+    here. Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        plan_dir: str | Path,
+        edge: str | None = None,
+        *,
+        threads: int = 1,
+        slowdown: float = 1.0,
+        optimization: str = DEFAULT_OPTIMIZATION,
+        window: int = DEFAULT_WINDOW,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        links: Mapping[str, LinkSpec] | None = None,
+        max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+        max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+    ) -> None:
+        if window < 1:
+            raise UsageError(f"the window must be at least 1 request, got {window}")
+        if not deadline_s > 0:
+            raise UsageError(f"the deadline must be positive, got {deadline_s}")
+        self.plan = load_plan(plan_dir)
+        self.plan_id = self.plan.plan_id
+        self.runner = TierRunner(
+            self.plan,
+            plan_dir,
+            "device",
+            threads=threads,
+            slowdown=slowdown,
+            optimization=optimization,
+        )
+        self.window = window
+        self.deadline_s = deadline_s
+        self.max_tensor_bytes = max_tensor_bytes
+        self.codec = link_codec(self.plan, "device-edge")
+        self.local_only = self.runner.end >= len(self.plan.segments)
+        self.stream: StreamClient | None = None
+        self._ids = itertools.count()
+        if not self.local_only:
+            if not edge:
+                raise UsageError(
+                    "the plan runs segments on the edge or the cloud; give the edge's "
+                    "address (--edge HOST:PORT)"
+                )
+            link = (links or {}).get("device-edge")
+            self.stream = StreamClient(
+                edge,
+                me="device",
+                peer="edge",
+                shaper=LinkShaper("device-edge", link),
+                max_message_bytes=max_message_bytes,
+            )
+
+    def __enter__(self) -> DeviceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+
+    def submit(self, inputs: Mapping[str, np.ndarray]) -> Ticket:
+        """Run the device's part now and send the rest on; errors end up in the Result."""
+        request_id = str(next(self._ids))
+        started = time.perf_counter()
+        try:
+            arrays = {name: np.asarray(value) for name, value in inputs.items()}
+            self.runner.check_names(set(arrays), segment=0)
+            outcome = self.runner.run(arrays)
+        except TierflowError as exc:
+            return self._local(request_id, started, error=exc)
+        except Exception as exc:  # onnxruntime or numpy on odd input: still one Result
+            logger.exception("[device] request %s failed", request_id)
+            return self._local(request_id, started, error=InputError(str(exc)))
+        if outcome.final:
+            return self._local(request_id, started, outputs=outcome.tensors, exit_name=outcome.exit)
+        assert self.stream is not None
+        try:
+            request = tier_pb2.Request(
+                plan_id=self.plan_id,
+                segment=outcome.next_segment,
+                deadline_unix_s=time.time() + self.deadline_s,
+            )
+            nbytes = put_tensors(request.tensors, outcome.tensors, self.codec)
+            device_ms = (time.perf_counter() - started) * 1e3
+            sent = self.stream.submit(
+                request, deadline=time.monotonic() + self.deadline_s, nbytes=nbytes
+            )
+        except TierflowError as exc:
+            return self._local(request_id, started, error=exc)
+        return Ticket(
+            request_id,
+            started,
+            device_ms,
+            compute_ms=outcome.compute_s * 1e3,
+            sent=sent.future,
+            transfer=sent.transfer,
+            timeout=self.deadline_s,
+            max_tensor_bytes=self.max_tensor_bytes,
+        )
+
+    def _local(
+        self,
+        request_id: str,
+        started: float,
+        *,
+        outputs: dict[str, np.ndarray] | None = None,
+        exit_name: str | None = None,
+        error: TierflowError | None = None,
+    ) -> Ticket:
+        total = (time.perf_counter() - started) * 1e3
+        ms = {"device": total, "edge": 0.0, "cloud": 0.0, "total": total, "network": 0.0}
+        result = Result(
+            request_id,
+            outputs or {},
+            None if error else "device",
+            exit_name,
+            False,
+            {link: 0 for link in LINKS},
+            {link: 0.0 for link in LINKS},
+            ms,
+            error,
+        )
+        return Ticket(request_id, started, total, result=result)
+
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> Result:
+        """One request, start to end; raises its error (a TierflowError) if it failed."""
+        return self.submit(inputs).result().unwrap()
+
+    def run_stream(self, requests: Iterable[Mapping[str, np.ndarray]]) -> Iterator[Result]:
+        """Results in request order, with up to ``window`` requests in flight.
+
+        Failed requests are yielded too (``Result.error``): the stream goes on.
+        """
+        in_flight: collections.deque[Ticket] = collections.deque()
+        for inputs in requests:
+            while len(in_flight) >= self.window:
+                yield in_flight.popleft().result()
+            in_flight.append(self.submit(inputs))
+            while in_flight and in_flight[0].done():
+                yield in_flight.popleft().result()
+        while in_flight:
+            yield in_flight.popleft().result()

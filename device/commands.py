@@ -1,0 +1,133 @@
+"""``tierflow run``: run a plan from the device over IN.npz, write OUT.npz and a report.
+
+The report (``--report R.jsonl``) has one JSON object per request: id, answered_by,
+exit, cache_hit, bytes and achieved rate per link, milliseconds per tier and in total,
+and the error if it failed. A summary table goes to stdout. The exit status is 1 when
+any request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from tierflow.linkemu import add_link_arguments, resolve_links
+from tierflow.links import LINKS
+from tierflow.plan import load_plan
+from tierflow.segment_runner import add_optimization_argument
+from tierflow.units import format_duration, format_rate, format_size, parse_duration
+
+if TYPE_CHECKING:
+    from tierflow.device.client import Result
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="run requests from the device through the edge and the cloud",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--plan", required=True, metavar="PLAN_DIR", help="plan directory")
+    parser.add_argument(
+        "--edge", metavar="HOST:PORT", help="the edge (not needed for a device-only plan)"
+    )
+    parser.add_argument("--input", required=True, metavar="IN.npz", help="one array per input")
+    parser.add_argument("--output", metavar="OUT.npz", help="where to write the outputs")
+    parser.add_argument("--report", metavar="R.jsonl", help="one JSON line per request")
+    parser.add_argument("--window", type=int, default=16, help="requests in flight at once")
+    parser.add_argument(
+        "--deadline", type=parse_duration, default=30.0, help="per-request deadline, e.g. 5s"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads")
+    parser.add_argument(
+        "--slowdown", type=float, default=1.0, help="emulate a device this many times slower"
+    )
+    add_optimization_argument(parser)
+    add_link_arguments(parser)
+    parser.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tierflow.device.client import DeviceClient
+    from tierflow.device.npz import load_requests, save_outputs
+    from tierflow.server import tune_for_latency
+
+    tune_for_latency()
+
+    plan = load_plan(args.plan)
+    links = resolve_links(plan, args.link_emulation, args.link)
+    requests, batch_added = load_requests(args.input, plan, args.plan)
+    results: list[Result] = []
+    report = open(args.report, "w") if args.report else None  # noqa: SIM115 - streamed
+    start = time.perf_counter()
+    try:
+        with DeviceClient(
+            args.plan,
+            args.edge,
+            threads=args.threads,
+            slowdown=args.slowdown,
+            optimization=args.optimization,
+            window=args.window,
+            deadline_s=args.deadline,
+            links=links,
+        ) as client:
+            for index, result in enumerate(client.run_stream(requests)):
+                results.append(result)
+                if report is not None:
+                    line = result.to_dict()
+                    line["id"] = index
+                    report.write(json.dumps(line) + "\n")
+                    report.flush()
+                if result.error is not None:
+                    logger.warning("[device] request %d failed: %s", index, result.error)
+    finally:
+        if report is not None:
+            report.close()
+    elapsed = time.perf_counter() - start
+    if args.output:
+        save_outputs(args.output, results, plan, batch_added=batch_added)
+    _summary(results, elapsed)
+    failed = sum(1 for r in results if r.error is not None)
+    if failed:
+        first = next(r.error for r in results if r.error is not None)
+        print(
+            f"tierflow run: {failed} of {len(results)} requests failed; first: {first}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _summary(results: list[Result], elapsed: float) -> None:
+    ok = [r for r in results if r.error is None]
+    rows: list[tuple[str, str]] = [
+        ("requests", f"{len(results)} ({len(results) - len(ok)} failed)"),
+        ("throughput", f"{len(results) / elapsed:.1f} req/s" if elapsed > 0 else "-"),
+    ]
+    if ok:
+        by = {
+            tier: sum(1 for r in ok if r.answered_by == tier)
+            for tier in ("device", "edge", "cloud")
+        }
+        rows.append(("answered by", ", ".join(f"{t} {n}" for t, n in by.items())))
+        rows.append(("early exits", str(sum(1 for r in ok if r.exit))))
+        rows.append(("cache hits", str(sum(1 for r in ok if r.cache_hit))))
+        for key in ("total", "device", "edge", "cloud", "network"):
+            rows.append(
+                (f"{key} p50", format_duration(statistics.median(r.ms[key] for r in ok) / 1e3))
+            )
+        for link in LINKS:
+            sent = [r.bytes.get(link, 0) for r in ok]
+            rates = [r.rate_bps.get(link, 0.0) for r in ok if r.rate_bps.get(link, 0.0) > 0]
+            rate = format_rate(statistics.median(rates)) if rates else "-"
+            rows.append((f"{link}", f"{format_size(statistics.mean(sent))}/request, rate {rate}"))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")

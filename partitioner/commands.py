@@ -1,0 +1,379 @@
+"""The ``tierflow profile`` and ``tierflow plan`` commands.
+
+Options are parsed and checked before any model is loaded, so a typo fails at once with
+one line naming it. onnx and onnxruntime are imported inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tierflow.codec import CodecSpec
+from tierflow.errors import UsageError
+from tierflow.links import LINKS, LinkSpec, check_link, check_tier, parse_link_option
+from tierflow.units import format_duration, format_size, parse_size
+
+DEFAULT_THREADS = 1
+DEFAULT_TIME_BUDGET_S = 20.0
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show defaults, except the empty ones of repeatable options and of flags."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool) or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL.onnx", help="the ONNX model")
+    parser.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="NAME=DIMS",
+        help="fix an input's symbolic dimensions, like input=1x3x640x640 (repeatable)",
+    )
+    parser.add_argument(
+        "--sample",
+        metavar="IN.npz",
+        help="real inputs (one array per model input, leading request axis); the first "
+        "request fixes shapes and is what codecs are measured on",
+    )
+
+
+def register(subparsers: Any) -> None:
+    """Add ``profile`` and ``plan`` to the ``tierflow`` command."""
+    profile = subparsers.add_parser(
+        "profile",
+        help="measure a model's per-layer costs on this machine",
+        description="Measure each unit of MODEL (the layers between two candidate cuts) on "
+        "this machine in ONNX Runtime, the codecs on the real features at every cut, and the "
+        "memory each unit needs; write a JSON profile for `tierflow plan --profile`.",
+        formatter_class=_HelpFormatter,
+    )
+    _model_options(profile)
+    profile.add_argument("-o", "--output", required=True, metavar="PROFILE.json")
+    profile.add_argument(
+        "--threads", type=int, default=DEFAULT_THREADS, help="ONNX Runtime intra-op threads"
+    )
+    profile.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="emulate a machine this many times slower than this one",
+    )
+    profile.add_argument(
+        "--time-budget",
+        type=float,
+        default=DEFAULT_TIME_BUDGET_S,
+        metavar="SECONDS",
+        help="time for repeated measurements (fixed costs come on top)",
+    )
+    profile.set_defaults(handler=run_profile)
+
+    plan = subparsers.add_parser(
+        "plan",
+        help="choose where each layer runs and write a plan directory",
+        description="Score every split of MODEL over device, edge and cloud with the cost "
+        "model, print the best plans next to the single-tier ones, split the model at the "
+        "best and write PLAN_DIR (plan.json and one ONNX file per segment). Tiers without "
+        "--profile are profiled on this machine, emulated slower (see --emulate).",
+        formatter_class=_HelpFormatter,
+    )
+    _model_options(plan)
+    plan.add_argument("-o", "--output", required=True, metavar="PLAN_DIR")
+    plan.add_argument(
+        "--profile",
+        action="append",
+        default=[],
+        metavar="TIER=PROFILE.json",
+        help="a tier's profile from `tierflow profile` (repeatable)",
+    )
+    plan.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        metavar="LINK=RATE[,RTT]",
+        help="a link's rate and RTT, like device-edge=20mbit,10ms, or LINK=PROBE.json or "
+        "PROBE.json from `tierflow probe --json` (repeatable); defaults: "
+        "device-edge=20mbit,10ms edge-cloud=200mbit,30ms",
+    )
+    plan.add_argument(
+        "--memory",
+        action="append",
+        default=[],
+        metavar="TIER=SIZE",
+        help="a tier's memory budget for weights and activations, like device=64MiB",
+    )
+    plan.add_argument(
+        "--objective",
+        choices=("latency", "throughput"),
+        default="latency",
+        help="minimise one request's latency, or maximise pipelined requests per second",
+    )
+    plan.add_argument(
+        "--codec",
+        default="auto",
+        help="feature codec on every link: raw, zstd, fp16, fp16+zstd, int8, int8+zstd "
+        "(zstd level as zstd:9), or auto to let the cost model pick per link",
+    )
+    plan.add_argument(
+        "--emulate",
+        action="append",
+        default=[],
+        metavar="TIER=SLOWDOWN",
+        help="how much slower than this machine a tier without --profile is; defaults: "
+        "device=4 edge=2 cloud=1",
+    )
+    plan.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        help="ONNX Runtime threads when profiling tiers here",
+    )
+    plan.add_argument("--top", type=int, default=5, help="how many plans to list")
+    plan.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip checking that the split reproduces the model (checked by default)",
+    )
+    plan.add_argument("--json", action="store_true", help="print the ranking as JSON")
+    plan.set_defaults(handler=run_plan)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _pair(text: str, option: str, example: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise UsageError(f"malformed {option} {text!r}: expected {example}")
+    return name.strip(), value.strip()
+
+
+def _read_probe(path: Path, wanted: str | None) -> list[tuple[str, LinkSpec]]:
+    """Links measured by ``tierflow probe --json``: one record, a list, or ``{"links": [...]}``."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise UsageError(f"link file {path} does not exist") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"cannot read link file {path}: {exc}") from exc
+    if isinstance(data, dict) and isinstance(data.get("links"), list):
+        data = data["links"]
+    records = data if isinstance(data, list) else [data]
+    links: list[tuple[str, LinkSpec]] = []
+    for record in records:
+        if not isinstance(record, dict):
+            raise UsageError(f"malformed link file {path}: expected objects with link, rate_bps")
+        name = record.get("link", wanted)
+        if not isinstance(name, str):
+            raise UsageError(f"malformed link file {path}: a record names no link")
+        if wanted is not None and name != wanted:
+            if len(records) > 1:
+                continue
+            name = wanted
+        links.append((check_link(name), LinkSpec.from_dict(record)))
+    if not links:
+        raise UsageError(f"link file {path} has no record for {wanted}")
+    return links
+
+
+def parse_links(values: Sequence[str]) -> dict[str, LinkSpec]:
+    """The links from ``--link`` values over the defaults."""
+    from tierflow.partitioner.planner import DEFAULT_LINKS
+
+    links = {name: LinkSpec.parse(text) for name, text in DEFAULT_LINKS.items()}
+    for text in values:
+        name, sep, value = text.partition("=")
+        if sep and not value.strip().endswith(".json"):
+            parsed = [parse_link_option(text)]
+        elif sep:
+            parsed = _read_probe(Path(value.strip()), check_link(name.strip()))
+        elif text.strip().endswith(".json") or Path(text).is_file():
+            parsed = _read_probe(Path(text.strip()), None)
+        else:
+            parsed = [parse_link_option(text)]
+        links.update(parsed)
+    return links
+
+
+def parse_memory(values: Sequence[str]) -> dict[str, int]:
+    memory: dict[str, int] = {}
+    for text in values:
+        tier, size = _pair(text, "--memory", "TIER=SIZE, like device=64MiB")
+        memory[check_tier(tier)] = parse_size(size)
+    return memory
+
+
+def parse_emulation(values: Sequence[str]) -> dict[str, float]:
+    from tierflow.partitioner.planner import DEFAULT_EMULATION
+
+    emulation = dict(DEFAULT_EMULATION)
+    for text in values:
+        tier, value = _pair(text, "--emulate", "TIER=SLOWDOWN, like device=4")
+        try:
+            slowdown = float(value)
+        except ValueError as exc:
+            raise UsageError(f"malformed --emulate {text!r}: {value!r} is not a number") from exc
+        if not slowdown > 0:
+            raise UsageError(f"malformed --emulate {text!r}: a slowdown must be positive")
+        emulation[check_tier(tier)] = slowdown
+    return emulation
+
+
+def parse_profile_paths(values: Sequence[str]) -> dict[str, Path]:
+    paths: dict[str, Path] = {}
+    for text in values:
+        tier, path = _pair(text, "--profile", "TIER=PROFILE.json, like device=pi4.json")
+        paths[check_tier(tier)] = Path(path)
+    return paths
+
+
+def _shapes(values: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    from tierflow.partitioner.graph import parse_shape_option
+
+    return dict(parse_shape_option(v) for v in values)
+
+
+def _load_graph(args: argparse.Namespace) -> Any:
+    from tierflow.partitioner.graph import load_model, load_sample
+
+    shapes = _shapes(args.shape)
+    sample = load_sample(args.sample) if args.sample else None
+    return load_model(args.model, shapes=shapes or None, sample=sample)
+
+
+def _positive(value: float, option: str) -> None:
+    if not value > 0:
+        raise UsageError(f"{option} must be positive, got {value:g}")
+
+
+# --------------------------------------------------------------------------- handlers
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from tierflow.partitioner.profile import profile_model, save_profile
+    from tierflow.partitioner.report import Progress
+
+    _positive(args.threads, "--threads")
+    _positive(args.slowdown, "--slowdown")
+    _positive(args.time_budget, "--time-budget")
+    _shapes(args.shape)
+    graph = _load_graph(args)
+    progress = Progress("profiling")
+    try:
+        profile = profile_model(
+            graph,
+            threads=args.threads,
+            slowdown=args.slowdown,
+            time_budget_s=args.time_budget,
+            progress=progress,
+        )
+    finally:
+        progress.close()
+    path = save_profile(profile, args.output)
+    whole = profile.segment_s(0, len(profile.units))
+    print(
+        f"profiled {Path(graph.path).name}: {len(profile.units)} units between "
+        f"{len(profile.cuts)} cuts in {profile.calibration.get('profile_s', 0.0):.1f} s"
+    )
+    print(f"machine: {profile.machine.describe()}")
+    print(
+        f"whole model: {format_duration(whole)} predicted per request "
+        f"(call overhead {format_duration(profile.overhead_s)}, "
+        f"unit-time correction {profile.calibration.get('correction', 1.0):.2f})"
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from tierflow.partitioner.planner import (
+        PlanOptions,
+        codec_candidates,
+        complete_profiles,
+        make_plan,
+    )
+    from tierflow.partitioner.profile import load_profile
+    from tierflow.partitioner.report import Progress, plan_table
+
+    links = parse_links(args.link)
+    memory = parse_memory(args.memory)
+    emulation = parse_emulation(args.emulate)
+    profile_paths = parse_profile_paths(args.profile)
+    codec_candidates(args.codec)
+    _positive(args.threads, "--threads")
+    _positive(args.top, "--top")
+    _shapes(args.shape)
+    options = PlanOptions(
+        links=links,
+        memory=memory,
+        objective=args.objective,
+        codec=args.codec,
+        verify=args.verify,
+        top=args.top,
+    )
+    graph = _load_graph(args)
+    given = {}
+    for tier, path in profile_paths.items():
+        given[tier] = load_profile(path)
+        given[tier].check_model(graph, where=f"--profile {tier}={path}")
+    progress = Progress("profiling here")
+    try:
+        profiles, notes = complete_profiles(
+            graph, given, emulation=emulation, threads=args.threads, progress=progress
+        )
+    finally:
+        progress.close()
+    outcome = make_plan(graph, profiles, options, args.output)
+    if args.json:
+        report = outcome.result.to_dict()
+        report["plan_dir"] = str(outcome.plan_dir)
+        report["verified"] = outcome.verified_bitwise
+        report["notes"] = list(notes) + list(outcome.notes)
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    for note in (*notes, *outcome.notes):
+        print(note)
+    for name in LINKS:
+        print(f"{name}: {links[name]}")
+    if memory:
+        budgets = ", ".join(f"{t} {format_size(size)}" for t, size in memory.items())
+        print(f"memory budgets: {budgets}")
+    result = outcome.result
+    print(
+        f"\n{result.considered} plans scored for {args.objective}, {result.feasible} fit the "
+        "budgets; compute per tier and link cost (codec, bytes sent, encode+wire+RTT+decode+reply):"
+    )
+    print(plan_table(result, memory))
+    best = result.best
+    print(
+        f"\nchosen: {' -> '.join(best.tiers)}, predicted {format_duration(best.latency_s)} "
+        f"per request, {best.throughput_rps:.1f} requests/s pipelined"
+    )
+    crossing = dict(zip(LINKS, best.cuts, strict=True))
+    for name, codec in best.codec.items():
+        if not CodecSpec.parse(codec).lossless:
+            sender = profiles[name.split("-")[0]]
+            stats = sender.cuts[crossing[name]].codecs.get(codec)
+            by = f" by up to {stats.max_abs_error:.3g} (measured at that cut)" if stats else ""
+            print(
+                f"note: {codec} on {name} is lossy: features change{by}; "
+                "use --codec zstd for exact features"
+            )
+    if outcome.verified_bitwise is None:
+        print("not verified (--no-verify)")
+    else:
+        print(f"verified: split reproduces the model bit-for-bit on {outcome.verify_inputs} input")
+    print(f"wrote {outcome.plan_dir / 'plan.json'} and {len(outcome.plan.segments)} segment(s)")
+    return 0

@@ -1,0 +1,331 @@
+"""The cost model: predicted latency, throughput and memory of a plan. Pure.
+
+A plan is a pair of cut indices ``a <= b``: the device runs units ``[0, a)``, the edge
+``[a, b)``, the cloud ``[b, last)`` (``last`` = the index of the output cut); any tier
+may be empty. Given the three tiers' profiles, the two links and the memory budgets,
+the model predicts (DESIGN.md, "Cost model"):
+
+    latency = Σ_tiers compute(segment on tier)
+            + Σ_links used [ encode + bytes_after_codec / rate + RTT/2 + decode
+                             + reply_bytes / rate + RTT/2 ]
+
+See [Note: what crosses a link]. The throughput objective pipelines requests: its period
+is the slowest stage (a tier's compute plus its encode/decode) or link (serialisation).
+
+Everything is computed as numpy tables over all cut indices at once (:class:`CostTables`)
+so the search can score every plan in one pass; :func:`estimate` reads one plan out of
+the same tables, so the ranking and the printed breakdown never disagree.
+
+[Note: what crosses a link]
+The device-edge link is used when the edge or the cloud has work (``a < last``): the
+tensors of cut ``a`` cross it, encoded on the device and decoded on the edge; when the
+device has no work that is cut 0, the raw model inputs. The edge-cloud link is used when
+the cloud has work (``b < last``) and carries cut ``b``. The answer (the model outputs,
+small) comes back over every link used, uncompressed: one more serialisation and RTT/2
+per link. So a device-only plan pays no link at all, and a cloud-only plan pays the full
+round trip on both links. Codec speeds come from the sending tier's profile (encode) and
+the receiving tier's (decode); the compression ratio from the sender's, measured on the
+real features at that cut. An edge with no work still decodes and re-encodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tierflow.errors import PlanError, UsageError
+from tierflow.links import LINKS, TIERS, LinkSpec
+from tierflow.partitioner.profile import Profile
+
+OBJECTIVES: tuple[str, ...] = ("latency", "throughput")
+
+# Which tiers a link joins: (sender, receiver) for features going up.
+LINK_ENDS: dict[str, tuple[str, str]] = {
+    "device-edge": ("device", "edge"),
+    "edge-cloud": ("edge", "cloud"),
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything a plan is scored against: profiles, links, budgets, objective, codecs.
+
+    ``memory`` holds budgets in bytes for the tiers that have one; ``codecs`` the codecs
+    the search may choose from on each link (one name = that codec everywhere).
+    """
+
+    profiles: Mapping[str, Profile]
+    links: Mapping[str, LinkSpec]
+    memory: Mapping[str, int] = field(default_factory=dict)
+    objective: str = "latency"
+    codecs: tuple[str, ...] = ("raw",)
+
+    def __post_init__(self) -> None:
+        missing = [t for t in TIERS if t not in self.profiles]
+        if missing:
+            raise PlanError(f"no profile for tier(s) {', '.join(missing)}")
+        unknown = [t for t in list(self.profiles) + list(self.memory) if t not in TIERS]
+        if unknown:
+            raise UsageError(f"unknown tier {unknown[0]!r}: expected one of {', '.join(TIERS)}")
+        absent = [name for name in LINKS if name not in self.links]
+        if absent:
+            raise PlanError(f"no rate given for link(s) {', '.join(absent)}")
+        if self.objective not in OBJECTIVES:
+            raise UsageError(
+                f"unknown objective {self.objective!r}: expected one of {', '.join(OBJECTIVES)}"
+            )
+        first = self.profiles["device"]
+        for tier in TIERS:
+            profile = self.profiles[tier]
+            if profile.model_sha256 != first.model_sha256 or len(profile.cuts) != len(first.cuts):
+                raise PlanError(
+                    f"the {tier} profile was made for another model or other cuts than the "
+                    f"device profile ({profile.model_file!r} vs {first.model_file!r})"
+                )
+            unmeasured = [c for c in self.codecs if c not in profile.codecs]
+            if unmeasured:
+                raise PlanError(
+                    f"the {tier} profile has no figures for codec(s) {', '.join(unmeasured)}; "
+                    f"it measured {', '.join(profile.codecs)}"
+                )
+        if not self.codecs:
+            raise UsageError("no codec to choose from")
+
+    @property
+    def ncuts(self) -> int:
+        return len(self.profiles["device"].cuts)
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """What one link costs in a plan, in seconds and bytes; all zero when it is unused."""
+
+    codec: str
+    raw_bytes: int
+    bytes: float
+    encode_s: float
+    wire_s: float
+    propagation_s: float
+    decode_s: float
+    reply_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.encode_s + self.wire_s + self.propagation_s + self.decode_s + self.reply_s
+
+    @property
+    def used(self) -> bool:
+        return self.raw_bytes > 0 or self.total_s > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "codec": self.codec,
+            "raw_bytes": self.raw_bytes,
+            "bytes": round(self.bytes),
+            "encode_s": self.encode_s,
+            "wire_s": self.wire_s,
+            "propagation_s": self.propagation_s,
+            "decode_s": self.decode_s,
+            "reply_s": self.reply_s,
+            "total_s": self.total_s,
+        }
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The cost model's prediction for one plan (cuts ``a <= b`` and a codec per link)."""
+
+    cuts: tuple[int, int]
+    last: int
+    latency_s: float
+    period_s: float
+    compute_s: Mapping[str, float]
+    links: Mapping[str, LinkCost]
+    memory_bytes: Mapping[str, int]
+    feasible: bool
+
+    @property
+    def throughput_rps(self) -> float:
+        return 1.0 / self.period_s if self.period_s > 0 else float("inf")
+
+    @property
+    def codec(self) -> dict[str, str]:
+        """The codec of each link used."""
+        return {name: cost.codec for name, cost in self.links.items() if cost.used}
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """The tiers with work, in order."""
+        span = spans(*self.cuts, self.last)
+        return tuple(t for t in TIERS if span[t][0] < span[t][1])
+
+    def score(self, objective: str) -> float:
+        return self.latency_s if objective == "latency" else self.period_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cuts": list(self.cuts),
+            "latency_s": self.latency_s,
+            "throughput_rps": self.throughput_rps,
+            "period_s": self.period_s,
+            "compute_s": dict(self.compute_s),
+            "transfer_s": {name: cost.total_s for name, cost in self.links.items()},
+            "links": {name: cost.to_dict() for name, cost in self.links.items()},
+            "memory_bytes": dict(self.memory_bytes),
+            "feasible": self.feasible,
+        }
+
+
+@dataclass(frozen=True)
+class LinkTable:
+    """Per cut (rows) and codec (columns): the parts of one link's cost."""
+
+    used: np.ndarray  # (n,) bool: the link carries something when its cut is that row
+    raw_bytes: np.ndarray  # (n,)
+    bytes: np.ndarray  # (n, C)
+    encode_s: np.ndarray  # (n, C)
+    wire_s: np.ndarray  # (n, C)
+    decode_s: np.ndarray  # (n, C)
+    propagation_s: float  # both directions, when used
+    reply_s: float  # serialisation of the answer, when used
+
+    @property
+    def total_s(self) -> np.ndarray:
+        """(n, C) latency of the link for a plan whose crossing cut is the row."""
+        fixed = np.where(self.used, self.propagation_s + self.reply_s, 0.0)
+        return self.encode_s + self.wire_s + self.decode_s + fixed[:, None]
+
+
+@dataclass(frozen=True)
+class CostTables:
+    """Every plan's costs, as arrays over cut indices. Build with :func:`build_tables`."""
+
+    problem: Problem
+    segment_s: Mapping[str, np.ndarray]  # tier -> (n, n) compute of cuts [s, e)
+    memory: Mapping[str, np.ndarray]  # tier -> (n, n) bytes needed to run [s, e)
+    links: Mapping[str, LinkTable]
+
+    @property
+    def last(self) -> int:
+        return self.problem.ncuts - 1
+
+
+def _segment_table(profile: Profile) -> np.ndarray:
+    n = len(profile.cuts)
+    prefix = np.concatenate([[0.0], np.cumsum([u.compute_s for u in profile.units])])
+    table = prefix[None, :] - prefix[:, None] + profile.overhead_s
+    start, end = np.indices((n, n))
+    return np.where(start < end, table, 0.0)
+
+
+def _memory_table(profile: Profile) -> np.ndarray:
+    """Weights of the segment plus the largest activation peak of its units.
+
+    A unit's peak already counts the tensors it holds across it (skip paths), so the
+    segment's peak is the largest of its units'.
+    """
+    n = len(profile.cuts)
+    weights = np.concatenate([[0], np.cumsum([u.weight_bytes for u in profile.units])])
+    peaks = np.array([u.peak_activation_bytes for u in profile.units], dtype=np.float64)
+    table = np.zeros((n, n))
+    for start in range(n - 1):
+        running = np.maximum.accumulate(peaks[start:])
+        table[start, start + 1 :] = weights[start + 1 :] - weights[start] + running
+    return table
+
+
+def _link_table(problem: Problem, name: str) -> LinkTable:
+    sender, receiver = (problem.profiles[t] for t in LINK_ENDS[name])
+    link = problem.links[name]
+    n, codecs = problem.ncuts, problem.codecs
+    raw = np.array([c.nbytes for c in sender.cuts], dtype=np.float64)
+    used = np.arange(n) < n - 1
+    ratio = np.array([[c.codecs[k].ratio for k in codecs] for c in sender.cuts])
+    enc = np.array([[c.codecs[k].encode_s_per_mb for k in codecs] for c in sender.cuts])
+    dec = np.array([[c.codecs[k].decode_s_per_mb for k in codecs] for c in receiver.cuts])
+    mb = (raw / 1e6)[:, None]
+    wire_bytes = np.where(used[:, None], raw[:, None] / ratio, 0.0)
+    live = used[:, None]
+    return LinkTable(
+        used=used,
+        raw_bytes=np.where(used, raw, 0.0),
+        bytes=wire_bytes,
+        encode_s=np.where(live, enc * mb, 0.0),
+        wire_s=wire_bytes * 8.0 / link.rate_bps,
+        decode_s=np.where(live, dec * mb, 0.0),
+        propagation_s=link.rtt_s,
+        reply_s=sender.cuts[-1].nbytes * 8.0 / link.rate_bps,
+    )
+
+
+def build_tables(problem: Problem) -> CostTables:
+    """Tabulate compute, memory and link costs for every cut index of ``problem``."""
+    return CostTables(
+        problem=problem,
+        segment_s={t: _segment_table(problem.profiles[t]) for t in TIERS},
+        memory={t: _memory_table(problem.profiles[t]) for t in TIERS},
+        links={name: _link_table(problem, name) for name in LINKS},
+    )
+
+
+def spans(a: int, b: int, last: int) -> dict[str, tuple[int, int]]:
+    """The cut range ``[start, end)`` each tier runs in plan ``(a, b)``."""
+    return {"device": (0, a), "edge": (a, b), "cloud": (b, last)}
+
+
+def estimate(tables: CostTables, a: int, b: int, codec: Mapping[str, str]) -> Estimate:
+    """The prediction for plan ``(a, b)`` with ``codec[link]`` on each used link.
+
+    Links that are unused in this plan need no codec entry.
+    """
+    problem, last = tables.problem, tables.last
+    if not 0 <= a <= b <= last:
+        raise PlanError(f"cuts must satisfy 0 <= a <= b <= {last}, got ({a}, {b})")
+    span = spans(a, b, last)
+    compute = {t: float(tables.segment_s[t][span[t]]) for t in TIERS}
+    memory = {t: int(tables.memory[t][span[t]]) for t in TIERS}
+    crossing = {"device-edge": a, "edge-cloud": b}
+    links: dict[str, LinkCost] = {}
+    for name in LINKS:
+        table, row = tables.links[name], crossing[name]
+        if not table.used[row]:
+            links[name] = LinkCost("raw", 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+            continue
+        chosen = codec.get(name)
+        if chosen not in problem.codecs:
+            raise PlanError(
+                f"no codec {chosen!r} for link {name}: expected one of {', '.join(problem.codecs)}"
+            )
+        col = problem.codecs.index(chosen)
+        links[name] = LinkCost(
+            codec=chosen,
+            raw_bytes=int(table.raw_bytes[row]),
+            bytes=float(table.bytes[row, col]),
+            encode_s=float(table.encode_s[row, col]),
+            wire_s=float(table.wire_s[row, col]),
+            propagation_s=table.propagation_s,
+            decode_s=float(table.decode_s[row, col]),
+            reply_s=table.reply_s,
+        )
+    de, ec = links["device-edge"], links["edge-cloud"]
+    stages = (
+        compute["device"] + de.encode_s,
+        de.decode_s + compute["edge"] + ec.encode_s,
+        ec.decode_s + compute["cloud"],
+        de.wire_s + de.reply_s,
+        ec.wire_s + ec.reply_s,
+    )
+    feasible = all(memory[t] <= problem.memory[t] for t in problem.memory)
+    return Estimate(
+        cuts=(a, b),
+        last=last,
+        latency_s=sum(compute.values()) + de.total_s + ec.total_s,
+        period_s=max(stages),
+        compute_s=compute,
+        links=links,
+        memory_bytes=memory,
+        feasible=feasible,
+    )

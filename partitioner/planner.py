@@ -1,0 +1,213 @@
+"""From a model and its profiles to a plan directory: the glue around the pure search.
+
+:func:`make_plan` loads nothing and measures nothing itself beyond what it is asked
+to: it takes the analysed graph and one profile per tier, scores every plan
+(:mod:`.search`), splits the model at the chosen cuts (:mod:`.split`), checks the split
+against the whole model, and writes ``plan.json`` with the segments. Tiers that come
+without a profile are profiled on this machine first (:func:`complete_profiles`),
+emulated as slower machines, and the result says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from tierflow.codec import PLANNER_CODECS, CodecSpec, CodecStats
+from tierflow.errors import PlanError, UsageError
+from tierflow.links import LINKS, TIERS, LinkSpec
+from tierflow.partitioner.cost import Estimate, Problem, build_tables
+from tierflow.partitioner.graph import ModelGraph
+from tierflow.partitioner.profile import (
+    Profile,
+    ProgressFn,
+    capture_features,
+    measure_cut_codecs,
+    profile_model,
+    with_codecs,
+)
+from tierflow.partitioner.search import SearchResult, search
+from tierflow.partitioner.split import split_model, verify_split, write_segments
+from tierflow.plan import Plan, save_plan
+
+logger = logging.getLogger(__name__)
+
+# How much slower than this machine tiers without a profile are emulated to be.
+DEFAULT_EMULATION: dict[str, float] = {"device": 4.0, "edge": 2.0, "cloud": 1.0}
+DEFAULT_LINKS: dict[str, str] = {"device-edge": "20mbit,10ms", "edge-cloud": "200mbit,30ms"}
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What the user asked for, parsed and checked (see ``tierflow plan --help``)."""
+
+    links: Mapping[str, LinkSpec]
+    memory: Mapping[str, int] = field(default_factory=dict)
+    objective: str = "latency"
+    codec: str = "auto"
+    verify: bool = True
+    top: int = 5
+
+
+@dataclass(frozen=True)
+class PlanOutcome:
+    """The written plan, the ranking it came from and how the split was checked."""
+
+    plan: Plan
+    plan_dir: Path
+    result: SearchResult
+    verified_bitwise: bool | None
+    max_abs_diff: float
+    verify_inputs: int
+    notes: tuple[str, ...]
+
+
+def codec_candidates(codec: str) -> tuple[str, ...]:
+    """The codecs the search may choose from: all planner codecs for ``auto``, else one."""
+    if codec == "auto":
+        return PLANNER_CODECS
+    return (str(CodecSpec.parse(codec)),)
+
+
+def complete_profiles(
+    graph: ModelGraph,
+    given: Mapping[str, Profile],
+    *,
+    emulation: Mapping[str, float] = DEFAULT_EMULATION,
+    threads: int = 1,
+    time_budget_s: float = 20.0,
+    progress: ProgressFn | None = None,
+) -> tuple[dict[str, Profile], list[str]]:
+    """One profile per tier: the given ones, the rest measured here once and emulated.
+
+    Returns the profiles and one note per tier profiled here, for the user.
+    """
+    for tier, profile in given.items():
+        if tier not in TIERS:
+            raise UsageError(f"unknown tier {tier!r}: expected one of {', '.join(TIERS)}")
+        profile.check_model(graph, where=f"the {tier} profile")
+    profiles = dict(given)
+    missing = [t for t in TIERS if t not in profiles]
+    notes: list[str] = []
+    if missing:
+        base = profile_model(graph, threads=threads, time_budget_s=time_budget_s, progress=progress)
+        for tier in missing:
+            slowdown = emulation.get(tier, 1.0)
+            profiles[tier] = base.emulate(slowdown)
+            notes.append(
+                f"{tier}: no profile given, profiled on this machine "
+                f"({profiles[tier].machine.describe()})"
+            )
+    return profiles, notes
+
+
+def _ensure_codecs(
+    graph: ModelGraph, profiles: dict[str, Profile], codecs: Sequence[str]
+) -> list[str]:
+    """Measure codecs a profile lacks (like ``zstd:9``) on this machine's features.
+
+    Such figures are this machine's, scaled by each profile's slowdown: an estimate for
+    a profile made elsewhere, and the note says so.
+    """
+    lacking = sorted({c for p in profiles.values() for c in codecs if c not in p.codecs})
+    if not lacking:
+        return []
+    features = capture_features(graph)
+    base = measure_cut_codecs(graph, features, lacking)
+    for tier, profile in profiles.items():
+        profiles[tier] = with_codecs(profile, _scaled(base, profile.slowdown))
+    return [f"codec {', '.join(lacking)}: not in the profiles, measured on this machine"]
+
+
+def _scaled(
+    base: Sequence[Mapping[str, CodecStats]], slowdown: float
+) -> list[dict[str, CodecStats]]:
+    """Codec figures per cut with every time scaled by ``slowdown``."""
+    return [
+        {
+            name: replace(
+                stats,
+                encode_s_per_mb=stats.encode_s_per_mb * slowdown,
+                decode_s_per_mb=stats.decode_s_per_mb * slowdown,
+            )
+            for name, stats in cut.items()
+        }
+        for cut in base
+    ]
+
+
+def rank(
+    graph: ModelGraph, profiles: Mapping[str, Profile], options: PlanOptions
+) -> tuple[SearchResult, list[str]]:
+    """Score every plan; pure apart from measuring codecs missing from the profiles."""
+    codecs = codec_candidates(options.codec)
+    profiles = dict(profiles)
+    notes = _ensure_codecs(graph, profiles, codecs)
+    problem = Problem(
+        profiles=profiles,
+        links=options.links,
+        memory=options.memory,
+        objective=options.objective,
+        codecs=codecs,
+    )
+    return search(problem, top=options.top, tables=build_tables(problem)), notes
+
+
+def estimate_dict(best: Estimate, graph: ModelGraph, objective: str) -> dict[str, Any]:
+    """The ``estimate`` object of ``plan.json``: prediction, breakdown and chosen cuts."""
+    a, b = best.cuts
+    return {
+        "objective": objective,
+        **best.to_dict(),
+        "cut_indices": [a, b],
+        "cut_tensors": {
+            "device-edge": list(graph.cuts[a].tensors) if best.links["device-edge"].used else [],
+            "edge-cloud": list(graph.cuts[b].tensors) if best.links["edge-cloud"].used else [],
+        },
+    }
+
+
+def make_plan(
+    graph: ModelGraph,
+    profiles: Mapping[str, Profile],
+    options: PlanOptions,
+    plan_dir: str | Path,
+) -> PlanOutcome:
+    """Choose the best plan, split the model, verify the split, write the plan directory."""
+    result, notes = rank(graph, profiles, options)
+    best = result.best
+    segments = split_model(graph, best.cuts)
+    verified: bool | None = None
+    max_diff = 0.0
+    if options.verify:
+        check = verify_split(graph, segments)
+        verified, max_diff = check.bitwise_equal, check.max_abs_diff
+        if not check.bitwise_equal:
+            raise PlanError(
+                f"the split at cuts {best.cuts} does not reproduce the model: outputs differ "
+                f"by up to {check.max_abs_diff:g}"
+            )
+    directory = Path(plan_dir)
+    write_segments(segments, directory)
+    codec = {name: best.links[name].codec for name in LINKS}
+    estimate = estimate_dict(best, graph, options.objective)
+    estimate["tiers"] = {t: profiles[t].machine.to_dict() for t in TIERS}
+    if verified is not None:
+        estimate["verified"] = {"bitwise_equal": verified, "inputs": 1, "max_abs_diff": max_diff}
+    plan = Plan(
+        model_file=Path(graph.path).name,
+        model_sha256=graph.sha256,
+        inputs=tuple(i.name for i in graph.inputs),
+        outputs=tuple(o.name for o in graph.outputs),
+        segments=tuple(spec for spec, _ in segments),
+        links=dict(options.links),
+        codec=codec,
+        estimate=estimate,
+        cuts=tuple(graph.cuts[c].position for c in best.cuts),
+    )
+    save_plan(plan, directory)
+    logger.info("[plan] wrote %s: cuts %s, %.3g ms", directory, best.cuts, best.latency_s * 1e3)
+    return PlanOutcome(plan, directory, result, verified, max_diff, 1, tuple(notes))

@@ -1,0 +1,132 @@
+"""What ``tierflow profile`` and ``tierflow plan`` show people: tables and progress.
+
+Only formatting: callers print the strings. The progress bar redraws one line on a
+terminal and writes a plain line every few seconds otherwise (logs, CI), always on
+stderr so stdout stays clean for ``--json``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import TextIO
+
+from tierflow.links import LINKS, TIERS
+from tierflow.partitioner.cost import Estimate
+from tierflow.partitioner.search import SearchResult
+from tierflow.units import format_size
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Align columns: the first left-aligned, the others right-aligned."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            str(c).ljust(w) if i == 0 else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def _split(estimate: Estimate) -> str:
+    """Which units each tier runs, like ``D0-3 E3-12 C-``."""
+    a, b = estimate.cuts
+    spans = {"device": (0, a), "edge": (a, b), "cloud": (b, estimate.last)}
+    return " ".join(
+        f"{t[0].upper()}{s}-{e}" if s < e else f"{t[0].upper()}-"
+        for t, (s, e) in ((t, spans[t]) for t in TIERS)
+    )
+
+
+def _link(estimate: Estimate, name: str) -> str:
+    cost = estimate.links[name]
+    if not cost.used:
+        return "-"
+    return f"{cost.codec} {format_size(cost.bytes)} {_ms(cost.total_s)}"
+
+
+def _row(label: str, estimate: Estimate, memory: Mapping[str, int]) -> list[str]:
+    compute = [
+        _ms(estimate.compute_s[t]) if estimate.compute_s[t] > 0 or t in estimate.tiers else "-"
+        for t in TIERS
+    ]
+    fits = "" if estimate.feasible else " (over budget)"
+    budgeted = [t for t in TIERS if t in memory]
+    mem = " ".join(f"{t[0].upper()}{format_size(estimate.memory_bytes[t])}" for t in budgeted)
+    return [
+        label,
+        _split(estimate),
+        *compute,
+        *(_link(estimate, name) for name in LINKS),
+        _ms(estimate.latency_s) + fits,
+        f"{estimate.throughput_rps:.1f}",
+        *([mem] if budgeted else []),
+    ]
+
+
+def plan_table(result: SearchResult, memory: Mapping[str, int]) -> str:
+    """The ranked plans, then the single-tier baselines, with the cost breakdown.
+
+    Compute is per tier (ms); each link shows codec, bytes after the codec and its total
+    cost (encode, wire, RTT, decode and the reply; ms).
+    """
+    headers = [
+        "plan",
+        "units",
+        "device ms",
+        "edge ms",
+        "cloud ms",
+        "device-edge",
+        "edge-cloud",
+        "latency ms",
+        "req/s",
+    ]
+    if memory:
+        headers.append("memory")
+    rows = [_row(f"#{i + 1}", e, memory) for i, e in enumerate(result.ranked)]
+    rows += [_row(name, e, memory) for name, e in result.baselines.items()]
+    return format_table(headers, rows)
+
+
+class Progress:
+    """A progress bar on ``stream``; on a non-terminal, one line every ``every_s`` seconds."""
+
+    def __init__(
+        self, label: str, stream: TextIO | None = None, *, every_s: float = 5.0, width: int = 30
+    ) -> None:
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every_s = every_s
+        self.width = width
+        self._last = 0.0
+        self._started = time.monotonic()
+        self._drawn = False
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        now = time.monotonic()
+        if self.tty:
+            filled = self.width * done // max(total, 1)
+            bar = "#" * filled + "." * (self.width - filled)
+            self.stream.write(f"\r{self.label} [{bar}] {done}/{total} {what[:30]:<30}")
+            self._drawn = True
+        elif now - self._last >= self.every_s or done == total:
+            elapsed = now - self._started
+            self.stream.write(f"{self.label}: {done}/{total} ({what}), {elapsed:.0f} s\n")
+            self._last = now
+        self.stream.flush()
+
+    def close(self) -> None:
+        """End the bar's line so what follows starts clean."""
+        if self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._drawn = False

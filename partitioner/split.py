@@ -1,0 +1,294 @@
+"""Splitting an analysed model into per-tier segment models, running and checking them.
+
+Segments are extracted with :class:`onnx.utils.Extractor` from the in-memory, shape-
+inferred model of a :class:`~tierflow.partitioner.graph.ModelGraph`, so they carry the
+static shapes the analysis found. Each segment's inputs are the tensors crossing its
+first cut and its outputs those crossing its last (see ``Note [cut sets]`` in
+:mod:`tierflow.partitioner.graph`), so a tensor needed further on (a skip connection, a
+mask, a model output made early) passes through a segment unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx.checker
+import onnx.utils
+
+from tierflow.errors import ModelError, PlanError
+from tierflow.links import TIERS
+from tierflow.partitioner.graph import ModelGraph, first_line, node_uses
+from tierflow.plan import SegmentSpec
+
+logger = logging.getLogger(__name__)
+
+# Protobuf cannot serialize one message over 2 GiB; bigger segments keep weights outside.
+_PROTOBUF_LIMIT = 2**31 - 1
+
+Segment = tuple[SegmentSpec, onnx.ModelProto]
+
+
+class _ScopedExtractor(onnx.utils.Extractor):
+    """Extractor that also follows names control-flow subgraphs read from outer scope.
+
+    onnx's Extractor walks back from the outputs through ``node.input`` only, so the
+    producer of a tensor that an If/Loop/Scan body reads (and an initializer it reads)
+    would be left out of the segment. Here a node's inputs include those outer-scope
+    references (:func:`~tierflow.partitioner.graph.node_uses`).
+    """
+
+    def _dfs_search_reachable_nodes(
+        self, node_output_name: str, graph_input_names: set[str], reachable: set[int]
+    ) -> None:
+        stack = [node_output_name]
+        while stack:
+            name = stack.pop()
+            if name in graph_input_names or name not in self.outmap:
+                continue
+            index = self.outmap[name]
+            if index not in reachable:
+                reachable.add(index)
+                stack.extend(node_uses(self.graph.node[index]))
+
+    def _collect_reachable_tensors(
+        self, nodes: list[onnx.NodeProto]
+    ) -> tuple[list[onnx.TensorProto], list[onnx.ValueInfoProto]]:
+        names: set[str] = set()
+        for node in nodes:
+            names.update(node_uses(node))
+            names.update(node.output)
+        initializer = [t for name, t in self.initializers.items() if name in names]
+        value_info = [v for name, v in self.value_infos.items() if name in names]
+        return initializer, value_info
+
+
+def _extractor(graph: ModelGraph) -> _ScopedExtractor:
+    """One extractor per analysed model (building it indexes every node and tensor)."""
+    extractor = graph.cache.get("extractor")
+    if not isinstance(extractor, _ScopedExtractor):
+        extractor = graph.cache["extractor"] = _ScopedExtractor(graph.model)
+    return extractor
+
+
+def extract_segment(graph: ModelGraph, start: int, end: int) -> onnx.ModelProto:
+    """The sub-model running ``graph.cuts[start]`` to ``graph.cuts[end]``.
+
+    Its inputs are the tensors crossing the first cut, its outputs those crossing the
+    second; it keeps the source's opset imports and IR version and passes the onnx
+    checker.
+    """
+    if not 0 <= start < end < len(graph.cuts):
+        raise PlanError(
+            f"segment cuts {start}..{end} must satisfy 0 <= start < end <= {len(graph.cuts) - 1}"
+        )
+    first, last = graph.cuts[start], graph.cuts[end]
+    try:
+        segment = _extractor(graph).extract_model(list(first.tensors), list(last.tensors))
+    except (ValueError, KeyError) as exc:
+        raise ModelError(
+            f"cannot extract cuts {start}..{end} of {graph.path}: {first_line(exc)}"
+        ) from exc
+    segment.ir_version = graph.model.ir_version
+    segment.graph.name = f"{graph.model.graph.name or 'model'}[{first.position}:{last.position}]"
+    try:
+        if segment.ByteSize() <= _PROTOBUF_LIMIT:
+            onnx.checker.check_model(segment)
+    except onnx.checker.ValidationError as exc:
+        raise ModelError(
+            f"segment {start}..{end} of {graph.path} is not a valid model: {first_line(exc)}"
+        ) from exc
+    return segment
+
+
+def split_model(
+    graph: ModelGraph,
+    cut_indices: Sequence[int],
+    tiers: Sequence[str] = TIERS,
+) -> list[Segment]:
+    """Split at ``cut_indices`` into one segment per tier that has work, in order.
+
+    With tiers (device, edge, cloud) and cut_indices (a, b) the device runs
+    ``cuts[0]..cuts[a]``, the edge ``cuts[a]..cuts[b]`` and the cloud
+    ``cuts[b]..cuts[-1]``. A tier whose stretch holds no nodes is dropped. Files are
+    named by execution order and tier, like ``00-device.onnx``.
+    """
+    if len(cut_indices) != len(tiers) - 1:
+        raise PlanError(
+            f"{len(tiers)} tiers need {len(tiers) - 1} cut indices, got {list(cut_indices)}"
+        )
+    unknown = [t for t in tiers if t not in TIERS]
+    if unknown:
+        raise PlanError(f"unknown tiers {unknown}: expected names among {', '.join(TIERS)}")
+    bounds = [0, *cut_indices, len(graph.cuts) - 1]
+    if any(b < 0 or b >= len(graph.cuts) for b in bounds) or bounds != sorted(bounds):
+        raise PlanError(
+            f"cut indices {list(cut_indices)} must be ascending within 0..{len(graph.cuts) - 1}"
+        )
+    segments: list[Segment] = []
+    for tier, start, end in zip(tiers, bounds[:-1], bounds[1:], strict=True):
+        if graph.cuts[start].position == graph.cuts[end].position:
+            continue
+        model = extract_segment(graph, start, end)
+        spec = SegmentSpec(
+            tier=tier,
+            file=f"{len(segments):02d}-{tier}.onnx",
+            inputs=graph.cuts[start].tensors,
+            outputs=graph.cuts[end].tensors,
+        )
+        segments.append((spec, model))
+    return segments
+
+
+# ONNX Runtime graph optimization levels by the names used here.
+OPTIMIZATION_LEVELS = ("disabled", "basic", "extended", "all")
+
+
+def session(model: onnx.ModelProto, *, level: str = "disabled") -> Any:
+    """An ONNX Runtime CPU session for an in-memory model at an optimization ``level``.
+
+    "disabled" and "basic" keep a chain of segments bit-for-bit equal to the whole model;
+    "extended" and "all" may not (see ``Note [cut sets]``).
+    """
+    import onnxruntime as ort
+
+    levels = {
+        "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
+    if level not in levels:
+        raise PlanError(
+            f"unknown optimization level {level!r}: expected one of {OPTIMIZATION_LEVELS}"
+        )
+    options = ort.SessionOptions()
+    options.graph_optimization_level = levels[level]
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(
+            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise ModelError(
+            f"ONNX Runtime cannot load model {model.graph.name!r}: {first_line(exc)}"
+        ) from exc
+
+
+def _run(sess: Any, feeds: Mapping[str, np.ndarray], what: str) -> dict[str, np.ndarray]:
+    names = [o.name for o in sess.get_outputs()]
+    try:
+        values = sess.run(names, dict(feeds))
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise ModelError(f"ONNX Runtime failed running {what}: {first_line(exc)}") from exc
+    return dict(zip(names, values, strict=True))
+
+
+def run_segments(
+    segments: Iterable[Segment], inputs: Mapping[str, np.ndarray], *, level: str = "disabled"
+) -> dict[str, np.ndarray]:
+    """Run the segments one after another, as the tiers would; return the last outputs."""
+    available = dict(inputs)
+    outputs: dict[str, np.ndarray] = {}
+    for spec, model in segments:
+        missing = [name for name in spec.inputs if name not in available]
+        if missing:
+            raise PlanError(f"segment {spec.file} needs {missing}, which nothing before it made")
+        feeds = {name: available[name] for name in spec.inputs}
+        outputs = _run(session(model, level=level), feeds, f"segment {spec.file}")
+        available.update(outputs)
+    return outputs
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Whether the chained segments reproduced the whole model's outputs exactly."""
+
+    bitwise_equal: bool
+    max_abs_diff: float
+    outputs: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bitwise_equal": self.bitwise_equal,
+            "max_abs_diff": self.max_abs_diff,
+            "outputs": list(self.outputs),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> VerifyResult:
+        try:
+            return cls(
+                bool(data["bitwise_equal"]),
+                float(data["max_abs_diff"]),
+                tuple(str(n) for n in data["outputs"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"malformed verification result {data!r}: {exc}") from exc
+
+
+def verify_split(
+    graph: ModelGraph,
+    segments: Sequence[Segment],
+    inputs: Mapping[str, np.ndarray] | None = None,
+    *,
+    level: str = "disabled",
+) -> VerifyResult:
+    """Run the whole model and the chain of segments on the same input and compare.
+
+    Both run at the same ONNX Runtime optimization ``level``; at "disabled" (the
+    default) and "basic" equality must be bit-for-bit (see ``Note [cut sets]``).
+    ``inputs`` defaults to ``graph.representative_inputs()``.
+    """
+    feeds = dict(inputs) if inputs is not None else graph.representative_inputs()
+    expected = _run(session(graph.model, level=level), feeds, f"the whole model {graph.path}")
+    actual = run_segments(segments, feeds, level=level)
+    names = tuple(o.name for o in graph.outputs)
+    missing = [n for n in names if n not in actual]
+    if missing:
+        raise PlanError(f"the segments do not produce model outputs {missing}")
+    equal = True
+    worst = 0.0
+    for name in names:
+        want, got = np.asarray(expected[name]), np.asarray(actual[name])
+        same = want.dtype == got.dtype and want.shape == got.shape
+        equal = equal and same and want.tobytes() == got.tobytes()
+        if same and want.size and want.dtype.kind in "fiub":
+            diff = np.abs(want.astype(np.float64) - got.astype(np.float64))
+            worst = max(worst, float(np.nanmax(diff)) if not np.isnan(diff).all() else 0.0)
+        elif not same:
+            worst = float("inf")
+    logger.info(
+        "[split] verified %d segments: bitwise=%s max|diff|=%g", len(segments), equal, worst
+    )
+    return VerifyResult(bitwise_equal=equal, max_abs_diff=worst, outputs=names)
+
+
+def write_segments(segments: Iterable[Segment], plan_dir: str | Path) -> None:
+    """Write each segment as ``plan_dir/<spec.file>``, weights embedded.
+
+    A segment over protobuf's 2 GiB limit keeps its weights in ``<file>.data`` beside it.
+    """
+    directory = Path(plan_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    for spec, model in segments:
+        path = directory / spec.file
+        try:
+            if model.ByteSize() > _PROTOBUF_LIMIT:
+                onnx.save_model(
+                    model,
+                    str(path),
+                    save_as_external_data=True,
+                    all_tensors_to_one_file=True,
+                    location=spec.file + ".data",
+                )
+            else:
+                onnx.save_model(model, str(path))
+        except (OSError, ValueError) as exc:
+            raise PlanError(f"cannot write segment {path}: {exc}") from exc
+        logger.info("[split] wrote %s (%s, %d nodes)", path, spec.tier, len(model.graph.node))

@@ -1,0 +1,84 @@
+"""Fixtures shared by every test package."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A throw-away redis-server on a free port with no persistence; its URL once it PINGs.
+
+    Without the binary the test is skipped, except under CI (env ``CI`` set), where a
+    missing service must fail the run rather than pass it silently.
+    """
+    binary = shutil.which("redis-server")
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is not installed, and CI must run the Redis tests")
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    for _ in range(5):
+        port = _free_port()
+        process = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(directory),
+                "--loglevel",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return process, f"redis://127.0.0.1:{port}/0"
+            except OSError:
+                time.sleep(0.02)
+        stop_redis(process)  # lost the port race or never came up: try another port
+    pytest.fail("redis-server did not answer PING on any of 5 free ports")
+
+
+def stop_redis(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of a real redis-server shared by the session's tests (stopped at the end)."""
+    process, url = start_redis(tmp_path_factory.mktemp("redis"))
+    try:
+        yield url
+    finally:
+        stop_redis(process)

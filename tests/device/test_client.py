@@ -1,0 +1,134 @@
+"""The device client: device-only plans, bad inputs, unreachable and silent edges, npz I/O."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tierflow.device.client import DeviceClient
+from tierflow.device.npz import load_requests, save_outputs
+from tierflow.errors import DeadlineError, InputError, TransportError, UsageError
+from tierflow.plan import Plan, SegmentSpec, load_plan, save_plan
+from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.wire import GRPC_OPTIONS
+
+
+def _chain_plan(directory: Path, tiers: list[str]) -> Path:
+    """A chain of Gemm segments x -> t1 -> ... -> y, one per tier in ``tiers``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    names = ["x"] + [f"t{i}" for i in range(1, len(tiers))] + ["y"]
+    segments = []
+    for i, tier in enumerate(tiers):
+        weights = np.random.default_rng(i).standard_normal((4, 4)).astype(np.float32)
+        graph = helper.make_graph(
+            [helper.make_node("Gemm", [names[i], "w"], [names[i + 1]], transB=1)],
+            f"s{i}",
+            [helper.make_tensor_value_info(names[i], TensorProto.FLOAT, [1, 4])],
+            [helper.make_tensor_value_info(names[i + 1], TensorProto.FLOAT, [1, 4])],
+            [numpy_helper.from_array(weights, "w")],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        onnx.save(model, directory / f"s{i}.onnx")
+        segments.append(SegmentSpec(tier, f"s{i}.onnx", (names[i],), (names[i + 1],)))
+    plan = Plan("m.onnx", "0" * 64, ("x",), ("y",), tuple(segments))
+    save_plan(plan, directory)
+    return directory
+
+
+def _x(seed: int = 0) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(seed).standard_normal((1, 4)).astype(np.float32)}
+
+
+def test_a_device_only_plan_needs_no_edge(tmp_path: Path) -> None:
+    plan_dir = _chain_plan(tmp_path / "plan", ["device", "device"])
+    with DeviceClient(plan_dir) as device:
+        results = list(device.run_stream([_x(i) for i in range(5)]))
+    assert [r.id for r in results] == ["0", "1", "2", "3", "4"]
+    for result in results:
+        assert result.ok and result.answered_by == "device" and result.outputs["y"].shape == (1, 4)
+        assert result.bytes == {"device-edge": 0, "edge-cloud": 0}
+        assert result.ms["total"] > 0
+
+
+def test_bad_inputs_end_as_input_errors(tmp_path: Path) -> None:
+    plan_dir = _chain_plan(tmp_path / "plan", ["device"])
+    with DeviceClient(plan_dir) as device:
+        wrong_name = device.submit({"z": _x()["x"]}).result()
+        wrong_shape = device.submit({"x": np.ones((1, 5), np.float32)}).result()
+        with pytest.raises(InputError, match="expected"):
+            device.infer({"x": np.ones((1, 4), np.float64)})
+    assert isinstance(wrong_name.error, InputError) and not wrong_name.ok
+    assert isinstance(wrong_shape.error, InputError) and "float32[1x5]" in str(wrong_shape.error)
+
+
+def test_a_split_plan_needs_the_edge_address(tmp_path: Path) -> None:
+    plan_dir = _chain_plan(tmp_path / "plan", ["device", "edge"])
+    with pytest.raises(UsageError, match="--edge"):
+        DeviceClient(plan_dir)
+
+
+def test_an_unreachable_edge_is_a_transport_error_at_once(tmp_path: Path) -> None:
+    plan_dir = _chain_plan(tmp_path / "plan", ["device", "cloud"])
+    with DeviceClient(plan_dir, "127.0.0.1:1", deadline_s=20) as device:
+        start = time.monotonic()
+        results = list(device.run_stream([_x(i) for i in range(3)]))
+    assert all(isinstance(r.error, TransportError) for r in results)
+    assert not any(isinstance(r.error, DeadlineError) for r in results)
+    assert time.monotonic() - start < 10
+
+
+class _SilentTier(tier_pb2_grpc.TierServicer):
+    """Reads requests and never answers: only deadlines can end them."""
+
+    def Infer(
+        self, request_iterator: Iterator[tier_pb2.Request], context: grpc.ServicerContext
+    ) -> Iterator[tier_pb2.Reply]:
+        for _ in request_iterator:
+            pass
+        yield from ()
+
+
+def test_requests_to_a_silent_edge_fail_at_their_deadline(tmp_path: Path) -> None:
+    plan_dir = _chain_plan(tmp_path / "plan", ["device", "edge"])
+    server = grpc.server(ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    tier_pb2_grpc.add_TierServicer_to_server(_SilentTier(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with DeviceClient(plan_dir, f"127.0.0.1:{port}", deadline_s=0.5) as device:
+            start = time.monotonic()
+            results = list(device.run_stream([_x(i) for i in range(4)]))
+            elapsed = time.monotonic() - start
+    finally:
+        server.stop(None)
+    assert all(isinstance(r.error, DeadlineError) for r in results)
+    assert 0.45 < elapsed < 3.0
+
+
+def test_npz_requests_gain_and_outputs_lose_the_batch_axis(tmp_path: Path) -> None:
+    plan_dir = _chain_plan(tmp_path / "plan", ["device"])
+    plan = load_plan(plan_dir)
+    inputs = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=inputs)
+    requests, added = load_requests(tmp_path / "in.npz", plan, plan_dir)
+    assert added and [r["x"].shape for r in requests] == [(1, 4)] * 3
+    with DeviceClient(plan_dir) as device:
+        results = list(device.run_stream(requests))
+    results[1] = type(results[1])(id="1", error=TransportError("gone"))
+    assert save_outputs(tmp_path / "out.npz", results, plan, batch_added=True) == ["y"]
+    with np.load(tmp_path / "out.npz") as out:
+        y = out["y"]
+    assert y.shape == (3, 4)
+    np.testing.assert_array_equal(y[0], results[0].outputs["y"][0])
+    assert np.isnan(y[1]).all()
+    np.savez(tmp_path / "bad.npz", y=inputs)
+    with pytest.raises(InputError, match="lacks model inputs"):
+        load_requests(tmp_path / "bad.npz", plan, plan_dir)

@@ -1,0 +1,283 @@
+"""Tiny split models for the runtime tests, built with onnx.helper, and tier fixtures.
+
+Each model is written whole (the reference) and as three segment files with a plan, the
+way the partitioner would: the device, edge and cloud segments together compute exactly
+the whole model's nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import select
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tierflow.cloud.server import CloudServer
+from tierflow.edge.server import EdgeServer
+from tierflow.links import LinkSpec
+from tierflow.plan import ExitSpec, Plan, SegmentSpec, save_plan
+
+
+@dataclass(frozen=True)
+class Split:
+    """A model and its plan directory."""
+
+    plan_dir: Path
+    model_path: Path
+    inputs: dict[str, tuple[int, ...]]
+
+    def sample(self, seed: int, count: int = 1) -> list[dict[str, np.ndarray]]:
+        rng = np.random.default_rng(seed)
+        return [
+            {
+                name: rng.standard_normal(shape).astype(np.float32)
+                for name, shape in self.inputs.items()
+            }
+            for _ in range(count)
+        ]
+
+    def reference(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        session = ort.InferenceSession(str(self.model_path), providers=["CPUExecutionProvider"])
+        names = [o.name for o in session.get_outputs()]
+        return dict(zip(names, session.run(names, feeds), strict=True))
+
+
+def _weights(rng: np.random.Generator, name: str, shape: Sequence[int]) -> TensorProto:
+    return numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
+
+
+def _write_split(
+    directory: Path,
+    nodes: list[onnx.NodeProto],
+    initializers: list[TensorProto],
+    inputs: dict[str, tuple[int, ...]],
+    outputs: list[str],
+    segments: list[tuple[str, list[int], list[str], list[str], list[ExitSpec]]],
+    codec: dict[str, str],
+) -> Split:
+    directory.mkdir(parents=True, exist_ok=True)
+    graph_inputs = [
+        helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in inputs.items()
+    ]
+    exit_names = [e.name for seg in segments for e in seg[4]]
+    full = helper.make_model(
+        helper.make_graph(
+            nodes,
+            "full",
+            graph_inputs,
+            [
+                helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                for n in outputs + exit_names
+            ],
+            initializers,
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    full = onnx.shape_inference.infer_shapes(full, strict_mode=True)
+    types = {v.name: v for v in list(full.graph.value_info) + list(full.graph.input)}
+    types.update({v.name: v for v in full.graph.output})
+    # The reference model has only the real outputs.
+    reference = onnx.ModelProto()
+    reference.CopyFrom(full)
+    del reference.graph.output[:]
+    reference.graph.output.extend(types[n] for n in outputs)
+    model_path = directory / "model.onnx"
+    onnx.save(reference, model_path)
+    by_name = {t.name: t for t in initializers}
+    specs = []
+    for index, (tier, node_ids, seg_in, seg_out, exits) in enumerate(segments):
+        seg_nodes = [nodes[i] for i in node_ids]
+        used = {name for node in seg_nodes for name in node.input}
+        graph = helper.make_graph(
+            seg_nodes,
+            f"seg{index}",
+            [types[n] for n in seg_in],
+            [types[n] for n in seg_out],
+            [by_name[n] for n in sorted(used) if n in by_name],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        onnx.checker.check_model(model)
+        file = f"segment{index}_{tier}.onnx"
+        onnx.save(model, directory / file)
+        specs.append(SegmentSpec(tier, file, tuple(seg_in), tuple(seg_out), tuple(exits)))
+    plan = Plan(
+        model_file="model.onnx",
+        model_sha256=hashlib.sha256(model_path.read_bytes()).hexdigest(),
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        segments=tuple(specs),
+        codec=codec,
+    )
+    save_plan(plan, directory)
+    return Split(directory, model_path, inputs)
+
+
+def make_cnn(
+    directory: Path,
+    codec: dict[str, str] | None = None,
+    exit_threshold: float | None = None,
+    batch: int = 1,
+) -> Split:
+    """conv-relu | conv-relu (exit head) | pool-flatten-gemm, device | edge | cloud."""
+    rng = np.random.default_rng(0)
+    inits = [
+        _weights(rng, "w1", (8, 3, 3, 3)),
+        _weights(rng, "w2", (8, 8, 3, 3)),
+        _weights(rng, "w3", (10, 8)),
+        _weights(rng, "we", (10, 8)),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["h1"]),
+        helper.make_node("Conv", ["h1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c2"], ["h2"]),
+        helper.make_node("GlobalAveragePool", ["h2"], ["p"]),
+        helper.make_node("Flatten", ["p"], ["f"]),
+        helper.make_node("Gemm", ["f", "w3"], ["y"], transB=1),
+        helper.make_node("Gemm", ["f", "we"], ["exit_edge"], transB=1),
+    ]
+    exits = [] if exit_threshold is None else [ExitSpec("exit_edge", exit_threshold)]
+    edge_nodes = [2, 3] + ([4, 5, 7] if exits else [])
+    edge_out = ["h2"] + (["exit_edge"] if exits else [])
+    cloud_nodes = [6] if exits else [4, 5, 6]
+    cloud_in = ["f"] if exits else ["h2"]
+    if exits:
+        edge_out = ["f", "exit_edge"]
+    segments = [
+        ("device", [0, 1], ["x"], ["h1"], []),
+        ("edge", edge_nodes, ["h1"], edge_out, exits),
+        ("cloud", cloud_nodes, cloud_in, ["y"], []),
+    ]
+    return _write_split(
+        directory, nodes, inits, {"x": (batch, 3, 8, 8)}, ["y"], segments, codec or {}
+    )
+
+
+def make_residual(directory: Path, codec: dict[str, str] | None = None) -> Split:
+    """A residual MLP whose cuts carry two tensors, one passing through the edge untouched."""
+    rng = np.random.default_rng(1)
+    inits = [
+        _weights(rng, "wa", (16, 16)),
+        _weights(rng, "wb", (16, 16)),
+        _weights(rng, "wc", (16, 16)),
+        _weights(rng, "wd", (4, 16)),
+    ]
+    nodes = [
+        helper.make_node("Gemm", ["x", "wa"], ["a"], transB=1),
+        helper.make_node("Relu", ["a"], ["h"]),
+        helper.make_node("Gemm", ["h", "wb"], ["g"], transB=1),
+        helper.make_node("Add", ["g", "a"], ["b"]),
+        helper.make_node("Tanh", ["b"], ["t"]),
+        helper.make_node("Gemm", ["t", "wc"], ["u"], transB=1),
+        helper.make_node("Add", ["u", "a"], ["v"]),
+        helper.make_node("Gemm", ["v", "wd"], ["y"], transB=1),
+        helper.make_node("Softmax", ["y"], ["p"], axis=1),
+    ]
+    segments = [
+        ("device", [0, 1], ["x"], ["a", "h"], []),
+        ("edge", [2, 3, 4], ["h", "a"], ["t"], []),
+        ("cloud", [5, 6, 7, 8], ["t", "a"], ["y", "p"], []),
+    ]
+    return _write_split(directory, nodes, inits, {"x": (1, 16)}, ["y", "p"], segments, codec or {})
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_tiers(
+    plan_dir: Path, *, links: dict[str, LinkSpec] | None = None, cache: object | None = None
+) -> Iterator[tuple[str, EdgeServer, CloudServer]]:
+    """A cloud and an edge server in this process on free ports; stopped afterwards."""
+    cloud = CloudServer(plan_dir, "127.0.0.1:0", cache=cache, links=links, workers=2)  # type: ignore[arg-type]
+    cloud.start()
+    edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, links=links, workers=2)
+    try:
+        edge.start()
+        yield edge.address, edge, cloud
+    finally:
+        edge.stop(0.5)
+        cloud.stop(0.5)
+
+
+class ServerProcess:
+    """``tierflow serve TIER ...`` in a child process; the address it printed once serving."""
+
+    def __init__(self, tier: str, plan_dir: Path, *args: str, listen: str = "127.0.0.1:0") -> None:
+        command = [sys.executable, "-m", "tierflow.cli", "serve", tier, "--plan", str(plan_dir)]
+        command += ["--listen", listen, "--grace", "0.5", *args]
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], 60)
+        line = self.process.stdout.readline() if ready else ""
+        if " on " not in line:
+            self.kill()
+            _, err = self.process.communicate(timeout=10)
+            raise RuntimeError(f"tierflow serve {tier} did not start: {line!r} {err[-2000:]}")
+        self.address = line.rsplit(" on ", 1)[1].strip()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def terminate(self) -> int:
+        """SIGTERM, as a service manager stops it; returns the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(10)
+        finally:
+            self.kill()
+
+
+@contextlib.contextmanager
+def server_processes() -> Iterator[Callable[..., ServerProcess]]:
+    """Start servers with the yielded function; every one is killed afterwards."""
+    started: list[ServerProcess] = []
+
+    def start(tier: str, plan_dir: Path, *args: str, listen: str = "127.0.0.1:0") -> ServerProcess:
+        server = ServerProcess(tier, plan_dir, *args, listen=listen)
+        started.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.kill()
+            for stream in (server.process.stdout, server.process.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+class RuntimeKit:
+    """What the runtime tests use, handed out by the ``rt`` fixture (conftest is not importable)."""
+
+    cnn = staticmethod(make_cnn)
+    residual = staticmethod(make_residual)
+    tiers = staticmethod(running_tiers)
+    free_port = staticmethod(free_port)
+    processes = staticmethod(server_processes)
+
+
+@pytest.fixture
+def rt() -> RuntimeKit:
+    return RuntimeKit()

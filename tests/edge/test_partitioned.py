@@ -1,0 +1,67 @@
+"""Plans cut by the partitioner itself (load_model + split_model) run exactly on three tiers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tierflow.device.client import DeviceClient
+from tierflow.partitioner.graph import load_model
+from tierflow.partitioner.split import split_model, write_segments
+from tierflow.plan import Plan, save_plan
+
+
+def _torch_resnet(path: Path) -> Path:
+    """A narrow ResNet-18 from the model zoo, exported by torch (legacy exporter: fast)."""
+    pytest.importorskip("torch")
+    from tierflow.partitioner.zoo import export_onnx, resnet18
+
+    module, example = resnet18(size=16, width=0.125, num_classes=10)
+    return export_onnx(module, example, path, dynamo=False)
+
+
+def _partitioned_plan(model_path: Path, plan_dir: Path) -> Plan:
+    graph = load_model(model_path)
+    last = len(graph.cuts) - 1
+    cuts = (max(1, last // 3), max(2, 2 * last // 3))
+    segments = split_model(graph, cuts)
+    assert [spec.tier for spec, _ in segments] == ["device", "edge", "cloud"]
+    write_segments(segments, plan_dir)
+    plan = Plan(
+        model_file=model_path.name,
+        model_sha256=graph.sha256,
+        inputs=tuple(t.name for t in graph.inputs),
+        outputs=tuple(t.name for t in graph.outputs),
+        segments=tuple(spec for spec, _ in segments),
+        codec={"device-edge": "zstd", "edge-cloud": "shuffle+zstd"},
+    )
+    save_plan(plan, plan_dir)
+    return plan
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["torch-resnet18", "residual"])
+def test_partitioner_plans_reproduce_the_model_exactly(tmp_path: Path, rt: Any, model: str) -> None:
+    if model == "residual":
+        split = rt.residual(tmp_path / "source")
+        model_path, shape = split.model_path, split.inputs["x"]
+    else:
+        model_path, shape = _torch_resnet(tmp_path / "resnet.onnx"), (1, 3, 16, 16)
+    plan_dir = tmp_path / "plan"
+    plan = _partitioned_plan(model_path, plan_dir)
+    import onnxruntime as ort
+
+    whole = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    name = plan.inputs[0]
+    rng = np.random.default_rng(5)
+    samples = [{name: rng.standard_normal(shape).astype(np.float32)} for _ in range(4)]
+    with rt.tiers(plan_dir) as (edge, _, _), DeviceClient(plan_dir, edge) as device:
+        results = [r.unwrap() for r in device.run_stream(samples)]
+    for feeds, result in zip(samples, results, strict=True):
+        expected = dict(zip(plan.outputs, whole.run(list(plan.outputs), feeds), strict=True))
+        assert result.answered_by == "cloud"
+        for key, value in expected.items():
+            np.testing.assert_array_equal(result.outputs[key], value)

@@ -1,0 +1,155 @@
+"""Link emulation: make a local connection behave like a link of a given rate and RTT.
+
+Three processes on one machine talk over loopback, which is far faster than the 20 Mbit/s
+uplink of a phone. So that the local demo, the tests and the benchmarks see what a real
+deployment would, every sender shapes what it puts on a link (see [Note: link shaping]).
+Replies flowing back are shaped by their sender in the same way, on their own direction
+of the link (links are full duplex).
+
+[Note: link shaping]
+A link direction is a server of one message at a time. A message of ``n`` bytes starts
+when it is handed over or when the link is free, whichever is later; it occupies the link
+for ``n * 8 / rate`` seconds (serialisation) and arrives ``rtt / 2`` after it has left
+(propagation). Propagation does not hold the link: the next message starts serialising
+while the previous one is still in flight, as on a real wire. Shaping happens on the
+sending side by holding a message back until its arrival time, then writing it to the
+(much faster) real connection; message order is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from tierflow.errors import UsageError
+from tierflow.links import LINKS, LinkSpec, parse_link_option
+from tierflow.plan import Plan
+from tierflow.rpc import tier_pb2
+
+T = TypeVar("T")
+
+EMULATION_MODES: tuple[str, ...] = ("off", "plan")
+
+
+@dataclass
+class Transfer:
+    """One message put on a link direction, as its sender saw it (monotonic seconds).
+
+    ``left`` is when the message had left the sender: with emulation, the end of its
+    serialisation; without, when the transport had written it (None until then).
+    """
+
+    nbytes: int
+    queued: float
+    left: float | None = None
+    arrives: float | None = None
+
+    def stat(self, link: str) -> tier_pb2.LinkStat:
+        """The wire record of this transfer: bytes, send time and the rate achieved."""
+        left = self.left if self.left is not None else time.monotonic()
+        send_s = max(left - self.queued, 0.0)
+        rate = self.nbytes * 8.0 / send_s if send_s > 0 and self.nbytes > 0 else 0.0
+        return tier_pb2.LinkStat(link=link, bytes=self.nbytes, send_ms=send_s * 1e3, rate_bps=rate)
+
+
+class LinkShaper:
+    """The state of one emulated link direction; thread-safe. ``spec=None``: not shaped."""
+
+    def __init__(self, name: str, spec: LinkSpec | None) -> None:
+        self.name = name
+        self.spec = spec
+        self._free_at = 0.0
+        self._lock = threading.Lock()
+
+    def schedule(self, nbytes: int) -> Transfer:
+        """Book the link for ``nbytes`` bytes handed over now ([Note: link shaping])."""
+        now = time.monotonic()
+        transfer = Transfer(nbytes, now)
+        if self.spec is None:
+            return transfer
+        with self._lock:
+            start = max(now, self._free_at)
+            self._free_at = start + nbytes * 8.0 / self.spec.rate_bps
+            transfer.left = self._free_at
+        transfer.arrives = transfer.left + self.spec.rtt_s / 2.0
+        return transfer
+
+
+class ShapedQueue(Generic[T]):
+    """A FIFO whose items come out no earlier than their emulated arrival on a link.
+
+    Producers :meth:`put` messages (any thread); one consumer iterates :meth:`drain`,
+    typically as the request iterator of a gRPC stream or a server's reply generator.
+    :meth:`close` ends the iteration after everything put before it.
+    """
+
+    _END = object()
+
+    def __init__(self, shaper: LinkShaper | None = None) -> None:
+        self.shaper = shaper
+        self._queue: queue.SimpleQueue[tuple[Transfer | None, object]] = queue.SimpleQueue()
+
+    def put(self, item: T, nbytes: int) -> Transfer:
+        """Queue ``item`` (``nbytes`` on the wire); return its transfer record."""
+        if self.shaper is None:
+            transfer = Transfer(nbytes, time.monotonic())
+        else:
+            transfer = self.shaper.schedule(nbytes)
+        self._queue.put((transfer, item))
+        return transfer
+
+    def close(self) -> None:
+        self._queue.put((None, self._END))
+
+    def drain(self) -> Iterator[T]:
+        """Yield items at their arrival times until :meth:`close`."""
+        while True:
+            transfer, item = self._queue.get()
+            if item is self._END:
+                return
+            assert transfer is not None
+            if transfer.arrives is not None:
+                delay = transfer.arrives - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            yield item  # type: ignore[misc]
+            if transfer.left is None:
+                # The transport asks for the next item once this one is written.
+                transfer.left = time.monotonic()
+
+
+def add_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--link-emulation`` and ``--link`` options every runtime command takes."""
+    parser.add_argument(
+        "--link-emulation",
+        choices=EMULATION_MODES,
+        default="off",
+        help="shape the links this process sends on: 'plan' uses the plan's rates and RTTs "
+        "(overridden by --link), so local processes behave like the real links",
+    )
+    parser.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        metavar="NAME=RATE[,RTT]",
+        help="override a link for emulation, e.g. device-edge=20mbit,10ms (repeatable)",
+    )
+
+
+def resolve_links(plan: Plan, mode: str, overrides: Sequence[str] = ()) -> dict[str, LinkSpec]:
+    """The links to emulate: none when ``mode`` is 'off', else the plan's with overrides."""
+    if mode not in EMULATION_MODES:
+        raise UsageError(f"unknown --link-emulation {mode!r}: expected one of off, plan")
+    parsed = dict(parse_link_option(text) for text in overrides)
+    if mode == "off":
+        if parsed:
+            raise UsageError("--link needs --link-emulation plan; it only sets emulated links")
+        return {}
+    links = {name: plan.links[name] for name in LINKS if name in plan.links}
+    links.update(parsed)
+    return links

@@ -1,0 +1,358 @@
+"""Running a tier's share of a plan in ONNX Runtime: segments, input checks, early exits.
+
+Every tier (device, edge, cloud) uses the same two classes: a :class:`SegmentRunner` owns
+one ONNX Runtime session for one segment file; a :class:`TierRunner` runs the segments a
+plan gives one tier, checks their early exits, and says what to do next: answer now, or
+forward the named tensors to the next tier. Only onnxruntime and numpy are imported.
+
+See [Note: what crosses to the next tier] for which tensors are forwarded,
+[Note: exit confidence] for how an exit decides, and [Note: optimization level and
+exactness] for the ONNX Runtime setting that trades speed against bit-exact splits.
+
+[Note: what crosses to the next tier]
+A request entering the tier whose first segment is ``k`` carries every tensor that a
+segment at ``k`` or later reads, plus every model output already computed before ``k``
+(the answer must contain all model outputs). :meth:`TierRunner.required_names` gives the
+set for any ``k``; the device sends it, the next tier checks it.
+
+[Note: exit confidence]
+An exit output holds class scores with classes on the last axis. If every row already
+is a probability distribution (values in [0, 1] summing to 1 within 1e-3) it is used as
+is; otherwise it is treated as logits and a softmax is taken. A request leaves at the
+exit when the top probability of every row is at least the exit's threshold. An exit on
+the plan's last segment is never taken: the final outputs are there anyway.
+
+[Note: optimization level and exactness]
+At ONNX Runtime's highest level ("all") the unsplit model gets fusions that span what
+are cut boundaries in a plan (a Conv, the residual Add and the Relu become one NCHWc
+convolution), so a split model can differ from the unsplit one in the last bit (about
+1e-7 relative). At "extended" and below no fusion depends on where the graph was cut and
+a split reproduces the unsplit model bit for bit (measured on ResNet-18 and MobileNetV2,
+10 of 10 cut pairs each; at "all" 1 of 10 on ResNet-18). "all" is 2-3.4 times faster on
+those convnets, so it is the default; choose "extended" where bit-exact answers matter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from tierflow.errors import InputError, ModelError, PlanError, UsageError
+from tierflow.links import TIERS
+from tierflow.plan import ExitSpec, Plan, SegmentSpec
+
+logger = logging.getLogger(__name__)
+
+# ONNX Runtime's element type names -> numpy dtypes.
+_ORT_DTYPES: dict[str, str] = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(double)": "float64",
+    "tensor(int8)": "int8",
+    "tensor(int16)": "int16",
+    "tensor(int32)": "int32",
+    "tensor(int64)": "int64",
+    "tensor(uint8)": "uint8",
+    "tensor(uint16)": "uint16",
+    "tensor(uint32)": "uint32",
+    "tensor(uint64)": "uint64",
+    "tensor(bool)": "bool",
+}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What a segment expects of one input: dtype and shape (None for a symbolic dim)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | None, ...]
+
+    def describe(self) -> str:
+        dims = "x".join("?" if d is None else str(d) for d in self.shape)
+        return f"{self.dtype}[{dims}]"
+
+    def check(self, dtype: str, shape: tuple[int, ...], owner: str) -> None:
+        """Raise an :class:`InputError` unless ``dtype``/``shape`` fit this input."""
+        fits = dtype == self.dtype and len(shape) == len(self.shape)
+        fits = fits and all(e is None or e == d for e, d in zip(self.shape, shape, strict=False))
+        if not fits:
+            dims = "x".join(str(d) for d in shape)
+            raise InputError(
+                f"{owner} input {self.name!r}: expected {self.describe()}, found {dtype}[{dims}]"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> InputSpec:
+        return cls(str(data["name"]), str(data["dtype"]), tuple(data["shape"]))
+
+
+#: ONNX Runtime graph optimization levels by name ([Note: optimization level and exactness]).
+OPTIMIZATION_LEVELS: dict[str, ort.GraphOptimizationLevel] = {
+    "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+DEFAULT_OPTIMIZATION = "all"
+
+
+def session_options(threads: int, optimization: str = DEFAULT_OPTIMIZATION) -> ort.SessionOptions:
+    """Session options for a tier: ``threads`` intra-op threads that never spin.
+
+    Spinning threads burn a core while idle; three tiers on one machine (or a device
+    on battery) cannot afford that. ``optimization`` is one of ``OPTIMIZATION_LEVELS``.
+    """
+    if optimization not in OPTIMIZATION_LEVELS:
+        raise UsageError(
+            f"unknown optimization level {optimization!r}: expected one of "
+            f"{', '.join(OPTIMIZATION_LEVELS)}"
+        )
+    options = ort.SessionOptions()
+    options.graph_optimization_level = OPTIMIZATION_LEVELS[optimization]
+    options.intra_op_num_threads = max(0, threads)
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    options.log_severity_level = 3
+    return options
+
+
+def add_optimization_argument(parser: argparse.ArgumentParser) -> None:
+    """``--optimization``, for every command that runs segments."""
+    parser.add_argument(
+        "--optimization",
+        choices=tuple(OPTIMIZATION_LEVELS),
+        default=DEFAULT_OPTIMIZATION,
+        help="ONNX Runtime graph optimization; 'extended' or lower makes split outputs "
+        "bit-identical to the unsplit model's, 'all' is faster",
+    )
+
+
+class SegmentRunner:
+    """One segment file loaded into an ONNX Runtime session; safe to call from many threads.
+
+    ``slowdown`` > 1 emulates a slower tier: after each run the caller sleeps
+    ``(slowdown - 1)`` times the compute time, so the tier is slow end to end (latency and
+    throughput alike) just as the profile for that tier says.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        threads: int = 1,
+        slowdown: float = 1.0,
+        optimization: str = DEFAULT_OPTIMIZATION,
+    ) -> None:
+        if not slowdown >= 1.0:
+            raise ModelError(f"slowdown must be at least 1.0, got {slowdown}")
+        self.path = Path(path)
+        self.slowdown = slowdown
+        options = session_options(threads, optimization)
+        try:
+            self.session = ort.InferenceSession(
+                str(self.path), options, providers=["CPUExecutionProvider"]
+            )
+        except Exception as exc:  # onnxruntime raises its own pybind exception types
+            raise ModelError(f"cannot load segment {self.path}: {exc}") from exc
+        self.inputs: dict[str, InputSpec] = {}
+        for arg in self.session.get_inputs():
+            dtype = _ORT_DTYPES.get(arg.type)
+            if dtype is None:
+                raise ModelError(f"segment {self.path.name} input {arg.name!r} has type {arg.type}")
+            shape = tuple(d if isinstance(d, int) and d >= 0 else None for d in arg.shape)
+            self.inputs[arg.name] = InputSpec(arg.name, dtype, shape)
+        self.output_names = [arg.name for arg in self.session.get_outputs()]
+
+    def check_inputs(self, feeds: Mapping[str, np.ndarray]) -> None:
+        """Raise an :class:`InputError` naming what was expected and what was found."""
+        missing = sorted(set(self.inputs) - set(feeds))
+        extra = sorted(set(feeds) - set(self.inputs))
+        if missing or extra:
+            raise InputError(
+                f"segment {self.path.name} expects inputs {sorted(self.inputs)}, found "
+                f"{sorted(feeds)} (missing {missing}, unexpected {extra})"
+            )
+        for name, spec in self.inputs.items():
+            array = feeds[name]
+            spec.check(array.dtype.name, tuple(array.shape), f"segment {self.path.name}")
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run the segment; inputs are checked first, runtime failures become ModelError."""
+        self.check_inputs(feeds)
+        start = time.perf_counter()
+        try:
+            values = self.session.run(self.output_names, dict(feeds))
+        except Exception as exc:
+            text = str(exc)
+            if "INVALID_ARGUMENT" in text or "InvalidArgument" in type(exc).__name__:
+                raise InputError(f"segment {self.path.name} refused its inputs: {text}") from exc
+            raise ModelError(f"segment {self.path.name} failed: {text}") from exc
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
+        return dict(zip(self.output_names, values, strict=True))
+
+
+def exit_confidence(scores: np.ndarray) -> float:
+    """Lowest top-class probability over the rows of ``scores`` ([Note: exit confidence])."""
+    values = np.asarray(scores, dtype=np.float64)
+    if values.ndim == 0 or values.size == 0:
+        return 0.0
+    rows = values.reshape(-1, values.shape[-1])
+    if not np.isfinite(rows).all():
+        return 0.0
+    sums = rows.sum(axis=-1)
+    if (rows >= 0).all() and (rows <= 1).all() and np.allclose(sums, 1.0, atol=1e-3):
+        probs = rows
+    else:
+        shifted = np.exp(rows - rows.max(axis=-1, keepdims=True))
+        probs = shifted / shifted.sum(axis=-1, keepdims=True)
+    return float(probs.max(axis=-1).min())
+
+
+@dataclass
+class Outcome:
+    """What a tier did with a request: an answer (``final``) or tensors to forward."""
+
+    tensors: dict[str, np.ndarray]
+    final: bool
+    exit: str | None = None
+    next_segment: int = 0
+    compute_s: float = 0.0
+    confidence: float | None = None
+    exits_checked: list[str] = field(default_factory=list)
+
+
+class TierRunner:
+    """The segments one tier runs for a plan, in order, with their early exits.
+
+    A tier with no segments is valid (it only forwards, or only answers from a cache).
+    ``start`` is the index of the first segment that this tier or a later one runs: the
+    ``segment`` a request arriving here must name.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        plan_dir: str | Path,
+        tier: str,
+        *,
+        threads: int = 1,
+        slowdown: float = 1.0,
+        optimization: str = DEFAULT_OPTIMIZATION,
+    ) -> None:
+        if tier not in TIERS:
+            raise PlanError(f"unknown tier {tier!r}: expected one of {', '.join(TIERS)}")
+        self.plan = plan
+        self.tier = tier
+        rank = TIERS.index(tier)
+        later = [i for i, s in enumerate(plan.segments) if TIERS.index(s.tier) >= rank]
+        self.start = later[0] if later else len(plan.segments)
+        mine = plan.segments_for(tier)
+        self.segments: list[tuple[int, SegmentSpec, SegmentRunner]] = []
+        for index, spec in mine:
+            runner = SegmentRunner(
+                Path(plan_dir) / spec.file,
+                threads=threads,
+                slowdown=slowdown,
+                optimization=optimization,
+            )
+            missing = sorted(set(spec.inputs) - set(runner.inputs))
+            if missing or not set(spec.outputs) <= set(runner.output_names):
+                raise PlanError(
+                    f"segment file {spec.file} does not match the plan: expected inputs "
+                    f"{list(spec.inputs)} and outputs {list(spec.outputs)}, found inputs "
+                    f"{sorted(runner.inputs)} and outputs {runner.output_names}"
+                )
+            self.segments.append((index, spec, runner))
+        self.end = self.segments[-1][0] + 1 if self.segments else self.start
+        self.needs = self.required_names(self.start)
+
+    def required_names(self, index: int) -> tuple[str, ...]:
+        """Tensors a request entering at segment ``index`` must carry (see the module note)."""
+        available = set(self.plan.inputs)
+        for spec in self.plan.segments[:index]:
+            available.update(spec.outputs)
+        needed: set[str] = set()
+        for spec in self.plan.segments[index:]:
+            needed.update(spec.inputs)
+        needed.update(self.plan.outputs)
+        return tuple(sorted(needed & available))
+
+    def input_specs(self) -> dict[str, InputSpec]:
+        """Dtype and shape of the incoming tensors this tier's segments read directly."""
+        specs: dict[str, InputSpec] = {}
+        for _, spec, runner in self.segments:
+            for name in spec.inputs:
+                if name in self.needs and name not in specs:
+                    specs[name] = runner.inputs[name]
+        return specs
+
+    def check_names(self, names: set[str], *, segment: int) -> None:
+        """Raise unless a request names segment ``start`` and carries exactly ``needs``."""
+        if segment != self.start:
+            raise InputError(
+                f"the {self.tier} runs the plan from segment {self.start}, but the request "
+                f"names segment {segment}"
+            )
+        expected = set(self.needs)
+        if names != expected:
+            raise InputError(
+                f"the {self.tier} expects tensors {sorted(expected)}, found {sorted(names)} "
+                f"(missing {sorted(expected - names)}, unexpected {sorted(names - expected)})"
+            )
+
+    def run(self, tensors: Mapping[str, np.ndarray]) -> Outcome:
+        """Run this tier's segments on ``tensors``; stop at the first confident exit."""
+        env = dict(tensors)
+        last = len(self.plan.segments) - 1
+        start = time.perf_counter()
+        checked: list[str] = []
+        for index, spec, runner in self.segments:
+            env.update(runner.run({name: env[name] for name in spec.inputs}))
+            if index == last:
+                continue
+            for exit_spec in spec.exits:
+                checked.append(exit_spec.name)
+                confidence = exit_confidence(env[exit_spec.name])
+                if confidence >= exit_spec.threshold:
+                    return self._exit(exit_spec, env, confidence, start, checked)
+        elapsed = time.perf_counter() - start
+        if self.end >= len(self.plan.segments):
+            outputs = {name: env[name] for name in self.plan.outputs}
+            return Outcome(outputs, True, None, self.end, elapsed, exits_checked=checked)
+        names = self.required_names(self.end)
+        forward = {name: env[name] for name in names}
+        return Outcome(forward, False, None, self.end, elapsed, exits_checked=checked)
+
+    def _exit(
+        self,
+        exit_spec: ExitSpec,
+        env: dict[str, np.ndarray],
+        confidence: float,
+        start: float,
+        checked: list[str],
+    ) -> Outcome:
+        elapsed = time.perf_counter() - start
+        logger.debug("[%s] exit %s taken (confidence %.3f)", self.tier, exit_spec.name, confidence)
+        return Outcome(
+            {exit_spec.name: env[exit_spec.name]},
+            True,
+            exit_spec.name,
+            self.end,
+            elapsed,
+            confidence,
+            checked,
+        )

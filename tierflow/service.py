@@ -1,0 +1,499 @@
+"""The ``Tier`` gRPC service an edge or a cloud runs: answer each request, or forward it.
+
+One :class:`TierService` serves every stream that connects to a tier. Requests from a
+stream are read by one thread and run on a shared worker pool (sized to the cores), so
+several requests are in progress at once and the tiers work as a pipeline. What a
+request goes through is in [Note: a request at a tier]; the edge and the cloud differ
+only in whether a next tier exists (see ``tierflow.edge.server`` and
+``tierflow.cloud.server``).
+
+[Note: a request at a tier]
+1. Refuse it if the tier is not ready, the plan id differs, or its deadline has passed.
+2. Check the tensor headers (names, dtypes, shapes, codec, sizes) before decoding any
+   payload, so malformed or hostile messages cost nothing; then decode.
+3. Look the features up in the feature cache, if there is one: a hit is the answer.
+4. Run this tier's segments; a confident early exit is the answer; so are the model
+   outputs when no segment is left.
+5. Otherwise encode what the next tier needs with the next link's codec and send it up
+   the one stream to the next tier; its reply comes back down with this tier's timing
+   and link statistics added.
+Every request gets exactly one reply: any failure becomes a ``Reply`` with a typed
+``Error`` (see :func:`error_to_proto`); the stream itself is never broken on purpose.
+Answers are encoded with the lossless part of the reply link's codec: outputs are small,
+and quantising them would change the model's answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from tierflow.cloud.cache import CacheAnswer, FeatureCache, cache_key
+from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES, CodecSpec, decode, encode
+from tierflow.errors import (
+    CacheError,
+    CodecError,
+    DeadlineError,
+    InputError,
+    PlanError,
+    RemoteError,
+    TierflowError,
+    TransportError,
+    UsageError,
+)
+from tierflow.linkemu import LinkShaper, ShapedQueue, Transfer
+from tierflow.links import TIERS, LinkSpec
+from tierflow.mux import StreamClient
+from tierflow.plan import Plan
+from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.segment_runner import DEFAULT_OPTIMIZATION, TierRunner
+from tierflow.wire import DEFAULT_MESSAGE_BYTES, decode_tensors, from_proto
+
+logger = logging.getLogger(__name__)
+
+#: Requests a tier accepts in flight (all streams together) before answering OVERLOADED.
+DEFAULT_MAX_IN_FLIGHT = 1024
+#: Largest probe reply a tier sends.
+MAX_PROBE_BYTES = 64 * 1024 * 1024
+
+# Which wire ErrorCode each error becomes (first match; anything else is INTERNAL).
+_CODES: tuple[tuple[type[TierflowError], str], ...] = (
+    (InputError, "INVALID_INPUT"),
+    (CodecError, "CODEC"),
+    (PlanError, "PLAN_MISMATCH"),
+    (DeadlineError, "DEADLINE_EXCEEDED"),
+    (TransportError, "UNAVAILABLE"),
+)
+
+
+def error_to_proto(exc: BaseException, tier: str) -> tier_pb2.Error:
+    """The wire error for an exception; a RemoteError keeps its code and tier."""
+    if isinstance(exc, RemoteError):
+        name = exc.code if exc.code in tier_pb2.ErrorCode.keys() else "INTERNAL"  # noqa: SIM118
+        return tier_pb2.Error(code=name, message=str(exc), tier=exc.tier or tier)
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return tier_pb2.Error(code=code, message=str(exc), tier=tier)
+    return tier_pb2.Error(code="INTERNAL", message=f"{type(exc).__name__}: {exc}", tier=tier)
+
+
+def error_from_proto(error: tier_pb2.Error) -> RemoteError:
+    """The :class:`RemoteError` a caller sees for a wire error."""
+    code = tier_pb2.ErrorCode.Name(error.code) if error.code in tier_pb2.ErrorCode.values() else ""
+    tier = error.tier or "remote tier"
+    return RemoteError(f"{tier}: {code or 'INTERNAL'}: {error.message}", code=code, tier=tier)
+
+
+def put_tensors(field: Any, arrays: Mapping[str, np.ndarray], spec: CodecSpec) -> int:
+    """Encode ``arrays`` straight into a repeated ``Tensor`` field; return the bytes encoded.
+
+    Building each element in place copies the payload once. Appending separately built
+    ``Tensor`` messages (``Request(tensors=[...])``) was measured about 30 times slower
+    for a 1 MB tensor with the upb protobuf runtime (7 ms against 0.25 ms).
+    """
+    total = 0
+    for name, array in arrays.items():
+        tensor = encode(name, array, spec)
+        field.add(
+            name=tensor.name,
+            dtype=tensor.dtype,
+            shape=tensor.shape,
+            codec=tensor.codec,
+            params=tensor.params,
+            data=tensor.data,
+        )
+        total += tensor.nbytes
+    return total
+
+
+def link_between(lower: str, upper: str) -> str:
+    """The name of the link between two neighbouring tiers, e.g. ``device-edge``."""
+    return f"{lower}-{upper}"
+
+
+def downstream_link(tier: str) -> str | None:
+    """The link a tier's replies travel on (None for the device)."""
+    rank = TIERS.index(tier)
+    return link_between(TIERS[rank - 1], tier) if rank > 0 else None
+
+
+def upstream_link(tier: str) -> str | None:
+    """The link a tier forwards requests on (None for the cloud)."""
+    rank = TIERS.index(tier)
+    return link_between(tier, TIERS[rank + 1]) if rank + 1 < len(TIERS) else None
+
+
+def link_codec(plan: Plan, link: str | None) -> CodecSpec:
+    """The plan's codec for ``link`` ('raw' when the plan names none)."""
+    if link is None:
+        return CodecSpec.parse("raw")
+    return CodecSpec.parse(plan.codec.get(link, "raw"))
+
+
+class TierService(tier_pb2_grpc.TierServicer):
+    """The ``Tier`` servicer of an edge or a cloud ([Note: a request at a tier]).
+
+    ``upstream`` is the next tier's address; it is required when the plan runs segments
+    beyond this tier. ``links`` are the links to emulate (``tierflow.linkemu``); ``cache``
+    any :class:`~tierflow.cloud.cache.FeatureCache`. Call :meth:`load` before serving.
+    """
+
+    def __init__(
+        self,
+        tier: str,
+        plan: Plan,
+        plan_dir: str | Path,
+        *,
+        upstream: str | None = None,
+        cache: FeatureCache | None = None,
+        threads: int = 1,
+        slowdown: float = 1.0,
+        optimization: str = DEFAULT_OPTIMIZATION,
+        workers: int | None = None,
+        links: Mapping[str, LinkSpec] | None = None,
+        max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+        max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    ) -> None:
+        if tier not in ("edge", "cloud"):
+            raise UsageError(f"a tier service runs on the edge or the cloud, not on {tier!r}")
+        self.tier = tier
+        self.plan = plan
+        self.plan_dir = Path(plan_dir)
+        self.plan_id = plan.plan_id
+        self.upstream_address = upstream
+        self.cache = cache
+        self.threads = threads
+        self.slowdown = slowdown
+        self.optimization = optimization
+        self.links = dict(links or {})
+        self.max_tensor_bytes = max_tensor_bytes
+        self.max_message_bytes = max_message_bytes
+        self.max_in_flight = max_in_flight
+        self.up_link = upstream_link(tier)
+        self.down_link = downstream_link(tier)
+        self.up_codec = link_codec(plan, self.up_link)
+        self.reply_codec = link_codec(plan, self.down_link).lossless_part()
+        if self.reply_codec.compress == "none":
+            self.reply_codec = CodecSpec.parse("raw")
+        self.pool = ThreadPoolExecutor(
+            max_workers=workers or os.cpu_count() or 1, thread_name_prefix=f"{tier}-work"
+        )
+        self.runner: TierRunner | None = None
+        self.upstream: StreamClient | None = None
+        self._in_flight = 0
+        self._count_lock = threading.Lock()
+        self._ready = threading.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def load(self) -> None:
+        """Load this tier's segments and open the channel to the next tier."""
+        runner = TierRunner(
+            self.plan,
+            self.plan_dir,
+            self.tier,
+            threads=self.threads,
+            slowdown=self.slowdown,
+            optimization=self.optimization,
+        )
+        if runner.end < len(self.plan.segments):
+            if self.up_link is None or not self.upstream_address:
+                raise UsageError(
+                    f"the plan runs segments after the {self.tier}; give the next tier's "
+                    "address (--upstream HOST:PORT)"
+                )
+            shaper = LinkShaper(self.up_link, self.links.get(self.up_link))
+            self.upstream = StreamClient(
+                self.upstream_address,
+                me=self.tier,
+                peer=TIERS[TIERS.index(self.tier) + 1],
+                shaper=shaper,
+                max_message_bytes=self.max_message_bytes,
+            )
+        self.runner = runner
+        self._ready.set()
+        logger.info(
+            "[%s] plan %s loaded: segments %s, forwards to %s",
+            self.tier,
+            self.plan_id,
+            [i for i, _, _ in runner.segments],
+            self.upstream_address if self.upstream else "nobody",
+        )
+
+    def close(self) -> None:
+        self._ready.clear()
+        if self.upstream is not None:
+            self.upstream.close(timeout=1.0)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ streams
+
+    def Infer(
+        self, request_iterator: Iterator[tier_pb2.Request], context: grpc.ServicerContext
+    ) -> Iterator[tier_pb2.Reply]:
+        shaper = LinkShaper(self.down_link or "", self.links.get(self.down_link or ""))
+        replies: ShapedQueue[tier_pb2.Reply] = ShapedQueue(shaper)
+        context.add_callback(replies.close)
+        reader = threading.Thread(
+            target=self._read_stream,
+            args=(request_iterator, replies, context),
+            name=f"{self.tier}-stream",
+            daemon=True,
+        )
+        reader.start()
+        yield from replies.drain()
+
+    def _read_stream(
+        self,
+        requests: Iterator[tier_pb2.Request],
+        replies: ShapedQueue[tier_pb2.Reply],
+        context: grpc.ServicerContext,
+    ) -> None:
+        """Dispatch a stream's requests; close its replies once every one is answered."""
+        open_requests = [0]
+        done = threading.Condition()
+
+        shaped = replies.shaper is not None and replies.shaper.spec is not None
+
+        def send(reply: tier_pb2.Reply) -> None:
+            replies.put(reply, reply.ByteSize() if shaped else 0)
+            with self._count_lock:
+                self._in_flight -= 1
+            with done:
+                open_requests[0] -= 1
+                done.notify_all()
+
+        try:
+            for request in requests:
+                received = time.perf_counter()
+                with done:
+                    open_requests[0] += 1
+                with self._count_lock:
+                    self._in_flight += 1
+                    overloaded = self._in_flight > self.max_in_flight
+                if overloaded:
+                    overload = TransportError(
+                        f"the {self.tier} has {self.max_in_flight} requests in flight already"
+                    )
+                    send(self._error_reply(request.id, overload, "OVERLOADED"))
+                    continue
+                try:
+                    self.pool.submit(self._handle, request, received, send)
+                except RuntimeError:  # the pool is shut down: the server is stopping
+                    send(
+                        self._error_reply(
+                            request.id, TransportError(f"the {self.tier} is stopping")
+                        )
+                    )
+        except grpc.RpcError:
+            pass  # the client went away; its replies have nowhere to go
+        except Exception:
+            logger.exception("[%s] reading a stream failed", self.tier)
+        with done:
+            while open_requests[0] > 0 and context.is_active():
+                done.wait(0.5)
+        replies.close()
+
+    # ------------------------------------------------------------------ requests
+
+    def _error_reply(
+        self, request_id: str, exc: BaseException, code: str | None = None
+    ) -> tier_pb2.Reply:
+        error = error_to_proto(exc, self.tier)
+        if code is not None:
+            error.code = tier_pb2.ErrorCode.Value(code)
+        return tier_pb2.Reply(id=request_id, plan_id=self.plan_id, error=error)
+
+    def _handle(
+        self,
+        request: tier_pb2.Request,
+        received: float,
+        send: Callable[[tier_pb2.Reply], None],
+    ) -> None:
+        timing = tier_pb2.TierTiming(
+            tier=self.tier, queue_ms=(time.perf_counter() - received) * 1e3
+        )
+        try:
+            reply = self._process(request, timing, send)
+        except TierflowError as exc:
+            logger.info("[%s] request %s refused: %s", self.tier, request.id, exc)
+            reply = self._error_reply(request.id, exc)
+            reply.timings.append(timing)
+        except Exception as exc:
+            logger.exception("[%s] request %s failed", self.tier, request.id)
+            reply = self._error_reply(request.id, exc)
+            reply.timings.append(timing)
+        if reply is not None:
+            reply.id = request.id
+            send(reply)
+
+    def _process(
+        self,
+        request: tier_pb2.Request,
+        timing: tier_pb2.TierTiming,
+        send: Callable[[tier_pb2.Reply], None],
+    ) -> tier_pb2.Reply | None:
+        """Steps 1-5 of [Note: a request at a tier]; None when the reply comes later."""
+        runner = self.runner
+        if runner is None or not self._ready.is_set():
+            raise TransportError(f"the {self.tier} is not serving yet (its model is loading)")
+        if request.plan_id != self.plan_id:
+            raise PlanError(
+                f"the {self.tier} serves plan {self.plan_id}, the request names plan "
+                f"{request.plan_id or '(none)'}"
+            )
+        deadline = request.deadline_unix_s
+        if deadline and time.time() > deadline:
+            raise DeadlineError(f"the request's deadline passed before the {self.tier} ran it")
+
+        start = time.perf_counter()
+        features = self._decode(request, runner)
+        codec_s = time.perf_counter() - start
+
+        key: bytes | None = None
+        if self.cache is not None:
+            answer, key = self._lookup(request.segment, features)
+            if answer is not None:
+                reply = self._answer(answer.outputs, answer.exit, timing)
+                reply.cache_hit = True
+                timing.codec_ms = codec_s * 1e3
+                return reply
+
+        outcome = runner.run(features)
+        timing.compute_ms = outcome.compute_s * 1e3
+        start = time.perf_counter()
+        if outcome.final:
+            reply = self._answer(outcome.tensors, outcome.exit, timing)
+            timing.codec_ms = (codec_s + time.perf_counter() - start) * 1e3
+            if key is not None:
+                self._store(key, features, outcome.tensors, outcome.exit)
+            return reply
+
+        assert self.upstream is not None
+        forward = tier_pb2.Request(
+            plan_id=self.plan_id, segment=outcome.next_segment, deadline_unix_s=deadline
+        )
+        nbytes = put_tensors(forward.tensors, outcome.tensors, self.up_codec)
+        timing.codec_ms = (codec_s + time.perf_counter() - start) * 1e3
+        local_deadline = None
+        if deadline:
+            local_deadline = time.monotonic() + max(deadline - time.time(), 0.0)
+        sent = self.upstream.submit(forward, deadline=local_deadline, nbytes=nbytes)
+        sent.future.add_done_callback(
+            lambda future: self._forwarded(
+                future, request.id, timing, sent.transfer, key, features, send
+            )
+        )
+        return None
+
+    def _decode(self, request: tier_pb2.Request, runner: TierRunner) -> dict[str, np.ndarray]:
+        """Headers first (names, dtypes, shapes), payloads after ([Note: a request at a tier])."""
+        encoded = [from_proto(m, max_bytes=self.max_tensor_bytes) for m in request.tensors]
+        names = [t.name for t in encoded]
+        if len(set(names)) != len(names):
+            raise CodecError(f"tensor names repeat in one request: {sorted(names)}")
+        runner.check_names(set(names), segment=request.segment)
+        specs = runner.input_specs()
+        for tensor in encoded:
+            spec = specs.get(tensor.name)
+            if spec is not None:
+                spec.check(tensor.dtype, tensor.shape, f"the {self.tier}'s")
+        return {t.name: decode(t, max_bytes=self.max_tensor_bytes) for t in encoded}
+
+    def _answer(
+        self, outputs: Mapping[str, np.ndarray], exit_name: str | None, timing: tier_pb2.TierTiming
+    ) -> tier_pb2.Reply:
+        reply = tier_pb2.Reply(plan_id=self.plan_id, answered_by=self.tier, exit=exit_name or "")
+        put_tensors(reply.outputs, outputs, self.reply_codec)
+        reply.timings.append(timing)
+        return reply
+
+    def _forwarded(
+        self,
+        future: Future[tier_pb2.Reply],
+        request_id: str,
+        timing: tier_pb2.TierTiming,
+        transfer: Transfer,
+        key: bytes | None,
+        features: dict[str, np.ndarray],
+        send: Callable[[tier_pb2.Reply], None],
+    ) -> None:
+        """The next tier answered (or failed): add this tier's figures and pass it down."""
+        try:
+            reply = future.result()
+        except TierflowError as exc:
+            reply = self._error_reply(request_id, exc)
+        except Exception as exc:  # a cancelled future, a bug: still one reply
+            reply = self._error_reply(request_id, exc)
+        reply.id = request_id
+        reply.timings.append(timing)
+        if self.up_link is not None:
+            reply.links.append(transfer.stat(self.up_link))
+        send(reply)
+        if key is not None and not reply.HasField("error") and not reply.cache_hit:
+            outputs = list(reply.outputs)
+            exit_name = reply.exit or None
+            self.pool.submit(self._store_reply, key, features, outputs, exit_name)
+
+    # ------------------------------------------------------------------ cache
+
+    def _lookup(
+        self, segment: int, features: dict[str, np.ndarray]
+    ) -> tuple[CacheAnswer | None, bytes]:
+        assert self.cache is not None
+        key = cache_key(self.plan.model_sha256, self.plan_id, segment, features)
+        try:
+            answer = self.cache.lookup(key, features)
+        except CacheError as exc:
+            logger.warning("[%s] cache lookup failed, running the model: %s", self.tier, exc)
+            return None, key
+        return answer, key
+
+    def _store(
+        self,
+        key: bytes,
+        features: dict[str, np.ndarray],
+        outputs: Mapping[str, np.ndarray],
+        exit_name: str | None,
+    ) -> None:
+        assert self.cache is not None
+        try:
+            self.cache.store(key, features, CacheAnswer(dict(outputs), exit_name))
+        except CacheError as exc:
+            logger.warning("[%s] cache store failed: %s", self.tier, exc)
+
+    def _store_reply(
+        self,
+        key: bytes,
+        features: dict[str, np.ndarray],
+        outputs: list[tier_pb2.Tensor],
+        exit_name: str | None,
+    ) -> None:
+        try:
+            self._store(key, features, decode_tensors(outputs), exit_name)
+        except Exception:
+            logger.exception("[%s] could not cache the next tier's answer", self.tier)
+
+    # ------------------------------------------------------------------ probe
+
+    def Probe(
+        self, request_iterator: Iterator[tier_pb2.ProbeMessage], context: grpc.ServicerContext
+    ) -> Iterator[tier_pb2.ProbeMessage]:
+        """Echo ``reply_bytes`` bytes for each message; the tier's name goes in the metadata."""
+        context.send_initial_metadata((("tierflow-tier", self.tier),))
+        zeros = b""
+        for message in request_iterator:
+            size = min(max(message.reply_bytes, 0), MAX_PROBE_BYTES)
+            if len(zeros) != size:
+                zeros = bytes(size)
+            yield tier_pb2.ProbeMessage(seq=message.seq, payload=zeros, reply_bytes=size)

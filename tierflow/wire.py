@@ -1,0 +1,152 @@
+"""Between the codec and gRPC: ``EncodedTensor`` <-> ``tier_pb2.Tensor``, and channel options.
+
+Every gRPC server and channel in tierflow is built with :data:`GRPC_OPTIONS` (or
+:func:`grpc_options` for another message-size limit), so that the limits on both ends
+agree: a message the sender may send, the receiver may receive.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from tierflow.codec import (
+    DEFAULT_MAX_TENSOR_BYTES,
+    CodecSpec,
+    EncodedTensor,
+    check_header,
+    decode,
+    decoded_nbytes,
+    encode,
+)
+from tierflow.errors import CodecError
+from tierflow.rpc import tier_pb2
+
+logger = logging.getLogger(__name__)
+
+#: Default limit on one gRPC message, each way.
+DEFAULT_MESSAGE_BYTES = 256 * 1024 * 1024
+#: Default bound on all tensors of one message together, once decoded: without it, one
+#: 256 MiB message of small zstd frames could each declare a legal 1 GiB tensor.
+DEFAULT_MAX_DECODED_BYTES = 2 * DEFAULT_MAX_TENSOR_BYTES
+#: Longest tensor name accepted from the wire.
+MAX_NAME_CHARS = 1024
+#: Longest codec text accepted from the wire (valid ones are far shorter).
+MAX_CODEC_CHARS = 64
+# Framing a message may add around its tensors' payloads (names, shapes, timings, ids).
+_MESSAGE_OVERHEAD = 64 * 1024
+_TENSOR_OVERHEAD = 2 * 1024
+
+
+def zstd_bound(nbytes: int) -> int:
+    """Largest zstd frame for ``nbytes`` of input (ZSTD_compressBound, plus header and checksum)."""
+    margin = (128 * 1024 - nbytes) >> 11 if nbytes < 128 * 1024 else 0
+    return nbytes + (nbytes >> 8) + margin + 32
+
+
+def message_size_limit(max_tensor_bytes: int, tensors: int = 1) -> int:
+    """Bytes a message carrying ``tensors`` tensors of up to ``max_tensor_bytes`` can take.
+
+    Uses the worst case of every codec (incompressible data through zstd, int8c params
+    are far smaller than the payload they describe), so a sender never exceeds it.
+    """
+    if max_tensor_bytes < 0 or tensors < 0:
+        raise ValueError(f"sizes must not be negative, got {max_tensor_bytes} and {tensors}")
+    per_tensor = zstd_bound(max_tensor_bytes) + _TENSOR_OVERHEAD
+    return tensors * per_tensor + _MESSAGE_OVERHEAD
+
+
+def grpc_options(max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Options for ``grpc.server(options=...)`` and ``grpc.insecure_channel(options=...)``.
+
+    Message-size limits both ways; keepalive pings every 20 s (10 s to answer) even
+    between requests, so a dead peer on a long-lived stream is noticed, and servers
+    accept pings that often (the server default would answer them with GOAWAY).
+    """
+    limit = min(int(max_message_bytes), 2**31 - 1)
+    return [
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ]
+
+
+#: What every tierflow server and channel uses.
+GRPC_OPTIONS: list[tuple[str, int]] = grpc_options()
+
+
+def to_proto(tensor: EncodedTensor) -> tier_pb2.Tensor:
+    """The wire message for an encoded tensor."""
+    return tier_pb2.Tensor(
+        name=tensor.name,
+        dtype=tensor.dtype,
+        shape=list(tensor.shape),
+        codec=tensor.codec,
+        params=tensor.params,
+        data=tensor.data,
+    )
+
+
+def from_proto(
+    message: tier_pb2.Tensor, *, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES
+) -> EncodedTensor:
+    """An encoded tensor from the wire, its header validated (see ``codec.check_header``)."""
+    if not isinstance(message, tier_pb2.Tensor):
+        raise CodecError(f"expected a tierflow.rpc.Tensor message, got {type(message).__name__}")
+    if len(message.name) > MAX_NAME_CHARS:
+        raise CodecError(
+            f"tensor name of {len(message.name)} characters, expected at most {MAX_NAME_CHARS}"
+        )
+    if len(message.codec) > MAX_CODEC_CHARS:
+        raise CodecError(f"codec text of {len(message.codec)} characters is not a codec")
+    tensor = EncodedTensor(
+        name=message.name,
+        dtype=message.dtype,
+        shape=tuple(message.shape),
+        codec=message.codec,
+        params=message.params,
+        data=message.data,
+    )
+    check_header(tensor, max_bytes=max_bytes)
+    return tensor
+
+
+def encode_tensors(
+    arrays: Mapping[str, np.ndarray], spec: CodecSpec | str
+) -> list[tier_pb2.Tensor]:
+    """Encode named arrays with one codec, in the mapping's order."""
+    codec = CodecSpec.of(spec)
+    return [to_proto(encode(name, array, codec)) for name, array in arrays.items()]
+
+
+def decode_tensors(
+    messages: Sequence[tier_pb2.Tensor],
+    *,
+    max_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+    max_total_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+) -> dict[str, np.ndarray]:
+    """Decode wire tensors into named arrays; duplicates and corruption are CodecErrors.
+
+    ``max_bytes`` bounds each decoded tensor and ``max_total_bytes`` all of them
+    together; every header is checked before any payload is decoded, so a bad last
+    tensor costs no work (and no memory) on the first ones.
+    """
+    tensors = [from_proto(m, max_bytes=max_bytes) for m in messages]
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        raise CodecError(f"tensors {duplicates} appear more than once in one message")
+    total = sum(decoded_nbytes(t) for t in tensors)
+    if total > max_total_bytes:
+        raise CodecError(
+            f"{len(tensors)} tensors would decode to {total} bytes together, more than the "
+            f"limit of {max_total_bytes}"
+        )
+    return {t.name: decode(t, max_bytes=max_bytes) for t in tensors}
