@@ -14,8 +14,8 @@ the runtime does ([Note: a request at a tier] in ``tierflow.service``), in-proce
   the link model's bytes × 8 / rate + RTT/2; the answer costs the same on the way back;
 * the first tier after the device keeps the runtime's exact cache
   (``tierflow.cloud.cache_memory.MemoryCache``, keyed by ``cache.cache_key`` on the
-  decoded features): a hit is answered there. Lookups are timed; stores happen after the
-  answer, off the request's path, as in the runtime.
+  decoded features): a hit is answered there. Lookups are timed; stores are not (the
+  edge stores the cloud's answers after passing them on, off the request's path).
 
 The workload is held-out digits with a share of exact repeats (a camera looking at the
 same scene); the same walk with exits and cache switched off gives plain tierflow on the

@@ -24,7 +24,7 @@ from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
 from tierflow.links import LINKS, LinkSpec
-from tierflow.plan import Plan, save_plan
+from tierflow.plan import ExitSpec, Plan, SegmentSpec, save_plan
 
 logger = logging.getLogger(__name__)
 
@@ -111,5 +111,140 @@ def runtime_point(
     with tempfile.TemporaryDirectory(prefix="tierflow-bench-") as folder:
         write_plan(graph, cuts, codec, links, Path(folder))
         figures = run_plan(Path(folder), links, slowdown, requests)
+    figures["seconds"] = time.perf_counter() - started
+    return figures
+
+
+# --------------------------------------------------------------------------- exits
+
+
+def write_exit_plan(
+    graph: Any,
+    exited_path: Path,
+    exits: Sequence[Any],
+    cuts: tuple[int, int],
+    codec: Mapping[str, str],
+    links: Mapping[str, LinkSpec],
+    plan_dir: Path,
+) -> Plan:
+    """A plan with early exits: the model cut at the plan's cuts and at each exit's cut.
+
+    ``graph`` is the model without exits (its cuts place the pieces), ``exited_path`` the
+    same model with the exit heads grafted by ``add_exits`` (``exits`` its ``ExitInfo``s).
+    Each piece is extracted from the exited model with its crossing tensors as outputs,
+    plus the exit's probabilities when the piece ends at an exit's feature: the tier then
+    checks that exit before running its next piece ([Note: exits in a plan] in
+    ``tierflow.partitioner.exits``). Exits the calibration disabled are left out.
+    """
+    import hashlib
+    import itertools
+
+    import onnx
+    import onnx.shape_inference
+    import onnx.utils
+
+    from tierflow.partitioner.exits import exit_cut_indices
+
+    last = len(graph.cuts) - 1
+    a, b = cuts
+    at_cut = exit_cut_indices(graph, exits)
+    enabled = {at_cut[e.name]: e for e in exits if e.name in at_cut and e.threshold <= 1.0}
+    enabled = {cut: e for cut, e in enabled.items() if 0 < cut < last}
+    proto = onnx.shape_inference.infer_shapes(onnx.load(str(exited_path)))
+    extractor = onnx.utils.Extractor(proto)
+    bounds = sorted({0, a, b, last, *enabled})
+    specs: list[SegmentSpec] = []
+    plan_dir.mkdir(parents=True, exist_ok=True)
+    for start, end in itertools.pairwise(bounds):
+        if graph.cuts[start].position == graph.cuts[end].position:
+            continue
+        tier = "device" if start < a else ("edge" if start < b else "cloud")
+        inputs = list(graph.cuts[start].tensors)
+        outputs = list(graph.cuts[end].tensors)
+        exit_specs: tuple[ExitSpec, ...] = ()
+        if end in enabled:
+            outputs.append(enabled[end].name)
+            exit_specs = (enabled[end].to_spec(),)
+        model = extractor.extract_model(inputs, outputs)
+        model.ir_version = proto.ir_version
+        name = f"{len(specs):02d}-{tier}.onnx"
+        onnx.save_model(model, str(plan_dir / name))
+        specs.append(SegmentSpec(tier, name, tuple(inputs), tuple(outputs), exit_specs))
+    plan = Plan(
+        model_file=exited_path.name,
+        model_sha256=hashlib.sha256(exited_path.read_bytes()).hexdigest(),
+        inputs=tuple(i.name for i in graph.inputs),
+        outputs=tuple(o.name for o in graph.outputs),
+        segments=tuple(specs),
+        links=dict(links),
+        codec={name: codec.get(name, "raw") for name in LINKS},
+        estimate={"source": "benchmark", "exits": [e.name for e in enabled.values()]},
+        cuts=tuple(graph.cuts[c].position for c in cuts),
+    )
+    save_plan(plan, plan_dir)
+    return plan
+
+
+def run_exit_plan(
+    plan_dir: Path,
+    links: Mapping[str, LinkSpec],
+    slowdown: Mapping[str, float],
+    requests: Sequence[Mapping[str, np.ndarray]],
+    cache_bytes: int,
+) -> dict[str, Any]:
+    """Serve an exit plan with a feature cache on the edge; time ``requests`` one by one."""
+    from tierflow.cloud.cache_memory import MemoryCache
+
+    cloud = CloudServer(plan_dir, "127.0.0.1:0", slowdown=slowdown["cloud"], links=links, workers=1)
+    edge: EdgeServer | None = None
+    results = []
+    try:
+        cloud.start()
+        edge = EdgeServer(
+            plan_dir,
+            "127.0.0.1:0",
+            upstream=cloud.address,
+            slowdown=slowdown["edge"],
+            links=links,
+            workers=1,
+            cache=MemoryCache(cache_bytes),
+        )
+        edge.start()
+        with DeviceClient(
+            plan_dir, edge.address, slowdown=slowdown["device"], links=links, window=1
+        ) as client:
+            results = [client.infer(inputs) for inputs in requests]
+    finally:
+        if edge is not None:
+            edge.stop(0.5)
+        cloud.stop(0.5)
+    totals = [r.ms["total"] for r in results]
+    return {
+        "p50_ms": float(np.median(totals)),
+        "p90_ms": float(np.percentile(totals, 90)),
+        "mean_ms": float(np.mean(totals)),
+        "answered_by": sorted({r.answered_by or "" for r in results}),
+        "exit_rate": sum(r.exit is not None for r in results) / len(results),
+        "cache_hit_rate": sum(r.cache_hit for r in results) / len(results),
+        "requests": len(results),
+    }
+
+
+def runtime_exit_point(
+    graph: Any,
+    exited_path: Path,
+    exits: Sequence[Any],
+    cuts: tuple[int, int],
+    codec: Mapping[str, str],
+    links: Mapping[str, LinkSpec],
+    slowdown: Mapping[str, float],
+    requests: Sequence[Mapping[str, np.ndarray]],
+    cache_bytes: int,
+) -> dict[str, Any]:
+    """Write an exit plan into a temporary folder, serve it with an edge cache, run it."""
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="tierflow-bench-exits-") as folder:
+        write_exit_plan(graph, exited_path, exits, cuts, codec, links, Path(folder))
+        figures = run_exit_plan(Path(folder), links, slowdown, requests, cache_bytes)
     figures["seconds"] = time.perf_counter() - started
     return figures

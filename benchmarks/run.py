@@ -10,7 +10,9 @@ pairs of a cut sample that always holds every strategy's cuts), and reports each
 strategy's measured latency, tierflow's regret against the best measured plan, the cost
 model's prediction error, early exits and caches on the demo model (``bench_exits``),
 the runtime itself over gRPC at a subset of points (``bench_runtime``) and the other
-engineers' overhead benchmarks. Results: ``results.json`` (rows), ``RESULTS.md`` and
+engineers' overhead benchmarks (``bench_overheads``). Results: ``results.json`` (one
+row per model × bandwidth × strategy), ``results_meta.json`` (machine, emulation, models,
+overhead figures), ``RESULTS.md`` (``bench_report`` tables, ``bench_sections`` text) and
 PNG plots in the output folder.
 """
 
@@ -37,6 +39,7 @@ import bench_emulation as emu  # noqa: E402
 import bench_measure  # noqa: E402
 import bench_models  # noqa: E402
 import bench_report  # noqa: E402
+import bench_sections  # noqa: E402
 import strategies  # noqa: E402
 
 from tierflow.codec import PLANNER_CODECS  # noqa: E402
@@ -49,42 +52,13 @@ BENCH_MODULES = ("bench_measure", "bench_exits", "bench_runtime", "bench_overhea
 Row = dict[str, Any]
 SAMPLE_SEED = 7  # the profiling sample, never measured
 EXIT_SEED = 1  # the tierflow-exits workload (plans are measured on seed 0)
-
-METHOD = """## How it was measured
-
-Each strategy is a plan (cuts `a ≤ b`: device runs cuts `[0,a)`, edge `[a,b)`, cloud
-`[b,last)`, plus a codec per link). The planner's choices come from profiles measured on
-this machine by `tierflow.partitioner.profile.profile_model` (1 thread) and scaled to each
-tier's slowdown, exactly as `tierflow plan` does for emulated tiers.
-
-Plans are then **measured independently of those profiles**: the actual segment files
-(cut out by the partitioner's `extract_segment`, which `split_model` writes into plan
-directories) run in ONNX Runtime sessions configured as the runtime's (`session_options`,
-1 intra-op thread) on every request, and each request's real crossing tensors are encoded
-and decoded with every codec. A plan's latency for one request is composed from that
-request's measured stage times: device/edge/cloud compute × the tier's slowdown (what the
-runtime's `SegmentRunner` sleeps to emulate a slower tier), encode × sender slowdown,
-decode × receiver slowdown, and the link model the runtime's link shaper enforces:
-encoded bytes × 8 / rate + RTT (RTT/2 up, RTT/2 for the answer) + the answer's bytes /
-rate on each link used. The link is therefore not a sleep but the shaper's arithmetic on
-measured bytes; the compute and codec times are real runs. p50/p90 are over the
-requests. The same measurements serve every bandwidth, so strategies are compared on
-the very same requests and stage runs.
-
-**Regret**: all cut pairs of a cut sample are measured (every cut for small graphs; for
-larger ones every strategy's cuts at every bandwidth, the planner's top-5 plans, and cuts
-spread evenly over the graph), each with all 36 codec pairs, and the best measured p50
-among them is the reference. Regret = tierflow's measured p50 / best measured p50 − 1. It
-is a lower bound on the true regret where the sample is not exhaustive (the table above
-gives measured pairs per model).
-
-Requests: smooth synthetic 8-bit images for the CNNs (low-resolution noise upsampled,
-plus sensor noise, ImageNet-normalised), random token ids and padding masks for the
-transformer, held-out digits for the demo model. `cloud-only-compressed` sends the input
-as `int8+zstd` (per-tensor 8-bit quantisation, which is near-lossless for 8-bit images,
-then zstd); `single-split` is Neurosurgeon's best device|cloud cut by the same cost model
-restricted to two tiers with raw fp32 features (the edge only forwards).
-"""
+# Where the strategies also run through the real runtime (model -> bandwidths).
+RUNTIME_POINTS_QUICK: dict[str, tuple[float, ...]] = {"demo-digits": (20.0,)}
+RUNTIME_POINTS_FULL: dict[str, tuple[float, ...]] = {
+    "demo-digits": (1.0, 5.0, 20.0, 100.0, 1000.0),
+    "resnet18": (20.0, 100.0),
+    "transformer": (20.0,),
+}
 
 
 def machine() -> dict[str, Any]:
@@ -265,6 +239,8 @@ def exits_rows(
     graph = context["graph"]
     heads: list[bench_exits.Head] = []
     labels: np.ndarray | None = None
+    exited: Path | None = None
+    exits: list[Any] = []
     if model.kind == "demo":
         _, exited, exits, _summary = bench_exits.exited_demo(args.work_dir)
         heads = bench_exits.exit_heads(exited, graph, exits)
@@ -323,6 +299,43 @@ def exits_rows(
             truth = labels[[digits[i] for i in order]]
             row["accuracy"] = float(np.mean(point.predicted == truth))
             row["accuracy_without_exits"] = float(np.mean(point.plain_predicted == truth))
+        points = RUNTIME_POINTS_QUICK if args.quick else RUNTIME_POINTS_FULL
+        figures: dict[str, Any] | None = None
+        if exited is not None and mbit in points.get(model.name, ()):
+            import bench_runtime
+
+            try:
+                figures = bench_runtime.runtime_exit_point(
+                    graph,
+                    exited,
+                    exits,
+                    choice.cuts,
+                    choice.codec,
+                    emu.links_at(mbit),
+                    slow,
+                    [requests[i] for i in order],
+                    bench_exits.CACHE_BUDGET,
+                )
+            except Exception as exc:  # one failing point must not sink the whole run
+                logger.exception("[bench] runtime run of tierflow-exits failed")
+                row["runtime_error"] = f"{type(exc).__name__}: {exc}"
+                figures = None
+        if figures is not None:
+            row["runtime_p50_ms"] = figures["p50_ms"]
+            row["runtime_p90_ms"] = figures["p90_ms"]
+            row["runtime_mean_ms"] = figures["mean_ms"]
+            row["runtime_requests"] = figures["requests"]
+            row["runtime_answered_by"] = figures["answered_by"]
+            row["runtime_exit_rate"] = figures["exit_rate"]
+            row["runtime_cache_hit_rate"] = figures["cache_hit_rate"]
+            row["runtime_load"] = os.getloadavg()[0]
+            logger.info(
+                "[bench] runtime %s tierflow-exits %g Mbit/s: p50 %.1f ms (walked %.1f ms)",
+                model.name,
+                mbit,
+                figures["p50_ms"],
+                p50,
+            )
         for other in ("device-only", "cloud-only", "cloud-only-compressed", "single-split"):
             base_row = next(
                 r
@@ -334,14 +347,6 @@ def exits_rows(
             row["speedup_vs_" + other.replace("-", "_")] = base_row["p50_ms"] / p50
         out.append(row)
     return out
-
-
-RUNTIME_POINTS_QUICK: dict[str, tuple[float, ...]] = {"demo-digits": (20.0,)}
-RUNTIME_POINTS_FULL: dict[str, tuple[float, ...]] = {
-    "demo-digits": (1.0, 5.0, 20.0, 100.0, 1000.0),
-    "resnet18": (20.0, 100.0),
-    "transformer": (20.0,),
-}
 
 
 def runtime_pass(
@@ -396,107 +401,6 @@ def runtime_pass(
             )
 
 
-def runtime_section(rows: Sequence[Row]) -> list[str]:
-    ran = [r for r in rows if "runtime_p50_ms" in r or "runtime_error" in r]
-    out = ["## The same plans through the real runtime\n"]
-    if not ran:
-        out.append("Not run (`--no-extras`).\n")
-        return out
-    out.append(
-        "Each plan written as a plan directory and served by a `CloudServer` and an "
-        "`EdgeServer` on 127.0.0.1 with the emulated links (the runtime's link shaper) and "
-        "slowdowns (the runtime's sleeps), a `DeviceClient` sending requests one at a time; "
-        "p50 of the device's wall time. The runtime adds gRPC, protobuf and thread hand-offs "
-        "that the composed figures leave out; on this shared machine its wall-clock compute "
-        "(and the sleeps scaled from it) also suffers from other jobs (1-minute load "
-        "average given), which the composed CPU-time figures do not.\n"
-    )
-    out.append(
-        "| model | Mbit/s | strategy | cuts | composed p50 ms | runtime p50 ms | "
-        "runtime / composed | answered by | load |"
-    )
-    out.append("|---|---|---|---|---|---|---|---|---|")
-    for r in ran:
-        if "runtime_error" in r:
-            out.append(
-                f"| {r['model']} | {r['bandwidth_mbit']:g} | {r['strategy']} | "
-                f"{r['cuts'][0]},{r['cuts'][1]} | {r['p50_ms']:.1f} | failed: "
-                f"{r['runtime_error'][:80]} | | | |"
-            )
-            continue
-        out.append(
-            f"| {r['model']} | {r['bandwidth_mbit']:g} | {r['strategy']} | "
-            f"{r['cuts'][0]},{r['cuts'][1]} | {r['p50_ms']:.1f} | {r['runtime_p50_ms']:.1f} | "
-            f"{r['runtime_p50_ms'] / r['p50_ms']:.2f}× | {', '.join(r['runtime_answered_by'])} | "
-            f"{r['runtime_load']:.1f} |"
-        )
-    out.append("")
-    return out
-
-
-def exits_section(rows: Sequence[Row]) -> list[str]:
-    mine = [r for r in rows if r["strategy"] == "tierflow-exits"]
-    out = ["## tierflow-exits: early exits and the edge's feature cache\n"]
-    if not mine:
-        out.append("Not run (`--no-extras`).\n")
-        return out
-    out.append(
-        "tierflow's plan walked request by request as the runtime would run it "
-        "(`bench_exits`): pieces cut at the plan's cuts and at every exit, each exit head "
-        "checked on the tier that computes its feature, the plan's codec applied for real on "
-        "each link, and the runtime's exact `MemoryCache` on the first tier after the device. "
-        f"Workload: {int(mine[0]['repeat_share'] * 100)}% of requests repeat an earlier one "
-        "exactly (a camera on a still scene). Exits are calibrated by "
-        "`tierflow.partitioner.exits.add_exits` (≤1% disagreement with the full model) and "
-        "exist **only on the demo model**: the zoo models have random weights, so exit heads "
-        "on them would only mimic arbitrary predictions; there the row is tierflow plus the "
-        "cache alone. 'tierflow, same requests' is the same walk with exits and cache off.\n"
-    )
-    out.append(
-        "| model | Mbit/s | cuts | p50 ms | mean ms | tierflow same requests p50 / mean "
-        "| ×tierflow (p50) | exit rate | cache hits | answered by (dev/edge/cloud) "
-        "| accuracy (no exits) |"
-    )
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in mine:
-        ans = r["answered_by"]
-        acc = f"{r['accuracy']:.1%} ({r['accuracy_without_exits']:.1%})" if "accuracy" in r else "–"
-        out.append(
-            f"| {r['model']} | {r['bandwidth_mbit']:g} | {r['cuts'][0]},{r['cuts'][1]} | "
-            f"{r['p50_ms']:.1f} | {r['mean_ms']:.1f} | {r['tierflow_same_requests_p50_ms']:.1f}"
-            f" / {r['tierflow_same_requests_mean_ms']:.1f} | "
-            f"{r['speedup_vs_tierflow_same_requests']:.2f}× | {r['exit_rate']:.0%} | "
-            f"{r['cache_hit_rate']:.0%} | {ans['device']:.0%}/{ans['edge']:.0%}/"
-            f"{ans['cloud']:.0%} | {acc} |"
-        )
-    out.append("")
-    return out
-
-
-def prediction_section(rows: Sequence[Row]) -> list[str]:
-    out = [
-        "### Cost model prediction error (per plan, this benchmark)\n",
-        "Predicted latency of each strategy's plan (cost model on the profiles) against its "
-        "measured p50: median and worst |error| over bandwidths and strategies.\n",
-        "| model | median abs error | worst error | plans |",
-        "|---|---|---|---|",
-    ]
-    for model in dict.fromkeys(r["model"] for r in rows):
-        errors = [
-            r["prediction_error"]
-            for r in rows
-            if r["model"] == model and r.get("prediction_error") is not None
-        ]
-        if not errors:
-            continue
-        worst = max(errors, key=abs)
-        out.append(
-            f"| {model} | {float(np.median(np.abs(errors))):.1%} | {worst:+.1%} | {len(errors)} |"
-        )
-    out.append("")
-    return out
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] if __doc__ else None,
@@ -534,7 +438,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--max-cuts",
         type=int,
         default=None,
-        help="cuts sampled per model (default 9 quick, 16 full)",
+        help="cuts sampled per model (default 9 quick, 20 full)",
     )
     parser.add_argument(
         "--profile-budget",
@@ -557,12 +461,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--no-extras", action="store_true", help="skip exits, runtime and overhead sections"
     )
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="change this process's CPU priority (negative: higher, needs root), so that "
+        "other jobs on a shared machine disturb the wall-clock parts (profiling, the "
+        "runtime pass) less",
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0)
     args = parser.parse_args(argv)
     args.requests = args.requests or (5 if args.quick else 15)
     args.runtime_requests = args.runtime_requests or (5 if args.quick else 10)
     args.exit_requests = args.exit_requests or (40 if args.quick else 300)
-    args.max_cuts = args.max_cuts or (9 if args.quick else 16)
+    args.max_cuts = args.max_cuts or (9 if args.quick else 20)
     args.profile_budget = args.profile_budget or (2.0 if args.quick else 10.0)
     return args
 
@@ -577,6 +489,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verbose == 0:
         for name in (logger.name, *BENCH_MODULES):
             logging.getLogger(name).setLevel(logging.INFO)
+    if args.nice:
+        os.nice(args.nice)
     started = time.perf_counter()
     load_start = os.getloadavg()
     bandwidths = tuple(
@@ -603,13 +517,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             started_runtime = time.perf_counter()
             runtime_pass(model, context, model_rows, args)
             info["runtime_s"] = time.perf_counter() - started_runtime
+            logger.info(
+                "[bench] %s: exits/cache %.1f s, runtime %.1f s",
+                model.name,
+                info["exits_s"],
+                info["runtime_s"],
+            )
         measured.append(context["measured"])
         infos.append(info)
     sections: list[str] = []
-    sections += exits_section(rows)
-    sections += runtime_section(rows)
+    sections += bench_sections.exits_section(rows)
+    sections += bench_sections.runtime_section(rows)
     sections += ["## Overheads and limits\n"]
-    sections += prediction_section(rows)
+    sections += bench_sections.prediction_section(rows)
     extras: dict[str, Any] = {}
     if not args.no_extras:
         import bench_overheads
@@ -619,12 +539,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("codecs", lambda: bench_overheads.codecs(measured, args.quick)),
             ("planning", bench_overheads.planning),
         ):
+            began = time.perf_counter()
             lines, figures = part()
             sections += lines
             extras[name] = figures
+            logger.info("[bench] %s figures in %.1f s", name, time.perf_counter() - began)
     else:
         sections += ["Transport, codec and planning figures not measured (`--no-extras`).\n"]
-    command = "python benchmarks/run.py" + (" --quick" if args.quick else "")
+    command = (
+        " ".join(["python", "benchmarks/run.py", *sys.argv[1:]])
+        if argv is None
+        else ("python benchmarks/run.py " + " ".join(argv))
+    )
     meta = {
         "command": command,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -634,8 +560,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine(),
         "emulation": emu.describe(),
         "models": infos,
-        "method": METHOD,
+        "method": bench_sections.METHOD,
     }
+    sections += bench_sections.LIMITS.splitlines()
     meta["load_average"] = {"start": load_start[0], "end": os.getloadavg()[0]}
     bench_report.write_json(rows, args.out / "results.json")
     bench_report.write_meta(meta, extras, args.out / "results_meta.json")

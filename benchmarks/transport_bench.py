@@ -197,17 +197,11 @@ def throughput(count: int, work: Path) -> dict[str, Any]:
     requests = [
         {"x": rng.standard_normal((1, feature_bytes // 4)).astype(np.float32)} for _ in range(count)
     ]
-    # Time the edge's Sigmoid alone, then ask for a slowdown that makes it ~10 ms.
-    from tierflow.segment_runner import SegmentRunner
-
-    runner = SegmentRunner(plan_dir / "edge.onnx")
-    feed = {"h1": requests[0]["x"]}
-    for _ in range(20):
-        runner.run(feed)
-    start = time.perf_counter()
-    for _ in range(50):
-        runner.run(feed)
-    compute_ms = (time.perf_counter() - start) / 50 * 1e3
+    # Time the edge's Sigmoid as the edge process runs it, then ask for a slowdown that
+    # makes the edge stage ~10 ms.
+    with _tiers(plan_dir, workers=1) as edge, DeviceClient(plan_dir, edge, window=1) as device:
+        probe = [device.infer(r) for r in requests[:40]][10:]
+    compute_ms = _median([r.timings["edge"]["compute_ms"] for r in probe])
     slowdown = max(EDGE_STAGE_MS / compute_ms, 1.0)
     with (
         _tiers(plan_dir, "--slowdown", f"{slowdown:.3f}", workers=1) as edge,

@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--report", metavar="R.jsonl", help="one JSON line per request")
     parser.add_argument("--window", type=int, default=16, help="requests in flight at once")
     parser.add_argument(
-        "--deadline", type=parse_duration, default=30.0, help="per-request deadline, e.g. 5s"
+        "--deadline", type=parse_duration, default="30s", help="per-request deadline"
     )
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads")
     parser.add_argument(
@@ -63,21 +63,26 @@ def _run(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan)
     links = resolve_links(plan, args.link_emulation, args.link)
-    requests, batch_added = load_requests(args.input, plan, args.plan)
     results: list[Result] = []
-    report = open(args.report, "w") if args.report else None  # noqa: SIM115 - streamed
-    start = time.perf_counter()
-    try:
-        with DeviceClient(
-            args.plan,
-            args.edge,
-            threads=args.threads,
-            slowdown=args.slowdown,
-            optimization=args.optimization,
-            window=args.window,
-            deadline_s=args.deadline,
-            links=links,
-        ) as client:
+    with DeviceClient(
+        args.plan,
+        args.edge,
+        threads=args.threads,
+        slowdown=args.slowdown,
+        optimization=args.optimization,
+        window=args.window,
+        deadline_s=args.deadline,
+        links=links,
+    ) as client:
+        known = {
+            name: len(runner.inputs[name].shape)
+            for _, _, runner in client.runner.segments
+            for name in runner.inputs
+        }
+        requests, batch_added = load_requests(args.input, plan, args.plan, known)
+        start = time.perf_counter()
+        report = open(args.report, "w") if args.report else None  # noqa: SIM115 - streamed
+        try:
             for index, result in enumerate(client.run_stream(requests)):
                 results.append(result)
                 if report is not None:
@@ -87,9 +92,9 @@ def _run(args: argparse.Namespace) -> int:
                     report.flush()
                 if result.error is not None:
                     logger.warning("[device] request %d failed: %s", index, result.error)
-    finally:
-        if report is not None:
-            report.close()
+        finally:
+            if report is not None:
+                report.close()
     elapsed = time.perf_counter() - start
     if args.output:
         save_outputs(args.output, results, plan, batch_added=batch_added)

@@ -13,7 +13,7 @@ rows are NaN (0 for integer outputs); the report holds its error.
 from __future__ import annotations
 
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +25,14 @@ from tierflow.plan import Plan
 from tierflow.segment_runner import session_options
 
 
-def input_ranks(plan: Plan, plan_dir: str | Path) -> dict[str, int]:
-    """The rank each model input has in the first segment that reads it."""
-    ranks: dict[str, int] = {}
+def input_ranks(
+    plan: Plan, plan_dir: str | Path, known: Mapping[str, int] | None = None
+) -> dict[str, int]:
+    """The rank each model input has in the first segment that reads it.
+
+    ``known`` ranks (from sessions the caller already holds) spare loading a segment.
+    """
+    ranks: dict[str, int] = dict(known or {})
     for spec in plan.segments:
         wanted = [name for name in spec.inputs if name in plan.inputs and name not in ranks]
         if not wanted:
@@ -46,7 +51,10 @@ def input_ranks(plan: Plan, plan_dir: str | Path) -> dict[str, int]:
 
 
 def load_requests(
-    path: str | Path, plan: Plan, plan_dir: str | Path
+    path: str | Path,
+    plan: Plan,
+    plan_dir: str | Path,
+    known_ranks: Mapping[str, int] | None = None,
 ) -> tuple[list[dict[str, np.ndarray]], bool]:
     """The requests in ``IN.npz``, and whether a batch dimension of 1 was added."""
     try:
@@ -66,7 +74,7 @@ def load_requests(
             f"every input in {path} needs the same, non-zero number of requests on its "
             f"first axis; found {counts}"
         )
-    ranks = input_ranks(plan, plan_dir)
+    ranks = input_ranks(plan, plan_dir, known_ranks)
     added = {name: ranks.get(name) == arrays[name].ndim for name in plan.inputs}
     if len(set(added.values())) != 1:
         raise InputError(

@@ -49,15 +49,15 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache",
         type=_cache_argument,
-        default=None,
+        default="off",
         help="feature cache: off | exact:SIZE[,ttl=DUR] | approx:SIZE[,...] | redis://...",
     )
     parser.add_argument(
         "--max-tensor-bytes",
         type=parse_size,
-        default=None,
+        default="1GiB",
         metavar="SIZE",
-        help="largest decoded tensor accepted (default 1GiB)",
+        help="largest decoded tensor accepted",
     )
     parser.add_argument(
         "--grace", type=float, default=5.0, help="seconds open streams get to finish on shutdown"
@@ -98,15 +98,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     probe.add_argument("--json", action="store_true", help="print JSON (plan --link reads it)")
     probe.add_argument("--link", help="name the link (default: from the tier that answers)")
     probe.add_argument("--pings", type=int, default=20, help="small round trips for the RTT")
-    probe.add_argument(
-        "--payload", type=parse_size, default=2 * 1024 * 1024, help="bytes per rate transfer"
-    )
+    probe.add_argument("--payload", type=parse_size, default="2MiB", help="bytes per rate transfer")
     probe.add_argument("--transfers", type=int, default=3, help="rate transfers each way")
     probe.set_defaults(handler=_probe)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
     from tierflow.server import TierServer, tune_for_latency
     from tierflow.service import TierService
 
@@ -114,11 +111,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise UsageError("--threads must be >= 0 and --workers >= 1")
     plan = load_plan(args.plan)
     links = resolve_links(plan, args.link_emulation, args.link)
-    cache = None
-    if args.cache is not None:
-        from tierflow.cloud.cache_config import build_cache
+    from tierflow.cloud.cache_config import build_cache
 
-        cache = build_cache(args.cache)
+    cache = build_cache(args.cache)
     service = TierService(
         args.tier,
         plan,
@@ -130,7 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
         optimization=args.optimization,
         workers=args.workers,
         links=links,
-        max_tensor_bytes=args.max_tensor_bytes or DEFAULT_MAX_TENSOR_BYTES,
+        max_tensor_bytes=args.max_tensor_bytes,
     )
     server = TierServer(service, args.listen)
     tune_for_latency()

@@ -216,7 +216,8 @@ class CostTables:
 def _segment_table(profile: Profile) -> np.ndarray:
     n = len(profile.cuts)
     prefix = np.concatenate([[0.0], np.cumsum([u.compute_s for u in profile.units])])
-    table = prefix[None, :] - prefix[:, None] + profile.overhead_s
+    outputs = profile.output_s_per_byte * np.array([c.nbytes for c in profile.cuts], dtype=float)
+    table = prefix[None, :] - prefix[:, None] + profile.overhead_s + outputs[None, :]
     start, end = np.indices((n, n))
     return np.where(start < end, table, 0.0)
 

@@ -4,7 +4,7 @@
 reaches good accuracy without downloading anything. scikit-learn ships 1797 real 8x8
 hand-written digits; we scale them to 32x32 so the network has several resolutions to
 cut between (a stem, then residual stages at 32x32, 16x16, 8x8 and 4x4), train it once
-in a few seconds with torch, export it to ONNX and cache everything:
+with torch (about 15-30 s on two cores), export it to ONNX and cache everything:
 
 ``CACHE/model.onnx``    single file, weights embedded; input ``image`` [batch,1,32,32],
                         output ``logits`` [batch,10]
@@ -335,7 +335,11 @@ def _build_into(directory: Path, progress: Callable[[EpochReport], None] | None)
         calib_size=len(data.train_labels),
     )
     text = json.dumps(meta.to_dict(), indent=2) + "\n"
-    _write_atomic(directory / META_FILE, lambda tmp: tmp.write_text(text))
+
+    def write_meta(tmp: Path) -> None:
+        tmp.write_text(text)
+
+    _write_atomic(directory / META_FILE, write_meta)
     return meta
 
 

@@ -3,42 +3,24 @@
 An exit lets an easy request leave before the whole model has run: a head reads a
 feature that crosses one of the graph's cuts (average pooling, to one value or a small
 grid per channel, then one linear layer, then softmax) and, when its top probability
-reaches the exit's threshold, its answer is taken and the rest of the model is skipped. See [Note: exit calibration] for
-how thresholds are chosen and [Note: exits in a plan] for how exits save compute in a
-split model.
+reaches the exit's threshold, its answer is taken and the rest of the model is skipped.
 
 Heads are trained with scikit-learn's logistic regression on features computed by ONNX
 Runtime from a calibration file (``IN.npz`` layout, optional ``labels``), against the
-labels when there are any, else against the full model's own predictions. The grafted
-model keeps every original node and output untouched; heads are extra outputs named
+labels when there are any, else against the full model's own predictions; they are
+built and grafted by :mod:`tierflow.partitioner.exit_heads`. The grafted model keeps
+every original node and output untouched; heads are extra outputs named
 ``exit0_probs``, ``exit1_probs``..., recorded in the model's ``metadata_props`` under
-``tierflow.exits`` (a JSON list of :class:`ExitInfo`).
-
-[Note: exit calibration]
-The calibration data is split deterministically (seed 0) into a part that trains the
-heads and a held-out part that sets the thresholds (or ``holdout`` is given). Exits are
-taken in order: a request leaves at the first exit whose top probability is at least
-its threshold. For exit k, among the held-out requests that did not leave earlier, we
-sort by confidence and choose the *lowest* threshold such that, among the requests that
-would leave at k, the disagreement with the full model's prediction (or, with labels,
-the accuracy lost against the full model) is at most the target, counted with one
-pseudo-miss: (misses + 1) / (leavers + 1). Picking the lowest threshold that passes on a
-finite sample is optimistic (the running rate dips below the target by chance); the
-pseudo-miss damps that and disables exits that too few held-out requests support. Each
-exit meeting the target among its leavers means the overall figure, which counts requests
-that run to the end as exact, meets it too (it is a weighted mean of the per-exit figures
-and zeros). When no threshold meets the target the exit is disabled (threshold above 1).
-Thresholds are measured on the grafted model run by ONNX Runtime, so they apply to
-exactly the probabilities the runtime will see. On new data the figure is a sample
-estimate like any other: expect it within a point or so of the target for a few hundred
-held-out requests, more when the calibration data is the model's own training data.
+``tierflow.exits`` (a JSON list of :class:`ExitInfo`). Thresholds are chosen as
+[Note: exit calibration] in :mod:`tierflow.partitioner.exit_calibration` explains.
 
 [Note: exits in a plan]
 A plan carries an exit as an :class:`~tierflow.plan.ExitSpec` on the segment that yields
 its output (:meth:`ExitInfo.to_spec`). To save compute the model is cut *at* the exit's
 feature: the segment ending there outputs the exit probabilities and the crossing
 feature; the tier checks the exit and answers if confident, else runs its next segment
-(a tier may run several consecutive segments). :func:`expected_compute` turns per-unit
+(a tier may run several consecutive segments). :func:`attach_exits` builds such segments
+from a split of the model without exits; :func:`expected_compute` turns per-unit
 latencies and exit rates into the expected compute the cost model should use.
 """
 
@@ -46,28 +28,66 @@ from __future__ import annotations
 
 import json
 import logging
-import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+import onnx.utils
+from onnx import helper
 
-from tierflow.errors import InputError, ModelError, UsageError
-from tierflow.plan import ExitSpec
+from tierflow.errors import InputError, ModelError, PlanError, UsageError
+from tierflow.partitioner.exit_calibration import (
+    DEFAULT_TARGET,
+    NEVER,
+    calibrate,
+    load_calibration,
+    prepare_data,
+    probabilities,
+)
+from tierflow.partitioner.exit_heads import (
+    Head,
+    all_names,
+    check_model,
+    graft_heads,
+    grid_for,
+    infer_shapes,
+    pool_feature,
+    run_model,
+    train_head,
+)
+from tierflow.plan import ExitSpec, SegmentSpec
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "DEFAULT_TARGET",
+    "NEVER",
+    "ExitInfo",
+    "ExitedModel",
+    "add_exits",
+    "attach_exits",
+    "calibrate",
+    "choose_exit_points",
+    "exit_candidates",
+    "exit_cut_indices",
+    "exit_skips",
+    "expected_compute",
+    "expected_compute_fraction",
+    "format_table",
+    "load_calibration",
+    "read_exit_summary",
+    "read_exits",
+    "run_model",
+    "simulate_exits",
+]
+
 METADATA_KEY = "tierflow.exits"
 SUMMARY_KEY = "tierflow.exits.summary"
-NEVER = 2.0  # a threshold no probability reaches: the exit is disabled
-DEFAULT_TARGET = 0.01
 DEFAULT_GRID = 2
 HOLDOUT_FRACTION = 0.4
-_BATCH = 64
 _SEED = 0
 
 
@@ -117,41 +137,6 @@ class ExitInfo:
     def exit_rate(self) -> float:
         """Fraction of held-out requests that left here during calibration (0 if unknown)."""
         return float(self.calibration.get("exit_rate", 0.0))
-
-
-@dataclass(frozen=True)
-class Head:
-    """A trained exit head before grafting: output name, feature read, pooling, weights.
-
-    ``grid`` g > 1 average-pools a 4-D feature to g x g cells instead of one (see
-    :func:`pool_feature`); ``weight`` is [pooled features, classes].
-    """
-
-    name: str
-    at: str
-    grid: int
-    weight: np.ndarray
-    bias: np.ndarray
-
-
-@dataclass(frozen=True)
-class CalibrationData:
-    """Model inputs as rows ready for ONNX Runtime, with labels if the file had them.
-
-    Files hold one array per input with a leading request axis; here the request axis and
-    each request's own batch axis are merged, so row r of every array is one example.
-    """
-
-    inputs: dict[str, np.ndarray]
-    labels: np.ndarray | None
-
-    @property
-    def rows(self) -> int:
-        return len(next(iter(self.inputs.values())))
-
-    def take(self, index: np.ndarray) -> CalibrationData:
-        labels = None if self.labels is None else self.labels[index]
-        return CalibrationData({k: v[index] for k, v in self.inputs.items()}, labels)
 
 
 @dataclass(frozen=True)
@@ -215,19 +200,6 @@ def read_exit_summary(model: onnx.ModelProto | str | Path) -> dict[str, Any]:
     return {}
 
 
-def load_calibration(path: str | Path) -> dict[str, np.ndarray]:
-    """Read a calibration ``.npz`` into a dict of arrays (checked later against a model)."""
-    try:
-        with np.load(Path(path), allow_pickle=False) as archive:
-            return {name: archive[name] for name in archive.files}
-    except FileNotFoundError as exc:
-        raise InputError(f"calibration data {path} not found") from exc
-    except (OSError, ValueError) as exc:
-        raise InputError(
-            f"cannot read calibration data {path}: expected an .npz file ({exc})"
-        ) from exc
-
-
 def simulate_exits(
     model: onnx.ModelProto | str | Path,
     inputs: Mapping[str, np.ndarray],
@@ -250,7 +222,7 @@ def simulate_exits(
     taken = np.full(rows, -1, dtype=np.int64)
     predicted = outputs[final].argmax(axis=1)
     for k, info in enumerate(chosen):
-        probs = _probabilities(outputs[info.name])
+        probs = probabilities(outputs[info.name])
         leave = (taken < 0) & (probs.max(axis=1) >= info.threshold)
         taken[leave] = k
         predicted[leave] = probs[leave].argmax(axis=1)
@@ -276,13 +248,13 @@ def expected_compute(unit_costs: Sequence[float], exits: Sequence[tuple[int, flo
     total_rate = 0.0
     for first_skipped, rate in exits:
         if not 0 <= first_skipped <= len(costs):
-            raise ValueError(f"exit skips from unit {first_skipped}, expected 0..{len(costs)}")
+            raise PlanError(f"exit skips from unit {first_skipped}, expected 0..{len(costs)}")
         if rate < 0:
-            raise ValueError(f"exit rate must be non-negative, got {rate}")
+            raise PlanError(f"exit rate must be non-negative, got {rate}")
         reach[first_skipped:] -= rate
         total_rate += rate
     if total_rate > 1.0 + 1e-9:
-        raise ValueError(f"exit rates add up to {total_rate}, more than 1")
+        raise PlanError(f"exit rates add up to {total_rate}, more than 1")
     return float(np.dot(costs, np.clip(reach, 0.0, 1.0)))
 
 
@@ -298,6 +270,70 @@ def exit_cut_indices(graph: Any, exits: Sequence[ExitInfo]) -> dict[str, int]:
     """Map each exit's name to the index of the one-tensor cut of ``graph`` it reads."""
     by_tensor = {cut.tensors[0]: cut.index for cut in graph.cuts if len(cut.tensors) == 1}
     return {e.name: by_tensor[e.at] for e in exits if e.at in by_tensor}
+
+
+def exit_skips(graph: Any, exits: Sequence[ExitInfo]) -> list[tuple[int, float]]:
+    """``(first_skipped_unit, exit_rate)`` pairs for :func:`expected_compute`.
+
+    ``graph`` is the analysed model *without* exits, whose units the profiles time;
+    exits whose feature is not one of its one-tensor cuts are left out.
+    """
+    indices = exit_cut_indices(graph, exits)
+    return [(indices[e.name], e.exit_rate) for e in exits if e.name in indices]
+
+
+def attach_exits(
+    segments: Sequence[tuple[SegmentSpec, onnx.ModelProto]],
+    exited: onnx.ModelProto,
+    exits: Sequence[ExitInfo] | None = None,
+) -> list[tuple[SegmentSpec, onnx.ModelProto]]:
+    """Put each exit's head on the segment that ends with the exit's feature.
+
+    ``segments`` come from splitting the model *without* exits (``split_model``) at cuts
+    that include the exits' one-tensor cuts (:func:`exit_cut_indices`); ``exited`` is the
+    model with exits (heads and thresholds are read from it, or from ``exits``). A
+    segment whose outputs include an exit's ``at`` tensor, which it does not take as
+    input, gets the head's nodes and weights, the exit output, and the exit in its
+    spec. The last segment gets none: the final answer is there anyway. See
+    [Note: exits in a plan].
+    """
+    chosen = list(read_exits(exited) if exits is None else exits)
+    extractor = onnx.utils.Extractor(infer_shapes(exited))
+    result: list[tuple[SegmentSpec, onnx.ModelProto]] = []
+    for i, (spec, segment) in enumerate(segments):
+        mine = [
+            e
+            for e in chosen
+            if i < len(segments) - 1 and e.at in spec.outputs and e.at not in spec.inputs
+        ]
+        if not mine:
+            result.append((spec, segment))
+            continue
+        model = onnx.ModelProto()
+        model.CopyFrom(segment)
+        taken = all_names(model)
+        for info in mine:
+            try:
+                head = extractor.extract_model([info.at], [info.name])
+            except (ValueError, KeyError) as exc:
+                raise ModelError(f"cannot extract exit head {info.name}: {exc}") from exc
+            new = {o for n in head.graph.node for o in n.output} | {
+                t.name for t in head.graph.initializer
+            }
+            if new & taken:
+                raise ModelError(f"exit {info.name} clashes with names {sorted(new & taken)}")
+            model.graph.node.extend(head.graph.node)
+            model.graph.initializer.extend(head.graph.initializer)
+            model.graph.output.extend(head.graph.output)
+            taken |= new
+        check_model(model, f"segment {spec.file} with exits")
+        spec = replace(
+            spec,
+            outputs=(*spec.outputs, *(e.name for e in mine)),
+            exits=(*spec.exits, *(e.to_spec() for e in mine)),
+        )
+        result.append((spec, model))
+    return result
 
 
 # --- adding exits -----------------------------------------------------------------------
@@ -354,7 +390,7 @@ def add_exits(
             "its exit outputs with --declare-exit"
         )
     final, classes = _classifier_output(original)
-    calib = _prepare(original, arrays, "calibration data")
+    calib = prepare_data(original, arrays, "calibration data")
     if metric == "accuracy_drop" and calib.labels is None:
         raise InputError("--max-accuracy-drop needs a 'labels' array in the calibration data")
 
@@ -367,9 +403,15 @@ def add_exits(
         held_arrays = (
             load_calibration(holdout) if isinstance(holdout, str | Path) else dict(holdout)
         )
-        held = _prepare(original, held_arrays, "held-out data")
+        held = prepare_data(original, held_arrays, "held-out data")
     if metric == "accuracy_drop" and held.labels is None:
         raise InputError("--max-accuracy-drop needs a 'labels' array in the held-out data")
+    for part in (fit, held):
+        if part.labels is not None and (part.labels.min() < 0 or part.labels.max() >= classes):
+            raise InputError(
+                f"labels must be class indices 0..{classes - 1} for output {final!r}, found "
+                f"{int(part.labels.min())}..{int(part.labels.max())}"
+            )
 
     points = list(at) if at else choose_exit_points(graph, 3 if exits is None else exits)
     _check_points(graph, points)
@@ -378,7 +420,7 @@ def add_exits(
         outputs = run_model(original, fit.inputs, [*points, final])
         targets = fit.labels if fit.labels is not None else outputs[final].argmax(axis=1)
         for i, point in enumerate(points):
-            grid = _grid_for(graph.tensors[point].shape, pool_grid)
+            grid = grid_for(graph.tensors[point].shape, pool_grid)
             weight, bias = train_head(pool_feature(outputs[point], grid), targets, classes)
             heads.append(Head(f"exit{i}_probs", point, grid, weight, bias))
             logger.info(
@@ -400,7 +442,7 @@ def add_exits(
     results = run_model(grafted, held.inputs, [*names, final])
     reference = results[final].argmax(axis=1)
     infos, summary = calibrate(
-        [_probabilities(results[n]) for n in names],
+        [probabilities(results[n]) for n in names],
         reference,
         held.labels,
         metric=metric,
@@ -412,7 +454,7 @@ def add_exits(
     )
     summary["heads_trained_on"] = fit.rows
     _set_metadata(grafted, exit_infos, summary)
-    _check(grafted, "the model with exits")
+    check_model(grafted, "the model with exits")
     return ExitedModel(grafted, exit_infos, summary)
 
 
@@ -510,270 +552,7 @@ def _check_points(graph: Any, points: Sequence[str]) -> None:
 # --- running and heads ------------------------------------------------------------------
 
 
-def run_model(
-    model: onnx.ModelProto, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]
-) -> dict[str, np.ndarray]:
-    """Run ``model`` in ONNX Runtime on rows of ``inputs`` and fetch ``outputs``.
-
-    Intermediate tensors are added as graph outputs for the run. Rows go in batches of 64
-    when every input's leading dimension is dynamic, else in batches of that dimension.
-    """
-    import onnxruntime as ort
-
-    proto = onnx.ModelProto()
-    proto.CopyFrom(model)
-    present = {o.name for o in proto.graph.output}
-    for name in outputs:
-        if name not in present:
-            proto.graph.output.append(onnx.ValueInfoProto(name=name))
-    try:
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        session = ort.InferenceSession(
-            proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
-        )
-    except Exception as exc:
-        raise ModelError(f"ONNX Runtime cannot load the model: {exc}") from exc
-    batch = _BATCH
-    for item in proto.graph.input:
-        dims = item.type.tensor_type.shape.dim
-        if dims and dims[0].HasField("dim_value") and item.name in inputs:
-            batch = min(batch, dims[0].dim_value)
-    rows = len(next(iter(inputs.values())))
-    chunks: list[list[np.ndarray]] = []
-    for first in range(0, rows, batch):
-        feeds = {name: array[first : first + batch] for name, array in inputs.items()}
-        try:
-            chunks.append(session.run(list(outputs), feeds))
-        except Exception as exc:
-            raise ModelError(f"ONNX Runtime failed on the calibration data: {exc}") from exc
-    return {name: np.concatenate([c[i] for c in chunks]) for i, name in enumerate(outputs)}
-
-
-def _grid_for(shape: Sequence[int], grid: int) -> int:
-    """``grid`` if it divides a 4-D feature's height and width, else 1 (global pooling)."""
-    if len(shape) == 4 and grid > 1 and shape[2] % grid == 0 and shape[3] % grid == 0:
-        return grid
-    return 1
-
-
-def pool_feature(feature: np.ndarray, grid: int = 1) -> np.ndarray:
-    """What the grafted head computes before its linear layer: [rows, pooled features].
-
-    A 4-D feature [N,C,H,W] is averaged over g x g equal cells (g = ``grid``; 1 is global
-    average pooling) and flattened channel-major to C*g*g values: for small images where
-    a stroke is matters as much as what it is (on the digits, a linear head on the stem's
-    2x2-pooled feature is ~98% accurate, on its global pool ~81%). 3-D [N,T,D] is
-    averaged over T, 2-D is used as it is.
-    """
-    if feature.ndim == 4 and grid > 1:
-        n, c, h, w = feature.shape
-        cells = feature.reshape(n, c, grid, h // grid, grid, w // grid)
-        return cells.mean(axis=(3, 5), dtype=np.float64).reshape(n, c * grid * grid)
-    if feature.ndim == 4:
-        return feature.mean(axis=(2, 3), dtype=np.float64)
-    if feature.ndim == 3:
-        return feature.mean(axis=1, dtype=np.float64)
-    if feature.ndim == 2:
-        return feature.astype(np.float64)
-    raise ModelError(f"an exit feature must be 2-D to 4-D, found shape {list(feature.shape)}")
-
-
-def train_head(
-    features: np.ndarray, targets: np.ndarray, classes: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Fit softmax regression; return ``weight`` [channels, classes] and ``bias`` [classes].
-
-    Features are standardised for the fit and the scaling folded back into the weights,
-    so the head in the graph reads the raw pooled feature. Classes absent from the
-    targets get a bias of -30 (probability ~0).
-    """
-    from sklearn.exceptions import ConvergenceWarning
-    from sklearn.linear_model import LogisticRegression
-
-    mean = features.mean(axis=0)
-    std = features.std(axis=0) + 1e-6
-    weight = np.zeros((features.shape[1], classes))
-    bias = np.full(classes, -30.0)
-    present = np.unique(targets)
-    if len(present) == 1:
-        bias[present[0]] = 30.0
-        return weight.astype(np.float32), bias.astype(np.float32)
-    regression = LogisticRegression(C=1.0, max_iter=2000)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConvergenceWarning)  # a head that is nearly fit is fine
-        regression.fit((features - mean) / std, targets)
-    coef = (
-        regression.coef_ if len(present) > 2 else np.vstack([-regression.coef_, regression.coef_])
-    )
-    intercept = (
-        regression.intercept_
-        if len(present) > 2
-        else np.concatenate([-regression.intercept_, regression.intercept_])
-    )
-    for row, cls in enumerate(regression.classes_):
-        weight[:, int(cls)] = coef[row] / std
-        bias[int(cls)] = intercept[row] - float(np.dot(coef[row], mean / std))
-    return weight.astype(np.float32), bias.astype(np.float32)
-
-
-def graft_heads(model: onnx.ModelProto, heads: Sequence[Head]) -> onnx.ModelProto:
-    """Copy ``model`` and add one head per :class:`Head`.
-
-    Each head is pool (GlobalAveragePool, or AveragePool to a g x g grid, then Flatten
-    for 4-D; ReduceMean over axis 1 for 3-D) -> Gemm -> Softmax; nothing existing is
-    changed, so the original outputs stay bit-for-bit the same.
-    """
-    grafted = onnx.ModelProto()
-    grafted.CopyFrom(model)
-    if not heads:
-        return grafted
-    inferred = _infer(grafted)
-    shapes = _value_shapes(inferred)
-    taken = _all_names(grafted)
-    opset = next((o.version for o in grafted.opset_import if o.domain in ("", "ai.onnx")), 13)
-    batch_dim = grafted.graph.output[0].type.tensor_type.shape.dim[0]
-    for head in heads:
-        name, point, weight, bias = head.name, head.at, head.weight, head.bias
-        prefix = f"tierflow_{name}"
-        new = {name, f"{prefix}_flat", f"{prefix}_pool", f"{prefix}_w", f"{prefix}_b"}
-        clash = sorted(new & taken)
-        if clash:
-            raise ModelError(f"cannot add exit {name}: the model already has names {clash}")
-        elem, shape = shapes.get(point, (onnx.TensorProto.FLOAT, None))
-        source = point
-        nodes: list[onnx.NodeProto] = []
-        if elem != onnx.TensorProto.FLOAT:
-            nodes.append(
-                helper.make_node("Cast", [point], [f"{prefix}_cast"], to=onnx.TensorProto.FLOAT)
-            )
-            source = f"{prefix}_cast"
-        rank = len(shape) if shape is not None else 4
-        flat = f"{prefix}_flat"
-        if rank == 4 and head.grid > 1:
-            if shape is None or not isinstance(shape[2], int) or not isinstance(shape[3], int):
-                raise ModelError(f"exit point {point!r} needs a static height and width to pool")
-            kernel = [shape[2] // head.grid, shape[3] // head.grid]
-            nodes.append(
-                helper.make_node(
-                    "AveragePool", [source], [f"{prefix}_pool"], kernel_shape=kernel, strides=kernel
-                )
-            )
-            nodes.append(helper.make_node("Flatten", [f"{prefix}_pool"], [flat], axis=1))
-        elif rank == 4:
-            nodes.append(helper.make_node("GlobalAveragePool", [source], [f"{prefix}_pool"]))
-            nodes.append(helper.make_node("Flatten", [f"{prefix}_pool"], [flat], axis=1))
-        elif rank == 3:
-            if opset >= 18:
-                axes = numpy_helper.from_array(np.array([1], dtype=np.int64), f"{prefix}_axes")
-                grafted.graph.initializer.append(axes)
-                nodes.append(
-                    helper.make_node("ReduceMean", [source, axes.name], [flat], keepdims=0)
-                )
-            else:
-                nodes.append(helper.make_node("ReduceMean", [source], [flat], axes=[1], keepdims=0))
-        else:
-            flat = source
-        grafted.graph.initializer.append(numpy_helper.from_array(weight, f"{prefix}_w"))
-        grafted.graph.initializer.append(numpy_helper.from_array(bias, f"{prefix}_b"))
-        nodes.append(
-            helper.make_node("Gemm", [flat, f"{prefix}_w", f"{prefix}_b"], [f"{prefix}_logits"])
-        )
-        nodes.append(helper.make_node("Softmax", [f"{prefix}_logits"], [name], axis=-1))
-        grafted.graph.node.extend(nodes)
-        output = helper.make_tensor_value_info(
-            name, onnx.TensorProto.FLOAT, [None, weight.shape[1]]
-        )
-        output.type.tensor_type.shape.dim[0].CopyFrom(batch_dim)
-        grafted.graph.output.append(output)
-        taken |= new
-    _check(grafted, "the model with exit heads")
-    return grafted
-
-
 # --- calibration ------------------------------------------------------------------------
-
-
-def calibrate(
-    probabilities: Sequence[np.ndarray],
-    reference: np.ndarray,
-    labels: np.ndarray | None,
-    *,
-    metric: str = "disagreement",
-    target: float = DEFAULT_TARGET,
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Choose thresholds for exits taken in order (see [Note: exit calibration]).
-
-    ``probabilities[k]`` are exit k's class probabilities [rows, classes] on held-out
-    data, ``reference`` the full model's predicted classes. Returns one ``{"threshold",
-    "calibration"}`` per exit and the overall summary. Pure: no I/O, deterministic.
-    """
-    rows = len(reference)
-    if metric not in ("disagreement", "accuracy_drop"):
-        raise UsageError(f"unknown exit metric {metric!r}")
-    if metric == "accuracy_drop" and labels is None:
-        raise InputError("an accuracy-drop target needs labels")
-    remaining = np.ones(rows, dtype=bool)
-    answer = reference.copy()
-    results: list[dict[str, Any]] = []
-    for probs in probabilities:
-        confidence = probs.max(axis=1)
-        predicted = probs.argmax(axis=1)
-        if metric == "disagreement":
-            cost = (predicted != reference).astype(np.float64)
-        else:
-            assert labels is not None
-            cost = (reference == labels).astype(np.float64) - (predicted == labels)
-        threshold = _lowest_threshold(confidence[remaining], cost[remaining], target)
-        leaving = remaining & (confidence >= threshold)
-        count = int(leaving.sum())
-        answer[leaving] = predicted[leaving]
-        remaining &= ~leaving
-        results.append(
-            {
-                "threshold": threshold,
-                "calibration": {
-                    "metric": metric,
-                    "target": target,
-                    "achieved": float(cost[leaving].mean()) if count else 0.0,
-                    "exit_rate": count / rows if rows else 0.0,
-                    "exited": count,
-                    "samples": rows,
-                },
-            }
-        )
-    summary = {"metric": metric, "target": target, "samples": rows}
-    summary["disagreement"] = float((answer != reference).mean()) if rows else 0.0
-    if labels is not None:
-        summary["accuracy_full"] = float((reference == labels).mean()) if rows else 0.0
-        summary["accuracy_with_exits"] = float((answer == labels).mean()) if rows else 0.0
-    summary["achieved"] = (
-        summary["disagreement"]
-        if metric == "disagreement"
-        else summary["accuracy_full"] - summary["accuracy_with_exits"]
-    )
-    summary["exit_rate"] = float(1.0 - remaining.mean()) if rows else 0.0
-    return results, summary
-
-
-def _lowest_threshold(confidence: np.ndarray, cost: np.ndarray, target: float) -> float:
-    """Lowest confidence level whose leavers (confidence >= it) cost at most ``target``.
-
-    The cost is counted with one pseudo-miss, ``(misses + 1) / (leavers + 1)``, so that a
-    few lucky leavers cannot set a threshold: certifying 1% takes about 100 held-out
-    requests at an exit (see [Note: exit calibration]).
-    """
-    if len(confidence) == 0:
-        return NEVER
-    order = np.argsort(-confidence, kind="stable")
-    conf = confidence[order]
-    mean_cost = (np.cumsum(cost[order]) + 1.0) / np.arange(2, len(conf) + 2)
-    # Only prefixes ending where the confidence changes are thresholds (ties leave together).
-    boundary = np.append(conf[1:] != conf[:-1], True)
-    ok = np.flatnonzero(boundary & (mean_cost <= target + 1e-12))
-    if len(ok) == 0:
-        return NEVER
-    return float(conf[ok[-1]])
 
 
 def format_table(exits: Sequence[ExitInfo], summary: Mapping[str, Any]) -> str:
@@ -818,42 +597,6 @@ def _load_proto(path: str | Path) -> onnx.ModelProto:
         raise ModelError(f"cannot read ONNX model {path}: {exc}") from exc
 
 
-def _check(model: onnx.ModelProto, what: str) -> None:
-    try:
-        onnx.checker.check_model(model)
-    except onnx.checker.ValidationError as exc:
-        raise ModelError(f"{what} is not a valid ONNX model: {exc}") from exc
-
-
-def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
-    try:
-        return onnx.shape_inference.infer_shapes(model)
-    except Exception as exc:
-        raise ModelError(f"shape inference failed on the model: {exc}") from exc
-
-
-def _value_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, tuple[int | str, ...] | None]]:
-    values = [*model.graph.input, *model.graph.value_info, *model.graph.output]
-    shapes: dict[str, tuple[int, tuple[int | str, ...] | None]] = {}
-    for value in values:
-        tensor = value.type.tensor_type
-        dims = None
-        if tensor.HasField("shape"):
-            dims = tuple(
-                d.dim_value if d.HasField("dim_value") else d.dim_param for d in tensor.shape.dim
-            )
-        shapes[value.name] = (tensor.elem_type, dims)
-    return shapes
-
-
-def _all_names(model: onnx.ModelProto) -> set[str]:
-    graph = model.graph
-    names = {i.name for i in graph.input} | {i.name for i in graph.initializer}
-    for node in graph.node:
-        names.update(node.output)
-    return names
-
-
 def _classifier_output(model: onnx.ModelProto) -> tuple[str, int]:
     """The model's first output, which must be 2-D [batch, classes] with classes known."""
     if not model.graph.output:
@@ -867,61 +610,6 @@ def _classifier_output(model: onnx.ModelProto) -> tuple[str, int]:
             f"[batch, classes], found shape {shape}"
         )
     return output.name, int(dims[1].dim_value)
-
-
-def _prepare(
-    model: onnx.ModelProto, arrays: Mapping[str, np.ndarray], what: str
-) -> CalibrationData:
-    """Check ``arrays`` against the model's inputs and merge request and batch axes."""
-    initializers = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in initializers]
-    missing = [i.name for i in inputs if i.name not in arrays]
-    if missing:
-        raise InputError(f"{what} lacks model inputs {missing}: found arrays {sorted(arrays)}")
-    rows: dict[str, np.ndarray] = {}
-    requests = None
-    for item in inputs:
-        array = np.asarray(arrays[item.name])
-        dims = item.type.tensor_type.shape.dim
-        if array.ndim != len(dims) + 1:
-            raise InputError(
-                f"{what} array {item.name!r} has shape {list(array.shape)}: expected a request "
-                f"axis followed by the model input's {len(dims)} dimensions"
-            )
-        for axis, dim in enumerate(dims):
-            if dim.HasField("dim_value") and axis > 0 and array.shape[axis + 1] != dim.dim_value:
-                raise InputError(
-                    f"{what} array {item.name!r} has shape {list(array.shape)}: dimension "
-                    f"{axis} of each request must be {dim.dim_value}"
-                )
-        if requests is not None and array.shape[0] != requests:
-            raise InputError(f"{what} arrays hold different numbers of requests")
-        requests = array.shape[0]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(item.type.tensor_type.elem_type)
-        rows[item.name] = np.ascontiguousarray(
-            array.reshape(-1, *array.shape[2:]).astype(dtype, copy=False)
-        )
-    if not rows or requests == 0:
-        raise InputError(f"{what} holds no requests")
-    labels = arrays.get("labels")
-    total = len(next(iter(rows.values())))
-    if labels is not None:
-        labels = np.asarray(labels).reshape(-1).astype(np.int64)
-        if len(labels) != total:
-            raise InputError(
-                f"{what} has {len(labels)} labels for {total} examples: expected one per example"
-            )
-    return CalibrationData(rows, labels)
-
-
-def _probabilities(scores: np.ndarray) -> np.ndarray:
-    """Rows as probabilities, the way the runtime reads an exit ([Note: exit confidence])."""
-    values = np.asarray(scores, dtype=np.float64).reshape(len(scores), -1)
-    sums = values.sum(axis=1)
-    if (values >= 0).all() and (values <= 1).all() and np.allclose(sums, 1.0, atol=1e-3):
-        return values
-    shifted = np.exp(values - values.max(axis=1, keepdims=True))
-    return shifted / shifted.sum(axis=1, keepdims=True)
 
 
 def _producers(model: onnx.ModelProto) -> dict[str, int]:

@@ -12,15 +12,17 @@ tied to one model: its sha256 and cut list must match the model it is used with.
 
 [Note: segment latency]
 A segment ``[s, e)`` run as one ONNX Runtime session costs ``overhead_s + Σ compute_s``
-of its units. Each unit gets its own session; the units are timed in rounds, in model
+of its units ``+ output_s_per_byte * bytes at cut e``: its outputs come back as fresh
+arrays, allocated and written on every call, while inner tensors stay in the session's
+reused arena. Each unit gets its own session; the units are timed in rounds, in model
 order (so each finds the caches as a whole run leaves them, and a burst of load on a
 shared machine hits all of them alike), and a unit's time is the lower quartile of its
-rounds (:func:`typical_s`) minus the call overhead measured on a trivial session. Timed
-apart, units still lose the fusions and the cache behaviour they get inside a larger
-graph, so a few whole segments (the whole model and its halves) are timed in rounds
-too, and ``correction`` (the median of measured / predicted over them) rescales the unit
-times so that predicted and measured segments agree; the fit is kept in the profile
-(``calibration``) for people to check.
+rounds (:func:`typical_s`) minus the call overhead measured on a trivial session and
+minus the cost of its own output. A few whole segments (the whole model and its halves)
+are timed in rounds too: the per-byte output cost is fitted (least squares) so that unit
+sums match them, and ``correction`` (the median of measured / predicted over them)
+rescales the unit times for what else units lose when run apart (fusions across a cut,
+cache behaviour). The fit is kept in the profile (``calibration``) for people to check.
 The number of rounds adapts to the model so that profiling stays within a time budget.
 
 Emulation: a machine ``slowdown`` times slower than this one is profiled by measuring
@@ -188,6 +190,7 @@ class Profile:
     units: tuple[UnitProfile, ...]
     overhead_s: float
     calibration: Mapping[str, Any] = field(default_factory=dict)
+    output_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.cuts) < 2:
@@ -203,6 +206,10 @@ class Profile:
             raise ProfileError("malformed profile: unit indices must be 0, 1, 2, ... in order")
         if not self.overhead_s >= 0:
             raise ProfileError(f"malformed profile: overhead_s must be >= 0, got {self.overhead_s}")
+        if not self.output_s_per_byte >= 0:
+            raise ProfileError(
+                f"malformed profile: output_s_per_byte must be >= 0, got {self.output_s_per_byte}"
+            )
         names = {frozenset(c.codecs) for c in self.cuts}
         if len(names) != 1:
             raise ProfileError("malformed profile: every cut must list the same codecs")
@@ -220,7 +227,11 @@ class Profile:
         """Predicted time of cuts ``start`` to ``end`` as one session; 0 when empty."""
         if start >= end:
             return 0.0
-        return self.overhead_s + sum(u.compute_s for u in self.units[start:end])
+        return (
+            self.overhead_s
+            + sum(u.compute_s for u in self.units[start:end])
+            + self.output_s_per_byte * self.cuts[end].nbytes
+        )
 
     def emulate(self, slowdown: float, threads: int | None = None) -> Profile:
         """This profile as seen on a machine ``slowdown`` times slower than the measured one.
@@ -252,7 +263,12 @@ class Profile:
             threads=self.machine.threads if threads is None else threads,
         )
         return replace(
-            self, machine=machine, cuts=cuts, units=units, overhead_s=self.overhead_s * factor
+            self,
+            machine=machine,
+            cuts=cuts,
+            units=units,
+            overhead_s=self.overhead_s * factor,
+            output_s_per_byte=self.output_s_per_byte * factor,
         )
 
     def check_model(self, graph: ModelGraph, *, where: str = "profile") -> None:
@@ -277,6 +293,7 @@ class Profile:
             "machine": self.machine.to_dict(),
             "model": {"file": self.model_file, "sha256": self.model_sha256},
             "overhead_s": self.overhead_s,
+            "output_s_per_byte": self.output_s_per_byte,
             "cuts": [c.to_dict() for c in self.cuts],
             "units": [u.to_dict() for u in self.units],
             "calibration": dict(self.calibration),
@@ -298,8 +315,11 @@ class Profile:
             raise ProfileError("malformed profile: 'cuts' and 'units' must be lists")
         try:
             overhead = float(data["overhead_s"])
+            per_byte = float(data.get("output_s_per_byte", 0.0))
         except (KeyError, TypeError, ValueError) as exc:
-            raise ProfileError("malformed profile: 'overhead_s' must be a number") from exc
+            raise ProfileError(
+                "malformed profile: 'overhead_s' and 'output_s_per_byte' must be numbers"
+            ) from exc
         return cls(
             machine=MachineInfo.from_dict(data.get("machine")),
             model_file=str(model.get("file", "")),
@@ -308,6 +328,7 @@ class Profile:
             units=tuple(UnitProfile.from_dict(u) for u in units),
             overhead_s=overhead,
             calibration=dict(data.get("calibration") or {}),
+            output_s_per_byte=per_byte,
         )
 
 
@@ -468,17 +489,44 @@ def typical_s(times: Sequence[float]) -> float:
     return float(np.percentile(np.asarray(times, dtype=np.float64), 25))
 
 
-def _fit_correction(
-    overhead: float, unit_s: Sequence[float], measured: Sequence[tuple[int, int, float]]
+def _fit_output_cost(
+    overhead: float,
+    call_s: Sequence[float],
+    nbytes: Sequence[int],
+    measured: Sequence[tuple[int, int, float]],
 ) -> float:
-    """The factor c with ``overhead + c * Σ units ≈ measured``: the median over segments.
+    """Seconds per byte a session call spends handing its outputs back (least squares).
+
+    A unit timed alone returns its output as a fresh array (allocated and written each
+    call); inside a larger segment the same tensor stays in ONNX Runtime's reused arena.
+    So ``Σ call_s`` over a segment's units exceeds the segment's time by ``(k - 1)``
+    overheads plus this cost on every inner cut's bytes. See [Note: segment latency].
+    """
+    xs, ys = [], []
+    for start, end, seconds in measured:
+        inner = sum(nbytes[i + 1] for i in range(start, end)) - nbytes[end]
+        xs.append(inner)
+        ys.append(sum(call_s[start:end]) - seconds - (end - start - 1) * overhead)
+    x, y = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    if not (x > 0).any():
+        return 0.0
+    return max(float(np.dot(x, y) / np.dot(x, x)), 0.0)
+
+
+def _fit_correction(
+    overhead: float,
+    unit_s: Sequence[float],
+    measured: Sequence[tuple[int, int, float]],
+    output_s: Sequence[float],
+) -> float:
+    """The factor c with ``overhead + c * Σ units + output_s[end] ≈ measured``.
 
     The median of the per-segment ratios, so that one segment timed during a burst of
     load on a shared machine does not drag the factor; clamped to [1/4, 4], beyond which
     the measurements are noise rather than fusion or cache effects.
     """
     ratios = [
-        (seconds - overhead) / total
+        (seconds - overhead - output_s[end]) / total
         for start, end, seconds in measured
         if (total := sum(unit_s[start:end])) > 0
     ]
@@ -563,13 +611,13 @@ def capture_features(graph: ModelGraph) -> dict[str, np.ndarray]:
 
 
 def with_codecs(profile: Profile, extra: Sequence[Mapping[str, CodecStats]]) -> Profile:
-    """``profile`` with more codecs measured at each cut (``extra[i]`` for cut ``i``)."""
+    """``profile`` with codecs it lacks added at each cut (``extra[i]`` for cut ``i``)."""
     if len(extra) != len(profile.cuts):
         raise ProfileError(
             f"codec figures for {len(extra)} cuts, the profile has {len(profile.cuts)}"
         )
     cuts = tuple(
-        replace(cut, codecs={**cut.codecs, **added})
+        replace(cut, codecs={**added, **cut.codecs})
         for cut, added in zip(profile.cuts, extra, strict=True)
     )
     return replace(profile, cuts=cuts)
@@ -635,7 +683,7 @@ def profile_model(
     for round_index in range(rounds):
         times.append(_time_chain(sessions, feeds))
         advance(f"timing round {round_index + 1}/{rounds}")
-    raw_unit_s = [max(typical_s([t[i] for t in times[1:]]) - overhead, 0.0) for i in range(n)]
+    call_s = [typical_s([t[i] for t in times[1:]]) for i in range(n)]
     del sessions, feeds
 
     # Whole segments, interleaved the same way, to correct the unit sum.
@@ -657,7 +705,16 @@ def profile_model(
         (start, end, typical_s([t[i] for t in segment_times[1:]]))
         for i, (start, end) in enumerate(spans)
     ]
-    correction = _fit_correction(overhead, raw_unit_s, measured)
+    nbytes = [cut.nbytes for cut in graph.cuts]
+    per_byte = _fit_output_cost(overhead, call_s, nbytes, measured)
+    # Never more than the smallest unit can pay: a unit's compute stays non-negative.
+    per_byte = min(
+        [per_byte] + [(call_s[i] - overhead) / nbytes[i + 1] for i in range(n) if nbytes[i + 1]]
+    )
+    per_byte = max(per_byte, 0.0)
+    output_s = [per_byte * b for b in nbytes]
+    raw_unit_s = [max(call_s[i] - overhead - output_s[i + 1], 0.0) for i in range(n)]
+    correction = _fit_correction(overhead, raw_unit_s, measured, output_s)
 
     cut_stats = measure_cut_codecs(
         graph, features, codecs, slowdown=slowdown, progress=lambda i: advance(f"codecs at cut {i}")
@@ -678,12 +735,13 @@ def profile_model(
     )
     calibration = {
         "correction": correction,
+        "output_s_per_mb": per_byte * 1e6,
         "segments": [
             {
                 "start": s,
                 "end": e,
                 "measured_s": m,
-                "predicted_s": overhead + correction * sum(raw_unit_s[s:e]),
+                "predicted_s": overhead + correction * sum(raw_unit_s[s:e]) + output_s[e],
             }
             for s, e, m in measured
         ],
@@ -705,4 +763,5 @@ def profile_model(
         units=units,
         overhead_s=overhead * slowdown,
         calibration=calibration,
+        output_s_per_byte=per_byte * slowdown,
     )

@@ -158,7 +158,7 @@ def _no_fit_error(tables: CostTables) -> PlanError:
     )
     limits = ", ".join(f"{t} {format_size(v)}" for t, v in budgets.items())
     return PlanError(
-        f"no plan fits the memory budgets ({limits}): the smallest need found is {needs} "
+        f"no plan fits the memory budgets ({limits}): the smallest need is {needs} "
         f"(cuts {int(best_a)}, {int(best_b)})"
     )
 

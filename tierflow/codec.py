@@ -36,22 +36,26 @@ float32 values. The decoded tensor has ``dtype`` and ``shape`` exactly.
   channel, like ``int8``.
 * ``shuffle``: the bytes of each element are transposed into byte planes (all first
   bytes, then all second bytes, ...) before zstd: the exponent bytes of floats are
-  alike, so the planes compress better. It is lossless and costs one copy.
+  alike, so the planes usually compress better (see benchmarks/codec_bench.py). It is
+  lossless and costs one copy each way.
 
 Only floating tensors (float16/32/64) are quantised; other dtypes (int64 indices, bool
 masks, ...) go through the lossless part alone, and ``EncodedTensor.codec`` names what
-was actually applied (``int8+zstd`` on an int64 tensor is recorded as ``zstd``).
+was actually applied (``int8+zstd`` on an int64 tensor is recorded as ``zstd``; ``fp16``
+on a float16 tensor, a no-op, is dropped the same way).
 
 [Note: decoding hostile input]
 A receiver cannot trust a message. Before anything is allocated, :func:`decode` checks
 that the dtype is in the allow-list, the codec parses and fits the dtype, the shape has
 at most 32 non-negative dimensions, the decoded size (elements times item size) is at
-most ``max_bytes``, and ``params`` has exactly the length the quantiser needs. A raw
+most ``max_bytes`` (and so is the product of the nonzero dimensions, which numpy also
+needs to fit), and ``params`` has exactly the length the quantiser needs. A raw
 payload must have exactly the expected length. A zstd payload must be one frame whose
 header declares exactly the expected size (zstd allocates what the header says, so the
 header is checked first; a frame without a declared size is refused), with no trailing
-bytes; the frame's checksum catches corruption. Quantiser parameters must be finite
-(and scales non-negative). Every failure is a :class:`~tierflow.errors.CodecError`.
+bytes; the frame's checksum catches corruption. Quantiser parameters must be finite,
+scales non-negative, and the values they decode to must fit the dtype. Every failure
+is a :class:`~tierflow.errors.CodecError`.
 """
 
 from __future__ import annotations
@@ -238,7 +242,10 @@ def _wire_dtype(name: str) -> np.dtype[Any]:
 
 
 class _Quantiser:
-    """Turns a float array into stored elements plus parameters, and back."""
+    """Turns a float array into stored elements plus parameters, and back.
+
+    This base class is the identity: what ``none`` (no quantiser) does.
+    """
 
     stored: str | None = None  # dtype of the stored elements; None = the tensor's own
 
@@ -379,8 +386,8 @@ class _Int8(_Quantiser):
             scale = scale.reshape(view)
             offset = offset.reshape(view)
         work = np.float64 if dtype == "float64" else np.float32
-        out = stored.astype(work)
-        np.multiply(out, scale.astype(work), out=out)
+        out = np.empty(stored.shape, work)
+        np.multiply(stored, scale.astype(work), out=out)
         np.add(out, offset.astype(work), out=out)
         if out.dtype == np.dtype(dtype):
             return out

@@ -193,14 +193,19 @@ def _demo(links: Mapping[str, LinkSpec], workdir: Path, requests: int, window: i
     chosen, device_only, cloud_only = runs
     for other in (device_only, cloud_only):
         ratio = other.percentile(50) / chosen.percentile(50)
-        print(f"  tierflow p50 is {ratio:.2f}x {'faster' if ratio >= 1 else 'slower'} "
-              f"than {other.name}")
+        print(
+            f"  tierflow p50 is {ratio:.2f}x {'faster' if ratio >= 1 else 'slower'} "
+            f"than {other.name}"
+        )
     return 0 if all(r.failed == 0 for r in runs) else 1
 
 
 def _epoch_printer(report: Any) -> None:
-    print(f"  epoch {report.epoch}/{report.epochs}: loss {report.loss:.3f}, "
-          f"held-out accuracy {report.heldout_accuracy:.1%}", flush=True)
+    print(
+        f"  epoch {report.epoch}/{report.epochs}: loss {report.loss:.3f}, "
+        f"held-out accuracy {report.heldout_accuracy:.1%}",
+        flush=True,
+    )
 
 
 def _indent(text: str) -> str:
@@ -230,17 +235,17 @@ def _run_strategy(
             edge = stack.enter_context(_server("edge", plan_dir, cloud, workdir))
         input_name = plan.inputs[0]
         # Latency pass: one request at a time, as a user waiting for each answer sees it.
-        with DeviceClient(plan_dir, edge, threads=threads, slowdown=slowdown, window=1,
-                          links=links) as client:
-            for i, result in enumerate(
-                client.run_stream({input_name: image} for image in images)
-            ):
+        with DeviceClient(
+            plan_dir, edge, threads=threads, slowdown=slowdown, window=1, links=links
+        ) as client:
+            for i, result in enumerate(client.run_stream({input_name: image} for image in images)):
                 _account(run, result, int(labels[i]))
                 _live(run, i + 1, len(labels))
         print(flush=True)
         # Throughput pass: many requests in flight, so the tiers work as a pipeline.
-        with DeviceClient(plan_dir, edge, threads=threads, slowdown=slowdown, window=window,
-                          links=links) as client:
+        with DeviceClient(
+            plan_dir, edge, threads=threads, slowdown=slowdown, window=window, links=links
+        ) as client:
             started = time.perf_counter()
             count = sum(1 for r in client.run_stream({input_name: im} for im in images) if r.ok)
             run.throughput_rps = count / (time.perf_counter() - started)
@@ -275,23 +280,34 @@ def _live(run: StrategyRun, done: int, total: int) -> None:
 def _results_table(runs: Sequence[StrategyRun]) -> str:
     from tierflow.partitioner.report import format_table
 
-    headers = ["strategy", "accuracy", "p50 ms", "p95 ms", "req/s", "device-edge B/req",
-               "edge-cloud B/req", "answered by", "failed"]
+    headers = [
+        "strategy",
+        "accuracy",
+        "p50 ms",
+        "p95 ms",
+        "req/s",
+        "device-edge B/req",
+        "edge-cloud B/req",
+        "answered by",
+        "failed",
+    ]
     rows = []
     for run in runs:
         n = max(run.answered, 1)
         who = ", ".join(f"{t} {c}" for t, c in sorted(run.answered_by.items()))
-        rows.append([
-            run.name,
-            f"{run.correct / n:.1%}",
-            f"{run.percentile(50):.2f}",
-            f"{run.percentile(95):.2f}",
-            f"{run.throughput_rps:.1f}",
-            f"{run.bytes.get('device-edge', 0) / n:,.0f}",
-            f"{run.bytes.get('edge-cloud', 0) / n:,.0f}",
-            who,
-            str(run.failed),
-        ])
+        rows.append(
+            [
+                run.name,
+                f"{run.correct / n:.1%}",
+                f"{run.percentile(50):.2f}",
+                f"{run.percentile(95):.2f}",
+                f"{run.throughput_rps:.1f}",
+                f"{run.bytes.get('device-edge', 0) / n:,.0f}",
+                f"{run.bytes.get('edge-cloud', 0) / n:,.0f}",
+                who,
+                str(run.failed),
+            ]
+        )
     return format_table(headers, rows)
 
 
@@ -299,14 +315,28 @@ def _results_table(runs: Sequence[StrategyRun]) -> str:
 def _server(tier: str, plan_dir: Path, upstream: str | None, workdir: Path) -> Iterator[str]:
     """Run ``tierflow serve TIER`` as a child process; yield its address; stop it after."""
     threads, slowdown = EMULATION[tier]
-    command = [sys.executable, "-m", "tierflow.cli", "serve", tier, "--plan", str(plan_dir),
-               "--listen", "127.0.0.1:0", "--threads", str(threads), "--slowdown", str(slowdown)]
+    command = [
+        sys.executable,
+        "-m",
+        "tierflow.cli",
+        "serve",
+        tier,
+        "--plan",
+        str(plan_dir),
+        "--listen",
+        "127.0.0.1:0",
+        "--threads",
+        str(threads),
+        "--slowdown",
+        str(slowdown),
+    ]
     if upstream:
         command += ["--upstream", upstream]
     log_path = workdir / f"{plan_dir.name}-{tier}.log"
     with open(log_path, "wb") as log:
-        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log,
-                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        child = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=log, env=dict(os.environ, PYTHONUNBUFFERED="1")
+        )
     try:
         address = _wait_for_address(child, tier, log_path)
         print(f"  started {tier} (pid {child.pid}) on {address}")
@@ -343,4 +373,3 @@ def _stop(child: subprocess.Popen[bytes]) -> None:
             child.wait()
     if child.stdout is not None:
         child.stdout.close()
-

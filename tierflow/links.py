@@ -72,5 +72,7 @@ def parse_link_option(text: str) -> tuple[str, LinkSpec]:
     """Read one ``--link NAME=RATE[,RTT]`` value."""
     name, sep, value = text.partition("=")
     if not sep or not value:
-        raise UsageError(f"malformed --link {text!r}: expected NAME=RATE[,RTT], like device-edge=20mbit,10ms")
+        raise UsageError(
+            f"malformed --link {text!r}: expected NAME=RATE[,RTT], like device-edge=20mbit,10ms"
+        )
     return check_link(name.strip()), LinkSpec.parse(value)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierflow.errors import PlanError
+from tierflow.codec import CodecSpec
+from tierflow.errors import PlanError, UsageError
 from tierflow.links import LINKS, TIERS, LinkSpec
 
 PLAN_FORMAT = "tierflow.plan/1"
@@ -33,6 +34,11 @@ class ExitSpec:
     A request leaves at this exit when the top class probability is at least
     ``threshold``. ``calibration`` records how the threshold was chosen (target and
     achieved figures), for people reading the plan.
+
+    An exit saves compute when the model is cut *at* its feature: the segment ending
+    there outputs the exit's probabilities and the crossing feature; if confident the
+    tier answers, else it runs its next segment (a tier may run several consecutive
+    segments). ``tierflow.partitioner.exits.attach_exits`` builds such segments.
     """
 
     name: str
@@ -49,7 +55,9 @@ class ExitSpec:
         try:
             threshold = float(data["threshold"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise PlanError(f"malformed plan: exit {data['name']!r} has no numeric threshold") from exc
+            raise PlanError(
+                f"malformed plan: exit {data['name']!r} has no numeric threshold"
+            ) from exc
         calibration = data.get("calibration") or {}
         if not isinstance(calibration, dict):
             raise PlanError(f"malformed plan: exit {data['name']!r} calibration must be an object")
@@ -83,9 +91,17 @@ class SegmentSpec:
             raise PlanError(f"malformed plan: a segment must be an object, got {data!r}")
         tier = data.get("tier")
         if tier not in TIERS:
-            raise PlanError(f"malformed plan: segment tier {tier!r} is not one of {', '.join(TIERS)}")
+            raise PlanError(
+                f"malformed plan: segment tier {tier!r} is not one of {', '.join(TIERS)}"
+            )
         file = data.get("file")
-        if not isinstance(file, str) or not file or "/" in file or "\\" in file or file.startswith("."):
+        if (
+            not isinstance(file, str)
+            or not file
+            or "/" in file
+            or "\\" in file
+            or file.startswith(".")
+        ):
             raise PlanError(f"malformed plan: segment file {file!r} must be a plain file name")
         exits = data.get("exits") or []
         if not isinstance(exits, list):
@@ -153,7 +169,14 @@ class Plan:
             raise PlanError(f"malformed plan: no segment yields model outputs {missing_outputs}")
         for name in list(self.links) + list(self.codec):
             if name not in LINKS:
-                raise PlanError(f"malformed plan: unknown link {name!r}, expected one of {', '.join(LINKS)}")
+                raise PlanError(
+                    f"malformed plan: unknown link {name!r}, expected one of {', '.join(LINKS)}"
+                )
+        for name, text in self.codec.items():
+            try:
+                CodecSpec.parse(text)
+            except UsageError as exc:
+                raise PlanError(f"malformed plan: codec of link {name}: {exc}") from exc
 
     @property
     def plan_id(self) -> str:
@@ -194,7 +217,9 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanError("malformed plan: plan.json must hold a JSON object")
         if data.get("format") != PLAN_FORMAT:
-            raise PlanError(f"unsupported plan format {data.get('format')!r}: expected {PLAN_FORMAT!r}")
+            raise PlanError(
+                f"unsupported plan format {data.get('format')!r}: expected {PLAN_FORMAT!r}"
+            )
         model = data.get("model")
         if not isinstance(model, dict) or not isinstance(model.get("sha256"), str):
             raise PlanError("malformed plan: 'model' must be an object with 'file' and 'sha256'")
@@ -204,7 +229,9 @@ class Plan:
         links = data.get("links") or {}
         codec = data.get("codec") or {}
         if not isinstance(links, dict) or not isinstance(codec, dict):
-            raise PlanError("malformed plan: 'links' and 'codec' must be objects keyed by link name")
+            raise PlanError(
+                "malformed plan: 'links' and 'codec' must be objects keyed by link name"
+            )
         try:
             parsed_links = {name: LinkSpec.from_dict(value) for name, value in links.items()}
         except Exception as exc:

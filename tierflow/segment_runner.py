@@ -28,8 +28,10 @@ are cut boundaries in a plan (a Conv, the residual Add and the Relu become one N
 convolution), so a split model can differ from the unsplit one in the last bit (about
 1e-7 relative). At "extended" and below no fusion depends on where the graph was cut and
 a split reproduces the unsplit model bit for bit (measured on ResNet-18 and MobileNetV2,
-10 of 10 cut pairs each; at "all" 1 of 10 on ResNet-18). "all" is 2-3.4 times faster on
-those convnets, so it is the default; choose "extended" where bit-exact answers matter.
+10 of 10 cut pairs each; at "all" 1 of 10 on ResNet-18). tierflow promises bit-exact
+answers with lossless codecs, so "extended" is the default everywhere (runtimes,
+profiling, benchmarks); "all" is 2-3.4 times faster on those convnets and can be chosen
+with ``--optimization all`` where the last bit does not matter.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ OPTIMIZATION_LEVELS: dict[str, ort.GraphOptimizationLevel] = {
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
-DEFAULT_OPTIMIZATION = "all"
+DEFAULT_OPTIMIZATION = "extended"
 
 
 def session_options(threads: int, optimization: str = DEFAULT_OPTIMIZATION) -> ort.SessionOptions:

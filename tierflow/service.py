@@ -324,7 +324,7 @@ class TierService(tier_pb2_grpc.TierServicer):
             tier=self.tier, queue_ms=(time.perf_counter() - received) * 1e3
         )
         try:
-            reply = self._process(request, timing, send)
+            reply = self._process(request, timing, send)  # None: the next tier answers
         except TierflowError as exc:
             logger.info("[%s] request %s refused: %s", self.tier, request.id, exc)
             reply = self._error_reply(request.id, exc)
@@ -364,17 +364,20 @@ class TierService(tier_pb2_grpc.TierServicer):
         if self.cache is not None:
             answer, key = self._lookup(request.segment, features)
             if answer is not None:
-                reply = self._answer(answer.outputs, answer.exit, timing)
+                start = time.perf_counter()
+                reply = self._answer(answer.outputs, answer.exit)
                 reply.cache_hit = True
-                timing.codec_ms = codec_s * 1e3
+                timing.codec_ms = (codec_s + time.perf_counter() - start) * 1e3
+                reply.timings.append(timing)  # a copy: every field is set by now
                 return reply
 
         outcome = runner.run(features)
         timing.compute_ms = outcome.compute_s * 1e3
         start = time.perf_counter()
         if outcome.final:
-            reply = self._answer(outcome.tensors, outcome.exit, timing)
+            reply = self._answer(outcome.tensors, outcome.exit)
             timing.codec_ms = (codec_s + time.perf_counter() - start) * 1e3
+            reply.timings.append(timing)
             if key is not None:
                 self._store(key, features, outcome.tensors, outcome.exit)
             return reply
@@ -410,12 +413,9 @@ class TierService(tier_pb2_grpc.TierServicer):
                 spec.check(tensor.dtype, tensor.shape, f"the {self.tier}'s")
         return {t.name: decode(t, max_bytes=self.max_tensor_bytes) for t in encoded}
 
-    def _answer(
-        self, outputs: Mapping[str, np.ndarray], exit_name: str | None, timing: tier_pb2.TierTiming
-    ) -> tier_pb2.Reply:
+    def _answer(self, outputs: Mapping[str, np.ndarray], exit_name: str | None) -> tier_pb2.Reply:
         reply = tier_pb2.Reply(plan_id=self.plan_id, answered_by=self.tier, exit=exit_name or "")
         put_tensors(reply.outputs, outputs, self.reply_codec)
-        reply.timings.append(timing)
         return reply
 
     def _forwarded(

@@ -16,19 +16,34 @@ from tierflow.errors import UsageError
 _NUMBER = r"(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(?P<unit>[A-Za-zµ/]*)"
 
 _RATE_UNITS = {
-    "bit": 1.0, "bps": 1.0, "b/s": 1.0,
-    "kbit": 1e3, "kbps": 1e3, "kb/s": 1e3,
-    "mbit": 1e6, "mbps": 1e6, "mb/s": 1e6,
-    "gbit": 1e9, "gbps": 1e9, "gb/s": 1e9,
+    "bit": 1.0,
+    "bps": 1.0,
+    "b/s": 1.0,
+    "kbit": 1e3,
+    "kbps": 1e3,
+    "kb/s": 1e3,
+    "mbit": 1e6,
+    "mbps": 1e6,
+    "mb/s": 1e6,
+    "gbit": 1e9,
+    "gbps": 1e9,
+    "gb/s": 1e9,
 }
 
 _DURATION_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "kib": 1024, "kb": 1000,
-    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
-    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kib": 1024,
+    "kb": 1000,
+    "m": 1024**2,
+    "mib": 1024**2,
+    "mb": 1000**2,
+    "g": 1024**3,
+    "gib": 1024**3,
+    "gb": 1000**3,
 }
 
 
@@ -70,7 +85,8 @@ def parse_size(text: str) -> int:
     value, unit = _split(text, "size", "'64MiB', '1GiB' or '512kB'")
     if unit not in _SIZE_UNITS:
         raise UsageError(
-            f"malformed size {text!r}: unknown unit {unit!r}, expected one of KiB, MiB, GiB, kB, MB, GB"
+            f"malformed size {text!r}: unknown unit {unit!r}, "
+            "expected one of KiB, MiB, GiB, kB, MB, GB"
         )
     size = int(value * _SIZE_UNITS[unit])
     if size <= 0:

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,16 @@ STRATEGIES = {
 }
 MODELS = {"vgg-like", "resnet18", "mobilenetv2", "transformer", "demo-digits"}
 
+BENCHMARKS = ROOT / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+
+
 # One quick run takes about a minute, more on a fresh machine (the demo model is trained
 # and cached on first use).
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+def quick(test: Callable[..., None]) -> Callable[..., None]:
+    """Mark a test that uses the quick run: slow, with room for the run in its timeout."""
+    return pytest.mark.timeout(900)(pytest.mark.slow(test))
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +56,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
     return out, rows
 
 
+@quick
 def test_rows_cover_every_model_strategy_and_bandwidth(
     quick_run: tuple[Path, list[dict[str, Any]]],
 ) -> None:
@@ -64,6 +73,7 @@ def test_rows_cover_every_model_strategy_and_bandwidth(
     assert len(seen) == len(rows) == len(MODELS) * len(bandwidths) * len(STRATEGIES)
 
 
+@quick
 def test_tierflow_rows_report_regret_against_the_best_measured_plan(
     quick_run: tuple[Path, list[dict[str, Any]]],
 ) -> None:
@@ -76,6 +86,7 @@ def test_tierflow_rows_report_regret_against_the_best_measured_plan(
         assert row["plans_compared"] > 1
 
 
+@quick
 def test_no_strategy_beats_the_best_measured_plan(
     quick_run: tuple[Path, list[dict[str, Any]]],
 ) -> None:
@@ -94,6 +105,7 @@ def test_no_strategy_beats_the_best_measured_plan(
         assert row["p50_ms"] >= best * (1 - 1e-9), row
 
 
+@quick
 def test_device_only_needs_no_link_and_cloud_only_does(
     quick_run: tuple[Path, list[dict[str, Any]]],
 ) -> None:
@@ -107,6 +119,7 @@ def test_device_only_needs_no_link_and_cloud_only_does(
             assert row["codec_used"] == {"device-edge": "raw", "edge-cloud": "raw"}
 
 
+@quick
 def test_cloud_only_gets_faster_with_bandwidth(
     quick_run: tuple[Path, list[dict[str, Any]]],
 ) -> None:
@@ -122,6 +135,7 @@ def test_cloud_only_gets_faster_with_bandwidth(
         assert latencies[0] > latencies[-1], (model, points)
 
 
+@quick
 def test_demo_exits_leave_early_and_keep_accuracy(
     quick_run: tuple[Path, list[dict[str, Any]]],
 ) -> None:
@@ -132,8 +146,16 @@ def test_demo_exits_leave_early_and_keep_accuracy(
         assert row["exits_used"]
         assert row["exit_rate"] > 0
         assert row["accuracy"] >= row["accuracy_without_exits"] - 0.05
+    # The real runtime ran the exit plan with its edge cache at one point, and the exits
+    # and the cache answered there as in the walk.
+    ran = [r for r in exits if "runtime_p50_ms" in r]
+    assert ran, "no tierflow-exits point ran through the runtime"
+    for row in ran:
+        assert row["runtime_exit_rate"] == pytest.approx(row["exit_rate"], abs=0.1)
+        assert row["runtime_cache_hit_rate"] == pytest.approx(row["cache_hit_rate"], abs=0.1)
 
 
+@quick
 def test_report_and_plots_are_written(quick_run: tuple[Path, list[dict[str, Any]]]) -> None:
     out, _ = quick_run
     text = (out / "RESULTS.md").read_text()
@@ -142,3 +164,40 @@ def test_report_and_plots_are_written(quick_run: tuple[Path, list[dict[str, Any]
     for name in ("latency_vs_bandwidth.png", "cuts.png", "speedup.png"):
         data = (out / name).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 10_000
+
+
+def test_compose_adds_compute_codec_and_link_costs() -> None:
+    """A plan's latency is each tier's compute times its slowdown plus each used link's
+    encode, decode, serialisation both ways and one RTT ([Note: how plans are measured])."""
+    import numpy as np
+    from bench_measure import CodecSample, Measurements, compose
+
+    from tierflow.links import LinkSpec
+
+    m = Measurements("m", last=3, requests=2, cuts=(0, 1, 3))
+    m.prefix_s = {0: np.zeros(2), 1: np.array([0.001, 0.002]), 3: np.array([0.01, 0.01])}
+    m.suffix_s = {0: np.array([0.01, 0.01]), 1: np.array([0.004, 0.006]), 3: np.zeros(2)}
+    m.middle_s = {(1, 3): np.array([0.003, 0.003])}
+    m.codecs = {
+        1: {
+            "int8": CodecSample(
+                np.array([1e-4, 1e-4]), np.array([1000.0, 3000.0]), np.array([2e-4, 2e-4])
+            )
+        },
+    }
+    m.reply_bytes = 40
+    links = {"device-edge": LinkSpec(8e6, 0.010), "edge-cloud": LinkSpec(80e6, 0.020)}
+    slow = {"device": 10.0, "edge": 2.0, "cloud": 1.0}
+    plan = compose(m, 1, 3, {"device-edge": "int8", "edge-cloud": "raw"}, links, slow)
+    expected = (
+        10 * np.array([0.001, 0.002])  # device [0, 1)
+        + 2 * 0.003  # edge [1, 3)
+        + 10 * 1e-4
+        + 2 * 2e-4  # encode on the device, decode on the edge
+        + np.array([1000.0, 3000.0]) * 8 / 8e6
+        + 0.010  # bytes up, RTT/2 each way
+        + 40 * 8 / 8e6  # the answer coming back
+    )
+    assert np.allclose(plan.latency_s, expected)
+    assert plan.codec == {"device-edge": "int8"}  # the edge-cloud link is unused
+    assert plan.p50_ms == pytest.approx(float(np.median(expected)) * 1e3)

@@ -132,3 +132,23 @@ def test_npz_requests_gain_and_outputs_lose_the_batch_axis(tmp_path: Path) -> No
     np.savez(tmp_path / "bad.npz", y=inputs)
     with pytest.raises(InputError, match="lacks model inputs"):
         load_requests(tmp_path / "bad.npz", plan, plan_dir)
+
+
+def test_tierflow_run_on_a_device_only_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tierflow.cli import main
+
+    plan_dir = _chain_plan(tmp_path / "plan", ["device", "device"])
+    inputs = np.random.default_rng(2).standard_normal((4, 4)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=inputs)
+    args = ["run", "--plan", str(plan_dir), "--input", str(tmp_path / "in.npz")]
+    args += ["--output", str(tmp_path / "out.npz"), "--report", str(tmp_path / "r.jsonl")]
+    assert main(args) == 0
+    assert "answered by" in capsys.readouterr().out
+    with DeviceClient(plan_dir) as device:
+        expected = device.infer({"x": inputs[2][np.newaxis]}).outputs["y"][0]
+    with np.load(tmp_path / "out.npz") as out:
+        np.testing.assert_array_equal(out["y"][2], expected)
+    lines = (tmp_path / "r.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and '"answered_by": "device"' in lines[0]

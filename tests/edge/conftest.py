@@ -28,6 +28,7 @@ from tierflow.cloud.server import CloudServer
 from tierflow.edge.server import EdgeServer
 from tierflow.links import LinkSpec
 from tierflow.plan import ExitSpec, Plan, SegmentSpec, save_plan
+from tierflow.segment_runner import DEFAULT_OPTIMIZATION, session_options
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,15 @@ class Split:
         ]
 
     def reference(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        session = ort.InferenceSession(str(self.model_path), providers=["CPUExecutionProvider"])
+        """The unsplit model's outputs, run at the tiers' optimization level.
+
+        See [Note: optimization level and exactness] in tierflow/segment_runner.py.
+        """
+        session = ort.InferenceSession(
+            str(self.model_path),
+            session_options(1, DEFAULT_OPTIMIZATION),
+            providers=["CPUExecutionProvider"],
+        )
         names = [o.name for o in session.get_outputs()]
         return dict(zip(names, session.run(names, feeds), strict=True))
 
@@ -201,12 +210,25 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_tiers(
-    plan_dir: Path, *, links: dict[str, LinkSpec] | None = None, cache: object | None = None
+    plan_dir: Path,
+    *,
+    links: dict[str, LinkSpec] | None = None,
+    cache: object | None = None,
+    optimization: str = DEFAULT_OPTIMIZATION,
 ) -> Iterator[tuple[str, EdgeServer, CloudServer]]:
     """A cloud and an edge server in this process on free ports; stopped afterwards."""
-    cloud = CloudServer(plan_dir, "127.0.0.1:0", cache=cache, links=links, workers=2)  # type: ignore[arg-type]
+    cloud = CloudServer(
+        plan_dir,
+        "127.0.0.1:0",
+        cache=cache,  # type: ignore[arg-type]
+        links=links,
+        workers=2,
+        optimization=optimization,
+    )
     cloud.start()
-    edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, links=links, workers=2)
+    edge = EdgeServer(
+        plan_dir, "127.0.0.1:0", cloud.address, links=links, workers=2, optimization=optimization
+    )
     try:
         edge.start()
         yield edge.address, edge, cloud

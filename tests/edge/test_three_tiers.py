@@ -38,6 +38,8 @@ def test_lossless_codecs_reproduce_the_model_exactly(
         assert result.exit is None and not result.cache_hit
         assert result.bytes["device-edge"] > 0 and result.bytes["edge-cloud"] > 0
         assert result.ms["edge"] > 0 and result.ms["cloud"] > 0
+        for tier in ("device", "edge", "cloud"):
+            assert result.timings[tier]["compute_ms"] > 0 and result.timings[tier]["codec_ms"] > 0
         assert result.ms["total"] >= result.ms["device"]
 
 

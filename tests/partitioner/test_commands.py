@@ -157,7 +157,7 @@ def test_a_budget_nothing_fits_and_a_foreign_profile(
     )
     assert code == 2
     assert "no plan fits the memory budgets (device 1KiB, edge 1KiB, cloud 1KiB)" in err
-    assert "smallest need found is" in err and err.count("\n") == 1
+    assert "the smallest need is" in err and err.count("\n") == 1
 
     other = zoo_exports.path("chain_cnn", dynamo=False)
     code, _, err = _run(capsys, "plan", str(other), "-o", str(tmp_path / "q"), *args)

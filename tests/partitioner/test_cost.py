@@ -24,6 +24,18 @@ def test_segment_time_is_overhead_plus_units(profile_factory) -> None:
     assert profile.segment_s(2, 2) == 0.0
 
 
+def test_segment_time_counts_the_outputs_it_hands_back(profile_factory) -> None:
+    base = profile_factory([0.1, 0.2, 0.3], [1000, 500, 200, 40], overhead_s=0.01)
+    profile = Profile(**{**base.__dict__, "output_s_per_byte": 1e-6})
+    assert profile.segment_s(0, 1) == pytest.approx(0.01 + 0.1 + 500e-6)
+    assert profile.segment_s(1, 3) == pytest.approx(0.01 + 0.5 + 40e-6)
+    assert profile.emulate(2.0).segment_s(1, 3) == pytest.approx(2 * (0.01 + 0.5 + 40e-6))
+    assert Profile.from_dict(profile.to_dict()) == profile
+    tables = build_tables(Problem(three(profile), LINKS))
+    assert tables.segment_s["device"][0, 1] == pytest.approx(profile.segment_s(0, 1))
+    assert tables.segment_s["edge"][1, 3] == pytest.approx(profile.segment_s(1, 3))
+
+
 def test_device_only_pays_no_link_and_cloud_only_the_full_round_trip(profile_factory) -> None:
     profile = profile_factory([0.1, 0.2, 0.3], [1000, 500, 200, 40])
     tables = build_tables(Problem(three(profile), LINKS, codecs=("raw",)))

@@ -14,12 +14,16 @@ from onnx import helper
 from torch import nn
 
 from tierflow.cli import main
-from tierflow.errors import InputError, ModelError, UsageError
+from tierflow.errors import InputError, ModelError, PlanError, UsageError
 from tierflow.partitioner import exits
+from tierflow.partitioner.exit_calibration import calibrate, lowest_threshold
 from tierflow.partitioner.exit_commands import parse_fraction
+from tierflow.partitioner.exit_heads import train_head
 from tierflow.partitioner.graph import load_model
+from tierflow.partitioner.split import split_model, write_segments
 from tierflow.partitioner.zoo import export_onnx
-from tierflow.plan import SegmentSpec
+from tierflow.plan import Plan, SegmentSpec
+from tierflow.segment_runner import TierRunner
 
 # The calibration target in these tests and how far a fresh split may exceed it: the
 # heads are fit on 360 rows and the thresholds on 240 others, then checked on 497 rows
@@ -181,20 +185,20 @@ def test_lowest_threshold_keeps_the_leavers_within_target() -> None:
     wrong = np.array([0.0, 0.0, 1.0, 0.0, 0.0, 1.0])
     # With one pseudo-miss, leaving at >= 0.99 costs 1/2, >= 0.95 1/3, >= 0.9 2/5,
     # >= 0.8 2/6, >= 0.6 3/7; ties (0.9) leave together.
-    assert exits._lowest_threshold(confidence, wrong, 0.34) == 0.8
-    assert exits._lowest_threshold(confidence[:2], wrong[:2], 0.34) == 0.95
-    assert exits._lowest_threshold(confidence, wrong, 0.45) == 0.6
-    assert exits._lowest_threshold(confidence, wrong, 0.4) == 0.8
-    assert exits._lowest_threshold(confidence, wrong, 0.3) == exits.NEVER
-    assert exits._lowest_threshold(np.ones(99), np.zeros(99), 0.01) == 1.0
-    assert exits._lowest_threshold(np.ones(98), np.zeros(98), 0.01) == exits.NEVER
+    assert lowest_threshold(confidence, wrong, 0.34) == 0.8
+    assert lowest_threshold(confidence[:2], wrong[:2], 0.34) == 0.95
+    assert lowest_threshold(confidence, wrong, 0.45) == 0.6
+    assert lowest_threshold(confidence, wrong, 0.4) == 0.8
+    assert lowest_threshold(confidence, wrong, 0.3) == exits.NEVER
+    assert lowest_threshold(np.ones(99), np.zeros(99), 0.01) == 1.0
+    assert lowest_threshold(np.ones(98), np.zeros(98), 0.01) == exits.NEVER
 
 
 def test_calibrate_takes_exits_in_order() -> None:
     reference = np.array([0, 1, 2, 0])
     first = np.array([[0.9, 0.1, 0.0], [0.2, 0.8, 0.0], [0.6, 0.4, 0.0], [0.3, 0.3, 0.4]])
     second = np.eye(3)[[1, 1, 2, 0]] * 0.98 + 0.01
-    infos, summary = exits.calibrate([first, second], reference, None, target=0.34)
+    infos, summary = calibrate([first, second], reference, None, target=0.34)
     # Rows 0 and 1 leave first: (0 misses + 1) / (2 + 1) <= 0.34; adding row 2 costs 2/4.
     assert infos[0]["threshold"] == pytest.approx(0.8)
     assert infos[0]["calibration"]["exit_rate"] == 0.5
@@ -208,7 +212,7 @@ def test_expected_compute_counts_the_chance_of_leaving() -> None:
     # 30% leave after unit 0, 50% after unit 2: 1 + 0.7*2 + 0.7*3 + 0.2*4.
     assert exits.expected_compute(units, [(1, 0.3), (3, 0.5)]) == pytest.approx(5.3)
     assert exits.expected_compute_fraction(units, [(1, 0.3), (3, 0.5)]) == pytest.approx(0.53)
-    with pytest.raises(ValueError, match="more than 1"):
+    with pytest.raises(PlanError, match="more than 1"):
         exits.expected_compute(units, [(1, 0.7), (2, 0.6)])
 
 
@@ -217,6 +221,16 @@ def test_exit_cut_indices_name_the_cuts(tiny: Path, exited: exits.ExitedModel) -
     indices = exits.exit_cut_indices(graph, exited.exits)
     for info in exited.exits:
         assert graph.cuts[indices[info.name]].tensors == (info.at,)
+    skips = exits.exit_skips(graph, exited.exits)
+    assert skips == [(indices[e.name], e.exit_rate) for e in exited.exits]
+    # The planner's figure: with per-unit costs of 1, the expected number of units run.
+    units = [1.0] * graph.unit_count()
+    expected = exits.expected_compute(units, skips)
+    assert expected < graph.unit_count()
+    assert expected == pytest.approx(
+        sum(rate * first for first, rate in skips)
+        + (1 - sum(rate for _, rate in skips)) * graph.unit_count()
+    )
 
 
 def _image_output_model(path: Path) -> Path:
@@ -247,6 +261,25 @@ def test_bad_inputs_raise_typed_errors(
         exits.add_exits(tiny, calib, at=["output"])
     with pytest.raises(InputError, match="not found"):
         exits.add_exits(tiny, tmp_path / "missing.npz")
+    with pytest.raises(InputError, match="class indices"):
+        exits.add_exits(tiny, {**calib, "labels": np.full(50, 10)})
+
+
+def test_heads_match_softmax_regression_in_the_graph_layout() -> None:
+    """The folded weights give sklearn's probabilities, also for two classes of three."""
+    from sklearn.linear_model import LogisticRegression
+
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(200, 3)) * [1.0, 5.0, 0.1] + [0.0, 3.0, -1.0]
+    targets = (features[:, 0] + 0.3 * rng.normal(size=200) > 0).astype(np.int64)
+    weight, bias = train_head(features, targets, 3)
+    logits = features @ weight + bias
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    scaled = (features - features.mean(axis=0)) / (features.std(axis=0) + 1e-6)
+    reference = LogisticRegression(max_iter=2000).fit(scaled, targets).predict_proba(scaled)
+    np.testing.assert_allclose(probs[:, :2], reference, atol=1e-5)
+    assert probs[:, 2].max() < 1e-9  # a class never seen gets no probability
 
 
 def test_parse_fraction() -> None:
@@ -262,7 +295,7 @@ def test_cli_adds_and_shows_exits(
     tiny: Path, tmp_path: Path, digits8: dict[str, np.ndarray], capsys: Any
 ) -> None:
     data = tmp_path / "calib.npz"
-    np.savez(data, **_requests(digits8["image"][700:1300], digits8["labels"][700:1300]))
+    np.savez(data, input=digits8["image"][700:1300, None], labels=digits8["labels"][700:1300])
     out = tmp_path / "out.onnx"
     argv = ["exits", "add", str(tiny), "--data", str(data), "-o", str(out), "--exits", "1"]
     assert main([*argv, "--max-disagreement", "2%"]) == 0
@@ -276,3 +309,44 @@ def test_cli_adds_and_shows_exits(
         main(["exits", "add", str(tiny), "--data", str(tmp_path / "nope.npz"), "-o", str(out)]) == 2
     )
     assert "not found" in capsys.readouterr().err
+
+
+def test_split_plan_with_exits_runs_on_the_tier_runtime(
+    tiny: Path, exited: exits.ExitedModel, digits8: dict[str, np.ndarray], tmp_path: Path
+) -> None:
+    """Cut at the exits, attach the heads, and let the runtime's TierRunner take them."""
+    graph = load_model(tiny)
+    at = exits.exit_cut_indices(graph, exited.exits)
+    cuts = [at[e.name] for e in exited.exits]
+    plain = split_model(graph, cuts, ("device", "edge", "edge"))
+
+    def answers(infos: list[exits.ExitInfo], directory: Path) -> tuple[list[Any], np.ndarray]:
+        segments = exits.attach_exits(plain, exited.model, infos)
+        assert [len(spec.exits) for spec, _ in segments] == [1, 1, 0]
+        write_segments(segments, directory)
+        plan = Plan(tiny.name, graph.sha256, ("input",), ("output",), tuple(s for s, _ in segments))
+        device = TierRunner(plan, directory, "device")
+        edge = TierRunner(plan, directory, "edge")
+        taken: list[Any] = []
+        scores = []
+        for image in digits8["image"][1300:1400]:
+            outcome = device.run({"input": image[None]})
+            if not outcome.final:
+                outcome = edge.run(outcome.tensors)
+            taken.append(outcome.exit)
+            scores.append(next(iter(outcome.tensors.values()))[0])
+        return taken, np.array(scores)
+
+    rows = {"input": digits8["image"][1300:1400]}
+    full = exits.run_model(onnx.load(str(tiny)), rows, ["output"])["output"]
+    never = [exits.ExitInfo(e.name, e.at, exits.NEVER) for e in exited.exits]
+    taken, scores = answers(never, tmp_path / "never")
+    assert taken == [None] * 100
+    np.testing.assert_allclose(scores, full, rtol=1e-5, atol=1e-5)
+
+    taken, scores = answers(list(exited.exits), tmp_path / "calibrated")
+    expected_exit, expected_class, _ = exits.simulate_exits(exited.model, rows)
+    names = [None, *(e.name for e in exited.exits)]
+    assert taken == [names[k + 1] for k in expected_exit]
+    assert np.array_equal(scores.argmax(axis=1), expected_class)
+    assert any(t is not None for t in taken)

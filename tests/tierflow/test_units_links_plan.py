@@ -262,6 +262,8 @@ def broken(path: str, value: Any) -> dict[str, Any]:
         (broken("links/device-edge", {"rate_bps": -1}), "malformed plan links"),
         (broken("links/device-cloud", {"rate_bps": 1e6}), "unknown link"),
         (broken("codec/edge-device", "zstd"), "unknown link"),
+        (broken("codec/edge-cloud", "lz4"), "codec of link edge-cloud"),
+        (broken("codec/edge-cloud", "auto"), "codec of link edge-cloud"),
         (broken("estimate", [["latency_s", 1]]), "'estimate' must be an object"),
         (broken("cuts", [1.5]), "'cuts'"),
         (broken("inputs", ...), "list of names"),

@@ -1,0 +1,182 @@
+"""The text sections of ``RESULTS.md`` beyond the tables: method, exits, runtime, limits.
+
+Each function takes the result rows (see ``run.py``) and returns Markdown lines; none
+measures anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+Row = dict[str, Any]
+
+METHOD = """## How it was measured
+
+Each strategy is a plan (cuts `a ≤ b`: device runs cuts `[0,a)`, edge `[a,b)`, cloud
+`[b,last)`, plus a codec per link). The planner's choices come from profiles measured on
+this machine by `tierflow.partitioner.profile.profile_model` (1 thread, on one realistic
+request given as the sample, as `tierflow profile --sample` does; that request is not
+among the measured ones) and scaled to each tier's slowdown, exactly as `tierflow plan`
+does for emulated tiers.
+
+Plans are then **measured independently of those profiles**: the actual segment files
+(cut out by the partitioner's `extract_segment`, which `split_model` writes into plan
+directories) run in ONNX Runtime sessions configured as the runtime's (`session_options`,
+1 intra-op thread) on every request, and each request's real crossing tensors are encoded
+and decoded with every codec. A plan's latency for one request is composed from that
+request's measured stage times — the calling thread's CPU time, which is what a dedicated
+core would take and which other jobs on this shared machine cannot inflate (ONNX Runtime
+with one intra-op thread, numpy and zstd all compute on the calling thread):
+device/edge/cloud compute × the tier's slowdown (what the
+runtime's `SegmentRunner` sleeps to emulate a slower tier), encode × sender slowdown,
+decode × receiver slowdown, and the link model the runtime's link shaper enforces:
+encoded bytes × 8 / rate + RTT (RTT/2 up, RTT/2 for the answer) + the answer's bytes /
+rate on each link used. The link is therefore not a sleep but the shaper's arithmetic on
+measured bytes; the compute and codec times are real runs. p50/p90 are over the
+requests. The same measurements serve every bandwidth, so strategies are compared on
+the very same requests and stage runs.
+
+**Regret**: all cut pairs of a cut sample are measured (every cut for small graphs; for
+larger ones every strategy's cuts at every bandwidth, the planner's top-5 plans, and cuts
+spread evenly over the graph), each with all 36 codec pairs, and the best measured p50
+among them is the reference. Regret = tierflow's measured p50 / best measured p50 − 1. It
+is a lower bound on the true regret where the sample is not exhaustive (the table above
+gives measured pairs per model).
+
+Requests: smooth synthetic 8-bit images for the CNNs (low-resolution noise upsampled,
+plus sensor noise, ImageNet-normalised), random token ids and padding masks for the
+transformer, held-out digits for the demo model. `cloud-only-compressed` sends the input
+as `int8+zstd` (per-tensor 8-bit quantisation, which is near-lossless for 8-bit images,
+then zstd); `single-split` is Neurosurgeon's best device|cloud cut by the same cost model
+restricted to two tiers with raw fp32 features (the edge only forwards).
+"""
+
+
+LIMITS = """## What this benchmark does not show
+
+- **One machine.** The tiers are emulated (threads, slowdown factors, shaped links) on one
+  shared 2-core machine; there is no real radio, no loss, jitter or TCP slow start, and
+  the link model is serialisation plus RTT. The runtime pass above is the check that the
+  real runtime behaves like the composition; it pays gRPC and thread hand-offs on top.
+- **Composed, not end-to-end, in the big tables.** Plan latencies there are composed per
+  request from measured stage times (CPU time) and the link model, not timed end to end;
+  this is what makes hundreds of plans per model measurable for the regret.
+- **Regret against a sample.** Where a model has more cut pairs than were measured, the
+  best measured plan is the best of the sample, so regret is a lower bound there.
+- **Profiles are wall-clock.** `profile_model` times with the wall clock; on a busy
+  shared machine that inflates the cost model's compute figures (see its prediction
+  error above), which is the main source of regret here. The composed measurements use
+  the thread's CPU time and are not affected.
+- **Exits on the demo model only**, and no memory budgets (the memory trade-off is
+  exercised by the planner's own tests, not here).
+"""
+
+
+def runtime_section(rows: Sequence[Row]) -> list[str]:
+    ran = [r for r in rows if "runtime_p50_ms" in r or "runtime_error" in r]
+    out = ["## The same plans through the real runtime\n"]
+    if not ran:
+        out.append("Not run (`--no-extras`).\n")
+        return out
+    out.append(
+        "Each plan written as a plan directory and served by a `CloudServer` and an "
+        "`EdgeServer` on 127.0.0.1 with the emulated links (the runtime's link shaper) and "
+        "slowdowns (the runtime's sleeps), a `DeviceClient` sending requests one at a time; "
+        "p50 of the device's wall time. tierflow-exits runs as a plan with exit segments (each "
+        "piece extracted from the model with the grafted heads, exits marked in `plan.json`) "
+        "and a `MemoryCache` on the edge, on the same request sequence as its walked row. "
+        "The runtime adds gRPC, protobuf and thread hand-offs "
+        "that the composed figures leave out; on this shared machine its wall-clock compute "
+        "(and the sleeps scaled from it) also suffers from other jobs (1-minute load "
+        "average given), which the composed CPU-time figures do not.\n"
+    )
+    out.append(
+        "| model | Mbit/s | strategy | cuts | composed p50 ms | runtime p50 ms | "
+        "runtime / composed | answered by | load |"
+    )
+    out.append("|---|---|---|---|---|---|---|---|---|")
+    for r in ran:
+        where = f"| {r['model']} | {r['bandwidth_mbit']:g} | {r['strategy']} | "
+        where += f"{r['cuts'][0]},{r['cuts'][1]} | {r['p50_ms']:.1f} | "
+        if "runtime_error" in r:
+            out.append(where + f"failed: {r['runtime_error'][:80]} | | | |")
+            continue
+        answered = ", ".join(r["runtime_answered_by"])
+        if r["strategy"] == "tierflow-exits":
+            answered += (
+                f" (exits {r['runtime_exit_rate']:.0%}, cache hits "
+                f"{r['runtime_cache_hit_rate']:.0%}; walked: {r['exit_rate']:.0%}, "
+                f"{r['cache_hit_rate']:.0%})"
+            )
+        out.append(
+            where + f"{r['runtime_p50_ms']:.1f} | {r['runtime_p50_ms'] / r['p50_ms']:.2f}× | "
+            f"{answered} | {r['runtime_load']:.1f} |"
+        )
+    out.append("")
+    return out
+
+
+def exits_section(rows: Sequence[Row]) -> list[str]:
+    mine = [r for r in rows if r["strategy"] == "tierflow-exits"]
+    out = ["## tierflow-exits: early exits and the edge's feature cache\n"]
+    if not mine:
+        out.append("Not run (`--no-extras`).\n")
+        return out
+    out.append(
+        "tierflow's plan walked request by request as the runtime would run it "
+        "(`bench_exits`): pieces cut at the plan's cuts and at every exit, each exit head "
+        "checked on the tier that computes its feature, the plan's codec applied for real on "
+        "each link, and the runtime's exact `MemoryCache` on the first tier after the device. "
+        f"Workload: {int(mine[0]['repeat_share'] * 100)}% of requests repeat an earlier one "
+        "exactly (a camera on a still scene). Exits are calibrated by "
+        "`tierflow.partitioner.exits.add_exits` (≤1% disagreement with the full model) and "
+        "exist **only on the demo model**: the zoo models have random weights, so exit heads "
+        "on them would only mimic arbitrary predictions; there the row is tierflow plus the "
+        "cache alone. 'tierflow, same requests' is the same walk with exits and cache off.\n"
+    )
+    out.append(
+        "| model | Mbit/s | cuts | p50 ms | mean ms | tierflow same requests p50 / mean "
+        "| ×tierflow (p50) | exit rate | cache hits | answered by (dev/edge/cloud) "
+        "| accuracy (no exits) |"
+    )
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in mine:
+        ans = r["answered_by"]
+        acc = f"{r['accuracy']:.1%} ({r['accuracy_without_exits']:.1%})" if "accuracy" in r else "–"
+        out.append(
+            f"| {r['model']} | {r['bandwidth_mbit']:g} | {r['cuts'][0]},{r['cuts'][1]} | "
+            f"{r['p50_ms']:.1f} | {r['mean_ms']:.1f} | {r['tierflow_same_requests_p50_ms']:.1f}"
+            f" / {r['tierflow_same_requests_mean_ms']:.1f} | "
+            f"{r['speedup_vs_tierflow_same_requests']:.2f}× | {r['exit_rate']:.0%} | "
+            f"{r['cache_hit_rate']:.0%} | {ans['device']:.0%}/{ans['edge']:.0%}/"
+            f"{ans['cloud']:.0%} | {acc} |"
+        )
+    out.append("")
+    return out
+
+
+def prediction_section(rows: Sequence[Row]) -> list[str]:
+    out = [
+        "### Cost model prediction error (per plan, this benchmark)\n",
+        "Predicted latency of each strategy's plan (cost model on the profiles) against its "
+        "measured p50: median and worst |error| over bandwidths and strategies.\n",
+        "| model | median abs error | worst error | plans |",
+        "|---|---|---|---|",
+    ]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        errors = [
+            r["prediction_error"]
+            for r in rows
+            if r["model"] == model and r.get("prediction_error") is not None
+        ]
+        if not errors:
+            continue
+        worst = max(errors, key=abs)
+        out.append(
+            f"| {model} | {float(np.median(np.abs(errors))):.1%} | {worst:+.1%} | {len(errors)} |"
+        )
+    out.append("")
+    return out
