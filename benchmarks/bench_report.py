@@ -62,6 +62,10 @@ def _grid(count: int) -> tuple[int, int]:
     return math.ceil(count / cols), cols
 
 
+def _has_exits(rows: Sequence[Row], model: str) -> bool:
+    return any(r["model"] == model and r.get("exits_used") for r in rows)
+
+
 def plot_latency(rows: Sequence[Row], path: Path) -> None:
     """Latency against device-edge bandwidth, one line per strategy, one panel per model."""
     import matplotlib
@@ -163,23 +167,56 @@ def plot_speedup(rows: Sequence[Row], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for model in _models(rows):
-        points = sorted(
-            (r["bandwidth_mbit"], r["speedup_vs_best_baseline"])
-            for r in rows
-            if r["model"] == model and r["strategy"] == "tierflow"
-        )
-        if points:
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for index, model in enumerate(_models(rows)):
+        colour = f"C{index}"
+        for strategy, style in (("tierflow", "-"), ("tierflow-exits", ":")):
+            points = sorted(
+                (r["bandwidth_mbit"], r["speedup_vs_best_baseline"])
+                for r in rows
+                if r["model"] == model and r["strategy"] == strategy
+            )
+            if not points or (strategy == "tierflow-exits" and not _has_exits(rows, model)):
+                continue
             xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, marker="o", label=model)
+            label = model if strategy == "tierflow" else f"{model} with exits + cache"
+            ax.plot(xs, ys, style, marker="o", color=colour, label=label)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("device-edge bandwidth (Mbit/s)")
     ax.set_ylabel("speedup (best baseline p50 / tierflow p50)")
-    ax.set_title("tierflow against the best of device-only, cloud-only(-compressed), single-split")
+    ax.set_title("tierflow against the best baseline at each bandwidth", fontsize=11)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_regret(rows: Sequence[Row], path: Path) -> None:
+    """tierflow's regret at every point, one group of bars per model, with the 5% target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = _models(rows)
+    bandwidths = _bandwidths(rows)
+    width = 0.8 / max(len(bandwidths), 1)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for j, mbit in enumerate(bandwidths):
+        values = []
+        for model in models:
+            row = _find(rows, model, mbit, "tierflow")
+            values.append(100 * row["regret"] if row else 0.0)
+        positions = [i + (j - (len(bandwidths) - 1) / 2) * width for i in range(len(models))]
+        ax.bar(positions, values, width, label=f"{mbit:g} Mbit/s")
+    ax.axhline(5.0, color="red", lw=1, ls="--", label="5% target")
+    ax.set_xticks(range(len(models)), models)
+    ax.set_ylabel("regret (%)")
+    ax.set_title("tierflow's measured p50 over the best measured plan's, minus one", fontsize=11)
+    ax.legend(fontsize=8, ncol=3)
+    ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -282,6 +319,7 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any], sections: Sequence[st
     out.append("![latency against bandwidth](latency_vs_bandwidth.png)\n")
     out.append("![where the cuts fall](cuts.png)\n")
     out.append("![speedup over the best baseline](speedup.png)\n")
+    out.append("![regret at every point](regret.png)\n")
     out.append("## Per model\n")
     strategies = [s for s in STRATEGIES if any(r["strategy"] == s for r in rows)]
     for model in _models(rows):

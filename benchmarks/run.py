@@ -207,7 +207,6 @@ def bench_model(
             rows.append(row)
     info = {
         **model.to_dict(),
-        "path": str(path),
         "cuts": last + 1,
         "measured_cuts": len(cuts),
         "measured_pairs": len(pairs),
@@ -345,6 +344,10 @@ def exits_rows(
                 and r["strategy"] == other
             )
             row["speedup_vs_" + other.replace("-", "_")] = base_row["p50_ms"] / p50
+        row["speedup_vs_best_baseline"] = min(
+            row["speedup_vs_" + other]
+            for other in ("device_only", "cloud_only", "cloud_only_compressed", "single_split")
+        )
         out.append(row)
     return out
 
@@ -432,7 +435,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--requests",
         type=int,
         default=None,
-        help="requests per measured plan (default 5 quick, 15 full)",
+        help="requests per measured plan (default 5 quick, 25 full)",
     )
     parser.add_argument(
         "--max-cuts",
@@ -471,7 +474,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("-v", "--verbose", action="count", default=0)
     args = parser.parse_args(argv)
-    args.requests = args.requests or (5 if args.quick else 15)
+    args.requests = args.requests or (5 if args.quick else 25)
     args.runtime_requests = args.runtime_requests or (5 if args.quick else 10)
     args.exit_requests = args.exit_requests or (40 if args.quick else 300)
     args.max_cuts = args.max_cuts or (9 if args.quick else 20)
@@ -540,7 +543,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("planning", bench_overheads.planning),
         ):
             began = time.perf_counter()
-            lines, figures = part()
+            try:
+                lines, figures = part()
+            except Exception as exc:  # another engineer's module changed: say so, go on
+                logger.exception("[bench] %s figures failed", name)
+                lines = [f"### {name}\n", f"Not measured: {type(exc).__name__}: {exc}\n"]
+                figures = {"error": repr(exc)}
             sections += lines
             extras[name] = figures
             logger.info("[bench] %s figures in %.1f s", name, time.perf_counter() - began)
@@ -569,6 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench_report.plot_latency(rows, args.out / "latency_vs_bandwidth.png")
     bench_report.plot_cuts(rows, args.out / "cuts.png")
     bench_report.plot_speedup(rows, args.out / "speedup.png")
+    bench_report.plot_regret(rows, args.out / "regret.png")
     (args.out / "RESULTS.md").write_text(bench_report.markdown(rows, meta, sections))
     print(
         f"wrote {args.out / 'RESULTS.md'} and results.json ({len(rows)} rows) "

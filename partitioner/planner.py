@@ -170,16 +170,30 @@ def estimate_dict(best: Estimate, graph: ModelGraph, objective: str) -> dict[str
     }
 
 
-def make_plan(
+@dataclass(frozen=True)
+class WrittenPlan:
+    """A plan directory on disk and how its split was checked."""
+
+    plan: Plan
+    plan_dir: Path
+    verified_bitwise: bool | None
+    max_abs_diff: float
+    verify_inputs: int
+
+
+def write_plan(
     graph: ModelGraph,
     profiles: Mapping[str, Profile],
     options: PlanOptions,
+    chosen: Estimate,
     plan_dir: str | Path,
-) -> PlanOutcome:
-    """Choose the best plan, split the model, verify the split, write the plan directory."""
-    result, notes = rank(graph, profiles, options)
-    best = result.best
-    segments = split_model(graph, best.cuts)
+) -> WrittenPlan:
+    """Split the model at ``chosen``'s cuts, verify the split, write the plan directory.
+
+    ``chosen`` is usually the search's best plan; the demo and the benchmarks also write
+    the baselines (device-only, cloud-only) this way to measure them side by side.
+    """
+    segments = split_model(graph, chosen.cuts)
     verified: bool | None = None
     max_diff = 0.0
     if options.verify:
@@ -187,13 +201,13 @@ def make_plan(
         verified, max_diff = check.bitwise_equal, check.max_abs_diff
         if not check.bitwise_equal:
             raise PlanError(
-                f"the split at cuts {best.cuts} does not reproduce the model: outputs differ "
+                f"the split at cuts {chosen.cuts} does not reproduce the model: outputs differ "
                 f"by up to {check.max_abs_diff:g}"
             )
     directory = Path(plan_dir)
     write_segments(segments, directory)
-    codec = {name: best.links[name].codec for name in LINKS}
-    estimate = estimate_dict(best, graph, options.objective)
+    codec = {name: chosen.links[name].codec for name in LINKS}
+    estimate = estimate_dict(chosen, graph, options.objective)
     estimate["tiers"] = {t: profiles[t].machine.to_dict() for t in TIERS}
     if verified is not None:
         estimate["verified"] = {"bitwise_equal": verified, "inputs": 1, "max_abs_diff": max_diff}
@@ -206,8 +220,30 @@ def make_plan(
         links=dict(options.links),
         codec=codec,
         estimate=estimate,
-        cuts=tuple(graph.cuts[c].position for c in best.cuts),
+        cuts=tuple(graph.cuts[c].position for c in chosen.cuts),
     )
     save_plan(plan, directory)
-    logger.info("[plan] wrote %s: cuts %s, %.3g ms", directory, best.cuts, best.latency_s * 1e3)
-    return PlanOutcome(plan, directory, result, verified, max_diff, 1, tuple(notes))
+    logger.info(
+        "[plan] wrote %s: cuts %s, %.3g ms", directory, chosen.cuts, chosen.latency_s * 1e3
+    )
+    return WrittenPlan(plan, directory, verified, max_diff, 1)
+
+
+def make_plan(
+    graph: ModelGraph,
+    profiles: Mapping[str, Profile],
+    options: PlanOptions,
+    plan_dir: str | Path,
+) -> PlanOutcome:
+    """Choose the best plan, split the model, verify the split, write the plan directory."""
+    result, notes = rank(graph, profiles, options)
+    written = write_plan(graph, profiles, options, result.best, plan_dir)
+    return PlanOutcome(
+        written.plan,
+        written.plan_dir,
+        result,
+        written.verified_bitwise,
+        written.max_abs_diff,
+        written.verify_inputs,
+        tuple(notes),
+    )

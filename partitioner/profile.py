@@ -397,13 +397,16 @@ def _cpu_model() -> str:
 
 
 def make_session(model: onnx.ModelProto, threads: int) -> onnxruntime.InferenceSession:
-    """An ONNX Runtime CPU session as the tiers run one: ``threads`` intra-op, sequential."""
+    """An ONNX Runtime CPU session exactly as the tiers run one (same options and level).
+
+    Profiling with other session options than the runtimes would time a different
+    program: see [Note: optimization level and exactness] in tierflow/segment_runner.py.
+    """
     import onnxruntime
 
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+    from tierflow.segment_runner import DEFAULT_OPTIMIZATION, session_options
+
+    options = session_options(threads, DEFAULT_OPTIMIZATION)
     options.log_severity_level = 3
     try:
         return onnxruntime.InferenceSession(

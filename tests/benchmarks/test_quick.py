@@ -161,7 +161,7 @@ def test_report_and_plots_are_written(quick_run: tuple[Path, list[dict[str, Any]
     text = (out / "RESULTS.md").read_text()
     for needle in ("Machine and emulation", "Summary", "regret", "slowdown", "RTT"):
         assert needle in text
-    for name in ("latency_vs_bandwidth.png", "cuts.png", "speedup.png"):
+    for name in ("latency_vs_bandwidth.png", "cuts.png", "speedup.png", "regret.png"):
         data = (out / name).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 10_000
 

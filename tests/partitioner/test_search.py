@@ -169,4 +169,5 @@ def test_search_equals_brute_force_and_respects_the_budget(
     best = min(e.score(objective) for e in feasible)
     assert result.best.score(objective) == pytest.approx(best, rel=1e-9, abs=1e-12)
     scores = [e.score(objective) for e in result.ranked]
-    assert scores == sorted(scores)
+    # Ranked by score; scores within 1e-12 s count as ties (broken by the rules above).
+    assert all(x <= y + 1e-12 for x, y in itertools.pairwise(scores))
