@@ -26,6 +26,32 @@ per link. So a device-only plan pays no link at all, and a cloud-only plan pays 
 round trip on both links. Codec speeds come from the sending tier's profile (encode) and
 the receiving tier's (decode); the compression ratio from the sender's, measured on the
 real features at that cut. An edge with no work still decodes and re-encodes.
+
+[Note: expected cost with early exits]
+A model may carry early exits (:class:`ExitPoint`): a head reads the tensor of one-tensor
+cut ``k`` and a request whose top probability reaches the threshold is answered there by
+the tier that computed cut ``k`` (the tier running unit ``k - 1``: the device when
+``k <= a``, the edge when ``k <= b``, else the cloud), skipping everything after it. The
+exit's ``rate`` is the fraction of *all* requests that left there during calibration
+(not conditional on reaching it; exits are tried in order), so the chance of still
+running after cut ``c`` is ``reach(c) = 1 - sum(rate of exits at cuts <= c)``.
+Latency and stage times become expectations:
+
+* unit ``i`` (cut ``i`` to ``i + 1``) is weighted by ``reach(i)``; a tier's call
+  overhead by ``reach`` at its first cut, the output cost of its last unit by that
+  unit's weight;
+* a link whose crossing cut is ``c`` costs ``reach(c)`` times its full cost (encode,
+  wire, RTT, decode, reply): an exit taken at the edge leaves the edge-cloud link
+  unused; a request answered at the edge still pays the device-edge link both ways;
+* each exit adds, weighted by the chance of arriving at it (``reach`` just before ``k``),
+  its head (pool + small matrix product: estimated as one pass over the feature,
+  ``output_s_per_byte * bytes(k)``) and, when ``k`` lies inside a tier's stretch, the
+  extra segment boundary the tier needs to check it (one more call overhead and one
+  more output copy).
+
+Without exits ``reach`` is 1 everywhere and every figure is the plain one. Bytes in a
+:class:`LinkCost` stay what one crossing request sends; ``LinkCost.reach`` says how
+often a request crosses. Memory ignores the heads (a few kilobytes of weights).
 """
 
 from __future__ import annotations
@@ -50,6 +76,35 @@ LINK_ENDS: dict[str, tuple[str, str]] = {
 
 
 @dataclass(frozen=True)
+class ExitPoint:
+    """An early exit as the cost model sees it: the cut it reads and how often it answers.
+
+    ``rate`` is the fraction of all requests that leave here (see
+    [Note: expected cost with early exits]).
+    """
+
+    name: str
+    cut: int
+    rate: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "cut": self.cut, "rate": self.rate}
+
+
+@dataclass(frozen=True)
+class PlacedExit:
+    """An exit in one plan: which tier checks it and how often it answers."""
+
+    name: str
+    cut: int
+    tier: str
+    rate: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "cut": self.cut, "tier": self.tier, "rate": self.rate}
+
+
+@dataclass(frozen=True)
 class Problem:
     """Everything a plan is scored against: profiles, links, budgets, objective, codecs.
 
@@ -62,6 +117,7 @@ class Problem:
     memory: Mapping[str, int] = field(default_factory=dict)
     objective: str = "latency"
     codecs: tuple[str, ...] = ("raw",)
+    exits: tuple[ExitPoint, ...] = ()
 
     def __post_init__(self) -> None:
         missing = [t for t in TIERS if t not in self.profiles]
@@ -93,6 +149,37 @@ class Problem:
                 )
         if not self.codecs:
             raise UsageError("no codec to choose from")
+        self._check_exits()
+
+    def _check_exits(self) -> None:
+        last = self.ncuts - 1
+        cuts = [e.cut for e in self.exits]
+        if cuts != sorted(set(cuts)):
+            raise PlanError(f"exits must read distinct cuts in order, got cuts {cuts}")
+        for point in self.exits:
+            if not 0 < point.cut < last:
+                raise PlanError(
+                    f"exit {point.name} reads cut {point.cut}: expected an interior cut, "
+                    f"1..{last - 1}"
+                )
+            if not 0.0 <= point.rate <= 1.0:
+                raise PlanError(f"exit {point.name} has rate {point.rate}: expected 0..1")
+        total = sum(e.rate for e in self.exits)
+        if total > 1.0 + 1e-9:
+            raise PlanError(f"exit rates add up to {total:g}, more than every request")
+
+    def reach(self) -> np.ndarray:
+        """(ncuts,) chance that a request is still running after each cut."""
+        reach = np.ones(self.ncuts)
+        for point in self.exits:
+            reach[point.cut :] -= point.rate
+        return np.clip(reach, 0.0, 1.0)
+
+    def place_exits(self, a: int, b: int) -> tuple[PlacedExit, ...]:
+        """The tier that checks each exit in plan ``(a, b)``."""
+        return tuple(
+            PlacedExit(e.name, e.cut, exit_tier(e.cut, a, b), e.rate) for e in self.exits
+        )
 
     @property
     def ncuts(self) -> int:
@@ -111,6 +198,7 @@ class LinkCost:
     propagation_s: float
     decode_s: float
     reply_s: float
+    reach: float = 1.0  # chance a request crosses; the times above are weighted by it
 
     @property
     def total_s(self) -> float:
@@ -131,6 +219,7 @@ class LinkCost:
             "decode_s": self.decode_s,
             "reply_s": self.reply_s,
             "total_s": self.total_s,
+            **({"reach": self.reach} if self.reach != 1.0 else {}),
         }
 
 
@@ -146,6 +235,7 @@ class Estimate:
     links: Mapping[str, LinkCost]
     memory_bytes: Mapping[str, int]
     feasible: bool
+    exits: tuple[PlacedExit, ...] = ()
 
     @property
     def throughput_rps(self) -> float:
@@ -176,6 +266,7 @@ class Estimate:
             "links": {name: cost.to_dict() for name, cost in self.links.items()},
             "memory_bytes": dict(self.memory_bytes),
             "feasible": self.feasible,
+            **({"exits": [e.to_dict() for e in self.exits]} if self.exits else {}),
         }
 
 
@@ -191,11 +282,22 @@ class LinkTable:
     decode_s: np.ndarray  # (n, C)
     propagation_s: float  # both directions, when used
     reply_s: float  # serialisation of the answer, when used
+    reach: np.ndarray | None = None  # (n,) chance of crossing; encode/wire/decode include it
+
+    @property
+    def crossing(self) -> np.ndarray:
+        """(n,) chance that a request crosses when its crossing cut is the row (1 w/o exits)."""
+        return np.ones(len(self.used)) if self.reach is None else self.reach
+
+    @property
+    def reply_row_s(self) -> np.ndarray:
+        """(n,) expected serialisation of the answer per row; 0 where unused."""
+        return np.where(self.used, self.reply_s * self.crossing, 0.0)
 
     @property
     def total_s(self) -> np.ndarray:
-        """(n, C) latency of the link for a plan whose crossing cut is the row."""
-        fixed = np.where(self.used, self.propagation_s + self.reply_s, 0.0)
+        """(n, C) expected latency of the link for a plan whose crossing cut is the row."""
+        fixed = np.where(self.used, (self.propagation_s + self.reply_s) * self.crossing, 0.0)
         return self.encode_s + self.wire_s + self.decode_s + fixed[:, None]
 
 
@@ -213,12 +315,36 @@ class CostTables:
         return self.problem.ncuts - 1
 
 
-def _segment_table(profile: Profile) -> np.ndarray:
+def _segment_table(
+    profile: Profile, reach: np.ndarray | None = None, exits: tuple[ExitPoint, ...] = ()
+) -> np.ndarray:
+    """(n, n) expected compute of cuts ``[s, e)`` on this tier.
+
+    See [Note: expected cost with early exits]; without exits, the plain segment time.
+    """
     n = len(profile.cuts)
-    prefix = np.concatenate([[0.0], np.cumsum([u.compute_s for u in profile.units])])
-    outputs = profile.output_s_per_byte * np.array([c.nbytes for c in profile.cuts], dtype=float)
-    table = prefix[None, :] - prefix[:, None] + profile.overhead_s + outputs[None, :]
+    if reach is None:
+        reach = np.ones(n)
+    units = np.array([u.compute_s for u in profile.units], dtype=np.float64)
+    prefix = np.concatenate([[0.0], np.cumsum(units * reach[:-1])])
+    nbytes = np.array([c.nbytes for c in profile.cuts], dtype=float)
+    outputs = profile.output_s_per_byte * nbytes
+    last_unit = np.concatenate([[1.0], reach[:-1]])  # weight of the unit ending at cut e
+    table = (
+        prefix[None, :]
+        - prefix[:, None]
+        + profile.overhead_s * reach[:, None]
+        + (outputs * last_unit)[None, :]
+    )
     start, end = np.indices((n, n))
+    arrived = 1.0
+    for point in exits:
+        k = point.cut
+        head = outputs[k] * arrived
+        split = (profile.overhead_s + outputs[k]) * arrived
+        table = table + np.where((start < k) & (k <= end), head, 0.0)
+        table = table + np.where((start < k) & (k < end), split, 0.0)
+        arrived -= point.rate
     return np.where(start < end, table, 0.0)
 
 
@@ -238,7 +364,7 @@ def _memory_table(profile: Profile) -> np.ndarray:
     return table
 
 
-def _link_table(problem: Problem, name: str) -> LinkTable:
+def _link_table(problem: Problem, name: str, reach: np.ndarray | None = None) -> LinkTable:
     sender, receiver = (problem.profiles[t] for t in LINK_ENDS[name])
     link = problem.links[name]
     n, codecs = problem.ncuts, problem.codecs
@@ -250,31 +376,45 @@ def _link_table(problem: Problem, name: str) -> LinkTable:
     mb = (raw / 1e6)[:, None]
     wire_bytes = np.where(used[:, None], raw[:, None] / ratio, 0.0)
     live = used[:, None]
+    weight = np.ones((n, 1)) if reach is None else reach[:, None]
     return LinkTable(
         used=used,
         raw_bytes=np.where(used, raw, 0.0),
         bytes=wire_bytes,
-        encode_s=np.where(live, enc * mb, 0.0),
-        wire_s=wire_bytes * 8.0 / link.rate_bps,
-        decode_s=np.where(live, dec * mb, 0.0),
+        encode_s=np.where(live, enc * mb, 0.0) * weight,
+        wire_s=wire_bytes * 8.0 / link.rate_bps * weight,
+        decode_s=np.where(live, dec * mb, 0.0) * weight,
         propagation_s=link.rtt_s,
         reply_s=sender.cuts[-1].nbytes * 8.0 / link.rate_bps,
+        reach=reach,
     )
 
 
 def build_tables(problem: Problem) -> CostTables:
-    """Tabulate compute, memory and link costs for every cut index of ``problem``."""
+    """Tabulate compute, memory and link costs for every cut index of ``problem``.
+
+    With exits the costs are expectations ([Note: expected cost with early exits]).
+    """
+    reach = problem.reach() if problem.exits else None
     return CostTables(
         problem=problem,
-        segment_s={t: _segment_table(problem.profiles[t]) for t in TIERS},
+        segment_s={t: _segment_table(problem.profiles[t], reach, problem.exits) for t in TIERS},
         memory={t: _memory_table(problem.profiles[t]) for t in TIERS},
-        links={name: _link_table(problem, name) for name in LINKS},
+        links={name: _link_table(problem, name, reach) for name in LINKS},
     )
 
 
 def spans(a: int, b: int, last: int) -> dict[str, tuple[int, int]]:
     """The cut range ``[start, end)`` each tier runs in plan ``(a, b)``."""
     return {"device": (0, a), "edge": (a, b), "cloud": (b, last)}
+
+
+def exit_tier(cut: int, a: int, b: int) -> str:
+    """The tier that checks an exit reading cut ``cut`` in plan ``(a, b)``: the one that
+    computed that cut (runs unit ``cut - 1``)."""
+    if cut <= a:
+        return "device"
+    return "edge" if cut <= b else "cloud"
 
 
 def estimate(tables: CostTables, a: int, b: int, codec: Mapping[str, str]) -> Estimate:
@@ -301,15 +441,17 @@ def estimate(tables: CostTables, a: int, b: int, codec: Mapping[str, str]) -> Es
                 f"no codec {chosen!r} for link {name}: expected one of {', '.join(problem.codecs)}"
             )
         col = problem.codecs.index(chosen)
+        share = float(table.crossing[row])
         links[name] = LinkCost(
             codec=chosen,
             raw_bytes=int(table.raw_bytes[row]),
             bytes=float(table.bytes[row, col]),
             encode_s=float(table.encode_s[row, col]),
             wire_s=float(table.wire_s[row, col]),
-            propagation_s=table.propagation_s,
+            propagation_s=table.propagation_s * share,
             decode_s=float(table.decode_s[row, col]),
-            reply_s=table.reply_s,
+            reply_s=table.reply_s * share,
+            reach=share,
         )
     de, ec = links["device-edge"], links["edge-cloud"]
     stages = (
@@ -329,4 +471,5 @@ def estimate(tables: CostTables, a: int, b: int, codec: Mapping[str, str]) -> Es
         links=links,
         memory_bytes=memory,
         feasible=feasible,
+        exits=problem.place_exits(a, b),
     )

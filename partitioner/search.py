@@ -94,8 +94,7 @@ def _throughput_scores(tables: CostTables) -> _Scores:
     edge = tables.segment_s["edge"]
     cloud = tables.segment_s["cloud"][:, last]
     de_total, ec_total = de.total_s, ec.total_s
-    de_reply = np.where(de.used, de.reply_s, 0.0)
-    ec_reply = np.where(ec.used, ec.reply_s, 0.0)
+    de_reply, ec_reply = de.reply_row_s, ec.reply_row_s
     n, ncodecs = last + 1, len(tables.problem.codecs)
     best_period = np.full((n, n), np.inf)
     best_latency = np.full((n, n), np.inf)

@@ -9,6 +9,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,3 +83,31 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
     finally:
         stop_redis(process)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tierflow_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Point ``$TIERFLOW_CACHE`` at a fresh folder for the whole run.
+
+    Tests (and the processes they start, which inherit the environment) then never read
+    or write the user's ``~/.cache/tierflow``, and the demo model is trained at most once
+    per run, by :func:`demo_build`.
+    """
+    root = tmp_path_factory.mktemp("tierflow-cache")
+    previous = os.environ.get("TIERFLOW_CACHE")
+    os.environ["TIERFLOW_CACHE"] = str(root)
+    yield root
+    if previous is None:
+        os.environ.pop("TIERFLOW_CACHE", None)
+    else:
+        os.environ["TIERFLOW_CACHE"] = previous
+
+
+@pytest.fixture(scope="session")
+def demo_build(tierflow_cache: Path) -> tuple[Any, list[Any]]:
+    """The demo model, trained once per run into the run's cache, and its epoch reports."""
+    from tierflow.partitioner import digits
+
+    reports: list[Any] = []
+    demo = digits.build_demo_model(progress=reports.append)
+    return demo, reports

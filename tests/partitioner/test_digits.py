@@ -16,12 +16,10 @@ from tierflow.partitioner import digits
 
 @pytest.fixture(scope="module")
 def built(
-    tmp_path_factory: pytest.TempPathFactory,
+    demo_build: tuple[digits.DemoModel, list[digits.EpochReport]],
 ) -> tuple[digits.DemoModel, list[digits.EpochReport]]:
-    """Train the demo model once (~20 s on two cores) into a fresh cache directory."""
-    reports: list[digits.EpochReport] = []
-    demo = digits.build_demo_model(tmp_path_factory.mktemp("demo-cache"), progress=reports.append)
-    return demo, reports
+    """The run's demo model (trained once per run, see tests/conftest.py)."""
+    return demo_build
 
 
 def test_digits_data_is_split_deterministically_and_normalised() -> None:

@@ -1,0 +1,117 @@
+"""``tierflow demo`` end to end, and lossy codecs on the demo model's held-out set."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from tierflow.cloud.server import CloudServer
+from tierflow.device.client import DeviceClient
+from tierflow.edge.server import EdgeServer
+from tierflow.links import LINKS
+from tierflow.plan import Plan, save_plan
+from tierflow.segment_runner import DEFAULT_OPTIMIZATION, session_options
+
+pytestmark = pytest.mark.slow
+
+
+def _full_model_top1(model_path: Path, images: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(
+        str(model_path),
+        session_options(1, DEFAULT_OPTIMIZATION),
+        providers=["CPUExecutionProvider"],
+    )
+    name = session.get_inputs()[0].name
+    return np.array([int(np.argmax(session.run(None, {name: image})[0])) for image in images])
+
+
+def _three_tier_plan(model_path: Path, plan_dir: Path, codec: str) -> Plan:
+    """The demo model split device | edge | cloud at two inner cuts, ``codec`` on both links."""
+    from tierflow.partitioner.graph import load_model
+    from tierflow.partitioner.split import split_model, write_segments
+
+    graph = load_model(model_path)
+    last = len(graph.cuts) - 1
+    cuts = (last // 3, 2 * last // 3)
+    segments = split_model(graph, cuts)
+    assert [spec.tier for spec, _ in segments] == ["device", "edge", "cloud"]
+    write_segments(segments, plan_dir)
+    plan = Plan(
+        model_file=model_path.name,
+        model_sha256=graph.sha256,
+        inputs=tuple(i.name for i in graph.inputs),
+        outputs=tuple(o.name for o in graph.outputs),
+        segments=tuple(spec for spec, _ in segments),
+        codec=dict.fromkeys(LINKS, codec),
+    )
+    save_plan(plan, plan_dir)
+    return plan
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "int8+zstd", "int8c+zstd"])
+def test_lossy_codecs_keep_the_top1_class_on_the_held_out_set(
+    demo_build: tuple[Any, list[Any]], tmp_path: Path, codec: str
+) -> None:
+    demo, _ = demo_build
+    with np.load(demo.heldout_path) as heldout:
+        images = heldout["image"]
+    expected = _full_model_top1(demo.model_path, images)
+    plan = _three_tier_plan(demo.model_path, tmp_path, codec)
+    cloud = CloudServer(tmp_path, workers=2)
+    cloud.start()
+    edge = EdgeServer(tmp_path, upstream=cloud.address, workers=2)
+    edge.start()
+    try:
+        with DeviceClient(tmp_path, edge.address, window=16) as client:
+            results = list(client.run_stream({plan.inputs[0]: image} for image in images))
+    finally:
+        edge.stop(0)
+        cloud.stop(0)
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+    assert all(r.answered_by == "cloud" for r in results)
+    got = np.array([int(np.argmax(r.outputs[plan.outputs[0]])) for r in results])
+    agreement = float(np.mean(got == expected))
+    assert agreement >= 0.99, f"{codec}: top-1 agrees on only {agreement:.2%} of held-out images"
+    # The features really crossed both links, encoded.
+    assert all(r.bytes["device-edge"] > 0 and r.bytes["edge-cloud"] > 0 for r in results)
+
+
+def test_demo_runs_the_three_strategies_and_stops_its_processes(
+    demo_build: tuple[Any, list[Any]], tmp_path: Path
+) -> None:
+    workdir = tmp_path / "work"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tierflow.cli",
+            "demo",
+            "--requests",
+            "24",
+            "--workdir",
+            str(workdir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "cached in" in out  # the run's model was built once by the fixture, then reused
+    results = out[out.index("[5/5]") :]
+    for strategy in ("tierflow", "device-only", "cloud-only"):
+        row = next(line for line in results.splitlines() if line.strip().startswith(strategy))
+        cells = row.split()
+        assert float(cells[1].rstrip("%")) >= 90.0  # accuracy on the held-out requests
+        assert cells[-1] == "0"  # no failed requests
+    # Every process the demo started is gone: none still names the demo's plans.
+    leftover = subprocess.run(
+        ["pgrep", "-f", str(workdir)], capture_output=True, text=True, check=False
+    )
+    assert leftover.stdout.strip() == "", f"processes left running: {leftover.stdout}"
