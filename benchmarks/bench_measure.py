@@ -29,9 +29,9 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import onnxruntime as ort
@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 _clock = time.thread_time
 
 Progress = Callable[[str], None]
+Key = TypeVar("Key")
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Measurements:
     codecs: dict[int, dict[str, CodecSample]] = field(default_factory=dict)
     reply_bytes: int = 0
     seconds: float = 0.0
+    rounds: int = 1
 
     def pairs(self) -> list[tuple[int, int]]:
         """Every measured cut pair ``(a, b)``."""
@@ -146,11 +148,12 @@ def measure_model(
     name: str,
     graph: Any,
     requests: Sequence[Mapping[str, np.ndarray]],
-    cuts: Iterable[int],
-    pairs: Iterable[tuple[int, int]],
+    cuts: Sequence[int],
+    pairs: Sequence[tuple[int, int]],
     codecs: Sequence[str],
     *,
     threads: int = 1,
+    rounds: int = 1,
     progress: Progress | None = None,
 ) -> Measurements:
     """Measure prefixes, suffixes and middles of ``pairs`` over ``cuts`` on ``requests``.
@@ -158,8 +161,45 @@ def measure_model(
     ``graph`` is a :class:`tierflow.partitioner.graph.ModelGraph`; segments are cut out
     with the partitioner's own ``extract_segment`` (what ``split_model`` writes into plan
     directories). Only one cut's features are held at a time, so large models fit.
+
+    With ``rounds`` > 1 the whole pass is repeated and every stage keeps, per request, its
+    fastest round. On a shared machine (this one is a VM whose CPU time still grows
+    when neighbours thrash caches and memory) a busy spell then costs a stage one round,
+    not the result; rounds are a whole pass apart, so they rarely share a spell.
     """
     started = time.perf_counter()
+    result = _measure_once(name, graph, requests, cuts, pairs, codecs, threads, progress)
+    for _ in range(rounds - 1):
+        again = _measure_once(name, graph, requests, cuts, pairs, codecs, threads, progress)
+        _keep_fastest(result.prefix_s, again.prefix_s)
+        _keep_fastest(result.suffix_s, again.suffix_s)
+        _keep_fastest(result.middle_s, again.middle_s)
+        for cut, samples in again.codecs.items():
+            for codec, sample in samples.items():
+                mine = result.codecs[cut][codec]
+                mine.encode_s = np.minimum(mine.encode_s, sample.encode_s)
+                mine.decode_s = np.minimum(mine.decode_s, sample.decode_s)
+    result.rounds = rounds
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _keep_fastest(mine: dict[Key, np.ndarray], other: Mapping[Key, np.ndarray]) -> None:
+    for key, values in other.items():
+        mine[key] = np.minimum(mine[key], values)
+
+
+def _measure_once(
+    name: str,
+    graph: Any,
+    requests: Sequence[Mapping[str, np.ndarray]],
+    cuts: Sequence[int],
+    pairs: Sequence[tuple[int, int]],
+    codecs: Sequence[str],
+    threads: int,
+    progress: Progress | None,
+) -> Measurements:
+    """One pass of :func:`measure_model`."""
     last = len(graph.cuts) - 1
     cut_list = sorted(set(cuts) | {0, last})
     wanted = sorted({(a, b) for a, b in pairs if a < b and a in cut_list and b in cut_list})
@@ -196,7 +236,6 @@ def measure_model(
                 continue
             times, _ = _time_runs(_session(middle, threads), envs)
             result.middle_s[(a, b)] = times
-    result.seconds = time.perf_counter() - started
     return result
 
 

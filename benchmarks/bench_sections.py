@@ -37,7 +37,9 @@ encoded bytes × 8 / rate + RTT (RTT/2 up, RTT/2 for the answer) + the answer's 
 rate on each link used. The link is therefore not a sleep but the shaper's arithmetic on
 measured bytes; the compute and codec times are real runs. p50/p90 are over the
 requests. The same measurements serve every bandwidth, so strategies are compared on
-the very same requests and stage runs.
+the very same requests and stage runs. This machine is a shared VM whose CPU time still
+grows when neighbours thrash caches and memory, so the whole measuring pass ran
+{rounds} time(s), each stage keeping, per request, its fastest pass.
 
 **Regret**: all cut pairs of a cut sample are measured (every cut for small graphs; for
 larger ones every strategy's cuts at every bandwidth, the planner's top-5 plans, and cuts

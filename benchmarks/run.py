@@ -157,6 +157,7 @@ def bench_model(
         cuts,
         pairs,
         PLANNER_CODECS,
+        rounds=args.rounds,
         progress=lambda what: logger.debug("[bench] %s", what),
     )
     slow = slowdowns()
@@ -435,7 +436,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--requests",
         type=int,
         default=None,
-        help="requests per measured plan (default 5 quick, 25 full)",
+        help="requests per measured plan (default 5 quick, 15 full)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="measuring passes per model, each stage keeping its fastest (default 1 quick, 2 full)",
     )
     parser.add_argument(
         "--max-cuts",
@@ -474,11 +481,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("-v", "--verbose", action="count", default=0)
     args = parser.parse_args(argv)
-    args.requests = args.requests or (5 if args.quick else 25)
+    args.requests = args.requests or (5 if args.quick else 15)
+    args.rounds = args.rounds or (1 if args.quick else 2)
     args.runtime_requests = args.runtime_requests or (5 if args.quick else 10)
     args.exit_requests = args.exit_requests or (40 if args.quick else 300)
     args.max_cuts = args.max_cuts or (9 if args.quick else 20)
-    args.profile_budget = args.profile_budget or (2.0 if args.quick else 10.0)
+    args.profile_budget = args.profile_budget or (2.0 if args.quick else 20.0)
     return args
 
 
@@ -568,7 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine(),
         "emulation": emu.describe(),
         "models": infos,
-        "method": bench_sections.METHOD,
+        "method": bench_sections.METHOD.format(rounds=args.rounds),
     }
     sections += bench_sections.LIMITS.splitlines()
     meta["load_average"] = {"start": load_start[0], "end": os.getloadavg()[0]}

@@ -245,11 +245,13 @@ def _shapes(values: Sequence[str]) -> dict[str, tuple[int, ...]]:
 
 
 def _load_graph(args: argparse.Namespace) -> Any:
-    from tierflow.partitioner.graph import load_model, load_sample
+    """The model as planned: its trunk when it carries early exits (see exit_plan)."""
+    from tierflow.partitioner.exit_plan import load_planning_graph
+    from tierflow.partitioner.graph import load_sample
 
     shapes = _shapes(args.shape)
     sample = load_sample(args.sample) if args.sample else None
-    return load_model(args.model, shapes=shapes or None, sample=sample)
+    return load_planning_graph(args.model, shapes=shapes or None, sample=sample)
 
 
 def _positive(value: float, option: str) -> None:
@@ -304,7 +306,7 @@ def run_plan(args: argparse.Namespace) -> int:
         make_plan,
     )
     from tierflow.partitioner.profile import load_profile
-    from tierflow.partitioner.report import Progress, plan_table
+    from tierflow.partitioner.report import Progress, exits_cell, plan_table
 
     links = parse_links(args.link)
     memory = parse_memory(args.memory)
@@ -355,12 +357,20 @@ def run_plan(args: argparse.Namespace) -> int:
         f"\n{result.considered} plans scored for {args.objective}, {result.feasible} fit the "
         "budgets; compute per tier and link cost (codec, bytes sent, encode+wire+RTT+decode+reply):"
     )
+    if result.best.exits:
+        print(
+            "with early exits every time is expected: weighted by the chance a request gets "
+            "there (share of requests crossing a link in brackets)"
+        )
     print(plan_table(result, memory))
     best = result.best
+    expected = "expected (with early exits)" if best.exits else "predicted"
     print(
-        f"\nchosen: {' -> '.join(best.tiers)}, predicted {format_duration(best.latency_s)} "
+        f"\nchosen: {' -> '.join(best.tiers)}, {expected} {format_duration(best.latency_s)} "
         f"per request, {best.throughput_rps:.1f} requests/s pipelined"
     )
+    if best.exits:
+        print(f"early exits: {exits_cell(best)}")
     crossing = dict(zip(LINKS, best.cuts, strict=True))
     for name, codec in best.codec.items():
         if not CodecSpec.parse(codec).lossless:

@@ -177,9 +177,7 @@ class Problem:
 
     def place_exits(self, a: int, b: int) -> tuple[PlacedExit, ...]:
         """The tier that checks each exit in plan ``(a, b)``."""
-        return tuple(
-            PlacedExit(e.name, e.cut, exit_tier(e.cut, a, b), e.rate) for e in self.exits
-        )
+        return tuple(PlacedExit(e.name, e.cut, exit_tier(e.cut, a, b), e.rate) for e in self.exits)
 
     @property
     def ncuts(self) -> int:

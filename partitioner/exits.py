@@ -21,7 +21,10 @@ feature: the segment ending there outputs the exit probabilities and the crossin
 feature; the tier checks the exit and answers if confident, else runs its next segment
 (a tier may run several consecutive segments). :func:`attach_exits` builds such segments
 from a split of the model without exits; :func:`expected_compute` turns per-unit
-latencies and exit rates into the expected compute the cost model should use.
+latencies and exit rates into the expected compute. ``tierflow plan`` does all this for
+a model with exits: :mod:`tierflow.partitioner.exit_plan` plans its trunk and attaches
+the heads, and the cost model weighs every cost by the chance of getting there
+([Note: expected cost with early exits] in :mod:`tierflow.partitioner.cost`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from tierflow.codec import PLANNER_CODECS, CodecSpec, CodecStats
 from tierflow.errors import PlanError, UsageError
 from tierflow.links import LINKS, TIERS, LinkSpec
 from tierflow.partitioner.cost import Estimate, Problem, build_tables
+from tierflow.partitioner.exit_plan import exit_points, split_with_exits
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.profile import (
     Profile,
@@ -30,7 +31,7 @@ from tierflow.partitioner.profile import (
     with_codecs,
 )
 from tierflow.partitioner.search import SearchResult, search
-from tierflow.partitioner.split import split_model, verify_split, write_segments
+from tierflow.partitioner.split import verify_split, write_segments
 from tierflow.plan import Plan, save_plan
 
 logger = logging.getLogger(__name__)
@@ -142,16 +143,23 @@ def _scaled(
 def rank(
     graph: ModelGraph, profiles: Mapping[str, Profile], options: PlanOptions
 ) -> tuple[SearchResult, list[str]]:
-    """Score every plan; pure apart from measuring codecs missing from the profiles."""
+    """Score every plan; pure apart from measuring codecs missing from the profiles.
+
+    A graph from :func:`~tierflow.partitioner.exit_plan.load_planning_graph` brings its
+    early exits: the scores are then expectations over where requests leave.
+    """
     codecs = codec_candidates(options.codec)
     profiles = dict(profiles)
     notes = _ensure_codecs(graph, profiles, codecs)
+    points, exit_notes = exit_points(graph)
+    notes += exit_notes
     problem = Problem(
         profiles=profiles,
         links=options.links,
         memory=options.memory,
         objective=options.objective,
         codecs=codecs,
+        exits=points,
     )
     return search(problem, top=options.top, tables=build_tables(problem)), notes
 
@@ -193,7 +201,7 @@ def write_plan(
     ``chosen`` is usually the search's best plan; the demo and the benchmarks also write
     the baselines (device-only, cloud-only) this way to measure them side by side.
     """
-    segments = split_model(graph, chosen.cuts)
+    segments = split_with_exits(graph, chosen)
     verified: bool | None = None
     max_diff = 0.0
     if options.verify:
@@ -223,9 +231,7 @@ def write_plan(
         cuts=tuple(graph.cuts[c].position for c in chosen.cuts),
     )
     save_plan(plan, directory)
-    logger.info(
-        "[plan] wrote %s: cuts %s, %.3g ms", directory, chosen.cuts, chosen.latency_s * 1e3
-    )
+    logger.info("[plan] wrote %s: cuts %s, %.3g ms", directory, chosen.cuts, chosen.latency_s * 1e3)
     return WrittenPlan(plan, directory, verified, max_diff, 1)
 
 

@@ -50,7 +50,17 @@ def _link(estimate: Estimate, name: str) -> str:
     cost = estimate.links[name]
     if not cost.used:
         return "-"
-    return f"{cost.codec} {format_size(cost.bytes)} {_ms(cost.total_s)}"
+    share = f" ({100 * cost.reach:.0f}%)" if cost.reach < 1.0 else ""
+    return f"{cost.codec} {format_size(cost.bytes)} {_ms(cost.total_s)}{share}"
+
+
+def exits_cell(estimate: Estimate) -> str:
+    """Where the plan's exits fall and how often each answers, like ``edge:exit0(62%)``."""
+    if not estimate.exits:
+        return "-"
+    return " ".join(
+        f"{e.tier}:{e.name.removesuffix('_probs')}({100 * e.rate:.0f}%)" for e in estimate.exits
+    )
 
 
 def _row(label: str, estimate: Estimate, memory: Mapping[str, int]) -> list[str]:
@@ -68,6 +78,7 @@ def _row(label: str, estimate: Estimate, memory: Mapping[str, int]) -> list[str]
         *(_link(estimate, name) for name in LINKS),
         _ms(estimate.latency_s) + fits,
         f"{estimate.throughput_rps:.1f}",
+        *([exits_cell(estimate)] if estimate.exits else []),
         *([mem] if budgeted else []),
     ]
 
@@ -76,8 +87,12 @@ def plan_table(result: SearchResult, memory: Mapping[str, int]) -> str:
     """The ranked plans, then the single-tier baselines, with the cost breakdown.
 
     Compute is per tier (ms); each link shows codec, bytes after the codec and its total
-    cost (encode, wire, RTT, decode and the reply; ms).
+    cost (encode, wire, RTT, decode and the reply; ms). With early exits every time is
+    an expectation over where requests leave, the latency column says so, a link used by
+    only some requests shows their share in brackets, and an ``exits`` column shows the
+    tier checking each exit and its exit rate.
     """
+    with_exits = bool(result.best.exits)
     headers = [
         "plan",
         "units",
@@ -86,9 +101,11 @@ def plan_table(result: SearchResult, memory: Mapping[str, int]) -> str:
         "cloud ms",
         "device-edge",
         "edge-cloud",
-        "latency ms",
+        "exp. latency ms" if with_exits else "latency ms",
         "req/s",
     ]
+    if with_exits:
+        headers.append("exits")
     if memory:
         headers.append("memory")
     rows = [_row(f"#{i + 1}", e, memory) for i, e in enumerate(result.ranked)]

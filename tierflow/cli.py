@@ -21,9 +21,9 @@ from tierflow.errors import TierflowError
 # Modules that define ``register(subparsers)``, in the order their commands are listed.
 COMMAND_MODULES: tuple[str, ...] = (
     "tierflow.partitioner.commands",  # profile, plan
-    "tierflow.edge.commands",  # serve edge / serve cloud, probe
+    "tierflow.edge.commands",  # serve edge, serve cloud, probe
     "tierflow.device.commands",  # run
-    "tierflow.partitioner.exit_commands",  # exits add
+    "tierflow.partitioner.exit_commands",  # exits add, exits show
     "tierflow.demo",  # demo
 )
 
@@ -40,13 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # that part of tierflow is not built yet
-        module.register(subparsers)
+        importlib.import_module(module_name).register(subparsers)
     return parser
 
 

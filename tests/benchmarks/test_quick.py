@@ -40,7 +40,10 @@ def quick(test: Callable[..., None]) -> Callable[..., None]:
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+def quick_run(
+    tmp_path_factory: pytest.TempPathFactory, demo_build: tuple[Any, list[Any]]
+) -> tuple[Path, list[dict[str, Any]]]:
+    # demo_build: the run's demo model is trained by its fixture, which the benchmark reuses.
     out = tmp_path_factory.mktemp("bench")
     env = dict(os.environ, MPLBACKEND="Agg")
     done = subprocess.run(

@@ -44,12 +44,18 @@ def test_committed_stubs_equal_freshly_generated_ones(tmp_path: Path, stub: str)
     )
 
 
-def test_runtime_core_imports_without_torch_or_onnx() -> None:
+def test_runtime_tiers_import_without_torch_or_onnx() -> None:
+    """Device and edge install on a Pi or a Jetson: nothing they import may need torch/onnx."""
     code = (
         "import json, sys\n"
         "import tierflow.codec, tierflow.wire, tierflow.plan, tierflow.links, tierflow.units\n"
         "import tierflow.rpc.tier_pb2_grpc\n"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'onnx'))\n"
+        "import tierflow.device.client, tierflow.edge.server, tierflow.cloud.server\n"
+        "import tierflow.edge.probe, tierflow.cloud.cache_config, tierflow.cloud.cache_approx\n"
+        "import tierflow.cli\n"
+        "tierflow.cli.build_parser()\n"
+        "heavy_roots = ('torch', 'onnx', 'sklearn', 'scipy', 'matplotlib')\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in heavy_roots)\n"
         "print(json.dumps(heavy))\n"
     )
     result = subprocess.run(
