@@ -4,14 +4,17 @@ What it does, in order (each step prints what it measured):
 
 1. builds the demo model once (a residual CNN trained on scikit-learn's digits, scaled
    up; see ``tierflow.partitioner.digits``), then reuses the cached copy;
-2. profiles it on this machine, emulating a slow device, a medium edge and a fast cloud
-   (fewer threads, and a slowdown factor that the runtimes reproduce by sleeping);
-3. plans it for emulated links and prints the ranked table;
-4. writes three plans — tierflow's choice, device-only and cloud-only — and for each
-   starts the cloud and the edge as two real processes, runs the device in this process
-   and streams the held-out set through them with live progress;
-5. ends with one table: accuracy, p50/p95 latency, bytes per link and pipelined
-   throughput, measured in the same run for all three strategies.
+2. adds early exits to a copy of it (heads trained on the model's own answers,
+   thresholds calibrated for at most 1% disagreement), also cached;
+3. profiles both on this machine, emulating a slow device, a medium edge and a fast
+   cloud (fewer threads, and a slowdown factor that the runtimes reproduce by sleeping);
+4. plans them for emulated links and prints the ranked tables;
+5. writes four plans — tierflow's choice, the same with early exits, device-only and
+   cloud-only — and for each starts the cloud and the edge as two real processes, runs
+   the device in this process and streams the held-out set through them with live
+   progress;
+6. ends with one table: accuracy, p50/p95 latency, pipelined throughput, bytes per link
+   and which tier answered, measured in the same run for every strategy.
 
 Every process it starts is stopped on the way out, also on errors and Ctrl-C.
 """
@@ -57,13 +60,13 @@ class StrategyRun:
     """What one strategy did over the held-out set."""
 
     name: str
-    description: str
     latencies_ms: list[float] = field(default_factory=list)
     correct: int = 0
     answered: int = 0
     failed: int = 0
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LINKS, 0))
     answered_by: dict[str, int] = field(default_factory=dict)
+    exits: int = 0
     throughput_rps: float = 0.0
 
     def percentile(self, q: float) -> float:
@@ -126,15 +129,14 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _step(number: int, text: str) -> None:
-    print(f"\n[{number}/5] {text}", flush=True)
+    print(f"\n[{number}/6] {text}", flush=True)
 
 
 def _demo(links: Mapping[str, LinkSpec], workdir: Path, requests: int, window: int) -> int:
     from tierflow.partitioner.digits import build_demo_model
-    from tierflow.partitioner.graph import load_model
+    from tierflow.partitioner.exit_plan import load_planning_graph
     from tierflow.partitioner.planner import PlanOptions, rank, write_plan
-    from tierflow.partitioner.profile import profile_model
-    from tierflow.partitioner.report import Progress, plan_table
+    from tierflow.partitioner.report import plan_table
 
     _step(1, "demo model: a residual CNN trained on scikit-learn's digits (32x32)")
     demo = build_demo_model(progress=_epoch_printer)
@@ -150,57 +152,93 @@ def _demo(links: Mapping[str, LinkSpec], workdir: Path, requests: int, window: i
     if requests:
         images, labels = images[:requests], labels[:requests]
 
-    _step(2, "profiling on this machine, emulating the three tiers")
-    graph = load_model(demo.model_path)
-    progress = Progress("  profiling")
-    try:
-        base = profile_model(graph, threads=1, progress=progress)
-    finally:
-        progress.close()
-    profiles = {}
+    _step(2, "early exits: heads trained on the model's own answers, thresholds calibrated")
+    exited_path = _exited_model(demo)
+
+    _step(3, "profiling on this machine, emulating the three tiers")
     for tier in TIERS:
         threads, slowdown = EMULATION[tier]
-        profiles[tier] = base.emulate(slowdown, threads=threads)
         print(f"  {tier:<6} {threads} thread, {slowdown:g}x slower than this machine")
+    graph = load_planning_graph(demo.model_path)
+    profiles = _emulated_profiles(graph, "model")
+    exit_graph = load_planning_graph(exited_path)
+    exit_profiles = _emulated_profiles(exit_graph, "model with exits")
     print(f"  {len(graph.cuts)} candidate cuts, {len(graph.nodes)} nodes")
 
-    _step(3, "planning for " + ", ".join(f"{n} {links[n]}" for n in LINKS))
+    _step(4, "planning for " + ", ".join(f"{n} {links[n]}" for n in LINKS))
     options = PlanOptions(links=links)
     result, notes = rank(graph, profiles, options)
     for note in notes:
         print(f"  {note}")
     print(_indent(plan_table(result, {})))
+    exit_result, _ = rank(exit_graph, exit_profiles, options)
+    print("  with early exits, the best plans are:")
+    print(_indent(plan_table(exit_result, {})))
     plans = {
-        "tierflow": (result.best, f"the plan: {' -> '.join(result.best.tiers)}"),
-        "device-only": (result.baselines["device-only"], "whole model on the device"),
-        "cloud-only": (result.baselines["cloud-only"], "the input sent to the cloud"),
+        "tierflow": (graph, profiles, result.best),
+        "tierflow+exits": (exit_graph, exit_profiles, exit_result.best),
+        "device-only": (graph, profiles, result.baselines["device-only"]),
+        "cloud-only": (graph, profiles, result.baselines["cloud-only"]),
     }
     plan_dirs = {}
-    for name, (estimate, _) in plans.items():
-        outcome = write_plan(graph, profiles, options, estimate, workdir / name)
+    for name, (plan_graph, plan_profiles, estimate) in plans.items():
+        outcome = write_plan(plan_graph, plan_profiles, options, estimate, workdir / name)
         plan_dirs[name] = outcome.plan_dir
-        verified = "verified bit-for-bit" if outcome.verified_bitwise else "not verified"
-        print(f"  wrote {name} plan ({verified}): {outcome.plan_dir}")
+        verified = "split verified bit-for-bit" if outcome.verified_bitwise else "not verified"
+        print(f"  wrote {name} plan: {' -> '.join(estimate.tiers)} ({verified})")
 
-    _step(4, f"streaming {len(labels)} held-out requests through each strategy")
+    _step(5, f"streaming {len(labels)} held-out requests through each strategy")
     runs = []
-    for name, (_, description) in plans.items():
-        run = StrategyRun(name, description)
+    for name in plans:
+        run = StrategyRun(name)
         _run_strategy(run, plan_dirs[name], links, images, labels, window, workdir)
         runs.append(run)
 
-    _step(5, "results, measured side by side in this run")
+    _step(6, "results, measured side by side in this run")
     print(_indent(_results_table(runs)))
-    chosen = runs[0]
-    for other in runs[1:]:
-        ratio = other.percentile(50) / chosen.percentile(50)
-        same = plans[other.name][0].tiers == result.best.tiers == (other.name.split("-")[0],)
-        note = " (the same placement: the difference is measurement noise)" if same else ""
-        print(
-            f"  tierflow p50 is {ratio:.2f}x {'faster' if ratio >= 1 else 'slower'} "
-            f"than {other.name}{note}"
-        )
+    by_name = {run.name: run for run in runs}
+    for mine in ("tierflow", "tierflow+exits"):
+        for other in ("device-only", "cloud-only"):
+            ratio = by_name[other].percentile(50) / by_name[mine].percentile(50)
+            same = plans[mine][2].tiers == plans[other][2].tiers
+            note = " (the same placement: the difference is measurement noise)" if same else ""
+            print(f"  {mine} p50 is {ratio:.2f}x lower than {other}'s{note}")
     return 0 if all(r.failed == 0 for r in runs) else 1
+
+
+def _exited_model(demo: Any) -> Path:
+    """The demo model with calibrated early exits, made once next to the cached model."""
+    from tierflow.partitioner.exits import add_exits, read_exits
+
+    sha = demo.meta.sha256.get("model.onnx", "")[:12]
+    path = demo.directory / f"model-exits-{sha}.onnx"
+    if path.is_file():
+        exits = read_exits(path)
+        print(f"  cached in {path}")
+    else:
+        exited = add_exits(demo.model_path, demo.calib_path)
+        partial = path.with_suffix(".partial")
+        exited.save(partial)
+        partial.replace(path)
+        exits = list(exited.exits)
+        print(_indent(exited.table()))
+    for info in exits:
+        if info.threshold <= 1.0:
+            print(f"  {info.name} after {info.at}: leaves when confidence >= {info.threshold:.3f}")
+    return path
+
+
+def _emulated_profiles(graph: Any, what: str) -> dict[str, Any]:
+    """Profile ``graph`` once on this machine and derive each tier's emulated profile."""
+    from tierflow.partitioner.profile import profile_model
+    from tierflow.partitioner.report import Progress
+
+    progress = Progress(f"  profiling the {what}")
+    try:
+        base = profile_model(graph, threads=1, progress=progress)
+    finally:
+        progress.close()
+    return {tier: base.emulate(EMULATION[tier][1], threads=EMULATION[tier][0]) for tier in TIERS}
 
 
 def _epoch_printer(report: Any) -> None:
@@ -268,6 +306,8 @@ def _account(run: StrategyRun, result: Any, label: int) -> None:
         run.bytes[link] = run.bytes.get(link, 0) + nbytes
     who = result.answered_by or "?"
     run.answered_by[who] = run.answered_by.get(who, 0) + 1
+    if result.exit:
+        run.exits += 1
 
 
 def _live(run: StrategyRun, done: int, total: int) -> None:
@@ -304,6 +344,8 @@ def _results_table(runs: Sequence[StrategyRun]) -> str:
     for run in runs:
         n = max(run.answered, 1)
         who = ", ".join(f"{t} {c}" for t, c in sorted(run.answered_by.items()))
+        if run.exits:
+            who += f" ({run.exits} at an exit)"
         rows.append(
             [
                 run.name,

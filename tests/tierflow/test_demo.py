@@ -104,9 +104,10 @@ def test_demo_runs_the_three_strategies_and_stops_its_processes(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert "cached in" in out  # the run's model was built once by the fixture, then reused
-    results = out[out.index("[5/5]") :]
-    for strategy in ("tierflow", "device-only", "cloud-only"):
-        row = next(line for line in results.splitlines() if line.strip().startswith(strategy))
+    assert "at an exit)" in out  # the plan with early exits answered some requests early
+    results = out[out.index("[6/6]") :]
+    for strategy in ("tierflow", "tierflow+exits", "device-only", "cloud-only"):
+        row = next(line for line in results.splitlines() if line.split()[:1] == [strategy])
         cells = row.split()
         assert float(cells[1].rstrip("%")) >= 90.0  # accuracy on the held-out requests
         assert cells[-1] == "0"  # no failed requests
