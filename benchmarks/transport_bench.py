@@ -8,6 +8,10 @@ machine with unlimited links, and runs the device in this process:
   and codec time, divided by the two hops (device-edge and edge-cloud, each a round
   trip). Beside it, the **baseline**: a bare gRPC bidirectional round trip carrying the
   same payload up and a small reply down (the ``Probe`` echo of the same edge process).
+  What is subtracted is what each tier reports for that very request: compute (its ONNX
+  Runtime runs) and codec (decoding, encoding, building the message); everything else
+  (thread hand-overs, gRPC serialisation, sockets, queueing) counts as overhead. The
+  device's end-to-end time stops when its stream reader has the reply (``Result.ms``).
 * **pipelined throughput**: a plan whose edge stage takes ~10 ms (an emulated slow edge:
   ``--slowdown``, which sleeps, so this small machine's cores are not the bottleneck)
   with one worker per tier; requests with a window of 16 in flight, against the bound

@@ -355,8 +355,11 @@ class TierService(tier_pb2_grpc.TierServicer):
         open_requests = [0]
         done = threading.Condition()
 
-        shaped = isinstance(replies, ShapedQueue) and replies.shaper is not None
-        shaped = shaped and replies.shaper.spec is not None  # type: ignore[union-attr]
+        shaped = (
+            isinstance(replies, ShapedQueue)
+            and replies.shaper is not None
+            and replies.shaper.spec is not None
+        )
 
         def send(reply: tier_pb2.Reply) -> None:
             replies.put(reply, reply.ByteSize() if shaped else 0)

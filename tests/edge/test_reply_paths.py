@@ -16,15 +16,16 @@ from tierflow.service import TierService
 
 
 def _run_exactly(rt: Any, tmp_path: Path) -> set[str]:
-    """Run a pipelined batch; check every answer bit for bit; return the threads seen."""
+    """Run a pipelined batch; check every answer bit for bit; return the new threads' names."""
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "zstd"})
     samples = split.sample(seed=5, count=12)
+    before = set(threading.enumerate())
     with (
         rt.tiers(split.plan_dir) as (edge, _, _),
         DeviceClient(split.plan_dir, edge, window=4) as device,
     ):
         results = list(device.run_stream(samples))
-        names = {thread.name for thread in threading.enumerate()}
+        names = {thread.name for thread in set(threading.enumerate()) - before}
     assert len(results) == len(samples)
     for feeds, result in zip(samples, results, strict=True):
         result.unwrap()
