@@ -1,4 +1,4 @@
-"""``tierflow-exits``: the tierflow plan run with early exits and the edge's feature cache.
+"""``tierflow-exits``: a tierflow plan run with early exits and the edge's feature cache.
 
 Exits and caches make latency depend on the request (an easy one leaves early, a repeat
 is answered from the cache), so this is measured per request by walking the plan the way

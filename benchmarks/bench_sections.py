@@ -128,7 +128,11 @@ def exits_section(rows: Sequence[Row]) -> list[str]:
         out.append("Not run (`--no-extras`).\n")
         return out
     out.append(
-        "tierflow's plan walked request by request as the runtime would run it "
+        "The plan is tierflow's with the exits known to the planner: `Problem.exits` (each "
+        "exit's cut and calibrated rate, read by `exit_plan.exit_points` as `tierflow plan` "
+        "does) makes the cost model score every plan by its *expected* latency, so it may "
+        "choose another plan than plain tierflow; its prediction is compared with the "
+        "measured *mean*. The plan is walked request by request as the runtime would run it "
         "(`bench_exits`): pieces cut at the plan's cuts and at every exit, each exit head "
         "checked on the tier that computes its feature, the plan's codec applied for real on "
         "each link, and the runtime's exact `MemoryCache` on the first tier after the device. "
@@ -140,17 +144,20 @@ def exits_section(rows: Sequence[Row]) -> list[str]:
         "cache alone. 'tierflow, same requests' is the same walk with exits and cache off.\n"
     )
     out.append(
-        "| model | Mbit/s | cuts | p50 ms | mean ms | tierflow same requests p50 / mean "
+        "| model | Mbit/s | cuts | p50 ms | mean ms | predicted mean ms "
+        "| tierflow same requests p50 / mean "
         "| ×tierflow (p50) | exit rate | cache hits | answered by (dev/edge/cloud) "
         "| accuracy (no exits) |"
     )
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in mine:
         ans = r["answered_by"]
+        predicted = f"{r['predicted_ms']:.1f}" if "predicted_ms" in r else "–"
         acc = f"{r['accuracy']:.1%} ({r['accuracy_without_exits']:.1%})" if "accuracy" in r else "–"
         out.append(
             f"| {r['model']} | {r['bandwidth_mbit']:g} | {r['cuts'][0]},{r['cuts'][1]} | "
-            f"{r['p50_ms']:.1f} | {r['mean_ms']:.1f} | {r['tierflow_same_requests_p50_ms']:.1f}"
+            f"{r['p50_ms']:.1f} | {r['mean_ms']:.1f} | {predicted} | "
+            f"{r['tierflow_same_requests_p50_ms']:.1f}"
             f" / {r['tierflow_same_requests_mean_ms']:.1f} | "
             f"{r['speedup_vs_tierflow_same_requests']:.2f}× | {r['exit_rate']:.0%} | "
             f"{r['cache_hit_rate']:.0%} | {ans['device']:.0%}/{ans['edge']:.0%}/"
@@ -172,7 +179,9 @@ def prediction_section(rows: Sequence[Row]) -> list[str]:
         errors = [
             r["prediction_error"]
             for r in rows
-            if r["model"] == model and r.get("prediction_error") is not None
+            if r["model"] == model
+            and r.get("prediction_error") is not None
+            and r["strategy"] != "tierflow-exits"  # a mean, shown in the exits table
         ]
         if not errors:
             continue

@@ -85,10 +85,12 @@ def select_cuts(last: int, required: set[int], max_cuts: int) -> list[int]:
     if last + 1 <= max_cuts:
         return list(range(last + 1))
     chosen = set(required) | {0, last}
-    spare = max(max_cuts - len(chosen), 4)
-    for value in np.linspace(0, last, spare + 2)[1:-1]:
-        chosen.add(round(float(value)))
-    return sorted(chosen)
+    spread = max(max_cuts - len(chosen), 4)
+    while True:
+        grid = {round(float(v)) for v in np.linspace(0, last, spread + 2)}
+        if len(chosen | grid) >= max(max_cuts, len(chosen) + 4) or spread > last:
+            return sorted(chosen | grid)
+        spread += 1
 
 
 def compute_share(profile: Any, a: int, b: int) -> dict[str, float]:
@@ -222,8 +224,36 @@ def bench_model(
         info["seconds"],
         measured.seconds,
     )
-    context = {"graph": graph, "base": base, "choices": choices, "measured": measured}
+    context = {
+        "graph": graph,
+        "base": base,
+        "profiles": profiles,
+        "choices": choices,
+        "measured": measured,
+    }
     return rows, info, context
+
+
+def planner_exit_points(exited: Path, graph: Any) -> tuple[Any, ...]:
+    """The exits as ``tierflow plan`` sees them (cut and calibrated rate of each).
+
+    They come from the planner's own reading of the model with exits, whose trunk must
+    have the very cuts of ``graph`` (the model the profiles were made for).
+    """
+    from tierflow.partitioner.exit_plan import exit_points, load_planning_graph
+
+    trunk = load_planning_graph(exited)
+    mine = [(c.position, tuple(c.tensors)) for c in graph.cuts]
+    theirs = [(c.position, tuple(c.tensors)) for c in trunk.cuts]
+    if mine != theirs:
+        raise RuntimeError(
+            f"the planner's trunk of {exited} has {len(theirs)} cuts, the demo model "
+            f"{len(mine)}: the exits cannot be placed on the profiled cuts"
+        )
+    points, notes = exit_points(trunk)
+    for note in notes:
+        logger.info("[bench] %s", note)
+    return points
 
 
 def exits_rows(
@@ -241,9 +271,11 @@ def exits_rows(
     labels: np.ndarray | None = None
     exited: Path | None = None
     exits: list[Any] = []
+    exit_points: tuple[Any, ...] = ()
     if model.kind == "demo":
         _, exited, exits, _summary = bench_exits.exited_demo(args.work_dir)
         heads = bench_exits.exit_heads(exited, graph, exits)
+        exit_points = planner_exit_points(exited, graph)
         from tierflow.partitioner.digits import build_demo_model
 
         with np.load(build_demo_model().heldout_path) as data:
@@ -258,6 +290,10 @@ def exits_rows(
     out: list[Row] = []
     for mbit in bandwidths:
         choice = context["choices"][mbit]["tierflow"]
+        if exit_points:  # the planner, told where requests leave, may choose another plan
+            choice = strategies.choose_with_exits(
+                context["profiles"], emu.links_at(mbit), exit_points
+            )
         key = (choice.cuts, tuple(sorted(choice.codec.items())))
         if key not in walkers:
             walkers[key] = bench_exits.PlanWalker(graph, choice.cuts, choice.codec, heads, slow)
@@ -283,6 +319,9 @@ def exits_rows(
             "compute_share": compute_share(context["base"], *choice.cuts),
             "device_edge_rtt_ms": emu.device_edge(mbit).rtt_s * 1e3,
             "exits_used": [h.name for h in heads],
+            "predicted_ms": choice.predicted_s * 1e3,
+            "prediction_error": choice.predicted_s * 1e3 / float(np.mean(point.latency_s) * 1e3)
+            - 1.0,
             "exit_rate": sum(e is not None for e in point.exits) / len(order),
             "cache_hit_rate": sum(point.hits) / len(order),
             "repeat_share": bench_exits.REPEAT_SHARE,
@@ -299,9 +338,9 @@ def exits_rows(
             truth = labels[[digits[i] for i in order]]
             row["accuracy"] = float(np.mean(point.predicted == truth))
             row["accuracy_without_exits"] = float(np.mean(point.plain_predicted == truth))
-        points = RUNTIME_POINTS_QUICK if args.quick else RUNTIME_POINTS_FULL
+        runtime_points = RUNTIME_POINTS_QUICK if args.quick else RUNTIME_POINTS_FULL
         figures: dict[str, Any] | None = None
-        if exited is not None and mbit in points.get(model.name, ()):
+        if exited is not None and mbit in runtime_points.get(model.name, ()):
             import bench_runtime
 
             try:

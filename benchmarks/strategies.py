@@ -13,19 +13,27 @@ the plan is chosen, so they are measured by the same code on the same requests:
                            the same cost model restricted to two tiers (edge forwards,
                            no compute there) with raw fp32 features.
 ``tierflow``               the planner's choice over all cut pairs and codecs (``auto``).
-``tierflow-exits``         the tierflow plan with early exits and the cloud's feature
-                           cache (measured separately, see ``bench_exits``).
+``tierflow-exits``         tierflow's plan chosen knowing the early exits (the cost model's
+                           expected latency, :func:`choose_with_exits`), run with the exits
+                           and the edge's feature cache (measured by ``bench_exits``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tierflow.codec import PLANNER_CODECS
 from tierflow.links import LinkSpec
-from tierflow.partitioner.cost import CostTables, Estimate, Problem, build_tables, estimate
+from tierflow.partitioner.cost import (
+    CostTables,
+    Estimate,
+    ExitPoint,
+    Problem,
+    build_tables,
+    estimate,
+)
 from tierflow.partitioner.profile import Profile
 from tierflow.partitioner.search import search
 
@@ -88,6 +96,15 @@ def choose(tables: CostTables) -> dict[str, Choice]:
         "single-split": _choice("single-split", single),
         "tierflow": _choice("tierflow", search(tables.problem, top=1, tables=tables).best),
     }
+
+
+def choose_with_exits(
+    profiles: Mapping[str, Profile], links: Mapping[str, LinkSpec], exits: Sequence[ExitPoint]
+) -> Choice:
+    """tierflow's plan when the model has early exits: the cost model weighs every plan by
+    where requests leave (``Problem.exits``), and predicts the *mean* latency."""
+    problem = Problem(profiles=profiles, links=links, codecs=PLANNER_CODECS, exits=tuple(exits))
+    return _choice("tierflow-exits", search(problem, top=1).best)
 
 
 def choose_at(profiles: Mapping[str, Profile], links: Mapping[str, LinkSpec]) -> dict[str, Choice]:

@@ -239,7 +239,7 @@ def parse_profile_paths(values: Sequence[str]) -> dict[str, Path]:
 
 
 def _shapes(values: Sequence[str]) -> dict[str, tuple[int, ...]]:
-    from tierflow.partitioner.graph import parse_shape_option
+    from tierflow.partitioner.shapes import parse_shape_option
 
     return dict(parse_shape_option(v) for v in values)
 
@@ -247,7 +247,7 @@ def _shapes(values: Sequence[str]) -> dict[str, tuple[int, ...]]:
 def _load_graph(args: argparse.Namespace) -> Any:
     """The model as planned: its trunk when it carries early exits (see exit_plan)."""
     from tierflow.partitioner.exit_plan import load_planning_graph
-    from tierflow.partitioner.graph import load_sample
+    from tierflow.partitioner.shapes import load_sample
 
     shapes = _shapes(args.shape)
     sample = load_sample(args.sample) if args.sample else None
@@ -305,7 +305,7 @@ def run_plan(args: argparse.Namespace) -> int:
         complete_profiles,
         make_plan,
     )
-    from tierflow.partitioner.profile import load_profile
+    from tierflow.partitioner.profile_data import load_profile
     from tierflow.partitioner.report import Progress, exits_cell, plan_table
 
     links = parse_links(args.link)

@@ -64,7 +64,7 @@ import numpy as np
 
 from tierflow.errors import PlanError, UsageError
 from tierflow.links import LINKS, TIERS, LinkSpec
-from tierflow.partitioner.profile import Profile
+from tierflow.partitioner.profile_data import Profile
 
 OBJECTIVES: tuple[str, ...] = ("latency", "throughput")
 

@@ -134,7 +134,7 @@ def register(subparsers: Any) -> None:
 
 def _add(args: argparse.Namespace) -> int:
     from tierflow.partitioner.exits import add_exits
-    from tierflow.partitioner.graph import parse_shape_option
+    from tierflow.partitioner.shapes import parse_shape_option
 
     shapes = dict(parse_shape_option(text) for text in args.shape) or None
     result = add_exits(

@@ -33,8 +33,9 @@ from tierflow.errors import ModelError
 from tierflow.partitioner.cost import Estimate, ExitPoint, exit_tier
 from tierflow.partitioner.exit_heads import infer_shapes
 from tierflow.partitioner.exits import ExitInfo, attach_exits, exit_cut_indices, read_exits
-from tierflow.partitioner.graph import ModelGraph, first_line, load_model
+from tierflow.partitioner.graph import ModelGraph, load_model
 from tierflow.partitioner.split import Segment, split_model
+from tierflow.partitioner.tensors import first_line
 
 logger = logging.getLogger(__name__)
 

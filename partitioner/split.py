@@ -4,7 +4,7 @@ Segments are extracted with :class:`onnx.utils.Extractor` from the in-memory, sh
 inferred model of a :class:`~tierflow.partitioner.graph.ModelGraph`, so they carry the
 static shapes the analysis found. Each segment's inputs are the tensors crossing its
 first cut and its outputs those crossing its last (see ``Note [cut sets]`` in
-:mod:`tierflow.partitioner.graph`), so a tensor needed further on (a skip connection, a
+:mod:`tierflow.partitioner.cuts`), so a tensor needed further on (a skip connection, a
 mask, a model output made early) passes through a segment unchanged.
 """
 
@@ -23,7 +23,8 @@ import onnx.utils
 
 from tierflow.errors import ModelError, PlanError
 from tierflow.links import TIERS
-from tierflow.partitioner.graph import ModelGraph, first_line, node_uses
+from tierflow.partitioner.graph import ModelGraph
+from tierflow.partitioner.tensors import first_line, node_uses
 from tierflow.plan import SegmentSpec
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,9 @@ followed by an optional lossless *compressor* (``zstd`` or ``shuffle+zstd`` at a
 speed and error that the cost model uses to choose a codec per link.
 
 See [Note: codec wire format] for what the bytes are and [Note: decoding hostile input]
-for why decoding can never crash, hang or allocate more than its bound.
+for why decoding can never crash, hang or allocate more than its bound. The schemes
+themselves (quantisers, byte shuffle, zstd) live in :mod:`tierflow.codec_schemes`;
+their public names are re-exported here.
 
 Only numpy and zstandard are needed: every tier imports this module.
 
@@ -62,16 +64,47 @@ from __future__ import annotations
 
 import math
 import statistics
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import zstandard
 
+from tierflow.codec_schemes import (
+    QUANTISER_SCHEMES,
+    channel_axis,
+    compress_payload,
+    decompress_payload,
+    shuffle_bytes,
+    unshuffle_bytes,
+    wire_dtype,
+)
 from tierflow.errors import CodecError, UsageError
+
+__all__ = [
+    "ALLOWED_DTYPES",
+    "COMPRESSORS",
+    "DEFAULT_LEVEL",
+    "DEFAULT_MAX_TENSOR_BYTES",
+    "LOSSLESS_CODECS",
+    "MAX_LEVEL",
+    "MAX_NDIM",
+    "MIN_LEVEL",
+    "PLANNER_CODECS",
+    "QUANTISERS",
+    "CodecSpec",
+    "CodecStats",
+    "EncodedTensor",
+    "channel_axis",
+    "check_header",
+    "decode",
+    "decoded_nbytes",
+    "encode",
+    "measure",
+    "shuffle_bytes",
+    "unshuffle_bytes",
+]
 
 QUANTISERS: tuple[str, ...] = ("none", "fp16", "int8", "int8c")
 COMPRESSORS: tuple[str, ...] = ("none", "zstd", "shuffle+zstd")
@@ -234,246 +267,6 @@ class EncodedTensor:
         return len(self.data) + len(self.params)
 
 
-def _wire_dtype(name: str) -> np.dtype[Any]:
-    return np.dtype(name).newbyteorder("<")
-
-
-# --------------------------------------------------------------------------- quantisers
-
-
-class _Quantiser:
-    """Turns a float array into stored elements plus parameters, and back.
-
-    This base class is the identity: what ``none`` (no quantiser) does.
-    """
-
-    stored: str | None = None  # dtype of the stored elements; None = the tensor's own
-
-    def stored_dtype(self, dtype: str) -> np.dtype[Any]:
-        return _wire_dtype(self.stored or dtype)
-
-    def params_len(self, shape: tuple[int, ...]) -> int:
-        return 0
-
-    def encode(self, array: np.ndarray) -> tuple[bytes, np.ndarray]:
-        return b"", array
-
-    def decode(
-        self, stored: np.ndarray, params: bytes, shape: tuple[int, ...], dtype: str
-    ) -> np.ndarray:
-        return stored
-
-
-class _Fp16(_Quantiser):
-    stored = "float16"
-
-    def encode(self, array: np.ndarray) -> tuple[bytes, np.ndarray]:
-        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-            return b"", array.astype("<f2")
-
-    def decode(
-        self, stored: np.ndarray, params: bytes, shape: tuple[int, ...], dtype: str
-    ) -> np.ndarray:
-        return stored.astype(np.dtype(dtype))
-
-
-def channel_axis(ndim: int) -> int | None:
-    """The ``int8c`` channel axis of a tensor with ``ndim`` dimensions (None: one channel)."""
-    if ndim >= 4:
-        return 1
-    if ndim >= 2:
-        return ndim - 1
-    return None
-
-
-class _Int8(_Quantiser):
-    """Affine uint8 codes; per tensor, or per channel when ``per_channel``."""
-
-    stored = "uint8"
-
-    def __init__(self, per_channel: bool) -> None:
-        self.per_channel = per_channel
-
-    def _axis(self, ndim: int) -> int | None:
-        return channel_axis(ndim) if self.per_channel else None
-
-    def channels(self, shape: tuple[int, ...]) -> int:
-        axis = self._axis(len(shape))
-        return 1 if axis is None else shape[axis]
-
-    def params_len(self, shape: tuple[int, ...]) -> int:
-        return 8 * self.channels(shape)
-
-    def encode(self, array: np.ndarray) -> tuple[bytes, np.ndarray]:
-        axis = self._axis(array.ndim)
-        reduce = None if axis is None else tuple(i for i in range(array.ndim) if i != axis)
-        work = np.float64 if array.dtype == np.float64 else np.float32
-        if array.size == 0:
-            count = self.channels(array.shape)
-            params = np.zeros(2 * count, "<f4").tobytes()
-            return params, np.zeros(array.shape, np.uint8)
-        finite = bool(np.isfinite(array).all())
-        if finite:
-            low = np.min(array, axis=reduce, keepdims=True)
-            high = np.max(array, axis=reduce, keepdims=True)
-        else:
-            mask = np.isfinite(array)
-            low = np.min(array, axis=reduce, keepdims=True, where=mask, initial=np.inf)
-            high = np.max(array, axis=reduce, keepdims=True, where=mask, initial=-np.inf)
-            none = ~np.isfinite(low)  # a channel with no finite element at all
-            low = np.where(none, 0.0, low)
-            high = np.where(none, 0.0, high)
-        low64 = low.astype(np.float64)
-        high64 = high.astype(np.float64)
-        largest = float(np.finfo(np.float32).max)
-        if low64.min() < -largest or high64.max() > largest:
-            raise CodecError(
-                "cannot int8-quantise: the value range exceeds float32 "
-                f"(min {float(low64.min())}, max {float(high64.max())})"
-            )
-        # Offset rounded down in float32 so that no element lies below it.
-        offset = low64.astype(np.float32)
-        offset = np.where(
-            offset.astype(np.float64) > low64, np.nextafter(offset, np.float32(-np.inf)), offset
-        )
-        # Scale rounded up in float32 so that offset + 255 * scale reaches the maximum.
-        span = np.maximum(high64 - offset.astype(np.float64), 0.0)
-        scale = (span / 255.0).astype(np.float32)
-        short = scale.astype(np.float64) * 255.0 < span
-        scale = np.where(short, np.nextafter(scale, np.float32(np.inf)), scale)
-        assert np.isfinite(scale).all() and np.isfinite(offset).all(), (scale, offset)
-        scale64 = scale.astype(np.float64)
-        inverse = np.divide(1.0, scale64, out=np.zeros_like(scale64), where=scale64 > 0)
-        if work == np.float32 and inverse.max() > np.finfo(np.float32).max:
-            work = np.float64  # subnormal scales: 1/scale overflows float32
-        codes = np.empty(array.shape, work)
-        with np.errstate(invalid="ignore", over="ignore"):
-            np.subtract(array, offset.astype(work), out=codes)
-            np.multiply(codes, inverse.astype(work), out=codes)
-            np.rint(codes, out=codes)
-            np.clip(codes, 0, 255, out=codes)
-            if not finite:
-                codes[np.isnan(codes)] = 0
-        params = np.concatenate([scale.ravel(), offset.ravel()]).astype("<f4").tobytes()
-        return params, codes.astype(np.uint8)
-
-    def decode(
-        self, stored: np.ndarray, params: bytes, shape: tuple[int, ...], dtype: str
-    ) -> np.ndarray:
-        count = self.channels(shape)
-        values = np.frombuffer(params, "<f4")
-        if not np.isfinite(values).all():
-            bad = int((~np.isfinite(values)).sum())
-            raise CodecError(f"malformed int8 parameters: {bad} non-finite scales or offsets")
-        scale, offset = values[:count], values[count:]
-        if (scale < 0).any():
-            raise CodecError(f"malformed int8 parameters: negative scale {scale.min()}")
-        if count:
-            top = offset.astype(np.float64) + 255.0 * scale.astype(np.float64)
-            reach = max(float(np.abs(offset).max()), float(np.abs(top).max()))
-            largest = float(np.finfo(np.float16 if dtype == "float16" else np.float32).max)
-            if reach > largest * (1 + 2**-10):
-                raise CodecError(
-                    f"malformed int8 parameters: values up to {reach:g} do not fit {dtype}"
-                )
-        axis = self._axis(len(shape))
-        if axis is None:
-            scale = scale.reshape(())
-            offset = offset.reshape(())
-        else:
-            view = [1] * len(shape)
-            view[axis] = count
-            scale = scale.reshape(view)
-            offset = offset.reshape(view)
-        work = np.float64 if dtype == "float64" else np.float32
-        out = np.empty(stored.shape, work)
-        np.multiply(stored, scale.astype(work), out=out)
-        np.add(out, offset.astype(work), out=out)
-        if out.dtype == np.dtype(dtype):
-            return out
-        with np.errstate(over="ignore"):  # within the margin above float16's largest
-            return out.astype(dtype)
-
-
-_QUANTISERS: dict[str, _Quantiser] = {
-    "none": _Quantiser(),
-    "fp16": _Fp16(),
-    "int8": _Int8(per_channel=False),
-    "int8c": _Int8(per_channel=True),
-}
-
-
-# --------------------------------------------------------------------------- compressors
-
-_local = threading.local()
-
-
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    """A compressor for ``level``, one per thread (zstd contexts are not thread-safe)."""
-    cache: dict[int, zstandard.ZstdCompressor] | None = getattr(_local, "compressors", None)
-    if cache is None:
-        cache = _local.compressors = {}
-    if level not in cache:
-        # threads=0: no worker threads — features are small and latency matters.
-        cache[level] = zstandard.ZstdCompressor(
-            level=level, write_content_size=True, write_checksum=True, threads=0
-        )
-    return cache[level]
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    dctx: zstandard.ZstdDecompressor | None = getattr(_local, "decompressor", None)
-    if dctx is None:
-        dctx = _local.decompressor = zstandard.ZstdDecompressor()
-    return dctx
-
-
-def shuffle_bytes(buffer: np.ndarray, itemsize: int) -> np.ndarray:
-    """Byte planes of a contiguous array: all first bytes, then all second bytes, ..."""
-    flat = buffer.reshape(-1).view(np.uint8)
-    if itemsize == 1:
-        return flat
-    return np.ascontiguousarray(flat.reshape(-1, itemsize).T).reshape(-1)
-
-
-def unshuffle_bytes(planes: np.ndarray, itemsize: int) -> np.ndarray:
-    """Inverse of :func:`shuffle_bytes`: the elements' bytes back in order (uint8)."""
-    if itemsize == 1:
-        return planes
-    return np.ascontiguousarray(planes.reshape(itemsize, -1).T).reshape(-1)
-
-
-def _compress(stored: np.ndarray, spec: CodecSpec) -> bytes:
-    if spec.compress == "none":
-        return stored.tobytes()
-    if spec.compress == "shuffle+zstd":
-        stored = shuffle_bytes(stored, stored.dtype.itemsize)
-    return _compressor(spec.level).compress(stored.reshape(-1).view(np.uint8).data)
-
-
-def _decompress(data: bytes, spec: CodecSpec, expected: int) -> np.ndarray:
-    """The stored bytes as uint8, after checking the frame ([Note: decoding hostile input])."""
-    if spec.compress == "none":
-        if len(data) != expected:
-            raise CodecError(f"raw payload has {len(data)} bytes, expected {expected}")
-        return np.frombuffer(data, np.uint8)
-    try:
-        declared = zstandard.frame_content_size(data)
-    except zstandard.ZstdError as exc:
-        raise CodecError(f"zstd payload is not a zstd frame ({len(data)} bytes): {exc}") from exc
-    if declared < 0:
-        raise CodecError("zstd frame does not declare its content size; refusing to decode it")
-    if declared != expected:
-        raise CodecError(f"zstd frame declares {declared} bytes, expected {expected}")
-    try:
-        raw = _decompressor().decompress(data, max_output_size=expected, allow_extra_data=False)
-    except zstandard.ZstdError as exc:
-        raise CodecError(f"corrupt zstd payload: {exc}") from exc
-    if len(raw) != expected:
-        raise CodecError(f"zstd frame held {len(raw)} bytes, expected {expected}")
-    return np.frombuffer(raw, np.uint8)
-
-
 # --------------------------------------------------------------------------- encode/decode
 
 
@@ -495,15 +288,15 @@ def encode(name: str, array: np.ndarray, spec: CodecSpec | str) -> EncodedTensor
         dtype not in _FLOAT_DTYPES or (codec.quant == "fp16" and dtype == "float16")
     ):
         codec = codec.lossless_part()
-    arr = np.asarray(arr, dtype=_wire_dtype(dtype), order="C")
-    params, stored = _QUANTISERS[codec.quant].encode(arr)
+    arr = np.asarray(arr, dtype=wire_dtype(dtype), order="C")
+    params, stored = QUANTISER_SCHEMES[codec.quant].encode(arr)
     return EncodedTensor(
         name=name,
         dtype=dtype,
         shape=tuple(int(d) for d in arr.shape),
         codec=str(codec),
         params=params,
-        data=_compress(stored, codec),
+        data=compress_payload(stored, codec),
     )
 
 
@@ -541,7 +334,7 @@ def check_header(tensor: EncodedTensor, *, max_bytes: int = DEFAULT_MAX_TENSOR_B
     # of them is zero, so the nonzero ones must fit the bound too.
     if math.prod(d for d in shape if d) * np.dtype(tensor.dtype).itemsize > max(max_bytes, 1):
         raise CodecError(f"{what} has shape {shape}: its dimensions are too large")
-    need = _QUANTISERS[codec.quant].params_len(shape)
+    need = QUANTISER_SCHEMES[codec.quant].params_len(shape)
     if len(tensor.params) != need:
         raise CodecError(
             f"{what}: codec {codec} needs {need} parameter bytes, found {len(tensor.params)}"
@@ -561,10 +354,10 @@ def decode(
     1 MB feature costs 0.1-0.3 ms).
     """
     codec = check_header(tensor, max_bytes=max_bytes)
-    quantiser = _QUANTISERS[codec.quant]
+    quantiser = QUANTISER_SCHEMES[codec.quant]
     stored_dtype = quantiser.stored_dtype(tensor.dtype)
     count = math.prod(tensor.shape)
-    raw = _decompress(tensor.data, codec, count * stored_dtype.itemsize)
+    raw = decompress_payload(tensor.data, codec, count * stored_dtype.itemsize)
     if codec.compress == "shuffle+zstd":
         raw = unshuffle_bytes(raw, stored_dtype.itemsize)
     stored = raw.view(stored_dtype).reshape(tensor.shape)

@@ -1,0 +1,362 @@
+"""Static shapes: fixing symbolic input dimensions, inferring, measuring and folding.
+
+Every cut happens at fixed input shapes. :func:`fix_input_shapes` resolves each input
+from ``--shape``, the ``--sample`` file's first request, or a leading batch of 1;
+:func:`static_model` re-infers every shape from there; :func:`static_infos` checks them by
+running the model once in ONNX Runtime; :func:`fold_shapes` turns Shape/Size of static
+tensors into constants (``Note [cut sets]`` in :mod:`tierflow.partitioner.cuts`) and
+:func:`write_value_infos` records the result so extracted segments declare it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper
+import onnx.numpy_helper
+import onnx.shape_inference
+
+from tierflow.errors import InputError, ModelError, UsageError
+from tierflow.partitioner.tensors import TensorInfo, first_line, np_dtype_name
+
+logger = logging.getLogger(__name__)
+
+# Measure every intermediate by running the model unless that would hold more than this
+# much memory at once (then only when inference left some shape unknown).
+_MEASURE_LIMIT_BYTES = 1 << 30
+
+
+def parse_shape_option(text: str) -> tuple[str, tuple[int, ...]]:
+    """Parse ``--shape NAME=1x3x640x640`` into ``("NAME", (1, 3, 640, 640))``."""
+    name, sep, dims = text.rpartition("=")
+    if not sep or not name:
+        raise UsageError(f"malformed --shape {text!r}: expected NAME=DIMS, like input=1x3x224x224")
+    try:
+        shape = tuple(int(d) for d in dims.lower().split("x"))
+    except ValueError as exc:
+        raise UsageError(
+            f"malformed --shape {text!r}: dimensions must be positive integers joined by 'x'"
+        ) from exc
+    if any(d <= 0 for d in shape):
+        raise UsageError(f"malformed --shape {text!r}: dimensions must be positive, got {dims!r}")
+    return name, shape
+
+
+def load_sample(path: str | Path) -> dict[str, np.ndarray]:
+    """Read ``IN.npz``: one array per model input with a leading request axis.
+
+    An optional ``labels`` array (calibration files have one) is left out.
+    """
+    try:
+        with np.load(Path(path), allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files if name != "labels"}
+    except FileNotFoundError as exc:
+        raise InputError(f"sample file {path} does not exist") from exc
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot read sample file {path} as .npz: {exc}") from exc
+    if not arrays:
+        raise InputError(f"sample file {path} holds no input arrays")
+    for name, array in arrays.items():
+        if array.ndim == 0 or array.shape[0] == 0:
+            raise InputError(
+                f"sample array {name!r} in {path} has shape {array.shape}; expected a leading "
+                "request axis with at least one request"
+            )
+    return arrays
+
+
+def _dims(value: onnx.ValueInfoProto) -> list[int | str | None] | None:
+    """Dimensions of a tensor value info: ints, symbolic names, None for unknown."""
+    tensor_type = value.type.tensor_type
+    if not tensor_type.HasField("shape"):
+        return None
+    dims: list[int | str | None] = []
+    for d in tensor_type.shape.dim:
+        if d.HasField("dim_value") and d.dim_value > 0:
+            dims.append(int(d.dim_value))
+        elif d.HasField("dim_param") and d.dim_param:
+            dims.append(d.dim_param)
+        else:
+            dims.append(None)
+    return dims
+
+
+def _elem_type(dtype: str) -> int:
+    """The ONNX element type of a numpy dtype name (inverse of :func:`np_dtype_name`)."""
+    for elem in onnx.TensorProto.DataType.values():
+        try:
+            if onnx.helper.tensor_dtype_to_np_dtype(elem).name == dtype:
+                return int(elem)
+        except (KeyError, TypeError):
+            continue
+    raise ModelError(f"no ONNX element type for numpy dtype {dtype!r}")
+
+
+def fix_input_shapes(
+    values: Sequence[onnx.ValueInfoProto],
+    path: Path,
+    shapes: Mapping[str, Sequence[int]],
+    sample: Mapping[str, np.ndarray] | None,
+) -> dict[str, tuple[int, ...]]:
+    """Fix every input dimension: --shape, else the sample's row, else batch 1 / error."""
+    names = [v.name for v in values]
+    for name in shapes:
+        if name not in names:
+            raise UsageError(
+                f"--shape names {name!r}, which is not an input of {path}; "
+                f"its inputs are {', '.join(names)}"
+            )
+    if sample is not None:
+        missing = [n for n in names if n not in sample]
+        if missing:
+            raise InputError(
+                f"the sample has no array for model input(s) {missing}; it has {sorted(sample)}"
+            )
+    fixed: dict[str, tuple[int, ...]] = {}
+    for value in values:
+        if not value.type.HasField("tensor_type"):
+            raise ModelError(
+                f"input {value.name!r} of {path} is not a tensor; only tensors are supported"
+            )
+        dims = _dims(value)
+        if value.name in shapes:
+            given = tuple(int(d) for d in shapes[value.name])
+            if dims is not None and len(dims) != len(given):
+                raise UsageError(
+                    f"--shape {value.name}={'x'.join(map(str, given))} has {len(given)} "
+                    f"dimensions; the model declares {len(dims)}"
+                )
+            for declared, wanted in zip(dims or [], given, strict=False):
+                if isinstance(declared, int) and declared != wanted:
+                    raise UsageError(
+                        f"--shape {value.name}={'x'.join(map(str, given))} conflicts with the "
+                        f"model's fixed shape {dims}"
+                    )
+            fixed[value.name] = given
+            continue
+        if sample is not None:
+            row = sample[value.name][0]
+            if dims is not None and (
+                len(dims) != row.ndim
+                or any(isinstance(d, int) and d != r for d, r in zip(dims, row.shape, strict=True))
+            ):
+                raise InputError(
+                    f"sample array {value.name!r} has requests of shape {row.shape}; the model "
+                    f"expects {dims} (the sample needs a leading request axis before them)"
+                )
+            fixed[value.name] = tuple(int(d) for d in row.shape)
+            continue
+        if dims is None:
+            raise ModelError(
+                f"input {value.name!r} of {path} has no declared shape; give it with "
+                f"--shape {value.name}=DIMS"
+            )
+        resolved: list[int] = []
+        for axis, d in enumerate(dims):
+            if isinstance(d, int):
+                resolved.append(d)
+            elif axis == 0:
+                resolved.append(1)  # a leading batch dimension: one request at a time
+            else:
+                shown = "x".join("?" if not isinstance(x, int) else str(x) for x in dims)
+                raise ModelError(
+                    f"input {value.name!r} of {path} has unknown dimension {axis} "
+                    f"({d or 'unnamed'}) in shape {shown}; fix it with --shape {value.name}=DIMS "
+                    "or --sample IN.npz"
+                )
+        fixed[value.name] = tuple(resolved)
+    return fixed
+
+
+def first_request(array: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """The first request of a sample array, in the input's dtype (same kind only)."""
+    row = np.asarray(array[0])
+    try:
+        return row.astype(info.dtype, casting="same_kind", copy=False)
+    except TypeError as exc:
+        raise InputError(
+            f"sample array {info.name!r} holds {row.dtype}; the model input is {info.dtype}"
+        ) from exc
+
+
+def representative_inputs_for(
+    inputs: Sequence[TensorInfo], sample: Mapping[str, np.ndarray] | None, seed: int
+) -> dict[str, np.ndarray]:
+    if sample is not None:
+        return {info.name: np.array(sample[info.name], copy=True) for info in inputs}
+    rng = np.random.default_rng(seed)
+    arrays: dict[str, np.ndarray] = {}
+    for info in inputs:
+        dtype = np.dtype(info.dtype)
+        if dtype.kind == "f":
+            arrays[info.name] = rng.standard_normal(info.shape).astype(dtype)
+        elif dtype.kind == "b":
+            arrays[info.name] = rng.random(info.shape) < 0.5
+        elif dtype.kind in "iu":
+            arrays[info.name] = rng.integers(0, 2, info.shape).astype(dtype)
+        else:
+            raise ModelError(
+                f"cannot make a representative value for input {info.name!r} of type "
+                f"{info.dtype}; pass --sample IN.npz"
+            )
+    return arrays
+
+
+def static_model(
+    model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]], path: Path
+) -> onnx.ModelProto:
+    """Fix the input dimensions, drop declared shapes, and infer shapes afresh.
+
+    Declared intermediate and output shapes are not trusted (exporters and hand edits
+    get them wrong); inference recomputes them from the fixed inputs and the ops.
+    """
+    graph = model.graph
+    for i, value in enumerate(graph.input):
+        if value.name in input_shapes:
+            elem = value.type.tensor_type.elem_type
+            fixed = onnx.helper.make_tensor_value_info(value.name, elem, input_shapes[value.name])
+            graph.input[i].CopyFrom(fixed)
+    for i, value in enumerate(graph.output):
+        if value.type.HasField("tensor_type"):
+            elem = value.type.tensor_type.elem_type
+            graph.output[i].CopyFrom(onnx.helper.make_tensor_value_info(value.name, elem, None))
+    del graph.value_info[:]
+    try:
+        return onnx.shape_inference.infer_shapes(
+            model, check_type=False, strict_mode=False, data_prop=True
+        )
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+        raise ModelError(f"shape inference failed on {path}: {first_line(exc)}") from exc
+
+
+def _inferred_infos(model: onnx.ModelProto) -> dict[str, TensorInfo | None]:
+    """Static tensor infos from inference; None where type or shape is not fully known."""
+    infos: dict[str, TensorInfo | None] = {}
+    graph = model.graph
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        tensor_type = value.type.tensor_type
+        dims = _dims(value) if value.type.HasField("tensor_type") else None
+        if dims is None or not tensor_type.elem_type or not all(isinstance(d, int) for d in dims):
+            infos.setdefault(value.name, None)
+            continue
+        dtype = np_dtype_name(tensor_type.elem_type)
+        infos[value.name] = TensorInfo(value.name, dtype, tuple(int(d) for d in dims))  # type: ignore[arg-type]
+    return infos
+
+
+def _measure(
+    model: onnx.ModelProto, names: Sequence[str], feeds: Mapping[str, np.ndarray], path: Path
+) -> dict[str, TensorInfo]:
+    """Run the model once in ONNX Runtime with every listed tensor as an extra output.
+
+    Returns the dtype and shape each one actually had. Graph optimizations are off so
+    every intermediate exists as the graph names it.
+    """
+    import onnxruntime as ort
+
+    graph = model.graph
+    declared = {v.name for v in graph.output}
+    extra = [n for n in names if n not in declared]
+    original = len(graph.output)
+    graph.output.extend(onnx.ValueInfoProto(name=n) for n in extra)
+    try:
+        data = model.SerializeToString()
+    finally:
+        del graph.output[original:]
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+        wanted = [o.name for o in session.get_outputs()]
+        values = session.run(wanted, dict(feeds))
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise ModelError(f"ONNX Runtime cannot run {path}: {first_line(exc)}") from exc
+    measured: dict[str, TensorInfo] = {}
+    for name, value in zip(wanted, values, strict=True):
+        if isinstance(value, np.ndarray):
+            measured[name] = TensorInfo(name, value.dtype.name, tuple(int(d) for d in value.shape))
+    return measured
+
+
+def static_infos(
+    model: onnx.ModelProto,
+    inputs: Sequence[TensorInfo],
+    sample_row: Mapping[str, np.ndarray] | None,
+    path: Path,
+) -> dict[str, TensorInfo | None]:
+    """Static infos of every top-level tensor: inferred, then checked by running.
+
+    Running is skipped only when inference knew every shape and holding all
+    intermediates at once would be too much memory.
+    """
+    infos = _inferred_infos(model)
+    produced = [n for node in model.graph.node for n in node.output if n]
+    known = [infos.get(n) for n in produced]
+    estimate = sum(i.nbytes for i in known if i is not None)
+    if any(i is None for i in known) or estimate <= _MEASURE_LIMIT_BYTES:
+        feeds = representative_inputs_for(inputs, sample_row, seed=0)
+        for name, info in _measure(model, produced, feeds, path).items():
+            if infos.get(name) not in (None, info):
+                logger.debug("[graph] %s: inferred %s, measured %s", name, infos[name], info)
+            infos[name] = info
+    return infos
+
+
+def fold_shapes(model: onnx.ModelProto, infos: Mapping[str, TensorInfo]) -> int:
+    """Replace Shape/Size of statically shaped tensors by Constant nodes; return how many.
+
+    See ``Note [cut sets]``: at fixed input shapes these are constants.
+    """
+    folded = 0
+    graph = model.graph
+    for i, node in enumerate(graph.node):
+        if node.domain not in ("", "ai.onnx") or node.op_type not in ("Shape", "Size"):
+            continue
+        source = infos.get(node.input[0])
+        if source is None:
+            continue
+        if node.op_type == "Shape":
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            dims = list(source.shape)
+            start, end = int(attrs.get("start", 0)), int(attrs.get("end", len(dims)))
+            value = np.array(dims[slice(start, end if "end" in attrs else None)], dtype=np.int64)
+        else:
+            value = np.array(int(np.prod(source.shape, dtype=np.int64)), dtype=np.int64)
+        constant = onnx.helper.make_node(
+            "Constant",
+            [],
+            [node.output[0]],
+            name=node.name or f"folded_{node.op_type}_{i}",
+            value=onnx.numpy_helper.from_array(value, name=node.output[0]),
+        )
+        graph.node[i].CopyFrom(constant)
+        folded += 1
+    return folded
+
+
+def write_value_infos(
+    model: onnx.ModelProto, infos: Mapping[str, TensorInfo], input_names: set[str]
+) -> None:
+    """Record the static shapes in the model so extracted segments declare them."""
+    graph = model.graph
+
+    def value_info(info: TensorInfo) -> onnx.ValueInfoProto:
+        return onnx.helper.make_tensor_value_info(
+            info.name, _elem_type(info.dtype), list(info.shape)
+        )
+
+    output_names = {v.name for v in graph.output}
+    for i, value in enumerate(graph.output):
+        graph.output[i].CopyFrom(value_info(infos[value.name]))
+    del graph.value_info[:]
+    graph.value_info.extend(
+        value_info(infos[n])
+        for node in graph.node
+        for n in node.output
+        if n and n in infos and n not in output_names and n not in input_names
+    )
