@@ -31,8 +31,8 @@ from tierflow.partitioner.profile import (
     with_codecs,
 )
 from tierflow.partitioner.search import SearchResult, search
-from tierflow.partitioner.split import verify_split, write_segments
-from tierflow.plan import Plan, save_plan
+from tierflow.partitioner.split import save_split_plan, verify_split
+from tierflow.plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -212,25 +212,21 @@ def write_plan(
                 f"the split at cuts {chosen.cuts} does not reproduce the model: outputs differ "
                 f"by up to {check.max_abs_diff:g}"
             )
-    directory = Path(plan_dir)
-    write_segments(segments, directory)
     codec = {name: chosen.links[name].codec for name in LINKS}
     estimate = estimate_dict(chosen, graph, options.objective)
     estimate["tiers"] = {t: profiles[t].machine.to_dict() for t in TIERS}
     if verified is not None:
         estimate["verified"] = {"bitwise_equal": verified, "inputs": 1, "max_abs_diff": max_diff}
-    plan = Plan(
-        model_file=Path(graph.path).name,
-        model_sha256=graph.sha256,
-        inputs=tuple(i.name for i in graph.inputs),
-        outputs=tuple(o.name for o in graph.outputs),
-        segments=tuple(spec for spec, _ in segments),
-        links=dict(options.links),
+    directory = Path(plan_dir)
+    plan = save_split_plan(
+        graph,
+        segments,
+        directory,
+        cuts=chosen.cuts,
         codec=codec,
+        links=options.links,
         estimate=estimate,
-        cuts=tuple(graph.cuts[c].position for c in chosen.cuts),
     )
-    save_plan(plan, directory)
     logger.info("[plan] wrote %s: cuts %s, %.3g ms", directory, chosen.cuts, chosen.latency_s * 1e3)
     return WrittenPlan(plan, directory, verified, max_diff, 1)
 

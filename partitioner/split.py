@@ -22,10 +22,10 @@ import onnx.checker
 import onnx.utils
 
 from tierflow.errors import ModelError, PlanError
-from tierflow.links import TIERS
+from tierflow.links import LINKS, TIERS, LinkSpec
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.tensors import first_line, node_uses
-from tierflow.plan import SegmentSpec
+from tierflow.plan import Plan, SegmentSpec, save_plan
 
 logger = logging.getLogger(__name__)
 
@@ -293,3 +293,34 @@ def write_segments(segments: Iterable[Segment], plan_dir: str | Path) -> None:
         except (OSError, ValueError) as exc:
             raise PlanError(f"cannot write segment {path}: {exc}") from exc
         logger.info("[split] wrote %s (%s, %d nodes)", path, spec.tier, len(model.graph.node))
+
+
+def save_split_plan(
+    graph: ModelGraph,
+    segments: Sequence[Segment],
+    plan_dir: str | Path,
+    *,
+    cuts: Sequence[int] = (),
+    codec: Mapping[str, str] | None = None,
+    links: Mapping[str, LinkSpec] | None = None,
+    estimate: Mapping[str, Any] | None = None,
+) -> Plan:
+    """Write ``segments`` and the ``plan.json`` that describes them: a plan directory.
+
+    ``cuts`` are indices into ``graph.cuts`` (recorded as node positions); ``codec``
+    maps link names to codec specs, a link not named gets ``raw``.
+    """
+    write_segments(segments, plan_dir)
+    plan = Plan(
+        model_file=Path(graph.path).name,
+        model_sha256=graph.sha256,
+        inputs=tuple(i.name for i in graph.inputs),
+        outputs=tuple(o.name for o in graph.outputs),
+        segments=tuple(spec for spec, _ in segments),
+        links=dict(links or {}),
+        codec={name: (codec or {}).get(name, "raw") for name in LINKS},
+        estimate=dict(estimate or {}),
+        cuts=tuple(graph.cuts[c].position for c in cuts),
+    )
+    save_plan(plan, plan_dir)
+    return plan

@@ -14,8 +14,8 @@ import pytest
 
 from tierflow.device.client import DeviceClient
 from tierflow.partitioner.graph import load_model
-from tierflow.partitioner.split import split_model, write_segments
-from tierflow.plan import Plan, save_plan
+from tierflow.partitioner.split import save_split_plan, split_model
+from tierflow.plan import Plan
 from tierflow.segment_runner import SegmentRunner
 
 
@@ -34,17 +34,8 @@ def _partitioned_plan(model_path: Path, plan_dir: Path) -> Plan:
     cuts = (max(1, last // 3), max(2, 2 * last // 3))
     segments = split_model(graph, cuts)
     assert [spec.tier for spec, _ in segments] == ["device", "edge", "cloud"]
-    write_segments(segments, plan_dir)
-    plan = Plan(
-        model_file=model_path.name,
-        model_sha256=graph.sha256,
-        inputs=tuple(t.name for t in graph.inputs),
-        outputs=tuple(t.name for t in graph.outputs),
-        segments=tuple(spec for spec, _ in segments),
-        codec={"device-edge": "zstd", "edge-cloud": "shuffle+zstd"},
-    )
-    save_plan(plan, plan_dir)
-    return plan
+    codec = {"device-edge": "zstd", "edge-cloud": "shuffle+zstd"}
+    return save_split_plan(graph, segments, plan_dir, cuts=cuts, codec=codec)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
 from tierflow.links import LINKS
-from tierflow.plan import Plan, save_plan
+from tierflow.plan import Plan
 from tierflow.segment_runner import DEFAULT_OPTIMIZATION, session_options
 
 pytestmark = pytest.mark.slow
@@ -34,24 +34,14 @@ def _full_model_top1(model_path: Path, images: np.ndarray) -> np.ndarray:
 def _three_tier_plan(model_path: Path, plan_dir: Path, codec: str) -> Plan:
     """The demo model split device | edge | cloud at two inner cuts, ``codec`` on both links."""
     from tierflow.partitioner.graph import load_model
-    from tierflow.partitioner.split import split_model, write_segments
+    from tierflow.partitioner.split import save_split_plan, split_model
 
     graph = load_model(model_path)
     last = len(graph.cuts) - 1
     cuts = (last // 3, 2 * last // 3)
     segments = split_model(graph, cuts)
     assert [spec.tier for spec, _ in segments] == ["device", "edge", "cloud"]
-    write_segments(segments, plan_dir)
-    plan = Plan(
-        model_file=model_path.name,
-        model_sha256=graph.sha256,
-        inputs=tuple(i.name for i in graph.inputs),
-        outputs=tuple(o.name for o in graph.outputs),
-        segments=tuple(spec for spec, _ in segments),
-        codec=dict.fromkeys(LINKS, codec),
-    )
-    save_plan(plan, plan_dir)
-    return plan
+    return save_split_plan(graph, segments, plan_dir, cuts=cuts, codec=dict.fromkeys(LINKS, codec))
 
 
 @pytest.mark.parametrize("codec", ["fp16", "int8", "int8+zstd", "int8c+zstd"])
