@@ -37,23 +37,17 @@ def write_plan(
     plan_dir: Path,
 ) -> Plan:
     """A plan directory for cuts ``(a, b)`` and ``codec``, as ``tierflow plan`` writes one."""
-    from tierflow.partitioner.split import split_model, write_segments
+    from tierflow.partitioner.split import save_split_plan, split_model
 
-    segments = split_model(graph, cuts)
-    write_segments(segments, plan_dir)
-    plan = Plan(
-        model_file=Path(graph.path).name,
-        model_sha256=graph.sha256,
-        inputs=tuple(i.name for i in graph.inputs),
-        outputs=tuple(o.name for o in graph.outputs),
-        segments=tuple(spec for spec, _ in segments),
-        links=dict(links),
-        codec={name: codec.get(name, "raw") for name in LINKS},
+    return save_split_plan(
+        graph,
+        split_model(graph, cuts),
+        plan_dir,
+        cuts=cuts,
+        codec=codec,
+        links=links,
         estimate={"source": "benchmark"},
-        cuts=tuple(graph.cuts[c].position for c in cuts),
     )
-    save_plan(plan, plan_dir)
-    return plan
 
 
 def run_plan(
