@@ -26,6 +26,9 @@ sums match them, and ``correction`` (the median of measured / predicted over the
 rescales the unit times for what else units lose when run apart (fusions across a cut,
 cache behaviour). The fit is kept in the profile (``calibration``) for people to check.
 The number of rounds adapts to the model so that profiling stays within a time budget.
+With one intra-op thread every call is timed by the calling thread's CPU time
+(:func:`compute_clock`), so a burst of other work on a shared machine delays the
+profile without inflating it; with more threads only the wall clock sees the pool's work.
 
 Emulation: a machine ``slowdown`` times slower than this one is profiled by measuring
 here and multiplying every time (compute, overhead, codec speed) by ``slowdown``; the
@@ -160,6 +163,17 @@ def run_session(
     return dict(zip(names, (np.asarray(v) for v in values), strict=True))
 
 
+def compute_clock(threads: int) -> Callable[[], float]:
+    """The clock that times ONNX Runtime calls made with ``threads`` intra-op threads.
+
+    With one thread ONNX Runtime computes on the calling thread, so that thread's CPU
+    time is the call's compute time, and other jobs on a shared machine cannot inflate
+    it (they only delay it); with more threads the work spreads over a pool and only the
+    wall clock sees all of it. See [Note: segment latency].
+    """
+    return time.thread_time if threads == 1 else time.perf_counter
+
+
 def time_session(
     session: onnxruntime.InferenceSession,
     feeds: Mapping[str, np.ndarray],
@@ -167,6 +181,7 @@ def time_session(
     budget_s: float,
     min_runs: int = _MIN_RUNS,
     max_runs: int = _MAX_RUNS,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Median seconds of one call, after a warm-up: at least ``min_runs`` runs, more while
     ``budget_s`` lasts (adaptive repetition keeps big models inside the time limit)."""
@@ -176,9 +191,9 @@ def time_session(
     times: list[float] = []
     spent = 0.0
     while len(times) < min_runs or (len(times) < max_runs and spent < budget_s):
-        start = time.perf_counter()
+        start = clock()
         session.run(names, wanted)
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         times.append(elapsed)
         spent += elapsed
     return statistics.median(times)
@@ -197,7 +212,9 @@ def _call_overhead_s(threads: int) -> float:
     model.ir_version = 8
     session = make_session(model, threads)
     feeds = {"x": np.zeros(1, dtype=np.float32)}
-    return time_session(session, feeds, budget_s=0.05, min_runs=50, max_runs=400)
+    return time_session(
+        session, feeds, budget_s=0.05, min_runs=50, max_runs=400, clock=compute_clock(threads)
+    )
 
 
 def _calibration_spans(unit_s: Sequence[float]) -> list[tuple[int, int]]:
@@ -276,14 +293,16 @@ def _feeds(
 
 
 def _time_chain(
-    sessions: Sequence[onnxruntime.InferenceSession], feeds: Sequence[Mapping[str, np.ndarray]]
+    sessions: Sequence[onnxruntime.InferenceSession],
+    feeds: Sequence[Mapping[str, np.ndarray]],
+    clock: Callable[[], float],
 ) -> list[float]:
     """Seconds of one call of each session, run one after the other."""
     times = []
     for session, feed in zip(sessions, feeds, strict=True):
-        start = time.perf_counter()
+        start = clock()
         session.run(None, dict(feed))
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return times
 
 
@@ -395,6 +414,7 @@ def profile_model(
             progress(step, total, what)
 
     started = time.perf_counter()
+    clock = compute_clock(threads)
     overhead = _call_overhead_s(threads)
     advance("call overhead")
 
@@ -410,12 +430,12 @@ def profile_model(
 
     # Timing rounds run the units in model order, so each finds the caches as a whole run
     # leaves them, and a burst of load on a shared machine hits all units alike.
-    times = [_time_chain(sessions, feeds)]
+    times = [_time_chain(sessions, feeds, clock)]
     budget = time_budget_s * _TIMING_SHARE
     chain_s = sum(times[0])
     rounds = int(min(max(budget / max(chain_s, 1e-9), _MIN_RUNS), _MAX_RUNS))
     for round_index in range(rounds):
-        times.append(_time_chain(sessions, feeds))
+        times.append(_time_chain(sessions, feeds, clock))
         advance(f"timing round {round_index + 1}/{rounds}")
     call_s = [typical_s([t[i] for t in times[1:]]) for i in range(n)]
     del sessions, feeds
@@ -425,7 +445,7 @@ def profile_model(
         make_session(extract_segment(graph, start, end), threads) for start, end in spans
     ]
     segment_feeds = [_feeds(session, features) for session in segment_sessions]
-    segment_times = [_time_chain(segment_sessions, segment_feeds)]
+    segment_times = [_time_chain(segment_sessions, segment_feeds, clock)]
     calibration_rounds = int(
         min(
             max(budget / 2 / max(sum(segment_times[0]), 1e-9), _MIN_RUNS),
@@ -433,7 +453,7 @@ def profile_model(
         )
     )
     for round_index in range(calibration_rounds):
-        segment_times.append(_time_chain(segment_sessions, segment_feeds))
+        segment_times.append(_time_chain(segment_sessions, segment_feeds, clock))
         advance(f"calibration round {round_index + 1}/{calibration_rounds}")
     measured = [
         (start, end, typical_s([t[i] for t in segment_times[1:]]))
