@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +51,15 @@ def write_plan(
     )
 
 
-def run_plan(
+@contextmanager
+def serving(
     plan_dir: Path,
     links: Mapping[str, LinkSpec],
     slowdown: Mapping[str, float],
-    requests: Sequence[Mapping[str, np.ndarray]],
-) -> dict[str, Any]:
-    """Serve ``plan_dir`` on the three tiers and time ``requests`` one by one."""
+    cache: Any = None,
+) -> Iterator[DeviceClient]:
+    """The plan served by a cloud and an edge on 127.0.0.1 (``cache`` on the edge), and a
+    device client sending one request at a time; everything stopped afterwards."""
     cloud = CloudServer(plan_dir, "127.0.0.1:0", slowdown=slowdown["cloud"], links=links, workers=1)
     edge: EdgeServer | None = None
     try:
@@ -68,22 +71,34 @@ def run_plan(
             slowdown=slowdown["edge"],
             links=links,
             workers=1,
+            cache=cache,
         )
         edge.start()
         with DeviceClient(
             plan_dir, edge.address, slowdown=slowdown["device"], links=links, window=1
         ) as client:
-            client.infer(requests[0])  # warm the stream and the sessions
-            totals: list[float] = []
-            answered: list[str] = []
-            for inputs in requests:
-                result = client.infer(inputs)
-                totals.append(result.ms["total"])
-                answered.append(result.answered_by or "")
+            yield client
     finally:
         if edge is not None:
             edge.stop(0.5)
         cloud.stop(0.5)
+
+
+def run_plan(
+    plan_dir: Path,
+    links: Mapping[str, LinkSpec],
+    slowdown: Mapping[str, float],
+    requests: Sequence[Mapping[str, np.ndarray]],
+) -> dict[str, Any]:
+    """Serve ``plan_dir`` on the three tiers and time ``requests`` one by one."""
+    with serving(plan_dir, links, slowdown) as client:
+        client.infer(requests[0])  # warm the stream and the sessions
+        totals: list[float] = []
+        answered: list[str] = []
+        for inputs in requests:
+            result = client.infer(inputs)
+            totals.append(result.ms["total"])
+            answered.append(result.answered_by or "")
     return {
         "p50_ms": float(np.median(totals)),
         "p90_ms": float(np.percentile(totals, 90)),
@@ -189,29 +204,8 @@ def run_exit_plan(
     """Serve an exit plan with a feature cache on the edge; time ``requests`` one by one."""
     from tierflow.cloud.cache_memory import MemoryCache
 
-    cloud = CloudServer(plan_dir, "127.0.0.1:0", slowdown=slowdown["cloud"], links=links, workers=1)
-    edge: EdgeServer | None = None
-    results = []
-    try:
-        cloud.start()
-        edge = EdgeServer(
-            plan_dir,
-            "127.0.0.1:0",
-            upstream=cloud.address,
-            slowdown=slowdown["edge"],
-            links=links,
-            workers=1,
-            cache=MemoryCache(cache_bytes),
-        )
-        edge.start()
-        with DeviceClient(
-            plan_dir, edge.address, slowdown=slowdown["device"], links=links, window=1
-        ) as client:
-            results = [client.infer(inputs) for inputs in requests]
-    finally:
-        if edge is not None:
-            edge.stop(0.5)
-        cloud.stop(0.5)
+    with serving(plan_dir, links, slowdown, cache=MemoryCache(cache_bytes)) as client:
+        results = [client.infer(inputs) for inputs in requests]
     totals = [r.ms["total"] for r in results]
     return {
         "p50_ms": float(np.median(totals)),
