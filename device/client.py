@@ -32,8 +32,7 @@ from tierflow.mux import StreamClient
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2
 from tierflow.segment_runner import DEFAULT_OPTIMIZATION, TierRunner
-from tierflow.service import error_from_proto, link_codec, put_tensors
-from tierflow.wire import DEFAULT_MESSAGE_BYTES, decode_tensors
+from tierflow.wire import DEFAULT_MESSAGE_BYTES, decode_tensors, error_from_proto, put_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +262,7 @@ class DeviceClient:
         self.window = window
         self.deadline_s = deadline_s
         self.max_tensor_bytes = max_tensor_bytes
-        self.codec = link_codec(self.plan, "device-edge")
+        self.codec = self.plan.link_codec("device-edge")
         self.local_only = self.runner.end >= len(self.plan.segments)
         self.stream: StreamClient | None = None
         self._ids = itertools.count()

@@ -17,6 +17,23 @@ TIERS: tuple[str, ...] = ("device", "edge", "cloud")
 LINKS: tuple[str, ...] = ("device-edge", "edge-cloud")
 
 
+def link_between(lower: str, upper: str) -> str:
+    """The name of the link between two neighbouring tiers, e.g. ``device-edge``."""
+    return f"{lower}-{upper}"
+
+
+def downstream_link(tier: str) -> str | None:
+    """The link a tier's replies travel on (None for the device)."""
+    rank = TIERS.index(tier)
+    return link_between(TIERS[rank - 1], tier) if rank > 0 else None
+
+
+def upstream_link(tier: str) -> str | None:
+    """The link a tier forwards requests on (None for the cloud)."""
+    rank = TIERS.index(tier)
+    return link_between(tier, TIERS[rank + 1]) if rank + 1 < len(TIERS) else None
+
+
 def check_tier(name: str) -> str:
     """Return ``name`` if it is a tier name, else raise a :class:`UsageError`."""
     if name not in TIERS:

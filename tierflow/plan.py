@@ -199,6 +199,12 @@ class Plan:
         """
         return [(i, s) for i, s in enumerate(self.segments) if s.tier == tier]
 
+    def link_codec(self, link: str | None) -> CodecSpec:
+        """The codec for ``link`` ('raw' when the plan names none, or for no link)."""
+        if link is None:
+            return CodecSpec.parse("raw")
+        return CodecSpec.parse(self.codec.get(link, "raw"))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": PLAN_FORMAT,

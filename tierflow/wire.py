@@ -1,4 +1,4 @@
-"""Between the codec and gRPC: ``EncodedTensor`` <-> ``tier_pb2.Tensor``, and channel options.
+"""Between the codec and gRPC: tensors and typed errors as wire messages; channel options.
 
 Every gRPC server and channel in tierflow is built with :data:`GRPC_OPTIONS` (or
 :func:`grpc_options` for another message-size limit), so that the limits on both ends
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,15 @@ from tierflow.codec import (
     decoded_nbytes,
     encode,
 )
-from tierflow.errors import CodecError
+from tierflow.errors import (
+    CodecError,
+    DeadlineError,
+    InputError,
+    PlanError,
+    RemoteError,
+    TierflowError,
+    TransportError,
+)
 from tierflow.rpc import tier_pb2
 
 logger = logging.getLogger(__name__)
@@ -150,3 +159,53 @@ def decode_tensors(
             f"limit of {max_total_bytes}"
         )
     return {t.name: decode(t, max_bytes=max_bytes) for t in tensors}
+
+
+def put_tensors(field: Any, arrays: Mapping[str, np.ndarray], spec: CodecSpec) -> int:
+    """Encode ``arrays`` straight into a repeated ``Tensor`` field; return the bytes encoded.
+
+    Building each element in place copies the payload once. Appending separately built
+    ``Tensor`` messages (``Request(tensors=[...])``) was measured about 30 times slower
+    for a 1 MB tensor with the upb protobuf runtime (7 ms against 0.25 ms).
+    """
+    total = 0
+    for name, array in arrays.items():
+        tensor = encode(name, array, spec)
+        field.add(
+            name=tensor.name,
+            dtype=tensor.dtype,
+            shape=tensor.shape,
+            codec=tensor.codec,
+            params=tensor.params,
+            data=tensor.data,
+        )
+        total += tensor.nbytes
+    return total
+
+
+# Which wire ErrorCode each error becomes (first match; anything else is INTERNAL).
+_CODES: tuple[tuple[type[TierflowError], str], ...] = (
+    (InputError, "INVALID_INPUT"),
+    (CodecError, "CODEC"),
+    (PlanError, "PLAN_MISMATCH"),
+    (DeadlineError, "DEADLINE_EXCEEDED"),
+    (TransportError, "UNAVAILABLE"),
+)
+
+
+def error_to_proto(exc: BaseException, tier: str) -> tier_pb2.Error:
+    """The wire error for an exception; a RemoteError keeps its code and tier."""
+    if isinstance(exc, RemoteError):
+        name = exc.code if exc.code in tier_pb2.ErrorCode.keys() else "INTERNAL"  # noqa: SIM118
+        return tier_pb2.Error(code=name, message=str(exc), tier=exc.tier or tier)
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return tier_pb2.Error(code=code, message=str(exc), tier=tier)
+    return tier_pb2.Error(code="INTERNAL", message=f"{type(exc).__name__}: {exc}", tier=tier)
+
+
+def error_from_proto(error: tier_pb2.Error) -> RemoteError:
+    """The :class:`RemoteError` a caller sees for a wire error."""
+    code = tier_pb2.ErrorCode.Name(error.code) if error.code in tier_pb2.ErrorCode.values() else ""
+    tier = error.tier or "remote tier"
+    return RemoteError(f"{tier}: {code or 'INTERNAL'}: {error.message}", code=code, tier=tier)

@@ -11,8 +11,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tierflow.codec import CodecSpec
 from tierflow.errors import PlanError, UsageError
-from tierflow.links import LINKS, TIERS, LinkSpec, check_link, check_tier, parse_link_option
+from tierflow.links import (
+    LINKS,
+    TIERS,
+    LinkSpec,
+    check_link,
+    check_tier,
+    downstream_link,
+    parse_link_option,
+    upstream_link,
+)
 from tierflow.plan import PLAN_FILE, PLAN_FORMAT, ExitSpec, Plan, SegmentSpec, load_plan, save_plan
 from tierflow.units import (
     format_duration,
@@ -121,6 +131,11 @@ def test_tier_and_link_names() -> None:
         check_link("device-cloud")
 
 
+def test_each_tier_knows_the_links_it_sends_and_replies_on() -> None:
+    assert [upstream_link(t) for t in TIERS] == ["device-edge", "edge-cloud", None]
+    assert [downstream_link(t) for t in TIERS] == [None, "device-edge", "edge-cloud"]
+
+
 def test_link_spec_parse_print_and_cost() -> None:
     link = LinkSpec.parse("20mbit,10ms")
     assert link == LinkSpec(20e6, 0.01)
@@ -206,6 +221,16 @@ def test_plan_id_names_model_segments_and_codecs() -> None:
     other_estimate = plan_dict()
     other_estimate["estimate"] = {"latency_s": 1.0}
     assert Plan.from_dict(other_estimate).plan_id == plan.plan_id
+
+
+def test_link_codec_defaults_to_raw() -> None:
+    plan = Plan.from_dict(plan_dict())
+    assert plan.link_codec("device-edge") == CodecSpec.parse("int8+zstd")
+    assert plan.link_codec("edge-cloud") == CodecSpec.parse("zstd")
+    assert plan.link_codec(None).compress == "none"
+    data = plan_dict()
+    del data["codec"]["edge-cloud"]
+    assert Plan.from_dict(data).link_codec("edge-cloud") == CodecSpec.parse("raw")
 
 
 def test_segments_for_lists_a_tiers_work_in_order() -> None:

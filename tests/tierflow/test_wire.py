@@ -11,16 +11,26 @@ import pytest
 import zstandard
 
 from tierflow.codec import CodecSpec, encode
-from tierflow.errors import CodecError
+from tierflow.errors import (
+    CodecError,
+    DeadlineError,
+    InputError,
+    PlanError,
+    RemoteError,
+    TransportError,
+)
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.wire import (
     DEFAULT_MESSAGE_BYTES,
     GRPC_OPTIONS,
     decode_tensors,
     encode_tensors,
+    error_from_proto,
+    error_to_proto,
     from_proto,
     grpc_options,
     message_size_limit,
+    put_tensors,
     to_proto,
     zstd_bound,
 )
@@ -54,6 +64,43 @@ def test_encode_and_decode_tensors_keep_names_order_and_dtypes() -> None:
     assert np.array_equal(decoded["ids"], arrays["ids"])
     assert np.abs(decoded["hidden"] - arrays["hidden"]).max() <= 11 / 255 / 2 + 1e-6
     assert decoded["scalar"] == 7.5
+
+
+def test_put_tensors_builds_the_same_messages_as_encode_tensors() -> None:
+    arrays = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, np.int64)}
+    request = tier_pb2.Request()
+    nbytes = put_tensors(request.tensors, arrays, CodecSpec.parse("zstd"))
+    assert list(request.tensors) == encode_tensors(arrays, "zstd")
+    assert nbytes == sum(len(t.data) + len(t.params) for t in request.tensors)
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (InputError("bad shape"), "INVALID_INPUT"),
+        (CodecError("corrupt"), "CODEC"),
+        (PlanError("other plan"), "PLAN_MISMATCH"),
+        (DeadlineError("late"), "DEADLINE_EXCEEDED"),
+        (TransportError("cloud gone"), "UNAVAILABLE"),
+        (ValueError("a bug"), "INTERNAL"),
+    ],
+)
+def test_errors_cross_the_wire_with_their_code_and_tier(error: Exception, code: str) -> None:
+    wire = tier_pb2.Error.FromString(error_to_proto(error, "edge").SerializeToString())
+    assert tier_pb2.ErrorCode.Name(wire.code) == code
+    remote = error_from_proto(wire)
+    assert (remote.code, remote.tier) == (code, "edge")
+    assert str(error) in str(remote)
+    # Passed on by a lower tier, it keeps the code and the tier that raised it.
+    again = error_from_proto(error_to_proto(remote, "device"))
+    assert (again.code, again.tier) == (code, "edge")
+
+
+def test_an_unknown_wire_code_is_internal() -> None:
+    remote = error_from_proto(tier_pb2.Error(code=99, message="?", tier=""))
+    assert isinstance(remote, RemoteError)
+    assert "INTERNAL" in str(remote)
+    assert remote.tier == "remote tier"
 
 
 def test_decode_tensors_refuses_duplicates() -> None:
