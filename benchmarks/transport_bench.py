@@ -56,7 +56,7 @@ from tierflow.device.client import DeviceClient, Result
 from tierflow.mux import channel_options
 from tierflow.plan import Plan, SegmentSpec, save_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.server import tune_for_latency
+from tierflow.tuning import tune_for_latency
 
 RESULTS = Path(__file__).resolve().parent / "results" / "transport.json"
 SIZES = {"100KB": 100_000, "1MB": 1_000_000}

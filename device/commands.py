@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _run(args: argparse.Namespace) -> int:
     from tierflow.device.client import DeviceClient
     from tierflow.device.npz import load_requests, save_outputs
-    from tierflow.server import tune_for_latency
+    from tierflow.tuning import tune_for_latency
 
     tune_for_latency()
 

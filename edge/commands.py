@@ -104,8 +104,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tierflow.server import TierServer, tune_for_latency
+    from tierflow.server import TierServer
     from tierflow.service import TierService
+    from tierflow.tuning import tune_for_latency
 
     if args.threads < 0 or args.workers < 1:
         raise UsageError("--threads must be >= 0 and --workers >= 1")

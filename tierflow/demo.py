@@ -40,6 +40,7 @@ import numpy as np
 
 from tierflow.errors import TransportError, UsageError
 from tierflow.links import LINKS, TIERS, LinkSpec
+from tierflow.tuning import tune_for_latency
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +189,7 @@ def _demo(links: Mapping[str, LinkSpec], workdir: Path, requests: int, window: i
         print(f"  wrote {name} plan: {' -> '.join(estimate.tiers)} ({verified})")
 
     _step(5, f"streaming {len(labels)} held-out requests through each strategy")
+    tune_for_latency()  # this process is the device, as in `tierflow run`
     runs = []
     for name in plans:
         run = StrategyRun(name)

@@ -5,22 +5,12 @@ shutdown example): the server starts with health NOT_SERVING, loads the model, t
 reports SERVING; on SIGTERM or SIGINT it reports NOT_SERVING, stops accepting new
 streams and gives those open ``grace`` seconds to finish. Message-size limits are set
 explicitly on the server (``tierflow.wire.grpc_options``), the same as on every channel.
-
-[Note: GIL switch interval]
-A request crosses several threads in each process (gRPC's, the stream reader, a worker,
-the reply writer). When a woken thread finds the GIL held by a thread still running
-Python, it waits up to the interpreter's switch interval (5 ms by default) before the
-GIL is handed over; on a busy machine that wait showed up on almost every hop (median
-end-to-end 9 ms instead of 2 ms for 100 KB features over three local processes). The
-runtime commands (``serve``, ``run``) therefore set a short interval with
-:func:`tune_for_latency`; a library user decides for their own process.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
@@ -36,15 +26,8 @@ from tierflow.wire import grpc_options
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "tierflow.rpc.Tier"
-#: See [Note: GIL switch interval].
-SWITCH_INTERVAL_S = 2e-4
 # Threads serving gRPC streams (one per open stream); the work runs on the service's pool.
 _STREAM_THREADS = 64
-
-
-def tune_for_latency() -> None:
-    """Shorten the GIL switch interval for this process ([Note: GIL switch interval])."""
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 class TierServer:
