@@ -9,9 +9,10 @@ gives its callers.
 Every :meth:`StreamClient.submit` returns a future that is resolved exactly once: with
 the peer's ``Reply``; with a :class:`~tierflow.errors.TransportError` as soon as the
 stream breaks (the peer died, the connection dropped, the peer refused the stream); or
-with a :class:`~tierflow.errors.DeadlineError` when the request's deadline passes first.
+with a :class:`~tierflow.errors.DeadlineError` when the request's deadline passes first
+(within a few milliseconds: deadlines are swept in batches).
 A broken stream is not reused: the next submit opens a new one on the same channel,
-which reconnects by itself (with a short backoff, see ``CHANNEL_OPTIONS``). Request ids
+which reconnects by itself (with a short backoff, see :func:`channel_options`). Request ids
 on the wire are assigned here, so callers' ids can never collide on a shared stream.
 """
 
@@ -36,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 # What a request's ids, shapes, names and timings may add around its tensor bytes.
 _FRAMING_MARGIN = 64 * 1024
+# How late past a deadline a request may be failed. Deadlines of answered requests stay
+# queued until they pass, so sweeping at every single one would wake a thread for every
+# request once a stream has run for a deadline's length; sweeping them in batches does not.
+_SWEEP_SLACK_S = 0.005
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -202,7 +207,9 @@ class StreamClient:
                     finally:
                         self.lock.acquire()
                     continue
-                timeout = self._deadlines[0][0] - now if self._deadlines else None
+                timeout = None
+                if self._deadlines:
+                    timeout = self._deadlines[0][0] - now + _SWEEP_SLACK_S
                 self._wake.wait(timeout)
 
     def in_flight(self) -> int:
