@@ -13,6 +13,7 @@ from pathlib import Path
 from tierflow.cloud.cache import FeatureCache
 from tierflow.links import LinkSpec
 from tierflow.plan import load_plan
+from tierflow.security import Security
 from tierflow.segment_runner import DEFAULT_OPTIMIZATION
 from tierflow.server import TierServer
 from tierflow.service import TierService
@@ -32,6 +33,7 @@ class CloudServer(TierServer):
         optimization: str = DEFAULT_OPTIMIZATION,
         workers: int | None = None,
         links: Mapping[str, LinkSpec] | None = None,
+        security: Security | None = None,
     ) -> None:
         service = TierService(
             "cloud",
@@ -43,5 +45,6 @@ class CloudServer(TierServer):
             optimization=optimization,
             workers=workers,
             links=links,
+            security=security,
         )
-        super().__init__(service, listen)
+        super().__init__(service, listen, security)

@@ -31,6 +31,7 @@ from tierflow.links import LINKS, TIERS, LinkSpec
 from tierflow.mux import StreamClient
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2
+from tierflow.security import Security
 from tierflow.segment_runner import DEFAULT_OPTIMIZATION, TierRunner
 from tierflow.wire import DEFAULT_MESSAGE_BYTES, decode_tensors, error_from_proto, put_tensors
 
@@ -228,7 +229,8 @@ class DeviceClient:
 
     ``edge`` (``HOST:PORT``) is needed unless the plan runs entirely on the device.
     ``links`` are emulated links (``tierflow.linkemu``); only ``device-edge`` matters
-    here. Use as a context manager, or call :meth:`close`.
+    here; ``security`` the TLS and token setting of the channel to the edge. Use as a
+    context manager, or call :meth:`close`.
     """
 
     def __init__(
@@ -244,6 +246,7 @@ class DeviceClient:
         links: Mapping[str, LinkSpec] | None = None,
         max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
         max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+        security: Security | None = None,
     ) -> None:
         if window < 1:
             raise UsageError(f"the window must be at least 1 request, got {window}")
@@ -279,6 +282,7 @@ class DeviceClient:
                 peer="edge",
                 shaper=LinkShaper("device-edge", link),
                 max_message_bytes=max_message_bytes,
+                security=security,
             )
 
     def __enter__(self) -> DeviceClient:

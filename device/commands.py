@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from tierflow.linkemu import add_link_arguments, resolve_links
 from tierflow.links import LINKS
 from tierflow.plan import load_plan
+from tierflow.security import Security, add_security_arguments
 from tierflow.segment_runner import add_optimization_argument
 from tierflow.units import format_duration, format_rate, format_size, parse_duration
 
@@ -51,6 +52,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add_optimization_argument(parser)
     add_link_arguments(parser)
+    add_security_arguments(parser, server=False)
     parser.set_defaults(handler=_run)
 
 
@@ -73,6 +75,7 @@ def _run(args: argparse.Namespace) -> int:
         window=args.window,
         deadline_s=args.deadline,
         links=links,
+        security=Security.from_args(args),
     ) as client:
         known = {
             name: len(runner.inputs[name].shape)

@@ -15,6 +15,7 @@ from typing import Any
 from tierflow.errors import UsageError
 from tierflow.linkemu import add_link_arguments, resolve_links
 from tierflow.plan import load_plan
+from tierflow.security import Security, add_security_arguments
 from tierflow.segment_runner import add_optimization_argument
 from tierflow.units import format_duration, format_rate, parse_size
 
@@ -63,6 +64,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--grace", type=float, default=5.0, help="seconds open streams get to finish on shutdown"
     )
     add_link_arguments(parser)
+    add_security_arguments(parser, server=True)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -100,6 +102,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     probe.add_argument("--pings", type=int, default=20, help="small round trips for the RTT")
     probe.add_argument("--payload", type=parse_size, default="2MiB", help="bytes per rate transfer")
     probe.add_argument("--transfers", type=int, default=3, help="rate transfers each way")
+    add_security_arguments(probe, server=False)
     probe.set_defaults(handler=_probe)
 
 
@@ -115,6 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tierflow.cloud.cache_config import build_cache
 
     cache = build_cache(args.cache)
+    security = Security.from_args(args)
     service = TierService(
         args.tier,
         plan,
@@ -127,8 +131,9 @@ def _serve(args: argparse.Namespace) -> int:
         workers=args.workers,
         links=links,
         max_tensor_bytes=args.max_tensor_bytes,
+        security=security,
     )
-    server = TierServer(service, args.listen)
+    server = TierServer(service, args.listen, security)
     tune_for_latency()
     server.start()
     # One line on stdout, so that scripts (and tests) can learn a port picked by the OS.
@@ -146,6 +151,7 @@ def _probe(args: argparse.Namespace) -> int:
         pings=args.pings,
         payload_bytes=args.payload,
         transfers=args.transfers,
+        security=Security.from_args(args),
     )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))

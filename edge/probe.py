@@ -30,6 +30,7 @@ from tierflow.errors import TransportError, UsageError
 from tierflow.links import LinkSpec, check_link
 from tierflow.mux import channel_options
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.security import Security, open_channel
 from tierflow.units import format_duration, format_rate
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ class _Echo:
         if reply.seq != self._seq or len(reply.payload) != reply_bytes:
             raise TransportError(
                 f"probe echo {reply.seq} with {len(reply.payload)} bytes, expected "
-                f"{self._seq} with {reply_bytes}"
+                f"{self._seq} with {reply_bytes} (a tier sends a probe no more than it "
+                "was sent)"
             )
         return elapsed
 
@@ -125,11 +127,12 @@ def probe(
     transfers: int = 3,
     timeout: float = 60.0,
     connect_timeout: float = 10.0,
+    security: Security | None = None,
 ) -> ProbeResult:
     """Measure RTT and rate to the tier at ``address`` ([Note: probing a link])."""
     if pings < 1 or transfers < 1 or payload_bytes < 1:
         raise UsageError("probe needs at least one ping, one transfer and one payload byte")
-    channel = grpc.insecure_channel(address, options=channel_options())
+    channel = open_channel(address, security, channel_options())
     try:
         try:
             grpc.channel_ready_future(channel).result(timeout=connect_timeout)

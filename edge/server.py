@@ -13,6 +13,7 @@ from pathlib import Path
 from tierflow.cloud.cache import FeatureCache
 from tierflow.links import LinkSpec
 from tierflow.plan import load_plan
+from tierflow.security import Security
 from tierflow.segment_runner import DEFAULT_OPTIMIZATION
 from tierflow.server import TierServer
 from tierflow.service import TierService
@@ -38,6 +39,7 @@ class EdgeServer(TierServer):
         optimization: str = DEFAULT_OPTIMIZATION,
         workers: int | None = None,
         links: Mapping[str, LinkSpec] | None = None,
+        security: Security | None = None,
     ) -> None:
         service = TierService(
             "edge",
@@ -50,5 +52,6 @@ class EdgeServer(TierServer):
             optimization=optimization,
             workers=workers,
             links=links,
+            security=security,
         )
-        super().__init__(service, listen)
+        super().__init__(service, listen, security)

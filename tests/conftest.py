@@ -111,3 +111,88 @@ def demo_build(tierflow_cache: Path) -> tuple[Any, list[Any]]:
     reports: list[Any] = []
     demo = digits.build_demo_model(progress=reports.append)
     return demo, reports
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A throw-away CA, a server and a client certificate signed by it, and a rogue client.
+
+    Keys: ``ca``, ``server_cert``, ``server_key``, ``client_cert``, ``client_key``,
+    ``rogue_cert``, ``rogue_key`` (the rogue is signed by another CA). The server's
+    certificate names 127.0.0.1 and localhost. Needs the ``cryptography`` package (dev).
+    """
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    directory = tmp_path_factory.mktemp("tls")
+    now = datetime.datetime.now(datetime.timezone.utc)  # noqa: UP017 - tests may run on 3.10
+
+    def name(text: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
+
+    def certificate(
+        subject: str,
+        key: ec.EllipticCurvePrivateKey,
+        issuer: str,
+        issuer_key: ec.EllipticCurvePrivateKey,
+        *,
+        ca: bool,
+        server: bool = False,
+    ) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name(subject))
+            .issuer_name(name(issuer))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if server:
+            import ipaddress
+
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                critical=False,
+            )
+        if not ca:
+            # A tier's certificate also serves as its client certificate to the next tier.
+            usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
+            if server:
+                usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
+            builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    def write(stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
+        (directory / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (directory / f"{stem}.key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    rogue_ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = "tierflow test CA"
+    write("ca", certificate(ca_name, ca_key, ca_name, ca_key, ca=True), ca_key)
+    for stem, issuer, issuer_key, server in (
+        ("server", "tierflow test CA", ca_key, True),
+        ("client", "tierflow test CA", ca_key, False),
+        ("rogue", "another CA", rogue_ca_key, False),
+    ):
+        key = ec.generate_private_key(ec.SECP256R1())
+        write(stem, certificate(stem, key, issuer, issuer_key, ca=False, server=server), key)
+    files = {"ca": directory / "ca.pem"}
+    for stem in ("server", "client", "rogue"):
+        files[f"{stem}_cert"] = directory / f"{stem}.pem"
+        files[f"{stem}_key"] = directory / f"{stem}.key"
+    return files

@@ -31,6 +31,7 @@ import grpc
 from tierflow.errors import DeadlineError, InputError, TransportError
 from tierflow.linkemu import LinkShaper, ShapedQueue, Transfer
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.security import Security, open_channel
 from tierflow.wire import DEFAULT_MESSAGE_BYTES, grpc_options
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,8 @@ class StreamClient:
     """Requests to the next tier over one long-lived stream ([Note: one reply per request]).
 
     ``me`` and ``peer`` name the tiers for messages ("device" -> "edge"); ``shaper``
-    emulates the outgoing link (None: not shaped). Thread-safe.
+    emulates the outgoing link (None: not shaped); ``security`` is the channel's TLS and
+    token setting (``tierflow.security``). Thread-safe.
     """
 
     def __init__(
@@ -126,13 +128,14 @@ class StreamClient:
         peer: str,
         shaper: LinkShaper | None = None,
         max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+        security: Security | None = None,
     ) -> None:
         self.address = address
         self.me = me
         self.peer = peer
         self.shaper = shaper
         self.max_message_bytes = max_message_bytes
-        self.channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.channel = open_channel(address, security, channel_options(max_message_bytes))
         self.stub = tier_pb2_grpc.TierStub(self.channel)
         self.lock = threading.Lock()
         self.stream: _Stream | None = None

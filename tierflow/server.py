@@ -18,8 +18,8 @@ from types import FrameType
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tierflow.errors import TransportError
 from tierflow.rpc import tier_pb2_grpc
+from tierflow.security import Security, bind, server_options
 from tierflow.service import TierService
 from tierflow.wire import grpc_options
 
@@ -31,18 +31,24 @@ _STREAM_THREADS = 64
 
 
 class TierServer:
-    """Serves one :class:`TierService` on ``listen`` (``HOST:PORT``; port 0 picks one)."""
+    """Serves one :class:`TierService` on ``listen`` (``HOST:PORT``; port 0 picks one).
 
-    def __init__(self, service: TierService, listen: str) -> None:
+    ``security`` says whether the port is TLS and which clients it serves
+    ([Note: tier security] in ``tierflow.security``); by default plaintext on loopback.
+    """
+
+    def __init__(self, service: TierService, listen: str, security: Security | None = None) -> None:
         self.service = service
         self.listen = listen
+        self.security = security or Security()
         self.port = 0
         self.health = health.HealthServicer()
         self._server = grpc.server(
             ThreadPoolExecutor(
                 max_workers=_STREAM_THREADS, thread_name_prefix=f"{service.tier}-grpc"
             ),
-            options=grpc_options(service.max_message_bytes),
+            options=[*grpc_options(service.max_message_bytes), *server_options()],
+            interceptors=self.security.interceptors(service.tier),
         )
         tier_pb2_grpc.add_TierServicer_to_server(service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -57,12 +63,7 @@ class TierServer:
         """Listen, load the model, then report SERVING; return the port."""
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        try:
-            self.port = self._server.add_insecure_port(self.listen)
-        except RuntimeError as exc:
-            raise TransportError(f"cannot listen on {self.listen}: {exc}") from exc
-        if self.port == 0:
-            raise TransportError(f"cannot listen on {self.listen}: the address is not available")
+        self.port = bind(self._server, self.listen, self.security, self.service.tier)
         self._server.start()
         try:
             self.service.load()

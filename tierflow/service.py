@@ -76,6 +76,7 @@ from tierflow.links import TIERS, LinkSpec, downstream_link, upstream_link
 from tierflow.mux import StreamClient
 from tierflow.plan import Plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.security import Security
 from tierflow.segment_runner import DEFAULT_OPTIMIZATION, TierRunner
 from tierflow.wire import (
     DEFAULT_MESSAGE_BYTES,
@@ -91,6 +92,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_IN_FLIGHT = 1024
 #: Largest probe reply a tier sends.
 MAX_PROBE_BYTES = 64 * 1024 * 1024
+#: Bytes a probe stream may be sent beyond what its caller sent ([Note: probe credit]).
+PROBE_ALLOWANCE = 64 * 1024
 
 
 def _write_all(
@@ -119,7 +122,8 @@ class TierService(tier_pb2_grpc.TierServicer):
 
     ``upstream`` is the next tier's address; it is required when the plan runs segments
     beyond this tier. ``links`` are the links to emulate (``tierflow.linkemu``); ``cache``
-    any :class:`~tierflow.cloud.cache.FeatureCache`. Call :meth:`load` before serving.
+    any :class:`~tierflow.cloud.cache.FeatureCache`; ``security`` the TLS and token setting
+    of the channel to the next tier. Call :meth:`load` before serving.
     """
 
     def __init__(
@@ -138,6 +142,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
         max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        security: Security | None = None,
     ) -> None:
         if tier not in ("edge", "cloud"):
             raise UsageError(f"a tier service runs on the edge or the cloud, not on {tier!r}")
@@ -154,6 +159,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         self.max_tensor_bytes = max_tensor_bytes
         self.max_message_bytes = max_message_bytes
         self.max_in_flight = max_in_flight
+        self.security = security
         self.up_link = upstream_link(tier)
         self.down_link = downstream_link(tier)
         self.up_codec = plan.link_codec(self.up_link)
@@ -194,6 +200,7 @@ class TierService(tier_pb2_grpc.TierServicer):
                 peer=TIERS[TIERS.index(self.tier) + 1],
                 shaper=shaper,
                 max_message_bytes=self.max_message_bytes,
+                security=self.security,
             )
         self.runner = runner
         self._ready.set()
@@ -520,11 +527,21 @@ class TierService(tier_pb2_grpc.TierServicer):
     def Probe(
         self, request_iterator: Iterator[tier_pb2.ProbeMessage], context: grpc.ServicerContext
     ) -> Iterator[tier_pb2.ProbeMessage]:
-        """Echo ``reply_bytes`` bytes for each message; the tier's name goes in the metadata."""
+        """Echo ``reply_bytes`` bytes for each message; the tier's name goes in the metadata.
+
+        [Note: probe credit] A probe stream is sent at most what its caller sent on it,
+        plus :data:`PROBE_ALLOWANCE`: asking for more gets a shorter reply. A probe so
+        costs the caller as many bytes as the tier, and a small request can never make a
+        tier send a large answer. ``tierflow probe`` sends its payload up before asking
+        for it down, so it never meets the bound.
+        """
         context.send_initial_metadata((("tierflow-tier", self.tier),))
         zeros = b""
+        credit = PROBE_ALLOWANCE
         for message in request_iterator:
-            size = min(max(message.reply_bytes, 0), MAX_PROBE_BYTES)
+            credit += len(message.payload)
+            size = min(max(message.reply_bytes, 0), MAX_PROBE_BYTES, credit)
+            credit -= size
             if len(zeros) != size:
                 zeros = bytes(size)
             yield tier_pb2.ProbeMessage(seq=message.seq, payload=zeros, reply_bytes=size)

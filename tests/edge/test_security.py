@@ -1,0 +1,201 @@
+"""Mutual TLS, bearer tokens, loopback-only plaintext and the probe's credit, on real tiers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tierflow.cloud.server import CloudServer
+from tierflow.device.client import DeviceClient
+from tierflow.edge.probe import probe
+from tierflow.edge.server import EdgeServer
+from tierflow.errors import TransportError, UsageError
+from tierflow.mux import channel_options
+from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.security import Security, open_channel
+from tierflow.service import PROBE_ALLOWANCE
+
+
+def server_security(tls: dict[str, Path], **extra: Any) -> Security:
+    return Security(
+        tls_cert=str(tls["server_cert"]),
+        tls_key=str(tls["server_key"]),
+        tls_ca=str(tls["ca"]),
+        **extra,
+    )
+
+
+def client_security(tls: dict[str, Path], who: str = "client") -> Security:
+    return Security(
+        tls_cert=str(tls[f"{who}_cert"]), tls_key=str(tls[f"{who}_key"]), tls_ca=str(tls["ca"])
+    )
+
+
+def serve(plan_dir: Path, security: Security) -> tuple[CloudServer, EdgeServer]:
+    cloud = CloudServer(plan_dir, "127.0.0.1:0", workers=1, security=security)
+    cloud.start()
+    edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, workers=1, security=security)
+    try:
+        edge.start()
+    except BaseException:
+        cloud.stop(0)
+        raise
+    return cloud, edge
+
+
+def first_result(plan_dir: Path, edge: str, security: Security | None, feeds: Any) -> Any:
+    with DeviceClient(plan_dir, edge, deadline_s=5.0, security=security) as client:
+        return client.submit(feeds).result()
+
+
+def test_mutual_tls_serves_only_clients_with_a_certificate_of_its_ca(
+    tmp_path: Path, rt: Any, tls_files: dict[str, Path]
+) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    feeds = split.sample(1)[0]
+    cloud, edge = serve(split.plan_dir, server_security(tls_files))
+    try:
+        # Device -> edge -> cloud, every hop mutual TLS: the same answer as the unsplit model.
+        good = first_result(split.plan_dir, edge.address, client_security(tls_files), feeds)
+        assert good.ok, good.error
+        expected = split.reference(feeds)
+        for name, array in expected.items():
+            np.testing.assert_array_equal(good.outputs[name], array)
+
+        refused = {
+            "plaintext": None,
+            "no certificate": Security(tls_ca=str(tls_files["ca"])),
+            "another CA's certificate": client_security(tls_files, "rogue"),
+        }
+        for what, security in refused.items():
+            result = first_result(split.plan_dir, edge.address, security, feeds)
+            assert isinstance(result.error, TransportError), what
+        # The cloud refuses a plaintext client too, and so do probe and health.
+        with pytest.raises(TransportError):
+            probe(cloud.address, pings=1, transfers=1, payload_bytes=1, connect_timeout=1.0)
+        ok = probe(
+            edge.address,
+            pings=1,
+            transfers=1,
+            payload_bytes=1024,
+            security=client_security(tls_files),
+        )
+        assert ok.link == "device-edge"
+        channel = open_channel(cloud.address, client_security(tls_files), channel_options())
+        try:
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=5
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            channel.close()
+        channel = grpc.insecure_channel(cloud.address)
+        try:
+            with pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=2
+                )
+        finally:
+            channel.close()
+    finally:
+        edge.stop(0)
+        cloud.stop(0)
+
+
+def test_a_token_is_required_on_every_call_but_health(
+    tmp_path: Path, rt: Any, tls_files: dict[str, Path]
+) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    feeds = split.sample(2)[0]
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    wrong = tmp_path / "wrong"
+    wrong.write_text("s3cret-tokem\n")
+    cloud, edge = serve(split.plan_dir, Security(token_file=str(token)))
+    try:
+        good = first_result(split.plan_dir, edge.address, Security(token_file=str(token)), feeds)
+        assert good.ok, good.error  # the edge passes its token on to the cloud too
+        for security in (None, Security(token_file=str(wrong))):
+            bad = first_result(split.plan_dir, edge.address, security, feeds)
+            assert isinstance(bad.error, TransportError)
+            assert "UNAUTHENTICATED" in str(bad.error)
+        channel = grpc.insecure_channel(edge.address)
+        try:
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=5
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            channel.close()
+    finally:
+        edge.stop(0)
+        cloud.stop(0)
+
+
+def test_security_settings_are_checked(tmp_path: Path, tls_files: dict[str, Path]) -> None:
+    with pytest.raises(UsageError, match="go together"):
+        Security(tls_cert=str(tls_files["server_cert"]))
+    with pytest.raises(UsageError, match="cannot read --tls-ca"):
+        Security(tls_ca=str(tmp_path / "missing.pem")).channel_credentials()
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(UsageError, match="--token-file"):
+        Security(token_file=str(empty)).token()
+    settings = server_security(tls_files, token_file=str(empty))
+    assert Security.from_dict(settings.to_dict()) == settings
+
+
+def test_plaintext_beyond_loopback_needs_insecure(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    cloud = CloudServer(split.plan_dir, "0.0.0.0:0")
+    with pytest.raises(UsageError, match="--insecure"):
+        cloud.start()
+    cloud.stop(0)
+    cloud = CloudServer(split.plan_dir, "0.0.0.0:0", security=Security(insecure=True))
+    cloud.start()
+    cloud.stop(0)
+
+
+def test_a_probe_is_sent_no_more_than_it_sends(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    cloud = CloudServer(split.plan_dir, "127.0.0.1:0", workers=1)
+    cloud.start()
+    channel = grpc.insecure_channel(cloud.address, options=channel_options())
+    try:
+        asks = [
+            tier_pb2.ProbeMessage(seq=1, reply_bytes=512 * 1024 * 1024),
+            tier_pb2.ProbeMessage(seq=2, reply_bytes=1 << 20),
+            tier_pb2.ProbeMessage(seq=3, payload=bytes(300_000), reply_bytes=1 << 20),
+        ]
+        replies = list(tier_pb2_grpc.TierStub(channel).Probe(iter(asks), timeout=10))
+        sizes = [len(r.payload) for r in replies]
+        assert sizes == [PROBE_ALLOWANCE, 0, 300_000]
+    finally:
+        channel.close()
+        cloud.stop(0)
+
+
+def test_a_second_server_on_a_port_in_use_fails_with_one_line(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    cloud = CloudServer(split.plan_dir, "127.0.0.1:0", workers=1)
+    cloud.start()
+    try:
+        second = CloudServer(split.plan_dir, cloud.address, workers=1)
+        with pytest.raises(TransportError, match="in use"):
+            second.start()
+        second.stop(0)
+        command = [sys.executable, "-m", "tierflow.cli", "serve", "cloud"]
+        command += ["--plan", str(split.plan_dir), "--listen", cloud.address]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "in use" in lines[0], done.stderr
+    finally:
+        cloud.stop(0)
