@@ -1,9 +1,10 @@
 """``IN.npz`` to requests and results to ``OUT.npz`` (DESIGN.md, command line contract).
 
 ``IN.npz`` holds one array per model input with a leading request axis: request ``i``
-uses ``a[i]``. When the model's input has one more dimension than ``a[i]`` (a batch
-dimension), it is re-added as a batch of 1, and the outputs lose it again, so that
-``OUT.npz`` holds the model outputs the same way: ``out[name][i]`` is request ``i``'s.
+uses ``a[i]``, read by :mod:`tierflow.npz` exactly as ``plan --sample`` reads it (Note
+[request rows]). When a batch dimension of 1 was added to the rows, the outputs lose it
+again, so that ``OUT.npz`` holds the model outputs the same way: ``out[name][i]`` is
+request ``i``'s.
 
 When an early exit answered a request and the model has a single output, the exit's
 class scores stand in for it (the report says which exit answered). A failed request's
@@ -12,7 +13,6 @@ rows are NaN (0 for integer outputs); the report holds its error.
 
 from __future__ import annotations
 
-import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -20,7 +20,8 @@ import numpy as np
 import onnxruntime as ort
 
 from tierflow.device.client import Result
-from tierflow.errors import InputError, ModelError, UsageError
+from tierflow.errors import ModelError, UsageError
+from tierflow.npz import read_requests
 from tierflow.plan import Plan
 from tierflow.segment_runner import session_options
 
@@ -56,41 +57,12 @@ def load_requests(
     plan_dir: str | Path,
     known_ranks: Mapping[str, int] | None = None,
 ) -> tuple[list[dict[str, np.ndarray]], bool]:
-    """The requests in ``IN.npz``, and whether a batch dimension of 1 was added."""
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {name: data[name] for name in data.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise UsageError(f"cannot read {path}: {exc}") from exc
-    missing = [name for name in plan.inputs if name not in arrays]
-    if missing:
-        raise InputError(
-            f"{path} lacks model inputs {missing}: expected arrays {list(plan.inputs)}, "
-            f"found {sorted(arrays)}"
-        )
-    counts = {name: arrays[name].shape[0] if arrays[name].ndim else 0 for name in plan.inputs}
-    if len(set(counts.values())) != 1 or 0 in counts.values():
-        raise InputError(
-            f"every input in {path} needs the same, non-zero number of requests on its "
-            f"first axis; found {counts}"
-        )
+    """The requests in ``IN.npz``, and whether a batch dimension of 1 was added.
+
+    Read as ``plan --sample`` reads it (:mod:`tierflow.npz`, Note [request rows]).
+    """
     ranks = input_ranks(plan, plan_dir, known_ranks)
-    added = {name: ranks.get(name) == arrays[name].ndim for name in plan.inputs}
-    if len(set(added.values())) != 1:
-        raise InputError(
-            f"inputs in {path} disagree on a batch dimension: model ranks {ranks}, "
-            f"array ranks { {n: arrays[n].ndim for n in plan.inputs} }"
-        )
-    batch = next(iter(added.values()))
-    count = next(iter(counts.values()))
-    requests = []
-    for i in range(count):
-        request = {}
-        for name in plan.inputs:
-            row = arrays[name][i]
-            request[name] = np.ascontiguousarray(row[np.newaxis] if batch else row)
-        requests.append(request)
-    return requests, batch
+    return read_requests(path, {name: ranks.get(name) for name in plan.inputs})
 
 
 def save_outputs(

@@ -39,6 +39,7 @@ from tierflow.partitioner.shapes import (
     load_sample,
     parse_shape_option,
     representative_inputs_for,
+    sample_request,
     static_infos,
     static_model,
     write_value_infos,
@@ -177,7 +178,8 @@ def load_model(
         raise ModelError(f"invalid ONNX graph in {path}: {first_line(exc)}") from exc
 
     input_values = drop_initializer_inputs(model)
-    input_shapes = fix_input_shapes(input_values, path, shapes or {}, sample)
+    first = sample_request(input_values, sample, path) if sample is not None else None
+    input_shapes = fix_input_shapes(input_values, path, shapes or {}, first)
     model = static_model(model, input_shapes, path)
     graph = model.graph
     inputs = tuple(
@@ -186,8 +188,8 @@ def load_model(
         if v.name in input_shapes
     )
     sample_row = None
-    if sample is not None:
-        sample_row = {i.name: first_request(sample[i.name], i) for i in inputs}
+    if first is not None:
+        sample_row = {i.name: first_request(first[i.name], i) for i in inputs}
 
     infos = static_infos(model, inputs, sample_row, path)
     produced = [n for node in graph.node for n in node.output if n]

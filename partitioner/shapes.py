@@ -21,6 +21,7 @@ import onnx.numpy_helper
 import onnx.shape_inference
 
 from tierflow.errors import InputError, ModelError, UsageError
+from tierflow.npz import adds_batch, read_arrays, request, request_count
 from tierflow.partitioner.tensors import TensorInfo, first_line, np_dtype_name
 
 logger = logging.getLogger(__name__)
@@ -47,26 +48,32 @@ def parse_shape_option(text: str) -> tuple[str, tuple[int, ...]]:
 
 
 def load_sample(path: str | Path) -> dict[str, np.ndarray]:
-    """Read ``IN.npz``: one array per model input with a leading request axis.
+    """Read ``IN.npz`` as ``tierflow run`` does: one array per input, leading request axis.
 
     An optional ``labels`` array (calibration files have one) is left out.
     """
-    try:
-        with np.load(Path(path), allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files if name != "labels"}
-    except FileNotFoundError as exc:
-        raise InputError(f"sample file {path} does not exist") from exc
-    except (OSError, ValueError) as exc:
-        raise InputError(f"cannot read sample file {path} as .npz: {exc}") from exc
-    if not arrays:
-        raise InputError(f"sample file {path} holds no input arrays")
-    for name, array in arrays.items():
-        if array.ndim == 0 or array.shape[0] == 0:
-            raise InputError(
-                f"sample array {name!r} in {path} has shape {array.shape}; expected a leading "
-                "request axis with at least one request"
-            )
-    return arrays
+    return read_arrays(path)
+
+
+def sample_request(
+    values: Sequence[onnx.ValueInfoProto], sample: Mapping[str, np.ndarray], path: Path
+) -> dict[str, np.ndarray]:
+    """The sample's first request, its rows shaped as ``tierflow run`` shapes them.
+
+    A row gains a batch dimension of 1 exactly when ``run`` would add one (Note [request
+    rows] in :mod:`tierflow.npz`), so the shapes fixed here are those requests have.
+    """
+    ranks: dict[str, int | None] = {}
+    for value in values:
+        dims = _dims(value) if value.type.HasField("tensor_type") else None
+        ranks[value.name] = None if dims is None else len(dims)
+    missing = [name for name in ranks if name not in sample]
+    if missing:
+        raise InputError(
+            f"the sample has no array for model input(s) {missing}; it has {sorted(sample)}"
+        )
+    request_count(sample, list(ranks), path)
+    return request(sample, ranks, 0, batch=adds_batch(sample, ranks, path))
 
 
 def _dims(value: onnx.ValueInfoProto) -> list[int | str | None] | None:
@@ -102,19 +109,16 @@ def fix_input_shapes(
     shapes: Mapping[str, Sequence[int]],
     sample: Mapping[str, np.ndarray] | None,
 ) -> dict[str, tuple[int, ...]]:
-    """Fix every input dimension: --shape, else the sample's row, else batch 1 / error."""
+    """Fix every input dimension: --shape, else the sample's request, else batch 1 / error.
+
+    ``sample`` is one request (:func:`sample_request`), not the file's arrays.
+    """
     names = [v.name for v in values]
     for name in shapes:
         if name not in names:
             raise UsageError(
                 f"--shape names {name!r}, which is not an input of {path}; "
                 f"its inputs are {', '.join(names)}"
-            )
-    if sample is not None:
-        missing = [n for n in names if n not in sample]
-        if missing:
-            raise InputError(
-                f"the sample has no array for model input(s) {missing}; it has {sorted(sample)}"
             )
     fixed: dict[str, tuple[int, ...]] = {}
     for value in values:
@@ -139,7 +143,7 @@ def fix_input_shapes(
             fixed[value.name] = given
             continue
         if sample is not None:
-            row = sample[value.name][0]
+            row = np.asarray(sample[value.name])
             if dims is not None and (
                 len(dims) != row.ndim
                 or any(isinstance(d, int) and d != r for d, r in zip(dims, row.shape, strict=True))
@@ -172,9 +176,9 @@ def fix_input_shapes(
     return fixed
 
 
-def first_request(array: np.ndarray, info: TensorInfo) -> np.ndarray:
-    """The first request of a sample array, in the input's dtype (same kind only)."""
-    row = np.asarray(array[0])
+def first_request(row: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """A sample request's row in the input's dtype (same kind only)."""
+    row = np.asarray(row)
     try:
         return row.astype(info.dtype, casting="same_kind", copy=False)
     except TypeError as exc:

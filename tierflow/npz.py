@@ -1,0 +1,128 @@
+"""Reading ``IN.npz`` into requests: the one reader ``plan --sample`` and ``run`` share.
+
+``IN.npz`` holds one array per model input with a leading request axis (DESIGN.md,
+command line contract); a calibration file may add a ``labels`` array. Planning and
+running read it with these functions, so a file that plans also runs, row for row.
+
+Note [request rows]: request ``i`` of input ``name`` is ``a[i]`` kept as an array of its
+own rank, so the row of a scalar input (an audio model's ``sr: int64[]``, stored as
+``a.shape == (N,)``) stays 0-D; ``np.ascontiguousarray`` would make it 1-D. When every
+input of rank one or more has exactly one dimension fewer than the model declares, each
+row gains a batch dimension of 1 (rank-0 inputs never do); ``OUT.npz`` then drops it
+again. Inputs must agree on that: some rows with and some without a batch dimension is
+an error, never a guess.
+
+Only numpy is needed: the device runtime reads requests with it.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from tierflow.errors import InputError
+
+LABELS = "labels"
+
+
+def read_arrays(path: str | Path) -> dict[str, np.ndarray]:
+    """Every array in ``path`` except ``labels``; each with a non-empty request axis."""
+    try:
+        with np.load(Path(path), allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files if name != LABELS}
+    except FileNotFoundError as exc:
+        raise InputError(f"input file {path} does not exist") from exc
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise InputError(f"cannot read input file {path} as .npz: {exc}") from exc
+    if not arrays:
+        raise InputError(f"input file {path} holds no input arrays")
+    for name, array in arrays.items():
+        if array.ndim == 0 or array.shape[0] == 0:
+            raise InputError(
+                f"array {name!r} in {path} has shape {array.shape}; expected a leading "
+                "request axis with at least one request"
+            )
+    return arrays
+
+
+def request_count(arrays: Mapping[str, np.ndarray], names: Sequence[str], path: str | Path) -> int:
+    """The number of requests: the same along the first axis of every named input."""
+    missing = [name for name in names if name not in arrays]
+    if missing:
+        raise InputError(
+            f"{path} lacks model inputs {missing}: expected arrays {list(names)}, "
+            f"found {sorted(arrays)}"
+        )
+    counts = {name: int(arrays[name].shape[0]) for name in names}
+    if len(set(counts.values())) != 1:
+        raise InputError(
+            f"every input in {path} needs the same number of requests on its first axis; "
+            f"found {counts}"
+        )
+    return next(iter(counts.values()))
+
+
+def adds_batch(
+    arrays: Mapping[str, np.ndarray], ranks: Mapping[str, int | None], path: str | Path
+) -> bool:
+    """Whether rows gain a batch dimension of 1 (see Note [request rows]).
+
+    ``ranks`` maps each model input to its declared rank, None where unknown (its rows
+    are then taken as they are).
+    """
+    votes: dict[str, bool] = {}
+    for name, rank in ranks.items():
+        row_rank = arrays[name].ndim - 1
+        if rank is None or rank == 0:
+            if rank == 0 and row_rank != 0:
+                raise InputError(
+                    f"input {name!r} is a scalar; {path} holds requests of shape "
+                    f"{arrays[name].shape[1:]} (expected an array of shape (N,))"
+                )
+            continue
+        if row_rank == rank:
+            votes[name] = False
+        elif row_rank == rank - 1:
+            votes[name] = True
+        else:
+            raise InputError(
+                f"input {name!r} has rank {rank}; {path} holds requests of rank {row_rank} "
+                f"(shape {arrays[name].shape[1:]}); expected rank {rank} or {rank - 1}"
+            )
+    if len(set(votes.values())) > 1:
+        raise InputError(
+            f"inputs in {path} disagree on a batch dimension: model ranks {dict(ranks)}, "
+            f"request ranks { {n: arrays[n].ndim - 1 for n in ranks} }"
+        )
+    return any(votes.values())
+
+
+def request(
+    arrays: Mapping[str, np.ndarray],
+    ranks: Mapping[str, int | None],
+    index: int,
+    *,
+    batch: bool,
+) -> dict[str, np.ndarray]:
+    """Request ``index``: one contiguous array per input, of the row's own rank.
+
+    With ``batch`` a row one dimension short of its input's rank gains a leading 1.
+    """
+    feeds: dict[str, np.ndarray] = {}
+    for name, rank in ranks.items():
+        row = np.array(arrays[name][index], copy=True, order="C")
+        feeds[name] = row[np.newaxis] if batch and row.ndim + 1 == rank else row
+    return feeds
+
+
+def read_requests(
+    path: str | Path, ranks: Mapping[str, int | None]
+) -> tuple[list[dict[str, np.ndarray]], bool]:
+    """The requests in ``path`` for inputs of these ranks, and whether a batch was added."""
+    arrays = read_arrays(path)
+    count = request_count(arrays, list(ranks), path)
+    batch = adds_batch(arrays, ranks, path)
+    return [request(arrays, ranks, i, batch=batch) for i in range(count)], batch
