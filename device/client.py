@@ -33,7 +33,13 @@ from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2
 from tierflow.security import Security
 from tierflow.segment_runner import DEFAULT_OPTIMIZATION, TierRunner
-from tierflow.wire import DEFAULT_MESSAGE_BYTES, decode_tensors, error_from_proto, put_tensors
+from tierflow.wire import (
+    DEFAULT_MESSAGE_BYTES,
+    MAX_DEADLINE_AHEAD_S,
+    decode_tensors,
+    error_from_proto,
+    put_tensors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -250,8 +256,11 @@ class DeviceClient:
     ) -> None:
         if window < 1:
             raise UsageError(f"the window must be at least 1 request, got {window}")
-        if not deadline_s > 0:
-            raise UsageError(f"the deadline must be positive, got {deadline_s}")
+        if not 0 < deadline_s <= MAX_DEADLINE_AHEAD_S:
+            raise UsageError(
+                f"the deadline must be positive and at most {MAX_DEADLINE_AHEAD_S:.0f} s, "
+                f"got {deadline_s}"
+            )
         self.plan = load_plan(plan_dir)
         self.plan_id = self.plan.plan_id
         self.runner = TierRunner(

@@ -7,6 +7,7 @@ the cost model adds the codec's encode and decode time on either side.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,10 +57,10 @@ class LinkSpec:
     rtt_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.rate_bps > 0:
-            raise UsageError(f"a link rate must be positive, got {self.rate_bps!r}")
-        if not self.rtt_s >= 0:
-            raise UsageError(f"a link RTT must not be negative, got {self.rtt_s!r}")
+        if not 0 < self.rate_bps < math.inf:
+            raise UsageError(f"a link rate must be positive and finite, got {self.rate_bps!r}")
+        if not 0 <= self.rtt_s < math.inf:
+            raise UsageError(f"a link RTT must be finite and not negative, got {self.rtt_s!r}")
 
     @classmethod
     def parse(cls, text: str) -> LinkSpec:

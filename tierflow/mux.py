@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -42,14 +43,20 @@ _FRAMING_MARGIN = 64 * 1024
 # queued until they pass, so sweeping at every single one would wake a thread for every
 # request once a stream has run for a deadline's length; sweeping them in batches does not.
 _SWEEP_SLACK_S = 0.005
+# Longest the deadline thread sleeps at once (it sleeps again if nothing is due).
+_MAX_SWEEP_WAIT_S = 60.0
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """GRPC_OPTIONS plus a short reconnect backoff: a restarted tier is found again fast."""
+    """GRPC_OPTIONS plus a short reconnect backoff: a restarted tier is found again fast.
+
+    grpc also takes ``min_reconnect_backoff_ms`` as the shortest time a connection
+    attempt may take, so it is left at grpc's 20 s: at 100 ms, every attempt over a link
+    with a 300 ms round trip timed out before the TLS and HTTP/2 handshakes could finish.
+    """
     return [
         *grpc_options(max_message_bytes),
         ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2_000),
     ]
 
@@ -161,6 +168,8 @@ class StreamClient:
         know the figure pass it). Framing adds little: the receiver enforces the exact
         message limit in any case.
         """
+        if deadline is not None and not math.isfinite(deadline):
+            raise InputError(f"a deadline must be a finite time, found {deadline!r}")
         size = request.ByteSize() if nbytes is None else nbytes
         framed = size if nbytes is None else size + _FRAMING_MARGIN
         if framed > self.max_message_bytes:
@@ -210,9 +219,9 @@ class StreamClient:
                     finally:
                         self.lock.acquire()
                     continue
-                timeout = None
+                timeout = _MAX_SWEEP_WAIT_S  # bounded: a far deadline is no timer overflow
                 if self._deadlines:
-                    timeout = self._deadlines[0][0] - now + _SWEEP_SLACK_S
+                    timeout = min(self._deadlines[0][0] - now + _SWEEP_SLACK_S, timeout)
                 self._wake.wait(timeout)
 
     def in_flight(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,10 @@ from tierflow.links import LINKS, TIERS, LinkSpec
 
 PLAN_FORMAT = "tierflow.plan/1"
 PLAN_FILE = "plan.json"
+#: Largest plan.json read (a real one is a few kB; estimates and calibration add little).
+MAX_PLAN_BYTES = 16 * 1024 * 1024
+#: Deepest nesting of JSON objects and lists accepted in plan.json (a real one has 5).
+MAX_PLAN_DEPTH = 32
 
 
 def _str_tuple(value: Any, what: str) -> tuple[str, ...]:
@@ -58,6 +63,11 @@ class ExitSpec:
             raise PlanError(
                 f"malformed plan: exit {data['name']!r} has no numeric threshold"
             ) from exc
+        if not 0 <= threshold < math.inf:
+            raise PlanError(
+                f"malformed plan: exit {data['name']!r} threshold must be a finite number "
+                f">= 0, found {threshold}"
+            )
         calibration = data.get("calibration") or {}
         if not isinstance(calibration, dict):
             raise PlanError(f"malformed plan: exit {data['name']!r} calibration must be an object")
@@ -261,20 +271,64 @@ class Plan:
         )
 
 
-def load_plan(plan_dir: str | Path) -> Plan:
-    """Read and validate ``PLAN_DIR/plan.json``; every segment file must exist."""
-    directory = Path(plan_dir)
-    path = directory / PLAN_FILE
+def _no_constant(name: str) -> Any:
+    raise PlanError(f"malformed plan: {name} is not a number plan.json may hold")
+
+
+def _check_depth(data: Any, path: Path) -> None:
+    """Raise unless ``data`` nests at most :data:`MAX_PLAN_DEPTH` containers deep."""
+    level: list[Any] = [data]
+    for _ in range(MAX_PLAN_DEPTH + 1):
+        level = [
+            child
+            for item in level
+            if isinstance(item, (dict, list))
+            for child in (item.values() if isinstance(item, dict) else item)
+        ]
+        if not level:
+            return
+    raise PlanError(f"malformed plan {path}: nested deeper than {MAX_PLAN_DEPTH} levels")
+
+
+def read_plan_json(path: Path) -> Any:
+    """``plan.json`` parsed, bounded: size, nesting depth, no NaN or Infinity."""
     try:
-        data = json.loads(path.read_text())
+        with path.open("rb") as file:
+            raw = file.read(MAX_PLAN_BYTES + 1)
     except FileNotFoundError as exc:
-        raise PlanError(f"no plan at {directory}: {PLAN_FILE} not found") from exc
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError(f"no plan at {path.parent}: {PLAN_FILE} not found") from exc
+    except OSError as exc:
         raise PlanError(f"cannot read {path}: {exc}") from exc
-    plan = Plan.from_dict(data)
+    if len(raw) > MAX_PLAN_BYTES:
+        raise PlanError(f"cannot read {path}: larger than {MAX_PLAN_BYTES} bytes")
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except RecursionError as exc:
+        raise PlanError(f"malformed plan {path}: nested too deeply") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError(f"cannot read {path}: {exc}") from exc
+    _check_depth(data, path)
+    return data
+
+
+def load_plan(plan_dir: str | Path) -> Plan:
+    """Read and validate ``PLAN_DIR/plan.json``; every segment file must exist.
+
+    Segment files must be regular files inside the plan directory: a symbolic link that
+    leads out of it is refused, so a plan cannot make a tier load (or reveal) other files.
+    """
+    directory = Path(plan_dir)
+    plan = Plan.from_dict(read_plan_json(directory / PLAN_FILE))
+    root = directory.resolve()
     for segment in plan.segments:
-        if not (directory / segment.file).is_file():
+        path = directory / segment.file
+        if not path.is_file():
             raise PlanError(f"plan {directory} names segment file {segment.file}, which is missing")
+        if path.resolve().parent != root:
+            raise PlanError(
+                f"plan {directory}: segment file {segment.file} is a link to "
+                f"{path.resolve()}, outside the plan directory"
+            )
     return plan
 
 

@@ -18,10 +18,9 @@ from types import FrameType
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tierflow.rpc import tier_pb2_grpc
 from tierflow.security import Security, bind, server_options
 from tierflow.service import TierService
-from tierflow.wire import grpc_options
+from tierflow.wire import add_tier_servicer, grpc_options
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ class TierServer:
             options=[*grpc_options(service.max_message_bytes), *server_options()],
             interceptors=self.security.interceptors(service.tier),
         )
-        tier_pb2_grpc.add_TierServicer_to_server(service, self._server)
+        add_tier_servicer(service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._stopped = threading.Event()
 

@@ -66,6 +66,7 @@ from tierflow.errors import (
     CacheError,
     CodecError,
     DeadlineError,
+    InputError,
     PlanError,
     TierflowError,
     TransportError,
@@ -80,6 +81,8 @@ from tierflow.security import Security
 from tierflow.segment_runner import DEFAULT_OPTIMIZATION, TierRunner
 from tierflow.wire import (
     DEFAULT_MESSAGE_BYTES,
+    Undecodable,
+    check_deadline,
     decode_tensors,
     error_to_proto,
     from_proto,
@@ -308,6 +311,10 @@ class TierService(tier_pb2_grpc.TierServicer):
 
         try:
             for request in requests:
+                if isinstance(request, Undecodable):  # see tierflow.wire.add_tier_servicer
+                    logger.warning("[%s] %s from %s", self.tier, request.message, context.peer())
+                    replies.put(self._error_reply("", CodecError(request.message)), 0)
+                    continue
                 received = time.perf_counter()
                 with done:
                     open_requests[0] += 1
@@ -389,7 +396,7 @@ class TierService(tier_pb2_grpc.TierServicer):
                 f"the {self.tier} serves plan {self.plan_id}, the request names plan "
                 f"{request.plan_id or '(none)'}"
             )
-        deadline = request.deadline_unix_s
+        deadline = check_deadline(request.deadline_unix_s, time.time())
         if deadline and time.time() > deadline:
             raise DeadlineError(f"the request's deadline passed before the {self.tier} ran it")
 
@@ -421,7 +428,7 @@ class TierService(tier_pb2_grpc.TierServicer):
 
         assert self.upstream is not None
         forward = tier_pb2.Request(
-            plan_id=self.plan_id, segment=outcome.next_segment, deadline_unix_s=deadline
+            plan_id=self.plan_id, segment=outcome.next_segment, deadline_unix_s=deadline or 0.0
         )
         nbytes = put_tensors(forward.tensors, outcome.tensors, self.up_codec)
         timing.codec_ms = (codec_s + time.perf_counter() - start) * 1e3
@@ -437,7 +444,16 @@ class TierService(tier_pb2_grpc.TierServicer):
         return None
 
     def _decode(self, request: tier_pb2.Request, runner: TierRunner) -> dict[str, np.ndarray]:
-        """Headers first (names, dtypes, shapes), payloads after ([Note: a request at a tier])."""
+        """Headers first (names, dtypes, shapes), payloads after ([Note: a request at a tier]).
+
+        The tensor count is checked before anything else: a request of two million tiny
+        tensors costs no more than one of the plan's size.
+        """
+        if request.segment == runner.start and len(request.tensors) != len(runner.needs):
+            raise InputError(
+                f"the {self.tier} expects {len(runner.needs)} tensors {list(runner.needs)}, "
+                f"the request carries {len(request.tensors)}"
+            )
         encoded = [from_proto(m, max_bytes=self.max_tensor_bytes) for m in request.tensors]
         names = [t.name for t in encoded]
         if len(set(names)) != len(names):
@@ -539,6 +555,9 @@ class TierService(tier_pb2_grpc.TierServicer):
         zeros = b""
         credit = PROBE_ALLOWANCE
         for message in request_iterator:
+            if isinstance(message, Undecodable):  # see tierflow.wire.add_tier_servicer
+                logger.warning("[%s] %s from %s", self.tier, message.message, context.peer())
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, message.message)
             credit += len(message.payload)
             size = min(max(message.reply_bytes, 0), MAX_PROBE_BYTES, credit)
             credit -= size

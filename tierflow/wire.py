@@ -8,10 +8,13 @@ agree: a message the sender may send, the receiver may receive.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from tierflow.codec import (
     DEFAULT_MAX_TENSOR_BYTES,
@@ -31,7 +34,7 @@ from tierflow.errors import (
     TierflowError,
     TransportError,
 )
-from tierflow.rpc import tier_pb2
+from tierflow.rpc import tier_pb2, tier_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,9 @@ DEFAULT_MAX_DECODED_BYTES = 2 * DEFAULT_MAX_TENSOR_BYTES
 MAX_NAME_CHARS = 1024
 #: Longest codec text accepted from the wire (valid ones are far shorter).
 MAX_CODEC_CHARS = 64
+#: Furthest ahead a request's deadline may be (seconds): bounded, so that every tier can
+#: keep it in a timer, and generous for clocks that differ between machines.
+MAX_DEADLINE_AHEAD_S = 24 * 3600.0
 # Framing a message may add around its tensors' payloads (names, shapes, timings, ids).
 _MESSAGE_OVERHEAD = 64 * 1024
 _TENSOR_OVERHEAD = 2 * 1024
@@ -209,3 +215,66 @@ def error_from_proto(error: tier_pb2.Error) -> RemoteError:
     code = tier_pb2.ErrorCode.Name(error.code) if error.code in tier_pb2.ErrorCode.values() else ""
     tier = error.tier or "remote tier"
     return RemoteError(f"{tier}: {code or 'INTERNAL'}: {error.message}", code=code, tier=tier)
+
+
+def check_deadline(deadline_unix_s: float, now: float) -> float | None:
+    """A request's deadline from the wire (seconds since the epoch; 0 means none).
+
+    Raises :class:`InputError` unless it is finite and at most
+    :data:`MAX_DEADLINE_AHEAD_S` after ``now``: a NaN, an infinity or 1e300 would
+    otherwise reach the timers of every tier on the way.
+    """
+    if deadline_unix_s == 0:
+        return None
+    if not math.isfinite(deadline_unix_s) or deadline_unix_s < 0:
+        raise InputError(f"a deadline must be a finite time, found {deadline_unix_s!r}")
+    if deadline_unix_s > now + MAX_DEADLINE_AHEAD_S:
+        raise InputError(
+            f"a deadline may be at most {MAX_DEADLINE_AHEAD_S:.0f} s ahead, found one "
+            f"{deadline_unix_s - now:.3g} s ahead"
+        )
+    return deadline_unix_s
+
+
+class Undecodable:
+    """What a server's stream yields in place of a message that does not parse.
+
+    gRPC would otherwise end the whole stream (and log a traceback) for one bad message;
+    the service answers this one with a typed error instead and reads on.
+    """
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _tolerant(parse: Callable[[bytes], Any], what: str) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except (DecodeError, ValueError) as exc:
+            return Undecodable(f"undecodable {what} of {len(data)} bytes: {exc}")
+
+    return deserialize
+
+
+def add_tier_servicer(servicer: tier_pb2_grpc.TierServicer, server: grpc.Server) -> None:
+    """``add_TierServicer_to_server``, but a message that does not parse becomes
+    :class:`Undecodable` in the stream instead of ending it (the stubs stay generated)."""
+    handlers = {
+        "Infer": grpc.stream_stream_rpc_method_handler(
+            servicer.Infer,
+            request_deserializer=_tolerant(tier_pb2.Request.FromString, "request"),
+            response_serializer=tier_pb2.Reply.SerializeToString,
+        ),
+        "Probe": grpc.stream_stream_rpc_method_handler(
+            servicer.Probe,
+            request_deserializer=_tolerant(tier_pb2.ProbeMessage.FromString, "probe message"),
+            response_serializer=tier_pb2.ProbeMessage.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("tierflow.rpc.Tier", handlers),)
+    )
+    server.add_registered_method_handlers("tierflow.rpc.Tier", handlers)

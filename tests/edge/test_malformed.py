@@ -92,7 +92,7 @@ def test_malformed_requests_get_typed_errors_and_the_stream_goes_on(cloud: Any) 
         (huge, "CODEC"),
         (wrong_segment, "INVALID_INPUT"),
         (_request(plan_id, other=_h2()), "INVALID_INPUT"),
-        (duplicated, "CODEC"),
+        (duplicated, "INVALID_INPUT"),  # two tensors where the plan expects one
         (late, "DEADLINE_EXCEEDED"),
         (_request(plan_id, h2=_h2()), None),
     ]

@@ -378,3 +378,50 @@ def test_load_plan_reports_missing_and_unreadable_files(tmp_path: Path) -> None:
     (tmp_path / PLAN_FILE).write_bytes(b"\xff\xfe")
     with pytest.raises(PlanError, match="cannot read"):
         load_plan(tmp_path)
+
+
+def test_load_plan_refuses_hostile_files(tmp_path: Path) -> None:
+    plan = Plan.from_dict(plan_dict())
+    directory = tmp_path / "plan"
+    save_plan(plan, directory)
+    for segment in plan.segments:
+        (directory / segment.file).write_bytes(b"onnx")
+    good = (directory / PLAN_FILE).read_text()
+
+    (directory / PLAN_FILE).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(PlanError, match="nested"):
+        load_plan(directory)
+    deep = plan.to_dict()
+    deep["estimate"]["notes"] = json.loads("[" * 40 + "]" * 40)
+    (directory / PLAN_FILE).write_text(json.dumps(deep))
+    with pytest.raises(PlanError, match="deeper than"):
+        load_plan(directory)
+    for constant in ("NaN", "Infinity", "-Infinity"):
+        (directory / PLAN_FILE).write_text(good.replace('"cuts": [', f'"x": {constant}, "cuts": ['))
+        with pytest.raises(PlanError, match=constant):
+            load_plan(directory)
+
+    (directory / PLAN_FILE).write_text(good)
+    outside = tmp_path / "elsewhere.onnx"
+    outside.write_bytes(b"onnx")
+    (directory / "s1.onnx").unlink()
+    (directory / "s1.onnx").symlink_to(outside)
+    with pytest.raises(PlanError, match="outside the plan directory"):
+        load_plan(directory)
+    (directory / "s1.onnx").unlink()
+    (directory / "copy.onnx").write_bytes(b"onnx")
+    (directory / "s1.onnx").symlink_to("copy.onnx")  # a link within the plan is fine
+    assert load_plan(directory) == plan
+
+
+@pytest.mark.parametrize("threshold", ["nan", "inf", -0.5])
+def test_exit_thresholds_must_be_finite_and_not_negative(threshold: Any) -> None:
+    with pytest.raises(PlanError, match="threshold"):
+        ExitSpec.from_dict({"name": "e", "threshold": threshold})
+
+
+def test_link_spec_refuses_infinity() -> None:
+    with pytest.raises(UsageError, match="rate"):
+        LinkSpec(float("inf"))
+    with pytest.raises(UsageError, match="RTT"):
+        LinkSpec(1e6, float("inf"))

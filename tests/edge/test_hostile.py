@@ -1,0 +1,157 @@
+"""Poison deadlines, many-tensor and undecodable messages: typed errors in bounded time."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from tierflow.edge.server import EdgeServer
+from tierflow.errors import InputError
+from tierflow.mux import StreamClient
+from tierflow.plan import load_plan
+from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.segment_runner import TierRunner
+from tierflow.server import TierServer
+from tierflow.service import TierService
+from tierflow.wire import encode_tensors, grpc_options, put_tensors
+
+
+def _code(reply: tier_pb2.Reply) -> str:
+    assert reply.HasField("error"), reply
+    return str(tier_pb2.ErrorCode.Name(reply.error.code))
+
+
+def _edge_request(plan_dir: Path, feeds: dict[str, np.ndarray]) -> tier_pb2.Request:
+    """What a device sends the edge for ``feeds``: the device segment run here."""
+    plan = load_plan(plan_dir)
+    outcome = TierRunner(plan, plan_dir, "device").run(feeds)
+    request = tier_pb2.Request(plan_id=plan.plan_id, segment=outcome.next_segment)
+    put_tensors(request.tensors, outcome.tensors, plan.link_codec("device-edge"))
+    return request
+
+
+def test_poison_deadlines_are_refused_and_deadlines_still_hold(tmp_path: Path, rt: Any) -> None:
+    """inf, 1e300 and NaN deadlines are INVALID_INPUT; the edge still fails a late request."""
+    split = rt.cnn(tmp_path / "plan")
+    good = _edge_request(split.plan_dir, split.sample(0)[0])
+    with rt.processes() as start:
+        cloud = start("cloud", split.plan_dir)
+        edge = EdgeServer(split.plan_dir, "127.0.0.1:0", cloud.address, workers=2)
+        edge.start()
+        channel = grpc.insecure_channel(edge.address, options=grpc_options())
+        os.kill(cloud.process.pid, signal.SIGSTOP)  # a stalled cloud: only deadlines answer
+        try:
+            stub = tier_pb2_grpc.TierStub(channel)
+            poisons = [float("inf"), 1e300, float("nan"), -1.0, time.time() + 1e7]
+            requests = []
+            for index, deadline in enumerate(poisons):
+                request = tier_pb2.Request()
+                request.CopyFrom(good)
+                request.id, request.deadline_unix_s = f"p{index}", deadline
+                requests.append(request)
+            late = tier_pb2.Request()
+            late.CopyFrom(good)
+            late.id, late.deadline_unix_s = "late", time.time() + 0.5
+            started = time.monotonic()
+            replies = {r.id: r for r in stub.Infer(iter([*requests, late]), timeout=20)}
+            elapsed = time.monotonic() - started
+            for index in range(len(poisons)):
+                assert _code(replies[f"p{index}"]) == "INVALID_INPUT"
+                assert "deadline" in replies[f"p{index}"].error.message
+            # Enforced by the edge's deadline thread: the cloud never answers.
+            assert _code(replies["late"]) == "DEADLINE_EXCEEDED"
+            assert replies["late"].error.tier == "edge"
+            assert elapsed < 5.0
+        finally:
+            os.kill(cloud.process.pid, signal.SIGCONT)
+            channel.close()
+            edge.stop(0)
+
+
+def test_stream_clients_refuse_deadlines_their_timers_cannot_hold() -> None:
+    client = StreamClient("127.0.0.1:1", me="device", peer="edge")
+    try:
+        for deadline in (float("inf"), float("nan")):
+            with pytest.raises(InputError, match="deadline"):
+                client.submit(tier_pb2.Request(), deadline=deadline)
+        # A far but finite deadline is kept; the thread that enforces deadlines lives on.
+        client.submit(tier_pb2.Request(), deadline=time.monotonic() + 1e300)
+        time.sleep(0.05)
+        assert client._sweeper.is_alive()
+    finally:
+        client.close(timeout=0.5)
+
+
+@pytest.fixture
+def cloud_stub(tmp_path: Path, rt: Any) -> Any:
+    split = rt.cnn(tmp_path / "plan")
+    plan = load_plan(split.plan_dir)
+    service = TierService("cloud", plan, split.plan_dir, workers=1)
+    server = TierServer(service, "127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(server.address, options=grpc_options())
+    raw = channel.stream_stream(
+        "/tierflow.rpc.Tier/Infer",
+        request_serializer=None,
+        response_deserializer=tier_pb2.Reply.FromString,
+    )
+    try:
+        yield raw, plan.plan_id
+    finally:
+        channel.close()
+        server.stop(0.5)
+
+
+def _valid(plan_id: str, request_id: str) -> bytes:
+    h2 = np.random.default_rng(0).standard_normal((1, 8, 8, 8)).astype(np.float32)
+    request = tier_pb2.Request(
+        id=request_id, plan_id=plan_id, segment=2, tensors=encode_tensors({"h2": h2}, "raw")
+    )
+    return request.SerializeToString()
+
+
+def test_many_tensor_messages_cost_no_more_than_the_plan_allows(cloud_stub: Any) -> None:
+    raw, plan_id = cloud_stub
+    one = tier_pb2.Tensor(name="t", dtype="float32", shape=[1], codec="raw", data=bytes(4))
+    many = tier_pb2.Request(id="many", plan_id=plan_id, segment=2)
+    many.tensors.append(one)
+    head = tier_pb2.Request(id="many", plan_id=plan_id, segment=2).SerializeToString()
+    field = many.SerializeToString()[len(head) :]  # one tensor, as it appears on the wire
+    count = 500_000
+    message = head + field * count  # one request of half a million one-element tensors
+    started = time.monotonic()
+    replies = list(raw(iter([message, _valid(plan_id, "after")]), timeout=30))
+    elapsed = time.monotonic() - started
+    by_id = {r.id: r for r in replies}
+    assert _code(by_id["many"]) == "INVALID_INPUT"
+    assert f"carries {count}" in by_id["many"].error.message
+    assert not by_id["after"].HasField("error")
+    assert elapsed < 10.0
+
+
+def test_undecodable_messages_get_typed_errors_one_log_line_each(
+    cloud_stub: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw, plan_id = cloud_stub
+    garbage = [b"\xff\xff\xff", b"\x0a\x05ab", b"\x12\x02\xc3\x28"]  # bad tag, short, bad UTF-8
+    stream = [_valid(plan_id, "a"), *garbage, _valid(plan_id, "b")]
+    with caplog.at_level(logging.INFO):
+        replies = list(raw(iter(stream), timeout=20))
+    assert len(replies) == len(stream)
+    answered = {r.id: r for r in replies if r.id}
+    assert sorted(answered) == ["a", "b"]
+    assert not any(r.HasField("error") for r in answered.values())
+    refused = [r for r in replies if not r.id]
+    assert [_code(r) for r in refused] == ["CODEC"] * len(garbage)
+    assert all("undecodable request" in r.error.message for r in refused)
+    lines = [r for r in caplog.records if "undecodable" in r.getMessage()]
+    assert len(lines) == len(garbage)
+    assert not any(r.exc_info for r in caplog.records)
