@@ -240,8 +240,9 @@ def exited_demo(work_dir: Path) -> tuple[Path, Path, list[Any], dict[str, Any]]:
 
     Returns both paths, the exits (``ExitInfo``) and the calibration summary.
     """
-    from tierflow.partitioner.digits import build_demo_model
-    from tierflow.partitioner.exits import add_exits, read_exit_summary, read_exits
+    from tierflow.partitioner.exits.add import add_exits
+    from tierflow.partitioner.exits.metadata import read_exit_summary, read_exits
+    from tierflow.zoo.digits import build_demo_model
 
     demo = build_demo_model()
     sha = demo.meta.sha256.get("model.onnx", "")[:12] or "demo"
@@ -261,7 +262,7 @@ def exit_heads(exited_path: Path, graph: Any, exits: Sequence[Any]) -> list[Head
     import onnx.shape_inference
     import onnx.utils
 
-    from tierflow.partitioner.exits import exit_cut_indices
+    from tierflow.partitioner.exits.cost import exit_cut_indices
 
     proto = onnx.shape_inference.infer_shapes(onnx.load(str(exited_path)))
     extractor = onnx.utils.Extractor(proto)

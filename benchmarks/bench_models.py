@@ -1,6 +1,6 @@
 """The benchmark's model suite: which networks, at which sizes, and what requests they get.
 
-Every model is built in code (``tierflow.partitioner.zoo`` and the digits demo model),
+Every model is built in code (``tierflow.zoo.models`` and the digits demo model),
 exported once to ONNX and cached by its recipe, so a rerun skips the export. Requests are
 deterministic: images are smooth 8-bit pictures (low-resolution noise upsampled and
 quantised to 256 levels, then normalised as ImageNet images are), because real camera
@@ -121,13 +121,13 @@ def default_work_dir() -> Path:
 
 
 def _builder(kind: str) -> Builder:
-    from tierflow.partitioner import zoo
+    from tierflow.zoo import models
 
     builders: dict[str, Builder] = {
-        "chain": zoo.chain_cnn,
-        "residual": zoo.resnet18,
-        "mobilenet": zoo.mobilenet_v2,
-        "transformer": zoo.transformer_encoder,
+        "chain": models.chain_cnn,
+        "residual": models.resnet18,
+        "mobilenet": models.mobilenet_v2,
+        "transformer": models.transformer_encoder,
     }
     return builders[kind]
 
@@ -135,18 +135,18 @@ def _builder(kind: str) -> Builder:
 def export(model: BenchModel, work_dir: Path) -> Path:
     """The model's ONNX file, exported on first use and cached by recipe."""
     if model.kind == "demo":
-        from tierflow.partitioner.digits import build_demo_model
+        from tierflow.zoo.digits import build_demo_model
 
         return build_demo_model().model_path
     path = work_dir / "models" / f"{model.name}-{model.recipe}.onnx"
     if path.is_file():
         return path
-    from tierflow.partitioner import zoo
+    from tierflow.zoo import models
 
     module, example = _builder(model.kind)(**model.params)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.onnx")  # concurrent runs
     # The legacy exporter: several times faster than dynamo here, same graph shapes.
-    zoo.export_onnx(module, example, tmp, dynamo=False)
+    models.export_onnx(module, example, tmp, dynamo=False)
     tmp.replace(path)
     logger.info("[bench] exported %s to %s", model.name, path)
     return path
@@ -189,7 +189,7 @@ def requests(
     ``input_specs`` lists (name, numpy dtype, shape) of the model inputs.
     """
     if model.kind == "demo":
-        from tierflow.partitioner.digits import build_demo_model
+        from tierflow.zoo.digits import build_demo_model
 
         with np.load(build_demo_model().heldout_path) as data:
             images = data["image"]

@@ -143,7 +143,7 @@ def write_exit_plan(
     Each piece is extracted from the exited model with its crossing tensors as outputs,
     plus the exit's probabilities when the piece ends at an exit's feature: the tier then
     checks that exit before running its next piece ([Note: exits in a plan] in
-    ``tierflow.partitioner.exits``). Exits the calibration disabled are left out.
+    ``tierflow.partitioner.exits.plan``). Exits the calibration disabled are left out.
     """
     import hashlib
     import itertools
@@ -152,7 +152,7 @@ def write_exit_plan(
     import onnx.shape_inference
     import onnx.utils
 
-    from tierflow.partitioner.exits import exit_cut_indices
+    from tierflow.partitioner.exits.cost import exit_cut_indices
 
     last = len(graph.cuts) - 1
     a, b = cuts

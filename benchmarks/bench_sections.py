@@ -129,7 +129,7 @@ def exits_section(rows: Sequence[Row]) -> list[str]:
         return out
     out.append(
         "The plan is tierflow's with the exits known to the planner: `Problem.exits` (each "
-        "exit's cut and calibrated rate, read by `exit_plan.exit_points` as `tierflow plan` "
+        "exit's cut and calibrated rate, read by `exits.plan.exit_points` as `tierflow plan` "
         "does) makes the cost model score every plan by its *expected* latency, so it may "
         "choose another plan than plain tierflow; its prediction is compared with the "
         "measured *mean*. The plan is walked request by request as the runtime would run it "
@@ -138,7 +138,7 @@ def exits_section(rows: Sequence[Row]) -> list[str]:
         "each link, and the runtime's exact `MemoryCache` on the first tier after the device. "
         f"Workload: {int(mine[0]['repeat_share'] * 100)}% of requests repeat an earlier one "
         "exactly (a camera on a still scene). Exits are calibrated by "
-        "`tierflow.partitioner.exits.add_exits` (≤1% disagreement with the full model) and "
+        "`tierflow.partitioner.exits.add.add_exits` (≤1% disagreement with the full model) and "
         "exist **only on the demo model**: the zoo models have random weights, so exit heads "
         "on them would only mimic arbitrary predictions; there the row is tierflow plus the "
         "cache alone. 'tierflow, same requests' is the same walk with exits and cache off.\n"

@@ -94,9 +94,9 @@ def _session(model: Any) -> ort.InferenceSession:
 
 def load_split() -> tuple[Split, Any]:
     """The demo model (trained once and cached by the partitioner), split in two."""
-    from tierflow.partitioner.digits import build_demo_model
     from tierflow.partitioner.graph import load_model
     from tierflow.partitioner.split import split_model
+    from tierflow.zoo.digits import build_demo_model
 
     demo = build_demo_model()
     return _split_graph(load_model(demo.model_path), split_model), demo
@@ -322,7 +322,7 @@ def resnet_split(size: int, directory: Path) -> Split:
     """ResNet-18 from the model zoo (seeded weights) at ``size``, split near its middle."""
     from tierflow.partitioner.graph import load_model
     from tierflow.partitioner.split import split_model
-    from tierflow.partitioner.zoo import export_onnx, resnet18
+    from tierflow.zoo.models import export_onnx, resnet18
 
     module, example = resnet18(size=size)
     path = export_onnx(module, example, directory / "resnet18.onnx")

@@ -37,18 +37,13 @@ import numpy as np
 import onnx
 import onnx.utils
 
-from tierflow.partitioner.digits import build_demo_model
-from tierflow.partitioner.exits import (
-    ExitedModel,
-    ExitInfo,
-    add_exits,
-    exit_candidates,
-    exit_cut_indices,
-    expected_compute_fraction,
-    simulate_exits,
-)
+from tierflow.partitioner.exits.add import add_exits, simulate_exits
+from tierflow.partitioner.exits.cost import exit_cut_indices, expected_compute_fraction
+from tierflow.partitioner.exits.metadata import ExitedModel, ExitInfo
+from tierflow.partitioner.exits.points import exit_candidates
 from tierflow.partitioner.graph import load_model
 from tierflow.segment_runner import session_options
+from tierflow.zoo.digits import build_demo_model
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +78,7 @@ def _piece_costs(
     model_path: Path, boundaries: Sequence[str], heads: Sequence[str], sample: np.ndarray, runs: int
 ) -> list[float]:
     """Time the pieces ``boundaries[i] -> boundaries[i+1]`` (+ head i where given)."""
-    from tierflow.partitioner.exits import run_model
+    from tierflow.partitioner.exits.heads import run_model
 
     full = onnx.load(str(model_path))
     values = run_model(full, {"image": sample}, [b for b in boundaries[:-1] if b != "image"])

@@ -78,12 +78,12 @@ SCENARIOS: dict[str, dict[str, str]] = {
 
 
 def _builders() -> dict[str, Callable[[], Any]]:
-    from tierflow.partitioner import zoo
+    from tierflow.zoo import models
 
     return {
-        "resnet18": lambda: zoo.resnet18(size=224),
-        "mobilenet_v2": lambda: zoo.mobilenet_v2(size=224),
-        "chain_cnn": lambda: zoo.chain_cnn(size=128),
+        "resnet18": lambda: models.resnet18(size=224),
+        "mobilenet_v2": lambda: models.mobilenet_v2(size=224),
+        "chain_cnn": lambda: models.chain_cnn(size=128),
     }
 
 
@@ -196,10 +196,10 @@ def _describe(plan: Estimate) -> str:
 
 
 def bench_model(name: str, workdir: Path, repeats: int) -> dict[str, Any]:
-    from tierflow.partitioner import zoo
+    from tierflow.zoo import models
 
     module, example = _builders()[name]()
-    path = zoo.export_onnx(module, example, workdir / f"{name}.onnx", dynamo=False)
+    path = models.export_onnx(module, example, workdir / f"{name}.onnx", dynamo=False)
     started = time.perf_counter()
     graph = load_model(path)
     load_s = time.perf_counter() - started

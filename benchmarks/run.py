@@ -240,7 +240,7 @@ def planner_exit_points(exited: Path, graph: Any) -> tuple[Any, ...]:
     They come from the planner's own reading of the model with exits, whose trunk must
     have the very cuts of ``graph`` (the model the profiles were made for).
     """
-    from tierflow.partitioner.exit_plan import exit_points, load_planning_graph
+    from tierflow.partitioner.exits.plan import exit_points, load_planning_graph
 
     trunk = load_planning_graph(exited)
     mine = [(c.position, tuple(c.tensors)) for c in graph.cuts]
@@ -276,7 +276,7 @@ def exits_rows(
         _, exited, exits, _summary = bench_exits.exited_demo(args.work_dir)
         heads = bench_exits.exit_heads(exited, graph, exits)
         exit_points = planner_exit_points(exited, graph)
-        from tierflow.partitioner.digits import build_demo_model
+        from tierflow.zoo.digits import build_demo_model
 
         with np.load(build_demo_model().heldout_path) as data:
             labels = np.asarray(data["labels"])

@@ -10,7 +10,7 @@ model=${1:-}
 input=${2:-}
 if [ -z "$model" ]; then
     cache=${TIERFLOW_CACHE:-$HOME/.cache/tierflow}/demo
-    python -c 'from tierflow.partitioner.digits import build_demo_model; build_demo_model()'
+    python -c 'from tierflow.zoo.digits import build_demo_model; build_demo_model()'
     model=$cache/model.onnx
     input=$cache/heldout.npz
 fi

@@ -245,8 +245,8 @@ def _shapes(values: Sequence[str]) -> dict[str, tuple[int, ...]]:
 
 
 def _load_graph(args: argparse.Namespace) -> Any:
-    """The model as planned: its trunk when it carries early exits (see exit_plan)."""
-    from tierflow.partitioner.exit_plan import load_planning_graph
+    """The model as planned: its trunk when it carries early exits (see exits.plan)."""
+    from tierflow.partitioner.exits.plan import load_planning_graph
     from tierflow.partitioner.shapes import load_sample
 
     shapes = _shapes(args.shape)

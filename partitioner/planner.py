@@ -20,7 +20,7 @@ from tierflow.codec import PLANNER_CODECS, CodecSpec, CodecStats
 from tierflow.errors import PlanError, UsageError
 from tierflow.links import LINKS, TIERS, LinkSpec
 from tierflow.partitioner.cost import Estimate, Problem, build_tables
-from tierflow.partitioner.exit_plan import exit_points, split_with_exits
+from tierflow.partitioner.exits.plan import exit_points, split_with_exits
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.profile import (
     Profile,
@@ -145,7 +145,7 @@ def rank(
 ) -> tuple[SearchResult, list[str]]:
     """Score every plan; pure apart from measuring codecs missing from the profiles.
 
-    A graph from :func:`~tierflow.partitioner.exit_plan.load_planning_graph` brings its
+    A graph from :func:`~tierflow.partitioner.exits.plan.load_planning_graph` brings its
     early exits: the scores are then expectations over where requests leave.
     """
     codecs = codec_candidates(options.codec)

@@ -106,7 +106,7 @@ def tierflow_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def demo_build(tierflow_cache: Path) -> tuple[Any, list[Any]]:
     """The demo model, trained once per run into the run's cache, and its epoch reports."""
-    from tierflow.partitioner import digits
+    from tierflow.zoo import digits
 
     reports: list[Any] = []
     demo = digits.build_demo_model(progress=reports.append)

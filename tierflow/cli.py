@@ -23,7 +23,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tierflow.partitioner.commands",  # profile, plan
     "tierflow.edge.commands",  # serve edge, serve cloud, probe
     "tierflow.device.commands",  # run
-    "tierflow.partitioner.exit_commands",  # exits add, exits show
+    "tierflow.partitioner.exits.commands",  # exits add, exits show
     "tierflow.demo",  # demo
 )
 

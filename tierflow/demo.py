@@ -3,7 +3,7 @@
 What it does, in order (each step prints what it measured):
 
 1. builds the demo model once (a residual CNN trained on scikit-learn's digits, scaled
-   up; see ``tierflow.partitioner.digits``), then reuses the cached copy;
+   up; see ``tierflow.zoo.digits``), then reuses the cached copy;
 2. adds early exits to a copy of it (heads trained on the model's own answers,
    thresholds calibrated for at most 1% disagreement), also cached;
 3. profiles both on this machine, emulating a slow device, a medium edge and a fast
@@ -134,10 +134,10 @@ def _step(number: int, text: str) -> None:
 
 
 def _demo(links: Mapping[str, LinkSpec], workdir: Path, requests: int, window: int) -> int:
-    from tierflow.partitioner.digits import build_demo_model
-    from tierflow.partitioner.exit_plan import load_planning_graph
+    from tierflow.partitioner.exits.plan import load_planning_graph
     from tierflow.partitioner.planner import PlanOptions, rank, write_plan
     from tierflow.partitioner.report import plan_table
+    from tierflow.zoo.digits import build_demo_model
 
     _step(1, "demo model: a residual CNN trained on scikit-learn's digits (32x32)")
     demo = build_demo_model(progress=_epoch_printer)
@@ -210,7 +210,8 @@ def _demo(links: Mapping[str, LinkSpec], workdir: Path, requests: int, window: i
 
 def _exited_model(demo: Any) -> Path:
     """The demo model with calibrated early exits, made once next to the cached model."""
-    from tierflow.partitioner.exits import add_exits, read_exits
+    from tierflow.partitioner.exits.add import add_exits
+    from tierflow.partitioner.exits.metadata import read_exits
 
     sha = demo.meta.sha256.get("model.onnx", "")[:12]
     path = demo.directory / f"model-exits-{sha}.onnx"

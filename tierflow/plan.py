@@ -43,7 +43,7 @@ class ExitSpec:
     An exit saves compute when the model is cut *at* its feature: the segment ending
     there outputs the exit's probabilities and the crossing feature; if confident the
     tier answers, else it runs its next segment (a tier may run several consecutive
-    segments). ``tierflow.partitioner.exits.attach_exits`` builds such segments.
+    segments). ``tierflow.partitioner.exits.plan.attach_exits`` builds such segments.
     """
 
     name: str

@@ -22,7 +22,7 @@ from tierflow.segment_runner import SegmentRunner
 def _torch_resnet(path: Path) -> Path:
     """A narrow ResNet-18 from the model zoo, exported by torch (legacy exporter: fast)."""
     pytest.importorskip("torch")
-    from tierflow.partitioner.zoo import export_onnx, resnet18
+    from tierflow.zoo.models import export_onnx, resnet18
 
     module, example = resnet18(size=16, width=0.125, num_classes=10)
     return export_onnx(module, example, path, dynamo=False)

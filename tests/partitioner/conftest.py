@@ -91,20 +91,20 @@ class ZooExports:
 
     def module(self, name: str) -> tuple[Any, tuple[Any, ...]]:
         """The torch module and example inputs of a tiny zoo model."""
-        from tierflow.partitioner import zoo
+        from tierflow.zoo import models
 
         if name not in self._modules:
-            self._modules[name] = getattr(zoo, name)(**TINY_MODELS[name])
+            self._modules[name] = getattr(models, name)(**TINY_MODELS[name])
         return self._modules[name]
 
     def path(self, name: str, *, dynamo: bool = True, external: bool = False) -> Path:
-        from tierflow.partitioner import zoo
+        from tierflow.zoo import models
 
         key = (name, dynamo, external)
         if key not in self._paths:
             module, example = self.module(name)
             tag = f"{name}-{'dynamo' if dynamo else 'legacy'}{'-ext' if external else ''}"
-            self._paths[key] = zoo.export_onnx(
+            self._paths[key] = models.export_onnx(
                 module,
                 example,
                 self.directory / tag / "model.onnx",

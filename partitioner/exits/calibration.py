@@ -2,7 +2,7 @@
 
 Pure functions over arrays (:func:`calibrate`), plus the checks that turn a user's
 ``.npz`` file into rows the model can run (:func:`prepare_data`). Used by
-:mod:`tierflow.partitioner.exits`.
+:mod:`tierflow.partitioner.exits.add`.
 
 [Note: exit calibration]
 The calibration data is split deterministically (seed 0) into a part that trains the

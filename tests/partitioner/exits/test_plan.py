@@ -21,18 +21,20 @@ from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
 from tierflow.errors import PlanError
 from tierflow.links import LinkSpec
-from tierflow.partitioner import exits
 from tierflow.partitioner.cost import ExitPoint, Problem, build_tables, estimate
-from tierflow.partitioner.exit_plan import exit_points, graph_exits, load_planning_graph
+from tierflow.partitioner.exits.add import add_exits
+from tierflow.partitioner.exits.calibration import NEVER
+from tierflow.partitioner.exits.metadata import METADATA_KEY, ExitedModel
+from tierflow.partitioner.exits.plan import exit_points, graph_exits, load_planning_graph
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.profile import load_profile, profile_model, save_profile
 from tierflow.partitioner.report import exits_cell, plan_table
 from tierflow.partitioner.search import search
-from tierflow.partitioner.zoo import export_onnx
 from tierflow.plan import load_plan, save_plan
 from tierflow.segment_runner import DEFAULT_OPTIMIZATION, session_options
+from tierflow.zoo.models import export_onnx
 
-from .conftest import MakeProfile
+from ..conftest import MakeProfile
 
 RAW = {"raw": (1.0, 0.0, 0.0)}
 
@@ -185,7 +187,7 @@ class _Tiny(nn.Module):
         return self.fc(self.c(self.b(self.a(x))).mean(dim=(2, 3)))
 
 
-def _with_exits(exited: exits.ExitedModel, threshold: float, rate: float) -> onnx.ModelProto:
+def _with_exits(exited: ExitedModel, threshold: float, rate: float) -> onnx.ModelProto:
     """The model with its exits' threshold and recorded exit rate replaced."""
     model = onnx.ModelProto()
     model.CopyFrom(exited.model)
@@ -194,7 +196,7 @@ def _with_exits(exited: exits.ExitedModel, threshold: float, rate: float) -> onn
         for e in exited.exits
     ]
     props = {p.key: p.value for p in model.metadata_props}
-    props[exits.METADATA_KEY] = json.dumps(records)
+    props[METADATA_KEY] = json.dumps(records)
     helper.set_model_props(model, props)
     return model
 
@@ -208,7 +210,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     example = torch.zeros(1, 1, 8, 8)
     plain = export_onnx(net, (example,), directory / "tiny.onnx", dynamo=False, dynamic_batch=True)
     rows = np.random.default_rng(0).standard_normal((120, 1, 1, 8, 8)).astype(np.float32)
-    exited = exits.add_exits(plain, {"input": rows}, exits=1, max_disagreement=0.5)
+    exited = add_exits(plain, {"input": rows}, exits=1, max_disagreement=0.5)
     always = directory / "tiny-exits.onnx"
     onnx.save_model(_with_exits(exited, 0.0, 0.95), str(always))
     return {"plain": plain, "always": always}
@@ -282,7 +284,7 @@ def _check_never_exits(plan_dir: Path, model: Path, feeds: list[dict[str, np.nda
     plan = load_plan(plan_dir)
     never = [
         dataclasses.replace(
-            s, exits=tuple(dataclasses.replace(e, threshold=exits.NEVER) for e in s.exits)
+            s, exits=tuple(dataclasses.replace(e, threshold=NEVER) for e in s.exits)
         )
         for s in plan.segments
     ]

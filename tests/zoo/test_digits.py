@@ -11,7 +11,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from tierflow.partitioner import digits
+from tierflow.zoo import digits
 
 
 @pytest.fixture(scope="module")

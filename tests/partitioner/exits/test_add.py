@@ -15,15 +15,24 @@ from torch import nn
 
 from tierflow.cli import main
 from tierflow.errors import InputError, ModelError, PlanError, UsageError
-from tierflow.partitioner import exits
-from tierflow.partitioner.exit_calibration import calibrate, lowest_threshold
-from tierflow.partitioner.exit_commands import parse_fraction
-from tierflow.partitioner.exit_heads import train_head
+from tierflow.partitioner.exits.add import add_exits, simulate_exits
+from tierflow.partitioner.exits.calibration import NEVER, calibrate, lowest_threshold
+from tierflow.partitioner.exits.commands import parse_fraction
+from tierflow.partitioner.exits.cost import (
+    exit_cut_indices,
+    exit_skips,
+    expected_compute,
+    expected_compute_fraction,
+)
+from tierflow.partitioner.exits.heads import run_model, train_head
+from tierflow.partitioner.exits.metadata import ExitedModel, ExitInfo, read_exit_summary, read_exits
+from tierflow.partitioner.exits.plan import attach_exits
+from tierflow.partitioner.exits.points import exit_candidates
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import split_model, write_segments
-from tierflow.partitioner.zoo import export_onnx
 from tierflow.plan import Plan, SegmentSpec
 from tierflow.segment_runner import TierRunner
+from tierflow.zoo.models import export_onnx
 
 # The calibration target in these tests and how far a fresh split may exceed it: the
 # heads are fit on 360 rows and the thresholds on 240 others, then checked on 497 rows
@@ -86,18 +95,18 @@ def _requests(images: np.ndarray, labels: np.ndarray | None = None) -> dict[str,
 
 
 @pytest.fixture(scope="module")
-def exited(tiny: Path, digits8: dict[str, np.ndarray]) -> exits.ExitedModel:
+def exited(tiny: Path, digits8: dict[str, np.ndarray]) -> ExitedModel:
     """Exits calibrated on digits 700..1300 with labels withheld (the model's own answers)."""
     calib = _requests(digits8["image"][700:1300])
-    return exits.add_exits(tiny, calib, exits=2, max_disagreement=TARGET)
+    return add_exits(tiny, calib, exits=2, max_disagreement=TARGET)
 
 
 def test_original_outputs_are_bit_for_bit_unchanged(
-    tiny: Path, exited: exits.ExitedModel, digits8: dict[str, np.ndarray]
+    tiny: Path, exited: ExitedModel, digits8: dict[str, np.ndarray]
 ) -> None:
     rows = {"input": digits8["image"][1300:]}
-    before = exits.run_model(onnx.load(str(tiny)), rows, ["output"])["output"]
-    after = exits.run_model(exited.model, rows, ["output"])["output"]
+    before = run_model(onnx.load(str(tiny)), rows, ["output"])["output"]
+    after = run_model(exited.model, rows, ["output"])["output"]
     assert before.dtype == after.dtype
     assert np.array_equal(before, after)
     original = onnx.load(str(tiny))
@@ -108,21 +117,21 @@ def test_original_outputs_are_bit_for_bit_unchanged(
 
 
 def test_thresholds_that_never_exit_reproduce_the_full_model(
-    tiny: Path, exited: exits.ExitedModel, digits8: dict[str, np.ndarray]
+    tiny: Path, exited: ExitedModel, digits8: dict[str, np.ndarray]
 ) -> None:
     rows = {"input": digits8["image"][1300:]}
-    never = [exits.ExitInfo(e.name, e.at, exits.NEVER) for e in exited.exits]
-    taken, predicted, outputs = exits.simulate_exits(exited.model, rows, never)
-    full = exits.run_model(onnx.load(str(tiny)), rows, ["output"])["output"]
+    never = [ExitInfo(e.name, e.at, NEVER) for e in exited.exits]
+    taken, predicted, outputs = simulate_exits(exited.model, rows, never)
+    full = run_model(onnx.load(str(tiny)), rows, ["output"])["output"]
     assert (taken == -1).all()
     assert np.array_equal(outputs["output"], full)
     assert np.array_equal(predicted, full.argmax(axis=1))
 
 
 def test_calibration_meets_its_target_on_unseen_data(
-    tiny: Path, exited: exits.ExitedModel, digits8: dict[str, np.ndarray]
+    tiny: Path, exited: ExitedModel, digits8: dict[str, np.ndarray]
 ) -> None:
-    candidates = exits.exit_candidates(load_model(tiny))
+    candidates = exit_candidates(load_model(tiny))
     points = [e.at for e in exited.exits]
     assert points == sorted(set(points), key=candidates.index)
     assert exited.summary["disagreement"] <= TARGET
@@ -131,18 +140,18 @@ def test_calibration_meets_its_target_on_unseen_data(
         assert info.calibration["target"] == TARGET
     # A third split, used neither for the heads nor for the thresholds.
     rows = {"input": digits8["image"][1300:]}
-    taken, predicted, outputs = exits.simulate_exits(exited.model, rows)
+    taken, predicted, outputs = simulate_exits(exited.model, rows)
     disagreement = float((predicted != outputs["output"].argmax(axis=1)).mean())
     exit_rate = float((taken >= 0).mean())
     assert disagreement <= TARGET + SLACK, (disagreement, exit_rate)
     assert exit_rate > 0.3  # the exits do take work off the model
 
 
-def test_exits_are_recorded_in_the_metadata(exited: exits.ExitedModel, tmp_path: Path) -> None:
+def test_exits_are_recorded_in_the_metadata(exited: ExitedModel, tmp_path: Path) -> None:
     path = exited.save(tmp_path / "with-exits.onnx")
-    recorded = exits.read_exits(path)
+    recorded = read_exits(path)
     assert recorded == list(exited.exits)
-    assert exits.read_exit_summary(path)["target"] == TARGET
+    assert read_exit_summary(path)["target"] == TARGET
     first = recorded[0]
     assert first.name == "exit0_probs" and 0.0 < first.threshold <= 1.0
     spec = SegmentSpec("edge", "seg1.onnx", ("input",), ("relu", first.name), (first.to_spec(),))
@@ -155,8 +164,8 @@ def test_labels_train_heads_and_bound_the_accuracy_drop(
     tiny: Path, digits8: dict[str, np.ndarray]
 ) -> None:
     calib = _requests(digits8["image"][700:1300], digits8["labels"][700:1300])
-    second = exits.exit_candidates(load_model(tiny))[1]
-    result = exits.add_exits(tiny, calib, at=[second], max_accuracy_drop=0.01, pool_grid=1)
+    second = exit_candidates(load_model(tiny))[1]
+    result = add_exits(tiny, calib, at=[second], max_accuracy_drop=0.01, pool_grid=1)
     assert [e.at for e in result.exits] == [second]
     assert result.summary["metric"] == "accuracy_drop"
     assert result.summary["achieved"] <= 0.01
@@ -166,7 +175,7 @@ def test_labels_train_heads_and_bound_the_accuracy_drop(
 
 
 def test_declared_exits_are_calibrated(
-    exited: exits.ExitedModel, tmp_path: Path, digits8: dict[str, np.ndarray]
+    exited: ExitedModel, tmp_path: Path, digits8: dict[str, np.ndarray]
 ) -> None:
     bare = onnx.ModelProto()
     bare.CopyFrom(exited.model)
@@ -174,10 +183,10 @@ def test_declared_exits_are_calibrated(
     path = tmp_path / "declared.onnx"
     onnx.save(bare, str(path))
     calib = _requests(digits8["image"][700:1300])
-    result = exits.add_exits(path, calib, at=[], exits=0, declare=["exit1_probs"])
+    result = add_exits(path, calib, at=[], exits=0, declare=["exit1_probs"])
     assert [(e.name, e.at) for e in result.exits] == [("exit1_probs", exited.exits[1].at)]
     with pytest.raises(UsageError, match="not an output"):
-        exits.add_exits(path, calib, exits=0, declare=["nope"])
+        add_exits(path, calib, exits=0, declare=["nope"])
 
 
 def test_lowest_threshold_keeps_the_leavers_within_target() -> None:
@@ -189,9 +198,9 @@ def test_lowest_threshold_keeps_the_leavers_within_target() -> None:
     assert lowest_threshold(confidence[:2], wrong[:2], 0.34) == 0.95
     assert lowest_threshold(confidence, wrong, 0.45) == 0.6
     assert lowest_threshold(confidence, wrong, 0.4) == 0.8
-    assert lowest_threshold(confidence, wrong, 0.3) == exits.NEVER
+    assert lowest_threshold(confidence, wrong, 0.3) == NEVER
     assert lowest_threshold(np.ones(99), np.zeros(99), 0.01) == 1.0
-    assert lowest_threshold(np.ones(98), np.zeros(98), 0.01) == exits.NEVER
+    assert lowest_threshold(np.ones(98), np.zeros(98), 0.01) == NEVER
 
 
 def test_calibrate_takes_exits_in_order() -> None:
@@ -208,24 +217,24 @@ def test_calibrate_takes_exits_in_order() -> None:
 
 def test_expected_compute_counts_the_chance_of_leaving() -> None:
     units = [1.0, 2.0, 3.0, 4.0]
-    assert exits.expected_compute(units, []) == 10.0
+    assert expected_compute(units, []) == 10.0
     # 30% leave after unit 0, 50% after unit 2: 1 + 0.7*2 + 0.7*3 + 0.2*4.
-    assert exits.expected_compute(units, [(1, 0.3), (3, 0.5)]) == pytest.approx(5.3)
-    assert exits.expected_compute_fraction(units, [(1, 0.3), (3, 0.5)]) == pytest.approx(0.53)
+    assert expected_compute(units, [(1, 0.3), (3, 0.5)]) == pytest.approx(5.3)
+    assert expected_compute_fraction(units, [(1, 0.3), (3, 0.5)]) == pytest.approx(0.53)
     with pytest.raises(PlanError, match="more than 1"):
-        exits.expected_compute(units, [(1, 0.7), (2, 0.6)])
+        expected_compute(units, [(1, 0.7), (2, 0.6)])
 
 
-def test_exit_cut_indices_name_the_cuts(tiny: Path, exited: exits.ExitedModel) -> None:
+def test_exit_cut_indices_name_the_cuts(tiny: Path, exited: ExitedModel) -> None:
     graph = load_model(tiny)
-    indices = exits.exit_cut_indices(graph, exited.exits)
+    indices = exit_cut_indices(graph, exited.exits)
     for info in exited.exits:
         assert graph.cuts[indices[info.name]].tensors == (info.at,)
-    skips = exits.exit_skips(graph, exited.exits)
+    skips = exit_skips(graph, exited.exits)
     assert skips == [(indices[e.name], e.exit_rate) for e in exited.exits]
     # The planner's figure: with per-unit costs of 1, the expected number of units run.
     units = [1.0] * graph.unit_count()
-    expected = exits.expected_compute(units, skips)
+    expected = expected_compute(units, skips)
     assert expected < graph.unit_count()
     assert expected == pytest.approx(
         sum(rate * first for first, rate in skips)
@@ -246,23 +255,23 @@ def test_bad_inputs_raise_typed_errors(
 ) -> None:
     calib = _requests(digits8["image"][:50])
     with pytest.raises(ModelError, match="classifier"):
-        exits.add_exits(
+        add_exits(
             _image_output_model(tmp_path / "img.onnx"), {"x": np.zeros((4, 1, 1, 4, 4), np.float32)}
         )
     with pytest.raises(InputError, match="input"):
-        exits.add_exits(tiny, {"image": digits8["image"][:50, None]})
+        add_exits(tiny, {"image": digits8["image"][:50, None]})
     with pytest.raises(InputError):
-        exits.add_exits(tiny, {"input": digits8["image"][:50]})  # no request axis
+        add_exits(tiny, {"input": digits8["image"][:50]})  # no request axis
     with pytest.raises(InputError, match="labels"):
-        exits.add_exits(tiny, calib, max_accuracy_drop=0.01)
+        add_exits(tiny, calib, max_accuracy_drop=0.01)
     with pytest.raises(UsageError, match="not both"):
-        exits.add_exits(tiny, calib, max_accuracy_drop=0.01, max_disagreement=0.01)
+        add_exits(tiny, calib, max_accuracy_drop=0.01, max_disagreement=0.01)
     with pytest.raises(UsageError, match="cannot carry an exit"):
-        exits.add_exits(tiny, calib, at=["output"])
+        add_exits(tiny, calib, at=["output"])
     with pytest.raises(InputError, match="not found"):
-        exits.add_exits(tiny, tmp_path / "missing.npz")
+        add_exits(tiny, tmp_path / "missing.npz")
     with pytest.raises(InputError, match="class indices"):
-        exits.add_exits(tiny, {**calib, "labels": np.full(50, 10)})
+        add_exits(tiny, {**calib, "labels": np.full(50, 10)})
 
 
 def test_heads_match_softmax_regression_in_the_graph_layout() -> None:
@@ -301,7 +310,7 @@ def test_cli_adds_and_shows_exits(
     assert main([*argv, "--max-disagreement", "2%"]) == 0
     printed = capsys.readouterr().out
     assert "exit0_probs" in printed and "overall" in printed
-    assert len(exits.read_exits(out)) == 1
+    assert len(read_exits(out)) == 1
     assert main(["exits", "show", str(out), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["exits"][0]["name"] == "exit0_probs"
@@ -312,16 +321,16 @@ def test_cli_adds_and_shows_exits(
 
 
 def test_split_plan_with_exits_runs_on_the_tier_runtime(
-    tiny: Path, exited: exits.ExitedModel, digits8: dict[str, np.ndarray], tmp_path: Path
+    tiny: Path, exited: ExitedModel, digits8: dict[str, np.ndarray], tmp_path: Path
 ) -> None:
     """Cut at the exits, attach the heads, and let the runtime's TierRunner take them."""
     graph = load_model(tiny)
-    at = exits.exit_cut_indices(graph, exited.exits)
+    at = exit_cut_indices(graph, exited.exits)
     cuts = [at[e.name] for e in exited.exits]
     plain = split_model(graph, cuts, ("device", "edge", "edge"))
 
-    def answers(infos: list[exits.ExitInfo], directory: Path) -> tuple[list[Any], np.ndarray]:
-        segments = exits.attach_exits(plain, exited.model, infos)
+    def answers(infos: list[ExitInfo], directory: Path) -> tuple[list[Any], np.ndarray]:
+        segments = attach_exits(plain, exited.model, infos)
         assert [len(spec.exits) for spec, _ in segments] == [1, 1, 0]
         write_segments(segments, directory)
         plan = Plan(tiny.name, graph.sha256, ("input",), ("output",), tuple(s for s, _ in segments))
@@ -338,14 +347,14 @@ def test_split_plan_with_exits_runs_on_the_tier_runtime(
         return taken, np.array(scores)
 
     rows = {"input": digits8["image"][1300:1400]}
-    full = exits.run_model(onnx.load(str(tiny)), rows, ["output"])["output"]
-    never = [exits.ExitInfo(e.name, e.at, exits.NEVER) for e in exited.exits]
+    full = run_model(onnx.load(str(tiny)), rows, ["output"])["output"]
+    never = [ExitInfo(e.name, e.at, NEVER) for e in exited.exits]
     taken, scores = answers(never, tmp_path / "never")
     assert taken == [None] * 100
     np.testing.assert_allclose(scores, full, rtol=1e-5, atol=1e-5)
 
     taken, scores = answers(list(exited.exits), tmp_path / "calibrated")
-    expected_exit, expected_class, _ = exits.simulate_exits(exited.model, rows)
+    expected_exit, expected_class, _ = simulate_exits(exited.model, rows)
     names = [None, *(e.name for e in exited.exits)]
     assert taken == [names[k + 1] for k in expected_exit]
     assert np.array_equal(scores.argmax(axis=1), expected_class)

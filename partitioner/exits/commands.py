@@ -1,6 +1,6 @@
 """``tierflow exits add`` and ``tierflow exits show``: early-exit heads from the command line.
 
-The work happens in :mod:`tierflow.partitioner.exits`; this module parses options,
+The work happens in :mod:`tierflow.partitioner.exits.add`; this module parses options,
 prints the calibration table (or JSON with ``--json``) and writes the model. onnx and
 scikit-learn are imported inside the handlers, so registering costs nothing.
 """
@@ -133,7 +133,7 @@ def register(subparsers: Any) -> None:
 
 
 def _add(args: argparse.Namespace) -> int:
-    from tierflow.partitioner.exits import add_exits
+    from tierflow.partitioner.exits.add import add_exits
     from tierflow.partitioner.shapes import parse_shape_option
 
     shapes = dict(parse_shape_option(text) for text in args.shape) or None
@@ -168,7 +168,7 @@ def _add(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from tierflow.partitioner.exits import format_table, read_exit_summary, read_exits
+    from tierflow.partitioner.exits.metadata import format_table, read_exit_summary, read_exits
 
     exits = read_exits(args.model)
     summary = read_exit_summary(args.model)

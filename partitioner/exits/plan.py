@@ -7,13 +7,25 @@ the *trunk*, the model without its heads: its cuts are those of the model the he
 grafted onto, and profiles time its units. The heads come back when the plan is written:
 :func:`split_with_exits` cuts the trunk at the plan's two cuts *and* at every exit's cut,
 so each exit's feature ends a segment, and puts each head on that segment
-(:func:`~tierflow.partitioner.exits.attach_exits`). The tier then runs up to the exit,
-checks it and either answers or runs its next segment ([Note: exits in a plan] in
-:mod:`tierflow.partitioner.exits`). Exits may fall on any tier: the device answers a
-confident request itself, without using any link.
+(:func:`attach_exits`). The tier then runs up to the exit, checks it and either answers or
+runs its next segment ([Note: exits in a plan] below). Exits may fall on any tier: the
+device answers a confident request itself, without using any link.
 
 How the exits change the predicted costs is [Note: expected cost with early exits] in
 :mod:`tierflow.partitioner.cost`.
+
+[Note: exits in a plan]
+A plan carries an exit as an :class:`~tierflow.plan.ExitSpec` on the segment that yields
+its output (:meth:`ExitInfo.to_spec`). To save compute the model is cut *at* the exit's
+feature: the segment ending there outputs the exit probabilities and the crossing
+feature; the tier checks the exit and answers if confident, else runs its next segment
+(a tier may run several consecutive segments). :func:`attach_exits` builds such segments
+from a split of the model without exits;
+:func:`~tierflow.partitioner.exits.cost.expected_compute` turns per-unit latencies and
+exit rates into the expected compute. ``tierflow plan`` does all this for a model with
+exits: this module plans its trunk and attaches the heads, and the cost model weighs
+every cost by the chance of getting there ([Note: expected cost with early exits] in
+:mod:`tierflow.partitioner.cost`).
 """
 
 from __future__ import annotations
@@ -31,11 +43,13 @@ import onnx.utils
 
 from tierflow.errors import ModelError
 from tierflow.partitioner.cost import Estimate, ExitPoint, exit_tier
-from tierflow.partitioner.exit_heads import infer_shapes
-from tierflow.partitioner.exits import ExitInfo, attach_exits, exit_cut_indices, read_exits
+from tierflow.partitioner.exits.cost import exit_cut_indices
+from tierflow.partitioner.exits.heads import all_names, check_model, infer_shapes
+from tierflow.partitioner.exits.metadata import ExitInfo, read_exits
 from tierflow.partitioner.graph import ModelGraph, load_model
 from tierflow.partitioner.split import Segment, split_model
 from tierflow.partitioner.tensors import first_line
+from tierflow.plan import SegmentSpec
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +173,60 @@ def split_with_exits(graph: ModelGraph, chosen: Estimate) -> list[Segment]:
                 f"it on {placed.get(point.name) or 'no segment'}"
             )
     return segments
+
+
+def attach_exits(
+    segments: Sequence[tuple[SegmentSpec, onnx.ModelProto]],
+    exited: onnx.ModelProto,
+    exits: Sequence[ExitInfo] | None = None,
+) -> list[tuple[SegmentSpec, onnx.ModelProto]]:
+    """Put each exit's head on the segment that ends with the exit's feature.
+
+    ``segments`` come from splitting the model *without* exits (``split_model``) at cuts
+    that include the exits' one-tensor cuts (:func:`exit_cut_indices`); ``exited`` is the
+    model with exits (heads and thresholds are read from it, or from ``exits``). A
+    segment whose outputs include an exit's ``at`` tensor, which it does not take as
+    input, gets the head's nodes and weights, the exit output, and the exit in its
+    spec. The last segment gets none: the final answer is there anyway. See
+    [Note: exits in a plan].
+    """
+    chosen = list(read_exits(exited) if exits is None else exits)
+    extractor = onnx.utils.Extractor(infer_shapes(exited))
+    result: list[tuple[SegmentSpec, onnx.ModelProto]] = []
+    for i, (spec, segment) in enumerate(segments):
+        mine = [
+            e
+            for e in chosen
+            if i < len(segments) - 1 and e.at in spec.outputs and e.at not in spec.inputs
+        ]
+        if not mine:
+            result.append((spec, segment))
+            continue
+        model = onnx.ModelProto()
+        model.CopyFrom(segment)
+        taken = all_names(model)
+        for info in mine:
+            try:
+                head = extractor.extract_model([info.at], [info.name])
+            except (ValueError, KeyError) as exc:
+                raise ModelError(f"cannot extract exit head {info.name}: {exc}") from exc
+            new = {o for n in head.graph.node for o in n.output} | {
+                t.name for t in head.graph.initializer
+            }
+            if new & taken:
+                raise ModelError(f"exit {info.name} clashes with names {sorted(new & taken)}")
+            model.graph.node.extend(head.graph.node)
+            model.graph.initializer.extend(head.graph.initializer)
+            model.graph.output.extend(head.graph.output)
+            taken |= new
+        check_model(model, f"segment {spec.file} with exits")
+        spec = dataclasses.replace(
+            spec,
+            outputs=(*spec.outputs, *(e.name for e in mine)),
+            exits=(*spec.exits, *(e.to_spec() for e in mine)),
+        )
+        result.append((spec, model))
+    return result
 
 
 def _load(path: Path, *, weights: bool) -> onnx.ModelProto:

@@ -7,7 +7,7 @@ over its sequence axis, or reads a 2-D one as it is; then one linear layer (ONNX
 logistic regression on the pooled features (:func:`train_head`); :func:`pool_feature`
 computes in numpy exactly what the grafted nodes compute in the graph. Grafting copies
 the model and only adds nodes, initializers and outputs, so every original output
-stays bit-for-bit the same. Used by :mod:`tierflow.partitioner.exits`.
+stays bit-for-bit the same. Used by :mod:`tierflow.partitioner.exits.add`.
 """
 
 from __future__ import annotations
