@@ -122,7 +122,17 @@ def register(subparsers: Any) -> None:
         "--codec",
         default="auto",
         help="feature codec on every link: raw, zstd, fp16, fp16+zstd, int8, int8+zstd "
-        "(zstd level as zstd:9), or auto to let the cost model pick per link",
+        "(zstd level as zstd:9), or auto to let the cost model pick per link among those "
+        "the fidelity budget allows",
+    )
+    plan.add_argument(
+        "--fidelity",
+        default="exact",
+        metavar="BUDGET",
+        help="exact (lossless codecs only: the split reproduces the model bit for bit), "
+        "top1=P%% (at least P%% of the sample's requests keep the exact model's argmax) or "
+        "rel=E (no request's outputs move by more than E relative to their largest value); "
+        "a lossy budget needs --sample, on which every lossy candidate is measured end to end",
     )
     plan.add_argument(
         "--emulate",
@@ -244,14 +254,28 @@ def _shapes(values: Sequence[str]) -> dict[str, tuple[int, ...]]:
     return dict(parse_shape_option(v) for v in values)
 
 
-def _load_graph(args: argparse.Namespace) -> Any:
+def _load_graph(args: argparse.Namespace, sample: Any = None) -> Any:
     """The model as planned: its trunk when it carries early exits (see exits.plan)."""
     from tierflow.partitioner.exits.plan import load_planning_graph
     from tierflow.partitioner.shapes import load_sample
 
     shapes = _shapes(args.shape)
-    sample = load_sample(args.sample) if args.sample else None
+    if sample is None and args.sample:
+        sample = load_sample(args.sample)
     return load_planning_graph(args.model, shapes=shapes or None, sample=sample)
+
+
+def parse_fidelity(text: str, sample: str | None) -> Any:
+    """The ``--fidelity`` budget; a lossy one needs ``--sample``."""
+    from tierflow.partitioner.fidelity import FidelityBudget
+
+    budget = FidelityBudget.parse(text)
+    if not budget.lossless_only and not sample:
+        raise UsageError(
+            f"--fidelity {budget} needs --sample IN.npz: lossy codecs are measured end to end "
+            "on real inputs"
+        )
+    return budget
 
 
 def _positive(value: float, option: str) -> None:
@@ -298,7 +322,26 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verdict_line(outcome: Any, lossy: bool) -> str:
+    """How the written plan was checked: bit for bit only when it is and that was run."""
+    fidelity = outcome.fidelity
+    budget = f"budget {fidelity.budget}" if fidelity is not None else ""
+    if not lossy and fidelity is not None and fidelity.bitwise_equal:
+        inputs = fidelity.samples
+        return (
+            f"verified: split reproduces the model bit-for-bit on {inputs} "
+            f"input{'s' if inputs != 1 else ''}"
+        )
+    if lossy and fidelity is not None:
+        return f"fidelity: {fidelity.describe()} ({budget}, measured end to end); not bit-for-bit"
+    if outcome.verified_bitwise is None:
+        return "not verified (--no-verify)"
+    inputs = outcome.verify_inputs
+    return f"verified: split reproduces the model bit-for-bit on {inputs} input"
+
+
 def run_plan(args: argparse.Namespace) -> int:
+    from tierflow.partitioner.fidelity import check_sample_size
     from tierflow.partitioner.planner import (
         PlanOptions,
         codec_candidates,
@@ -307,12 +350,14 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     from tierflow.partitioner.profile_data import load_profile
     from tierflow.partitioner.report import Progress, exits_cell, plan_table
+    from tierflow.partitioner.shapes import load_sample
 
     links = parse_links(args.link)
     memory = parse_memory(args.memory)
     emulation = parse_emulation(args.emulate)
     profile_paths = parse_profile_paths(args.profile)
-    codec_candidates(args.codec)
+    budget = parse_fidelity(args.fidelity, args.sample)
+    codec_candidates(args.codec, budget)
     _positive(args.threads, "--threads")
     _positive(args.top, "--top")
     _shapes(args.shape)
@@ -323,8 +368,12 @@ def run_plan(args: argparse.Namespace) -> int:
         codec=args.codec,
         verify=args.verify,
         top=args.top,
+        fidelity=budget,
     )
-    graph = _load_graph(args)
+    sample = load_sample(args.sample) if args.sample else None
+    if sample is not None:
+        check_sample_size(budget, min(len(a) for a in sample.values()))
+    graph = _load_graph(args, sample)
     given = {}
     for tier, path in profile_paths.items():
         given[tier] = load_profile(path)
@@ -336,11 +385,12 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     finally:
         progress.close()
-    outcome = make_plan(graph, profiles, options, args.output)
+    outcome = make_plan(graph, profiles, options, args.output, sample=sample)
     if args.json:
         report = outcome.result.to_dict()
         report["plan_dir"] = str(outcome.plan_dir)
         report["verified"] = outcome.verified_bitwise
+        report["fidelity"] = outcome.fidelity.to_dict() if outcome.fidelity else None
         report["notes"] = list(notes) + list(outcome.notes)
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -372,18 +422,14 @@ def run_plan(args: argparse.Namespace) -> int:
     if best.exits:
         print(f"early exits: {exits_cell(best)}")
     crossing = dict(zip(LINKS, best.cuts, strict=True))
+    lossy = False
     for name, codec in best.codec.items():
         if not CodecSpec.parse(codec).lossless:
+            lossy = True
             sender = profiles[name.split("-")[0]]
             stats = sender.cuts[crossing[name]].codecs.get(codec)
             by = f" by up to {stats.max_abs_error:.3g} (measured at that cut)" if stats else ""
-            print(
-                f"note: {codec} on {name} is lossy: features change{by}; "
-                "use --codec zstd for exact features"
-            )
-    if outcome.verified_bitwise is None:
-        print("not verified (--no-verify)")
-    else:
-        print(f"verified: split reproduces the model bit-for-bit on {outcome.verify_inputs} input")
+            print(f"note: {codec} on {name} is lossy: features change{by}")
+    print(_verdict_line(outcome, lossy))
     print(f"wrote {outcome.plan_dir / 'plan.json'} and {len(outcome.plan.segments)} segment(s)")
     return 0

@@ -6,6 +6,11 @@ to: it takes the analysed graph and one profile per tier, scores every plan
 against the whole model, and writes ``plan.json`` with the segments. Tiers that come
 without a profile are profiled on this machine first (:func:`complete_profiles`),
 emulated as slower machines, and the result says so.
+
+The fidelity budget (:mod:`.fidelity`) decides which codecs are candidates: ``exact``,
+the default, only lossless ones; a lossy budget lets the lossy codecs in, each measured
+end to end on the sample as the search needs it (:mod:`.fidelity_search`), and the
+chosen plan is measured on the whole sample and recorded in ``plan.json``.
 """
 
 from __future__ import annotations
@@ -16,11 +21,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tierflow.codec import PLANNER_CODECS, CodecSpec, CodecStats
 from tierflow.errors import PlanError, UsageError
 from tierflow.links import LINKS, TIERS, LinkSpec
 from tierflow.partitioner.cost import Estimate, Problem, build_tables
 from tierflow.partitioner.exits.plan import exit_points, split_with_exits
+from tierflow.partitioner.fidelity import (
+    EXACT,
+    FidelityBudget,
+    FidelityScore,
+    check_sample_size,
+    confidence_warning,
+)
+from tierflow.partitioner.fidelity_probe import FidelityProbe, sample_requests
+from tierflow.partitioner.fidelity_search import search_within_budget
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.profile import (
     Profile,
@@ -51,6 +67,7 @@ class PlanOptions:
     codec: str = "auto"
     verify: bool = True
     top: int = 5
+    fidelity: FidelityBudget = EXACT
 
 
 @dataclass(frozen=True)
@@ -64,13 +81,27 @@ class PlanOutcome:
     max_abs_diff: float
     verify_inputs: int
     notes: tuple[str, ...]
+    fidelity: FidelityScore | None = None
 
 
-def codec_candidates(codec: str) -> tuple[str, ...]:
-    """The codecs the search may choose from: all planner codecs for ``auto``, else one."""
-    if codec == "auto":
-        return PLANNER_CODECS
-    return (str(CodecSpec.parse(codec)),)
+def codec_candidates(codec: str, fidelity: FidelityBudget | None = None) -> tuple[str, ...]:
+    """The codecs the search may choose from: the planner codecs for ``auto``, else one.
+
+    Under the ``exact`` budget (the default; ``None`` means any budget) only lossless
+    codecs are candidates: ``auto`` picks among ``raw`` and ``zstd``, and naming a lossy
+    codec is a usage error that asks for a budget.
+    """
+    candidates = PLANNER_CODECS if codec == "auto" else (str(CodecSpec.parse(codec)),)
+    if fidelity is not None and fidelity.lossless_only:
+        lossy = [c for c in candidates if not CodecSpec.parse(c).lossless]
+        if codec != "auto" and lossy:
+            raise UsageError(
+                f"codec {lossy[0]} is lossy, and the fidelity budget is exact (the default): "
+                "state one with --fidelity top1=P% or rel=E and --sample IN.npz, or use a "
+                "lossless codec (raw, zstd, shuffle+zstd)"
+            )
+        candidates = tuple(c for c in candidates if c not in lossy)
+    return candidates
 
 
 def complete_profiles(
@@ -141,14 +172,27 @@ def _scaled(
 
 
 def rank(
-    graph: ModelGraph, profiles: Mapping[str, Profile], options: PlanOptions
+    graph: ModelGraph,
+    profiles: Mapping[str, Profile],
+    options: PlanOptions,
+    *,
+    probe: FidelityProbe | None = None,
 ) -> tuple[SearchResult, list[str]]:
     """Score every plan; pure apart from measuring codecs missing from the profiles.
 
     A graph from :func:`~tierflow.partitioner.exits.plan.load_planning_graph` brings its
-    early exits: the scores are then expectations over where requests leave.
+    early exits: the scores are then expectations over where requests leave (fidelity
+    is then measured on the trunk: exits keep their own calibrated disagreement). A
+    lossy fidelity budget needs a ``probe`` on the sample: the ranking then holds only
+    plans whose lossy crossings were measured to meet it.
     """
-    codecs = codec_candidates(options.codec)
+    budget = options.fidelity
+    if not budget.lossless_only and probe is None:
+        raise UsageError(
+            f"--fidelity {budget} needs --sample IN.npz: lossy codecs are measured end to end "
+            "on real inputs"
+        )
+    codecs = codec_candidates(options.codec, budget)
     profiles = dict(profiles)
     notes = _ensure_codecs(graph, profiles, codecs)
     points, exit_notes = exit_points(graph)
@@ -161,7 +205,22 @@ def rank(
         codecs=codecs,
         exits=points,
     )
-    return search(problem, top=options.top, tables=build_tables(problem)), notes
+    tables = build_tables(problem)
+    if budget.lossless_only or probe is None:
+        return search(problem, top=options.top, tables=tables), notes
+    check_sample_size(budget, len(probe.requests))
+    budgeted = search_within_budget(problem, tables, budget, probe, top=options.top)
+    verdicts = budgeted.verdicts
+    notes.append(
+        f"fidelity {budget}: {verdicts.count} lossy candidate(s) measured end to end on "
+        f"{len(probe.requests)} sample requests, {budgeted.measured_passed()} met the budget"
+    )
+    if budgeted.exhausted:
+        notes.append(
+            "fidelity: stopped measuring after "
+            f"{verdicts.count} candidates; lossy crossings not measured were left out"
+        )
+    return budgeted.result, notes
 
 
 def estimate_dict(best: Estimate, graph: ModelGraph, objective: str) -> dict[str, Any]:
@@ -187,6 +246,7 @@ class WrittenPlan:
     verified_bitwise: bool | None
     max_abs_diff: float
     verify_inputs: int
+    fidelity: FidelityScore | None = None
 
 
 def write_plan(
@@ -195,11 +255,15 @@ def write_plan(
     options: PlanOptions,
     chosen: Estimate,
     plan_dir: str | Path,
+    *,
+    fidelity: FidelityScore | None = None,
 ) -> WrittenPlan:
     """Split the model at ``chosen``'s cuts, verify the split, write the plan directory.
 
     ``chosen`` is usually the search's best plan; the demo and the benchmarks also write
     the baselines (device-only, cloud-only) this way to measure them side by side.
+    ``fidelity`` is the plan measured on the sample; without it a verified plan records
+    the verification (one input, bit for bit).
     """
     segments = split_with_exits(graph, chosen)
     verified: bool | None = None
@@ -217,6 +281,8 @@ def write_plan(
     estimate["tiers"] = {t: profiles[t].machine.to_dict() for t in TIERS}
     if verified is not None:
         estimate["verified"] = {"bitwise_equal": verified, "inputs": 1, "max_abs_diff": max_diff}
+    if fidelity is None and verified is not None and _lossless(chosen):
+        fidelity = FidelityScore("exact", 1.0, 1, True, str(options.fidelity))
     directory = Path(plan_dir)
     plan = save_split_plan(
         graph,
@@ -226,9 +292,14 @@ def write_plan(
         codec=codec,
         links=options.links,
         estimate=estimate,
+        fidelity=fidelity.to_dict() if fidelity is not None else None,
     )
     logger.info("[plan] wrote %s: cuts %s, %.3g ms", directory, chosen.cuts, chosen.latency_s * 1e3)
-    return WrittenPlan(plan, directory, verified, max_diff, 1)
+    return WrittenPlan(plan, directory, verified, max_diff, 1, fidelity)
+
+
+def _lossless(chosen: Estimate) -> bool:
+    return all(CodecSpec.parse(codec).lossless for codec in chosen.codec.values())
 
 
 def make_plan(
@@ -236,10 +307,36 @@ def make_plan(
     profiles: Mapping[str, Profile],
     options: PlanOptions,
     plan_dir: str | Path,
+    *,
+    sample: Mapping[str, np.ndarray] | None = None,
 ) -> PlanOutcome:
-    """Choose the best plan, split the model, verify the split, write the plan directory."""
-    result, notes = rank(graph, profiles, options)
-    written = write_plan(graph, profiles, options, result.best, plan_dir)
+    """Choose the best plan, split the model, verify the split, write the plan directory.
+
+    With a ``sample`` (``IN.npz`` arrays, a leading request axis) the chosen plan is
+    measured end to end on every request and ``plan.json`` records its fidelity; a
+    lossy budget needs one (:func:`rank`).
+    """
+    budget = options.fidelity
+    probe = None
+    if sample is not None:
+        requests = sample_requests(graph.inputs, sample)
+        check_sample_size(budget, len(requests))
+        probe = FidelityProbe(graph, requests)
+    result, notes = rank(graph, profiles, options, probe=probe)
+    best = result.best
+    fidelity = None
+    if probe is not None:
+        measured = probe.measure(best.cuts, best.codec, budget)
+        if not measured.passed:
+            raise PlanError(
+                f"the chosen plan at cuts {best.cuts} misses the budget {budget} when measured "
+                f"as a whole: {measured.score.describe()}"
+            )
+        fidelity = measured.score
+        warning = confidence_warning(budget, fidelity)
+        if warning:
+            notes.append(warning)
+    written = write_plan(graph, profiles, options, best, plan_dir, fidelity=fidelity)
     return PlanOutcome(
         written.plan,
         written.plan_dir,
@@ -248,4 +345,5 @@ def make_plan(
         written.max_abs_diff,
         written.verify_inputs,
         tuple(notes),
+        written.fidelity,
     )

@@ -9,12 +9,18 @@ objective the codecs shift work between stages, so every codec pair is tried.
 Ties are broken deterministically: lower score, then lower latency, then more work on
 the lower tiers (keeping data close costs nothing when it is free), then the codec that
 comes first in the candidate list (``raw`` before ``zstd`` before the lossy ones).
+
+Under a fidelity budget the search takes an :class:`Admission`: which codec may cross at
+which cut, and which pairs of lossy crossings may share a plan. It is data, measured
+beforehand (see [Note: fidelity search] in :mod:`.fidelity_search`); the search only
+filters on it, scoring every codec pair per cut pair so that a refused pair falls back
+to the next best one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,6 +60,42 @@ class SearchResult:
         }
 
 
+# A pair of lossy crossings: (cut a, codec column on device-edge, cut b, column on edge-cloud).
+PairKey = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Which codecs a plan may use where: the fidelity budget as data for the search.
+
+    ``allowed[link]`` is an ``(ncuts, ncodecs)`` boolean table: the codec in column ``j``
+    may carry the tensors of cut ``i`` over ``link``. A plan using a lossy codec on both
+    links is allowed when both are and ``pairs`` says so for its ``(a, i, b, j)``; pairs
+    not listed get ``pairs_default``. Columns follow ``Problem.codecs``; ``lossy[j]``
+    says which columns change the features (the others are always allowed).
+    """
+
+    allowed: Mapping[str, np.ndarray]
+    lossy: tuple[bool, ...]
+    pairs: Mapping[PairKey, bool] = field(default_factory=dict)
+    pairs_default: bool = True
+
+    def pair_mask(self, i: int, j: int, n: int) -> np.ndarray:
+        """(n, n) which cut pairs may use column ``i`` on device-edge and ``j`` on edge-cloud."""
+        de, ec = self.allowed["device-edge"], self.allowed["edge-cloud"]
+        mask = de[:, i][:, None] & ec[:, j][None, :]
+        if not (self.lossy[i] and self.lossy[j]):
+            return mask
+        verdicts = np.full((n, n), self.pairs_default)
+        for (a, pi, b, pj), ok in self.pairs.items():
+            if (pi, pj) == (i, j):
+                verdicts[a, b] = ok
+        # A link that carries nothing (its cut is the output cut) makes no pair.
+        verdicts[n - 1, :] = True
+        verdicts[:, n - 1] = True
+        return mask & verdicts
+
+
 @dataclass(frozen=True)
 class _Scores:
     """Per cut pair ``(a, b)``: score, latency and the chosen codec column per link."""
@@ -87,7 +129,32 @@ def _latency_scores(tables: CostTables) -> _Scores:
     )
 
 
-def _throughput_scores(tables: CostTables) -> _Scores:
+def _admitted_latency_scores(tables: CostTables, admission: Admission) -> _Scores:
+    """Latency over every codec pair, keeping the best one the admission allows."""
+    last = tables.last
+    de = tables.links["device-edge"].total_s
+    ec = tables.links["edge-cloud"].total_s
+    n, ncodecs = last + 1, len(tables.problem.codecs)
+    base = (
+        tables.segment_s["device"][0, :, None]
+        + tables.segment_s["edge"]
+        + tables.segment_s["cloud"][:, last][None, :]
+    )
+    best = np.full((n, n), np.inf)
+    codec_de = np.zeros((n, n), dtype=np.int64)
+    codec_ec = np.zeros((n, n), dtype=np.int64)
+    for i in range(ncodecs):
+        for j in range(ncodecs):
+            latency = base + de[:, i][:, None] + ec[:, j][None, :]
+            latency = np.where(admission.pair_mask(i, j, n), latency, np.inf)
+            better = latency < best
+            best = np.where(better, latency, best)
+            codec_de = np.where(better, i, codec_de)
+            codec_ec = np.where(better, j, codec_ec)
+    return _Scores(best, best, codec_de, codec_ec)
+
+
+def _throughput_scores(tables: CostTables, admission: Admission | None = None) -> _Scores:
     last = tables.last
     de, ec = tables.links["device-edge"], tables.links["edge-cloud"]
     dev = tables.segment_s["device"][0, :]
@@ -113,6 +180,10 @@ def _throughput_scores(tables: CostTables) -> _Scores:
                 ]
             )
             latency = base_latency + de_total[:, i][:, None] + ec_total[:, j][None, :]
+            if admission is not None:
+                mask = admission.pair_mask(i, j, n)
+                period = np.where(mask, period, np.inf)
+                latency = np.where(mask, latency, np.inf)
             better = (period < best_period) | ((period == best_period) & (latency < best_latency))
             best_period = np.where(better, period, best_period)
             best_latency = np.where(better, latency, best_latency)
@@ -171,14 +242,29 @@ def _estimate_at(tables: CostTables, scores: _Scores, a: int, b: int) -> Estimat
     return estimate(tables, a, b, chosen)
 
 
-def search(problem: Problem, *, top: int = 5, tables: CostTables | None = None) -> SearchResult:
+def search(
+    problem: Problem,
+    *,
+    top: int = 5,
+    tables: CostTables | None = None,
+    admission: Admission | None = None,
+) -> SearchResult:
     """Score every plan of ``problem``; return the ``top`` best feasible ones and baselines.
 
-    Raises :class:`PlanError` when no plan fits the memory budgets.
+    With an ``admission`` only the codecs it allows are chosen, and a cut pair where it
+    allows none is not feasible. Raises :class:`PlanError` when no plan fits the memory
+    budgets.
     """
     tables = tables or build_tables(problem)
-    scores = (_latency_scores if problem.objective == "latency" else _throughput_scores)(tables)
+    if problem.objective == "throughput":
+        scores = _throughput_scores(tables, admission)
+    elif admission is not None:
+        scores = _admitted_latency_scores(tables, admission)
+    else:
+        scores = _latency_scores(tables)
     feasible = _feasible(tables)
+    if admission is not None:
+        feasible &= np.isfinite(scores.score)
     n, last = problem.ncuts, tables.last
     considered = n * (n + 1) // 2
     count = int(feasible.sum())

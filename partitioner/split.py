@@ -304,6 +304,7 @@ def save_split_plan(
     codec: Mapping[str, str] | None = None,
     links: Mapping[str, LinkSpec] | None = None,
     estimate: Mapping[str, Any] | None = None,
+    fidelity: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Write ``segments`` and the ``plan.json`` that describes them: a plan directory.
 
@@ -321,6 +322,7 @@ def save_split_plan(
         codec={name: (codec or {}).get(name, "raw") for name in LINKS},
         estimate=dict(estimate or {}),
         cuts=tuple(graph.cuts[c].position for c in cuts),
+        fidelity=dict(fidelity or {}),
     )
     save_plan(plan, plan_dir)
     return plan

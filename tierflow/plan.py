@@ -131,7 +131,10 @@ class Plan:
 
     ``codec`` maps each link name to the codec spec used on it (see
     :mod:`tierflow.codec`); ``estimate`` is the cost model's prediction (free-form,
-    at least ``latency_s``); ``cuts`` the cut positions the planner chose.
+    at least ``latency_s``); ``cuts`` the cut positions the planner chose; ``fidelity``
+    the chosen plan measured against the exact model (``budget``, ``metric``, ``value``,
+    ``samples``, ``bitwise_equal``; see ``tierflow.partitioner.fidelity``), empty in
+    plans written before it was recorded.
     """
 
     model_file: str
@@ -143,6 +146,7 @@ class Plan:
     codec: dict[str, str] = field(default_factory=dict)
     estimate: dict[str, Any] = field(default_factory=dict)
     cuts: tuple[int, ...] = ()
+    fidelity: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._check()
@@ -226,6 +230,7 @@ class Plan:
             "codec": dict(self.codec),
             "estimate": dict(self.estimate),
             "cuts": list(self.cuts),
+            **({"fidelity": dict(self.fidelity)} if self.fidelity else {}),
         }
 
     @classmethod
@@ -255,6 +260,9 @@ class Plan:
         estimate = data.get("estimate") or {}
         if not isinstance(estimate, dict):
             raise PlanError("malformed plan: 'estimate' must be an object")
+        fidelity = data.get("fidelity") or {}
+        if not isinstance(fidelity, dict):
+            raise PlanError("malformed plan: 'fidelity' must be an object")
         cuts = data.get("cuts") or []
         if not isinstance(cuts, list) or not all(isinstance(c, int) for c in cuts):
             raise PlanError("malformed plan: 'cuts' must be a list of integers")
@@ -268,6 +276,7 @@ class Plan:
             codec={str(k): str(v) for k, v in codec.items()},
             estimate=dict(estimate),
             cuts=tuple(cuts),
+            fidelity=dict(fidelity),
         )
 
 

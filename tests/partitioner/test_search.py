@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,7 +14,7 @@ from tierflow.errors import PlanError
 from tierflow.links import LinkSpec
 from tierflow.partitioner.cost import Problem, build_tables, estimate
 from tierflow.partitioner.profile import Profile
-from tierflow.partitioner.search import search
+from tierflow.partitioner.search import Admission, search
 
 from .conftest import make_profile
 
@@ -171,3 +173,58 @@ def test_search_equals_brute_force_and_respects_the_budget(
     scores = [e.score(objective) for e in result.ranked]
     # Ranked by score; scores within 1e-12 s count as ties (broken by the rules above).
     assert all(x <= y + 1e-12 for x, y in itertools.pairwise(scores))
+
+
+def _admitted(admission: Admission, plan: Any, codecs: tuple[str, ...]) -> bool:
+    """Brute-force reading of an admission: may ``plan`` use its codecs at its cuts?"""
+    a, b = plan.cuts
+    last = plan.last
+    cols = {name: codecs.index(cost.codec) for name, cost in plan.links.items() if cost.used}
+    for name, cut in (("device-edge", a), ("edge-cloud", b)):
+        if name in cols and not admission.allowed[name][cut, cols[name]]:
+            return False
+    if (
+        len(cols) == 2
+        and admission.lossy[cols["device-edge"]]
+        and admission.lossy[cols["edge-cloud"]]
+    ):
+        key = (a, cols["device-edge"], b, cols["edge-cloud"])
+        return admission.pairs.get(key, admission.pairs_default) and a < last and b < last
+    return True
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    spec=_profiles,
+    rates=st.tuples(st.floats(1e4, 1e9), st.floats(1e4, 1e9)),
+    objective=st.sampled_from(["latency", "throughput"]),
+    seed=st.integers(0, 2**32 - 1),
+    pairs_default=st.booleans(),
+)
+def test_search_with_an_admission_equals_brute_force(
+    spec, rates, objective, seed, pairs_default
+) -> None:
+    unit_s, cut_bytes, _, _ = spec
+    base = make_profile(unit_s, cut_bytes, overhead_s=0.001)
+    codecs = ("raw", "zstd", "int8+zstd")
+    problem = Problem(tiers(base, 0.5, 0.25), links(*rates), objective=objective, codecs=codecs)
+    tables = build_tables(problem)
+    n = len(cut_bytes)
+    rng = np.random.default_rng(seed)
+    allowed = {name: rng.random((n, 3)) < 0.6 for name in ("device-edge", "edge-cloud")}
+    for table in allowed.values():
+        table[:, :2] = True  # lossless codecs are always allowed
+        table[n - 1, :] = True  # the output cut carries nothing
+    pairs = {(a, 2, b, 2): bool(rng.random() < 0.5) for a in range(n) for b in range(a, n)}
+    admission = Admission(allowed, (False, False, True), pairs, pairs_default)
+    brute = [
+        estimate(tables, a, b, {"device-edge": c1, "edge-cloud": c2})
+        for a, b in itertools.combinations_with_replacement(range(n), 2)
+        for c1, c2 in itertools.product(codecs, repeat=2)
+    ]
+    admitted = [e for e in brute if _admitted(admission, e, codecs)]
+    result = search(problem, tables=tables, admission=admission, top=20)
+    for plan in result.ranked:
+        assert _admitted(admission, plan, codecs), (plan.cuts, plan.codec)
+    best = min(e.score(objective) for e in admitted)
+    assert result.best.score(objective) == pytest.approx(best, rel=1e-9, abs=1e-12)
