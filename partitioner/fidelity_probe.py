@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from tierflow import npz
 from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES, decode, decoded_nbytes, encode
 from tierflow.errors import InputError, ModelError, PlanError
 from tierflow.links import TIERS, link_between
-from tierflow.npz import adds_batch, request, request_count
 from tierflow.partitioner.fidelity import FidelityBudget, FidelityScore, score
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.split import extract_segment, session
@@ -54,11 +54,11 @@ def sample_requests(
     fixes it, and a dtype of the same kind.
     """
     ranks: dict[str, int | None] = {info.name: len(info.shape) for info in inputs}
-    count = request_count(sample, list(ranks), what)
-    batch = adds_batch(sample, ranks, what)
+    count = npz.request_count(sample, list(ranks), what)
+    batch = npz.adds_batch(sample, ranks, what)
     requests: list[Request] = []
     for index in range(count):
-        rows = request(sample, ranks, index, batch=batch)
+        rows = npz.request(sample, ranks, index, batch=batch)
         for info in inputs:
             row, declared = rows[info.name], tuple(info.shape)
             if len(declared) != row.ndim or any(
