@@ -91,7 +91,9 @@ class CacheStats:
 
     ``bytes`` is what the cache counts against ``budget_bytes`` (never more than it);
     ``expirations`` are entries dropped because their TTL ran out; ``errors`` are backend
-    failures that were treated as misses (Redis unreachable, a corrupt entry).
+    failures that were treated as misses (Redis unreachable, a corrupt entry);
+    ``rejected`` are shared entries whose authentication failed (written without the
+    key, or changed since), also misses.
     """
 
     hits: int = 0
@@ -100,6 +102,7 @@ class CacheStats:
     evictions: int = 0
     expirations: int = 0
     errors: int = 0
+    rejected: int = 0
     entries: int = 0
     bytes: int = 0
     budget_bytes: int = 0
@@ -118,6 +121,7 @@ class CacheStats:
             "evictions": self.evictions,
             "expirations": self.expirations,
             "errors": self.errors,
+            "rejected": self.rejected,
             "entries": self.entries,
             "bytes": self.bytes,
             "budget_bytes": self.budget_bytes,

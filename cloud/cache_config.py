@@ -10,10 +10,13 @@ Spec forms (sizes, durations and rates as :mod:`tierflow.units` reads them)::
                                           disagreement rate (default 1%)
     approx:32MiB,threshold=0.08[,ttl=10s] approximate cache with a fixed threshold
                                           (from an offline calibrate_threshold run)
-    redis://HOST:PORT/DB?budget=64MiB[&ttl=600s][&namespace=NAME]
+    redis://[:PASSWORD@]HOST:PORT/DB?budget=64MiB[&ttl=600s][&namespace=NAME]
+          [&hmac_key_file=FILE][&timeout=100ms][&cooldown=5s]
                                           exact cache shared by replicas through Redis
-                                          (also rediss:// and unix://; other query
-                                          parameters go to the redis client)
+                                          (also rediss:// for TLS and unix://; other
+                                          query parameters go to the redis client);
+                                          entries authenticated with the key in FILE,
+                                          see tierflow.cloud.cache_redis
 
 A server calls :func:`parse_cache_spec` on the option's text (or uses
 :func:`cache_spec_argument` as an argparse ``type=``) and :func:`build_cache` once at
@@ -31,6 +34,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from tierflow.cloud.cache import FeatureCache
 from tierflow.cloud.cache_approx import DEFAULT_DIM, ApproxCache
 from tierflow.cloud.cache_memory import Clock, MemoryCache
+from tierflow.cloud.cache_redis import redact
 from tierflow.errors import CacheError, UsageError
 from tierflow.units import format_duration, format_size, parse_duration, parse_size
 
@@ -42,6 +46,7 @@ DEFAULT_TARGET = 0.01
 CACHE_HELP = (
     "feature cache: off | exact:SIZE[,ttl=DUR] | approx:SIZE[,target=RATE|threshold=D]"
     "[,ttl=DUR][,dim=N] | redis://HOST:PORT/DB?budget=SIZE[&ttl=DUR][&namespace=NAME]"
+    "[&hmac_key_file=FILE][&timeout=DUR][&cooldown=DUR]"
 )
 
 
@@ -57,6 +62,9 @@ class CacheSpec:
     dim: int = DEFAULT_DIM
     url: str | None = None
     namespace: str = "tierflow"
+    hmac_key_file: str | None = None
+    timeout_s: float = 0.1
+    cooldown_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -79,6 +87,10 @@ class CacheSpec:
             raise UsageError(f"approx cache dim: expected >= 1, found {self.dim}")
         if self.kind == "redis" and not self.url:
             raise UsageError("redis cache: expected a redis:// URL")
+        if not 0 < self.timeout_s <= 60:
+            raise UsageError(f"redis cache timeout: expected (0, 60] s, found {self.timeout_s}")
+        if not 0 <= self.cooldown_s <= 3600:
+            raise UsageError(f"redis cache cooldown: expected [0, 3600] s, found {self.cooldown_s}")
 
     def describe(self) -> str:
         """One line for logs and tables, in the spec's own syntax where it can."""
@@ -86,7 +98,9 @@ class CacheSpec:
             return "off"
         ttl = "" if self.ttl_s is None else f",ttl={format_duration(self.ttl_s)}"
         if self.kind == "redis":
-            return f"redis {self.url} budget={format_size(self.budget_bytes)}{ttl}"
+            signed = " signed" if self.hmac_key_file else ""
+            budget = format_size(self.budget_bytes)
+            return f"redis {redact(self.url or '')} budget={budget}{ttl}{signed}"
         if self.kind == "exact":
             return f"exact:{format_size(self.budget_bytes)}{ttl}"
         rule = (
@@ -106,6 +120,9 @@ class CacheSpec:
             "dim": self.dim,
             "url": self.url,
             "namespace": self.namespace,
+            "hmac_key_file": self.hmac_key_file,
+            "timeout_s": self.timeout_s,
+            "cooldown_s": self.cooldown_s,
         }
 
     @classmethod
@@ -139,7 +156,7 @@ def _parse_redis(text: str) -> CacheSpec:
     ours: dict[str, str] = {}
     rest: list[tuple[str, str]] = []
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
-        if name in ("budget", "ttl", "namespace"):
+        if name in ("budget", "ttl", "namespace", "hmac_key_file", "timeout", "cooldown"):
             ours[name] = value
         else:
             rest.append((name, value))
@@ -154,6 +171,9 @@ def _parse_redis(text: str) -> CacheSpec:
         ttl_s=parse_duration(ours["ttl"]) if "ttl" in ours else None,
         url=url,
         namespace=ours.get("namespace") or "tierflow",
+        hmac_key_file=ours.get("hmac_key_file") or None,
+        timeout_s=parse_duration(ours["timeout"]) if "timeout" in ours else 0.1,
+        cooldown_s=parse_duration(ours["cooldown"]) if "cooldown" in ours else 5.0,
     )
 
 
@@ -209,7 +229,11 @@ def cache_spec_argument(text: str) -> CacheSpec:
 
 
 def build_cache(spec: CacheSpec, *, clock: Clock | None = None) -> FeatureCache | None:
-    """The cache a spec describes (None for ``off``); raises CacheError if Redis is down."""
+    """The cache a spec describes (None for ``off``).
+
+    An unreachable Redis is not an error: the cache starts without it and uses it once
+    it answers (see [Note: redis circuit breaker] in ``tierflow.cloud.cache_redis``).
+    """
     extra = {} if clock is None else {"clock": clock}
     if spec.kind == "off":
         return None
@@ -229,4 +253,26 @@ def build_cache(spec: CacheSpec, *, clock: Clock | None = None) -> FeatureCache 
     assert spec.url is not None
     if clock is not None:
         raise CacheError("the Redis cache expires entries on Redis' clock; it takes no clock")
-    return RedisCache(spec.url, spec.budget_bytes, ttl_s=spec.ttl_s, namespace=spec.namespace)
+    return RedisCache(
+        spec.url,
+        spec.budget_bytes,
+        ttl_s=spec.ttl_s,
+        namespace=spec.namespace,
+        timeout_s=spec.timeout_s,
+        cooldown_s=spec.cooldown_s,
+        hmac_key=read_hmac_key(spec.hmac_key_file) if spec.hmac_key_file else None,
+    )
+
+
+def read_hmac_key(path: str) -> bytes:
+    """The key in ``path`` (its bytes, surrounding whitespace removed); at least 16 bytes."""
+    try:
+        with open(path, "rb") as file:
+            key = file.read(64 * 1024 + 1).strip()
+    except OSError as exc:
+        raise CacheError(f"cannot read the Redis cache's hmac_key_file {path}: {exc}") from exc
+    if not 16 <= len(key) <= 64 * 1024:
+        raise CacheError(
+            f"hmac_key_file {path}: expected 16 to 65536 bytes of key, found {len(key)}"
+        )
+    return key

@@ -19,18 +19,43 @@ blob, its name three times (entry key, sorted-set member, size field) and
 as a hash tag, so they live on one node of a Redis Cluster.
 
 A lookup that fails (Redis down, a timeout, a corrupt entry) never fails the request: it
-counts an error, logs a warning, and is a miss. Only construction raises
-:class:`~tierflow.errors.CacheError`, when Redis cannot be reached or the URL is bad.
+counts an error, logs a warning, and is a miss. See [Note: redis circuit breaker] for why
+a stalled Redis cannot slow the cloud down, and [Note: redis entry authentication] for
+why a writer without the key cannot change answers. Only a malformed URL raises
+:class:`~tierflow.errors.CacheError` at construction; an unreachable Redis does not.
+
+[Note: redis circuit breaker]
+Every Redis call has a short timeout (``timeout_s``, 0.1 s by default). After a call
+fails, the cache skips Redis (every lookup a miss, every store dropped, at no cost) for
+``cooldown_s``; then one call tries again, and its success closes the breaker. A cloud
+whose Redis stalls so pays one timeout per cool-down, not one per request, and a cloud
+started while Redis is down serves without the cache (one log line) and starts using
+it once Redis answers.
+
+[Note: redis entry authentication]
+With a key (``hmac_key_file=`` in the URL: a file of at least 16 bytes, the same on
+every replica) each stored blob is prefixed with HMAC-SHA256 over the namespace, the
+entry's name and the blob. A lookup checks it in constant time; an entry written
+without the key, changed, or copied under another name is a miss, counted in
+``rejected``. Without a key, entries are trusted as they are (a warning says so once).
+
+URLs: ``redis://[:PASSWORD@]HOST:PORT/DB``, ``rediss://`` for TLS (``ssl_ca_certs=``,
+``ssl_certfile=``, ``ssl_keyfile=`` and other redis-py parameters pass through the query)
+and ``unix://PATH``. Passwords never appear in logs.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import struct
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
@@ -48,6 +73,13 @@ MAGIC = b"TFCA\x01"
 
 REDIS_ENTRY_OVERHEAD = 192
 """Bytes charged per entry for Redis' key, sorted-set and hash structures."""
+
+SIGNED = b"TFCS\x01"
+"""First bytes of an authenticated entry: then the HMAC-SHA256 tag, then the answer."""
+
+MIN_KEY_BYTES = 16
+DEFAULT_TIMEOUT_S = 0.1
+DEFAULT_COOLDOWN_S = 5.0
 
 _ALLOWED_KINDS = frozenset("biufc")
 
@@ -161,12 +193,67 @@ def decode_answer(blob: bytes) -> CacheAnswer:
     return CacheAnswer(outputs=outputs, exit=exit_name)
 
 
+def redact(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``, for logs and messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    netloc = f"{user}:***@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+class CircuitBreaker:
+    """Skip a failing backend for a cool-down, then let one call try ([Note: redis circuit
+    breaker]). Thread-safe; ``clock`` is ``time.monotonic`` unless a test gives another."""
+
+    def __init__(self, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._open_until: float | None = None  # None: closed, calls go through
+
+    @property
+    def open(self) -> bool:
+        return self._open_until is not None
+
+    def allow(self) -> bool:
+        """Whether a call may go to the backend now (one at a time once the cool-down ends)."""
+        with self._lock:
+            if self._open_until is None:
+                return True
+            now = self._clock()
+            if now < self._open_until:
+                return False
+            self._open_until = now + self.cooldown_s  # this caller tries; the rest wait
+            return True
+
+    def failed(self) -> bool:
+        """Open (again) for a cool-down; True when it was closed until now."""
+        with self._lock:
+            was_closed = self._open_until is None
+            self._open_until = self._clock() + self.cooldown_s
+            return was_closed
+
+    def succeeded(self) -> bool:
+        """Close; True when it was open until now."""
+        with self._lock:
+            was_open = self._open_until is not None
+            self._open_until = None
+            return was_open
+
+
 class RedisCache:
     """Exact feature cache shared through Redis by every replica using the same namespace.
 
-    ``url`` is a redis-py URL (``redis://host:port/db``); ``budget_bytes`` bounds what this
-    namespace holds, whichever replica stored it (see [Note: redis cache accounting]).
-    ``timeout_s`` bounds each Redis call, so a stalled server costs a lookup at most that.
+    ``url`` is a redis-py URL (``redis://host:port/db``, see the module docstring);
+    ``budget_bytes`` bounds what this namespace holds, whichever replica stored it (see
+    [Note: redis cache accounting]). ``timeout_s`` bounds each Redis call and
+    ``cooldown_s`` is how long a failure makes the cache skip Redis ([Note: redis circuit
+    breaker]); ``hmac_key`` authenticates entries ([Note: redis entry authentication]).
     """
 
     def __init__(
@@ -176,9 +263,21 @@ class RedisCache:
         *,
         ttl_s: float | None = None,
         namespace: str = "tierflow",
-        timeout_s: float = 0.5,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        cooldown_s: float = DEFAULT_COOLDOWN_S,
+        hmac_key: bytes | None = None,
     ) -> None:
         check_budget(budget_bytes, ttl_s)
+        if not (0 < timeout_s <= 60 and 0 <= cooldown_s <= 3600):
+            raise CacheError(
+                f"Redis timeout must be in (0, 60] s and cool-down in [0, 3600] s, found "
+                f"{timeout_s} and {cooldown_s}"
+            )
+        if hmac_key is not None and len(hmac_key) < MIN_KEY_BYTES:
+            raise CacheError(
+                f"the Redis cache's HMAC key must have at least {MIN_KEY_BYTES} bytes, "
+                f"found {len(hmac_key)}"
+            )
         try:
             import redis
         except ImportError as exc:
@@ -193,27 +292,82 @@ class RedisCache:
         tag = "{" + namespace + "}"
         self._prefix = f"{tag}:e:"
         self._keys = [f"{tag}:lru", f"{tag}:size", f"{tag}:bytes", f"{tag}:tick"]
+        self._hmac_key = hmac_key
+        self._breaker = CircuitBreaker(cooldown_s)
         try:
+            # Connecting may take a TLS handshake over a long link: it gets a second.
             self._client: redis.Redis = redis.Redis.from_url(
-                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+                url, socket_timeout=timeout_s, socket_connect_timeout=max(timeout_s, 1.0)
             )
-            self._client.ping()
-        except (ValueError, *self._redis_error) as exc:
-            raise CacheError(f"cannot use Redis at {url!r} as a feature cache: {exc}") from exc
+        except (ValueError, TypeError) as exc:
+            raise CacheError(f"cannot use {redact(url)!r} as a Redis URL: {exc}") from exc
         self._store_script = self._client.register_script(_STORE)
         self._lookup_script = self._client.register_script(_LOOKUP)
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(
-            ("hits", "misses", "stores", "evictions", "expirations", "errors"), 0
+            ("hits", "misses", "stores", "evictions", "expirations", "errors", "rejected"), 0
         )
         self._last_books = (0, 0)
-        self._failing = False
+        self._warned_rejected = False
+        if hmac_key is None:
+            logger.warning(
+                "[cache] Redis entries at %s are not authenticated: anyone who can write to "
+                "this Redis can change answers (add hmac_key_file=FILE to the URL)",
+                redact(url),
+            )
+        try:
+            self._client.ping()
+        except self._redis_error as exc:
+            self._breaker.failed()
+            logger.warning(
+                "[cache] Redis at %s does not answer (%s); serving without it, retrying "
+                "every %.3g s",
+                redact(url),
+                exc,
+                cooldown_s,
+            )
 
     def __repr__(self) -> str:
         return (
-            f"RedisCache(url={self.url!r}, budget_bytes={self.budget_bytes}, "
+            f"RedisCache(url={redact(self.url)!r}, budget_bytes={self.budget_bytes}, "
             f"ttl_s={self.ttl_s}, namespace={self.namespace!r})"
         )
+
+    @property
+    def available(self) -> bool:
+        """False while the breaker skips Redis ([Note: redis circuit breaker])."""
+        return not self._breaker.open
+
+    def _seal(self, member: str, blob: bytes) -> bytes:
+        if self._hmac_key is None:
+            return blob
+        return SIGNED + self._tag(member, blob) + blob
+
+    def _tag(self, member: str, blob: bytes) -> bytes:
+        assert self._hmac_key is not None
+        mac = hmac.new(self._hmac_key, digestmod=hashlib.sha256)
+        for part in (self.namespace.encode(), b"\0", member.encode(), b"\0", blob):
+            mac.update(part)
+        return mac.digest()
+
+    def _unseal(self, member: str, found: bytes) -> bytes | None:
+        """The answer's bytes, or None when authentication fails (counted, warned once)."""
+        if self._hmac_key is None:
+            return found[len(SIGNED) + 32 :] if found.startswith(SIGNED) else found
+        start = len(SIGNED) + 32
+        if found.startswith(SIGNED) and len(found) >= start:
+            blob = found[start:]
+            if hmac.compare_digest(found[len(SIGNED) : start], self._tag(member, blob)):
+                return blob
+        self._count(rejected=1, misses=1)
+        if not self._warned_rejected:
+            self._warned_rejected = True
+            logger.warning(
+                "[cache] a Redis entry at %s failed authentication (written without the "
+                "key, or changed): treated as a miss; counted in 'rejected' from now on",
+                redact(self.url),
+            )
+        return None
 
     def _count(self, **increments: int) -> None:
         with self._lock:
@@ -221,30 +375,33 @@ class RedisCache:
                 self._counts[name] += amount
 
     def _failed(self, action: str, exc: BaseException) -> None:
+        first = self._breaker.failed()
         with self._lock:
             self._counts["errors"] += 1
             errors = self._counts["errors"]
-            first = not self._failing
-            self._failing = True
         if first or errors % 100 == 0:
             logger.warning(
-                "[cache] Redis %s failed at %s (%s); treating as a miss (%d errors so far)",
+                "[cache] Redis %s failed at %s (%s); treating as a miss and skipping Redis "
+                "for %.3g s (%d errors so far)",
                 action,
-                self.url,
+                redact(self.url),
                 exc,
+                self._breaker.cooldown_s,
                 errors,
             )
 
     def _recovered(self) -> None:
-        if self._failing:
-            with self._lock:
-                self._failing = False
-            logger.warning("[cache] Redis at %s answers again", self.url)
+        if self._breaker.succeeded():
+            logger.warning("[cache] Redis at %s answers again", redact(self.url))
 
     def lookup(self, key: bytes, features: Mapping[str, np.ndarray]) -> CacheAnswer | None:
         """The shared answer for exactly this key, or None (also when Redis fails)."""
+        if not self._breaker.allow():
+            self._count(misses=1)
+            return None
+        member = key.hex()
         try:
-            found = self._lookup_script(keys=self._keys, args=[self._prefix, key.hex()])
+            found = self._lookup_script(keys=self._keys, args=[self._prefix, member])
         except self._redis_error as exc:
             self._failed("lookup", exc)
             self._count(misses=1)
@@ -253,8 +410,11 @@ class RedisCache:
         if not isinstance(found, bytes):
             self._count(misses=1, expirations=1 if found == 1 else 0)
             return None
+        blob = self._unseal(member, found)
+        if blob is None:
+            return None
         try:
-            answer = decode_answer(found)
+            answer = decode_answer(blob)
         except CacheError as exc:
             self._failed("decode", exc)
             self._count(misses=1)
@@ -264,8 +424,10 @@ class RedisCache:
 
     def store(self, key: bytes, features: Mapping[str, np.ndarray], answer: CacheAnswer) -> None:
         """Share ``answer`` under ``key``, evicting LRU entries of the namespace to fit."""
-        blob = encode_answer(answer)
+        if not self._breaker.allow():
+            return
         member = key.hex()
+        blob = self._seal(member, encode_answer(answer))
         size = len(blob) + 3 * len(member) + len(self._prefix) + REDIS_ENTRY_OVERHEAD
         ttl_ms = 0 if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
         try:
@@ -290,14 +452,16 @@ class RedisCache:
 
         If Redis cannot be asked, entries and bytes are the last figures read.
         """
-        try:
-            pipe = self._client.pipeline(transaction=True)
-            pipe.zcard(self._keys[0])
-            pipe.get(self._keys[2])
-            entries, held = pipe.execute()
-            self._last_books = (int(entries), int(held or 0))
-        except self._redis_error as exc:
-            self._failed("stats", exc)
+        if self._breaker.allow():
+            try:
+                pipe = self._client.pipeline(transaction=True)
+                pipe.zcard(self._keys[0])
+                pipe.get(self._keys[2])
+                entries, held = pipe.execute()
+                self._last_books = (int(entries), int(held or 0))
+                self._recovered()
+            except self._redis_error as exc:
+                self._failed("stats", exc)
         with self._lock:
             counts = dict(self._counts)
         entries, held = self._last_books
@@ -310,7 +474,7 @@ class RedisCache:
             names.extend(self._keys)
             self._client.delete(*names)
         except self._redis_error as exc:
-            raise CacheError(f"cannot clear the Redis cache at {self.url!r}: {exc}") from exc
+            raise CacheError(f"cannot clear the Redis cache at {redact(self.url)}: {exc}") from exc
 
     def close(self) -> None:
         """Release the connection pool."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -20,11 +21,14 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_redis(
+    directory: Path, *extra: str, port: int | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     """A throw-away redis-server on a free port with no persistence; its URL once it PINGs.
 
-    Without the binary the test is skipped, except under CI (env ``CI`` set), where a
-    missing service must fail the run rather than pass it silently.
+    ``extra`` are more redis-server options (a password, a TLS port); ``port`` a port to
+    take instead of a free one. Without the binary the test is skipped, except under CI
+    (env ``CI`` set), where a missing service must fail the run rather than pass it silently.
     """
     binary = shutil.which("redis-server")
     if binary is None:
@@ -32,12 +36,12 @@ def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
             pytest.fail("redis-server is not installed, and CI must run the Redis tests")
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
     for _ in range(5):
-        port = _free_port()
+        chosen = port or _free_port()
         process = subprocess.Popen(
             [
                 binary,
                 "--port",
-                str(port),
+                str(chosen),
                 "--bind",
                 "127.0.0.1",
                 "--save",
@@ -48,6 +52,7 @@ def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
                 str(directory),
                 "--loglevel",
                 "warning",
+                *extra,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -55,10 +60,10 @@ def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and process.poll() is None:
             try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+                with socket.create_connection(("127.0.0.1", chosen), timeout=0.5) as conn:
                     conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
-                        return process, f"redis://127.0.0.1:{port}/0"
+                    if conn.recv(16).startswith((b"+PONG", b"-NOAUTH")):
+                        return process, f"redis://127.0.0.1:{chosen}/0"
             except OSError:
                 time.sleep(0.02)
         stop_redis(process)  # lost the port race or never came up: try another port
@@ -83,6 +88,28 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
     finally:
         stop_redis(process)
+
+
+@pytest.fixture
+def redis_servers(tmp_path: Path) -> Iterator[Any]:
+    """Start private redis-servers (to stall, stop or configure); each stopped afterwards.
+
+    Call the yielded function as :func:`start_redis` without the directory.
+    """
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(*extra: str, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+        process, url = start_redis(tmp_path, *extra, port=port)
+        started.append(process)
+        return process, url
+
+    try:
+        yield start
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)  # a stalled server must still stop
+            stop_redis(process)
 
 
 @pytest.fixture(scope="session", autouse=True)

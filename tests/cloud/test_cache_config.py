@@ -97,5 +97,8 @@ def test_build_cache_reaches_redis(redis_url: str) -> None:
     cache = build_cache(parse_cache_spec(f"{redis_url}?budget=1MiB&namespace=config-test"))
     assert isinstance(cache, RedisCache) and cache.stats().budget_bytes == 1 << 20
     cache.close()
-    with pytest.raises(CacheError):
-        build_cache(parse_cache_spec("redis://127.0.0.1:1/0?budget=1MiB"))
+    down = build_cache(parse_cache_spec("redis://127.0.0.1:1/0?budget=1MiB&timeout=50ms"))
+    assert isinstance(down, RedisCache) and not down.available  # starts without Redis
+    down.close()
+    with pytest.raises(CacheError, match="hmac_key_file"):
+        build_cache(parse_cache_spec(f"{redis_url}?budget=1MiB&hmac_key_file=/nonexistent"))

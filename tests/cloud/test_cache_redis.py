@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 import uuid
@@ -172,14 +173,33 @@ def test_ttl_is_redis_expiry(redis_url: str, namespace: str) -> None:
     cache.clear()
 
 
-def test_unreachable_redis_is_an_error_at_construction() -> None:
+def test_a_cloud_starts_without_redis_and_uses_it_once_it_answers(
+    redis_servers: Any, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
     import socket
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with pytest.raises(CacheError, match="cannot use Redis"):
-        RedisCache(f"redis://127.0.0.1:{port}/0", 1 << 20, timeout_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="tierflow.cloud.cache_redis"):
+        cache = RedisCache(
+            f"redis://127.0.0.1:{port}/0", 1 << 20, namespace=namespace, cooldown_s=0.2
+        )
+    assert not cache.available
+    assert [r for r in caplog.records if "does not answer" in r.getMessage()]
+    feats = features(6)
+    key = cache_key("m", "p", 0, feats)
+    started = time.monotonic()
+    for _ in range(100):
+        assert cache.lookup(key, feats) is None
+    assert time.monotonic() - started < 0.5  # skipped, not 100 connection attempts
+    redis_servers(port=port)
+    time.sleep(0.25)
+    cache.store(key, feats, answer(6))  # the first call after the cool-down reconnects
+    assert cache.available
+    assert cache.lookup(key, feats) is not None
+    cache.clear()
+    cache.close()
     with pytest.raises(CacheError):
         RedisCache("http://not-redis", 1 << 20)
 
@@ -187,7 +207,7 @@ def test_unreachable_redis_is_an_error_at_construction() -> None:
 def test_a_stalled_redis_is_a_miss_not_a_failure(
     redis_url: str, namespace: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cache = RedisCache(redis_url, 1 << 20, namespace=namespace, timeout_s=0.1)
+    cache = RedisCache(redis_url, 1 << 20, namespace=namespace, timeout_s=0.1, cooldown_s=0.2)
     admin = redis.Redis.from_url(redis_url)
     feats = features(4)
     key = cache_key("m", "p", 0, feats)
@@ -199,11 +219,111 @@ def test_a_stalled_redis_is_a_miss_not_a_failure(
             cache.store(cache_key("m", "p", 0, features(5)), features(5), answer(5))
     finally:
         admin.execute_command("CLIENT", "UNPAUSE")
-    assert cache.stats().errors >= 2 and cache.stats().misses == 1
+    assert cache.stats().errors == 1 and cache.stats().misses == 1  # then the breaker skips
     assert any("treating as a miss" in record.getMessage() for record in caplog.records)
+    time.sleep(0.25)
     assert cache.lookup(key, feats) is not None  # served again once Redis answers
     cache.clear()
     admin.close()
+
+
+def test_a_stopped_redis_costs_one_timeout_per_cool_down(redis_servers: Any) -> None:
+    """SIGSTOP the server: lookups stay fast (the breaker), and resume after SIGCONT."""
+    process, url = redis_servers()
+    cache = RedisCache(url, 1 << 20, timeout_s=0.1, cooldown_s=0.5)
+    feats = features(7)
+    key = cache_key("m", "p", 0, feats)
+    cache.store(key, feats, answer(7))
+    process.send_signal(signal.SIGSTOP)
+    try:
+        latencies = []
+        ended = time.monotonic() + 1.2  # a little over two cool-downs
+        while time.monotonic() < ended:
+            started = time.perf_counter()
+            assert cache.lookup(key, feats) is None
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.002)
+    finally:
+        process.send_signal(signal.SIGCONT)
+    slow = [t for t in latencies if t > 0.05]
+    assert len(latencies) > 100
+    assert 1 <= len(slow) <= 4  # one timeout at first and one per cool-down after
+    assert max(latencies) < 0.3 and sorted(latencies)[len(latencies) // 2] < 0.005
+    time.sleep(0.6)
+    assert cache.lookup(key, feats) is not None
+    cache.clear()
+    cache.close()
+
+
+def test_entries_without_the_key_or_changed_are_rejected(redis_url: str, namespace: str) -> None:
+    key_bytes = b"k" * 32
+    signed = RedisCache(redis_url, 1 << 20, namespace=namespace, hmac_key=key_bytes)
+    forger = RedisCache(redis_url, 1 << 20, namespace=namespace, hmac_key=b"x" * 32)
+    plain = RedisCache(redis_url, 1 << 20, namespace=namespace)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        feats, other = features(8), features(9)
+        key, other_key = cache_key("m", "p", 0, feats), cache_key("m", "p", 0, other)
+        signed.store(key, feats, answer(8))
+        assert signed.lookup(key, feats) is not None
+        entry = "{" + namespace + "}:e:" + key.hex()
+        blob = client.get(entry)
+        assert blob is not None and blob.startswith(b"TFCS")
+        # A writer with no key or another key, a flipped byte, an entry moved to another key.
+        forger.store(key, feats, answer(10))
+        assert signed.lookup(key, feats) is None
+        plain.store(key, feats, answer(10))
+        assert signed.lookup(key, feats) is None
+        client.set(entry, blob[:-1] + bytes([blob[-1] ^ 1]))
+        assert signed.lookup(key, feats) is None
+        signed.store(other_key, other, answer(9))
+        client.set(entry, client.get("{" + namespace + "}:e:" + other_key.hex()))
+        assert signed.lookup(key, feats) is None
+        assert signed.stats().rejected == 4
+        client.set(entry, blob)
+        hit = signed.lookup(key, feats)
+        assert hit is not None
+        assert hit.outputs["logits"].tobytes() == answer(8).outputs["logits"].tobytes()
+    finally:
+        signed.clear()
+        for cache in (signed, forger, plain):
+            cache.close()
+        client.close()
+
+
+def test_password_and_tls_urls(redis_servers: Any, tls_files: dict[str, Any]) -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        tls_port = probe.getsockname()[1]
+    _, url = redis_servers(
+        "--requirepass",
+        "pa55word",
+        "--tls-port",
+        str(tls_port),
+        "--tls-cert-file",
+        str(tls_files["server_cert"]),
+        "--tls-key-file",
+        str(tls_files["server_key"]),
+        "--tls-ca-cert-file",
+        str(tls_files["ca"]),
+        "--tls-auth-clients",
+        "no",
+    )
+    port = url.rsplit(":", 1)[1].split("/")[0]
+    feats = features(11)
+    key = cache_key("m", "p", 0, feats)
+    secure = f"rediss://:pa55word@127.0.0.1:{tls_port}/0?ssl_ca_certs={tls_files['ca']}"
+    cache = RedisCache(secure, 1 << 20)
+    assert "pa55word" not in repr(cache)
+    cache.store(key, feats, answer(11))
+    assert cache.lookup(key, feats) is not None
+    cache.clear()
+    cache.close()
+    wrong = RedisCache(f"redis://:wrong@127.0.0.1:{port}/0", 1 << 20)
+    assert not wrong.available and wrong.lookup(key, feats) is None
+    wrong.close()
 
 
 @settings(max_examples=15, deadline=None)
