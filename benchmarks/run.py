@@ -608,7 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     meta = {
         "command": command,
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "wall_s": time.perf_counter() - started,
         "quick": args.quick,
         "requests": args.requests,
