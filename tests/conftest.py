@@ -156,7 +156,7 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     directory = tmp_path_factory.mktemp("tls")
-    now = datetime.datetime.now(datetime.timezone.utc)  # noqa: UP017 - tests may run on 3.10
+    now = datetime.datetime.now(datetime.timezone.utc)
 
     def name(text: str) -> x509.Name:
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
