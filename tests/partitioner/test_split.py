@@ -14,6 +14,7 @@ import pytest
 from tierflow.errors import PlanError
 from tierflow.partitioner.graph import ModelGraph, load_model
 from tierflow.partitioner.split import (
+    SegmentExtractor,
     extract_segment,
     run_segments,
     session,
@@ -21,7 +22,7 @@ from tierflow.partitioner.split import (
     verify_split,
     write_segments,
 )
-from tierflow.plan import Plan
+from tierflow.plan import Plan, SegmentSpec
 
 MODELS = ("chain_cnn", "resnet18", "mobilenet_v2", "transformer_encoder")
 
@@ -175,3 +176,64 @@ def test_run_segments_reports_missing_inputs(zoo_exports: Any) -> None:
     segments = split_model(graph, (3, 6))
     with pytest.raises(PlanError, match="needs"):
         run_segments(segments[1:], graph.representative_inputs())
+
+
+def test_segments_carry_the_local_functions_they_call(tmp_path: Path) -> None:
+    """A model-local function goes with the segment that calls it (and only there)."""
+    from onnx import TensorProto, helper
+
+    scale = helper.make_function(
+        "local",
+        "ScaledTanh",
+        ["v"],
+        ["r"],
+        [helper.make_node("Tanh", ["v"], ["t"]), helper.make_node("Add", ["t", "t"], ["r"])],
+        [helper.make_opsetid("", 17)],
+    )
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("Sigmoid", ["a"], ["b"]),
+        helper.make_node("ScaledTanh", ["b"], ["c"], domain="local"),
+        helper.make_node("Neg", ["c"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "functions",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local", 1)],
+        functions=[scale],
+    )
+    onnx.save(model, tmp_path / "f.onnx")
+    loaded = load_model(tmp_path / "f.onnx")
+    extractor = SegmentExtractor(loaded.model)
+    first, second = extractor.extract(["x"], ["b"]), extractor.extract(["b"], ["y"])
+    assert [f.name for f in first.functions] == [] and [n.op_type for n in first.graph.node] == [
+        "Relu",
+        "Sigmoid",
+    ]
+    assert [f.name for f in second.functions] == ["ScaledTanh"]
+    chained = [
+        (SegmentSpec("device", "0.onnx", ("x",), ("b",)), first),
+        (SegmentSpec("cloud", "1.onnx", ("b",), ("y",)), second),
+    ]
+    assert verify_split(loaded, chained).bitwise_equal
+
+
+def test_splitting_uses_only_public_onnx_api() -> None:
+    """onnx's private Extractor internals were renamed between releases (1.16 to 1.19)."""
+    import ast
+
+    import tierflow.partitioner as package
+
+    for path in Path(package.__path__[0]).glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b) for b in node.bases]
+                assert not any(b.startswith("onnx.") for b in bases), (path.name, node.name)
+            if isinstance(node, ast.Attribute) and ast.unparse(node).startswith("onnx."):
+                assert not node.attr.startswith("_"), (path.name, ast.unparse(node))
