@@ -2,7 +2,9 @@
 
 Each subcommand lives with the code it drives and contributes a ``register(subparsers)``
 function; this module only wires them together, configures logging, and turns every
-:class:`~tierflow.errors.TierflowError` into one line on stderr and exit status 2.
+:class:`~tierflow.errors.TierflowError` into one line on stderr and exit status 2; a
+missing optional module becomes one such line naming the extra to install (a command
+may name the extra it needs with ``set_defaults(extra=...)``).
 Subcommand modules import heavy libraries (onnx, torch) inside their handlers, so
 ``tierflow serve edge`` never imports them.
 """
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 
 from tierflow import __version__
 from tierflow.errors import TierflowError
+from tierflow.extras import missing_extra
 
 # Modules that define ``register(subparsers)``, in the order their commands are listed.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -53,6 +56,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = args.handler(args)
     except TierflowError as exc:
         print(f"tierflow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # an extra is not installed: say which, no traceback
+        missing = missing_extra(exc, getattr(args, "extra", None))
+        if missing is None:
+            raise
+        print(f"tierflow {args.command}: error: {missing}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"tierflow {args.command}: interrupted", file=sys.stderr)

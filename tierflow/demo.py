@@ -106,7 +106,7 @@ def register(subparsers: Any) -> None:
         default=None,
         help="where plans and logs go (default: a temporary folder, removed afterwards)",
     )
-    parser.set_defaults(handler=run_demo)
+    parser.set_defaults(handler=run_demo, extra="train")  # the extra a missing import names
 
 
 def run_demo(args: argparse.Namespace) -> int:

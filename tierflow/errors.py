@@ -17,6 +17,8 @@ Messages say what was expected and what was found.
     ├── CodecError          corrupt, oversized or hostile encoded tensors (including
     │                       decompression bombs)
     ├── CacheError          a feature-cache backend failed or was misconfigured
+    ├── MissingExtraError   an optional dependency is not installed; says which extra
+    │                       brings it (``pip install 'tierflow[plan]'``)
     └── TransportError      a tier could not be reached or went away mid-stream
         ├── DeadlineError   a request was not answered within its deadline
         └── RemoteError     another tier answered a request with an error; ``code``
@@ -58,6 +60,15 @@ class CodecError(TierflowError):
 
 class CacheError(TierflowError):
     """A feature cache backend failed."""
+
+
+class MissingExtraError(TierflowError):
+    """An optional dependency is missing: ``module``, installed by the extra ``extra``."""
+
+    def __init__(self, message: str, *, module: str, extra: str) -> None:
+        super().__init__(message)
+        self.module = module
+        self.extra = extra
 
 
 class TransportError(TierflowError):

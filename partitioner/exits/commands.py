@@ -120,7 +120,7 @@ def register(subparsers: Any) -> None:
         help="fix a symbolic input dimension for the analysis (default: from --data)",
     )
     add.add_argument("--json", action="store_true", help="print the result as JSON")
-    add.set_defaults(handler=_add)
+    add.set_defaults(handler=_add, extra="train")  # scikit-learn fits the heads
 
     show = commands.add_parser(
         "show",

@@ -1,0 +1,101 @@
+"""Planning commands in a runtime-only install say which extra to install, in one line.
+
+A runtime-only install (``pip install tierflow``) has no onnx, torch or scikit-learn. The
+commands run in a subprocess whose import system refuses those modules, as such an
+install would, and must print one line naming the extra: no traceback.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierflow.errors import MissingExtraError
+from tierflow.extras import EXTRA_OF_MODULE, import_extra, missing_extra
+
+# Makes the listed top-level modules unimportable, the way a runtime-only install has them.
+BLOCKER = """
+import sys
+from importlib.abc import MetaPathFinder
+
+BLOCKED = {"onnx", "onnxscript", "torch", "sklearn", "matplotlib"}
+
+class Blocker(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Blocker())
+from tierflow.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "extra"),
+    [
+        (["plan", "model.onnx", "-o", "plan"], "plan"),
+        (["profile", "model.onnx", "-o", "profile.json"], "plan"),
+        (["exits", "add", "model.onnx", "--data", "calib.npz", "-o", "out.onnx"], "train"),
+        (["demo"], "train"),
+    ],
+)
+def test_planning_commands_name_the_extra(tmp_path: Path, argv: list[str], extra: str) -> None:
+    model = tmp_path / "model.onnx"
+    model.write_bytes(b"not read: the command stops at its first import")
+    (tmp_path / "calib.npz").write_bytes(b"")
+    done = subprocess.run(
+        [sys.executable, "-c", BLOCKER, *argv],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"tierflow {argv[0]}: error: ")
+    assert f"pip install 'tierflow[{extra}]'" in lines[0]
+
+
+def test_serve_help_needs_no_extra() -> None:
+    """The runtime commands still work with the extras blocked."""
+    done = subprocess.run(
+        [sys.executable, "-c", BLOCKER, "serve", "edge", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--upstream" in done.stdout
+
+
+def test_missing_extra_names_the_extra() -> None:
+    error = missing_extra(ModuleNotFoundError("No module named 'onnx.helper'", name="onnx.helper"))
+    assert isinstance(error, MissingExtraError)
+    assert (error.module, error.extra) == ("onnx", "plan")
+    assert missing_extra(ModuleNotFoundError("x", name="no_such_thing")) is None
+    assert set(EXTRA_OF_MODULE.values()) <= {
+        "plan",
+        "train",
+        "redis",
+        "bench",
+        "metrics",
+        "image",
+        "models",
+    }
+
+
+def test_import_extra_raises_a_typed_error() -> None:
+    with pytest.raises(MissingExtraError, match=r"the widget needs .*pip install"):
+        EXTRA_OF_MODULE["tierflow_no_such_module"] = "plan"
+        try:
+            import_extra("tierflow_no_such_module", "the widget")
+        finally:
+            del EXTRA_OF_MODULE["tierflow_no_such_module"]
+    assert import_extra("json", "parsing").dumps([]) == "[]"
