@@ -177,6 +177,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         self._in_flight = 0
         self._count_lock = threading.Lock()
         self._ready = threading.Event()
+        self._stopping = threading.Event()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -215,10 +216,29 @@ class TierService(tier_pb2_grpc.TierServicer):
             self.upstream_address if self.upstream else "nobody",
         )
 
-    def close(self) -> None:
+    def drain(self, timeout: float) -> bool:
+        """Refuse new requests from now on; wait up to ``timeout`` s for those in flight.
+
+        Returns whether every request in flight was answered. Requests that arrive from
+        now on are answered at once with UNAVAILABLE ("stopping"), so that a device
+        learns to go elsewhere instead of waiting for a tier that will not answer.
+        """
+        self._stopping.set()
+        ends = time.monotonic() + max(timeout, 0.0)
+        while True:
+            with self._count_lock:
+                if self._in_flight <= 0:
+                    return True
+            if time.monotonic() >= ends:
+                return False
+            time.sleep(0.01)
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Release the pool and the stream to the next tier (waiting up to ``timeout`` s)."""
         self._ready.clear()
+        self._stopping.set()
         if self.upstream is not None:
-            self.upstream.close(timeout=1.0)
+            self.upstream.close(timeout=timeout)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ streams
@@ -322,6 +342,10 @@ class TierService(tier_pb2_grpc.TierServicer):
                     self._in_flight += 1
                     overloaded = self._in_flight > self.max_in_flight
                     alone = self._in_flight == 1
+                if self._stopping.is_set():
+                    stopping = TransportError(f"the {self.tier} is stopping")
+                    send(self._error_reply(request.id, stopping))
+                    continue
                 if overloaded:
                     overload = TransportError(
                         f"the {self.tier} has {self.max_in_flight} requests in flight already"

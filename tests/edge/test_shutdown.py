@@ -1,0 +1,115 @@
+"""SIGTERM: new requests refused at once, those in flight drained, exit within grace + 1 s."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from tierflow.plan import load_plan
+from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.segment_runner import TierRunner
+from tierflow.wire import grpc_options, put_tensors
+
+
+def _edge_request(plan_dir: Path, request_id: str) -> tier_pb2.Request:
+    plan = load_plan(plan_dir)
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 3, 8, 8)).astype(np.float32)}
+    outcome = TierRunner(plan, plan_dir, "device").run(feeds)
+    request = tier_pb2.Request(id=request_id, plan_id=plan.plan_id, segment=outcome.next_segment)
+    put_tensors(request.tensors, outcome.tensors, plan.link_codec("device-edge"))
+    return request
+
+
+class _Stream:
+    """One Infer stream fed request by request; replies collected as they come."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.outgoing: queue.SimpleQueue[tier_pb2.Request | None] = queue.SimpleQueue()
+        self.call = tier_pb2_grpc.TierStub(channel).Infer(self._requests())
+        self.replies: Iterator[tier_pb2.Reply] = iter(self.call)
+
+    def _requests(self) -> Iterator[tier_pb2.Request]:
+        while (request := self.outgoing.get()) is not None:
+            yield request
+
+    def send(self, request: tier_pb2.Request) -> None:
+        self.outgoing.put(request)
+
+
+def test_sigterm_refuses_new_requests_at_once_and_drains_those_in_flight(
+    tmp_path: Path, rt: Any
+) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    with rt.processes() as start:
+        cloud = start("cloud", split.plan_dir)
+        edge = start("edge", split.plan_dir, "--upstream", cloud.address, "--grace", "5")
+        channel = grpc.insecure_channel(edge.address, options=grpc_options())
+        stream = _Stream(channel)
+        try:
+            stream.send(_edge_request(split.plan_dir, "warm"))
+            assert not next(stream.replies).HasField("error")
+            os.kill(cloud.process.pid, signal.SIGSTOP)
+            stream.send(_edge_request(split.plan_dir, "in-flight"))  # waits for the cloud
+            time.sleep(0.3)
+            edge.process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            stream.send(_edge_request(split.plan_dir, "late"))
+            late = next(stream.replies)  # answered at once, though one is still in flight
+            assert late.id == "late" and late.error.tier == "edge"
+            assert tier_pb2.ErrorCode.Name(late.error.code) == "UNAVAILABLE"
+            assert "stopping" in late.error.message
+            os.kill(cloud.process.pid, signal.SIGCONT)
+            drained = next(stream.replies)
+            assert drained.id == "in-flight" and not drained.HasField("error")
+            assert drained.answered_by == "cloud"
+            assert edge.process.wait(5) == 0  # exits once nothing is in flight
+        finally:
+            os.kill(cloud.process.pid, signal.SIGCONT)
+            stream.outgoing.put(None)
+            channel.close()
+
+
+def test_sigterm_after_garbage_exits_within_grace_plus_one_second(tmp_path: Path, rt: Any) -> None:
+    """Garbage from a client that went away, an idle stream, a request that never ends."""
+    split = rt.cnn(tmp_path / "plan")
+    valid = _edge_request(split.plan_dir, "v").SerializeToString()
+    grace = 1.0
+    with rt.processes() as start:
+        cloud = start("cloud", split.plan_dir)
+        edge = start("edge", split.plan_dir, "--upstream", cloud.address, "--grace", str(grace))
+        channel = grpc.insecure_channel(edge.address, options=grpc_options())
+        raw = channel.stream_stream(
+            "/tierflow.rpc.Tier/Infer",
+            request_serializer=None,
+            response_deserializer=tier_pb2.Reply.FromString,
+        )
+        garbage = [b"\xff\xff\xff", valid, b"\x0a\x05ab", valid, b"\x12\x02\xc3\x28"]
+        cancelled = raw(iter(garbage))
+        next(cancelled)
+        cancelled.cancel()  # a client that sent garbage and went away
+        idle_requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        idle = raw(iter(idle_requests.get, None))  # a device that keeps its stream open
+        idle_requests.put(valid)
+        assert not next(idle).HasField("error")
+        os.kill(cloud.process.pid, signal.SIGSTOP)
+        idle_requests.put(valid)  # in flight until the cloud wakes: never, here
+        time.sleep(0.2)
+        try:
+            started = time.monotonic()
+            edge.process.send_signal(signal.SIGTERM)
+            code = edge.process.wait(grace + 5)
+            elapsed = time.monotonic() - started
+            assert code == 0
+            assert grace - 0.1 < elapsed < grace + 1.0, elapsed  # it waited for the request
+        finally:
+            os.kill(cloud.process.pid, signal.SIGCONT)
+            idle_requests.put(None)
+            channel.close()
