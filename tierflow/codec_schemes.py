@@ -3,7 +3,8 @@
 :mod:`tierflow.codec` is the interface (:class:`~tierflow.codec.CodecSpec`, ``encode``,
 ``decode``, ``measure``); each scheme here is a small class or pair of functions it
 dispatches to. A :class:`Quantiser` turns a float array into stored elements plus
-parameters and back (:class:`Fp16`, :class:`Int8` per tensor or per channel); the
+parameters and back (:class:`Fp16`; :class:`Affine` codes of 8 bits per tensor or per
+channel, of 4 or 2 bits per channel, packed two or four to a byte); the
 compressor shuffles bytes and runs zstd (:func:`compress_payload`,
 :func:`decompress_payload`). What the bytes are is [Note: codec wire format] and what a
 decoder checks is [Note: decoding hostile input], both in :mod:`tierflow.codec`.
@@ -13,6 +14,7 @@ Only numpy and zstandard are needed: every tier imports this module.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from tierflow.codec import CodecSpec
 
 
+@functools.lru_cache(maxsize=64)
 def wire_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(name).newbyteorder("<")
 
@@ -39,9 +42,43 @@ class Quantiser:
     """
 
     stored: str | None = None  # dtype of the stored elements; None = the tensor's own
+    bits = 0  # codes narrower than a byte are packed; 0: whole stored elements
 
     def stored_dtype(self, dtype: str) -> np.dtype[Any]:
         return wire_dtype(self.stored or dtype)
+
+    def payload_len(self, count: int, dtype: str) -> int:
+        """Bytes that ``count`` stored elements take on the wire."""
+        if self.bits:
+            per_byte = 8 // self.bits
+            return -(-count // per_byte)
+        return count * self.stored_dtype(dtype).itemsize
+
+    def pack(self, stored: np.ndarray) -> np.ndarray:
+        """Stored elements as the bytes of the wire (codes packed, first in the low bits)."""
+        flat = stored.reshape(-1)
+        if not self.bits:
+            return flat.view(np.uint8)
+        per_byte = 8 // self.bits
+        padded = np.zeros(-(-flat.size // per_byte) * per_byte, np.uint8)
+        padded[: flat.size] = flat
+        lanes = padded.reshape(-1, per_byte)
+        packed = lanes[:, 0].copy()
+        for lane in range(1, per_byte):
+            packed |= lanes[:, lane] << np.uint8(lane * self.bits)
+        return packed
+
+    def unpack(self, raw: np.ndarray, count: int, dtype: str) -> np.ndarray:
+        """Inverse of :meth:`pack`: ``count`` stored elements (1-D) from exactly their bytes."""
+        if not self.bits:
+            return raw.view(self.stored_dtype(dtype))
+        per_byte = 8 // self.bits
+        shifts = np.arange(per_byte, dtype=np.uint8) * np.uint8(self.bits)
+        codes = (raw[:, None] >> shifts) & np.uint8((1 << self.bits) - 1)
+        codes = codes.reshape(-1)
+        if codes[count:].any():
+            raise CodecError(f"packed {self.bits}-bit codes have nonzero padding bits")
+        return codes[:count]
 
     def params_len(self, shape: tuple[int, ...]) -> int:
         return 0
@@ -69,7 +106,10 @@ class Fp16(Quantiser):
 
 
 def channel_axis(ndim: int) -> int | None:
-    """The ``int8c`` channel axis of a tensor with ``ndim`` dimensions (None: one channel)."""
+    """The channel axis of a tensor with ``ndim`` dimensions (None: one channel).
+
+    Used by the per-channel quantisers (``int8c``, ``int4``, ``int2``) and ``drop``.
+    """
     if ndim >= 4:
         return 1
     if ndim >= 2:
@@ -77,13 +117,16 @@ def channel_axis(ndim: int) -> int | None:
     return None
 
 
-class Int8(Quantiser):
-    """Affine uint8 codes; per tensor, or per channel when ``per_channel``."""
+class Affine(Quantiser):
+    """Affine codes of ``bits`` (8, 4 or 2) bits; per tensor, or per channel."""
 
     stored = "uint8"
 
-    def __init__(self, per_channel: bool) -> None:
+    def __init__(self, per_channel: bool, bits: int = 8) -> None:
         self.per_channel = per_channel
+        self.bits = 0 if bits == 8 else bits
+        self.levels = (1 << bits) - 1
+        self.name = f"int{bits}"
 
     def _axis(self, ndim: int) -> int | None:
         return channel_axis(ndim) if self.per_channel else None
@@ -119,7 +162,7 @@ class Int8(Quantiser):
         largest = float(np.finfo(np.float32).max)
         if low64.min() < -largest or high64.max() > largest:
             raise CodecError(
-                "cannot int8-quantise: the value range exceeds float32 "
+                f"cannot {self.name}-quantise: the value range exceeds float32 "
                 f"(min {float(low64.min())}, max {float(high64.max())})"
             )
         # Offset rounded down in float32 so that no element lies below it.
@@ -127,10 +170,10 @@ class Int8(Quantiser):
         offset = np.where(
             offset.astype(np.float64) > low64, np.nextafter(offset, np.float32(-np.inf)), offset
         )
-        # Scale rounded up in float32 so that offset + 255 * scale reaches the maximum.
+        # Scale rounded up in float32 so that offset + levels * scale reaches the maximum.
         span = np.maximum(high64 - offset.astype(np.float64), 0.0)
-        scale = (span / 255.0).astype(np.float32)
-        short = scale.astype(np.float64) * 255.0 < span
+        scale = (span / self.levels).astype(np.float32)
+        short = scale.astype(np.float64) * self.levels < span
         scale = np.where(short, np.nextafter(scale, np.float32(np.inf)), scale)
         assert np.isfinite(scale).all() and np.isfinite(offset).all(), (scale, offset)
         scale64 = scale.astype(np.float64)
@@ -142,7 +185,7 @@ class Int8(Quantiser):
             np.subtract(array, offset.astype(work), out=codes)
             np.multiply(codes, inverse.astype(work), out=codes)
             np.rint(codes, out=codes)
-            np.clip(codes, 0, 255, out=codes)
+            np.clip(codes, 0, self.levels, out=codes)
             if not finite:
                 codes[np.isnan(codes)] = 0
         params = np.concatenate([scale.ravel(), offset.ravel()]).astype("<f4").tobytes()
@@ -155,17 +198,19 @@ class Int8(Quantiser):
         values = np.frombuffer(params, "<f4")
         if not np.isfinite(values).all():
             bad = int((~np.isfinite(values)).sum())
-            raise CodecError(f"malformed int8 parameters: {bad} non-finite scales or offsets")
+            raise CodecError(
+                f"malformed {self.name} parameters: {bad} non-finite scales or offsets"
+            )
         scale, offset = values[:count], values[count:]
         if (scale < 0).any():
-            raise CodecError(f"malformed int8 parameters: negative scale {scale.min()}")
+            raise CodecError(f"malformed {self.name} parameters: negative scale {scale.min()}")
         if count:
-            top = offset.astype(np.float64) + 255.0 * scale.astype(np.float64)
+            top = offset.astype(np.float64) + self.levels * scale.astype(np.float64)
             reach = max(float(np.abs(offset).max()), float(np.abs(top).max()))
             largest = float(np.finfo(np.float16 if dtype == "float16" else np.float32).max)
             if reach > largest * (1 + 2**-10):
                 raise CodecError(
-                    f"malformed int8 parameters: values up to {reach:g} do not fit {dtype}"
+                    f"malformed {self.name} parameters: values up to {reach:g} do not fit {dtype}"
                 )
         axis = self._axis(len(shape))
         if axis is None:
@@ -189,8 +234,10 @@ class Int8(Quantiser):
 QUANTISER_SCHEMES: dict[str, Quantiser] = {
     "none": Quantiser(),
     "fp16": Fp16(),
-    "int8": Int8(per_channel=False),
-    "int8c": Int8(per_channel=True),
+    "int8": Affine(per_channel=False),
+    "int8c": Affine(per_channel=True),
+    "int4": Affine(per_channel=True, bits=4),
+    "int2": Affine(per_channel=True, bits=2),
 }
 
 
@@ -242,11 +289,19 @@ def compress_payload(stored: np.ndarray, spec: CodecSpec) -> bytes:
     return _compressor(spec.level).compress(stored.reshape(-1).view(np.uint8).data)
 
 
-def decompress_payload(data: bytes, spec: CodecSpec, expected: int) -> np.ndarray:
-    """The stored bytes as uint8, after checking the frame ([Note: decoding hostile input])."""
+def decompress_payload(
+    data: bytes, spec: CodecSpec, expected: int, *, at_least: int | None = None
+) -> np.ndarray:
+    """The stored bytes as uint8, after checking the frame ([Note: decoding hostile input]).
+
+    The payload must hold exactly ``expected`` bytes, or, with ``at_least``, between
+    ``at_least`` and ``expected`` (a sparse payload, whose length its bitmap decides).
+    """
+    lowest = expected if at_least is None else at_least
+    wanted = f"{expected}" if at_least is None else f"{lowest}..{expected}"
     if spec.compress == "none":
-        if len(data) != expected:
-            raise CodecError(f"raw payload has {len(data)} bytes, expected {expected}")
+        if not lowest <= len(data) <= expected:
+            raise CodecError(f"raw payload has {len(data)} bytes, expected {wanted}")
         return np.frombuffer(data, np.uint8)
     try:
         declared = zstandard.frame_content_size(data)
@@ -254,12 +309,12 @@ def decompress_payload(data: bytes, spec: CodecSpec, expected: int) -> np.ndarra
         raise CodecError(f"zstd payload is not a zstd frame ({len(data)} bytes): {exc}") from exc
     if declared < 0:
         raise CodecError("zstd frame does not declare its content size; refusing to decode it")
-    if declared != expected:
-        raise CodecError(f"zstd frame declares {declared} bytes, expected {expected}")
+    if not lowest <= declared <= expected:
+        raise CodecError(f"zstd frame declares {declared} bytes, expected {wanted}")
     try:
-        raw = _decompressor().decompress(data, max_output_size=expected, allow_extra_data=False)
+        raw = _decompressor().decompress(data, max_output_size=declared, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CodecError(f"corrupt zstd payload: {exc}") from exc
-    if len(raw) != expected:
-        raise CodecError(f"zstd frame held {len(raw)} bytes, expected {expected}")
+    if len(raw) != declared:
+        raise CodecError(f"zstd frame held {len(raw)} bytes, declared {declared}")
     return np.frombuffer(raw, np.uint8)

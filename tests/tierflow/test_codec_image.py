@@ -83,8 +83,10 @@ def test_only_png_is_lossless_and_no_image_codec_is_bit_exact() -> None:
     assert CodecSpec.parse("zstd").bit_exact and not CodecSpec.parse("int8").bit_exact
     with pytest.raises(UsageError, match="quality"):
         CodecSpec("int8", "none", quality=5)
-    with pytest.raises(UsageError, match="compressor"):
+    with pytest.raises(UsageError, match="combined"):
         CodecSpec("png", "zstd")
+    with pytest.raises(UsageError, match="combined"):
+        CodecSpec("jpeg", "none", quality=90, sparse=True)
 
 
 def test_image_norm_validates_and_round_trips() -> None:
