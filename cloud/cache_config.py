@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -233,12 +234,13 @@ def build_cache(spec: CacheSpec, *, clock: Clock | None = None) -> FeatureCache 
 
     An unreachable Redis is not an error: the cache starts without it and uses it once
     it answers (see [Note: redis circuit breaker] in ``tierflow.cloud.cache_redis``).
+    ``clock`` (default :func:`time.monotonic`) decides when entries expire in the
+    in-memory caches.
     """
-    extra = {} if clock is None else {"clock": clock}
     if spec.kind == "off":
         return None
     if spec.kind == "exact":
-        return MemoryCache(spec.budget_bytes, ttl_s=spec.ttl_s, **extra)
+        return MemoryCache(spec.budget_bytes, ttl_s=spec.ttl_s, clock=clock or time.monotonic)
     if spec.kind == "approx":
         return ApproxCache(
             spec.budget_bytes,
@@ -246,7 +248,7 @@ def build_cache(spec: CacheSpec, *, clock: Clock | None = None) -> FeatureCache 
             target=spec.target,
             ttl_s=spec.ttl_s,
             dim=spec.dim,
-            **extra,
+            clock=clock or time.monotonic,
         )
     from tierflow.cloud.cache_redis import RedisCache
 

@@ -15,7 +15,7 @@ textline   rapidocr_onnxruntime   classify text-line direction 0/180, 48x192
 ========== ====================== ======== ================================================
 
 The demo's own classifier (a residual CNN trained on scikit-learn's digits) is the fifth;
-it is built by :mod:`tierflow.partitioner.digits` because it needs torch to train.
+it is built by :mod:`tierflow.zoo.digits` because it needs torch to train.
 
 Only the model files are used: the packages' Python code (and its OpenCV) is never
 imported. :func:`model_path` finds a file through the import system's spec of the package,
