@@ -12,11 +12,11 @@ here.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
@@ -31,6 +31,8 @@ from tierflow.partitioner.cuts import (
     crossing_sets,
     node_usage,
 )
+from tierflow.partitioner.exits.metadata import ExitInfo
+from tierflow.partitioner.extract import SegmentExtractor
 from tierflow.partitioner.loading import drop_initializer_inputs, read_model, sort_nodes
 from tierflow.partitioner.shapes import (
     first_request,
@@ -81,8 +83,15 @@ class ModelGraph:
     cuts: tuple[Cut, ...]
     sample: dict[str, np.ndarray] | None = None
     usage: NodeUsage | None = field(default=None, repr=False)
-    # Objects derived from the model on demand (the segment extractor); not part of its value.
-    cache: dict[str, Any] = field(default_factory=dict, repr=False)
+    # When the graph is the trunk of a model with early exits (set by
+    # exits.plan.load_planning_graph): its exits in order, and the model with their heads.
+    exits: tuple[ExitInfo, ...] = ()
+    exited_model: onnx.ModelProto | None = field(default=None, repr=False)
+
+    @functools.cached_property
+    def extractor(self) -> SegmentExtractor:
+        """Cuts segments out of ``model``; built on first use (it indexes every node)."""
+        return SegmentExtractor(self.model)
 
     def _usage(self) -> NodeUsage:
         assert self.usage is not None, "ModelGraph built without load_model"

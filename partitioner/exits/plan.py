@@ -53,10 +53,6 @@ from tierflow.plan import SegmentSpec
 
 logger = logging.getLogger(__name__)
 
-# Where load_planning_graph keeps the model with heads and its exits (ModelGraph.cache).
-_EXITED = "exited_model"
-_EXITS = "exits"
-
 
 def load_planning_graph(
     path: str | Path,
@@ -68,8 +64,8 @@ def load_planning_graph(
 
     Without exits this is :func:`~tierflow.partitioner.graph.load_model`. With exits the
     graph analyses the model without its heads but keeps the file's ``path`` and
-    ``sha256`` (profiles and plans name the model the user gave); :func:`graph_exits`
-    returns its exits.
+    ``sha256`` (profiles and plans name the model the user gave) and holds the exits and
+    the model with their heads (``ModelGraph.exits``, ``ModelGraph.exited_model``).
     """
     path = Path(path)
     exits = read_exits(_load(path, weights=False))
@@ -84,9 +80,9 @@ def load_planning_graph(
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot write the trunk of {path}: {exc}") from exc
         graph = load_model(trunk_path, shapes=shapes, sample=sample)
-    graph = dataclasses.replace(graph, path=str(path), sha256=_sha256(path))
-    graph.cache[_EXITED] = proto
-    graph.cache[_EXITS] = tuple(exits)
+    graph = dataclasses.replace(
+        graph, path=str(path), sha256=_sha256(path), exits=tuple(exits), exited_model=proto
+    )
     logger.info(
         "[plan] %s has %d exit(s): planning its trunk (%d cuts)", path, len(exits), len(graph.cuts)
     )
@@ -116,8 +112,7 @@ def trunk_model(model: onnx.ModelProto, exits: Sequence[ExitInfo]) -> onnx.Model
 
 def graph_exits(graph: ModelGraph) -> tuple[ExitInfo, ...]:
     """The exits of a graph from :func:`load_planning_graph`; empty for any other graph."""
-    exits = graph.cache.get(_EXITS, ())
-    return tuple(exits)
+    return graph.exits
 
 
 def exit_points(graph: ModelGraph) -> tuple[tuple[ExitPoint, ...], list[str]]:
@@ -164,7 +159,8 @@ def split_with_exits(graph: ModelGraph, chosen: Estimate) -> list[Segment]:
     missing = [e.name for e in chosen.exits if e.name not in by_name]
     if missing:
         raise ModelError(f"the plan places exits {missing} that the model does not have")
-    segments = attach_exits(plain, graph.cache[_EXITED], used)
+    assert graph.exited_model is not None, "a graph with exits keeps the model with heads"
+    segments = attach_exits(plain, graph.exited_model, used)
     placed = {x.name: spec.tier for spec, _ in segments for x in spec.exits}
     for point in chosen.exits:
         if placed.get(point.name) != point.tier:

@@ -12,9 +12,9 @@ import onnxruntime as ort
 import pytest
 
 from tierflow.errors import PlanError
+from tierflow.partitioner.extract import SegmentExtractor
 from tierflow.partitioner.graph import ModelGraph, load_model
 from tierflow.partitioner.split import (
-    SegmentExtractor,
     extract_segment,
     run_segments,
     session,
