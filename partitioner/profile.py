@@ -44,7 +44,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -390,76 +390,144 @@ def profile_model(
     Runs the model once unit by unit on its representative input (``--sample`` when
     given), which both times every unit and captures the real features at every cut for
     the codec figures. ``time_budget_s`` bounds the adaptive repetitions, not the fixed
-    costs (building sessions, one run of each unit).
+    costs (building sessions, one run of each unit). The phases: the call overhead, the
+    units (:func:`_time_units`), whole segments (:func:`_time_segments`), the fit of one
+    against the other (:func:`_fit_unit_costs`), and the codecs at every cut
+    (:func:`measure_cut_codecs`).
     """
-    from tierflow.partitioner.split import extract_segment
-
     if threads < 1:
         raise ProfileError(f"threads must be at least 1, got {threads}")
     if not slowdown > 0:
         raise ProfileError(f"a slowdown must be positive, got {slowdown!r}")
     n = len(graph.cuts) - 1
-    spans = _calibration_spans([1.0] * n)
-    # Steps: overhead, building each unit, timing rounds, calibration rounds, codecs per cut.
-    # The number of rounds is known once one pass has run; until then assume the most.
-    rounds = _MAX_RUNS
-    calibration_rounds = _MAX_CALIBRATION_RUNS
-    step = 0
-
-    def advance(what: str) -> None:
-        nonlocal step
-        step += 1
-        if progress is not None:
-            total = 1 + n + rounds + calibration_rounds + len(graph.cuts)
-            progress(step, total, what)
-
+    steps = _Steps(progress, units=n, cuts=len(graph.cuts))
     started = time.perf_counter()
     clock = compute_clock(threads)
     overhead = _call_overhead_s(threads)
-    advance("call overhead")
+    steps.advance("call overhead")
 
-    # One pass unit by unit: builds the sessions and captures the features at every cut.
+    budget = time_budget_s * _TIMING_SHARE
+    features, call_s = _time_units(graph, threads, clock, budget, steps)
+    spans = _calibration_spans([1.0] * n)
+    measured = _time_segments(graph, spans, threads, clock, features, budget / 2, steps)
+    fit = _fit_unit_costs(overhead, call_s, [cut.nbytes for cut in graph.cuts], measured)
+    cut_stats = measure_cut_codecs(
+        graph,
+        features,
+        codecs,
+        slowdown=slowdown,
+        progress=lambda i: steps.advance(f"codecs at cut {i}"),
+    )
+    return _assemble(
+        graph,
+        machine_info(threads, slowdown),
+        overhead=overhead,
+        fit=fit,
+        measured=measured,
+        cut_stats=cut_stats,
+        started=started,
+    )
+
+
+class _Steps:
+    """Counts profiling steps for a ``progress`` callback.
+
+    Steps: the call overhead, building each unit, the timing rounds, the calibration
+    rounds and the codecs at each cut. The number of rounds is known once one pass has
+    run; until then the most are assumed.
+    """
+
+    def __init__(self, progress: ProgressFn | None, *, units: int, cuts: int) -> None:
+        self.progress = progress
+        self.units = units
+        self.cuts = cuts
+        self.rounds = _MAX_RUNS
+        self.calibration_rounds = _MAX_CALIBRATION_RUNS
+        self.done = 0
+
+    def advance(self, what: str) -> None:
+        self.done += 1
+        if self.progress is not None:
+            total = 1 + self.units + self.rounds + self.calibration_rounds + self.cuts
+            self.progress(self.done, total, what)
+
+
+def _time_units(
+    graph: ModelGraph,
+    threads: int,
+    clock: Callable[[], float],
+    budget_s: float,
+    steps: _Steps,
+) -> tuple[dict[str, np.ndarray], list[float]]:
+    """The typical seconds of one call of each unit alone, and the features at every cut.
+
+    One pass unit by unit builds the sessions and captures the features. Timing rounds
+    then run the units in model order, so each finds the caches as a whole run leaves
+    them, and a burst of load on a shared machine hits all units alike.
+    """
+    from tierflow.partitioner.split import extract_segment
+
+    n = len(graph.cuts) - 1
     features: dict[str, np.ndarray] = dict(graph.representative_inputs())
     sessions = []
     for index in range(n):
         session = make_session(extract_segment(graph, index, index + 1), threads)
         features.update(run_session(session, features))
         sessions.append(session)
-        advance(f"unit {index + 1}/{n}")
+        steps.advance(f"unit {index + 1}/{n}")
     feeds = [_feeds(session, features) for session in sessions]
-
-    # Timing rounds run the units in model order, so each finds the caches as a whole run
-    # leaves them, and a burst of load on a shared machine hits all units alike.
     times = [_time_chain(sessions, feeds, clock)]
-    budget = time_budget_s * _TIMING_SHARE
-    chain_s = sum(times[0])
-    rounds = int(min(max(budget / max(chain_s, 1e-9), _MIN_RUNS), _MAX_RUNS))
-    for round_index in range(rounds):
+    steps.rounds = int(min(max(budget_s / max(sum(times[0]), 1e-9), _MIN_RUNS), _MAX_RUNS))
+    for round_index in range(steps.rounds):
         times.append(_time_chain(sessions, feeds, clock))
-        advance(f"timing round {round_index + 1}/{rounds}")
-    call_s = [typical_s([t[i] for t in times[1:]]) for i in range(n)]
-    del sessions, feeds
+        steps.advance(f"timing round {round_index + 1}/{steps.rounds}")
+    return features, [typical_s([t[i] for t in times[1:]]) for i in range(n)]
 
-    # Whole segments, interleaved the same way, to correct the unit sum.
-    segment_sessions = [
-        make_session(extract_segment(graph, start, end), threads) for start, end in spans
-    ]
-    segment_feeds = [_feeds(session, features) for session in segment_sessions]
-    segment_times = [_time_chain(segment_sessions, segment_feeds, clock)]
-    calibration_rounds = int(
-        min(
-            max(budget / 2 / max(sum(segment_times[0]), 1e-9), _MIN_RUNS),
-            _MAX_CALIBRATION_RUNS,
-        )
+
+def _time_segments(
+    graph: ModelGraph,
+    spans: Sequence[tuple[int, int]],
+    threads: int,
+    clock: Callable[[], float],
+    features: Mapping[str, np.ndarray],
+    budget_s: float,
+    steps: _Steps,
+) -> list[tuple[int, int, float]]:
+    """``(start, end, typical seconds)`` of whole segments, timed in rounds like the units."""
+    from tierflow.partitioner.split import extract_segment
+
+    sessions = [make_session(extract_segment(graph, start, end), threads) for start, end in spans]
+    feeds = [_feeds(session, features) for session in sessions]
+    times = [_time_chain(sessions, feeds, clock)]
+    steps.calibration_rounds = int(
+        min(max(budget_s / max(sum(times[0]), 1e-9), _MIN_RUNS), _MAX_CALIBRATION_RUNS)
     )
-    for round_index in range(calibration_rounds):
-        segment_times.append(_time_chain(segment_sessions, segment_feeds, clock))
-        advance(f"calibration round {round_index + 1}/{calibration_rounds}")
-    measured = [
-        (start, end, typical_s([t[i] for t in segment_times[1:]]))
-        for i, (start, end) in enumerate(spans)
+    for round_index in range(steps.calibration_rounds):
+        times.append(_time_chain(sessions, feeds, clock))
+        steps.advance(f"calibration round {round_index + 1}/{steps.calibration_rounds}")
+    return [
+        (start, end, typical_s([t[i] for t in times[1:]])) for i, (start, end) in enumerate(spans)
     ]
-    nbytes = [cut.nbytes for cut in graph.cuts]
+
+
+@dataclass(frozen=True)
+class _UnitCosts:
+    """Unit times fitted against whole segments (see [Note: segment latency])."""
+
+    per_byte: float  # seconds a call spends per byte of its outputs
+    output_s: list[float]  # that cost at each cut
+    unit_s: list[float]  # each unit's compute, before the correction
+    correction: float
+
+
+def _fit_unit_costs(
+    overhead: float,
+    call_s: Sequence[float],
+    nbytes: Sequence[int],
+    measured: Sequence[tuple[int, int, float]],
+) -> _UnitCosts:
+    """Split each unit's call time into compute and output cost, and fit the correction."""
+    n = len(call_s)
     per_byte = _fit_output_cost(overhead, call_s, nbytes, measured)
     # Never more than the smallest unit can pay: a unit's compute stays non-negative.
     per_byte = min(
@@ -467,35 +535,45 @@ def profile_model(
     )
     per_byte = max(per_byte, 0.0)
     output_s = [per_byte * b for b in nbytes]
-    raw_unit_s = [max(call_s[i] - overhead - output_s[i + 1], 0.0) for i in range(n)]
-    correction = _fit_correction(overhead, raw_unit_s, measured, output_s)
+    unit_s = [max(call_s[i] - overhead - output_s[i + 1], 0.0) for i in range(n)]
+    correction = _fit_correction(overhead, unit_s, measured, output_s)
+    return _UnitCosts(per_byte, output_s, unit_s, correction)
 
-    cut_stats = measure_cut_codecs(
-        graph, features, codecs, slowdown=slowdown, progress=lambda i: advance(f"codecs at cut {i}")
-    )
+
+def _assemble(
+    graph: ModelGraph,
+    machine: MachineInfo,
+    *,
+    overhead: float,
+    fit: _UnitCosts,
+    measured: Sequence[tuple[int, int, float]],
+    cut_stats: Sequence[Mapping[str, CodecStats]],
+    started: float,
+) -> Profile:
+    """The profile of the measured figures, every time multiplied by the slowdown."""
+    slowdown = machine.slowdown
     cut_profiles = [
         CutProfile(cut.index, cut.position, tuple(cut.tensors), cut.nbytes, stats)
         for cut, stats in zip(graph.cuts, cut_stats, strict=True)
     ]
-
     units = tuple(
         UnitProfile(
             index=i,
-            compute_s=raw_unit_s[i] * correction * slowdown,
+            compute_s=fit.unit_s[i] * fit.correction * slowdown,
             weight_bytes=graph.weight_bytes(i, i + 1),
             peak_activation_bytes=graph.peak_activation_bytes(i, i + 1),
         )
-        for i in range(n)
+        for i in range(len(fit.unit_s))
     )
     calibration = {
-        "correction": correction,
-        "output_s_per_mb": per_byte * 1e6,
+        "correction": fit.correction,
+        "output_s_per_mb": fit.per_byte * 1e6,
         "segments": [
             {
                 "start": s,
                 "end": e,
                 "measured_s": m,
-                "predicted_s": overhead + correction * sum(raw_unit_s[s:e]) + output_s[e],
+                "predicted_s": overhead + fit.correction * sum(fit.unit_s[s:e]) + fit.output_s[e],
             }
             for s, e, m in measured
         ],
@@ -504,18 +582,18 @@ def profile_model(
     logger.info(
         "[profile] %s: %d units, overhead %.3g ms, correction %.3f, %.1f s",
         graph.path,
-        n,
+        len(units),
         overhead * 1e3,
-        correction,
+        fit.correction,
         calibration["profile_s"],
     )
     return Profile(
-        machine=machine_info(threads, slowdown),
+        machine=machine,
         model_file=Path(graph.path).name,
         model_sha256=graph.sha256,
         cuts=tuple(cut_profiles),
         units=units,
         overhead_s=overhead * slowdown,
         calibration=calibration,
-        output_s_per_byte=per_byte * slowdown,
+        output_s_per_byte=fit.per_byte * slowdown,
     )
