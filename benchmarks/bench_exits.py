@@ -37,7 +37,7 @@ import numpy as np
 import onnxruntime as ort
 
 from tierflow import codec as codec_lib
-from tierflow.cloud.cache import CacheAnswer, cache_key
+from tierflow.cache import CacheAnswer, cache_key
 from tierflow.cloud.cache_memory import MemoryCache
 from tierflow.links import LinkSpec
 from tierflow.segment_runner import exit_confidence, session_options

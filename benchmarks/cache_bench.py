@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from tierflow.cloud.cache import CacheAnswer, FeatureCache, cache_key
+from tierflow.cache import CacheAnswer, FeatureCache, cache_key
 from tierflow.cloud.cache_approx import (
     ApproxCache,
     calibrate_threshold,

@@ -29,7 +29,7 @@ server sharing its cores should run with ``OPENBLAS_NUM_THREADS=1`` (or threadpo
 
 [Note: approximate cache scope]
 Neighbours are searched only among entries whose key has the same scope (model, plan and
-cut, :func:`tierflow.cloud.cache.key_scope`) and whose features have the same names,
+cut, :func:`tierflow.cache.key_scope`) and whose features have the same names,
 shapes and dtypes, so no answer made under another model, plan, cut or input layout can
 ever be returned.
 """
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from tierflow.cloud.cache import CacheAnswer, CacheStats, key_scope
+from tierflow.cache import CacheAnswer, CacheStats, key_scope
 from tierflow.cloud.cache_memory import Clock, LruStore
 from tierflow.errors import CacheError
 

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from tierflow.cloud.cache import FeatureCache
+from tierflow.cache import FeatureCache
 from tierflow.cloud.cache_approx import DEFAULT_DIM, ApproxCache
 from tierflow.cloud.cache_memory import Clock, MemoryCache
 from tierflow.cloud.cache_redis import redact

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierflow.cloud.cache import CacheAnswer, CacheStats, answer_nbytes, frozen_answer
+from tierflow.cache import CacheAnswer, CacheStats, answer_nbytes, frozen_answer
 from tierflow.errors import CacheError
 
 logger = logging.getLogger(__name__)

@@ -59,7 +59,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from tierflow.cloud.cache import CacheAnswer, CacheStats, answer_nbytes
+from tierflow.cache import CacheAnswer, CacheStats, answer_nbytes
 from tierflow.cloud.cache_memory import check_budget
 from tierflow.errors import CacheError
 

@@ -1,8 +1,10 @@
 """The cloud server: finishes the model (with early exits) and answers, using its caches.
 
 The cloud is the last tier: it never forwards. Requests go through
-``tierflow.service`` ([Note: a request at a tier]); a feature cache (``cache.py`` and
-the ``cache_*`` implementations) is consulted before any segment runs.
+``tierflow.service`` ([Note: a request at a tier]); a feature cache (the interface in
+``tierflow.cache``, the implementations in the ``cache_*`` modules beside this one) is
+consulted before any segment runs. ``tierflow serve cloud`` (``tierflow.cloud.commands``)
+runs one of these until it is stopped.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from tierflow.cloud.cache import FeatureCache
+from tierflow.cache import FeatureCache
+from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
 from tierflow.links import LinkSpec
 from tierflow.plan import load_plan
 from tierflow.security import Security
@@ -33,6 +36,7 @@ class CloudServer(TierServer):
         optimization: str = DEFAULT_OPTIMIZATION,
         workers: int | None = None,
         links: Mapping[str, LinkSpec] | None = None,
+        max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
         security: Security | None = None,
     ) -> None:
         service = TierService(
@@ -45,6 +49,7 @@ class CloudServer(TierServer):
             optimization=optimization,
             workers=workers,
             links=links,
+            max_tensor_bytes=max_tensor_bytes,
             security=security,
         )
         super().__init__(service, listen, security)

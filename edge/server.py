@@ -2,7 +2,8 @@
 
 The edge keeps one long-lived stream to the cloud (``tierflow.mux.StreamClient``) and
 multiplexes every device's requests over it; what happens to a request is in
-``tierflow.service`` ([Note: a request at a tier]).
+``tierflow.service`` ([Note: a request at a tier]). ``tierflow serve edge``
+(``tierflow.edge.commands``) runs one of these until it is stopped.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from tierflow.cloud.cache import FeatureCache
+from tierflow.cache import FeatureCache
+from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
 from tierflow.links import LinkSpec
 from tierflow.plan import load_plan
 from tierflow.security import Security
@@ -39,6 +41,7 @@ class EdgeServer(TierServer):
         optimization: str = DEFAULT_OPTIMIZATION,
         workers: int | None = None,
         links: Mapping[str, LinkSpec] | None = None,
+        max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
         security: Security | None = None,
     ) -> None:
         service = TierService(
@@ -52,6 +55,7 @@ class EdgeServer(TierServer):
             optimization=optimization,
             workers=workers,
             links=links,
+            max_tensor_bytes=max_tensor_bytes,
             security=security,
         )
         super().__init__(service, listen, security)

@@ -24,10 +24,11 @@ from tierflow.extras import missing_extra
 # Modules that define ``register(subparsers)``, in the order their commands are listed.
 COMMAND_MODULES: tuple[str, ...] = (
     "tierflow.partitioner.commands",  # profile, plan
-    "tierflow.edge.commands",  # serve edge, serve cloud, probe
+    "tierflow.edge.commands",  # serve edge, probe
+    "tierflow.cloud.commands",  # serve cloud
     "tierflow.device.commands",  # run
     "tierflow.partitioner.exits.commands",  # exits add, exits show
-    "tierflow.demo",  # demo
+    "tierflow.demos.local",  # demo
 )
 
 logger = logging.getLogger(__name__)

@@ -6,6 +6,10 @@ reports SERVING; on SIGTERM or SIGINT it stops as [Note: stopping a tier] says.
 Message-size limits are set explicitly on the server (``tierflow.wire.grpc_options``),
 the same as on every channel.
 
+The edge and the cloud each own their server class and their ``tierflow serve TIER``
+command (``tierflow.edge`` and ``tierflow.cloud``); what they share, the options every
+server takes and the run until a signal, is here.
+
 [Note: stopping a tier]
 At once: health reports NOT_SERVING, no new stream is accepted, and every new request on
 an open stream is answered UNAVAILABLE ("stopping"), so devices go elsewhere. Requests
@@ -17,18 +21,25 @@ anything still holds it then (a segment still running, a stuck writer), it exits
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tierflow.security import Security, bind, server_options
+from tierflow.errors import UsageError
+from tierflow.linkemu import add_link_arguments
+from tierflow.security import Security, add_security_arguments, bind, server_options
+from tierflow.segment_runner import add_optimization_argument
 from tierflow.service import TierService
+from tierflow.tuning import tune_for_latency
+from tierflow.units import parse_size
 from tierflow.wire import add_tier_servicer, grpc_options
 
 logger = logging.getLogger(__name__)
@@ -141,3 +152,79 @@ def _exit_after(seconds: float, tier: str) -> None:
     timer = threading.Timer(seconds, exit_now)
     timer.daemon = True
     timer.start()
+
+
+# The ``serve`` command of each top-level parser, and its TIER subcommands.
+_SERVE_TIERS: weakref.WeakKeyDictionary[
+    argparse.ArgumentParser, argparse._SubParsersAction[argparse.ArgumentParser]
+] = weakref.WeakKeyDictionary()
+
+
+def add_serve_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], tier: str, help: str
+) -> argparse.ArgumentParser:
+    """``tierflow serve TIER``: one tier's subcommand, with the options every server takes.
+
+    The first tier to call this creates the ``serve`` command; the tier's own options
+    (``--upstream``, ``--cache``) and its handler are for the caller to add.
+    """
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    serve = subparsers.choices.get("serve")
+    if serve is None:
+        serve = subparsers.add_parser(
+            "serve", help="run the edge or the cloud tier of a plan", formatter_class=defaults
+        )
+        _SERVE_TIERS[serve] = serve.add_subparsers(dest="tier", metavar="TIER", required=True)
+    parser = _SERVE_TIERS[serve].add_parser(tier, help=help, formatter_class=defaults)
+    _add_server_arguments(parser)
+    return parser
+
+
+def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", required=True, metavar="PLAN_DIR", help="plan directory")
+    parser.add_argument(
+        "--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="address to serve on"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads per request")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="requests run at once (the pipeline's depth on this tier)",
+    )
+    parser.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="emulate a tier this many times slower than this machine",
+    )
+    add_optimization_argument(parser)
+    parser.add_argument(
+        "--max-tensor-bytes",
+        type=parse_size,
+        default="1GiB",
+        metavar="SIZE",
+        help="largest decoded tensor accepted",
+    )
+    parser.add_argument(
+        "--grace", type=float, default=5.0, help="seconds open streams get to finish on shutdown"
+    )
+    add_link_arguments(parser)
+    add_security_arguments(parser, server=True)
+
+
+def check_server_arguments(args: argparse.Namespace) -> None:
+    """Refuse option values no server can run with."""
+    if args.threads < 0 or args.workers < 1:
+        raise UsageError("--threads must be >= 0 and --workers >= 1")
+
+
+def serve_until_stopped(server: TierServer, grace: float) -> int:
+    """Start ``server``, say where it serves, and run until SIGTERM or SIGINT (the CLI)."""
+    tune_for_latency()
+    server.start()
+    service = server.service
+    # One line on stdout, so that scripts (and tests) can learn a port picked by the OS.
+    print(f"tierflow {service.tier} serving plan {service.plan_id} on {server.address}", flush=True)
+    server.serve_until_signal(grace=grace)
+    return 0

@@ -60,7 +60,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from tierflow.cloud.cache import CacheAnswer, FeatureCache, cache_key
+from tierflow.cache import CacheAnswer, FeatureCache, cache_key
 from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES, CodecSpec, decode
 from tierflow.errors import (
     CacheError,
@@ -125,7 +125,7 @@ class TierService(tier_pb2_grpc.TierServicer):
 
     ``upstream`` is the next tier's address; it is required when the plan runs segments
     beyond this tier. ``links`` are the links to emulate (``tierflow.linkemu``); ``cache``
-    any :class:`~tierflow.cloud.cache.FeatureCache`; ``security`` the TLS and token setting
+    any :class:`~tierflow.cache.FeatureCache`; ``security`` the TLS and token setting
     of the channel to the next tier. Call :meth:`load` before serving.
     """
 

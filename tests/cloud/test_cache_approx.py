@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from tierflow.cloud.cache import CacheAnswer, cache_key
+from tierflow.cache import CacheAnswer, cache_key
 from tierflow.cloud.cache_approx import (
     ApproxCache,
     Calibration,

@@ -7,7 +7,7 @@ import argparse
 import numpy as np
 import pytest
 
-from tierflow.cloud.cache import CacheAnswer, cache_key
+from tierflow.cache import CacheAnswer, cache_key
 from tierflow.cloud.cache_approx import ApproxCache
 from tierflow.cloud.cache_config import (
     CacheSpec,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierflow.cloud.cache import CacheAnswer, CacheStats, cache_key, key_scope
+from tierflow.cache import CacheAnswer, CacheStats, cache_key, key_scope
 from tierflow.cloud.cache_memory import ARRAY_OVERHEAD, ENTRY_OVERHEAD, MemoryCache, entry_size
 from tierflow.errors import CacheError
 

@@ -1,4 +1,4 @@
-"""``tierflow demo`` end to end, and lossy codecs on the demo model's held-out set."""
+"""``tierflow demo`` (``tierflow.demos.local``) end to end; lossy codecs on its held-out set."""
 
 from __future__ import annotations
 

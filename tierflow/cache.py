@@ -2,8 +2,9 @@
 
 More memory → less computation: a tier that has seen a feature before (exactly, or
 nearly for the approximate cache) returns the stored answer without running the rest of
-the model. Implementations (in-process exact and approximate caches, Redis) live in the
-``cache_*`` modules beside this one; the runtime only knows this protocol.
+the model. The tier service (``tierflow.service``) only knows this protocol, so it lives
+in the core; the implementations (in-process exact and approximate caches, Redis) live
+with the cloud (``tierflow.cloud.cache_*``), and the edge may use them too.
 """
 
 from __future__ import annotations

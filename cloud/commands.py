@@ -1,0 +1,61 @@
+"""``tierflow serve cloud``: finish the model and answer, until SIGTERM or SIGINT.
+
+The options every server takes are in ``tierflow.server``; ``--cache`` (which the edge's
+server takes too) builds one of the feature caches beside this module (``cache_config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from tierflow.linkemu import resolve_links
+from tierflow.plan import load_plan
+from tierflow.security import Security
+from tierflow.server import add_serve_parser, check_server_arguments, serve_until_stopped
+
+
+def _cache_argument(text: str) -> Any:
+    # The cache modules are imported only when the option is given.
+    from tierflow.cloud.cache_config import cache_spec_argument
+
+    return cache_spec_argument(text)
+
+
+def add_cache_argument(parser: argparse.ArgumentParser) -> None:
+    """``--cache``, for the servers of both tiers."""
+    parser.add_argument(
+        "--cache",
+        type=_cache_argument,
+        default="off",
+        help="feature cache: off | exact:SIZE[,ttl=DUR] | approx:SIZE[,...] | redis://...",
+    )
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    cloud = add_serve_parser(
+        subparsers, "cloud", help="finish the model and answer, with early exits and caches"
+    )
+    add_cache_argument(cloud)
+    cloud.set_defaults(handler=_serve, upstream=None)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tierflow.cloud.cache_config import build_cache
+    from tierflow.cloud.server import CloudServer
+
+    check_server_arguments(args)
+    plan = load_plan(args.plan)
+    server = CloudServer(
+        args.plan,
+        args.listen,
+        cache=build_cache(args.cache),
+        threads=args.threads,
+        slowdown=args.slowdown,
+        optimization=args.optimization,
+        workers=args.workers,
+        links=resolve_links(plan, args.link_emulation, args.link),
+        max_tensor_bytes=args.max_tensor_bytes,
+        security=Security.from_args(args),
+    )
+    return serve_until_stopped(server, args.grace)

@@ -1,0 +1,135 @@
+"""The import graph matches the folders: tiers depend on the core, never the reverse.
+
+Read from the source with :mod:`ast` (every ``import``, also those inside functions), so
+a lazy import cannot hide a dependency. The core is ``tierflow/``; the runtime tiers are
+``device/``, ``edge/`` and ``cloud/``, which must run on a Raspberry Pi without the
+offline planner, torch or onnx (``tierflow.zoo``, models built with torch, sits in the core
+folder but no tier loads it). The CLI names its command modules as strings
+(``tierflow.cli.COMMAND_MODULES``), so wiring commands is no import of a tier.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Source folder -> the package it becomes (pyproject.toml's package-dir).
+PACKAGES = {
+    "tierflow": "tierflow",
+    "device": "tierflow.device",
+    "edge": "tierflow.edge",
+    "cloud": "tierflow.cloud",
+    "partitioner": "tierflow.partitioner",
+    "demos": "tierflow.demos",
+}
+TIERS = ("tierflow.device", "tierflow.edge", "tierflow.cloud")
+ABOVE_CORE = (*TIERS, "tierflow.partitioner", "tierflow.demos")
+# What no module a runtime tier loads may import: the offline planner, the demos, and the
+# libraries only planning and training need (onnxruntime is not onnx).
+NOT_AT_RUNTIME = ("tierflow.partitioner", "tierflow.demos", "torch", "onnx", "sklearn")
+# The tiers each runtime tier may use besides the core: the edge keeps the cloud's
+# feature caches (``serve edge --cache``).
+TIER_USES = {
+    "tierflow.device": (),
+    "tierflow.edge": ("tierflow.cloud",),
+    "tierflow.cloud": (),
+}
+
+
+def _module_name(path: Path) -> str:
+    relative = path.relative_to(ROOT)
+    parts = [PACKAGES[relative.parts[0]], *relative.parts[1:-1]]
+    if relative.stem != "__init__":
+        parts.append(relative.stem)
+    return ".".join(parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every project module (by import name) and the modules it imports."""
+    graph: dict[str, set[str]] = {}
+    for folder in PACKAGES:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            module = _module_name(path)
+            package = module if path.stem == "__init__" else module.rpartition(".")[0]
+            names: set[str] = set()
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names.update(alias.name for alias in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    base = node.module or ""
+                    if node.level:
+                        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                        base = ".".join([*anchor, *([base] if base else [])])
+                    names.add(base)
+                    names.update(f"{base}.{alias.name}" for alias in node.names)
+            graph[module] = names
+    return graph
+
+
+def _within(name: str, roots: tuple[str, ...]) -> bool:
+    return any(name == root or name.startswith(root + ".") for root in roots)
+
+
+def _in_core(module: str) -> bool:
+    return module.startswith("tierflow") and not _within(module, ABOVE_CORE)
+
+
+def test_the_import_graph_is_read_from_the_source() -> None:
+    graph = _imports()
+    # Known edges, so that a parser finding nothing cannot pass the checks below.
+    assert "tierflow.service" in graph["tierflow.edge.server"]
+    assert "tierflow.cache.FeatureCache" in graph["tierflow.service"]
+    assert "tierflow.device.client.DeviceClient" in graph["tierflow.demos.local"]
+    assert "onnxruntime" in graph["tierflow.segment_runner"]
+    assert not _in_core("tierflow.cloud.server") and _in_core("tierflow.rpc.tier_pb2")
+
+
+def test_the_core_imports_no_tier_planner_or_demo() -> None:
+    wrong = {
+        module: sorted(name for name in names if _within(name, ABOVE_CORE))
+        for module, names in _imports().items()
+        if _in_core(module)
+    }
+    assert {module: names for module, names in wrong.items() if names} == {}
+
+
+def _loaded_by_tiers(graph: dict[str, set[str]]) -> set[str]:
+    """The project modules that importing every module of a runtime tier loads."""
+    seen: set[str] = set()
+    todo = [module for module in graph if _within(module, TIERS)]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        # Importing a.b.c loads a and a.b first; "from a.b import c" names a.b.c, maybe a module.
+        for name in (module, *graph[module]):
+            parts = name.split(".")
+            prefixes = (".".join(parts[:n]) for n in range(1, len(parts) + 1))
+            todo += [prefix for prefix in prefixes if prefix in graph]
+    return seen
+
+
+def test_runtime_tiers_load_no_planner_torch_or_onnx() -> None:
+    graph = _imports()
+    loaded = _loaded_by_tiers(graph)
+    assert "tierflow.service" in loaded and "tierflow.cloud.cache_memory" in loaded
+    wrong = {
+        module: sorted(name for name in graph[module] if _within(name, NOT_AT_RUNTIME))
+        for module in loaded
+    }
+    assert {module: names for module, names in wrong.items() if names} == {}
+
+
+def test_each_tier_uses_only_the_core_and_the_tiers_it_names() -> None:
+    wrong: dict[str, list[str]] = {}
+    for module, names in _imports().items():
+        for tier in TIERS:
+            if _within(module, (tier,)):
+                allowed = (tier, *TIER_USES[tier])
+                others = [n for n in names if _within(n, TIERS) and not _within(n, allowed)]
+                if others:
+                    wrong[module] = sorted(others)
+    assert wrong == {}
