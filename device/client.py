@@ -326,7 +326,7 @@ class DeviceClient:
                 segment=outcome.next_segment,
                 deadline_unix_s=time.time() + self.deadline_s,
             )
-            nbytes = put_tensors(request.tensors, outcome.tensors, self.codec)
+            nbytes = put_tensors(request.tensors, outcome.tensors, self.codec, self.plan.images)
             device_ms = (time.perf_counter() - started) * 1e3
             sent = self.stream.submit(
                 request, deadline=time.monotonic() + self.deadline_s, nbytes=nbytes

@@ -7,6 +7,7 @@ one line naming it. onnx and onnxruntime are imported inside the handlers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -133,6 +134,24 @@ def register(subparsers: Any) -> None:
         "top1=P%% (at least P%% of the sample's requests keep the exact model's argmax) or "
         "rel=E (no request's outputs move by more than E relative to their largest value); "
         "a lossy budget needs --sample, on which every lossy candidate is measured end to end",
+    )
+    plan.add_argument(
+        "--image-input",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="model input NAME is a normalised 8-bit image: where the inputs cross a link it "
+        "may travel as JPEG (quality 50..95), WebP or PNG (repeatable; lossy ones need a "
+        "--fidelity budget, png an exact round trip on --sample)",
+    )
+    plan.add_argument(
+        "--image-norm",
+        action="append",
+        default=[],
+        metavar="NAME=SPEC",
+        help="how an --image-input was normalised, x = (pixel / scale - mean) / std: a preset "
+        "(unit: pixel/255, imagenet, symmetric: pixel/127.5-1) or "
+        "'mean=M[,M,M];std=S[,S,S][;scale=255][;layout=NCHW|NHWC]'; default unit",
     )
     plan.add_argument(
         "--emulate",
@@ -323,25 +342,32 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 def _verdict_line(outcome: Any, lossy: bool) -> str:
-    """How the written plan was checked: bit for bit only when it is and that was run."""
+    """How the written plan was checked: bit for bit only when it is and that was run.
+
+    ``lossy``: a codec other than ``png`` changes values (png is exact only on 8-bit
+    pixels, so it counts as exact only where the measurement found every output equal).
+    """
     fidelity = outcome.fidelity
-    budget = f"budget {fidelity.budget}" if fidelity is not None else ""
-    if not lossy and fidelity is not None and fidelity.bitwise_equal:
-        inputs = fidelity.samples
+    if fidelity is not None:
+        if fidelity.bitwise_equal and not lossy:
+            inputs = fidelity.samples
+            return (
+                f"verified: split reproduces the model bit-for-bit on {inputs} "
+                f"input{'s' if inputs != 1 else ''}"
+            )
+        exactness = "" if fidelity.bitwise_equal else "; not bit-for-bit"
         return (
-            f"verified: split reproduces the model bit-for-bit on {inputs} "
-            f"input{'s' if inputs != 1 else ''}"
+            f"fidelity: {fidelity.describe()} (budget {fidelity.budget}, measured end to end)"
+            f"{exactness}"
         )
-    if lossy and fidelity is not None:
-        return f"fidelity: {fidelity.describe()} ({budget}, measured end to end); not bit-for-bit"
     if outcome.verified_bitwise is None:
         return "not verified (--no-verify)"
-    inputs = outcome.verify_inputs
-    return f"verified: split reproduces the model bit-for-bit on {inputs} input"
+    return f"split verified bit-for-bit on {outcome.verify_inputs} input, without its codecs"
 
 
 def run_plan(args: argparse.Namespace) -> int:
     from tierflow.partitioner.fidelity import check_sample_size
+    from tierflow.partitioner.image_inputs import parse_norm, resolve_images
     from tierflow.partitioner.planner import (
         PlanOptions,
         codec_candidates,
@@ -357,7 +383,8 @@ def run_plan(args: argparse.Namespace) -> int:
     emulation = parse_emulation(args.emulate)
     profile_paths = parse_profile_paths(args.profile)
     budget = parse_fidelity(args.fidelity, args.sample)
-    codec_candidates(args.codec, budget)
+    norms = dict(parse_norm(text) for text in args.image_norm)
+    codec_candidates(args.codec, budget, args.image_input)
     _positive(args.threads, "--threads")
     _positive(args.top, "--top")
     _shapes(args.shape)
@@ -374,6 +401,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if sample is not None:
         check_sample_size(budget, min(len(a) for a in sample.values()))
     graph = _load_graph(args, sample)
+    if args.image_input or norms:
+        images = resolve_images(graph.inputs, args.image_input, norms)
+        options = dataclasses.replace(options, images=images)
     given = {}
     for tier, path in profile_paths.items():
         given[tier] = load_profile(path)
@@ -424,12 +454,16 @@ def run_plan(args: argparse.Namespace) -> int:
     crossing = dict(zip(LINKS, best.cuts, strict=True))
     lossy = False
     for name, codec in best.codec.items():
-        if not CodecSpec.parse(codec).lossless:
-            lossy = True
+        spec = CodecSpec.parse(codec)
+        if spec.image:
+            images = ", ".join(outcome.plan.images)
+            print(f"note: {codec} on {name} carries image input(s) {images} as images")
+        if not spec.bit_exact:
+            lossy = lossy or codec != "png"  # png: exact where the sample shows it
             sender = profiles[name.split("-")[0]]
             stats = sender.cuts[crossing[name]].codecs.get(codec)
             by = f" by up to {stats.max_abs_error:.3g} (measured at that cut)" if stats else ""
-            print(f"note: {codec} on {name} is lossy: features change{by}")
+            print(f"note: {codec} on {name} changes values{by}")
     print(_verdict_line(outcome, lossy))
     print(f"wrote {outcome.plan_dir / 'plan.json'} and {len(outcome.plan.segments)} segment(s)")
     return 0

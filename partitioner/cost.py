@@ -362,26 +362,38 @@ def _memory_table(profile: Profile) -> np.ndarray:
     return table
 
 
+def _stat(cut: Any, codec: str, figure: str, missing: float) -> float:
+    stats = cut.codecs.get(codec)
+    return missing if stats is None else float(getattr(stats, figure))
+
+
 def _link_table(problem: Problem, name: str, reach: np.ndarray | None = None) -> LinkTable:
     sender, receiver = (problem.profiles[t] for t in LINK_ENDS[name])
     link = problem.links[name]
     n, codecs = problem.ncuts, problem.codecs
     raw = np.array([c.nbytes for c in sender.cuts], dtype=np.float64)
     used = np.arange(n) < n - 1
-    ratio = np.array([[c.codecs[k].ratio for k in codecs] for c in sender.cuts])
-    enc = np.array([[c.codecs[k].encode_s_per_mb for k in codecs] for c in sender.cuts])
-    dec = np.array([[c.codecs[k].decode_s_per_mb for k in codecs] for c in receiver.cuts])
+    # A codec measured only at some cuts (an image codec: where the model inputs cross)
+    # cannot carry the others: infinitely slow there.
+    ratio = np.array([[_stat(c, k, "ratio", 1.0) for k in codecs] for c in sender.cuts])
+    enc = np.array([[_stat(c, k, "encode_s_per_mb", np.inf) for k in codecs] for c in sender.cuts])
+    dec = np.array(
+        [[_stat(c, k, "decode_s_per_mb", np.inf) for k in codecs] for c in receiver.cuts]
+    )
     mb = (raw / 1e6)[:, None]
     wire_bytes = np.where(used[:, None], raw[:, None] / ratio, 0.0)
     live = used[:, None]
     weight = np.ones((n, 1)) if reach is None else reach[:, None]
+    with np.errstate(invalid="ignore"):  # inf * 0 where an unmeasured codec has no bytes
+        encode_s = np.where(live, np.nan_to_num(enc * mb * weight, nan=np.inf, posinf=np.inf), 0.0)
+        decode_s = np.where(live, np.nan_to_num(dec * mb * weight, nan=np.inf, posinf=np.inf), 0.0)
     return LinkTable(
         used=used,
         raw_bytes=np.where(used, raw, 0.0),
         bytes=wire_bytes,
-        encode_s=np.where(live, enc * mb, 0.0) * weight,
+        encode_s=encode_s,
         wire_s=wire_bytes * 8.0 / link.rate_bps * weight,
-        decode_s=np.where(live, dec * mb, 0.0) * weight,
+        decode_s=decode_s,
         propagation_s=link.rtt_s,
         reply_s=sender.cuts[-1].nbytes * 8.0 / link.rate_bps,
         reach=reach,

@@ -26,11 +26,12 @@ from typing import Any
 import numpy as np
 
 from tierflow import npz
-from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES, decode, decoded_nbytes, encode
+from tierflow.codec import ImageNorm
 from tierflow.errors import InputError, ModelError, PlanError
 from tierflow.links import TIERS, link_between
 from tierflow.partitioner.fidelity import FidelityBudget, FidelityScore, score
 from tierflow.partitioner.graph import ModelGraph
+from tierflow.partitioner.image_inputs import crossed_with
 from tierflow.partitioner.split import extract_segment, session
 from tierflow.partitioner.tensors import first_line
 from tierflow.plan import Plan, load_plan
@@ -79,16 +80,6 @@ def sample_requests(
     return requests
 
 
-def cross(tensors: Mapping[str, np.ndarray], codec: str) -> Request:
-    """What a receiver decodes after ``tensors`` crossed a link with ``codec``."""
-    crossed: Request = {}
-    for name, array in tensors.items():
-        encoded = encode(name, array, codec)
-        limit = max(decoded_nbytes(encoded), DEFAULT_MAX_TENSOR_BYTES)
-        crossed[name] = decode(encoded, max_bytes=limit)
-    return crossed
-
-
 def _run(sess: Any, feeds: Mapping[str, np.ndarray], what: str) -> Request:
     names = [o.name for o in sess.get_outputs()]
     wanted = {i.name: feeds[i.name] for i in sess.get_inputs()}
@@ -116,17 +107,24 @@ class FidelityProbe:
     """Runs sample requests through splits of one analysed model, codecs applied.
 
     Sessions are built once per segment and reused; the exact model's outputs are
-    computed once per request. Not thread-safe.
+    computed once per request. ``images`` are the image inputs' normalisations, which
+    image codecs need. Not thread-safe.
     """
 
     def __init__(
-        self, graph: ModelGraph, requests: Sequence[Request], *, level: str = "disabled"
+        self,
+        graph: ModelGraph,
+        requests: Sequence[Request],
+        *,
+        images: Mapping[str, ImageNorm] | None = None,
+        level: str = "disabled",
     ) -> None:
         if not requests:
             raise PlanError("measuring fidelity needs at least one sample request")
         self.graph = graph
         self.requests = list(requests)
         self.level = level
+        self.images = dict(images or {})
         self.last = len(graph.cuts) - 1
         self.outputs = tuple(o.name for o in graph.outputs)
         self._sessions: dict[tuple[int, int], Any] = {}
@@ -183,11 +181,11 @@ class FidelityProbe:
             raise PlanError(f"cuts must satisfy 0 <= a <= b <= {self.last}, got {cuts}")
         current = self._device(a, index)
         if a < self.last:
-            current = cross(current, codec.get("device-edge", "raw"))
+            current = crossed_with(current, codec.get("device-edge", "raw"), self.images)
             if a < b:
                 current = self._segment(a, b, current)
             if b < self.last:
-                current = cross(current, codec.get("edge-cloud", "raw"))
+                current = crossed_with(current, codec.get("edge-cloud", "raw"), self.images)
                 current = self._segment(b, self.last, current)
         return {name: current[name] for name in self.outputs}
 
@@ -262,7 +260,7 @@ def run_plan_dir(plan: Plan, sessions: Sequence[Any], request: Mapping[str, np.n
             available = {name: v for name, v in available.items() if name in later}
             for step in range(TIERS.index(holder), TIERS.index(tier)):
                 link = link_between(TIERS[step], TIERS[step + 1])
-                available = cross(available, str(plan.link_codec(link)))
+                available = crossed_with(available, str(plan.link_codec(link)), plan.images)
             holder = tier
         for i in indices:
             spec = plan.segments[i]

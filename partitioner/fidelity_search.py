@@ -53,14 +53,17 @@ PairClassKey = tuple[int, str, int, str]
 
 
 def is_lossless(codec: str) -> bool:
-    return CodecSpec.parse(codec).lossless
+    """Bit-exact for every tensor; ``png`` is exact only for 8-bit pixels, so measured."""
+    return CodecSpec.parse(codec).bit_exact
 
 
 def fidelity_class(codec: str) -> str:
     """Codecs in one class decode to the same values: the codec without its compressor."""
     spec = CodecSpec.parse(codec)
-    if spec.lossless:
+    if spec.bit_exact:
         return "lossless"
+    if spec.image:
+        return str(spec)
     return str(CodecSpec(spec.quant, "none"))
 
 

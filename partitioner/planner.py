@@ -16,14 +16,15 @@ chosen plan is measured on the whole sample and recorded in ``plan.json``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tierflow.codec import PLANNER_CODECS, CodecSpec, CodecStats
+from tierflow.codec import PLANNER_CODECS, CodecSpec, CodecStats, ImageNorm
 from tierflow.errors import PlanError, UsageError
 from tierflow.links import LINKS, TIERS, LinkSpec
 from tierflow.partitioner.cost import Estimate, Problem, build_tables
@@ -38,6 +39,12 @@ from tierflow.partitioner.fidelity import (
 from tierflow.partitioner.fidelity_probe import FidelityProbe, sample_requests
 from tierflow.partitioner.fidelity_search import search_within_budget
 from tierflow.partitioner.graph import ModelGraph
+from tierflow.partitioner.image_inputs import (
+    IMAGE_CANDIDATES,
+    measure_image_codecs,
+    outside_pixels,
+    png_is_exact,
+)
 from tierflow.partitioner.profile import (
     Profile,
     ProgressFn,
@@ -68,6 +75,7 @@ class PlanOptions:
     verify: bool = True
     top: int = 5
     fidelity: FidelityBudget = EXACT
+    images: Mapping[str, ImageNorm] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -84,16 +92,29 @@ class PlanOutcome:
     fidelity: FidelityScore | None = None
 
 
-def codec_candidates(codec: str, fidelity: FidelityBudget | None = None) -> tuple[str, ...]:
+def codec_candidates(
+    codec: str, fidelity: FidelityBudget | None = None, images: Collection[str] = ()
+) -> tuple[str, ...]:
     """The codecs the search may choose from: the planner codecs for ``auto``, else one.
 
-    Under the ``exact`` budget (the default; ``None`` means any budget) only lossless
-    codecs are candidates: ``auto`` picks among ``raw`` and ``zstd``, and naming a lossy
-    codec is a usage error that asks for a budget.
+    With image inputs (their names in ``images``) ``auto`` adds the image codecs
+    (:data:`~.image_inputs.IMAGE_CANDIDATES`). Under the ``exact`` budget (the default;
+    ``None`` means any budget) only bit-exact codecs are candidates, and ``png``, which
+    :func:`rank` keeps only where it reproduces the sample bit for bit: ``auto`` picks
+    among ``raw`` and ``zstd`` (and ``png``), and naming a lossy codec is a usage error
+    that asks for a budget.
     """
-    candidates = PLANNER_CODECS if codec == "auto" else (str(CodecSpec.parse(codec)),)
+    if codec == "auto":
+        candidates = PLANNER_CODECS + (IMAGE_CANDIDATES if images else ())
+    else:
+        spec = CodecSpec.parse(codec)
+        if spec.image and not images:
+            raise UsageError(
+                f"codec {spec} sends image inputs as images: name them with --image-input"
+            )
+        candidates = (str(spec),)
     if fidelity is not None and fidelity.lossless_only:
-        lossy = [c for c in candidates if not CodecSpec.parse(c).lossless]
+        lossy = [c for c in candidates if not CodecSpec.parse(c).bit_exact and c != "png"]
         if codec != "auto" and lossy:
             raise UsageError(
                 f"codec {lossy[0]} is lossy, and the fidelity budget is exact (the default): "
@@ -142,9 +163,17 @@ def _ensure_codecs(
     """Measure codecs a profile lacks (like ``zstd:9``) on this machine's features.
 
     Such figures are this machine's, scaled by each profile's slowdown: an estimate for
-    a profile made elsewhere, and the note says so.
+    a profile made elsewhere, and the note says so. Image codecs are measured apart
+    (:func:`_ensure_image_codecs`).
     """
-    lacking = sorted({c for p in profiles.values() for c in codecs if c not in p.codecs})
+    lacking = sorted(
+        {
+            c
+            for p in profiles.values()
+            for c in codecs
+            if c not in p.codecs and not CodecSpec.parse(c).image
+        }
+    )
     if not lacking:
         return []
     features = capture_features(graph)
@@ -152,6 +181,60 @@ def _ensure_codecs(
     for tier, profile in profiles.items():
         profiles[tier] = with_codecs(profile, _scaled(base, profile.slowdown))
     return [f"codec {', '.join(lacking)}: not in the profiles, measured on this machine"]
+
+
+def _ensure_image_codecs(
+    graph: ModelGraph,
+    profiles: dict[str, Profile],
+    codecs: Sequence[str],
+    images: Mapping[str, ImageNorm],
+    feeds: Mapping[str, np.ndarray],
+) -> list[str]:
+    """Measure the image codecs at cut 0 (the model inputs) on ``feeds``, one request.
+
+    They can carry nothing else: at the other cuts they are infinitely slow, so the
+    search never puts them there. Scaled by each profile's slowdown, as
+    :func:`_ensure_codecs` does.
+    """
+    wanted = [c for c in codecs if CodecSpec.parse(c).image]
+    if not wanted:
+        return []
+    tensors = {name: feeds[name] for name in graph.cuts[0].tensors}
+    measured = measure_image_codecs(tensors, images, wanted)
+    nowhere = {c: CodecStats(c, 1.0, math.inf, math.inf, math.inf) for c in wanted}
+    base: list[dict[str, CodecStats]] = [measured] + [dict(nowhere) for _ in graph.cuts[1:]]
+    for tier, profile in profiles.items():
+        profiles[tier] = with_codecs(profile, _scaled(base, profile.slowdown))
+    notes = []
+    for name, norm in images.items():
+        share = outside_pixels(feeds[name], norm)
+        if share > 0.01:
+            notes.append(
+                f"note: {100 * share:.0f}% of image input {name}'s values fall outside what "
+                "its normalisation maps 0..255 to: check --image-norm"
+            )
+    return notes
+
+
+def _keep_png(
+    codecs: tuple[str, ...], options: PlanOptions, probe: FidelityProbe | None
+) -> tuple[tuple[str, ...], list[str]]:
+    """Under the exact budget, ``png`` stays a candidate only if the sample shows it exact."""
+    if not options.fidelity.lossless_only or "png" not in codecs:
+        return codecs, []
+    if probe is not None and png_is_exact(probe.requests, options.images):
+        return codecs, [
+            f"png reproduces image input(s) {', '.join(options.images)} bit for bit on all "
+            f"{len(probe.requests)} sample requests: an exact candidate"
+        ]
+    kept = tuple(c for c in codecs if c != "png")
+    why = "no --sample to check it on" if probe is None else "it changes the sample's values"
+    if not kept:
+        raise UsageError(
+            f"codec png is exact only for 8-bit pixels, and {why}: state a fidelity budget "
+            "or choose a lossless codec"
+        )
+    return kept, [f"png left out under the exact budget: {why}"]
 
 
 def _scaled(
@@ -192,9 +275,12 @@ def rank(
             f"--fidelity {budget} needs --sample IN.npz: lossy codecs are measured end to end "
             "on real inputs"
         )
-    codecs = codec_candidates(options.codec, budget)
+    codecs = codec_candidates(options.codec, budget, tuple(options.images))
+    codecs, notes = _keep_png(codecs, options, probe)
     profiles = dict(profiles)
-    notes = _ensure_codecs(graph, profiles, codecs)
+    notes += _ensure_codecs(graph, profiles, codecs)
+    feeds = probe.requests[0] if probe is not None else graph.representative_inputs()
+    notes += _ensure_image_codecs(graph, profiles, codecs, options.images, feeds)
     points, exit_notes = exit_points(graph)
     notes += exit_notes
     problem = Problem(
@@ -293,13 +379,14 @@ def write_plan(
         links=options.links,
         estimate=estimate,
         fidelity=fidelity.to_dict() if fidelity is not None else None,
+        images=options.images,
     )
     logger.info("[plan] wrote %s: cuts %s, %.3g ms", directory, chosen.cuts, chosen.latency_s * 1e3)
     return WrittenPlan(plan, directory, verified, max_diff, 1, fidelity)
 
 
 def _lossless(chosen: Estimate) -> bool:
-    return all(CodecSpec.parse(codec).lossless for codec in chosen.codec.values())
+    return all(CodecSpec.parse(codec).bit_exact for codec in chosen.codec.values())
 
 
 def make_plan(
@@ -321,7 +408,7 @@ def make_plan(
     if sample is not None:
         requests = sample_requests(graph.inputs, sample)
         check_sample_size(budget, len(requests))
-        probe = FidelityProbe(graph, requests)
+        probe = FidelityProbe(graph, requests, images=options.images)
     result, notes = rank(graph, profiles, options, probe=probe)
     best = result.best
     fidelity = None

@@ -22,6 +22,7 @@ import onnx
 import onnx.checker
 import onnx.helper
 
+from tierflow.codec import ImageNorm
 from tierflow.errors import ModelError, PlanError
 from tierflow.links import LINKS, TIERS, LinkSpec
 from tierflow.partitioner.graph import ModelGraph
@@ -264,6 +265,7 @@ def save_split_plan(
     links: Mapping[str, LinkSpec] | None = None,
     estimate: Mapping[str, Any] | None = None,
     fidelity: Mapping[str, Any] | None = None,
+    images: Mapping[str, ImageNorm] | None = None,
 ) -> Plan:
     """Write ``segments`` and the ``plan.json`` that describes them: a plan directory.
 
@@ -282,6 +284,7 @@ def save_split_plan(
         estimate=dict(estimate or {}),
         cuts=tuple(graph.cuts[c].position for c in cuts),
         fidelity=dict(fidelity or {}),
+        images=dict(images or {}),
     )
     save_plan(plan, plan_dir)
     return plan

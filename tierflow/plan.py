@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierflow.codec import CodecSpec
+from tierflow.codec import CodecSpec, ImageNorm
 from tierflow.errors import PlanError, UsageError
 from tierflow.links import LINKS, TIERS, LinkSpec
 
@@ -134,7 +134,18 @@ class Plan:
     at least ``latency_s``); ``cuts`` the cut positions the planner chose; ``fidelity``
     the chosen plan measured against the exact model (``budget``, ``metric``, ``value``,
     ``samples``, ``bitwise_equal``; see ``tierflow.partitioner.fidelity``), empty in
-    plans written before it was recorded.
+    plans written before it was recorded; ``images`` the model inputs that are
+    normalised 8-bit images, with their normalisation (see [Note: image inputs]).
+
+    [Note: image inputs]
+    A link whose codec is an image codec (``jpeg:Q``, ``webp:Q``, ``png``) carries the
+    image inputs among its tensors as images, each encoded with its ``images`` entry
+    and decoded back into the model's tensor by the receiver; every other tensor on
+    that link goes raw (the image codec's lossless part). The planner only chooses an
+    image codec where the model inputs cross (the device runs nothing, and the edge-cloud
+    link when the edge runs nothing either). ``plan.json`` holds them as
+    ``"image_inputs": {NAME: {"mean": [...], "std": [...], "scale": ..., "layout": ...}}``;
+    plans without image inputs leave the key out.
     """
 
     model_file: str
@@ -147,6 +158,7 @@ class Plan:
     estimate: dict[str, Any] = field(default_factory=dict)
     cuts: tuple[int, ...] = ()
     fidelity: dict[str, Any] = field(default_factory=dict)
+    images: dict[str, ImageNorm] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._check()
@@ -191,6 +203,17 @@ class Plan:
                 CodecSpec.parse(text)
             except UsageError as exc:
                 raise PlanError(f"malformed plan: codec of link {name}: {exc}") from exc
+        strangers = [name for name in self.images if name not in self.inputs]
+        if strangers:
+            raise PlanError(
+                f"malformed plan: image inputs {strangers} are not model inputs {list(self.inputs)}"
+            )
+        for name, text in self.codec.items():
+            if CodecSpec.parse(text).image and not self.images:
+                raise PlanError(
+                    f"malformed plan: link {name} uses image codec {text}, but the plan names "
+                    "no image inputs ('image_inputs')"
+                )
 
     @property
     def plan_id(self) -> str:
@@ -200,6 +223,7 @@ class Plan:
                 "model": self.model_sha256,
                 "segments": [s.to_dict() for s in self.segments],
                 "codec": self.codec,
+                **({"images": self._images_dict()} if self.images else {}),
             },
             sort_keys=True,
         )
@@ -212,6 +236,9 @@ class Plan:
         work (it checks each exit before going on).
         """
         return [(i, s) for i, s in enumerate(self.segments) if s.tier == tier]
+
+    def _images_dict(self) -> dict[str, Any]:
+        return {name: norm.to_dict() for name, norm in self.images.items()}
 
     def link_codec(self, link: str | None) -> CodecSpec:
         """The codec for ``link`` ('raw' when the plan names none, or for no link)."""
@@ -231,6 +258,7 @@ class Plan:
             "estimate": dict(self.estimate),
             "cuts": list(self.cuts),
             **({"fidelity": dict(self.fidelity)} if self.fidelity else {}),
+            **({"image_inputs": self._images_dict()} if self.images else {}),
         }
 
     @classmethod
@@ -266,6 +294,13 @@ class Plan:
         cuts = data.get("cuts") or []
         if not isinstance(cuts, list) or not all(isinstance(c, int) for c in cuts):
             raise PlanError("malformed plan: 'cuts' must be a list of integers")
+        images = data.get("image_inputs") or {}
+        if not isinstance(images, dict):
+            raise PlanError("malformed plan: 'image_inputs' must be an object keyed by input")
+        try:
+            norms = {str(name): ImageNorm.from_dict(norm) for name, norm in images.items()}
+        except UsageError as exc:
+            raise PlanError(f"malformed plan: image_inputs: {exc}") from exc
         return cls(
             model_file=str(model.get("file", "")),
             model_sha256=model["sha256"],
@@ -277,6 +312,7 @@ class Plan:
             estimate=dict(estimate),
             cuts=tuple(cuts),
             fidelity=dict(fidelity),
+            images=norms,
         )
 
 

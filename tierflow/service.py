@@ -454,7 +454,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         forward = tier_pb2.Request(
             plan_id=self.plan_id, segment=outcome.next_segment, deadline_unix_s=deadline or 0.0
         )
-        nbytes = put_tensors(forward.tensors, outcome.tensors, self.up_codec)
+        nbytes = put_tensors(forward.tensors, outcome.tensors, self.up_codec, self.plan.images)
         timing.codec_ms = (codec_s + time.perf_counter() - start) * 1e3
         local_deadline = None
         if deadline:

@@ -20,6 +20,7 @@ from tierflow.codec import (
     DEFAULT_MAX_TENSOR_BYTES,
     CodecSpec,
     EncodedTensor,
+    ImageNorm,
     check_header,
     decode,
     decoded_nbytes,
@@ -167,16 +168,26 @@ def decode_tensors(
     return {t.name: decode(t, max_bytes=max_bytes) for t in tensors}
 
 
-def put_tensors(field: Any, arrays: Mapping[str, np.ndarray], spec: CodecSpec) -> int:
+def put_tensors(
+    field: Any,
+    arrays: Mapping[str, np.ndarray],
+    spec: CodecSpec,
+    images: Mapping[str, ImageNorm] | None = None,
+) -> int:
     """Encode ``arrays`` straight into a repeated ``Tensor`` field; return the bytes encoded.
+
+    With an image codec, the arrays named in ``images`` travel as images (with their
+    normalisation) and the others raw ([Note: image inputs] in :mod:`tierflow.plan`).
 
     Building each element in place copies the payload once. Appending separately built
     ``Tensor`` messages (``Request(tensors=[...])``) was measured about 30 times slower
     for a 1 MB tensor with the upb protobuf runtime (7 ms against 0.25 ms).
     """
     total = 0
+    plain = spec.lossless_part() if spec.image else spec
     for name, array in arrays.items():
-        tensor = encode(name, array, spec)
+        norm = (images or {}).get(name) if spec.image else None
+        tensor = encode(name, array, spec, image=norm) if norm else encode(name, array, plain)
         field.add(
             name=tensor.name,
             dtype=tensor.dtype,

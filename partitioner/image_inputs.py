@@ -1,0 +1,264 @@
+"""Image inputs: model inputs that are normalised 8-bit images, and sending them as images.
+
+A camera app uploads its frame as JPEG; ``tierflow plan --image-input NAME`` lets a plan
+do the same: where the model inputs cross a link (the device runs nothing; the edge-cloud
+link too when the edge runs nothing), input NAME may travel as ``jpeg:Q``, ``webp:Q``
+or ``png`` ([Note: image codecs] in :mod:`tierflow.codec`; [Note: image inputs] in
+:mod:`tierflow.plan`). The planner measures each image codec's size and speed on the
+sample's image (:func:`measure_image_codecs`) and, like any lossy codec, its fidelity end
+to end; ``png`` is exact only for a tensor that really is normalised 8-bit pixels, so
+under the ``exact`` budget it is a candidate only when it reproduces every sample
+request bit for bit (:func:`png_is_exact`).
+
+The normalisation comes from ``--image-norm NAME=SPEC``: a preset (``unit``: x = pixel /
+255; ``imagenet``: torchvision's mean and std over pixel / 255; ``symmetric``: x = pixel
+/ 127.5 - 1) or ``mean=M[,M,M];std=S[,S,S][;scale=255][;layout=NCHW|NHWC]``. Without
+``--image-norm`` an image input is ``unit``; the layout, when not given, is NCHW if
+dimension 1 holds 1 or 3 channels, else NHWC if the last one does.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tierflow.codec import (
+    DEFAULT_MAX_TENSOR_BYTES,
+    CodecSpec,
+    CodecStats,
+    ImageNorm,
+    decode,
+    decoded_nbytes,
+    encode,
+)
+from tierflow.errors import CodecError, UsageError
+
+#: The image codecs ``--codec auto`` adds for image inputs: JPEG's quality sweep, WebP, PNG.
+IMAGE_CANDIDATES: tuple[str, ...] = (
+    "jpeg:50",
+    "jpeg:60",
+    "jpeg:70",
+    "jpeg:80",
+    "jpeg:90",
+    "jpeg:95",
+    "webp:50",
+    "webp:75",
+    "webp:90",
+    "png",
+)
+
+# preset -> (mean, std, scale); one value means the same for every channel.
+PRESETS: dict[str, tuple[tuple[float, ...], tuple[float, ...], float]] = {
+    "unit": ((0.0,), (1.0,), 255.0),
+    "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225), 255.0),
+    "symmetric": ((0.5,), (0.5,), 255.0),
+}
+_FORM = (
+    "a preset (unit, imagenet, symmetric) or mean=M[,M,M];std=S[,S,S][;scale=255]"
+    "[;layout=NCHW|NHWC]"
+)
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """``--image-norm`` as written: values not given are filled in from the input's shape."""
+
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+    scale: float = 255.0
+    layout: str | None = None
+
+
+def _floats(text: str, key: str, option: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError as exc:
+        raise UsageError(f"malformed --image-norm {option!r}: {key} must be numbers") from exc
+    if len(values) not in (1, 3):
+        raise UsageError(f"malformed --image-norm {option!r}: {key} takes 1 or 3 values")
+    return values
+
+
+def parse_norm(text: str) -> tuple[str, NormSpec]:
+    """Read ``--image-norm NAME=SPEC``."""
+    name, sep, spec = text.partition("=")
+    name, spec = name.strip(), spec.strip()
+    malformed = f"malformed --image-norm {text!r}: expected NAME=SPEC, SPEC being {_FORM}"
+    if not sep or not name or not spec:
+        raise UsageError(malformed)
+    if spec.lower() in PRESETS:
+        mean, std, scale = PRESETS[spec.lower()]
+        return name, NormSpec(mean, std, scale)
+    fields: dict[str, str] = {}
+    for part in spec.split(";"):
+        key, eq, value = part.partition("=")
+        key = key.strip().lower()
+        if not eq or key not in ("mean", "std", "scale", "layout") or key in fields:
+            raise UsageError(
+                f"malformed --image-norm {text!r}: expected NAME=SPEC, SPEC being {_FORM}"
+            )
+        fields[key] = value.strip()
+    if "mean" not in fields or "std" not in fields:
+        raise UsageError(f"malformed --image-norm {text!r}: give both mean= and std=")
+    mean = _floats(fields["mean"], "mean", text)
+    std = _floats(fields["std"], "std", text)
+    try:
+        scale = float(fields.get("scale", "255"))
+    except ValueError as exc:
+        raise UsageError(f"malformed --image-norm {text!r}: scale must be a number") from exc
+    layout = fields.get("layout")
+    if layout is not None and layout.upper() not in ("NCHW", "NHWC"):
+        raise UsageError(f"malformed --image-norm {text!r}: layout is NCHW or NHWC")
+    return name, NormSpec(mean, std, scale, layout.upper() if layout else None)
+
+
+def resolve_images(
+    inputs: Sequence[Any], names: Sequence[str], norms: Mapping[str, NormSpec]
+) -> dict[str, ImageNorm]:
+    """The normalisation of each image input, checked against the model's inputs.
+
+    ``inputs`` are the model's input infos (name, shape, dtype); an image input must be a
+    4-D float tensor with 1 or 3 channels where its layout puts them.
+    """
+    by_name = {info.name: info for info in inputs}
+    strangers = [n for n in list(names) + list(norms) if n not in by_name]
+    if strangers:
+        raise UsageError(
+            f"--image-input/--image-norm name {strangers[0]!r}, which is not an input of the "
+            f"model; its inputs are {', '.join(by_name)}"
+        )
+    loose = [n for n in norms if n not in names]
+    if loose:
+        raise UsageError(f"--image-norm {loose[0]}=... needs --image-input {loose[0]}")
+    images: dict[str, ImageNorm] = {}
+    for name in names:
+        info, spec = by_name[name], norms.get(name, NormSpec())
+        shape = tuple(info.shape)
+        if len(shape) != 4 or np.dtype(info.dtype).kind != "f":
+            raise UsageError(
+                f"--image-input {name}: an image input is a 4-D float tensor, the model's is "
+                f"{info.dtype}{list(shape)}"
+            )
+        layout = spec.layout
+        if layout is None:
+            layout = "NCHW" if shape[1] in (1, 3) else "NHWC" if shape[3] in (1, 3) else None
+        if layout is None:
+            raise UsageError(
+                f"--image-input {name}: shape {list(shape)} has no 1- or 3-channel axis; "
+                "an image codec carries grey or RGB images"
+            )
+        channels = shape[1] if layout == "NCHW" else shape[3]
+        if channels not in (1, 3):
+            raise UsageError(
+                f"--image-input {name}: layout {layout} puts {channels} channels in shape "
+                f"{list(shape)}; an image codec carries 1 or 3"
+            )
+        mean = spec.mean * channels if len(spec.mean) == 1 else spec.mean
+        std = spec.std * channels if len(spec.std) == 1 else spec.std
+        if len(mean) != channels or len(std) != channels:
+            raise UsageError(
+                f"--image-norm {name}: {len(spec.mean)} means and {len(spec.std)} stds for an "
+                f"image of {channels} channel(s)"
+            )
+        images[name] = ImageNorm(mean=mean, std=std, scale=spec.scale, layout=layout)
+    return images
+
+
+def crossed_with(
+    tensors: Mapping[str, np.ndarray], codec: str, images: Mapping[str, ImageNorm]
+) -> dict[str, np.ndarray]:
+    """What a receiver decodes after ``tensors`` crossed a link with ``codec``.
+
+    As the runtime does ([Note: image inputs] in :mod:`tierflow.plan`): with an image
+    codec the image inputs travel as images and everything else raw.
+    """
+    spec = CodecSpec.parse(codec)
+    plain = spec.lossless_part() if spec.image else spec
+    crossed: dict[str, np.ndarray] = {}
+    for name, array in tensors.items():
+        norm = images.get(name) if spec.image else None
+        encoded = encode(name, array, spec, image=norm) if norm else encode(name, array, plain)
+        limit = max(decoded_nbytes(encoded), DEFAULT_MAX_TENSOR_BYTES)
+        crossed[name] = decode(encoded, max_bytes=limit)
+    return crossed
+
+
+def measure_image_codecs(
+    tensors: Mapping[str, np.ndarray],
+    images: Mapping[str, ImageNorm],
+    codecs: Sequence[str],
+    *,
+    repeats: int = 3,
+) -> dict[str, CodecStats]:
+    """Ratio, speed and error of each image codec on the tensors where the inputs cross.
+
+    ``tensors`` are those of cut 0 for one request (the sample's first): the image
+    inputs go as images, the rest raw, as on the wire.
+    """
+    raw_bytes = sum(np.asarray(a).nbytes for a in tensors.values())
+    mb = max(raw_bytes, 1) / 1e6
+    result: dict[str, CodecStats] = {}
+    for codec in codecs:
+        spec = CodecSpec.parse(codec)
+        plain = spec.lossless_part()
+        encode_times, decode_times = [], []
+        sent = 0
+        error = 0.0
+        for _ in range(max(1, repeats)):
+            start = time.perf_counter()
+            encoded = [
+                encode(n, a, spec, image=images[n]) if n in images else encode(n, a, plain)
+                for n, a in tensors.items()
+            ]
+            encode_times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            decoded = [
+                decode(t, max_bytes=max(decoded_nbytes(t), DEFAULT_MAX_TENSOR_BYTES))
+                for t in encoded
+            ]
+            decode_times.append(time.perf_counter() - start)
+            sent = sum(t.nbytes for t in encoded)
+            error = max(
+                float(np.max(np.abs(np.asarray(a, np.float64) - d))) if np.size(a) else 0.0
+                for a, d in zip(tensors.values(), decoded, strict=True)
+            )
+        result[codec] = CodecStats(
+            codec=codec,
+            ratio=max(raw_bytes, 1) / max(sent, 1),
+            encode_s_per_mb=statistics.median(encode_times) / mb,
+            decode_s_per_mb=statistics.median(decode_times) / mb,
+            max_abs_error=error,
+        )
+    return result
+
+
+def png_is_exact(
+    requests: Sequence[Mapping[str, np.ndarray]], images: Mapping[str, ImageNorm]
+) -> bool:
+    """Whether ``png`` gives back every image input of every request bit for bit."""
+    for request in requests:
+        for name, norm in images.items():
+            array = np.asarray(request[name])
+            try:
+                encoded = encode(name, array, "png", image=norm)
+                back = decode(encoded, max_bytes=max(decoded_nbytes(encoded), 1))
+            except CodecError:
+                return False
+            if back.dtype != array.dtype or back.tobytes() != array.tobytes():
+                return False
+    return True
+
+
+def outside_pixels(array: np.ndarray, norm: ImageNorm) -> float:
+    """Share of ``array``'s values that ``norm`` maps outside the pixel range 0..255."""
+    shape = [1, 1, 1, 1]
+    shape[norm.axis] = norm.channels
+    mean = np.array(norm.mean).reshape(shape)
+    std = np.array(norm.std).reshape(shape)
+    pixels = (np.asarray(array, np.float64) * std + mean) * norm.scale
+    return float(np.mean((pixels < -0.5) | (pixels > 255.5))) if pixels.size else 0.0

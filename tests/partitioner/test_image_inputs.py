@@ -1,0 +1,241 @@
+"""Image inputs in planning: normalisation flags, png's exactness check, image codec plans.
+
+The model is a small CNN on 32x32 crops of scikit-learn's two sample photos, normalised
+as torchvision's ImageNet models expect; the device is slow and the links narrow, so
+sending the input compressed is what the planner wants.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tierflow.cli import main
+from tierflow.codec import CodecSpec, ImageNorm
+from tierflow.errors import PlanError, UsageError
+from tierflow.links import LinkSpec
+from tierflow.partitioner.fidelity import FidelityBudget
+from tierflow.partitioner.fidelity_probe import plan_fidelity
+from tierflow.partitioner.graph import load_model
+from tierflow.partitioner.image_inputs import (
+    PRESETS,
+    NormSpec,
+    outside_pixels,
+    parse_norm,
+    png_is_exact,
+    resolve_images,
+)
+from tierflow.partitioner.planner import PlanOptions, codec_candidates, make_plan
+from tierflow.partitioner.profile import profile_model, save_profile
+from tierflow.plan import Plan, load_plan
+
+SIDE = 32
+MEAN = np.array([0.485, 0.456, 0.406], np.float32).reshape(3, 1, 1)
+STD = np.array([0.229, 0.224, 0.225], np.float32).reshape(3, 1, 1)
+LINKS = {"device-edge": LinkSpec.parse("2mbit,1ms"), "edge-cloud": LinkSpec.parse("2mbit,1ms")}
+
+
+def _cnn(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    w1 = (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32)
+    w2 = (rng.standard_normal((10, 8)) * 0.3).astype(np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Relu", ["c"], ["h"]),
+        helper.make_node("GlobalAveragePool", ["h"], ["p"]),
+        helper.make_node("Flatten", ["p"], ["f"]),
+        helper.make_node("Gemm", ["f", "w2"], ["y"], transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, SIDE, SIDE])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+@functools.cache
+def _sample_photos() -> tuple[np.ndarray, ...]:
+    """scikit-learn's two bundled photos, read with Pillow (importing sklearn takes seconds)."""
+    from PIL import Image
+
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("scikit-learn (the photos' package) is not installed")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "images"
+    return tuple(
+        np.asarray(Image.open(folder / n).convert("RGB")) for n in ("china.jpg", "flower.jpg")
+    )
+
+
+def photos(count: int, seed: int) -> dict[str, np.ndarray]:
+    """Random crops of the sample photos, normalised in float32 as the image codec decodes."""
+    images = _sample_photos()
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(count):
+        image = images[int(rng.integers(len(images)))]
+        top = int(rng.integers(0, image.shape[0] - SIDE))
+        left = int(rng.integers(0, image.shape[1] - SIDE))
+        crop = image[top : top + SIDE, left : left + SIDE].transpose(2, 0, 1).astype(np.float32)
+        rows.append(((crop / np.float32(255.0) - MEAN) / STD)[np.newaxis])
+    return {"x": np.stack(rows)}
+
+
+IMAGENET = ImageNorm(
+    mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), scale=255.0, layout="NCHW"
+)
+
+
+@pytest.fixture(scope="module")
+def cnn(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, dict[str, Any]]:
+    path = _cnn(tmp_path_factory.mktemp("images") / "cnn.onnx")
+    graph = load_model(path)
+    base = profile_model(graph, time_budget_s=0.3)
+    slow = replace(base, units=tuple(replace(u, compute_s=u.compute_s * 1e4) for u in base.units))
+    return path, graph, {"device": slow, "edge": base.emulate(2.0), "cloud": base}
+
+
+# --------------------------------------------------------------------------- flags
+
+
+def test_norms_parse_from_presets_and_fields() -> None:
+    assert parse_norm("x=imagenet") == ("x", NormSpec(*PRESETS["imagenet"]))
+    name, spec = parse_norm("img=mean=0.5;std=0.25,0.5,1;scale=1;layout=nhwc")
+    assert name == "img" and spec == NormSpec((0.5,), (0.25, 0.5, 1.0), 1.0, "NHWC")
+    for text, message in [
+        ("x", "expected NAME=SPEC"),
+        ("x=mean=0.5", "give both mean= and std="),
+        ("x=mean=a;std=1", "mean must be numbers"),
+        ("x=mean=1,2;std=1", "takes 1 or 3 values"),
+        ("x=mean=0;std=1;layout=CHW", "layout is NCHW or NHWC"),
+        ("x=gamma=2", "expected NAME=SPEC"),
+    ]:
+        with pytest.raises(UsageError, match=message):
+            parse_norm(text)
+
+
+def test_image_inputs_resolve_against_the_model(cnn: Any) -> None:
+    _, graph, _ = cnn
+    images = resolve_images(graph.inputs, ["x"], {"x": NormSpec(*PRESETS["imagenet"])})
+    assert images == {"x": IMAGENET}
+    unit = resolve_images(graph.inputs, ["x"], {})["x"]
+    assert unit.mean == (0.0,) * 3 and unit.std == (1.0,) * 3 and unit.layout == "NCHW"
+    with pytest.raises(UsageError, match="'photo', which is not an input"):
+        resolve_images(graph.inputs, ["photo"], {})
+    with pytest.raises(UsageError, match="needs --image-input x"):
+        resolve_images(graph.inputs, [], {"x": NormSpec()})
+    with pytest.raises(UsageError, match="layout NHWC puts 32 channels"):
+        resolve_images(graph.inputs, ["x"], {"x": NormSpec(layout="NHWC")})
+
+
+def test_png_is_exact_only_for_pixels_normalised_as_declared() -> None:
+    rows = photos(4, 0)["x"]
+    requests = [{"x": row} for row in rows]
+    assert png_is_exact(requests, {"x": IMAGENET})
+    assert outside_pixels(rows[0], IMAGENET) == 0.0
+    noisy = [{"x": row + np.float32(1e-3)} for row in rows]
+    assert not png_is_exact(noisy, {"x": IMAGENET})
+    other = ImageNorm(mean=(0.5,) * 3, std=(0.5,) * 3)
+    assert not png_is_exact(requests, {"x": other})
+
+
+def test_image_codecs_join_the_candidates_only_for_image_inputs() -> None:
+    exact = FidelityBudget()
+    assert "jpeg:90" not in codec_candidates("auto", FidelityBudget("rel", 1.0))
+    lossy = codec_candidates("auto", FidelityBudget("rel", 1.0), ["x"])
+    assert {"jpeg:50", "jpeg:95", "webp:75", "png"} <= set(lossy)
+    assert codec_candidates("auto", exact, ["x"]) == ("raw", "zstd", "png")
+    with pytest.raises(UsageError, match="name them with --image-input"):
+        codec_candidates("jpeg:90", FidelityBudget("rel", 1.0))
+    with pytest.raises(UsageError, match="codec jpeg:90 is lossy"):
+        codec_candidates("jpeg:90", exact, ["x"])
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def test_exact_plans_send_png_only_where_the_sample_shows_it_exact(
+    cnn: Any, tmp_path: Path
+) -> None:
+    path, graph, profiles = cnn
+    options = PlanOptions(links=LINKS, images={"x": IMAGENET})
+    outcome = make_plan(graph, profiles, options, tmp_path / "png", sample=photos(30, 1))
+    assert "png" in outcome.plan.codec.values()
+    assert outcome.fidelity is not None and outcome.fidelity.bitwise_equal
+    assert outcome.fidelity.samples == 30
+    assert any("png reproduces image input(s) x bit for bit" in n for n in outcome.notes)
+    plan = load_plan(tmp_path / "png")
+    assert plan.images == {"x": IMAGENET}
+    data = json.loads((tmp_path / "png" / "plan.json").read_text())
+    assert data["image_inputs"]["x"]["mean"] == pytest.approx([0.485, 0.456, 0.406])
+    held_out = plan_fidelity(tmp_path / "png", path, photos(20, 2), metric="exact")
+    assert held_out.bitwise_equal and held_out.value == 1.0
+    # Values between pixel levels: png is no longer exact, so the plan stays lossless.
+    noisy = {"x": photos(30, 1)["x"] + np.float32(1e-3)}
+    outcome = make_plan(graph, profiles, options, tmp_path / "no-png", sample=noisy)
+    assert all(CodecSpec.parse(c).bit_exact for c in outcome.plan.codec.values())
+    assert any("png left out under the exact budget" in n for n in outcome.notes)
+
+
+def test_a_top1_budget_picks_a_lossy_image_codec_that_holds_on_held_out_photos(
+    cnn: Any, tmp_path: Path
+) -> None:
+    path, graph, profiles = cnn
+    budget = FidelityBudget.parse("top1=95%")
+    options = PlanOptions(links=LINKS, fidelity=budget, images={"x": IMAGENET})
+    outcome = make_plan(graph, profiles, options, tmp_path / "plan", sample=photos(60, 3))
+    chosen = [CodecSpec.parse(c) for c in outcome.plan.codec.values()]
+    assert any(c.image and not c.lossless for c in chosen), outcome.plan.codec
+    assert outcome.plan.fidelity["budget"] == "top1=95%"
+    held_out = plan_fidelity(tmp_path / "plan", path, photos(60, 4))
+    assert budget.met_by(held_out.value, held_out.samples), held_out.describe()
+
+
+def test_old_plans_without_image_inputs_load_and_bad_ones_are_refused(
+    cnn: Any, tmp_path: Path
+) -> None:
+    _, graph, profiles = cnn
+    options = PlanOptions(links=LINKS, images={"x": IMAGENET})
+    make_plan(graph, profiles, options, tmp_path / "plan", sample=photos(10, 5))
+    data = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    old = {k: v for k, v in data.items() if k not in ("image_inputs", "fidelity")}
+    old["codec"] = {"device-edge": "zstd", "edge-cloud": "raw"}
+    assert Plan.from_dict(old).images == {}
+    with pytest.raises(PlanError, match="names no image inputs"):
+        Plan.from_dict({**old, "codec": {"device-edge": "jpeg:90"}})
+    with pytest.raises(PlanError, match=r"image inputs \['photo'\] are not model inputs"):
+        Plan.from_dict({**data, "image_inputs": {"photo": IMAGENET.to_dict()}})
+    with pytest.raises(PlanError, match="image_inputs"):
+        Plan.from_dict({**data, "image_inputs": {"x": {"mean": [1, 2]}}})
+
+
+def test_plan_command_with_image_flags(cnn: Any, tmp_path: Path, capsys: Any) -> None:
+    path, _, profiles = cnn
+    sample = tmp_path / "photos.npz"
+    np.savez(sample, **photos(40, 6))
+    argv = ["plan", str(path), "-o", str(tmp_path / "plan"), "--sample", str(sample)]
+    argv += ["--link", "device-edge=2mbit,1ms", "--link", "edge-cloud=2mbit,1ms"]
+    for tier, profile in profiles.items():
+        save_profile(profile, tmp_path / f"{tier}.json")
+        argv += ["--profile", f"{tier}={tmp_path / f'{tier}.json'}"]
+    argv += ["--image-input", "x", "--image-norm", "x=imagenet", "--fidelity", "top1=90%"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "carries image input(s) x as images" in out
+    assert "fidelity: top1 agreement" in out and "on 40 requests" in out
+    assert load_plan(tmp_path / "plan").images == {"x": IMAGENET}
+    assert main([*argv[:-2], "--image-norm", "y=unit"]) == 2
+    assert "'y', which is not an input" in capsys.readouterr().err
