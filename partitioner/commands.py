@@ -456,8 +456,8 @@ def run_plan(args: argparse.Namespace) -> int:
     for name, codec in best.codec.items():
         spec = CodecSpec.parse(codec)
         if spec.image:
-            images = ", ".join(outcome.plan.images)
-            print(f"note: {codec} on {name} carries image input(s) {images} as images")
+            carried = ", ".join(outcome.plan.images)
+            print(f"note: {codec} on {name} carries image input(s) {carried} as images")
         if not spec.bit_exact:
             lossy = lossy or codec != "png"  # png: exact where the sample shows it
             sender = profiles[name.split("-")[0]]
