@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
-from tierflow.errors import DeadlineError, InputError, TierflowError, UsageError
+from tierflow.errors import DeadlineError, InputError, TierflowError, TransportError, UsageError
 from tierflow.linkemu import LinkShaper, Transfer
 from tierflow.links import LINKS, TIERS, LinkSpec
 from tierflow.mux import StreamClient
@@ -276,6 +276,7 @@ class DeviceClient:
         self.max_tensor_bytes = max_tensor_bytes
         self.codec = self.plan.link_codec("device-edge")
         self.local_only = self.runner.end >= len(self.plan.segments)
+        self._exits = any(spec.exits for _, spec, _ in self.runner.segments)
         self.stream: StreamClient | None = None
         self._ids = itertools.count()
         if not self.local_only:
@@ -305,9 +306,16 @@ class DeviceClient:
             self.stream.close()
 
     def submit(self, inputs: Mapping[str, np.ndarray]) -> Ticket:
-        """Run the device's part now and send the rest on; errors end up in the Result."""
+        """Run the device's part now and send the rest on; errors end up in the Result.
+
+        While the edge is known to be down, and no device exit could answer, the request
+        fails at once without running anything (see [Note: retries and failing fast]).
+        """
         request_id = str(next(self._ids))
         started = time.perf_counter()
+        if self.stream is not None and not self._exits and self.stream.known_down():
+            down = TransportError(f"the edge at {self.stream.address} is down; not running")
+            return self._local(request_id, started, error=down)
         try:
             arrays = {name: np.asarray(value) for name, value in inputs.items()}
             self.runner.check_names(set(arrays), segment=0)

@@ -14,6 +14,17 @@ with a :class:`~tierflow.errors.DeadlineError` when the request's deadline passe
 A broken stream is not reused: the next submit opens a new one on the same channel,
 which reconnects by itself (with a short backoff, see :func:`channel_options`). Request ids
 on the wire are assigned here, so callers' ids can never collide on a shared stream.
+See [Note: retries and failing fast] for what happens while the peer is down.
+
+[Note: retries and failing fast]
+A request that cannot have reached the peer (its stream broke UNAVAILABLE before any
+reply came, and the channel was not connected at any time since the stream opened) is
+sent again on a new stream, with the same wire id, after 0.1, 0.3 and 0.9 s, within its
+deadline; after that it fails. One that may have reached the peer is never sent again,
+and a reply is only ever delivered once (the first one for an id). While the peer is
+known to be down (the channel's last connection attempt failed and it has not been
+connected since), :meth:`StreamClient.submit` fails at once instead of queueing, and
+:meth:`StreamClient.known_down` tells callers so before they do any work.
 """
 
 from __future__ import annotations
@@ -61,13 +72,25 @@ def channel_options(max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> list[tupl
     ]
 
 
+# When a request that never reached the peer is sent again ([Note: retries and failing fast]).
+_RETRY_DELAYS_S = (0.1, 0.3, 0.9)
+
+
 @dataclass
 class Sent:
-    """A submitted request: its future reply and its transfer on the link."""
+    """A submitted request: its future reply and its transfer on the link.
+
+    ``request``, ``size``, ``deadline`` and ``attempts`` are kept to send it again
+    ([Note: retries and failing fast]).
+    """
 
     future: Future[tier_pb2.Reply]
     transfer: Transfer
     wire_id: str
+    request: tier_pb2.Request | None = None
+    size: int = 0
+    deadline: float | None = None
+    attempts: int = 1
 
 
 class _Stream:
@@ -78,6 +101,10 @@ class _Stream:
         self.queue: ShapedQueue[tier_pb2.Request] = ShapedQueue(client.shaper)
         self.pending: dict[str, Sent] = {}
         self.alive = True
+        self.replied = False
+        # Made under client.lock: whether anything sent on it may have reached the peer.
+        self.connected_at_start = client._connected
+        self.connections_at_start = client._connections
         self.call = client.stub.Infer(self.queue.drain())
         self.reader = threading.Thread(target=self._read, name=f"{client.me}-reader", daemon=True)
         self.reader.start()
@@ -85,9 +112,11 @@ class _Stream:
     def _read(self) -> None:
         client = self.client
         error: TransportError
+        unavailable = False
         try:
             for reply in self.call:
                 with client.lock:
+                    self.replied = True
                     sent = self.pending.pop(reply.id, None)
                 if sent is None:
                     logger.debug("[%s] reply for %s came after its deadline", client.me, reply.id)
@@ -98,6 +127,7 @@ class _Stream:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
             name = code.name if code is not None else "UNKNOWN"
+            unavailable = code == grpc.StatusCode.UNAVAILABLE
             error = TransportError(
                 f"the {client.peer} at {client.address} went away: {name}: {details}"
             )
@@ -110,13 +140,30 @@ class _Stream:
             self.pending.clear()
             if client.stream is self:
                 client.stream = None
+            reached = (
+                not unavailable
+                or self.replied
+                or self.connected_at_start
+                or client._connections != self.connections_at_start
+            )
         self.queue.close()
+        retry = [] if reached else [s for s in failed if s.attempts <= len(_RETRY_DELAYS_S)]
+        failed = [s for s in failed if s not in retry]
         if failed:
             logger.warning(
                 "[%s] %s; failing %d request(s) in flight", client.me, error, len(failed)
             )
         for sent in failed:
             sent.future.set_exception(error)
+        if retry:
+            logger.info(
+                "[%s] %d request(s) never reached the %s (%s); sending them again",
+                client.me,
+                len(retry),
+                client.peer,
+                error,
+            )
+            client._send_again(retry, error)
 
 
 class StreamClient:
@@ -148,11 +195,31 @@ class StreamClient:
         self.stream: _Stream | None = None
         self._ids = itertools.count()
         self._prefix = f"{me[0]}{id(self):x}-"
-        self._deadlines: list[tuple[float, str, _Stream]] = []
+        # (deadline, wire id, attempt, stream): a request sent again has a second entry.
+        self._deadlines: list[tuple[float, str, int, _Stream]] = []
         self._wake = threading.Condition(self.lock)
         self._closed = False
+        self._down = False  # see known_down
+        self._connected = False
+        self._connections = 0  # times the channel became READY
+        self.channel.subscribe(self._on_state, try_to_connect=False)
         self._sweeper = threading.Thread(target=self._sweep, name=f"{me}-deadlines", daemon=True)
         self._sweeper.start()
+
+    def _on_state(self, state: grpc.ChannelConnectivity) -> None:
+        with self.lock:
+            self._connected = state == grpc.ChannelConnectivity.READY
+            if self._connected:
+                self._connections += 1
+                self._down = False
+            elif state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                self._down = True
+            elif state == grpc.ChannelConnectivity.IDLE:
+                self._down = False  # nothing is trying to connect: the next call will
+
+    def known_down(self) -> bool:
+        """Whether the peer is known to be down ([Note: retries and failing fast])."""
+        return self._down
 
     def submit(
         self,
@@ -183,17 +250,53 @@ class StreamClient:
         with self.lock:
             if self._closed:
                 raise TransportError(f"the stream to the {self.peer} is closed")
-            stream = self.stream
-            if stream is None or not stream.alive:
-                stream = self.stream = _Stream(self)
-            transfer = stream.queue.put(request, size)
-            sent = Sent(future, transfer, wire_id)
-            stream.pending[wire_id] = sent
-            if deadline is not None:
-                heapq.heappush(self._deadlines, (deadline, wire_id, stream))
-                if self._deadlines[0][1] == wire_id:
-                    self._wake.notify()
+            if self._down:
+                raise TransportError(
+                    f"the {self.peer} at {self.address} is down (its last connection "
+                    "attempt failed); not sending"
+                )
+            stream = self._live_stream()
+            sent = Sent(future, stream.queue.put(request, size), wire_id, request, size, deadline)
+            self._track(stream, sent)
         return sent
+
+    def _live_stream(self) -> _Stream:
+        """The stream to send on, opened if need be; call with the lock held."""
+        if self.stream is None or not self.stream.alive:
+            self.stream = _Stream(self)
+        return self.stream
+
+    def _track(self, stream: _Stream, sent: Sent) -> None:
+        """Wait for ``sent``'s reply on ``stream``, within its deadline; lock held."""
+        stream.pending[sent.wire_id] = sent
+        if sent.deadline is not None:
+            entry = (sent.deadline, sent.wire_id, sent.attempts, stream)
+            heapq.heappush(self._deadlines, entry)
+            if self._deadlines[0][1] == sent.wire_id:
+                self._wake.notify()
+
+    def _send_again(self, sents: list[Sent], error: TransportError) -> None:
+        """Send requests that never reached the peer again after a backoff (reader thread)."""
+        time.sleep(_RETRY_DELAYS_S[min(s.attempts for s in sents) - 1])
+        for sent in sents:
+            late = sent.deadline is not None and time.monotonic() >= sent.deadline
+            with self.lock:
+                closed = self._closed
+                if not closed and not late and sent.request is not None:
+                    sent.attempts += 1
+                    stream = self._live_stream()
+                    sent.transfer = stream.queue.put(sent.request, sent.size)
+                    self._track(stream, sent)
+                    continue
+            if late:
+                sent.future.set_exception(
+                    DeadlineError(
+                        f"no reply from the {self.peer} at {self.address} within the "
+                        f"request's deadline ({error})"
+                    )
+                )
+            else:
+                sent.future.set_exception(error)
 
     def _sweep(self) -> None:
         """Fail requests whose deadline passed; runs until :meth:`close`."""
@@ -202,7 +305,7 @@ class StreamClient:
                 now = time.monotonic()
                 expired: list[Sent] = []
                 while self._deadlines and self._deadlines[0][0] <= now:
-                    _, wire_id, stream = heapq.heappop(self._deadlines)
+                    _, wire_id, _, stream = heapq.heappop(self._deadlines)
                     sent = stream.pending.pop(wire_id, None)
                     if sent is not None:
                         expired.append(sent)
@@ -239,4 +342,5 @@ class StreamClient:
             stream.reader.join(timeout)
             stream.call.cancel()
             stream.reader.join(1.0)
+        self.channel.unsubscribe(self._on_state)
         self.channel.close()
