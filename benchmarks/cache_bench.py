@@ -56,6 +56,7 @@ from tierflow.cloud.cache_approx import (
     signature,
 )
 from tierflow.cloud.cache_memory import MemoryCache
+from tierflow.table import format_table
 from tierflow.units import format_size
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cache.json"
@@ -301,21 +302,23 @@ def print_table(report: dict[str, Any]) -> None:
         f"({format_size(report['cut']['feature_bytes'])}), median compute {compute:.3f} ms, "
         f"{report['stream']['requests']} frames"
     )
-    header = (
-        f"{'cache':<26} {'hit rate':>8} {'exact':>6} {'approx':>6} {'wrong':>6} "
-        f"{'hit ms':>8} {'miss ms':>8} {'compute/hit':>11}"
-    )
-    print(header)
-    print("-" * len(header))
+    headers = ("cache", "hit rate", "exact", "approx", "wrong", "hit ms", "miss ms", "compute/hit")
+    rows = []
     for row in report["rows"]:
         hit, miss, ratio = row["hit_ms_median"], row["miss_ms_median"], row["compute_over_hit"]
-        print(
-            f"{row['cache']:<26} {row['hit_rate']:>8.1%} {row['exact_hits']:>6d} "
-            f"{row['approx_hits']:>6d} {row['wrong_answers']:>6d} "
-            f"{'-' if hit is None else f'{hit:.3f}':>8} "
-            f"{'-' if miss is None else f'{miss:.3f}':>8} "
-            f"{'-' if ratio is None else f'{ratio:.1f}x':>11}"
+        rows.append(
+            (
+                row["cache"],
+                f"{row['hit_rate']:.1%}",
+                row["exact_hits"],
+                row["approx_hits"],
+                row["wrong_answers"],
+                "-" if hit is None else f"{hit:.3f}",
+                "-" if miss is None else f"{miss:.3f}",
+                "-" if ratio is None else f"{ratio:.1f}x",
+            )
         )
+    print(format_table(headers, rows))
 
 
 def resnet_split(size: int, directory: Path) -> Split:

@@ -19,6 +19,7 @@ import argparse
 import json
 import platform
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import numpy as np
 import zstandard
 
 from tierflow.codec import CodecSpec, CodecStats, measure
+from tierflow.table import format_table
 
 SCHEMES: tuple[str, ...] = (
     "raw",
@@ -116,16 +118,19 @@ def run(datasets: dict[str, list[np.ndarray]], repeats: int) -> dict[str, list[C
 def table(name: str, arrays: list[np.ndarray], stats: list[CodecStats]) -> str:
     raw = sum(a.nbytes for a in arrays)
     zeros = sum(int((a == 0).sum()) for a in arrays) / max(sum(a.size for a in arrays), 1)
-    lines = [
-        f"{name}: {len(arrays)} tensor(s), {raw / 1e6:.3g} MB, {zeros:.0%} zeros",
-        f"  {'codec':<18} {'ratio':>7} {'encode MB/s':>12} {'decode MB/s':>12} {'max abs err':>12}",
-    ]
-    for s in stats:
-        lines.append(
-            f"  {s.codec:<18} {s.ratio:>7.2f} {1 / s.encode_s_per_mb:>12.0f} "
-            f"{1 / s.decode_s_per_mb:>12.0f} {s.max_abs_error:>12.3g}"
+    headers = ("codec", "ratio", "encode MB/s", "decode MB/s", "max abs err")
+    rows = [
+        (
+            s.codec,
+            f"{s.ratio:.2f}",
+            f"{1 / s.encode_s_per_mb:.0f}",
+            f"{1 / s.decode_s_per_mb:.0f}",
+            f"{s.max_abs_error:.3g}",
         )
-    return "\n".join(lines)
+        for s in stats
+    ]
+    title = f"{name}: {len(arrays)} tensor(s), {raw / 1e6:.3g} MB, {zeros:.0%} zeros"
+    return title + "\n" + textwrap.indent(format_table(headers, rows), "  ")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,9 +27,9 @@ import onnxruntime as ort
 
 from tierflow.codec import decode, encode
 from tierflow.partitioner.graph import load_model
-from tierflow.partitioner.report import format_table
 from tierflow.partitioner.split import extract_segment
 from tierflow.segment_runner import DEFAULT_OPTIMIZATION, session_options
+from tierflow.table import format_table
 from tierflow.zoo.digits import build_demo_model
 
 CODECS: tuple[str, ...] = (

@@ -43,6 +43,7 @@ from tierflow.partitioner.exits.metadata import ExitedModel, ExitInfo
 from tierflow.partitioner.exits.points import exit_candidates
 from tierflow.partitioner.graph import load_model
 from tierflow.segment_runner import session_options
+from tierflow.table import format_table
 from tierflow.zoo.digits import build_demo_model
 
 logger = logging.getLogger(__name__)
@@ -197,15 +198,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{100 * p['compute_saved']:.1f}%",
             )
         )
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     print(
         f"demo model: held-out accuracy {100 * full_accuracy:.2f}% on {len(labels)} images; "
         f"device runs up to {device_cut!r}; baseline beyond the device "
         f"{1e6 * baseline:.0f} us/request (ORT, 1 thread, CPU time)"
     )
     print(f"exits at {points[TARGETS.index(0.01)]['exits']}")
-    for row in [header, *rows]:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    print(format_table(header, rows, align="l" * len(header), rule=False))
 
     best = [p for p in points if full_accuracy - p["accuracy"] <= 0.01 + 1e-9]
     best_saved = max((p["compute_saved"] for p in best), default=0.0)

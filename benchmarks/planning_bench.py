@@ -64,9 +64,9 @@ from tierflow.partitioner.profile import (
     run_session,
     typical_s,
 )
-from tierflow.partitioner.report import format_table
 from tierflow.partitioner.search import search
 from tierflow.partitioner.split import extract_segment, split_model
+from tierflow.table import format_table
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planning.json"
 

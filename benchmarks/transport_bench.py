@@ -59,6 +59,7 @@ from tierflow.device.client import DeviceClient, Result
 from tierflow.mux import channel_options
 from tierflow.plan import Plan, SegmentSpec, save_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.table import format_table
 from tierflow.tuning import tune_for_latency
 
 RESULTS = Path(__file__).resolve().parent / "results" / "transport.json"
@@ -348,17 +349,7 @@ def verdict(hop: dict[str, Any]) -> str:
 
 
 def _table(rows: Sequence[tuple[str, ...]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for index, row in enumerate(rows):
-        cells = [
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(cells))
-        if index == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_table(rows[0], rows[1:])
 
 
 def main() -> int:

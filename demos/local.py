@@ -330,7 +330,7 @@ def _live(run: StrategyRun, done: int, total: int) -> None:
 
 
 def _results_table(runs: Sequence[StrategyRun]) -> str:
-    from tierflow.partitioner.report import format_table
+    from tierflow.table import format_table
 
     headers = [
         "strategy",

@@ -21,6 +21,7 @@ from tierflow.links import LINKS
 from tierflow.plan import load_plan
 from tierflow.security import Security, add_security_arguments
 from tierflow.segment_runner import add_optimization_argument
+from tierflow.table import format_table
 from tierflow.units import format_duration, format_rate, format_size, parse_duration
 
 if TYPE_CHECKING:
@@ -136,6 +137,4 @@ def _summary(results: list[Result], elapsed: float) -> None:
             rates = [r.rate_bps.get(link, 0.0) for r in ok if r.rate_bps.get(link, 0.0) > 0]
             rate = format_rate(statistics.median(rates)) if rates else "-"
             rows.append((f"{link}", f"{format_size(statistics.mean(sent))}/request, rate {rate}"))
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
+    print(format_table((), rows, align="ll"))

@@ -17,6 +17,7 @@ from tierflow.linkemu import resolve_links
 from tierflow.plan import load_plan
 from tierflow.security import Security, add_security_arguments
 from tierflow.server import add_serve_parser, check_server_arguments, serve_until_stopped
+from tierflow.table import format_table
 from tierflow.units import format_duration, format_rate, parse_size
 
 logger = logging.getLogger(__name__)
@@ -91,8 +92,6 @@ def _probe(args: argparse.Namespace) -> int:
         ("rate up", format_rate(samples["up_rate_bps"])),
         ("rate down", format_rate(samples["down_rate_bps"])),
     ]
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
+    print(format_table((), rows, align="ll"))
     print(result.link_option())
     return 0

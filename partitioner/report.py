@@ -9,27 +9,14 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TextIO
 
 from tierflow.links import LINKS, TIERS
 from tierflow.partitioner.cost import Estimate
 from tierflow.partitioner.search import SearchResult
+from tierflow.table import format_table
 from tierflow.units import format_size
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Align columns: the first left-aligned, the others right-aligned."""
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-
-    def line(cells: Sequence[str]) -> str:
-        parts = [
-            str(c).ljust(w) if i == 0 else str(c).rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "  ".join(parts).rstrip()
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
 def _ms(seconds: float) -> str:

@@ -168,7 +168,7 @@ def _add(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from tierflow.partitioner.exits.metadata import format_table, read_exit_summary, read_exits
+    from tierflow.partitioner.exits.metadata import exits_table, read_exit_summary, read_exits
 
     exits = read_exits(args.model)
     summary = read_exit_summary(args.model)
@@ -177,5 +177,5 @@ def _show(args: argparse.Namespace) -> int:
     elif not exits:
         print(f"{args.model} has no exits")
     else:
-        print(format_table(exits, summary))
+        print(exits_table(exits, summary))
     return 0

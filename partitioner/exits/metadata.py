@@ -19,6 +19,7 @@ from onnx import helper
 
 from tierflow.errors import ModelError
 from tierflow.plan import ExitSpec
+from tierflow.table import format_table
 
 METADATA_KEY = "tierflow.exits"
 SUMMARY_KEY = "tierflow.exits.summary"
@@ -102,7 +103,7 @@ class ExitedModel:
 
     def table(self) -> str:
         """The calibration figures as an aligned table for people."""
-        return format_table(self.exits, self.summary)
+        return exits_table(self.exits, self.summary)
 
 
 def read_exits(model: onnx.ModelProto | str | Path) -> list[ExitInfo]:
@@ -133,7 +134,7 @@ def read_exit_summary(model: onnx.ModelProto | str | Path) -> dict[str, Any]:
     return {}
 
 
-def format_table(exits: Sequence[ExitInfo], summary: Mapping[str, Any]) -> str:
+def exits_table(exits: Sequence[ExitInfo], summary: Mapping[str, Any]) -> str:
     """Per-exit figures and the overall line as an aligned table."""
     metric = str(summary.get("metric", "disagreement"))
     header = ("exit", "at", "threshold", "exit rate", metric)
@@ -156,11 +157,7 @@ def format_table(exits: Sequence[ExitInfo], summary: Mapping[str, Any]) -> str:
             f"{100 * float(summary.get('achieved', 0.0)):.2f}%",
         )
     )
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in [header, *rows]
-    ]
-    return "\n".join(line.rstrip() for line in lines)
+    return format_table(header, rows, align="l" * len(header), rule=False)
 
 
 def write_metadata(
