@@ -1,8 +1,8 @@
 """``IN.npz`` to requests and results to ``OUT.npz`` (DESIGN.md, command line contract).
 
 ``IN.npz`` holds one array per model input with a leading request axis: request ``i``
-uses ``a[i]``, read by :mod:`tierflow.npz` exactly as ``plan --sample`` reads it (Note
-[request rows]). When a batch dimension of 1 was added to the rows, the outputs lose it
+uses ``a[i]``, read by :mod:`tierflow.npz` exactly as ``plan --sample`` reads it
+([Note: request rows]). When a batch dimension of 1 was added to the rows, the outputs lose it
 again, so that ``OUT.npz`` holds the model outputs the same way: ``out[name][i]`` is
 request ``i``'s.
 
@@ -59,7 +59,7 @@ def load_requests(
 ) -> tuple[list[dict[str, np.ndarray]], bool]:
     """The requests in ``IN.npz``, and whether a batch dimension of 1 was added.
 
-    Read as ``plan --sample`` reads it (:mod:`tierflow.npz`, Note [request rows]).
+    Read as ``plan --sample`` reads it (:mod:`tierflow.npz`, [Note: request rows]).
     """
     ranks = input_ranks(plan, plan_dir, known_ranks)
     return read_requests(path, {name: ranks.get(name) for name in plan.inputs})

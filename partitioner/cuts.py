@@ -3,7 +3,7 @@
 :func:`node_usage` finds the constants, weight sources and last use of every tensor,
 :func:`crossing_sets` the activations crossing each position, and
 :func:`candidate_cuts` filters and collapses those positions into the :class:`Cut` list
-the planner searches. See ``Note [cut sets]`` below.
+the planner searches. See [Note: cut sets] below.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from tierflow.partitioner.tensors import (
     tensor_nbytes,
 )
 
-# Note [cut sets]
-# ~~~~~~~~~~~~~~~
+# [Note: cut sets]
 # A cut is a position p in the topological node order (0 <= p <= len(nodes)): nodes
 # [0, p) run before it, nodes [p, len) after. The tensors crossing it are the
 # *activations* defined before p (model inputs count as defined at -1) and needed at or
@@ -94,7 +93,7 @@ _NONDETERMINISTIC_OPS = frozenset(
 class Cut:
     """A candidate cut: a position in the node order and the activations crossing it.
 
-    See ``Note [cut sets]``.
+    See [Note: cut sets].
     """
 
     index: int
@@ -143,7 +142,7 @@ def _subgraph_weight_bytes(graph: onnx.GraphProto) -> int:
 def node_usage(
     graph: onnx.GraphProto, infos: Mapping[str, TensorInfo], outputs: Sequence[str]
 ) -> NodeUsage:
-    """Constants, weight sources and last uses; see ``Note [cut sets]``."""
+    """Constants, weight sources and last uses; see [Note: cut sets]."""
     nodes = list(graph.node)
     uses = tuple(node_uses(n) for n in nodes)
     weight_nbytes = {t.name: tensor_nbytes(t) for t in graph.initializer}
@@ -215,7 +214,7 @@ def candidate_cuts(
     outputs: Sequence[str],
     max_cut_tensors: int,
 ) -> list[Cut]:
-    """Filter and collapse positions into candidate cuts; see ``Note [cut sets]``."""
+    """Filter and collapse positions into candidate cuts; see [Note: cut sets]."""
     end = len(sets) - 1
 
     def nbytes(names: Sequence[str]) -> int:

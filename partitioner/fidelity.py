@@ -362,7 +362,10 @@ def samples_to_support(budget: FidelityBudget, confidence: float = CONFIDENCE) -
 
 
 def check_sample_size(budget: FidelityBudget, samples: int) -> None:
-    """Refuse a budget finer than the sample resolves ([Note: how many samples ...])."""
+    """Refuse a budget finer than the sample resolves.
+
+    See [Note: how many samples a budget needs].
+    """
     if budget.lossless_only:
         return
     if samples < 1:

@@ -50,7 +50,7 @@ def sample_requests(
     """Split ``IN.npz`` arrays into one input dict per request, as ``tierflow run`` does.
 
     ``inputs`` are the model's input infos (name, shape, dtype). Rows gain a batch
-    dimension exactly when ``run`` would add one (Note [request rows] in
+    dimension exactly when ``run`` would add one ([Note: request rows] in
     :mod:`tierflow.npz`); each request must then have the input's shape where the model
     fixes it, and a dtype of the same kind.
     """

@@ -5,7 +5,7 @@ a :class:`ModelGraph`; nothing is written. The planner profiles the "units" betw
 consecutive cuts and scores pairs of cuts; :mod:`tierflow.partitioner.split` turns a pair
 into segment models. The steps live beside this module: reading the file
 (:mod:`.loading`), fixing static shapes (:mod:`.shapes`) and finding candidate cuts
-(:mod:`.cuts`, with ``Note [cut sets]``, which says what a cut is and which positions are
+(:mod:`.cuts`, with [Note: cut sets], which says what a cut is and which positions are
 candidates); :mod:`.tensors` holds what they share. Their public names are re-exported
 here.
 """
@@ -69,7 +69,7 @@ class ModelGraph:
 
     ``model`` has its symbolic dimensions fixed, shapes inferred (and measured), nodes in
     the order of ``nodes`` and Shape/Size of static tensors folded to constants (see
-    ``Note [cut sets]``); it is what segments are extracted from. ``sample`` holds the
+    [Note: cut sets]); it is what segments are extracted from. ``sample`` holds the
     first request of ``--sample`` when one was given.
     """
 
@@ -174,7 +174,7 @@ def load_model(
     of ``sample`` (``--sample``, arrays with a leading request axis), else a leading
     batch dimension becomes 1 and any other unknown one is a ModelError. Shapes are
     inferred, then measured by running the model once in ONNX Runtime. See
-    ``Note [cut sets]`` for the cuts.
+    [Note: cut sets] for the cuts.
     """
     path = Path(path)
     if max_cut_tensors < 1:

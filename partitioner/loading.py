@@ -145,7 +145,7 @@ def drop_initializer_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]
 
     Initializers listed as inputs (keep_initializers_as_inputs) are overridable in ONNX
     Runtime, which then cannot pre-pack them and rounds differently from the segments,
-    where they are plain weights. They are constants here (Note [cut sets]).
+    where they are plain weights. They are constants here ([Note: cut sets]).
     """
     graph = model.graph
     initializer_names = {t.name for t in graph.initializer}

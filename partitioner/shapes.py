@@ -4,7 +4,7 @@ Every cut happens at fixed input shapes. :func:`fix_input_shapes` resolves each 
 from ``--shape``, the ``--sample`` file's first request, or a leading batch of 1;
 :func:`static_model` re-infers every shape from there; :func:`static_infos` checks them by
 running the model once in ONNX Runtime; :func:`fold_shapes` turns Shape/Size of static
-tensors into constants (``Note [cut sets]`` in :mod:`tierflow.partitioner.cuts`) and
+tensors into constants ([Note: cut sets] in :mod:`tierflow.partitioner.cuts`) and
 :func:`write_value_infos` records the result so extracted segments declare it.
 """
 
@@ -60,7 +60,7 @@ def sample_request(
 ) -> dict[str, np.ndarray]:
     """The sample's first request, its rows shaped as ``tierflow run`` shapes them.
 
-    A row gains a batch dimension of 1 exactly when ``run`` would add one (Note [request
+    A row gains a batch dimension of 1 exactly when ``run`` would add one ([Note: request
     rows] in :mod:`tierflow.npz`), so the shapes fixed here are those requests have.
     """
     ranks: dict[str, int | None] = {}
@@ -314,7 +314,7 @@ def static_infos(
 def fold_shapes(model: onnx.ModelProto, infos: Mapping[str, TensorInfo]) -> int:
     """Replace Shape/Size of statically shaped tensors by Constant nodes; return how many.
 
-    See ``Note [cut sets]``: at fixed input shapes these are constants.
+    See [Note: cut sets]: at fixed input shapes these are constants.
     """
     folded = 0
     graph = model.graph

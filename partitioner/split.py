@@ -4,7 +4,7 @@ Segments are extracted (:class:`~tierflow.partitioner.extract.SegmentExtractor`,
 Extractor rebuilt on public ``onnx.helper`` API) from the in-memory, shape-inferred model of a
 :class:`~tierflow.partitioner.graph.ModelGraph`, so they carry the static shapes the
 analysis found. Each segment's inputs are the tensors crossing its first cut and its
-outputs those crossing its last (see ``Note [cut sets]`` in
+outputs those crossing its last (see [Note: cut sets] in
 :mod:`tierflow.partitioner.cuts`), so a tensor needed further on (a skip connection, a
 mask, a model output made early) passes through a segment unchanged.
 """
@@ -114,7 +114,7 @@ def session(model: onnx.ModelProto, *, level: str = "disabled") -> Any:
     """An ONNX Runtime CPU session for an in-memory model at an optimization ``level``.
 
     "disabled" and "basic" keep a chain of segments bit-for-bit equal to the whole model;
-    "extended" and "all" may not (see ``Note [cut sets]``).
+    "extended" and "all" may not (see [Note: cut sets]).
     """
     import onnxruntime as ort
 
@@ -203,7 +203,7 @@ def verify_split(
     """Run the whole model and the chain of segments on the same input and compare.
 
     Both run at the same ONNX Runtime optimization ``level``; at "disabled" (the
-    default) and "basic" equality must be bit-for-bit (see ``Note [cut sets]``).
+    default) and "basic" equality must be bit-for-bit (see [Note: cut sets]).
     ``inputs`` defaults to ``graph.representative_inputs()``.
     """
     feeds = dict(inputs) if inputs is not None else graph.representative_inputs()

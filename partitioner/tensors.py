@@ -1,7 +1,7 @@
 """Facts about ONNX tensors and nodes that loading, shape fixing and cut search share.
 
 :class:`TensorInfo` (an activation's dtype and static shape), the names a node reads
-(:func:`node_uses`, which makes control-flow nodes atomic: see ``Note [cut sets]`` in
+(:func:`node_uses`, which makes control-flow nodes atomic: see [Note: cut sets] in
 :mod:`tierflow.partitioner.cuts`), walks over subgraphs and stored tensors, and the
 numpy names of ONNX element types.
 """
@@ -85,7 +85,7 @@ def node_uses(node: onnx.NodeProto) -> tuple[str, ...]:
     """A node's inputs plus the outer-scope names its subgraphs read, without duplicates.
 
     For liveness a control-flow node reads everything its bodies reference, so it is
-    atomic: see ``Note [cut sets]``.
+    atomic: see [Note: cut sets].
     """
     names = [n for n in node.input if n]
     for sub in subgraphs(node):

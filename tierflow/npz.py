@@ -4,13 +4,13 @@
 command line contract); a calibration file may add a ``labels`` array. Planning and
 running read it with these functions, so a file that plans also runs, row for row.
 
-Note [request rows]: request ``i`` of input ``name`` is ``a[i]`` kept as an array of its
-own rank, so the row of a scalar input (an audio model's ``sr: int64[]``, stored as
-``a.shape == (N,)``) stays 0-D; ``np.ascontiguousarray`` would make it 1-D. When every
-input of rank one or more has exactly one dimension fewer than the model declares, each
-row gains a batch dimension of 1 (rank-0 inputs never do); ``OUT.npz`` then drops it
-again. Inputs must agree on that: some rows with and some without a batch dimension is
-an error, never a guess.
+[Note: request rows]
+Request ``i`` of input ``name`` is ``a[i]`` kept as an array of its own rank, so the row
+of a scalar input (an audio model's ``sr: int64[]``, stored as ``a.shape == (N,)``) stays
+0-D; ``np.ascontiguousarray`` would make it 1-D. When every input of rank one or more has
+exactly one dimension fewer than the model declares, each row gains a batch dimension of
+1 (rank-0 inputs never do); ``OUT.npz`` then drops it again. Inputs must agree on that:
+some rows with and some without a batch dimension is an error, never a guess.
 
 Only numpy is needed: the device runtime reads requests with it.
 """
@@ -68,7 +68,7 @@ def request_count(arrays: Mapping[str, np.ndarray], names: Sequence[str], path: 
 def adds_batch(
     arrays: Mapping[str, np.ndarray], ranks: Mapping[str, int | None], path: str | Path
 ) -> bool:
-    """Whether rows gain a batch dimension of 1 (see Note [request rows]).
+    """Whether rows gain a batch dimension of 1 (see [Note: request rows]).
 
     ``ranks`` maps each model input to its declared rank, None where unknown (its rows
     are then taken as they are).

@@ -569,10 +569,11 @@ class TierService(tier_pb2_grpc.TierServicer):
     ) -> Iterator[tier_pb2.ProbeMessage]:
         """Echo ``reply_bytes`` bytes for each message; the tier's name goes in the metadata.
 
-        [Note: probe credit] A probe stream is sent at most what its caller sent on it,
-        plus :data:`PROBE_ALLOWANCE`: asking for more gets a shorter reply. A probe so
-        costs the caller as many bytes as the tier, and a small request can never make a
-        tier send a large answer. ``tierflow probe`` sends its payload up before asking
+        [Note: probe credit]
+        A probe stream is sent at most what its caller sent on it, plus
+        :data:`PROBE_ALLOWANCE`: asking for more gets a shorter reply. A probe so costs the
+        caller as many bytes as the tier, and a small request can never make a tier send a
+        large answer. ``tierflow probe`` sends its payload up before asking
         for it down, so it never meets the bound.
         """
         context.send_initial_metadata((("tierflow-tier", self.tier),))

@@ -1,7 +1,7 @@
 """Planning a model that carries early exits: analyse its trunk, place and attach the heads.
 
 A model from ``tierflow exits add`` has exit heads as extra outputs. Analysed as is, every
-head output would cross every later cut (model outputs do, ``Note [cut sets]``) and the
+head output would cross every later cut (model outputs do, [Note: cut sets]) and the
 heads' own nodes would make cuts of their own. So :func:`load_planning_graph` analyses
 the *trunk*, the model without its heads: its cuts are those of the model the heads were
 grafted onto, and profiles time its units. The heads come back when the plan is written:

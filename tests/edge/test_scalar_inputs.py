@@ -1,6 +1,6 @@
 """A model with a rank-0 input (an audio model's ``sr: int64[]``), planned and served.
 
-``plan --sample`` and ``run`` read IN.npz with one reader (Note [request rows] in
+``plan --sample`` and ``run`` read IN.npz with one reader ([Note: request rows] in
 tierflow/npz.py): a scalar input's rows stay 0-D on the device, across both links and in
 every tier's segment.
 """

@@ -1,4 +1,4 @@
-"""IN.npz rows as plan and run read them (Note [request rows] in tierflow/npz.py)."""
+"""IN.npz rows as plan and run read them ([Note: request rows] in tierflow/npz.py)."""
 
 from __future__ import annotations
 
