@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from tierflow import __version__
+from tierflow.config import add_config_option, apply_config, check_config_used
 from tierflow.errors import TierflowError
 from tierflow.extras import missing_extra
 
@@ -30,6 +31,9 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tierflow.partitioner.exits.commands",  # exits add, exits show
     "tierflow.demos.local",  # demo
 )
+
+# Commands that also read their options from ``--config FILE.toml`` (see tierflow/config.py).
+CONFIG_COMMANDS: tuple[str, ...] = ("serve edge", "serve cloud", "run", "device")
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
+    add_config_option(parser, CONFIG_COMMANDS)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        config = apply_config(parser, argv)
+    except TierflowError as exc:
+        print(f"tierflow: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        check_config_used(args, config)
         result = args.handler(args)
     except TierflowError as exc:
         print(f"tierflow {args.command}: error: {exc}", file=sys.stderr)
