@@ -114,7 +114,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     links = {name: LinkSpec.parse(text) for name, text in DEFAULT_LINKS.items()}
     for text in args.link:
-        name, spec = parse_link_option(text)
+        name, spec = parse_link_option(text, links)
         links[name] = spec
     if args.requests < 0 or args.window < 1:
         raise UsageError("--requests must be >= 0 and --window >= 1")

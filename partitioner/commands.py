@@ -10,13 +10,20 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tierflow.codec import CodecSpec
 from tierflow.errors import UsageError
-from tierflow.links import LINKS, LinkSpec, check_link, check_tier, parse_link_option
+from tierflow.links import (
+    LINKS,
+    LinkSpec,
+    check_link,
+    check_tier,
+    parse_link_option,
+    rtt_given,
+)
 from tierflow.units import format_duration, format_size, parse_size
 
 DEFAULT_THREADS = 1
@@ -102,9 +109,10 @@ def register(subparsers: Any) -> None:
         action="append",
         default=[],
         metavar="LINK=RATE[,RTT]",
-        help="a link's rate and RTT, like device-edge=20mbit,10ms, or LINK=PROBE.json or "
-        "PROBE.json from `tierflow probe --json` (repeatable); defaults: "
-        "device-edge=20mbit,10ms edge-cloud=200mbit,30ms",
+        help="a link's rate and RTT, like device-edge=20mbit,10ms (rates in bits: kbit, mbit, "
+        "gbit, Mbps; or bytes: MB/s, MiB/s), or LINK=PROBE.json or PROBE.json from "
+        "`tierflow probe --json` (repeatable); a rate without an RTT keeps the default RTT; "
+        "defaults: device-edge=20mbit,10ms edge-cloud=200mbit,30ms",
     )
     plan.add_argument(
         "--memory",
@@ -224,15 +232,25 @@ def parse_links(values: Sequence[str]) -> dict[str, LinkSpec]:
     for text in values:
         name, sep, value = text.partition("=")
         if sep and not value.strip().endswith(".json"):
-            parsed = [parse_link_option(text)]
+            parsed = [parse_link_option(text, links)]
         elif sep:
             parsed = _read_probe(Path(value.strip()), check_link(name.strip()))
         elif text.strip().endswith(".json") or Path(text).is_file():
             parsed = _read_probe(Path(text.strip()), None)
         else:
-            parsed = [parse_link_option(text)]
+            parsed = [parse_link_option(text, links)]
         links.update(parsed)
     return links
+
+
+def assumed_rtts(values: Sequence[str], links: Mapping[str, LinkSpec]) -> dict[str, str]:
+    """The links whose ``--link`` value gave a rate but no RTT, and the RTT they kept."""
+    assumed: dict[str, str] = {}
+    for text in values:
+        name, sep, value = text.partition("=")
+        if sep and not value.strip().endswith(".json") and not rtt_given(text):
+            assumed[name.strip()] = format_duration(links[name.strip()].rtt_s)
+    return assumed
 
 
 def parse_memory(values: Sequence[str]) -> dict[str, int]:
@@ -313,6 +331,8 @@ def run_profile(args: argparse.Namespace) -> int:
     _positive(args.slowdown, "--slowdown")
     _positive(args.time_budget, "--time-budget")
     _shapes(args.shape)
+    if Path(args.output).is_dir():
+        raise UsageError(f"-o {args.output}: is a directory; expected a PROFILE.json file name")
     graph = _load_graph(args)
     progress = Progress("profiling")
     try:
@@ -377,6 +397,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from tierflow.partitioner.profile_data import load_profile
     from tierflow.partitioner.report import Progress, exits_cell, plan_table
     from tierflow.partitioner.shapes import load_sample
+    from tierflow.partitioner.split import check_plan_dir
 
     links = parse_links(args.link)
     memory = parse_memory(args.memory)
@@ -388,6 +409,7 @@ def run_plan(args: argparse.Namespace) -> int:
     _positive(args.threads, "--threads")
     _positive(args.top, "--top")
     _shapes(args.shape)
+    check_plan_dir(args.output)
     options = PlanOptions(
         links=links,
         memory=memory,
@@ -422,13 +444,19 @@ def run_plan(args: argparse.Namespace) -> int:
         report["verified"] = outcome.verified_bitwise
         report["fidelity"] = outcome.fidelity.to_dict() if outcome.fidelity else None
         report["notes"] = list(notes) + list(outcome.notes)
+        report["notes"] += [
+            f"{name}: no RTT given, kept the default {rtt}"
+            for name, rtt in assumed_rtts(args.link, links).items()
+        ]
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     for note in (*notes, *outcome.notes):
         print(note)
+    assumed = assumed_rtts(args.link, links)
     for name in LINKS:
-        print(f"{name}: {links[name]}")
+        kept = f" (no RTT given: kept the default {assumed[name]})" if name in assumed else ""
+        print(f"{name}: {links[name]}{kept}")
     if memory:
         budgets = ", ".join(f"{t} {format_size(size)}" for t, size in memory.items())
         print(f"memory budgets: {budgets}")

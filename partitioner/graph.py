@@ -35,6 +35,7 @@ from tierflow.partitioner.exits.metadata import ExitInfo
 from tierflow.partitioner.extract import SegmentExtractor
 from tierflow.partitioner.loading import drop_initializer_inputs, read_model, sort_nodes
 from tierflow.partitioner.shapes import (
+    branch_shaped,
     first_request,
     fix_input_shapes,
     fold_shapes,
@@ -190,6 +191,7 @@ def load_model(
     first = sample_request(input_values, sample, path) if sample is not None else None
     input_shapes = fix_input_shapes(input_values, path, shapes or {}, first)
     model = static_model(model, input_shapes, path)
+    varying = branch_shaped(model)
     graph = model.graph
     inputs = tuple(
         TensorInfo(v.name, np_dtype_name(v.type.tensor_type.elem_type), input_shapes[v.name])
@@ -210,7 +212,7 @@ def load_model(
     for name in (*output_names, *(i.name for i in inputs)):
         if name not in static:
             raise ModelError(f"cannot determine the shape of {name!r} in {path}")
-    write_value_infos(model, static, {i.name for i in inputs})
+    write_value_infos(model, static, {i.name for i in inputs}, varying)
 
     usage = node_usage(graph, static, output_names)
     constant_outputs = [n for n in output_names if n in usage.constants]
@@ -225,7 +227,9 @@ def load_model(
         if name not in usage.constants and name in static
     }
     sets = crossing_sets(graph, usage, input_names)
-    cuts = candidate_cuts(graph, usage, sets, tensors, output_names, max_cut_tensors)
+    # No cut carries a tensor whose shape follows a branch (Note [shapes that follow a branch]).
+    cuttable = {n: i for n, i in tensors.items() if n not in varying or n in output_names}
+    cuts = candidate_cuts(graph, usage, sets, cuttable, output_names, max_cut_tensors)
     logger.info(
         "[graph] %s: %d nodes, %d cuts, %d shapes folded, %d tensors of unknown shape",
         path,

@@ -11,7 +11,7 @@ tensors into constants ([Note: cut sets] in :mod:`tierflow.partitioner.cuts`) an
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +22,7 @@ import onnx.shape_inference
 
 from tierflow.errors import InputError, ModelError, UsageError
 from tierflow.npz import adds_batch, read_arrays, request, request_count
-from tierflow.partitioner.tensors import TensorInfo, first_line, np_dtype_name
+from tierflow.partitioner.tensors import TensorInfo, first_line, node_uses, np_dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -230,11 +230,58 @@ def static_model(
             graph.output[i].CopyFrom(onnx.helper.make_tensor_value_info(value.name, elem, None))
     del graph.value_info[:]
     try:
-        return onnx.shape_inference.infer_shapes(
+        inferred = onnx.shape_inference.infer_shapes(
             model, check_type=False, strict_mode=False, data_prop=True
         )
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
         raise ModelError(f"shape inference failed on {path}: {first_line(exc)}") from exc
+    _keep_bodies(inferred.graph, graph)
+    return inferred
+
+
+def _keep_bodies(inferred: onnx.GraphProto, source: onnx.GraphProto) -> None:
+    """Put the source's control-flow bodies back in place of the inferred ones.
+
+    See Note [shapes that follow a branch]: inference annotates both branches of an If
+    with shapes for the fixed inputs, and ONNX Runtime then checks the branch the input
+    never takes against them. Only top-level shapes are kept.
+    """
+    for node, original in zip(inferred.node, source.node, strict=True):
+        bodies = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+        if any(a.type in bodies for a in node.attribute):
+            del node.attribute[:]
+            node.attribute.extend(original.attribute)
+
+
+# Note [shapes that follow a branch]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Fixing the inputs' shapes fixes most tensors' shapes, but not those an If chooses: its
+# branches may make outputs of different shapes, even ranks (an audio model unsqueezes
+# its input once at 16 kHz and twice at 8 kHz; the sample rate is an input, not a shape).
+# Shape inference then leaves the If's output unknown, and running the model measures
+# only the branch the sample took. Declaring that measured shape (in value_info, or as a
+# segment's input) would make ONNX Runtime check the other branch against it and refuse
+# the model ("LSTM: first input tensor must have rank 3"). So such tensors, and what
+# inference cannot shape downstream of them, keep no declared shape and no cut carries
+# them: :func:`branch_shaped` finds them.
+
+_CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
+
+
+def branch_shaped(model: onnx.ModelProto) -> set[str]:
+    """Tensors whose shape depends on the branch a control-flow node takes.
+
+    Outputs of If/Loop/Scan that shape inference could not shape, and every tensor
+    inference could not shape that is computed from one. See Note [shapes that follow a
+    branch]. ``model`` is the output of :func:`static_model`.
+    """
+    infos = _inferred_infos(model)
+    varying: set[str] = set()
+    for node in model.graph.node:
+        control = node.domain in ("", "ai.onnx") and node.op_type in _CONTROL_FLOW
+        if control or any(name in varying for name in node_uses(node)):
+            varying.update(n for n in node.output if n and infos.get(n) is None)
+    return varying
 
 
 def _inferred_infos(model: onnx.ModelProto) -> dict[str, TensorInfo | None]:
@@ -287,6 +334,17 @@ def _measure(
     return measured
 
 
+def _made_up_integers(inputs: Sequence[TensorInfo], sample_row: object) -> str:
+    """A hint naming the integer inputs filled with 0 or 1 when no sample was given."""
+    names = [i.name for i in inputs if np.dtype(i.dtype).kind in "iu"]
+    if sample_row is not None or not names:
+        return ""
+    return (
+        f"; without --sample, integer input(s) {', '.join(map(repr, names))} were filled "
+        "with 0 or 1, which this model may not accept: give real inputs with --sample IN.npz"
+    )
+
+
 def static_infos(
     model: onnx.ModelProto,
     inputs: Sequence[TensorInfo],
@@ -304,7 +362,11 @@ def static_infos(
     estimate = sum(i.nbytes for i in known if i is not None)
     if any(i is None for i in known) or estimate <= _MEASURE_LIMIT_BYTES:
         feeds = representative_inputs_for(inputs, sample_row, seed=0)
-        for name, info in _measure(model, produced, feeds, path).items():
+        try:
+            measured = _measure(model, produced, feeds, path)
+        except ModelError as exc:
+            raise ModelError(f"{exc}{_made_up_integers(inputs, sample_row)}") from exc
+        for name, info in measured.items():
             if infos.get(name) not in (None, info):
                 logger.debug("[graph] %s: inferred %s, measured %s", name, infos[name], info)
             infos[name] = info
@@ -344,9 +406,15 @@ def fold_shapes(model: onnx.ModelProto, infos: Mapping[str, TensorInfo]) -> int:
 
 
 def write_value_infos(
-    model: onnx.ModelProto, infos: Mapping[str, TensorInfo], input_names: set[str]
+    model: onnx.ModelProto,
+    infos: Mapping[str, TensorInfo],
+    input_names: set[str],
+    branch_shaped: Collection[str] = (),
 ) -> None:
-    """Record the static shapes in the model so extracted segments declare them."""
+    """Record the static shapes in the model so extracted segments declare them.
+
+    ``branch_shaped`` tensors are left undeclared (Note [shapes that follow a branch]).
+    """
     graph = model.graph
 
     def value_info(info: TensorInfo) -> onnx.ValueInfoProto:
@@ -362,5 +430,9 @@ def write_value_infos(
         value_info(infos[n])
         for node in graph.node
         for n in node.output
-        if n and n in infos and n not in output_names and n not in input_names
+        if n
+        and n in infos
+        and n not in output_names
+        and n not in input_names
+        and n not in branch_shaped
     )

@@ -11,7 +11,9 @@ mask, a model output made early) passes through a segment unchanged.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +25,11 @@ import onnx.checker
 import onnx.helper
 
 from tierflow.codec import ImageNorm
-from tierflow.errors import ModelError, PlanError
+from tierflow.errors import ModelError, PlanError, UsageError
 from tierflow.links import LINKS, TIERS, LinkSpec
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.tensors import first_line
-from tierflow.plan import Plan, SegmentSpec, save_plan
+from tierflow.plan import PLAN_FILE, Plan, SegmentSpec, save_plan
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +257,52 @@ def write_segments(segments: Iterable[Segment], plan_dir: str | Path) -> None:
         logger.info("[split] wrote %s (%s, %d nodes)", path, spec.tier, len(model.graph.node))
 
 
+# Segment files as split_model names them (``00-device.onnx``) and their external data.
+_SEGMENT_FILE = re.compile(r"\d{2}-(?:device|edge|cloud)\.onnx(?:\.data)?")
+
+
+def check_plan_dir(plan_dir: str | Path) -> Path:
+    """Refuse an output that cannot become a plan directory, before any work is done."""
+    directory = Path(plan_dir)
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"-o {plan_dir}: exists and is not a directory; a plan is a directory")
+    for parent in directory.parents:
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(f"-o {plan_dir}: {parent} is a file, not a directory")
+    return directory
+
+
+def remove_old_plan(plan_dir: str | Path) -> list[str]:
+    """Delete the files of a plan already in ``plan_dir``; return their names.
+
+    Only files the old ``plan.json`` names (segments and their ``.data``), ``plan.json``
+    itself and files named like tierflow's segments go, so that the directory then holds
+    exactly the new plan (a stale ``02-cloud.onnx`` would otherwise ship with it);
+    anything else a user keeps there stays.
+    """
+    directory = Path(plan_dir)
+    if not directory.is_dir():
+        return []
+    named: set[str] = set()
+    try:
+        old = json.loads((directory / PLAN_FILE).read_text())
+        named = {str(seg["file"]) for seg in old["segments"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no plan, or not one tierflow wrote: only its segment-named files go
+    removed = []
+    for path in sorted(directory.iterdir()):
+        name = path.name
+        if not path.is_file() or "/" in name:
+            continue
+        base = name.removesuffix(".data")
+        if name == PLAN_FILE or base in named or _SEGMENT_FILE.fullmatch(name):
+            path.unlink()
+            removed.append(name)
+    if removed:
+        logger.info("[split] removed the old plan's files in %s: %s", directory, removed)
+    return removed
+
+
 def save_split_plan(
     graph: ModelGraph,
     segments: Sequence[Segment],
@@ -270,8 +318,10 @@ def save_split_plan(
     """Write ``segments`` and the ``plan.json`` that describes them: a plan directory.
 
     ``cuts`` are indices into ``graph.cuts`` (recorded as node positions); ``codec``
-    maps link names to codec specs, a link not named gets ``raw``.
+    maps link names to codec specs, a link not named gets ``raw``. A plan already in
+    ``plan_dir`` is replaced whole (:func:`remove_old_plan`).
     """
+    remove_old_plan(check_plan_dir(plan_dir))
     write_segments(segments, plan_dir)
     plan = Plan(
         model_file=Path(graph.path).name,

@@ -137,7 +137,8 @@ def add_link_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=RATE[,RTT]",
-        help="override a link for emulation, e.g. device-edge=20mbit,10ms (repeatable)",
+        help="override a link for emulation, e.g. device-edge=20mbit,10ms (repeatable); "
+        "without an RTT the link keeps the plan's",
     )
 
 
@@ -145,7 +146,7 @@ def resolve_links(plan: Plan, mode: str, overrides: Sequence[str] = ()) -> dict[
     """The links to emulate: none when ``mode`` is 'off', else the plan's with overrides."""
     if mode not in EMULATION_MODES:
         raise UsageError(f"unknown --link-emulation {mode!r}: expected one of off, plan")
-    parsed = dict(parse_link_option(text) for text in overrides)
+    parsed = dict(parse_link_option(text, plan.links) for text in overrides)
     if mode == "off":
         if parsed:
             raise UsageError("--link needs --link-emulation plan; it only sets emulated links")

@@ -8,6 +8,7 @@ the cost model adds the codec's encode and decode time on either side.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,10 +64,14 @@ class LinkSpec:
             raise UsageError(f"a link RTT must be finite and not negative, got {self.rtt_s!r}")
 
     @classmethod
-    def parse(cls, text: str) -> LinkSpec:
-        """Read ``RATE[,RTT]`` as the command line writes it, e.g. ``20mbit,10ms``."""
+    def parse(cls, text: str, default_rtt_s: float = 0.0) -> LinkSpec:
+        """Read ``RATE[,RTT]`` as the command line writes it, e.g. ``20mbit,10ms``.
+
+        Without an RTT the link gets ``default_rtt_s``; :func:`parse_link_option` passes
+        the RTT the link had before (see its note), never a silent 0 for a named link.
+        """
         rate, _, rtt = text.partition(",")
-        return cls(parse_rate(rate), parse_duration(rtt) if rtt else 0.0)
+        return cls(parse_rate(rate), parse_duration(rtt) if rtt else default_rtt_s)
 
     def transfer_s(self, nbytes: float) -> float:
         """Seconds for ``nbytes`` to arrive: serialisation plus one-way propagation."""
@@ -86,11 +91,26 @@ class LinkSpec:
             raise UsageError(f"malformed link {data!r}: expected rate_bps and rtt_s") from exc
 
 
-def parse_link_option(text: str) -> tuple[str, LinkSpec]:
-    """Read one ``--link NAME=RATE[,RTT]`` value."""
+def parse_link_option(
+    text: str, defaults: Mapping[str, LinkSpec] | None = None
+) -> tuple[str, LinkSpec]:
+    """Read one ``--link NAME=RATE[,RTT]`` value.
+
+    A value without an RTT keeps the RTT the link has in ``defaults`` (the planner's
+    default links for ``plan``, the plan's links for ``serve`` and ``run``): a rate
+    alone says how fast the link is, not that it has no latency. Commands print the RTT
+    they assumed (:func:`rtt_given` tells which values lacked one).
+    """
     name, sep, value = text.partition("=")
     if not sep or not value:
         raise UsageError(
             f"malformed --link {text!r}: expected NAME=RATE[,RTT], like device-edge=20mbit,10ms"
         )
-    return check_link(name.strip()), LinkSpec.parse(value)
+    link = check_link(name.strip())
+    default = (defaults or {}).get(link)
+    return link, LinkSpec.parse(value, default.rtt_s if default is not None else 0.0)
+
+
+def rtt_given(text: str) -> bool:
+    """Whether a ``--link`` value names an RTT (``device-edge=20mbit,10ms``: yes)."""
+    return "," in text.partition("=")[2]

@@ -1,7 +1,8 @@
 """Parsing and printing of the units users type: rates, durations and sizes.
 
-Rates are bits per second (``20mbit``, ``1gbit``, ``500kbit``; decimal prefixes, as
-``tc`` and link vendors use them). Durations are seconds (``5ms``, ``1.5s``, ``200us``).
+Rates are bits per second (``20mbit``, ``1gbit``, ``500kbit``, ``100Mbps``; decimal
+prefixes, as ``tc`` and link vendors use them), or bytes per second with a capital B
+(``2.5MB/s`` is 20 Mbit/s, ``1MiB/s`` binary). Durations are seconds (``5ms``, ``1.5s``, ``200us``).
 Sizes are bytes (``64MiB``, ``1.5GB``, ``512k``; ``KiB``/``MiB``/``GiB`` are binary,
 ``kB``/``MB``/``GB`` decimal, a bare ``k``/``m``/``g`` binary).
 """
@@ -15,20 +16,13 @@ from tierflow.errors import UsageError
 
 _NUMBER = r"(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(?P<unit>[A-Za-zµ/]*)"
 
-_RATE_UNITS = {
-    "bit": 1.0,
-    "bps": 1.0,
-    "b/s": 1.0,
-    "kbit": 1e3,
-    "kbps": 1e3,
-    "kb/s": 1e3,
-    "mbit": 1e6,
-    "mbps": 1e6,
-    "mb/s": 1e6,
-    "gbit": 1e9,
-    "gbps": 1e9,
-    "gb/s": 1e9,
-}
+# Rates: an optional decimal (k, M, G, T) or binary (Ki, Mi, Gi, Ti) prefix, then bits
+# (bit, bit/s, bps, b/s: a lowercase b) or bytes (B/s, Bps, byte/s: a capital B).
+_RATE_UNIT = re.compile(
+    r"(?P<prefix>(?:[kKmMgGtT]i?)?)(?P<base>bits?(?:/s)?|bps|b/s|Bps|B/s|bytes?/s)"
+)
+_RATE_PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_RATE_EXAMPLES = "'20mbit', '1gbit', '500kbit', '100Mbps' or, in bytes, '2.5MB/s', '1MiB/s'"
 
 _DURATION_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
@@ -48,23 +42,37 @@ _SIZE_UNITS = {
 
 
 def _split(text: str, what: str, example: str) -> tuple[float, str]:
+    """The number and the unit as typed (case kept: ``MB/s`` is bytes, ``Mb/s`` bits)."""
     match = re.fullmatch(_NUMBER, text.strip())
     if match is None:
         raise UsageError(f"malformed {what} {text!r}: expected a number and a unit, like {example}")
     value = float(match["num"])
     if not math.isfinite(value):
         raise UsageError(f"malformed {what} {text!r}: the number is too large")
-    return value, match["unit"].lower()
+    return value, match["unit"]
 
 
 def parse_rate(text: str) -> float:
-    """Return a link rate in bits per second from text like ``20mbit``."""
-    value, unit = _split(text, "rate", "'20mbit', '1gbit' or '500kbit'")
-    if unit not in _RATE_UNITS:
+    """Return a link rate in bits per second from text like ``20mbit`` or ``2.5MB/s``.
+
+    A lowercase ``b`` is bits and a capital ``B`` bytes (``20MB/s`` is 160 Mbit/s);
+    prefixes are decimal (``k``, ``M``, ``G``) or binary (``Ki``, ``Mi``, ``Gi``), in
+    either case.
+    """
+    value, unit = _split(text, "rate", _RATE_EXAMPLES)
+    match = _RATE_UNIT.fullmatch(unit)
+    if match is None:
+        hint = "; a rate needs '/s' when given in bytes, like 20MB/s" if unit[-1:] == "B" else ""
         raise UsageError(
-            f"malformed rate {text!r}: unknown unit {unit!r}, expected one of kbit, mbit, gbit"
+            f"malformed rate {text!r}: unknown unit {unit!r}, expected bits per second "
+            f"(kbit, mbit, gbit, Mbps) or bytes per second (kB/s, MB/s, MiB/s){hint}"
         )
-    rate = value * _RATE_UNITS[unit]
+    prefix = match["prefix"].lower()
+    scale = (
+        1024.0 ** ("kmgt".index(prefix[0]) + 1) if prefix.endswith("i") else _RATE_PREFIXES[prefix]
+    )
+    per_unit = 8.0 if match["base"].startswith(("B", "byte")) else 1.0
+    rate = value * scale * per_unit
     if rate <= 0:
         raise UsageError(f"malformed rate {text!r}: a rate must be positive")
     return rate
@@ -73,6 +81,7 @@ def parse_rate(text: str) -> float:
 def parse_duration(text: str) -> float:
     """Return a duration in seconds from text like ``5ms``."""
     value, unit = _split(text, "duration", "'5ms', '0.2s' or '300us'")
+    unit = unit.lower()
     if unit not in _DURATION_UNITS:
         raise UsageError(
             f"malformed duration {text!r}: unknown unit {unit!r}, expected one of s, ms, us"
@@ -83,6 +92,7 @@ def parse_duration(text: str) -> float:
 def parse_size(text: str) -> int:
     """Return a size in bytes from text like ``64MiB``."""
     value, unit = _split(text, "size", "'64MiB', '1GiB' or '512kB'")
+    unit = unit.lower()
     if unit not in _SIZE_UNITS:
         raise UsageError(
             f"malformed size {text!r}: unknown unit {unit!r}, "

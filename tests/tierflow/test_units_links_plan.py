@@ -21,6 +21,7 @@ from tierflow.links import (
     check_tier,
     downstream_link,
     parse_link_option,
+    rtt_given,
     upstream_link,
 )
 from tierflow.plan import PLAN_FILE, PLAN_FORMAT, ExitSpec, Plan, SegmentSpec, load_plan, save_plan
@@ -46,6 +47,15 @@ from tierflow.units import (
         ("100bit", 100.0),
         ("2e3kbit", 2e6),
         (" 10mbit ", 10e6),
+        # A capital B is bytes: 20 MB/s is 160 Mbit/s, not 20 (issue 13).
+        ("20MB/s", 160e6),
+        ("20MBps", 160e6),
+        ("2.5kB/s", 20e3),
+        ("1MiB/s", 8 * 2**20),
+        ("1GiB/s", 8 * 2**30),
+        ("20Mb/s", 20e6),
+        ("20mb/s", 20e6),
+        ("1Kibit", 1024.0),
     ],
 )
 def test_parse_rate(text: str, bps: float) -> None:
@@ -53,7 +63,8 @@ def test_parse_rate(text: str, bps: float) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", "fast", "20", "20mb", "20 furlongs", "0mbit", "-5mbit", "1e400kbit"]
+    "text",
+    ["", "fast", "20", "20mb", "20MB", "20MiB", "20 furlongs", "0mbit", "-5mbit", "1e400kbit"],
 )
 def test_parse_rate_refuses_malformed_text(text: str) -> None:
     with pytest.raises(UsageError, match="rate"):
@@ -165,6 +176,14 @@ def test_link_spec_refuses_nan() -> None:
 
 def test_parse_link_option() -> None:
     assert parse_link_option("device-edge=20mbit,5ms") == ("device-edge", LinkSpec(20e6, 0.005))
+    # A rate alone keeps the link's RTT from the defaults given, not a silent 0 ms.
+    defaults = {"device-edge": LinkSpec(1e6, 0.01), "edge-cloud": LinkSpec(1e9, 0.03)}
+    assert parse_link_option("device-edge=20MB/s", defaults) == (
+        "device-edge",
+        LinkSpec(160e6, 0.01),
+    )
+    assert parse_link_option("edge-cloud=1gbit,0ms", defaults)[1].rtt_s == 0.0
+    assert not rtt_given("device-edge=20mbit") and rtt_given("device-edge=20mbit,1ms")
     assert parse_link_option(" edge-cloud =1gbit")[0] == "edge-cloud"
     for text in ("device-edge", "device-edge=", "=20mbit", "phone-edge=20mbit"):
         with pytest.raises(UsageError):

@@ -1,0 +1,107 @@
+"""``tierflow plan -o``: checked before any work, and a re-plan replaces the old plan whole."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tierflow.cli import main
+from tierflow.errors import UsageError
+from tierflow.partitioner.split import check_plan_dir, remove_old_plan
+from tierflow.plan import load_plan
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: Any) -> Path:
+    """A four-layer MLP: small enough to plan in seconds."""
+    rng = np.random.default_rng(0)
+    weights = [
+        numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32), f"w{i}")
+        for i in range(4)
+    ]
+    nodes = []
+    source = "x"
+    for i in range(4):
+        nodes += [
+            helper.make_node("Gemm", [source, f"w{i}"], [f"g{i}"], transB=1),
+            helper.make_node("Relu", [f"g{i}"], [f"h{i}"]),
+        ]
+        source = f"h{i}"
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32])],
+        [helper.make_tensor_value_info("h3", TensorProto.FLOAT, [1, 32])],
+        weights,
+    )
+    path = tmp_path_factory.mktemp("model") / "mlp.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_an_existing_file_as_plan_dir_fails_at_once_with_one_line(
+    model: Path, tmp_path: Path, capsys: Any
+) -> None:
+    taken = tmp_path / "plan"
+    taken.write_text("not a directory\n")
+    code = main(["plan", str(model), "-o", str(taken)])
+    out, err = capsys.readouterr()
+    assert code == 2
+    message = f"-o {taken}: exists and is not a directory; a plan is a directory"
+    assert err == f"tierflow plan: error: {message}\n"
+    assert "profiling" not in out + err  # no work was done first
+    code = main(["plan", str(model), "-o", str(taken / "inside")])
+    assert code == 2 and "is a file, not a directory" in capsys.readouterr().err
+    code = main(["profile", str(model), "-o", str(tmp_path)])
+    assert code == 2 and "is a directory" in capsys.readouterr().err
+
+
+def test_replanning_leaves_exactly_the_new_plan(model: Path, tmp_path: Path, capsys: Any) -> None:
+    plan_dir = tmp_path / "plan"
+    plan_dir.mkdir()
+    keep = plan_dir / "README.txt"
+    keep.write_text("notes a user keeps beside the plan\n")
+    # An older plan with three segments, one with external data, and a stray segment file.
+    old = {
+        "segments": [{"file": f"0{i}-{t}.onnx"} for i, t in enumerate(["device", "edge", "cloud"])]
+    }
+    (plan_dir / "plan.json").write_text(json.dumps(old))
+    for name in (
+        "00-device.onnx",
+        "01-edge.onnx",
+        "02-cloud.onnx",
+        "02-cloud.onnx.data",
+        "05-edge.onnx",
+    ):
+        (plan_dir / name).write_bytes(b"old")
+    # A rate in bytes per second without an RTT: 160 Mbit/s, the default RTT kept and said.
+    argv = ["plan", str(model), "-o", str(plan_dir), "--link", "device-edge=20MB/s"]
+    argv += ["--emulate", "device=1", "--emulate", "edge=1", "--emulate", "cloud=1"]
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "device-edge: 160mbit,10ms (no RTT given: kept the default 10ms)" in out
+    plan = load_plan(plan_dir)
+    assert plan.links["device-edge"].rate_bps == 160e6
+    expected = {"plan.json", "README.txt", *(s.file for s in plan.segments)}
+    assert {p.name for p in plan_dir.iterdir()} == expected
+    assert all((plan_dir / s.file).read_bytes() != b"old" for s in plan.segments)
+    assert keep.read_text().startswith("notes")
+
+
+def test_remove_old_plan_touches_only_plan_files(tmp_path: Path) -> None:
+    (tmp_path / "plan.json").write_text(json.dumps({"segments": [{"file": "mine.onnx"}]}))
+    for name in ("mine.onnx", "mine.onnx.data", "model.onnx", "00-phone.onnx", "10-edge.onnx"):
+        (tmp_path / name).write_bytes(b"")
+    removed = remove_old_plan(tmp_path)
+    assert removed == ["10-edge.onnx", "mine.onnx", "mine.onnx.data", "plan.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["00-phone.onnx", "model.onnx"]
+    assert remove_old_plan(tmp_path / "absent") == []
+    with pytest.raises(UsageError):
+        check_plan_dir(tmp_path / "model.onnx")
