@@ -3,7 +3,8 @@
 The report (``--report R.jsonl``) has one JSON object per request: id, answered_by,
 exit, cache_hit, bytes and achieved rate per link, milliseconds per tier and in total,
 and the error if it failed. A summary table goes to stdout. The exit status is 1 when
-any request failed.
+any request failed. Outputs are kept as they come (``tierflow.device.progress``), so a
+killed run keeps what was answered and ``--resume`` runs only the rest.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import logging
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tierflow.errors import UsageError
 from tierflow.linkemu import add_link_arguments, resolve_links
 from tierflow.links import LINKS
 from tierflow.plan import load_plan
@@ -25,6 +28,8 @@ from tierflow.table import format_table
 from tierflow.units import format_duration, format_rate, format_size, parse_duration
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from tierflow.device.client import Result
 
 logger = logging.getLogger(__name__)
@@ -47,6 +52,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--deadline", type=parse_duration, default="30s", help="per-request deadline"
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue a stopped run: keep what it answered (OUT.npz.partial), run the rest",
+    )
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads")
     parser.add_argument(
         "--slowdown", type=float, default=1.0, help="emulate a device this many times slower"
@@ -59,13 +69,27 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _run(args: argparse.Namespace) -> int:
     from tierflow.device.client import DeviceClient
-    from tierflow.device.npz import load_requests, save_outputs
+    from tierflow.device.npz import load_requests, output_row, write_outputs
+    from tierflow.device.progress import PartialWriter, partial_path, read_partial
     from tierflow.tuning import tune_for_latency
 
     tune_for_latency()
 
     plan = load_plan(args.plan)
     links = resolve_links(plan, args.link_emulation, args.link)
+    partial = partial_path(args.output) if args.output else None
+    rows: dict[int, dict[str, np.ndarray]] = {}  # answered requests' OUT.npz rows
+    if args.resume:
+        if partial is None or not partial.exists():
+            raise UsageError(
+                "--resume continues a run that was stopped: it needs the same --output, "
+                f"and {partial or 'OUT.npz.partial'} left by that run"
+            )
+        rows = read_partial(partial, repair=True)
+        if args.report:
+            _keep_report_lines(Path(args.report), set(rows))
+    elif partial is not None:
+        partial.unlink(missing_ok=True)  # a fresh run
     results: list[Result] = []
     with DeviceClient(
         args.plan,
@@ -84,11 +108,20 @@ def _run(args: argparse.Namespace) -> int:
             for name in runner.inputs
         }
         requests, batch_added = load_requests(args.input, plan, args.plan, known)
+        todo = [index for index in range(len(requests)) if index not in rows]
+        if args.resume:
+            print(f"resuming: {len(rows)} requests answered before, {len(todo)} to run")
         start = time.perf_counter()
-        report = open(args.report, "w") if args.report else None  # noqa: SIM115 - streamed
+        mode = "a" if args.resume else "w"
+        report = open(args.report, mode) if args.report else None  # noqa: SIM115 - streamed
+        writer = PartialWriter(partial) if partial is not None else None
         try:
-            for index, result in enumerate(client.run_stream(requests)):
+            stream = client.run_stream(requests[index] for index in todo)
+            for index, result in zip(todo, stream, strict=True):
                 results.append(result)
+                if writer is not None and result.error is None:
+                    rows[index] = output_row(result, plan, batch_added=batch_added)
+                    writer.add(index, rows[index])
                 if report is not None:
                     line = result.to_dict()
                     line["id"] = index
@@ -99,9 +132,13 @@ def _run(args: argparse.Namespace) -> int:
         finally:
             if report is not None:
                 report.close()
+            if writer is not None:
+                writer.close()
     elapsed = time.perf_counter() - start
-    if args.output:
-        save_outputs(args.output, results, plan, batch_added=batch_added)
+    if args.output and partial is not None:
+        ordered = [rows.get(index, {}) for index in range(len(requests))]
+        write_outputs(args.output, ordered, plan, batch_added=batch_added, plan_dir=args.plan)
+        partial.unlink(missing_ok=True)
     _summary(results, elapsed)
     failed = sum(1 for r in results if r.error is not None)
     if failed:
@@ -112,6 +149,20 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _keep_report_lines(path: Path, answered: set[int]) -> None:
+    """Keep only the report lines of ``answered`` requests (the rest run again)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line)["id"]) in answered:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by the kill
+    path.write_text("".join(f"{line}\n" for line in kept))
 
 
 def _summary(results: list[Result], elapsed: float) -> None:
