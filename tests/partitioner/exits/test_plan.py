@@ -271,10 +271,16 @@ def test_planned_exit_answers_on_the_edge_and_never_exit_reproduces_the_model(
 
     rng = np.random.default_rng(1)
     feeds = [{"input": rng.standard_normal((1, 1, 8, 8)).astype(np.float32)} for _ in range(6)]
-    for result in _serve(plan_dir, feeds):
+    whole = ort.InferenceSession(
+        str(models["always"]),
+        session_options(1, DEFAULT_OPTIMIZATION),
+        providers=["CPUExecutionProvider"],
+    )
+    for feed, result in zip(feeds, _serve(plan_dir, feeds), strict=True):
         assert (result.answered_by, result.exit) == ("edge", "exit0_probs")
         assert result.bytes["edge-cloud"] == 0 and result.bytes["device-edge"] > 0
-        assert result.outputs["exit0_probs"].shape == (1, 10)
+        (want,) = whole.run(["exit0_probs"], feed)  # the exit's answer, from the whole model
+        assert result.outputs["exit0_probs"].tobytes() == want.tobytes()
 
     _check_never_exits(plan_dir, models["plain"], feeds)
 
