@@ -227,7 +227,7 @@ def load_model(
         if name not in usage.constants and name in static
     }
     sets = crossing_sets(graph, usage, input_names)
-    # No cut carries a tensor whose shape follows a branch (Note [shapes that follow a branch]).
+    # No cut carries a tensor whose shape follows a branch ([Note: shapes that follow a branch]).
     cuttable = {n: i for n, i in tensors.items() if n not in varying or n in output_names}
     cuts = candidate_cuts(graph, usage, sets, cuttable, output_names, max_cut_tensors)
     logger.info(

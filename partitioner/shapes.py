@@ -242,7 +242,7 @@ def static_model(
 def _keep_bodies(inferred: onnx.GraphProto, source: onnx.GraphProto) -> None:
     """Put the source's control-flow bodies back in place of the inferred ones.
 
-    See Note [shapes that follow a branch]: inference annotates both branches of an If
+    See [Note: shapes that follow a branch]: inference annotates both branches of an If
     with shapes for the fixed inputs, and ONNX Runtime then checks the branch the input
     never takes against them. Only top-level shapes are kept.
     """
@@ -253,7 +253,7 @@ def _keep_bodies(inferred: onnx.GraphProto, source: onnx.GraphProto) -> None:
             node.attribute.extend(original.attribute)
 
 
-# Note [shapes that follow a branch]
+# [Note: shapes that follow a branch]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Fixing the inputs' shapes fixes most tensors' shapes, but not those an If chooses: its
 # branches may make outputs of different shapes, even ranks (an audio model unsqueezes
@@ -272,7 +272,7 @@ def branch_shaped(model: onnx.ModelProto) -> set[str]:
     """Tensors whose shape depends on the branch a control-flow node takes.
 
     Outputs of If/Loop/Scan that shape inference could not shape, and every tensor
-    inference could not shape that is computed from one. See Note [shapes that follow a
+    inference could not shape that is computed from one. See [Note: shapes that follow a
     branch]. ``model`` is the output of :func:`static_model`.
     """
     infos = _inferred_infos(model)
@@ -413,7 +413,7 @@ def write_value_infos(
 ) -> None:
     """Record the static shapes in the model so extracted segments declare them.
 
-    ``branch_shaped`` tensors are left undeclared (Note [shapes that follow a branch]).
+    ``branch_shaped`` tensors are left undeclared ([Note: shapes that follow a branch]).
     """
     graph = model.graph
 

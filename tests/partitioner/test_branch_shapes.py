@@ -1,6 +1,6 @@
 """Models whose If branches hold LSTMs and shape tensors differently, planned end to end.
 
-See Note [shapes that follow a branch] in partitioner/shapes.py: a stateful audio model
+See [Note: shapes that follow a branch] in partitioner/shapes.py: a stateful audio model
 loads in ONNX Runtime as shipped, and must still load after its input shapes are fixed.
 """
 
