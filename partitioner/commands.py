@@ -24,6 +24,7 @@ from tierflow.links import (
     parse_link_option,
     rtt_given,
 )
+from tierflow.providers import add_providers_argument
 from tierflow.units import format_duration, format_size, parse_size
 
 DEFAULT_THREADS = 1
@@ -84,6 +85,7 @@ def register(subparsers: Any) -> None:
         metavar="SECONDS",
         help="time for repeated measurements (fixed costs come on top)",
     )
+    add_providers_argument(profile)
     profile.set_defaults(handler=run_profile)
 
     plan = subparsers.add_parser(
@@ -342,6 +344,7 @@ def run_profile(args: argparse.Namespace) -> int:
             slowdown=args.slowdown,
             time_budget_s=args.time_budget,
             progress=progress,
+            providers=args.providers,
         )
     finally:
         progress.close()
@@ -470,7 +473,8 @@ def run_plan(args: argparse.Namespace) -> int:
             "with early exits every time is expected: weighted by the chance a request gets "
             "there (share of requests crossing a link in brackets)"
         )
-    print(plan_table(result, memory))
+    providers = {tier: profile.machine.provider_names for tier, profile in profiles.items()}
+    print(plan_table(result, memory, providers))
     best = result.best
     expected = "expected (with early exits)" if best.exits else "predicted"
     print(

@@ -62,6 +62,7 @@ from tierflow.partitioner.profile_data import (
     load_profile,
     save_profile,
 )
+from tierflow.providers import CPU
 
 if TYPE_CHECKING:
     import onnx
@@ -104,7 +105,7 @@ _MAX_CALIBRATION_RUNS = 10
 _TIMING_SHARE = 0.5
 
 
-def machine_info(threads: int, slowdown: float) -> MachineInfo:
+def machine_info(threads: int, slowdown: float, providers: Sequence[str] = (CPU,)) -> MachineInfo:
     """Describe this machine, profiled with ``threads`` and emulated ``slowdown`` x slower."""
     import onnxruntime
 
@@ -116,6 +117,7 @@ def machine_info(threads: int, slowdown: float) -> MachineInfo:
         slowdown=slowdown,
         emulated=slowdown != 1.0,
         onnxruntime=onnxruntime.__version__,
+        providers=tuple(providers),
     )
 
 
@@ -130,8 +132,10 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def make_session(model: onnx.ModelProto, threads: int) -> onnxruntime.InferenceSession:
-    """An ONNX Runtime CPU session exactly as the tiers run one (same options and level).
+def make_session(
+    model: onnx.ModelProto, threads: int, providers: Sequence[str] = (CPU,)
+) -> onnxruntime.InferenceSession:
+    """An ONNX Runtime session exactly as the tiers run one (same options, level, providers).
 
     Profiling with other session options than the runtimes would time a different
     program: see [Note: optimization level and exactness] in tierflow/segment_runner.py.
@@ -144,7 +148,7 @@ def make_session(model: onnx.ModelProto, threads: int) -> onnxruntime.InferenceS
     options.log_severity_level = 3
     try:
         return onnxruntime.InferenceSession(
-            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+            model.SerializeToString(), options, providers=list(providers)
         )
     except Exception as exc:  # onnxruntime raises its own untyped errors
         raise ModelError(f"ONNX Runtime cannot load a segment: {exc}") from exc
@@ -163,15 +167,16 @@ def run_session(
     return dict(zip(names, (np.asarray(v) for v in values), strict=True))
 
 
-def compute_clock(threads: int) -> Callable[[], float]:
+def compute_clock(threads: int, providers: Sequence[str] = (CPU,)) -> Callable[[], float]:
     """The clock that times ONNX Runtime calls made with ``threads`` intra-op threads.
 
     With one thread ONNX Runtime computes on the calling thread, so that thread's CPU
     time is the call's compute time, and other jobs on a shared machine cannot inflate
     it (they only delay it); with more threads the work spreads over a pool and only the
-    wall clock sees all of it. See [Note: segment latency].
+    wall clock sees all of it; so does a GPU provider's work, which this thread only waits
+    for. See [Note: segment latency].
     """
-    return time.thread_time if threads == 1 else time.perf_counter
+    return time.thread_time if threads == 1 and tuple(providers) == (CPU,) else time.perf_counter
 
 
 def time_session(
@@ -199,7 +204,7 @@ def time_session(
     return statistics.median(times)
 
 
-def _call_overhead_s(threads: int) -> float:
+def _call_overhead_s(threads: int, providers: Sequence[str]) -> float:
     """Seconds ONNX Runtime spends on a call that computes nothing (an Identity node)."""
     import onnx.helper
 
@@ -210,10 +215,15 @@ def _call_overhead_s(threads: int) -> float:
     )
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
     model.ir_version = 8
-    session = make_session(model, threads)
+    session = make_session(model, threads, providers)
     feeds = {"x": np.zeros(1, dtype=np.float32)}
     return time_session(
-        session, feeds, budget_s=0.05, min_runs=50, max_runs=400, clock=compute_clock(threads)
+        session,
+        feeds,
+        budget_s=0.05,
+        min_runs=50,
+        max_runs=400,
+        clock=compute_clock(threads, providers),
     )
 
 
@@ -384,6 +394,7 @@ def profile_model(
     codecs: Sequence[str] = PLANNER_CODECS,
     time_budget_s: float = 20.0,
     progress: ProgressFn | None = None,
+    providers: Sequence[str] = (CPU,),
 ) -> Profile:
     """Measure ``graph`` on this machine; see [Note: segment latency].
 
@@ -402,14 +413,16 @@ def profile_model(
     n = len(graph.cuts) - 1
     steps = _Steps(progress, units=n, cuts=len(graph.cuts))
     started = time.perf_counter()
-    clock = compute_clock(threads)
-    overhead = _call_overhead_s(threads)
+    clock = compute_clock(threads, providers)
+    overhead = _call_overhead_s(threads, providers)
     steps.advance("call overhead")
 
     budget = time_budget_s * _TIMING_SHARE
-    features, call_s = _time_units(graph, threads, clock, budget, steps)
+    features, call_s = _time_units(graph, (threads, providers), clock, budget, steps)
     spans = _calibration_spans([1.0] * n)
-    measured = _time_segments(graph, spans, threads, clock, features, budget / 2, steps)
+    measured = _time_segments(
+        graph, spans, (threads, providers), clock, features, budget / 2, steps
+    )
     fit = _fit_unit_costs(overhead, call_s, [cut.nbytes for cut in graph.cuts], measured)
     cut_stats = measure_cut_codecs(
         graph,
@@ -420,7 +433,7 @@ def profile_model(
     )
     return _assemble(
         graph,
-        machine_info(threads, slowdown),
+        machine_info(threads, slowdown, providers),
         overhead=overhead,
         fit=fit,
         measured=measured,
@@ -454,7 +467,7 @@ class _Steps:
 
 def _time_units(
     graph: ModelGraph,
-    threads: int,
+    settings: tuple[int, Sequence[str]],
     clock: Callable[[], float],
     budget_s: float,
     steps: _Steps,
@@ -471,7 +484,7 @@ def _time_units(
     features: dict[str, np.ndarray] = dict(graph.representative_inputs())
     sessions = []
     for index in range(n):
-        session = make_session(extract_segment(graph, index, index + 1), threads)
+        session = make_session(extract_segment(graph, index, index + 1), *settings)
         features.update(run_session(session, features))
         sessions.append(session)
         steps.advance(f"unit {index + 1}/{n}")
@@ -487,7 +500,7 @@ def _time_units(
 def _time_segments(
     graph: ModelGraph,
     spans: Sequence[tuple[int, int]],
-    threads: int,
+    settings: tuple[int, Sequence[str]],
     clock: Callable[[], float],
     features: Mapping[str, np.ndarray],
     budget_s: float,
@@ -496,7 +509,7 @@ def _time_segments(
     """``(start, end, typical seconds)`` of whole segments, timed in rounds like the units."""
     from tierflow.partitioner.split import extract_segment
 
-    sessions = [make_session(extract_segment(graph, start, end), threads) for start, end in spans]
+    sessions = [make_session(extract_segment(graph, start, end), *settings) for start, end in spans]
     feeds = [_feeds(session, features) for session in sessions]
     times = [_time_chain(sessions, feeds, clock)]
     steps.calibration_rounds = int(

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from tierflow.codec import CodecStats
 from tierflow.errors import ProfileError, TierflowError
+from tierflow.providers import CPU
+from tierflow.providers import describe as describe_providers
 
 if TYPE_CHECKING:
     from tierflow.partitioner.graph import ModelGraph
@@ -40,6 +42,8 @@ class MachineInfo:
     slowdown: float
     emulated: bool
     onnxruntime: str
+    # ONNX Runtime execution providers measured with; profiles older than the field say CPU.
+    providers: tuple[str, ...] = (CPU,)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -50,6 +54,7 @@ class MachineInfo:
             "slowdown": self.slowdown,
             "emulated": self.emulated,
             "onnxruntime": self.onnxruntime,
+            "providers": list(self.providers),
         }
 
     @classmethod
@@ -63,6 +68,7 @@ class MachineInfo:
                 slowdown=float(data["slowdown"]),
                 emulated=bool(data["emulated"]),
                 onnxruntime=str(data["onnxruntime"]),
+                providers=tuple(str(p) for p in data.get("providers", [CPU])),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"malformed profile machine {data!r}: {exc}") from exc
@@ -71,7 +77,12 @@ class MachineInfo:
         """One line for people: ``host (cpu), 1 thread, emulated 4x slower``."""
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
         how = f"emulated {self.slowdown:g}x slower" if self.emulated else "measured"
-        return f"{self.hostname} ({self.cpu}), {threads}, {how}"
+        return f"{self.hostname} ({self.cpu}), {threads}, {how}, on {self.provider_names}"
+
+    @property
+    def provider_names(self) -> str:
+        """The providers as short names, like ``cuda,cpu``."""
+        return describe_providers(self.providers)
 
 
 @dataclass(frozen=True)

@@ -70,22 +70,29 @@ def _row(label: str, estimate: Estimate, memory: Mapping[str, int]) -> list[str]
     ]
 
 
-def plan_table(result: SearchResult, memory: Mapping[str, int]) -> str:
+def plan_table(
+    result: SearchResult,
+    memory: Mapping[str, int],
+    providers: Mapping[str, str] | None = None,
+) -> str:
     """The ranked plans, then the single-tier baselines, with the cost breakdown.
 
     Compute is per tier (ms); each link shows codec, bytes after the codec and its total
     cost (encode, wire, RTT, decode and the reply; ms). With early exits every time is
     an expectation over where requests leave, the latency column says so, a link used by
     only some requests shows their share in brackets, and an ``exits`` column shows the
-    tier checking each exit and its exit rate.
+    tier checking each exit and its exit rate. ``providers`` (tier -> ``cuda,cpu``) names
+    what each tier's profile was measured on, in its compute column's header.
     """
     with_exits = bool(result.best.exits)
+    measured_on = dict(providers or {})
     headers = [
         "plan",
         "units",
-        "device ms",
-        "edge ms",
-        "cloud ms",
+        *(
+            f"{tier} ms ({measured_on[tier]})" if tier in measured_on else f"{tier} ms"
+            for tier in TIERS
+        ),
         "device-edge",
         "edge-cloud",
         "exp. latency ms" if with_exits else "latency ms",

@@ -8,6 +8,8 @@ Messages say what was expected and what was found.
     TierflowError
     ├── UsageError          bad command-line values: unknown tier/link names, malformed
     │                       rates, sizes, RTTs, shapes
+    │   └── ProviderError   an ONNX Runtime execution provider that is unknown or not
+    │                       available here (the message lists the available ones)
     ├── ModelError          not an ONNX file, truncated, invalid graph, unsupported ops,
     │                       unknown symbolic dimensions
     ├── ProfileError        malformed profile, or a profile made for another model
@@ -36,6 +38,10 @@ class TierflowError(Exception):
 
 class UsageError(TierflowError):
     """A command-line value is malformed or names something that does not exist."""
+
+
+class ProviderError(UsageError):
+    """An execution provider is unknown, or not offered by the installed onnxruntime."""
 
 
 class ModelError(TierflowError):

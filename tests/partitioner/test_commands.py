@@ -58,6 +58,7 @@ def test_profile_then_plan_end_to_end(
     assert code == 0, err
     assert "verified: split reproduces the model bit-for-bit on 1 input" in out
     assert "device-only" in out and "cloud-only" in out and "edge-only" in out
+    assert "device ms (cpu)" in out  # what each tier's profile was measured on
     assert "edge: no profile given, profiled on this machine" in out
     plan = load_plan(plan_dir)
     assert plan.estimate["latency_s"] > 0

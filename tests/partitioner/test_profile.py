@@ -44,6 +44,8 @@ def test_profile_covers_every_unit_and_cut(zoo_exports: Any) -> None:
         assert unit.peak_activation_bytes == graph.peak_activation_bytes(i, i + 1)
     assert profile.machine.threads == 1 and not profile.machine.emulated
     assert profile.machine.onnxruntime
+    assert profile.machine.providers == ("CPUExecutionProvider",)
+    assert profile.machine.describe().endswith("on cpu")
 
 
 def test_codecs_are_measured_on_the_real_features(zoo_exports: Any) -> None:
