@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from tierflow.helptext import examples
 from tierflow.linkemu import resolve_links
 from tierflow.plan import load_plan
 from tierflow.security import Security
@@ -34,7 +35,18 @@ def add_cache_argument(parser: argparse.ArgumentParser) -> None:
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cloud = add_serve_parser(
-        subparsers, "cloud", help="finish the model and answer, with early exits and caches"
+        subparsers,
+        "cloud",
+        help="finish the model and answer, with early exits and caches",
+        description="Finish the model for every request the edge forwards and answer: look "
+        "the feature up in the cache if one is configured, else run the plan's cloud "
+        "segment, leaving at an early exit where the plan has one.",
+        epilog=examples(
+            "tierflow serve cloud --plan plan/ --listen 127.0.0.1:50052",
+            "tierflow serve cloud --plan plan/ --listen 127.0.0.1:50052 --cache exact:64MiB",
+            "# replicas sharing one cache",
+            "tierflow serve cloud --plan plan/ --cache 'redis://10.0.0.9:6379/0?budget=256MiB'",
+        ),
     )
     add_cache_argument(cloud)
     cloud.set_defaults(handler=_serve, upstream=None)

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from tierflow.errors import TransportError, UsageError
+from tierflow.helptext import HelpFormatter, examples
 from tierflow.links import LINKS, TIERS, LinkSpec
 from tierflow.tuning import tune_for_latency
 
@@ -79,26 +80,32 @@ def register(subparsers: Any) -> None:
         "demo",
         help="run the three tiers on this machine on the built-in model",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=examples(
+            "tierflow demo",
+            "# a slower, farther link, 200 requests per strategy, plans kept in demo/",
+            "tierflow demo --link device-edge=5mbit,40ms --requests 200 --workdir demo/",
+        ),
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--requests",
         type=int,
         default=0,
-        help="held-out requests per strategy (default 0: the whole held-out set)",
+        help="held-out requests per strategy; 0: the whole held-out set",
     )
     parser.add_argument(
         "--link",
         action="append",
         default=[],
         metavar="NAME=RATE[,RTT]",
-        help="emulated link (default: device-edge=20mbit,2ms and edge-cloud=200mbit,20ms)",
+        help="emulated link, repeatable; a rate alone keeps that link's RTT "
+        "(default: device-edge=20mbit,2ms, edge-cloud=200mbit,20ms)",
     )
     parser.add_argument(
         "--window",
         type=int,
         default=16,
-        help="requests in flight for the pipelined throughput pass (default 16)",
+        help="requests in flight for the pipelined throughput pass",
     )
     parser.add_argument(
         "--workdir",

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tierflow.errors import UsageError
+from tierflow.helptext import HelpFormatter, examples
 from tierflow.linkemu import add_link_arguments, resolve_links
 from tierflow.links import LINKS
 from tierflow.plan import load_plan
@@ -39,13 +40,30 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser = subparsers.add_parser(
         "run",
         help="run requests from the device through the edge and the cloud",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Be the device: read the requests in IN.npz (one array per model input, "
+        "a leading request axis), run the plan's device segment, stream the features to the "
+        "edge with many requests in flight, and write the answers to OUT.npz and one JSON "
+        "line per request to the report. Exits with status 1 if any request failed.",
+        epilog=examples(
+            "tierflow run --plan plan/ --edge 127.0.0.1:50051 --input in.npz --output out.npz "
+            "--report r.jsonl",
+            "# a device-only plan needs no edge; emulate a Pi 8x slower than this machine",
+            "tierflow run --plan plan/ --input in.npz --output out.npz --slowdown 8",
+        ),
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("--plan", required=True, metavar="PLAN_DIR", help="plan directory")
+    parser.add_argument(
+        "--plan", required=True, metavar="PLAN_DIR", help="the plan directory `tierflow plan` wrote"
+    )
     parser.add_argument(
         "--edge", metavar="HOST:PORT", help="the edge (not needed for a device-only plan)"
     )
-    parser.add_argument("--input", required=True, metavar="IN.npz", help="one array per input")
+    parser.add_argument(
+        "--input",
+        required=True,
+        metavar="IN.npz",
+        help="the requests: one array per model input, leading request axis",
+    )
     parser.add_argument("--output", metavar="OUT.npz", help="where to write the outputs")
     parser.add_argument("--report", metavar="R.jsonl", help="one JSON line per request")
     parser.add_argument("--window", type=int, default=16, help="requests in flight at once")

@@ -13,6 +13,7 @@ import json
 import logging
 
 from tierflow.cloud.commands import add_cache_argument
+from tierflow.helptext import HelpFormatter, examples
 from tierflow.linkemu import resolve_links
 from tierflow.plan import load_plan
 from tierflow.security import Security, add_security_arguments
@@ -24,9 +25,19 @@ logger = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    defaults = argparse.ArgumentDefaultsHelpFormatter
     edge = add_serve_parser(
-        subparsers, "edge", help="serve devices; run the edge segment; forward to the cloud"
+        subparsers,
+        "edge",
+        help="serve devices; run the edge segment; forward to the cloud",
+        description="Serve devices' request streams: run the plan's edge segment (answer "
+        "at an early exit or from the cache where the plan allows) and forward the rest to "
+        "the cloud, many requests in flight on one long-lived stream.",
+        epilog=examples(
+            "tierflow serve edge --plan plan/ --listen 127.0.0.1:50051 --upstream 127.0.0.1:50052",
+            "# on a Raspberry Pi, with two cloud replicas and the plan's link shaped locally",
+            "tierflow serve edge --plan plan/ --listen 0.0.0.0:50051 --insecure "
+            "--upstream ipv4:10.0.0.5:50052,10.0.0.6:50052 --link-emulation plan",
+        ),
     )
     add_cache_argument(edge)
     edge.add_argument(
@@ -37,9 +48,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     probe = subparsers.add_parser(
         "probe",
         help="measure RTT and rate to a running edge or cloud",
-        formatter_class=defaults,
+        description="Measure the link to a running `tierflow serve` tier: the RTT from small "
+        "round trips and the rate each way from larger transfers; print it as "
+        "`tierflow plan --link` takes it, or as JSON that plan reads from a file.",
+        epilog=examples(
+            "tierflow probe 127.0.0.1:50051",
+            "tierflow probe 10.0.0.2:50051 --json > edge.json && "
+            "tierflow plan model.onnx -o plan/ --link edge.json",
+        ),
+        formatter_class=HelpFormatter,
     )
-    probe.add_argument("address", metavar="HOST:PORT")
+    probe.add_argument("address", metavar="HOST:PORT", help="the tier to measure")
     probe.add_argument("--json", action="store_true", help="print JSON (plan --link reads it)")
     probe.add_argument("--link", help="name the link (default: from the tier that answers)")
     probe.add_argument("--pings", type=int, default=20, help="small round trips for the RTT")

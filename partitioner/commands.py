@@ -16,6 +16,7 @@ from typing import Any
 
 from tierflow.codec import CodecSpec
 from tierflow.errors import UsageError
+from tierflow.helptext import HelpFormatter, examples
 from tierflow.links import (
     LINKS,
     LinkSpec,
@@ -29,15 +30,6 @@ from tierflow.units import format_duration, format_size, parse_size
 
 DEFAULT_THREADS = 1
 DEFAULT_TIME_BUDGET_S = 20.0
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show defaults, except the empty ones of repeatable options and of flags."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or isinstance(action.default, bool) or action.default == []:
-            return action.help
-        return super()._get_help_string(action)
 
 
 def _model_options(parser: argparse.ArgumentParser) -> None:
@@ -65,10 +57,18 @@ def register(subparsers: Any) -> None:
         description="Measure each unit of MODEL (the layers between two candidate cuts) on "
         "this machine in ONNX Runtime, the codecs on the real features at every cut, and the "
         "memory each unit needs; write a JSON profile for `tierflow plan --profile`.",
-        formatter_class=_HelpFormatter,
+        epilog=examples(
+            "# on the device itself (or here, emulated 8x slower on one thread)",
+            "tierflow profile model.onnx -o pi4.json --threads 1 --slowdown 8",
+            "# symbolic dimensions fixed from real inputs",
+            "tierflow profile model.onnx -o server.json --sample in.npz --threads 8",
+        ),
+        formatter_class=HelpFormatter,
     )
     _model_options(profile)
-    profile.add_argument("-o", "--output", required=True, metavar="PROFILE.json")
+    profile.add_argument(
+        "-o", "--output", required=True, metavar="PROFILE.json", help="the profile to write"
+    )
     profile.add_argument(
         "--threads", type=int, default=DEFAULT_THREADS, help="ONNX Runtime intra-op threads"
     )
@@ -95,10 +95,26 @@ def register(subparsers: Any) -> None:
         "model, print the best plans next to the single-tier ones, split the model at the "
         "best and write PLAN_DIR (plan.json and one ONNX file per segment). Tiers without "
         "--profile are profiled on this machine, emulated slower (see --emulate).",
-        formatter_class=_HelpFormatter,
+        epilog=examples(
+            "tierflow plan model.onnx -o plan/ --profile device=pi4.json --memory device=64MiB",
+            "tierflow plan model.onnx -o plan/ --link device-edge=20mbit,10ms "
+            "--objective throughput",
+            "# links measured by `tierflow probe --json`, rates in bytes, exact features",
+            "tierflow plan model.onnx -o plan/ --link edge.json --link edge-cloud=25MB/s,30ms "
+            "--codec zstd",
+            "# an audio model with a scalar input: shapes and values from real requests",
+            "tierflow plan vad.onnx -o plan/ --sample in.npz",
+        ),
+        formatter_class=HelpFormatter,
     )
     _model_options(plan)
-    plan.add_argument("-o", "--output", required=True, metavar="PLAN_DIR")
+    plan.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="PLAN_DIR",
+        help="the plan directory to write (a plan already there is replaced)",
+    )
     plan.add_argument(
         "--profile",
         action="append",
@@ -113,8 +129,8 @@ def register(subparsers: Any) -> None:
         metavar="LINK=RATE[,RTT]",
         help="a link's rate and RTT, like device-edge=20mbit,10ms (rates in bits: kbit, mbit, "
         "gbit, Mbps; or bytes: MB/s, MiB/s), or LINK=PROBE.json or PROBE.json from "
-        "`tierflow probe --json` (repeatable); a rate without an RTT keeps the default RTT; "
-        "defaults: device-edge=20mbit,10ms edge-cloud=200mbit,30ms",
+        "`tierflow probe --json` (repeatable); a rate alone keeps that link's RTT "
+        "(default: device-edge=20mbit,10ms, edge-cloud=200mbit,30ms)",
     )
     plan.add_argument(
         "--memory",
@@ -161,15 +177,15 @@ def register(subparsers: Any) -> None:
         metavar="NAME=SPEC",
         help="how an --image-input was normalised, x = (pixel / scale - mean) / std: a preset "
         "(unit: pixel/255, imagenet, symmetric: pixel/127.5-1) or "
-        "'mean=M[,M,M];std=S[,S,S][;scale=255][;layout=NCHW|NHWC]'; default unit",
+        "'mean=M[,M,M];std=S[,S,S][;scale=255][;layout=NCHW|NHWC]' (default: unit)",
     )
     plan.add_argument(
         "--emulate",
         action="append",
         default=[],
         metavar="TIER=SLOWDOWN",
-        help="how much slower than this machine a tier without --profile is; defaults: "
-        "device=4 edge=2 cloud=1",
+        help="how much slower than this machine a tier without --profile is "
+        "(default: device=4, edge=2, cloud=1)",
     )
     plan.add_argument(
         "--threads",
@@ -182,7 +198,7 @@ def register(subparsers: Any) -> None:
         "--no-verify",
         dest="verify",
         action="store_false",
-        help="skip checking that the split reproduces the model (checked by default)",
+        help="skip checking that the split reproduces the model (it is checked unless given)",
     )
     plan.add_argument("--json", action="store_true", help="print the ranking as JSON")
     plan.set_defaults(handler=run_plan)

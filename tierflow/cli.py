@@ -21,6 +21,7 @@ from tierflow import __version__
 from tierflow.config import add_config_option, apply_config, check_config_used
 from tierflow.errors import TierflowError
 from tierflow.extras import missing_extra
+from tierflow.helptext import HelpFormatter, examples
 
 # Modules that define ``register(subparsers)``, in the order their commands are listed.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -41,8 +42,18 @@ logger = logging.getLogger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tierflow",
-        description="Run one neural network across a device, an edge server and the cloud.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Run one neural network across a device, an edge server and the cloud. "
+        "`tierflow COMMAND --help` describes each command.",
+        epilog=examples(
+            "tierflow demo                       # everything on this machine, no arguments",
+            "tierflow profile model.onnx -o pi4.json --threads 1 --slowdown 8",
+            "tierflow plan model.onnx -o plan/ --profile device=pi4.json "
+            "--link device-edge=20mbit,10ms",
+            "tierflow serve cloud --plan plan/ --listen 127.0.0.1:50052",
+            "tierflow serve edge --plan plan/ --listen 127.0.0.1:50051 --upstream 127.0.0.1:50052",
+            "tierflow run --plan plan/ --edge 127.0.0.1:50051 --input in.npz --output out.npz",
+        ),
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"tierflow {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")

@@ -34,6 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tierflow.errors import UsageError
+from tierflow.helptext import HelpFormatter, examples
 from tierflow.linkemu import add_link_arguments
 from tierflow.security import Security, add_security_arguments, bind, server_options
 from tierflow.segment_runner import add_optimization_argument
@@ -161,29 +162,50 @@ _SERVE_TIERS: weakref.WeakKeyDictionary[
 
 
 def add_serve_parser(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], tier: str, help: str
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    tier: str,
+    help: str,
+    *,
+    description: str,
+    epilog: str,
 ) -> argparse.ArgumentParser:
     """``tierflow serve TIER``: one tier's subcommand, with the options every server takes.
 
     The first tier to call this creates the ``serve`` command; the tier's own options
     (``--upstream``, ``--cache``) and its handler are for the caller to add.
     """
-    defaults = argparse.ArgumentDefaultsHelpFormatter
     serve = subparsers.choices.get("serve")
     if serve is None:
         serve = subparsers.add_parser(
-            "serve", help="run the edge or the cloud tier of a plan", formatter_class=defaults
+            "serve",
+            help="run the edge or the cloud tier of a plan",
+            description="Serve one tier of a plan over gRPC until SIGTERM or SIGINT: the "
+            "edge takes devices' streams and forwards to the cloud, the cloud answers. Each "
+            "prints one line saying where it serves once its segment is loaded.",
+            epilog=examples(
+                "tierflow serve cloud --plan plan/ --listen 127.0.0.1:50052",
+                "tierflow serve edge --plan plan/ --listen 127.0.0.1:50051 "
+                "--upstream 127.0.0.1:50052",
+            ),
+            formatter_class=HelpFormatter,
         )
         _SERVE_TIERS[serve] = serve.add_subparsers(dest="tier", metavar="TIER", required=True)
-    parser = _SERVE_TIERS[serve].add_parser(tier, help=help, formatter_class=defaults)
+    parser = _SERVE_TIERS[serve].add_parser(
+        tier, help=help, description=description, epilog=epilog, formatter_class=HelpFormatter
+    )
     _add_server_arguments(parser)
     return parser
 
 
 def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--plan", required=True, metavar="PLAN_DIR", help="plan directory")
     parser.add_argument(
-        "--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="address to serve on"
+        "--plan", required=True, metavar="PLAN_DIR", help="the plan directory `tierflow plan` wrote"
+    )
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="address to serve on (port 0: one the OS picks, printed when serving)",
     )
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads per request")
     parser.add_argument(

@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from tierflow.errors import UsageError
+from tierflow.helptext import HelpFormatter, examples
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,11 @@ def register(subparsers: Any) -> None:
         "exits",
         help="add early-exit heads to a classifier and calibrate their thresholds",
         description="Early exits: small heads that let confident requests leave early.",
+        epilog=examples(
+            "tierflow exits add model.onnx --data calib.npz -o model-exits.onnx",
+            "tierflow exits show model-exits.onnx",
+        ),
+        formatter_class=HelpFormatter,
     )
     commands = parser.add_subparsers(dest="exits_command", metavar="ACTION", required=True)
 
@@ -51,6 +57,14 @@ def register(subparsers: Any) -> None:
             "held-out data, to the lowest that keeps the requests leaving there within the "
             "target disagreement with the full model (or accuracy drop, with labels)."
         ),
+        epilog=examples(
+            "tierflow exits add model.onnx --data calib.npz -o model-exits.onnx "
+            "--max-disagreement 1%",
+            "# two exits at named tensors, thresholds for at most 0.5% accuracy lost",
+            "tierflow exits add model.onnx --data calib.npz -o model-exits.onnx "
+            "--at layer2_out --at layer3_out --max-accuracy-drop 0.5%",
+        ),
+        formatter_class=HelpFormatter,
     )
     add.add_argument("model", metavar="MODEL.onnx", help="the classifier to add exits to")
     add.add_argument(
@@ -68,7 +82,7 @@ def register(subparsers: Any) -> None:
         metavar="PCT",
         default=None,
         help="most disagreement with the full model allowed among requests leaving at an exit "
-        "(default 1%%)",
+        "(default: 1%%)",
     )
     target.add_argument(
         "--max-accuracy-drop",
@@ -82,7 +96,7 @@ def register(subparsers: Any) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="number of exits, spread over the compute (default 3)",
+        help="number of exits, spread over the compute (default: 3)",
     )
     where.add_argument(
         "--at",
@@ -109,8 +123,7 @@ def register(subparsers: Any) -> None:
         type=int,
         default=2,
         metavar="G",
-        help="heads on image features average-pool to a GxG grid, 1 being global average "
-        "pooling (default 2)",
+        help="heads on image features average-pool to a GxG grid, 1 being global average pooling",
     )
     add.add_argument(
         "--shape",
@@ -125,9 +138,15 @@ def register(subparsers: Any) -> None:
     show = commands.add_parser(
         "show",
         help="print the exits recorded in a model",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Print the early exits a model carries (from `tierflow exits add`): "
+        "where each head reads, its threshold, and what calibration measured for it.",
+        epilog=examples(
+            "tierflow exits show model-exits.onnx",
+            "tierflow exits show model-exits.onnx --json",
+        ),
+        formatter_class=HelpFormatter,
     )
-    show.add_argument("model", metavar="MODEL.onnx")
+    show.add_argument("model", metavar="MODEL.onnx", help="a model with exits")
     show.add_argument("--json", action="store_true", help="print the exits as JSON")
     show.set_defaults(handler=_show)
 
