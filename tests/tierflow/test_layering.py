@@ -133,3 +133,18 @@ def test_each_tier_uses_only_the_core_and_the_tiers_it_names() -> None:
                 if others:
                     wrong[module] = sorted(others)
     assert wrong == {}
+
+
+def test_the_planner_needs_onnx_and_never_torch() -> None:
+    """Planning (``tierflow.partitioner``, the ``plan`` extra) imports no torch; models
+    built with torch live in ``tierflow.zoo`` (the ``train`` extra), which it never loads."""
+    graph = _imports()
+    assert "onnx" in graph["tierflow.partitioner.graph"]
+    assert "torch" in graph["tierflow.zoo.models"]
+    torch_side = ("torch", "tierflow.zoo", "tierflow.demos")
+    wrong = {
+        module: sorted(name for name in names if _within(name, torch_side))
+        for module, names in graph.items()
+        if _within(module, ("tierflow.partitioner",))
+    }
+    assert {module: names for module, names in wrong.items() if names} == {}
