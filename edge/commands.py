@@ -87,7 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_tensor_bytes=args.max_tensor_bytes,
         security=Security.from_args(args),
     )
-    return serve_until_stopped(server, args.grace)
+    return serve_until_stopped(server, args.grace, args.metrics_port)
 
 
 def _probe(args: argparse.Namespace) -> int:

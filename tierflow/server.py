@@ -233,6 +233,13 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_link_arguments(parser)
     add_security_arguments(parser, server=True)
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="N",
+        help="serve Prometheus metrics on http://HOST:N/metrics, HOST as in --listen "
+        "(0 picks a port; needs pip install 'tierflow[metrics]')",
+    )
 
 
 def check_server_arguments(args: argparse.Namespace) -> None:
@@ -241,12 +248,39 @@ def check_server_arguments(args: argparse.Namespace) -> None:
         raise UsageError("--threads must be >= 0 and --workers >= 1")
 
 
-def serve_until_stopped(server: TierServer, grace: float) -> int:
-    """Start ``server``, say where it serves, and run until SIGTERM or SIGINT (the CLI)."""
+def serve_until_stopped(server: TierServer, grace: float, metrics_port: int | None = None) -> int:
+    """Start ``server``, say where it serves, and run until SIGTERM or SIGINT (the CLI).
+
+    With ``metrics_port`` the tier also serves Prometheus metrics (``tierflow.metrics``)
+    on the host it listens on, and says where on a second line.
+    """
     tune_for_latency()
-    server.start()
     service = server.service
-    # One line on stdout, so that scripts (and tests) can learn a port picked by the OS.
-    print(f"tierflow {service.tier} serving plan {service.plan_id} on {server.address}", flush=True)
-    server.serve_until_signal(grace=grace)
+    metrics = None
+    if metrics_port is not None:
+        from tierflow.metrics import TierMetrics
+
+        if not 0 <= metrics_port <= 65535:
+            raise UsageError(f"--metrics-port must be a port number, got {metrics_port}")
+        metrics = TierMetrics(service.tier, lambda: service.in_flight)
+        service.metrics = metrics
+    server.start()
+    try:
+        # One line on stdout, so that scripts (and tests) can learn a port picked by the OS.
+        print(
+            f"tierflow {service.tier} serving plan {service.plan_id} on {server.address}",
+            flush=True,
+        )
+        if metrics is not None:
+            host = server.address.rpartition(":")[0]
+            try:
+                port = metrics.start(host.strip("[]"), metrics_port or 0)
+            except BaseException:
+                server.stop(0)
+                raise
+            print(f"tierflow {service.tier} metrics on http://{host}:{port}/metrics", flush=True)
+        server.serve_until_signal(grace=grace)
+    finally:
+        if metrics is not None:
+            metrics.stop()
     return 0

@@ -56,6 +56,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -79,6 +80,9 @@ from tierflow.plan import Plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.security import Security
 from tierflow.segment_runner import DEFAULT_OPTIMIZATION, TierRunner
+
+if TYPE_CHECKING:
+    from tierflow.metrics import TierMetrics
 from tierflow.wire import (
     DEFAULT_MESSAGE_BYTES,
     Undecodable,
@@ -176,6 +180,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         self.upstream: StreamClient | None = None
         self._in_flight = 0
         self._count_lock = threading.Lock()
+        self.metrics: TierMetrics | None = None  # --metrics-port (tierflow.metrics)
         self._ready = threading.Event()
         self._stopping = threading.Event()
 
@@ -215,6 +220,11 @@ class TierService(tier_pb2_grpc.TierServicer):
             [i for i, _, _ in runner.segments],
             self.upstream_address if self.upstream else "nobody",
         )
+
+    @property
+    def in_flight(self) -> int:
+        """Requests at this tier not yet answered."""
+        return self._in_flight
 
     def drain(self, timeout: float) -> bool:
         """Refuse new requests from now on; wait up to ``timeout`` s for those in flight.
@@ -266,8 +276,9 @@ class TierService(tier_pb2_grpc.TierServicer):
             with lock:  # grpc allows one message in flight per call
                 try:
                     send_response(reply)
-                except Exception:  # the reply is lost; the request must still count as done
-                    logger.exception("[%s] writing reply %s failed", self.tier, reply.id)
+                except Exception as exc:  # the reply is lost; the request still counts as done
+                    # Expected when the device went away: one line, no traceback.
+                    logger.warning("[%s] reply %s not delivered: %r", self.tier, reply.id, exc)
 
         self._read_stream(request_iterator, _DirectReplies(write), context)
         with lock:
@@ -322,6 +333,8 @@ class TierService(tier_pb2_grpc.TierServicer):
         )
 
         def send(reply: tier_pb2.Reply) -> None:
+            if self.metrics is not None:
+                self.metrics.observe(reply, self.down_link, reply.ByteSize())
             replies.put(reply, reply.ByteSize() if shaped else 0)
             with self._count_lock:
                 self._in_flight -= 1
@@ -391,6 +404,8 @@ class TierService(tier_pb2_grpc.TierServicer):
         timing = tier_pb2.TierTiming(
             tier=self.tier, queue_ms=(time.perf_counter() - received) * 1e3
         )
+        if self.metrics is not None:
+            send = self.metrics.timed(send, received)
         try:
             reply = self._process(request, timing, send)  # None: the next tier answers
         except TierflowError as exc:
