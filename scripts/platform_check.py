@@ -160,10 +160,11 @@ def check(work: Path, edge: list[str], cloud: list[str], run: list[str]) -> dict
         cloud, ["serve", "cloud", "--plan", str(plan_dir)], work / "cloud.log"
     )
     try:
+        # The edge reads its options from a config file (tomli on Python 3.10).
+        config = work / "edge.toml"
+        config.write_text(f'plan = "{plan_dir}"\nupstream = "{cloud_address}"\n')
         edge_process, edge_address = _start(
-            edge,
-            ["serve", "edge", "--plan", str(plan_dir), "--upstream", cloud_address],
-            work / "edge.log",
+            edge, ["serve", "edge", "--config", str(config)], work / "edge.log"
         )
         try:
             up_s = time.perf_counter() - started
