@@ -147,7 +147,7 @@ def _demo(links: Mapping[str, LinkSpec], workdir: Path, requests: int, window: i
     from tierflow.zoo.digits import build_demo_model
 
     _step(1, "demo model: a residual CNN trained on scikit-learn's digits (32x32)")
-    demo = build_demo_model(progress=_epoch_printer)
+    demo = build_demo_model(progress=_epoch_printer, status=_status_printer)
     meta = demo.meta
     how = "trained now" if demo.built else f"cached in {demo.directory}"
     print(
@@ -249,6 +249,10 @@ def _emulated_profiles(graph: Any, what: str) -> dict[str, Any]:
     finally:
         progress.close()
     return {tier: base.emulate(EMULATION[tier][1], threads=EMULATION[tier][0]) for tier in TIERS}
+
+
+def _status_printer(text: str) -> None:
+    print(f"  {text}", flush=True)
 
 
 def _epoch_printer(report: Any) -> None:

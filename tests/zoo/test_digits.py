@@ -117,3 +117,22 @@ def test_default_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPat
     assert digits.default_cache_dir() == Path("/some/where/demo")
     monkeypatch.delenv("TIERFLOW_CACHE")
     assert digits.default_cache_dir() == Path.home() / ".cache" / "tierflow" / "demo"
+
+
+def test_training_says_what_it_does_between_epochs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first epoch ends long after the build starts: status lines fill the wait."""
+    pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    monkeypatch.setattr(digits, "_BATCH", 2)
+    images = rng.standard_normal((16, 1, 32, 32)).astype(np.float32)
+    labels = rng.integers(0, 10, len(images)).astype(np.int64)
+    data = digits.DigitsData(images, labels, images[:4], labels[:4], 0.0, 1.0)
+    monkeypatch.setattr(digits, "_EPOCHS", 2)
+    monkeypatch.setattr(digits, "_STATUS_EVERY_S", 0.0)  # a status after every batch
+    events: list[str] = []
+    digits._train(data, lambda r: events.append(f"epoch {r.epoch} done"), events.append)
+    assert events[0].startswith("setting up the network")
+    first_epoch = events.index("epoch 1 done")
+    during = [e.split(" (")[0] for e in events[1:first_epoch]]
+    assert during == [f"epoch 1/2: {(i + 1) / 8:.0%}" for i in range(8)]  # one per batch
+    assert events[-1] == "epoch 2 done"

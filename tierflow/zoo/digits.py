@@ -4,7 +4,9 @@
 reaches good accuracy without downloading anything. scikit-learn ships 1797 real 8x8
 hand-written digits; we scale them to 32x32 so the network has several resolutions to
 cut between (a stem, then residual stages at 32x32, 16x16, 8x8 and 4x4), train it once
-with torch (about 15-30 s on two cores), export it to ONNX and cache everything:
+with torch (about a minute on two shared cores: importing torch, scaling the data, six
+epochs; ``status`` and ``progress`` report each step), export it to ONNX and cache
+everything:
 
 ``CACHE/model.onnx``    single file, weights embedded; input ``image`` [batch,1,32,32],
                         output ``logits`` [batch,10]
@@ -58,6 +60,8 @@ _HELDOUT_FRACTION = 0.2  # 1437 train / 360 held-out of sklearn's 1797 digits
 _EPOCHS = 6
 _BATCH = 64
 _THREADS = 1
+# While training, a status line at least this often (the first epoch ends after ~10 s).
+_STATUS_EVERY_S = 4.0
 
 
 @dataclass(frozen=True)
@@ -203,11 +207,13 @@ def load_digits_data(size: int = IMAGE_SIZE) -> DigitsData:
 def build_demo_model(
     cache_dir: Path | None = None,
     progress: Callable[[EpochReport], None] | None = None,
+    status: Callable[[str], None] | None = None,
 ) -> DemoModel:
     """Return the demo model, training and caching it the first time.
 
-    Training takes well under a minute on two cores. The cache is validated on every
-    call (see the module docstring); pass ``progress`` to follow the epochs of a build.
+    Training takes about a minute on two shared cores. The cache is validated on every
+    call (see the module docstring); pass ``progress`` to follow the epochs of a build
+    and ``status`` for a line at least every few seconds while it trains.
     """
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
@@ -220,7 +226,9 @@ def build_demo_model(
         if meta is not None:
             return DemoModel(directory, meta, built=False)
         logger.info("[demo] no valid cached model in %s: training one", directory)
-        meta = _build_into(directory, progress)
+        say = status or _quiet
+        say(f"no cached model in {directory}: training it once (about a minute)")
+        meta = _build_into(directory, progress, say)
     return DemoModel(directory, meta, built=True)
 
 
@@ -291,17 +299,32 @@ def _save_npz(path: Path, **arrays: np.ndarray) -> None:
     _write_atomic(path, write)
 
 
-def _build_into(directory: Path, progress: Callable[[EpochReport], None] | None) -> DemoMeta:
+def _quiet(_: str) -> None:
+    """The status callback when none is given."""
+
+
+def _build_into(
+    directory: Path,
+    progress: Callable[[EpochReport], None] | None,
+    status: Callable[[str], None] = _quiet,
+) -> DemoMeta:
+    begin = time.perf_counter()
+    status("loading torch and scikit-learn's digits, scaling them to 32x32")
     import torch
 
     data = load_digits_data()
+    status(
+        f"{len(data.train_labels)} training and {len(data.heldout_labels)} held-out images "
+        f"ready ({time.perf_counter() - begin:.0f} s); training {_EPOCHS} epochs"
+    )
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(min(_THREADS, previous_threads))
     try:
         start = time.perf_counter()
-        model = _train(data, progress)
+        model = _train(data, progress, status)
         train_seconds = time.perf_counter() - start
         params = sum(p.numel() for p in model.parameters())
+        status("exporting to ONNX and measuring its accuracy in ONNX Runtime")
         _write_atomic(directory / MODEL_FILE, lambda tmp: _export(model, tmp))
     finally:
         torch.set_num_threads(previous_threads)
@@ -413,9 +436,15 @@ def _augment(images: Any, generator: Any) -> Any:
     return padded[batch, 0, rows, cols]
 
 
-def _train(data: DigitsData, progress: Callable[[EpochReport], None] | None) -> Any:
+def _train(
+    data: DigitsData,
+    progress: Callable[[EpochReport], None] | None,
+    status: Callable[[str], None] = _quiet,
+) -> Any:
     import torch
 
+    start = said = time.perf_counter()
+    status("setting up the network and its optimizer (torch initialises on first use)")
     torch.manual_seed(_SEED)
     generator = torch.Generator().manual_seed(_SEED)
     model = _make_network()
@@ -424,7 +453,6 @@ def _train(data: DigitsData, progress: Callable[[EpochReport], None] | None) -> 
     steps = _EPOCHS * ((len(labels) + _BATCH - 1) // _BATCH)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=6e-3, total_steps=steps)
-    start = time.perf_counter()
     for epoch in range(_EPOCHS):
         model.train()
         order = torch.randperm(len(labels), generator=generator)
@@ -438,6 +466,11 @@ def _train(data: DigitsData, progress: Callable[[EpochReport], None] | None) -> 
             optimizer.step()
             schedule.step()
             total_loss += float(loss.detach()) * len(index)
+            if time.perf_counter() - said >= _STATUS_EVERY_S:
+                said = time.perf_counter()
+                done = min(first + _BATCH, len(labels)) / len(labels)
+                status(f"epoch {epoch + 1}/{_EPOCHS}: {done:.0%} ({said - start:.0f} s)")
+        said = time.perf_counter()
         report = EpochReport(
             epoch=epoch + 1,
             epochs=_EPOCHS,
