@@ -40,7 +40,8 @@ from tierflow import codec as codec_lib
 from tierflow.cache import CacheAnswer, cache_key
 from tierflow.cloud.cache_memory import MemoryCache
 from tierflow.links import LinkSpec
-from tierflow.segment_runner import exit_confidence, session_options
+from tierflow.segment_runner import exit_confidence
+from tierflow.sessions import open_session
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +77,7 @@ class Walked:
 
 
 def _session(model: Any) -> ort.InferenceSession:
-    return ort.InferenceSession(
-        model.SerializeToString(), session_options(1), providers=["CPUExecutionProvider"]
-    )
+    return open_session(model.SerializeToString())
 
 
 def _timed(

@@ -38,7 +38,7 @@ import onnxruntime as ort
 
 from tierflow import codec as codec_lib
 from tierflow.links import LinkSpec
-from tierflow.segment_runner import session_options
+from tierflow.sessions import open_session
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +89,7 @@ class Measurements:
 
 
 def _session(model: Any, threads: int) -> ort.InferenceSession:
-    return ort.InferenceSession(
-        model.SerializeToString(), session_options(threads), providers=["CPUExecutionProvider"]
-    )
+    return open_session(model.SerializeToString(), threads=threads)
 
 
 def _time_runs(

@@ -25,6 +25,7 @@ from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
 from tierflow.links import LINKS, LinkSpec
+from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec, save_plan
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,11 @@ def serving(
 ) -> Iterator[DeviceClient]:
     """The plan served by a cloud and an edge on 127.0.0.1 (``cache`` on the edge), and a
     device client sending one request at a time; everything stopped afterwards."""
-    cloud = CloudServer(plan_dir, "127.0.0.1:0", slowdown=slowdown["cloud"], links=links, workers=1)
+
+    def options(tier: str) -> RuntimeOptions:
+        return RuntimeOptions(slowdown=slowdown[tier], links=links, workers=1)
+
+    cloud = CloudServer(plan_dir, "127.0.0.1:0", options=options("cloud"))
     edge: EdgeServer | None = None
     try:
         cloud.start()
@@ -68,15 +73,11 @@ def serving(
             plan_dir,
             "127.0.0.1:0",
             upstream=cloud.address,
-            slowdown=slowdown["edge"],
-            links=links,
-            workers=1,
             cache=cache,
+            options=options("edge"),
         )
         edge.start()
-        with DeviceClient(
-            plan_dir, edge.address, slowdown=slowdown["device"], links=links, window=1
-        ) as client:
+        with DeviceClient(plan_dir, edge.address, options=options("device"), window=1) as client:
             yield client
     finally:
         if edge is not None:

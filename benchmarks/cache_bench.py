@@ -56,6 +56,7 @@ from tierflow.cloud.cache_approx import (
     signature,
 )
 from tierflow.cloud.cache_memory import MemoryCache
+from tierflow.sessions import open_session
 from tierflow.table import format_table
 from tierflow.units import format_size
 
@@ -84,13 +85,7 @@ class Split:
 
 
 def _session(model: Any) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    return ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
+    return open_session(model.SerializeToString(), optimization="all")
 
 
 def load_split() -> tuple[Split, Any]:

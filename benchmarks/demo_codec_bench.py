@@ -31,7 +31,7 @@ import onnxruntime as ort
 from tierflow.codec import LOW_BIT_CODECS, decode, encode
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import extract_segment
-from tierflow.segment_runner import DEFAULT_OPTIMIZATION, session_options
+from tierflow.sessions import open_session
 from tierflow.table import format_table
 from tierflow.zoo.digits import build_demo_model
 
@@ -52,11 +52,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "demo_codec.json"
 
 
 def _session(model: Any) -> ort.InferenceSession:
-    return ort.InferenceSession(
-        model.SerializeToString(),
-        session_options(1, DEFAULT_OPTIMIZATION),
-        providers=["CPUExecutionProvider"],
-    )
+    return open_session(model.SerializeToString())
 
 
 def _run(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -42,7 +42,7 @@ from tierflow.partitioner.exits.cost import exit_cut_indices, expected_compute_f
 from tierflow.partitioner.exits.metadata import ExitedModel, ExitInfo
 from tierflow.partitioner.exits.points import exit_candidates
 from tierflow.partitioner.graph import load_model
-from tierflow.segment_runner import session_options
+from tierflow.sessions import open_session
 from tierflow.table import format_table
 from tierflow.zoo.digits import build_demo_model
 
@@ -55,11 +55,7 @@ SHARED_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
 
 def _time_piece(model: onnx.ModelProto, feed: dict[str, np.ndarray], runs: int) -> float:
     """Median CPU seconds of one batch-1 run of ``model`` in ONNX Runtime (1 thread)."""
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(
-        model.SerializeToString(), session_options(1), providers=["CPUExecutionProvider"]
-    )
+    session = open_session(model.SerializeToString())
     for _ in range(10):
         session.run(None, feed)
     times = []

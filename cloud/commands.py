@@ -10,10 +10,9 @@ import argparse
 from typing import Any
 
 from tierflow.helptext import examples
-from tierflow.linkemu import resolve_links
+from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
-from tierflow.security import Security
-from tierflow.server import add_serve_parser, check_server_arguments, serve_until_stopped
+from tierflow.server import add_serve_parser, serve_until_stopped
 
 
 def _cache_argument(text: str) -> Any:
@@ -56,18 +55,11 @@ def _serve(args: argparse.Namespace) -> int:
     from tierflow.cloud.cache_config import build_cache
     from tierflow.cloud.server import CloudServer
 
-    check_server_arguments(args)
-    plan = load_plan(args.plan)
+    options = RuntimeOptions.from_args(args, load_plan(args.plan))
     server = CloudServer(
         args.plan,
         args.listen,
         cache=build_cache(args.cache),
-        threads=args.threads,
-        slowdown=args.slowdown,
-        optimization=args.optimization,
-        workers=args.workers,
-        links=resolve_links(plan, args.link_emulation, args.link),
-        max_tensor_bytes=args.max_tensor_bytes,
-        security=Security.from_args(args),
+        options=options,
     )
     return serve_until_stopped(server, args.grace, args.metrics_port)

@@ -278,11 +278,13 @@ def _run_strategy(
 ) -> None:
     """Start the edge and cloud processes this plan needs, stream the requests, stop them."""
     from tierflow.device.client import DeviceClient
+    from tierflow.options import RuntimeOptions
     from tierflow.plan import load_plan
 
     plan = load_plan(plan_dir)
     needs = {s.tier for s in plan.segments} - {"device"}
     threads, slowdown = EMULATION["device"]
+    options = RuntimeOptions(threads=threads, slowdown=slowdown, links=links)
     with ExitStack() as stack:
         edge = None
         if needs:
@@ -290,18 +292,14 @@ def _run_strategy(
             edge = stack.enter_context(_server("edge", plan_dir, cloud, workdir))
         input_name = plan.inputs[0]
         # Latency pass: one request at a time, as a user waiting for each answer sees it.
-        with DeviceClient(
-            plan_dir, edge, threads=threads, slowdown=slowdown, window=1, links=links
-        ) as client:
+        with DeviceClient(plan_dir, edge, options=options, window=1) as client:
             for i, result in enumerate(client.run_stream({input_name: image} for image in images)):
                 _account(run, result, int(labels[i]))
                 _live(run, i + 1, len(labels))
         if sys.stdout.isatty():
             print(flush=True)
         # Throughput pass: many requests in flight, so the tiers work as a pipeline.
-        with DeviceClient(
-            plan_dir, edge, threads=threads, slowdown=slowdown, window=window, links=links
-        ) as client:
+        with DeviceClient(plan_dir, edge, options=options, window=window) as client:
             started = time.perf_counter()
             count = sum(1 for r in client.run_stream({input_name: im} for im in images) if r.ok)
             run.throughput_rps = count / (time.perf_counter() - started)

@@ -27,14 +27,13 @@ import numpy as np
 from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
 from tierflow.errors import DeadlineError, InputError, TierflowError, TransportError, UsageError
 from tierflow.linkemu import LinkShaper, Transfer
-from tierflow.links import LINKS, TIERS, LinkSpec
+from tierflow.links import LINKS, TIERS
 from tierflow.mux import StreamClient
+from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2
-from tierflow.security import Security
-from tierflow.segment_runner import DEFAULT_OPTIMIZATION, TierRunner
+from tierflow.segment_runner import TierRunner
 from tierflow.wire import (
-    DEFAULT_MESSAGE_BYTES,
     MAX_DEADLINE_AHEAD_S,
     decode_tensors,
     error_from_proto,
@@ -234,9 +233,11 @@ class DeviceClient:
     """Runs a plan from the device: local segments, then the edge and cloud over gRPC.
 
     ``edge`` (``HOST:PORT``) is needed unless the plan runs entirely on the device.
-    ``links`` are emulated links (``tierflow.linkemu``); only ``device-edge`` matters
-    here; ``security`` the TLS and token setting of the channel to the edge. Use as a
-    context manager, or call :meth:`close`.
+    ``options`` say how to run: ONNX Runtime settings, emulated links (only
+    ``device-edge`` matters here), limits, and the TLS and token setting of the channel
+    to the edge. ``window`` requests are in flight at most; each fails with a
+    ``DeadlineError`` if not answered within ``deadline_s``. Use as a context manager,
+    or call :meth:`close`.
     """
 
     def __init__(
@@ -244,15 +245,9 @@ class DeviceClient:
         plan_dir: str | Path,
         edge: str | None = None,
         *,
-        threads: int = 1,
-        slowdown: float = 1.0,
-        optimization: str = DEFAULT_OPTIMIZATION,
+        options: RuntimeOptions | None = None,
         window: int = DEFAULT_WINDOW,
         deadline_s: float = DEFAULT_DEADLINE_S,
-        links: Mapping[str, LinkSpec] | None = None,
-        max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
-        max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
-        security: Security | None = None,
     ) -> None:
         if window < 1:
             raise UsageError(f"the window must be at least 1 request, got {window}")
@@ -261,19 +256,13 @@ class DeviceClient:
                 f"the deadline must be positive and at most {MAX_DEADLINE_AHEAD_S:.0f} s, "
                 f"got {deadline_s}"
             )
+        self.options = options = options or RuntimeOptions()
         self.plan = load_plan(plan_dir)
         self.plan_id = self.plan.plan_id
-        self.runner = TierRunner(
-            self.plan,
-            plan_dir,
-            "device",
-            threads=threads,
-            slowdown=slowdown,
-            optimization=optimization,
-        )
+        self.runner = TierRunner(self.plan, plan_dir, "device", options)
         self.window = window
         self.deadline_s = deadline_s
-        self.max_tensor_bytes = max_tensor_bytes
+        self.max_tensor_bytes = options.max_tensor_bytes
         self.codec = self.plan.link_codec("device-edge")
         self.local_only = self.runner.end >= len(self.plan.segments)
         self._exits = any(spec.exits for _, spec, _ in self.runner.segments)
@@ -285,14 +274,13 @@ class DeviceClient:
                     "the plan runs segments on the edge or the cloud; give the edge's "
                     "address (--edge HOST:PORT)"
                 )
-            link = (links or {}).get("device-edge")
             self.stream = StreamClient(
                 edge,
                 me="device",
                 peer="edge",
-                shaper=LinkShaper("device-edge", link),
-                max_message_bytes=max_message_bytes,
-                security=security,
+                shaper=LinkShaper("device-edge", options.links.get("device-edge")),
+                max_message_bytes=options.max_message_bytes,
+                security=options.security,
             )
 
     def __enter__(self) -> DeviceClient:

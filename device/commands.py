@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 
 from tierflow.errors import UsageError
 from tierflow.helptext import HelpFormatter, examples
-from tierflow.linkemu import add_link_arguments, resolve_links
+from tierflow.linkemu import add_link_arguments
 from tierflow.links import LINKS
+from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
-from tierflow.security import Security, add_security_arguments
-from tierflow.segment_runner import add_optimization_argument
+from tierflow.security import add_security_arguments
+from tierflow.sessions import add_optimization_argument
 from tierflow.table import format_table
 from tierflow.units import format_duration, format_rate, format_size, parse_duration
 
@@ -94,7 +95,6 @@ def _run(args: argparse.Namespace) -> int:
     tune_for_latency()
 
     plan = load_plan(args.plan)
-    links = resolve_links(plan, args.link_emulation, args.link)
     partial = partial_path(args.output) if args.output else None
     rows: dict[int, dict[str, np.ndarray]] = {}  # answered requests' OUT.npz rows
     if args.resume:
@@ -112,13 +112,9 @@ def _run(args: argparse.Namespace) -> int:
     with DeviceClient(
         args.plan,
         args.edge,
-        threads=args.threads,
-        slowdown=args.slowdown,
-        optimization=args.optimization,
+        options=RuntimeOptions.from_args(args, plan),
         window=args.window,
         deadline_s=args.deadline,
-        links=links,
-        security=Security.from_args(args),
     ) as client:
         known = {
             name: len(runner.inputs[name].shape)

@@ -17,13 +17,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from tierflow.device.client import Result
-from tierflow.errors import ModelError, UsageError
+from tierflow.errors import UsageError
 from tierflow.npz import read_requests
 from tierflow.plan import Plan
-from tierflow.segment_runner import session_options
+from tierflow.sessions import open_session
 
 
 def input_ranks(
@@ -39,12 +38,7 @@ def input_ranks(
         if not wanted:
             continue
         path = Path(plan_dir) / spec.file
-        try:
-            session = ort.InferenceSession(
-                str(path), session_options(1), providers=["CPUExecutionProvider"]
-            )
-        except Exception as exc:
-            raise ModelError(f"cannot load segment {path}: {exc}") from exc
+        session = open_session(path, what=f"segment {path}")
         shapes = {arg.name: len(arg.shape) for arg in session.get_inputs()}
         for name in wanted:
             ranks[name] = shapes[name]
@@ -144,12 +138,7 @@ def _output_templates(
         if not wanted:
             continue
         path = Path(plan_dir) / spec.file
-        try:
-            session = ort.InferenceSession(
-                str(path), session_options(1), providers=["CPUExecutionProvider"]
-            )
-        except Exception as exc:
-            raise ModelError(f"cannot load segment {path}: {exc}") from exc
+        session = open_session(path, what=f"segment {path}")
         declared = {arg.name: arg for arg in session.get_outputs()}
         for name in wanted:
             shape = [d if isinstance(d, int) and d >= 0 else 1 for d in declared[name].shape]

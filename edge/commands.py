@@ -14,10 +14,10 @@ import logging
 
 from tierflow.cloud.commands import add_cache_argument
 from tierflow.helptext import HelpFormatter, examples
-from tierflow.linkemu import resolve_links
+from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.security import Security, add_security_arguments
-from tierflow.server import add_serve_parser, check_server_arguments, serve_until_stopped
+from tierflow.server import add_serve_parser, serve_until_stopped
 from tierflow.table import format_table
 from tierflow.units import format_duration, format_rate, parse_size
 
@@ -72,20 +72,13 @@ def _serve(args: argparse.Namespace) -> int:
     from tierflow.cloud.cache_config import build_cache
     from tierflow.edge.server import EdgeServer
 
-    check_server_arguments(args)
-    plan = load_plan(args.plan)
+    options = RuntimeOptions.from_args(args, load_plan(args.plan))
     server = EdgeServer(
         args.plan,
         args.listen,
         args.upstream,
         cache=build_cache(args.cache),
-        threads=args.threads,
-        slowdown=args.slowdown,
-        optimization=args.optimization,
-        workers=args.workers,
-        links=resolve_links(plan, args.link_emulation, args.link),
-        max_tensor_bytes=args.max_tensor_bytes,
-        security=Security.from_args(args),
+        options=options,
     )
     return serve_until_stopped(server, args.grace, args.metrics_port)
 

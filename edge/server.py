@@ -8,15 +8,11 @@ multiplexes every device's requests over it; what happens to a request is in
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 
 from tierflow.cache import FeatureCache
-from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
-from tierflow.links import LinkSpec
+from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
-from tierflow.security import Security
-from tierflow.segment_runner import DEFAULT_OPTIMIZATION
 from tierflow.server import TierServer
 from tierflow.service import TierService
 
@@ -25,8 +21,8 @@ class EdgeServer(TierServer):
     """``tierflow serve edge`` as an object: ``start()`` returns the port, ``stop()`` ends it.
 
     ``upstream`` (the cloud's ``HOST:PORT``) is needed when the plan runs segments on the
-    cloud. ``links`` are emulated links (see ``tierflow.linkemu``); ``cache`` an optional
-    feature cache consulted before running the edge's segments.
+    cloud. ``cache`` is an optional feature cache consulted before running the edge's
+    segments; ``options`` say how to run (threads, emulated links, limits, TLS, ...).
     """
 
     def __init__(
@@ -36,26 +32,9 @@ class EdgeServer(TierServer):
         upstream: str | None = None,
         *,
         cache: FeatureCache | None = None,
-        threads: int = 1,
-        slowdown: float = 1.0,
-        optimization: str = DEFAULT_OPTIMIZATION,
-        workers: int | None = None,
-        links: Mapping[str, LinkSpec] | None = None,
-        max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
-        security: Security | None = None,
+        options: RuntimeOptions | None = None,
     ) -> None:
         service = TierService(
-            "edge",
-            load_plan(plan_dir),
-            plan_dir,
-            upstream=upstream,
-            cache=cache,
-            threads=threads,
-            slowdown=slowdown,
-            optimization=optimization,
-            workers=workers,
-            links=links,
-            max_tensor_bytes=max_tensor_bytes,
-            security=security,
+            "edge", load_plan(plan_dir), plan_dir, upstream=upstream, cache=cache, options=options
         )
-        super().__init__(service, listen, security)
+        super().__init__(service, listen)

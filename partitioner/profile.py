@@ -138,20 +138,13 @@ def make_session(
     """An ONNX Runtime session exactly as the tiers run one (same options, level, providers).
 
     Profiling with other session options than the runtimes would time a different
-    program: see [Note: optimization level and exactness] in tierflow/segment_runner.py.
+    program: see [Note: optimization level and exactness] in tierflow/sessions.py.
     """
-    import onnxruntime
+    from tierflow.sessions import open_session
 
-    from tierflow.segment_runner import DEFAULT_OPTIMIZATION, session_options
-
-    options = session_options(threads, DEFAULT_OPTIMIZATION)
-    options.log_severity_level = 3
-    try:
-        return onnxruntime.InferenceSession(
-            model.SerializeToString(), options, providers=list(providers)
-        )
-    except Exception as exc:  # onnxruntime raises its own untyped errors
-        raise ModelError(f"ONNX Runtime cannot load a segment: {exc}") from exc
+    return open_session(
+        model.SerializeToString(), threads=threads, providers=providers, what="a segment"
+    )
 
 
 def run_session(

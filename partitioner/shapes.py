@@ -307,7 +307,7 @@ def _measure(
     Returns the dtype and shape each one actually had. Graph optimizations are off so
     every intermediate exists as the graph names it.
     """
-    import onnxruntime as ort
+    from tierflow.sessions import open_session
 
     graph = model.graph
     declared = {v.name for v in graph.output}
@@ -318,11 +318,8 @@ def _measure(
         data = model.SerializeToString()
     finally:
         del graph.output[original:]
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
+    session = open_session(data, threads=0, optimization="disabled", what=str(path))
     try:
-        session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
         wanted = [o.name for o in session.get_outputs()]
         values = session.run(wanted, dict(feeds))
     except Exception as exc:  # onnxruntime raises its own exception types

@@ -30,6 +30,7 @@ from tierflow.links import LINKS, TIERS, LinkSpec
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.tensors import first_line
 from tierflow.plan import PLAN_FILE, Plan, SegmentSpec, save_plan
+from tierflow.sessions import open_session
 
 logger = logging.getLogger(__name__)
 
@@ -108,39 +109,19 @@ def split_model(
     return segments
 
 
-# ONNX Runtime graph optimization levels by the names used here.
-OPTIMIZATION_LEVELS = ("disabled", "basic", "extended", "all")
-
-
 def session(model: onnx.ModelProto, *, level: str = "disabled") -> Any:
     """An ONNX Runtime CPU session for an in-memory model at an optimization ``level``.
 
     "disabled" and "basic" keep a chain of segments bit-for-bit equal to the whole model;
-    "extended" and "all" may not (see [Note: cut sets]).
+    "extended" and "all" may not (see [Note: cut sets]). ONNX Runtime picks the thread
+    count (one per core).
     """
-    import onnxruntime as ort
-
-    levels = {
-        "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-    }
-    if level not in levels:
-        raise PlanError(
-            f"unknown optimization level {level!r}: expected one of {OPTIMIZATION_LEVELS}"
-        )
-    options = ort.SessionOptions()
-    options.graph_optimization_level = levels[level]
-    options.log_severity_level = 3
-    try:
-        return ort.InferenceSession(
-            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-        )
-    except Exception as exc:  # onnxruntime raises its own exception types
-        raise ModelError(
-            f"ONNX Runtime cannot load model {model.graph.name!r}: {first_line(exc)}"
-        ) from exc
+    return open_session(
+        model.SerializeToString(),
+        threads=0,
+        optimization=level,
+        what=f"model {model.graph.name!r} in ONNX Runtime",
+    )
 
 
 def _run(sess: Any, feeds: Mapping[str, np.ndarray], what: str) -> dict[str, np.ndarray]:

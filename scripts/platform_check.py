@@ -72,11 +72,11 @@ def build_model(path: Path) -> None:
 
 def prepare(work: Path) -> dict[str, Any]:
     """Model, an edge|cloud plan (lossless zstd on the wire), inputs and references."""
-    import onnxruntime as ort
 
     from tierflow.partitioner.graph import load_model
     from tierflow.partitioner.split import save_split_plan, split_model
-    from tierflow.segment_runner import SegmentRunner, session_options
+    from tierflow.segment_runner import SegmentRunner
+    from tierflow.sessions import open_session
 
     work.mkdir(parents=True, exist_ok=True)
     model_path = work / "model.onnx"
@@ -93,10 +93,8 @@ def prepare(work: Path) -> dict[str, Any]:
     x = rng.standard_normal((REQUESTS, *INPUT_SHAPE)).astype(np.float32)
     np.savez(work / "in.npz", x=x)
     # The unsplit model at the tiers' optimisation level and thread count (see
-    # [Note: optimization level and exactness] in tierflow/segment_runner.py).
-    whole = ort.InferenceSession(
-        str(model_path), session_options(1), providers=["CPUExecutionProvider"]
-    )
+    # [Note: optimization level and exactness] in tierflow/sessions.py).
+    whole = open_session(model_path)
     reference = np.stack([whole.run(["y"], {"x": row})[0] for row in x])
     np.save(work / "reference.npy", reference)
     runners = [SegmentRunner(plan_dir / s.file) for s in plan.segments]

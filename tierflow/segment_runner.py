@@ -3,11 +3,13 @@
 Every tier (device, edge, cloud) uses the same two classes: a :class:`SegmentRunner` owns
 one ONNX Runtime session for one segment file; a :class:`TierRunner` runs the segments a
 plan gives one tier, checks their early exits, and says what to do next: answer now, or
-forward the named tensors to the next tier. Only onnxruntime and numpy are imported.
+forward the named tensors to the next tier.
 
-See [Note: what crosses to the next tier] for which tensors are forwarded,
-[Note: exit confidence] for how an exit decides, and [Note: optimization level and
-exactness] for the ONNX Runtime setting that trades speed against bit-exact splits.
+See [Note: what crosses to the next tier] for which tensors are forwarded and
+[Note: exit confidence] for how an exit decides; sessions are opened by
+``tierflow.sessions``, whose [Note: optimization level and exactness] says which ONNX
+Runtime setting keeps splits bit-exact. How to run (threads, slowdown, level) comes in one
+:class:`~tierflow.options.RuntimeOptions`.
 
 [Note: what crosses to the next tier]
 A request entering the tier whose first segment is ``k`` carries every tensor that a
@@ -21,22 +23,10 @@ is a probability distribution (values in [0, 1] summing to 1 within 1e-3) it is 
 is; otherwise it is treated as logits and a softmax is taken. A request leaves at the
 exit when the top probability of every row is at least the exit's threshold. An exit on
 the plan's last segment is never taken: the final outputs are there anyway.
-
-[Note: optimization level and exactness]
-At ONNX Runtime's highest level ("all") the unsplit model gets fusions that span what
-are cut boundaries in a plan (a Conv, the residual Add and the Relu become one NCHWc
-convolution), so a split model can differ from the unsplit one in the last bit (about
-1e-7 relative). At "extended" and below no fusion depends on where the graph was cut and
-a split reproduces the unsplit model bit for bit (measured on ResNet-18 and MobileNetV2,
-10 of 10 cut pairs each; at "all" 1 of 10 on ResNet-18). tierflow promises bit-exact
-answers with lossless codecs, so "extended" is the default everywhere (runtimes,
-profiling, benchmarks); "all" is 2-3.4 times faster on those convnets and can be chosen
-with ``--optimization all`` where the last bit does not matter.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from collections.abc import Mapping
@@ -45,11 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 
-from tierflow.errors import InputError, ModelError, PlanError, UsageError
+from tierflow.errors import InputError, ModelError, PlanError
 from tierflow.links import TIERS
+from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec
+from tierflow.sessions import open_session
 
 logger = logging.getLogger(__name__)
 
@@ -100,75 +91,25 @@ class InputSpec:
         return cls(str(data["name"]), str(data["dtype"]), tuple(data["shape"]))
 
 
-#: ONNX Runtime graph optimization levels by name ([Note: optimization level and exactness]).
-OPTIMIZATION_LEVELS: dict[str, ort.GraphOptimizationLevel] = {
-    "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-}
-DEFAULT_OPTIMIZATION = "extended"
-
-
-def session_options(threads: int, optimization: str = DEFAULT_OPTIMIZATION) -> ort.SessionOptions:
-    """Session options for a tier: ``threads`` intra-op threads that never spin.
-
-    Spinning threads burn a core while idle; three tiers on one machine (or a device
-    on battery) cannot afford that. ``optimization`` is one of ``OPTIMIZATION_LEVELS``.
-    """
-    if optimization not in OPTIMIZATION_LEVELS:
-        raise UsageError(
-            f"unknown optimization level {optimization!r}: expected one of "
-            f"{', '.join(OPTIMIZATION_LEVELS)}"
-        )
-    options = ort.SessionOptions()
-    options.graph_optimization_level = OPTIMIZATION_LEVELS[optimization]
-    options.intra_op_num_threads = max(0, threads)
-    options.inter_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    options.log_severity_level = 3
-    return options
-
-
-def add_optimization_argument(parser: argparse.ArgumentParser) -> None:
-    """``--optimization``, for every command that runs segments."""
-    parser.add_argument(
-        "--optimization",
-        choices=tuple(OPTIMIZATION_LEVELS),
-        default=DEFAULT_OPTIMIZATION,
-        help="ONNX Runtime graph optimization; 'extended' or lower makes split outputs "
-        "bit-identical to the unsplit model's, 'all' is faster",
-    )
-
-
 class SegmentRunner:
     """One segment file loaded into an ONNX Runtime session; safe to call from many threads.
 
-    ``slowdown`` > 1 emulates a slower tier: after each run the caller sleeps
+    ``options.slowdown`` > 1 emulates a slower tier: after each run the caller sleeps
     ``(slowdown - 1)`` times the compute time, so the tier is slow end to end (latency and
     throughput alike) just as the profile for that tier says.
     """
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        threads: int = 1,
-        slowdown: float = 1.0,
-        optimization: str = DEFAULT_OPTIMIZATION,
-    ) -> None:
-        if not slowdown >= 1.0:
-            raise ModelError(f"slowdown must be at least 1.0, got {slowdown}")
+    def __init__(self, path: str | Path, options: RuntimeOptions | None = None) -> None:
+        options = options or RuntimeOptions()
         self.path = Path(path)
-        self.slowdown = slowdown
-        options = session_options(threads, optimization)
-        try:
-            self.session = ort.InferenceSession(
-                str(self.path), options, providers=["CPUExecutionProvider"]
-            )
-        except Exception as exc:  # onnxruntime raises its own pybind exception types
-            raise ModelError(f"cannot load segment {self.path}: {exc}") from exc
+        self.slowdown = options.slowdown
+        self.session = open_session(
+            self.path,
+            threads=options.threads,
+            optimization=options.optimization,
+            providers=options.providers,
+            what=f"segment {self.path}",
+        )
         self.inputs: dict[str, InputSpec] = {}
         for arg in self.session.get_inputs():
             dtype = _ORT_DTYPES.get(arg.type)
@@ -246,14 +187,7 @@ class TierRunner:
     """
 
     def __init__(
-        self,
-        plan: Plan,
-        plan_dir: str | Path,
-        tier: str,
-        *,
-        threads: int = 1,
-        slowdown: float = 1.0,
-        optimization: str = DEFAULT_OPTIMIZATION,
+        self, plan: Plan, plan_dir: str | Path, tier: str, options: RuntimeOptions | None = None
     ) -> None:
         if tier not in TIERS:
             raise PlanError(f"unknown tier {tier!r}: expected one of {', '.join(TIERS)}")
@@ -265,12 +199,7 @@ class TierRunner:
         mine = plan.segments_for(tier)
         self.segments: list[tuple[int, SegmentSpec, SegmentRunner]] = []
         for index, spec in mine:
-            runner = SegmentRunner(
-                Path(plan_dir) / spec.file,
-                threads=threads,
-                slowdown=slowdown,
-                optimization=optimization,
-            )
+            runner = SegmentRunner(Path(plan_dir) / spec.file, options)
             missing = sorted(set(spec.inputs) - set(runner.inputs))
             if missing or not set(spec.outputs) <= set(runner.output_names):
                 raise PlanError(

@@ -36,9 +36,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tierflow.errors import UsageError
 from tierflow.helptext import HelpFormatter, examples
 from tierflow.linkemu import add_link_arguments
-from tierflow.security import Security, add_security_arguments, bind, server_options
-from tierflow.segment_runner import add_optimization_argument
+from tierflow.security import add_security_arguments, bind, server_options
 from tierflow.service import TierService
+from tierflow.sessions import add_optimization_argument
 from tierflow.tuning import tune_for_latency
 from tierflow.units import parse_size
 from tierflow.wire import add_tier_servicer, grpc_options
@@ -57,21 +57,22 @@ _EXIT_MARGIN_S = 0.9
 class TierServer:
     """Serves one :class:`TierService` on ``listen`` (``HOST:PORT``; port 0 picks one).
 
-    ``security`` says whether the port is TLS and which clients it serves
-    ([Note: tier security] in ``tierflow.security``); by default plaintext on loopback.
+    The service's ``options.security`` says whether the port is TLS and which clients it
+    serves ([Note: tier security] in ``tierflow.security``); by default plaintext on
+    loopback.
     """
 
-    def __init__(self, service: TierService, listen: str, security: Security | None = None) -> None:
+    def __init__(self, service: TierService, listen: str) -> None:
         self.service = service
         self.listen = listen
-        self.security = security or Security()
+        self.security = service.options.security
         self.port = 0
         self.health = health.HealthServicer()
         self._server = grpc.server(
             ThreadPoolExecutor(
                 max_workers=_STREAM_THREADS, thread_name_prefix=f"{service.tier}-grpc"
             ),
-            options=[*grpc_options(service.max_message_bytes), *server_options()],
+            options=[*grpc_options(service.options.max_message_bytes), *server_options()],
             interceptors=self.security.interceptors(service.tier),
         )
         add_tier_servicer(service, self._server)
@@ -240,12 +241,6 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve Prometheus metrics on http://HOST:N/metrics, HOST as in --listen "
         "(0 picks a port; needs pip install 'tierflow[metrics]')",
     )
-
-
-def check_server_arguments(args: argparse.Namespace) -> None:
-    """Refuse option values no server can run with."""
-    if args.threads < 0 or args.workers < 1:
-        raise UsageError("--threads must be >= 0 and --workers >= 1")
 
 
 def serve_until_stopped(server: TierServer, grace: float, metrics_port: int | None = None) -> int:

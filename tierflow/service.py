@@ -62,7 +62,7 @@ import grpc
 import numpy as np
 
 from tierflow.cache import CacheAnswer, FeatureCache, cache_key
-from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES, CodecSpec, decode
+from tierflow.codec import CodecSpec, decode
 from tierflow.errors import (
     CacheError,
     CodecError,
@@ -74,17 +74,16 @@ from tierflow.errors import (
     UsageError,
 )
 from tierflow.linkemu import LinkShaper, ShapedQueue, Transfer
-from tierflow.links import TIERS, LinkSpec, downstream_link, upstream_link
+from tierflow.links import TIERS, downstream_link, upstream_link
 from tierflow.mux import StreamClient
+from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.security import Security
-from tierflow.segment_runner import DEFAULT_OPTIMIZATION, TierRunner
+from tierflow.segment_runner import TierRunner
 
 if TYPE_CHECKING:
     from tierflow.metrics import TierMetrics
 from tierflow.wire import (
-    DEFAULT_MESSAGE_BYTES,
     Undecodable,
     check_deadline,
     decode_tensors,
@@ -95,8 +94,6 @@ from tierflow.wire import (
 
 logger = logging.getLogger(__name__)
 
-#: Requests a tier accepts in flight (all streams together) before answering OVERLOADED.
-DEFAULT_MAX_IN_FLIGHT = 1024
 #: Largest probe reply a tier sends.
 MAX_PROBE_BYTES = 64 * 1024 * 1024
 #: Bytes a probe stream may be sent beyond what its caller sent ([Note: probe credit]).
@@ -128,9 +125,10 @@ class TierService(tier_pb2_grpc.TierServicer):
     """The ``Tier`` servicer of an edge or a cloud ([Note: a request at a tier]).
 
     ``upstream`` is the next tier's address; it is required when the plan runs segments
-    beyond this tier. ``links`` are the links to emulate (``tierflow.linkemu``); ``cache``
-    any :class:`~tierflow.cache.FeatureCache`; ``security`` the TLS and token setting
-    of the channel to the next tier. Call :meth:`load` before serving.
+    beyond this tier. ``cache`` is any :class:`~tierflow.cache.FeatureCache`. ``options``
+    say how to run: ONNX Runtime settings, the links to emulate (``tierflow.linkemu``),
+    limits, and the TLS and token setting of the channel to the next tier. Call
+    :meth:`load` before serving.
     """
 
     def __init__(
@@ -141,15 +139,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         *,
         upstream: str | None = None,
         cache: FeatureCache | None = None,
-        threads: int = 1,
-        slowdown: float = 1.0,
-        optimization: str = DEFAULT_OPTIMIZATION,
-        workers: int | None = None,
-        links: Mapping[str, LinkSpec] | None = None,
-        max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
-        max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
-        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-        security: Security | None = None,
+        options: RuntimeOptions | None = None,
     ) -> None:
         if tier not in ("edge", "cloud"):
             raise UsageError(f"a tier service runs on the edge or the cloud, not on {tier!r}")
@@ -159,14 +149,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         self.plan_id = plan.plan_id
         self.upstream_address = upstream
         self.cache = cache
-        self.threads = threads
-        self.slowdown = slowdown
-        self.optimization = optimization
-        self.links = dict(links or {})
-        self.max_tensor_bytes = max_tensor_bytes
-        self.max_message_bytes = max_message_bytes
-        self.max_in_flight = max_in_flight
-        self.security = security
+        self.options = options = options or RuntimeOptions()
         self.up_link = upstream_link(tier)
         self.down_link = downstream_link(tier)
         self.up_codec = plan.link_codec(self.up_link)
@@ -174,7 +157,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         if self.reply_codec.compress == "none":
             self.reply_codec = CodecSpec.parse("raw")
         self.pool = ThreadPoolExecutor(
-            max_workers=workers or os.cpu_count() or 1, thread_name_prefix=f"{tier}-work"
+            max_workers=options.workers or os.cpu_count() or 1, thread_name_prefix=f"{tier}-work"
         )
         self.runner: TierRunner | None = None
         self.upstream: StreamClient | None = None
@@ -188,28 +171,21 @@ class TierService(tier_pb2_grpc.TierServicer):
 
     def load(self) -> None:
         """Load this tier's segments and open the channel to the next tier."""
-        runner = TierRunner(
-            self.plan,
-            self.plan_dir,
-            self.tier,
-            threads=self.threads,
-            slowdown=self.slowdown,
-            optimization=self.optimization,
-        )
+        runner = TierRunner(self.plan, self.plan_dir, self.tier, self.options)
         if runner.end < len(self.plan.segments):
             if self.up_link is None or not self.upstream_address:
                 raise UsageError(
                     f"the plan runs segments after the {self.tier}; give the next tier's "
                     "address (--upstream HOST:PORT)"
                 )
-            shaper = LinkShaper(self.up_link, self.links.get(self.up_link))
+            shaper = LinkShaper(self.up_link, self.options.links.get(self.up_link))
             self.upstream = StreamClient(
                 self.upstream_address,
                 me=self.tier,
                 peer=TIERS[TIERS.index(self.tier) + 1],
                 shaper=shaper,
-                max_message_bytes=self.max_message_bytes,
-                security=self.security,
+                max_message_bytes=self.options.max_message_bytes,
+                security=self.options.security,
             )
         self.runner = runner
         self._ready.set()
@@ -266,7 +242,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         (a grpc that does not offer that form) a reader thread dispatches the requests
         and the returned generator writes the replies.
         """
-        spec = self.links.get(self.down_link or "")
+        spec = self.options.links.get(self.down_link or "")
         shaper = LinkShaper(self.down_link or "", spec)
         if send_response is None or spec is not None:
             return self._serve_queued(request_iterator, context, shaper, send_response)
@@ -353,15 +329,16 @@ class TierService(tier_pb2_grpc.TierServicer):
                     open_requests[0] += 1
                 with self._count_lock:
                     self._in_flight += 1
-                    overloaded = self._in_flight > self.max_in_flight
+                    overloaded = self._in_flight > self.options.max_in_flight
                     alone = self._in_flight == 1
                 if self._stopping.is_set():
                     stopping = TransportError(f"the {self.tier} is stopping")
                     send(self._error_reply(request.id, stopping))
                     continue
                 if overloaded:
+                    limit = self.options.max_in_flight
                     overload = TransportError(
-                        f"the {self.tier} has {self.max_in_flight} requests in flight already"
+                        f"the {self.tier} has {limit} requests in flight already"
                     )
                     send(self._error_reply(request.id, overload, "OVERLOADED"))
                     continue
@@ -493,7 +470,7 @@ class TierService(tier_pb2_grpc.TierServicer):
                 f"the {self.tier} expects {len(runner.needs)} tensors {list(runner.needs)}, "
                 f"the request carries {len(request.tensors)}"
             )
-        encoded = [from_proto(m, max_bytes=self.max_tensor_bytes) for m in request.tensors]
+        encoded = [from_proto(m, max_bytes=self.options.max_tensor_bytes) for m in request.tensors]
         names = [t.name for t in encoded]
         if len(set(names)) != len(names):
             raise CodecError(f"tensor names repeat in one request: {sorted(names)}")
@@ -503,7 +480,7 @@ class TierService(tier_pb2_grpc.TierServicer):
             spec = specs.get(tensor.name)
             if spec is not None:
                 spec.check(tensor.dtype, tensor.shape, f"the {self.tier}'s")
-        limit = self.max_tensor_bytes  # read-only views: ONNX Runtime only reads them
+        limit = self.options.max_tensor_bytes  # read-only views: ONNX Runtime only reads them
         return {t.name: decode(t, max_bytes=limit, writable=False) for t in encoded}
 
     def _answer(self, outputs: Mapping[str, np.ndarray], exit_name: str | None) -> tier_pb2.Reply:

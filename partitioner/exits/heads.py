@@ -51,7 +51,7 @@ def run_model(
     Intermediate tensors are added as graph outputs for the run. Rows go in batches of 64
     when every input's leading dimension is dynamic, else in batches of that dimension.
     """
-    import onnxruntime as ort
+    from tierflow.sessions import open_session
 
     proto = onnx.ModelProto()
     proto.CopyFrom(model)
@@ -59,14 +59,9 @@ def run_model(
     for name in outputs:
         if name not in present:
             proto.graph.output.append(onnx.ValueInfoProto(name=name))
-    try:
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        session = ort.InferenceSession(
-            proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
-        )
-    except Exception as exc:
-        raise ModelError(f"ONNX Runtime cannot load the model: {exc}") from exc
+    session = open_session(
+        proto.SerializeToString(), threads=0, optimization="all", what="the model"
+    )
     batch = _BATCH
     for item in proto.graph.input:
         dims = item.type.tensor_type.shape.dim

@@ -8,25 +8,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
 from tierflow.links import LINKS
+from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan
-from tierflow.segment_runner import DEFAULT_OPTIMIZATION, session_options
+from tierflow.sessions import open_session
 
 pytestmark = pytest.mark.slow
 
 
 def _full_model_top1(model_path: Path, images: np.ndarray) -> np.ndarray:
-    session = ort.InferenceSession(
-        str(model_path),
-        session_options(1, DEFAULT_OPTIMIZATION),
-        providers=["CPUExecutionProvider"],
-    )
+    session = open_session(model_path)
     name = session.get_inputs()[0].name
     return np.array([int(np.argmax(session.run(None, {name: image})[0])) for image in images])
 
@@ -53,9 +49,10 @@ def test_lossy_codecs_keep_the_top1_class_on_the_held_out_set(
         images = heldout["image"]
     expected = _full_model_top1(demo.model_path, images)
     plan = _three_tier_plan(demo.model_path, tmp_path, codec)
-    cloud = CloudServer(tmp_path, workers=2)
+    options = RuntimeOptions(workers=2)
+    cloud = CloudServer(tmp_path, options=options)
     cloud.start()
-    edge = EdgeServer(tmp_path, upstream=cloud.address, workers=2)
+    edge = EdgeServer(tmp_path, upstream=cloud.address, options=options)
     edge.start()
     try:
         with DeviceClient(tmp_path, edge.address, window=16) as client:

@@ -20,15 +20,15 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cloud.server import CloudServer
 from tierflow.edge.server import EdgeServer
 from tierflow.links import LinkSpec
+from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec, save_plan
-from tierflow.segment_runner import DEFAULT_OPTIMIZATION, session_options
+from tierflow.sessions import DEFAULT_OPTIMIZATION, open_session
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,9 @@ class Split:
     def reference(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The unsplit model's outputs, run at the tiers' optimization level.
 
-        See [Note: optimization level and exactness] in tierflow/segment_runner.py.
+        See [Note: optimization level and exactness] in tierflow/sessions.py.
         """
-        session = ort.InferenceSession(
-            str(self.model_path),
-            session_options(1, DEFAULT_OPTIMIZATION),
-            providers=["CPUExecutionProvider"],
-        )
+        session = open_session(self.model_path)
         names = [o.name for o in session.get_outputs()]
         return dict(zip(names, session.run(names, feeds), strict=True))
 
@@ -217,18 +213,10 @@ def running_tiers(
     optimization: str = DEFAULT_OPTIMIZATION,
 ) -> Iterator[tuple[str, EdgeServer, CloudServer]]:
     """A cloud and an edge server in this process on free ports; stopped afterwards."""
-    cloud = CloudServer(
-        plan_dir,
-        "127.0.0.1:0",
-        cache=cache,  # type: ignore[arg-type]
-        links=links,
-        workers=2,
-        optimization=optimization,
-    )
+    options = RuntimeOptions(workers=2, links=links or {}, optimization=optimization)
+    cloud = CloudServer(plan_dir, "127.0.0.1:0", cache=cache, options=options)  # type: ignore[arg-type]
     cloud.start()
-    edge = EdgeServer(
-        plan_dir, "127.0.0.1:0", cloud.address, links=links, workers=2, optimization=optimization
-    )
+    edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, options=options)
     try:
         edge.start()
         yield edge.address, edge, cloud

@@ -18,6 +18,7 @@ import pytest
 from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
 from tierflow.errors import TransportError
+from tierflow.options import RuntimeOptions
 
 
 @contextlib.contextmanager
@@ -109,7 +110,9 @@ def test_requests_sent_before_the_edge_is_up_are_sent_again(tmp_path: Path, rt: 
     ):
         ticket = device.submit(feeds)  # refused: nothing listens yet
         time.sleep(0.15)
-        edge = EdgeServer(split.plan_dir, f"127.0.0.1:{port}", cloud.address, workers=1)
+        edge = EdgeServer(
+            split.plan_dir, f"127.0.0.1:{port}", cloud.address, options=RuntimeOptions(workers=1)
+        )
         edge.start()
         try:
             result = ticket.result()

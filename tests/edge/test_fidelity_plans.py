@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -26,7 +25,7 @@ from tierflow.partitioner.fidelity import FidelityBudget
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.planner import PlanOptions, make_plan
 from tierflow.partitioner.profile import profile_model
-from tierflow.segment_runner import DEFAULT_OPTIMIZATION, session_options
+from tierflow.sessions import open_session
 
 WIDTH = 1024
 LINKS = {"device-edge": LinkSpec.parse("1mbit,1ms"), "edge-cloud": LinkSpec.parse("1mbit,1ms")}
@@ -74,9 +73,7 @@ def _serve(rt: Any, plan_dir: Path, requests: list[dict[str, np.ndarray]]) -> li
 
 def _reference(path: Path, requests: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
     """The unsplit model's outputs at the tiers' optimisation level and thread count."""
-    session = ort.InferenceSession(
-        str(path), session_options(1, DEFAULT_OPTIMIZATION), providers=["CPUExecutionProvider"]
-    )
+    session = open_session(path)
     return [session.run(["y"], feeds)[0] for feeds in requests]
 
 

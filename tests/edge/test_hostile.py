@@ -16,6 +16,7 @@ import pytest
 from tierflow.edge.server import EdgeServer
 from tierflow.errors import InputError
 from tierflow.mux import StreamClient
+from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.segment_runner import TierRunner
@@ -44,7 +45,9 @@ def test_poison_deadlines_are_refused_and_deadlines_still_hold(tmp_path: Path, r
     good = _edge_request(split.plan_dir, split.sample(0)[0])
     with rt.processes() as start:
         cloud = start("cloud", split.plan_dir)
-        edge = EdgeServer(split.plan_dir, "127.0.0.1:0", cloud.address, workers=2)
+        edge = EdgeServer(
+            split.plan_dir, "127.0.0.1:0", cloud.address, options=RuntimeOptions(workers=2)
+        )
         edge.start()
         channel = grpc.insecure_channel(edge.address, options=grpc_options())
         os.kill(cloud.process.pid, signal.SIGSTOP)  # a stalled cloud: only deadlines answer
@@ -94,7 +97,7 @@ def test_stream_clients_refuse_deadlines_their_timers_cannot_hold() -> None:
 def cloud_stub(tmp_path: Path, rt: Any) -> Any:
     split = rt.cnn(tmp_path / "plan")
     plan = load_plan(split.plan_dir)
-    service = TierService("cloud", plan, split.plan_dir, workers=1)
+    service = TierService("cloud", plan, split.plan_dir, options=RuntimeOptions(workers=1))
     server = TierServer(service, "127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(server.address, options=grpc_options())

@@ -18,7 +18,6 @@ from typing import Any
 import grpc
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -31,7 +30,7 @@ from tierflow.partitioner.planner import PlanOptions, make_plan
 from tierflow.partitioner.profile import profile_model
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.segment_runner import DEFAULT_OPTIMIZATION, session_options
+from tierflow.sessions import open_session
 from tierflow.wire import grpc_options, to_proto
 
 SIDE = 32
@@ -98,9 +97,7 @@ def cnn(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, dict[str, 
 
 
 def _reference(path: Path, requests: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
-    session = ort.InferenceSession(
-        str(path), session_options(1, DEFAULT_OPTIMIZATION), providers=["CPUExecutionProvider"]
-    )
+    session = open_session(path)
     return [session.run(["y"], feeds)[0] for feeds in requests]
 
 

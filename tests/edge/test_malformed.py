@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import zstandard
 
+from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.server import TierServer
@@ -46,9 +47,8 @@ def _exchange(
 def cloud(tmp_path: Path, rt: Any) -> Iterator[tuple[tier_pb2_grpc.TierStub, str]]:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "zstd", "edge-cloud": "zstd"})
     plan = load_plan(split.plan_dir)
-    service = TierService(
-        "cloud", plan, split.plan_dir, max_message_bytes=1 << 20, max_tensor_bytes=1 << 20
-    )
+    limits = RuntimeOptions(max_message_bytes=1 << 20, max_tensor_bytes=1 << 20)
+    service = TierService("cloud", plan, split.plan_dir, options=limits)
     server = TierServer(service, "127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(server.address, options=grpc_options(8 << 20))

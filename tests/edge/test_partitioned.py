@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tierflow.device.client import DeviceClient
+from tierflow.options import RuntimeOptions
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import save_split_plan, split_model
 from tierflow.plan import Plan
@@ -48,13 +49,13 @@ def test_partitioner_plans_reproduce_the_model_exactly(tmp_path: Path, rt: Any, 
         model_path, shape = _torch_resnet(tmp_path / "resnet.onnx"), (1, 3, 16, 16)
     plan_dir = tmp_path / "plan"
     plan = _partitioned_plan(model_path, plan_dir)
-    whole = SegmentRunner(model_path, optimization="extended")
+    whole = SegmentRunner(model_path, RuntimeOptions(optimization="extended"))
     name = plan.inputs[0]
     rng = np.random.default_rng(5)
     samples = [{name: rng.standard_normal(shape).astype(np.float32)} for _ in range(4)]
     with (
         rt.tiers(plan_dir, optimization="extended") as (edge, _, _),
-        DeviceClient(plan_dir, edge, optimization="extended") as device,
+        DeviceClient(plan_dir, edge, options=RuntimeOptions(optimization="extended")) as device,
     ):
         results = [r.unwrap() for r in device.run_stream(samples)]
     for feeds, result in zip(samples, results, strict=True):

@@ -16,6 +16,7 @@ import numpy as np
 from tierflow.cli import main
 from tierflow.device.progress import PartialWriter, partial_path, read_partial
 from tierflow.edge.server import EdgeServer
+from tierflow.options import RuntimeOptions
 
 
 def _records(path: Path) -> int:
@@ -31,7 +32,9 @@ def test_a_killed_run_keeps_its_answers_and_resume_finishes_it(tmp_path: Path, r
     partial = partial_path(out)
     with rt.processes() as start:
         cloud = start("cloud", split.plan_dir)
-        edge = EdgeServer(split.plan_dir, "127.0.0.1:0", cloud.address, workers=1)
+        edge = EdgeServer(
+            split.plan_dir, "127.0.0.1:0", cloud.address, options=RuntimeOptions(workers=1)
+        )
         edge.start()
         command = [sys.executable, "-m", "tierflow.cli", "run", "--plan", str(split.plan_dir)]
         command += ["--edge", edge.address, "--input", str(tmp_path / "in.npz")]

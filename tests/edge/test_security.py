@@ -18,6 +18,7 @@ from tierflow.edge.probe import probe
 from tierflow.edge.server import EdgeServer
 from tierflow.errors import TransportError, UsageError
 from tierflow.mux import channel_options
+from tierflow.options import RuntimeOptions
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.security import Security, open_channel
 from tierflow.service import PROBE_ALLOWANCE
@@ -39,9 +40,10 @@ def client_security(tls: dict[str, Path], who: str = "client") -> Security:
 
 
 def serve(plan_dir: Path, security: Security) -> tuple[CloudServer, EdgeServer]:
-    cloud = CloudServer(plan_dir, "127.0.0.1:0", workers=1, security=security)
+    options = RuntimeOptions(workers=1, security=security)
+    cloud = CloudServer(plan_dir, "127.0.0.1:0", options=options)
     cloud.start()
-    edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, workers=1, security=security)
+    edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, options=options)
     try:
         edge.start()
     except BaseException:
@@ -51,7 +53,8 @@ def serve(plan_dir: Path, security: Security) -> tuple[CloudServer, EdgeServer]:
 
 
 def first_result(plan_dir: Path, edge: str, security: Security | None, feeds: Any) -> Any:
-    with DeviceClient(plan_dir, edge, deadline_s=5.0, security=security) as client:
+    options = RuntimeOptions(security=security or Security())
+    with DeviceClient(plan_dir, edge, options=options, deadline_s=5.0) as client:
         return client.submit(feeds).result()
 
 
@@ -158,14 +161,15 @@ def test_plaintext_beyond_loopback_needs_insecure(tmp_path: Path, rt: Any) -> No
     with pytest.raises(UsageError, match="--insecure"):
         cloud.start()
     cloud.stop(0)
-    cloud = CloudServer(split.plan_dir, "0.0.0.0:0", security=Security(insecure=True))
+    insecure = RuntimeOptions(security=Security(insecure=True))
+    cloud = CloudServer(split.plan_dir, "0.0.0.0:0", options=insecure)
     cloud.start()
     cloud.stop(0)
 
 
 def test_a_probe_is_sent_no_more_than_it_sends(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
-    cloud = CloudServer(split.plan_dir, "127.0.0.1:0", workers=1)
+    cloud = CloudServer(split.plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=1))
     cloud.start()
     channel = grpc.insecure_channel(cloud.address, options=channel_options())
     try:
@@ -184,10 +188,10 @@ def test_a_probe_is_sent_no_more_than_it_sends(tmp_path: Path, rt: Any) -> None:
 
 def test_a_second_server_on_a_port_in_use_fails_with_one_line(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
-    cloud = CloudServer(split.plan_dir, "127.0.0.1:0", workers=1)
+    cloud = CloudServer(split.plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=1))
     cloud.start()
     try:
-        second = CloudServer(split.plan_dir, cloud.address, workers=1)
+        second = CloudServer(split.plan_dir, cloud.address, options=RuntimeOptions(workers=1))
         with pytest.raises(TransportError, match="in use"):
             second.start()
         second.stop(0)

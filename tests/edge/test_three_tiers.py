@@ -12,6 +12,7 @@ import pytest
 from tierflow.cloud.cache_memory import MemoryCache
 from tierflow.device.client import DeviceClient
 from tierflow.links import LinkSpec
+from tierflow.options import RuntimeOptions
 
 
 @pytest.mark.parametrize("model", ["cnn", "residual"])
@@ -108,7 +109,7 @@ def test_emulated_links_slow_requests_to_the_link_rate(tmp_path: Path, rt: Any) 
     links = {"device-edge": LinkSpec(200e3, 0.02), "edge-cloud": LinkSpec(1e9, 0.0)}
     with (
         rt.tiers(split.plan_dir, links=links) as (edge, _, _),
-        DeviceClient(split.plan_dir, edge, links=links) as device,
+        DeviceClient(split.plan_dir, edge, options=RuntimeOptions(links=links)) as device,
     ):
         device.infer(feeds)  # connect first
         result = device.infer(feeds)

@@ -82,7 +82,7 @@ def test_the_import_graph_is_read_from_the_source() -> None:
     assert "tierflow.service" in graph["tierflow.edge.server"]
     assert "tierflow.cache.FeatureCache" in graph["tierflow.service"]
     assert "tierflow.device.client.DeviceClient" in graph["tierflow.demos.local"]
-    assert "onnxruntime" in graph["tierflow.segment_runner"]
+    assert "onnxruntime" in graph["tierflow.sessions"]
     assert not _in_core("tierflow.cloud.server") and _in_core("tierflow.rpc.tier_pb2")
 
 

@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.errors import InputError, ModelError
+from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec
 from tierflow.segment_runner import SegmentRunner, TierRunner, exit_confidence
 
@@ -51,7 +52,7 @@ def test_a_file_that_is_not_onnx_is_a_model_error(tmp_path: Path) -> None:
 def test_slowdown_stretches_the_compute_time(tmp_path: Path) -> None:
     path = _gemm(tmp_path / "s.onnx", "x", "y", 256, 256, 0)
     feeds = {"x": np.ones((64, 256), np.float32)}
-    fast, slow = SegmentRunner(path), SegmentRunner(path, slowdown=20.0)
+    fast, slow = SegmentRunner(path), SegmentRunner(path, RuntimeOptions(slowdown=20.0))
 
     def median_s(runner: SegmentRunner) -> float:
         times = []

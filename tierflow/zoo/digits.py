@@ -368,10 +368,12 @@ def _build_into(
 
 def onnx_accuracy(model_path: Path, images: np.ndarray, labels: np.ndarray) -> float:
     """Top-1 accuracy of the ONNX model at ``model_path`` on rows ``images`` [N,1,32,32]."""
-    import onnxruntime as ort
+    from tierflow.sessions import open_session
 
+    session = open_session(
+        model_path, threads=0, optimization="all", what=f"the demo model {model_path}"
+    )
     try:
-        session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
         logits = session.run([OUTPUT_NAME], {INPUT_NAME: images})[0]
     except Exception as exc:
         raise ModelError(f"ONNX Runtime cannot run the demo model {model_path}: {exc}") from exc

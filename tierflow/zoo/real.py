@@ -150,12 +150,11 @@ def model_labels(name: str) -> tuple[str, ...]:
     Paddle exports keep them under the ``character`` key, one per line; the OCR
     recogniser's CTC index 0 is the blank and index i > 0 is ``labels[i - 1]``.
     """
-    import onnxruntime as ort
+    from tierflow.sessions import open_session
 
-    try:
-        session = ort.InferenceSession(str(model_path(name)), providers=["CPUExecutionProvider"])
-    except Exception as exc:  # onnxruntime raises its own untyped errors
-        raise ModelError(f"ONNX Runtime cannot load real model {name!r}: {exc}") from exc
+    session = open_session(
+        model_path(name), threads=0, optimization="all", what=f"real model {name!r}"
+    )
     text = session.get_modelmeta().custom_metadata_map.get("character", "")
     return tuple(text.split("\n")) if text else ()
 

@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 from onnx import helper
@@ -21,6 +20,7 @@ from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
 from tierflow.errors import PlanError
 from tierflow.links import LinkSpec
+from tierflow.options import RuntimeOptions
 from tierflow.partitioner.cost import ExitPoint, Problem, build_tables, estimate
 from tierflow.partitioner.exits.add import add_exits
 from tierflow.partitioner.exits.calibration import NEVER
@@ -31,7 +31,7 @@ from tierflow.partitioner.profile import load_profile, profile_model, save_profi
 from tierflow.partitioner.report import exits_cell, plan_table
 from tierflow.partitioner.search import search
 from tierflow.plan import load_plan, save_plan
-from tierflow.segment_runner import DEFAULT_OPTIMIZATION, session_options
+from tierflow.sessions import open_session
 from tierflow.zoo.models import export_onnx
 
 from ..conftest import MakeProfile
@@ -233,9 +233,9 @@ def test_the_trunk_is_planned_and_the_exit_found(models: dict[str, Path], tmp_pa
 
 
 def _serve(plan_dir: Path, feeds: list[dict[str, np.ndarray]]) -> list[Any]:
-    cloud = CloudServer(plan_dir, "127.0.0.1:0", workers=2)
+    cloud = CloudServer(plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=2))
     cloud.start()
-    edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, workers=2)
+    edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, options=RuntimeOptions(workers=2))
     try:
         edge.start()
         with DeviceClient(plan_dir, edge.address, window=4) as device:
@@ -271,11 +271,7 @@ def test_planned_exit_answers_on_the_edge_and_never_exit_reproduces_the_model(
 
     rng = np.random.default_rng(1)
     feeds = [{"input": rng.standard_normal((1, 1, 8, 8)).astype(np.float32)} for _ in range(6)]
-    whole = ort.InferenceSession(
-        str(models["always"]),
-        session_options(1, DEFAULT_OPTIMIZATION),
-        providers=["CPUExecutionProvider"],
-    )
+    whole = open_session(models["always"])
     for feed, result in zip(feeds, _serve(plan_dir, feeds), strict=True):
         assert (result.answered_by, result.exit) == ("edge", "exit0_probs")
         assert result.bytes["edge-cloud"] == 0 and result.bytes["device-edge"] > 0
@@ -295,9 +291,7 @@ def _check_never_exits(plan_dir: Path, model: Path, feeds: list[dict[str, np.nda
         for s in plan.segments
     ]
     save_plan(dataclasses.replace(plan, segments=tuple(never)), plan_dir)
-    session = ort.InferenceSession(
-        str(model), session_options(1, DEFAULT_OPTIMIZATION), providers=["CPUExecutionProvider"]
-    )
+    session = open_session(model)
     last_tier = plan.segments[-1].tier
     for feed, result in zip(feeds, _serve(plan_dir, feeds), strict=True):
         (want,) = session.run(["output"], feed)

@@ -1,0 +1,73 @@
+"""RuntimeOptions: checked when made, built once from the command line, read-only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tierflow.cli import build_parser
+from tierflow.errors import UsageError
+from tierflow.links import LinkSpec
+from tierflow.options import DEFAULT_MAX_IN_FLIGHT, RuntimeOptions
+from tierflow.plan import Plan, SegmentSpec
+from tierflow.security import Security
+
+PLAN = Plan(
+    model_file="m.onnx",
+    model_sha256="0" * 64,
+    inputs=("x",),
+    outputs=("y",),
+    segments=(SegmentSpec("device", "a.onnx", ("x",), ("y",)),),
+    links={"device-edge": LinkSpec(20e6, 0.01), "edge-cloud": LinkSpec(1e9, 0.02)},
+)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"threads": -1}, "threads must be >= 0"),
+        ({"slowdown": 0.5}, "slowdown must be at least 1.0, got 0.5"),
+        ({"slowdown": float("nan")}, "slowdown must be at least 1.0"),
+        ({"optimization": "max"}, "unknown optimization level 'max'"),
+        ({"workers": 0}, "workers must be >= 1, got 0"),
+        ({"max_tensor_bytes": 0}, "max_tensor_bytes must be >= 1"),
+        ({"max_in_flight": 0}, "max_in_flight must be >= 1"),
+    ],
+)
+def test_values_no_runtime_can_use_are_refused(change: dict[str, object], message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        RuntimeOptions(**change)  # type: ignore[arg-type]
+
+
+def test_links_are_a_read_only_copy() -> None:
+    links = {"device-edge": LinkSpec(1e6, 0.0)}
+    options = RuntimeOptions(links=links)
+    links["edge-cloud"] = LinkSpec(2e6, 0.0)
+    assert set(options.links) == {"device-edge"}
+    with pytest.raises(TypeError):
+        options.links["edge-cloud"] = LinkSpec(2e6, 0.0)  # type: ignore[index]
+    assert dataclasses.replace(options, threads=2).links == options.links
+
+
+def test_serve_and_run_build_the_options_from_their_flags() -> None:
+    parser = build_parser()
+    flags = "--threads 3 --slowdown 4 --workers 5 --optimization basic --max-tensor-bytes 1MiB"
+    flags += " --link-emulation plan --link device-edge=1mbit,4ms --token-file t"
+    serve = parser.parse_args(["serve", "edge", "--plan", "p", *flags.split()])
+    options = RuntimeOptions.from_args(serve, PLAN)
+    assert (options.threads, options.slowdown, options.workers) == (3, 4.0, 5)
+    assert (options.optimization, options.max_tensor_bytes) == ("basic", 1 << 20)
+    assert dict(options.links) == {
+        "device-edge": LinkSpec(1e6, 0.004),
+        "edge-cloud": LinkSpec(1e9, 0.02),
+    }
+    assert options.security == Security(token_file="t")
+    assert options.max_in_flight == DEFAULT_MAX_IN_FLIGHT
+
+    run = parser.parse_args(["run", "--plan", "p", "--input", "in.npz", "--slowdown", "20"])
+    device = RuntimeOptions.from_args(run, PLAN)
+    assert device == RuntimeOptions(slowdown=20.0)  # no --workers: the default stays
+    bad = parser.parse_args(["serve", "cloud", "--plan", "p", "--workers", "0"])
+    with pytest.raises(UsageError, match="workers must be >= 1"):
+        RuntimeOptions.from_args(bad, PLAN)

@@ -1,0 +1,89 @@
+"""How a tier runs: one :class:`RuntimeOptions`, built once from the command line.
+
+The runners, the tier service, the servers and the device client all read the same
+settings (ONNX Runtime threads and optimization level, emulated slowdown and links, size
+limits, TLS and tokens); they take them as one frozen value instead of each repeating
+the keyword list. ``tierflow serve`` and ``tierflow run`` make it with
+:meth:`RuntimeOptions.from_args`; a library user makes one directly, or varies one with
+:func:`dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
+from tierflow.errors import UsageError
+from tierflow.linkemu import resolve_links
+from tierflow.links import LinkSpec
+from tierflow.plan import Plan
+from tierflow.providers import CPU
+from tierflow.security import Security
+from tierflow.sessions import DEFAULT_OPTIMIZATION, check_optimization
+from tierflow.wire import DEFAULT_MESSAGE_BYTES
+
+#: Requests a tier accepts in flight (all streams together) before answering OVERLOADED.
+DEFAULT_MAX_IN_FLIGHT = 1024
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """The settings every runtime part reads; checked when made.
+
+    ``threads``: ONNX Runtime intra-op threads per request (0: one per core).
+    ``slowdown``: run this many times slower than this machine (emulation; >= 1).
+    ``optimization``: ONNX Runtime level ([Note: optimization level and exactness] in
+    ``tierflow.sessions``). ``workers``: requests a server runs at once (None: one per
+    core). ``links``: the links to emulate by name (``tierflow.linkemu``), read-only.
+    ``max_tensor_bytes`` / ``max_message_bytes``: the largest decoded tensor and gRPC
+    message accepted. ``max_in_flight``: requests a server holds before answering
+    OVERLOADED. ``security``: TLS and tokens (``tierflow.security``). ``providers``: ONNX
+    Runtime execution providers in order of preference (``tierflow.providers``).
+    """
+
+    threads: int = 1
+    slowdown: float = 1.0
+    optimization: str = DEFAULT_OPTIMIZATION
+    workers: int | None = None
+    links: Mapping[str, LinkSpec] = field(default_factory=dict)
+    max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES
+    max_message_bytes: int = DEFAULT_MESSAGE_BYTES
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    security: Security = field(default_factory=Security)
+    providers: tuple[str, ...] = (CPU,)
+
+    def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise UsageError(f"threads must be >= 0 (0: one per core), got {self.threads}")
+        if not self.slowdown >= 1.0:
+            raise UsageError(f"slowdown must be at least 1.0, got {self.slowdown}")
+        check_optimization(self.optimization)
+        if self.workers is not None and self.workers < 1:
+            raise UsageError(f"workers must be >= 1, got {self.workers}")
+        for name in ("max_tensor_bytes", "max_message_bytes", "max_in_flight"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.providers:
+            raise UsageError("providers must name at least one execution provider")
+        object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
+        object.__setattr__(self, "providers", tuple(self.providers))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, plan: Plan) -> RuntimeOptions:
+        """The options a runtime command was given (links resolved against ``plan``).
+
+        Options a command does not have (``run`` has no ``--workers``) keep their defaults.
+        """
+        return cls(
+            threads=args.threads,
+            slowdown=args.slowdown,
+            optimization=args.optimization,
+            workers=getattr(args, "workers", None),
+            links=resolve_links(plan, args.link_emulation, args.link),
+            max_tensor_bytes=getattr(args, "max_tensor_bytes", DEFAULT_MAX_TENSOR_BYTES),
+            security=Security.from_args(args),
+            providers=getattr(args, "providers", (CPU,)),
+        )
