@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
@@ -48,6 +47,7 @@ from tierflow.partitioner.exits.metadata import (
     write_metadata,
 )
 from tierflow.partitioner.exits.points import check_exit_points, choose_exit_points
+from tierflow.partitioner.graph import ModelGraph, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ _SEED = 0
 
 
 def add_exits(
-    model: Any,
+    model: str | Path | ModelGraph,
     data: Mapping[str, np.ndarray] | str | Path,
     *,
     exits: int | None = None,
@@ -80,8 +80,6 @@ def add_exits(
     is a path it is analysed with ``shapes`` (``--shape``), else at the data's first
     request's shapes.
     """
-    from tierflow.partitioner.graph import ModelGraph, load_model
-
     if max_disagreement is not None and max_accuracy_drop is not None:
         raise UsageError("give either a maximum disagreement or a maximum accuracy drop, not both")
     metric = "accuracy_drop" if max_accuracy_drop is not None else "disagreement"

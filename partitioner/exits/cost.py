@@ -8,12 +8,15 @@ cost out. How the cost model uses them is [Note: expected cost with early exits]
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tierflow.errors import PlanError
 from tierflow.partitioner.exits.metadata import ExitInfo
+
+if TYPE_CHECKING:
+    from tierflow.partitioner.graph import ModelGraph
 
 
 def expected_compute(unit_costs: Sequence[float], exits: Sequence[tuple[int, float]]) -> float:
@@ -50,13 +53,13 @@ def expected_compute_fraction(
     return expected_compute(unit_costs, exits) / total if total > 0 else 1.0
 
 
-def exit_cut_indices(graph: Any, exits: Sequence[ExitInfo]) -> dict[str, int]:
+def exit_cut_indices(graph: ModelGraph, exits: Sequence[ExitInfo]) -> dict[str, int]:
     """Map each exit's name to the index of the one-tensor cut of ``graph`` it reads."""
     by_tensor = {cut.tensors[0]: cut.index for cut in graph.cuts if len(cut.tensors) == 1}
     return {e.name: by_tensor[e.at] for e in exits if e.at in by_tensor}
 
 
-def exit_skips(graph: Any, exits: Sequence[ExitInfo]) -> list[tuple[int, float]]:
+def exit_skips(graph: ModelGraph, exits: Sequence[ExitInfo]) -> list[tuple[int, float]]:
     """``(first_skipped_unit, exit_rate)`` pairs for :func:`expected_compute`.
 
     ``graph`` is the analysed model *without* exits, whose units the profiles time;

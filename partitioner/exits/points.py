@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 
 from tierflow.errors import UsageError
 
+if TYPE_CHECKING:
+    from tierflow.partitioner.graph import ModelGraph
+
 logger = logging.getLogger(__name__)
 
 
-def choose_exit_points(graph: Any, count: int, fractions: Sequence[float] = ()) -> list[str]:
+def choose_exit_points(graph: ModelGraph, count: int, fractions: Sequence[float] = ()) -> list[str]:
     """Pick up to ``count`` cut tensors spread over the model's estimated compute.
 
     Candidates are one-tensor cuts whose tensor is a 2-D to 4-D float feature and not a
@@ -52,7 +55,7 @@ def choose_exit_points(graph: Any, count: int, fractions: Sequence[float] = ()) 
     return [name for _, name in chosen]
 
 
-def exit_candidates(graph: Any) -> list[str]:
+def exit_candidates(graph: ModelGraph) -> list[str]:
     """Tensors an exit may read, in depth order: one-tensor cuts that are 2-D to 4-D
     floating-point activations, neither model inputs nor model outputs."""
     ends = {t.name for t in (*graph.inputs, *graph.outputs)}
@@ -68,7 +71,7 @@ def exit_candidates(graph: Any) -> list[str]:
     return names
 
 
-def _compute_depth(graph: Any) -> list[float]:
+def _compute_depth(graph: ModelGraph) -> list[float]:
     """Fraction of estimated compute done before each node position (length nodes + 1)."""
     costs = [_node_macs(graph, node) for node in graph.nodes]
     if sum(costs) <= 0:
@@ -77,7 +80,7 @@ def _compute_depth(graph: Any) -> list[float]:
     return list(running / max(running[-1], 1e-12))
 
 
-def _node_macs(graph: Any, node: onnx.NodeProto) -> float:
+def _node_macs(graph: ModelGraph, node: onnx.NodeProto) -> float:
     """Multiply-accumulates of Conv, Gemm and MatMul nodes from static shapes; 0 for others."""
     if node.op_type not in ("Conv", "Gemm", "MatMul") or not node.output:
         return 0.0
@@ -98,7 +101,7 @@ def _node_macs(graph: Any, node: onnx.NodeProto) -> float:
     return elements * float(inner)
 
 
-def check_exit_points(graph: Any, points: Sequence[str]) -> None:
+def check_exit_points(graph: ModelGraph, points: Sequence[str]) -> None:
     """Refuse repeated points and points that cannot carry an exit (see exit_candidates)."""
     if len(set(points)) != len(points):
         raise UsageError(f"exit points must be distinct, got {list(points)}")
