@@ -118,6 +118,30 @@ class _Echo:
         self._call.cancel()
 
 
+def _connect(channel: grpc.Channel, address: str, timeout: float) -> None:
+    """Wait until ``channel`` is connected; a failed attempt fails at once."""
+    states: queue.SimpleQueue[grpc.ChannelConnectivity] = queue.SimpleQueue()
+    channel.subscribe(states.put, try_to_connect=True)
+    try:
+        ends = time.monotonic() + timeout
+        while True:
+            try:
+                state = states.get(timeout=max(ends - time.monotonic(), 0.0))
+            except queue.Empty:
+                raise TransportError(
+                    f"cannot reach a tier at {address} within {timeout:g} s"
+                ) from None
+            if state == grpc.ChannelConnectivity.READY:
+                return
+            if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                raise TransportError(
+                    f"cannot reach a tier at {address}: the connection failed (nothing "
+                    "listens there, or its TLS settings differ from these)"
+                )
+    finally:
+        channel.unsubscribe(states.put)
+
+
 def probe(
     address: str,
     *,
@@ -134,10 +158,7 @@ def probe(
         raise UsageError("probe needs at least one ping, one transfer and one payload byte")
     channel = open_channel(address, security, channel_options())
     try:
-        try:
-            grpc.channel_ready_future(channel).result(timeout=connect_timeout)
-        except grpc.FutureTimeoutError as exc:
-            raise TransportError(f"cannot reach a tier at {address}") from exc
+        _connect(channel, address, connect_timeout)
         echo = _Echo(channel, timeout)
         try:
             for _ in range(3):  # warm-up: connection windows, allocations

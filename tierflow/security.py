@@ -342,7 +342,10 @@ def bind(server: grpc.Server, listen: str, security: Security | None, tier: str)
     Plaintext is allowed beyond loopback only with ``insecure`` ([Note: tier security]).
     """
     security = security or PLAINTEXT
-    host, sep, port_text = listen.rpartition(":")
+    if listen.startswith(("unix:", "unix-abstract:")):  # a local socket: this machine only
+        host, sep, port_text = "localhost", ":", "0"
+    else:
+        host, sep, port_text = listen.rpartition(":")
     if not sep or not port_text.isdigit():
         raise UsageError(f"--listen {listen!r}: expected HOST:PORT")
     if not security.tls and not security.insecure and not is_loopback(host):

@@ -203,3 +203,22 @@ def test_a_second_server_on_a_port_in_use_fails_with_one_line(tmp_path: Path, rt
         assert len(lines) == 1 and "in use" in lines[0], done.stderr
     finally:
         cloud.stop(0)
+
+
+def test_the_command_line_serves_and_probes_over_mutual_tls(
+    tmp_path: Path, rt: Any, tls_files: dict[str, Path], capsys: Any
+) -> None:
+    from tierflow.cli import main
+
+    split = rt.cnn(tmp_path / "plan")
+    server_flags = ["--tls-cert", str(tls_files["server_cert"])]
+    server_flags += ["--tls-key", str(tls_files["server_key"]), "--tls-ca", str(tls_files["ca"])]
+    client_flags = ["--tls-cert", str(tls_files["client_cert"])]
+    client_flags += ["--tls-key", str(tls_files["client_key"]), "--tls-ca", str(tls_files["ca"])]
+    probe_args = ["--json", "--pings", "1", "--transfers", "1", "--payload", "1KiB"]
+    with rt.processes() as start:
+        cloud = start("cloud", split.plan_dir, *server_flags, listen="0.0.0.0:0")
+        address = f"127.0.0.1:{cloud.address.rsplit(':', 1)[1]}"
+        assert main(["probe", address, *probe_args, *client_flags]) == 0
+        assert '"link": "edge-cloud"' in capsys.readouterr().out
+        assert main(["probe", address, *probe_args]) == 2  # plaintext: refused
