@@ -24,6 +24,7 @@ from tierflow.linkemu import add_link_arguments
 from tierflow.links import LINKS
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
+from tierflow.providers import add_providers_argument
 from tierflow.security import add_security_arguments
 from tierflow.sessions import add_optimization_argument
 from tierflow.table import format_table
@@ -81,6 +82,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--slowdown", type=float, default=1.0, help="emulate a device this many times slower"
     )
     add_optimization_argument(parser)
+    add_providers_argument(parser)
     add_link_arguments(parser)
     add_security_arguments(parser, server=False)
     parser.set_defaults(handler=_run)

@@ -36,6 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tierflow.errors import UsageError
 from tierflow.helptext import HelpFormatter, examples
 from tierflow.linkemu import add_link_arguments
+from tierflow.providers import add_providers_argument
 from tierflow.security import add_security_arguments, bind, server_options
 from tierflow.service import TierService
 from tierflow.sessions import add_optimization_argument
@@ -222,6 +223,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="emulate a tier this many times slower than this machine",
     )
     add_optimization_argument(parser)
+    add_providers_argument(parser)
     parser.add_argument(
         "--max-tensor-bytes",
         type=parse_size,

@@ -78,6 +78,7 @@ from tierflow.links import TIERS, downstream_link, upstream_link
 from tierflow.mux import StreamClient
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan
+from tierflow.providers import describe as describe_providers
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.segment_runner import TierRunner
 
@@ -190,10 +191,11 @@ class TierService(tier_pb2_grpc.TierServicer):
         self.runner = runner
         self._ready.set()
         logger.info(
-            "[%s] plan %s loaded: segments %s, forwards to %s",
+            "[%s] plan %s loaded: segments %s on %s, forwards to %s",
             self.tier,
             self.plan_id,
             [i for i, _, _ in runner.segments],
+            describe_providers(self.options.providers),
             self.upstream_address if self.upstream else "nobody",
         )
 

@@ -80,3 +80,38 @@ def test_each_offered_provider_runs_a_model(alias: str) -> None:
     assert session.get_providers()[0] == providers[0]
     x = np.array([[-1.0, 0.0, 2.0], [3.0, -4.0, 5.0]], dtype=np.float32)
     np.testing.assert_array_equal(session.run(["y"], {"x": x})[0], np.maximum(x, 0))
+
+
+@pytest.mark.parametrize(
+    "command", [["serve", "edge"], ["serve", "cloud"], ["run", "--input", "x"]]
+)
+def test_serve_and_run_take_providers(tmp_path: Path, command: list[str]) -> None:
+    """The runtime commands carry --providers into RuntimeOptions, and on to every session."""
+    from tierflow.cli import build_parser
+    from tierflow.options import RuntimeOptions
+    from tierflow.plan import Plan, SegmentSpec
+
+    args = build_parser().parse_args([*command, "--plan", str(tmp_path), "--providers", "auto"])
+    assert args.providers == available()
+    plan = Plan(
+        model_file="m.onnx",
+        model_sha256="0" * 64,
+        inputs=("x",),
+        outputs=("y",),
+        segments=(SegmentSpec("cloud", "s.onnx", ("x",), ("y",)),),
+    )
+    options = RuntimeOptions.from_args(args, plan)
+    assert options.providers == available()
+
+
+def test_a_segment_runs_on_the_providers_given(tmp_path: Path) -> None:
+    from onnx import save
+
+    from tierflow.options import RuntimeOptions
+    from tierflow.segment_runner import SegmentRunner
+
+    save(_tiny_model(), tmp_path / "m.onnx")
+    runner = SegmentRunner(tmp_path / "m.onnx", RuntimeOptions(providers=parse_providers("auto")))
+    assert runner.session.get_providers()[0] == available()[0]
+    runner = SegmentRunner(tmp_path / "m.onnx", RuntimeOptions())
+    assert runner.session.get_providers() == [CPU]
