@@ -233,7 +233,7 @@ class TierService(tier_pb2_grpc.TierServicer):
 
     def Infer(
         self,
-        request_iterator: Iterator[tier_pb2.Request],
+        request_iterator: Iterator[tier_pb2.Request | Undecodable],
         context: grpc.ServicerContext,
         send_response: Callable[[tier_pb2.Reply | None], None] | None = None,
     ) -> Iterator[tier_pb2.Reply] | None:
@@ -265,7 +265,7 @@ class TierService(tier_pb2_grpc.TierServicer):
 
     def _serve_queued(
         self,
-        request_iterator: Iterator[tier_pb2.Request],
+        request_iterator: Iterator[tier_pb2.Request | Undecodable],
         context: grpc.ServicerContext,
         shaper: LinkShaper,
         send_response: Callable[[tier_pb2.Reply | None], None] | None,
@@ -296,7 +296,7 @@ class TierService(tier_pb2_grpc.TierServicer):
 
     def _read_stream(
         self,
-        requests: Iterator[tier_pb2.Request],
+        requests: Iterator[tier_pb2.Request | Undecodable],
         replies: ShapedQueue[tier_pb2.Reply] | _DirectReplies,
         context: grpc.ServicerContext,
     ) -> None:
@@ -559,7 +559,9 @@ class TierService(tier_pb2_grpc.TierServicer):
     # ------------------------------------------------------------------ probe
 
     def Probe(
-        self, request_iterator: Iterator[tier_pb2.ProbeMessage], context: grpc.ServicerContext
+        self,
+        request_iterator: Iterator[tier_pb2.ProbeMessage | Undecodable],
+        context: grpc.ServicerContext,
     ) -> Iterator[tier_pb2.ProbeMessage]:
         """Echo ``reply_bytes`` bytes for each message; the tier's name goes in the metadata.
 
@@ -577,6 +579,7 @@ class TierService(tier_pb2_grpc.TierServicer):
             if isinstance(message, Undecodable):  # see tierflow.wire.add_tier_servicer
                 logger.warning("[%s] %s from %s", self.tier, message.message, context.peer())
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, message.message)
+                return  # abort raises; this is for the type checker
             credit += len(message.payload)
             size = min(max(message.reply_bytes, 0), MAX_PROBE_BYTES, credit)
             credit -= size

@@ -158,3 +158,29 @@ def test_undecodable_messages_get_typed_errors_one_log_line_each(
     lines = [r for r in caplog.records if "undecodable" in r.getMessage()]
     assert len(lines) == len(garbage)
     assert not any(r.exc_info for r in caplog.records)
+
+
+def test_an_undecodable_probe_message_ends_its_probe_with_one_line(
+    tmp_path: Path, rt: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    service = TierService(
+        "cloud", load_plan(split.plan_dir), split.plan_dir, options=RuntimeOptions(workers=1)
+    )
+    server = TierServer(service, "127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(server.address, options=grpc_options())
+    probe = channel.stream_stream(
+        "/tierflow.rpc.Tier/Probe",
+        request_serializer=None,
+        response_deserializer=tier_pb2.ProbeMessage.FromString,
+    )
+    try:
+        with caplog.at_level(logging.INFO), pytest.raises(grpc.RpcError) as info:
+            list(probe(iter([b"\xff\xff\xff"]), timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len([r for r in caplog.records if "undecodable" in r.getMessage()]) == 1
+        assert not any(r.exc_info for r in caplog.records)
+    finally:
+        channel.close()
+        server.stop(0)
