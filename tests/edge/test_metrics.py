@@ -8,7 +8,6 @@ requests sent.
 
 from __future__ import annotations
 
-import select
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,12 @@ prometheus = pytest.importorskip("prometheus_client.parser")
 
 
 def _metrics_address(server: Any) -> str:
-    """The second stdout line of ``tierflow serve``: where its metrics are."""
-    ready, _, _ = select.select([server.process.stdout], [], [], 30)
-    line = server.process.stdout.readline() if ready else ""
+    """The second stdout line of ``tierflow serve``: where its metrics are.
+
+    Read without select(): both lines may already sit in the pipe's text buffer. The
+    server prints it right after the first, or exits (an empty line).
+    """
+    line = server.process.stdout.readline()
     assert " metrics on http://" in line, line
     return line.rsplit(" on ", 1)[1].strip()
 
