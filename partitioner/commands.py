@@ -104,6 +104,10 @@ def register(subparsers: Any) -> None:
             "--codec zstd",
             "# an audio model with a scalar input: shapes and values from real requests",
             "tierflow plan vad.onnx -o plan/ --sample in.npz",
+            "# lossy codecs allowed where 99.5% of the sample keeps its top-1 class; the "
+            "input may go as JPEG",
+            "tierflow plan model.onnx -o plan/ --sample photos.npz --fidelity top1=99.5% "
+            "--image-input input --image-norm input=imagenet",
         ),
         formatter_class=HelpFormatter,
     )
