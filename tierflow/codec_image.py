@@ -32,18 +32,22 @@ the pixels' range saturate. ``jpeg`` and ``webp`` are lossy with no fixed bound 
 error is measured: :func:`measure`, benchmarks/image_codec_bench.py). ``CodecSpec.lossless``
 is True for ``png``; ``CodecSpec.bit_exact`` only for the codecs without a quantiser.
 
-Libraries, chosen by measurement (224x224 crops of scikit-learn's two sample photos,
-quality 90, one core, medians of 200): simplejpeg (libjpeg-turbo 3) encodes and decodes
-in 0.33 + 0.46 ms, Pillow 13 (also libjpeg-turbo) in 0.53 + 0.72 ms, for the same bytes
-(20.0 and 21.7 KB against 19.9 and 21.6 KB): 1.6x faster. So JPEG uses simplejpeg; WebP
-and PNG, which simplejpeg lacks, use Pillow. Both are in the ``image`` extra (``pip
-install 'tierflow[image]'``) and imported only when an image codec is used; without
-them it is a CodecError naming the extra. Decoding checks, before any pixel is
-decompressed, that the payload splits into exactly N images and that each image's
-header declares the shape's height, width and mode (simplejpeg's
-``decode_jpeg_header``; a Pillow plugin's image class, opened directly so that no other
-format is guessed): the declared shape is within ``max_bytes``, so the pixels are too,
-which is why Pillow's process-wide ``MAX_IMAGE_PIXELS`` is not relied on. Any failure of
+Libraries, chosen by measurement (benchmarks/image_codec_bench.py: twelve 224x224 crops
+of scikit-learn's two sample photos, quality 90, 4:2:0, one core, medians): simplejpeg
+1.9 (libjpeg-turbo) encodes and decodes in 0.28 + 0.37 ms, Pillow 13 (also
+libjpeg-turbo, through its own image object) in 0.47 + 0.70 ms, for the same bytes
+(13.3 against 13.2 KB median): 1.8x faster end to end (1.6x in a first run on two crops).
+So JPEG uses simplejpeg; WebP and PNG, which simplejpeg lacks, use Pillow (WebP costs
+~13 ms to encode and 3-9 ms to decode there, for bytes close to JPEG's: JPEG is the
+codec to prefer on a slow device). Both are in the ``image`` extra (``pip install
+'tierflow[image]'``) and imported only when an image codec is used; without them it is a
+CodecError naming the extra. Decoding checks, before any pixel is decompressed, that the
+payload splits into exactly N images and that each image's header declares the shape's
+height, width and mode (simplejpeg's ``decode_jpeg_header``; a Pillow plugin's image
+class, opened directly so that no other format is guessed): the declared shape is within
+``max_bytes``, so the pixels are too, which is why Pillow's process-wide
+``MAX_IMAGE_PIXELS`` is not relied on (opening the plugin class directly also skips its
+process-wide warning). Any failure of
 a decoder on hostile bytes is a CodecError.
 """
 
