@@ -460,7 +460,11 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     finally:
         progress.close()
-    outcome = make_plan(graph, profiles, options, args.output, sample=sample)
+    progress = Progress("measuring fidelity")
+    try:
+        outcome = make_plan(graph, profiles, options, args.output, sample=sample, progress=progress)
+    finally:
+        progress.close()
     if args.json:
         report = outcome.result.to_dict()
         report["plan_dir"] = str(outcome.plan_dir)

@@ -41,6 +41,7 @@ from tierflow.links import LINKS
 from tierflow.partitioner.cost import CostTables, Estimate, Problem
 from tierflow.partitioner.fidelity import FidelityBudget
 from tierflow.partitioner.fidelity_probe import FidelityProbe, Measurement
+from tierflow.partitioner.profile import ProgressFn
 from tierflow.partitioner.search import Admission, PairKey, SearchResult, search
 
 logger = logging.getLogger(__name__)
@@ -165,8 +166,12 @@ def search_within_budget(
     *,
     top: int = 5,
     max_measurements: int = DEFAULT_MAX_MEASUREMENTS,
+    progress: ProgressFn | None = None,
 ) -> BudgetedSearch:
-    """The ranking of plans that meet ``budget``, measuring lossy crossings as needed."""
+    """The ranking of plans that meet ``budget``, measuring lossy crossings as needed.
+
+    ``progress(done, max_measurements, what)`` is called before each measurement.
+    """
     singles: dict[SingleKey, Measurement] = {}
     pairs: dict[PairClassKey, Measurement] = {}
     last = problem.ncuts - 1
@@ -182,6 +187,10 @@ def search_within_budget(
         if verdicts.count >= max_measurements:
             exhausted = True
             break
+        if progress is not None:
+            codecs = list(wanted.codec.values())
+            what = " + ".join(f"{c} at cut {k}" for c, k in zip(codecs, wanted.cuts, strict=False))
+            progress(verdicts.count, max_measurements, what)
         measured = probe.measure(wanted.cuts, wanted.codec, budget, stop_early=True)
         logger.info(
             "[fidelity] cuts %s with %s: %s (%s)",

@@ -260,6 +260,7 @@ def rank(
     options: PlanOptions,
     *,
     probe: FidelityProbe | None = None,
+    progress: ProgressFn | None = None,
 ) -> tuple[SearchResult, list[str]]:
     """Score every plan; pure apart from measuring codecs missing from the profiles.
 
@@ -267,7 +268,7 @@ def rank(
     early exits: the scores are then expectations over where requests leave (fidelity
     is then measured on the trunk: exits keep their own calibrated disagreement). A
     lossy fidelity budget needs a ``probe`` on the sample: the ranking then holds only
-    plans whose lossy crossings were measured to meet it.
+    plans whose lossy crossings were measured to meet it (``progress`` follows that).
     """
     budget = options.fidelity
     if not budget.lossless_only and probe is None:
@@ -295,7 +296,9 @@ def rank(
     if budget.lossless_only or probe is None:
         return search(problem, top=options.top, tables=tables), notes
     check_sample_size(budget, len(probe.requests))
-    budgeted = search_within_budget(problem, tables, budget, probe, top=options.top)
+    budgeted = search_within_budget(
+        problem, tables, budget, probe, top=options.top, progress=progress
+    )
     verdicts = budgeted.verdicts
     notes.append(
         f"fidelity {budget}: {verdicts.count} lossy candidate(s) measured end to end on "
@@ -396,6 +399,7 @@ def make_plan(
     plan_dir: str | Path,
     *,
     sample: Mapping[str, np.ndarray] | None = None,
+    progress: ProgressFn | None = None,
 ) -> PlanOutcome:
     """Choose the best plan, split the model, verify the split, write the plan directory.
 
@@ -409,7 +413,7 @@ def make_plan(
         requests = sample_requests(graph.inputs, sample)
         check_sample_size(budget, len(requests))
         probe = FidelityProbe(graph, requests, images=options.images)
-    result, notes = rank(graph, profiles, options, probe=probe)
+    result, notes = rank(graph, profiles, options, probe=probe, progress=progress)
     best = result.best
     fidelity = None
     if probe is not None:
