@@ -37,8 +37,6 @@ import json
 import os
 import platform
 import queue
-import select
-import signal
 import socket
 import statistics
 import subprocess
@@ -58,6 +56,7 @@ from onnx import TensorProto, helper
 from tierflow.device.client import DeviceClient, Result
 from tierflow.mux import channel_options
 from tierflow.plan import Plan, SegmentSpec, save_plan
+from tierflow.processes import ServeProcess
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.table import format_table
 from tierflow.tuning import tune_for_latency
@@ -105,47 +104,14 @@ def _plan(directory: Path, feature_bytes: int, edge_op: str = "Relu") -> Path:
     return directory
 
 
-class _Server:
-    def __init__(self, tier: str, plan_dir: Path, *args: str) -> None:
-        command = [sys.executable, "-m", "tierflow.cli", "serve", tier, "--plan", str(plan_dir)]
-        self.process = subprocess.Popen(
-            [*command, "--listen", "127.0.0.1:0", "--grace", "0.5", *args],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.process.stdout is not None
-        ready, _, _ = select.select([self.process.stdout], [], [], 60)
-        line = self.process.stdout.readline() if ready else ""
-        if " on " not in line:
-            self.stop()
-            raise RuntimeError(f"tierflow serve {tier} did not start: {line!r}")
-        self.address = line.rsplit(" on ", 1)[1].strip()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
-
-
 @contextmanager
 def _tiers(plan_dir: Path, *edge_args: str, workers: int = 2) -> Iterator[str]:
-    cloud = _Server("cloud", plan_dir, "--workers", str(workers))
-    try:
-        edge = _Server(
-            "edge", plan_dir, "--upstream", cloud.address, "--workers", str(workers), *edge_args
-        )
-        try:
-            yield edge.address
-        finally:
-            edge.stop()
-    finally:
-        cloud.stop()
+    grace = ("--grace", "0.5", "--workers", str(workers))
+    with (
+        ServeProcess("cloud", plan_dir, *grace) as cloud,
+        ServeProcess("edge", plan_dir, *grace, "--upstream", cloud.address, *edge_args) as edge,
+    ):
+        yield edge.address
 
 
 def _median(values: list[float]) -> float:

@@ -14,19 +14,20 @@ What it does, in order (each step prints what it measured):
    the device in this process and streams the held-out set through them with live
    progress;
 6. ends with one table: accuracy, p50/p95 latency, pipelined throughput, bytes per link
-   and which tier answered, measured in the same run for every strategy.
+   and which tier answered, measured in the same run for every strategy. With --json
+   that table is one JSON object on stdout and the steps go to stderr.
 
-Every process it starts is stopped on the way out, also on errors and Ctrl-C.
+Every process it starts (``tierflow.processes.ServeProcess``) is stopped on the way out,
+also on errors and Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import logging
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,9 +39,10 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.errors import TransportError, UsageError
+from tierflow.errors import UsageError
 from tierflow.helptext import HelpFormatter, examples
 from tierflow.links import LINKS, TIERS, LinkSpec
+from tierflow.processes import ServeProcess
 from tierflow.tuning import tune_for_latency
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,23 @@ class StrategyRun:
 
     def percentile(self, q: float) -> float:
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row of the results table as data (``tierflow demo --json``)."""
+        n = max(self.answered, 1)
+        answered = bool(self.latencies_ms)
+        return {
+            "strategy": self.name,
+            "requests": self.answered + self.failed,
+            "failed": self.failed,
+            "accuracy": self.correct / n,
+            "p50_ms": self.percentile(50) if answered else None,
+            "p95_ms": self.percentile(95) if answered else None,
+            "throughput_rps": self.throughput_rps,
+            "bytes_per_request": {link: nbytes / n for link, nbytes in self.bytes.items()},
+            "answered_by": dict(self.answered_by),
+            "exits": self.exits,
+        }
 
 
 def register(subparsers: Any) -> None:
@@ -113,6 +132,11 @@ def register(subparsers: Any) -> None:
         default=None,
         help="where plans and logs go (default: a temporary folder, removed afterwards)",
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the results as one JSON object on stdout (the steps go to stderr)",
+    )
     parser.set_defaults(handler=run_demo, extra="train")  # the extra a missing import names
 
 
@@ -132,15 +156,27 @@ def run_demo(args: argparse.Namespace) -> int:
         else:
             workdir = args.workdir
             workdir.mkdir(parents=True, exist_ok=True)
-        return _demo(links, workdir, args.requests, args.window)
-    return 0  # unreachable; keeps type checkers content
+        if args.json:  # the steps' output goes to stderr, one JSON object to stdout
+            with contextlib.redirect_stdout(sys.stderr):
+                runs = _demo(links, workdir, args.requests, args.window)
+            report = {
+                "links": {name: str(spec) for name, spec in links.items()},
+                "strategies": [run.to_dict() for run in runs],
+            }
+            print(json.dumps(report))
+        else:
+            runs = _demo(links, workdir, args.requests, args.window)
+    return 0 if all(r.failed == 0 for r in runs) else 1
 
 
 def _step(number: int, text: str) -> None:
     print(f"\n[{number}/6] {text}", flush=True)
 
 
-def _demo(links: Mapping[str, LinkSpec], workdir: Path, requests: int, window: int) -> int:
+def _demo(
+    links: Mapping[str, LinkSpec], workdir: Path, requests: int, window: int
+) -> list[StrategyRun]:
+    """Steps 1-6; returns what each strategy did."""
     from tierflow.partitioner.exits.plan import load_planning_graph
     from tierflow.partitioner.planner import PlanOptions, rank, write_plan
     from tierflow.partitioner.report import plan_table
@@ -212,7 +248,7 @@ def _demo(links: Mapping[str, LinkSpec], workdir: Path, requests: int, window: i
             same = plans[mine][2].tiers == plans[other][2].tiers
             note = " (the same placement: the difference is measurement noise)" if same else ""
             print(f"  {mine} p50 is {ratio:.2f}x lower than {other}'s{note}")
-    return 0 if all(r.failed == 0 for r in runs) else 1
+    return runs
 
 
 def _exited_model(demo: Any) -> Path:
@@ -378,63 +414,10 @@ def _results_table(runs: Sequence[StrategyRun]) -> str:
 def _server(tier: str, plan_dir: Path, upstream: str | None, workdir: Path) -> Iterator[str]:
     """Run ``tierflow serve TIER`` as a child process; yield its address; stop it after."""
     threads, slowdown = EMULATION[tier]
-    command = [
-        sys.executable,
-        "-m",
-        "tierflow.cli",
-        "serve",
-        tier,
-        "--plan",
-        str(plan_dir),
-        "--listen",
-        "127.0.0.1:0",
-        "--threads",
-        str(threads),
-        "--slowdown",
-        str(slowdown),
-        "--link-emulation",
-        "plan",
-    ]
+    args = ["--threads", str(threads), "--slowdown", str(slowdown), "--link-emulation", "plan"]
     if upstream:
-        command += ["--upstream", upstream]
-    log_path = workdir / f"{plan_dir.name}-{tier}.log"
-    with open(log_path, "wb") as log:
-        child = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=log, env=dict(os.environ, PYTHONUNBUFFERED="1")
-        )
-    try:
-        address = _wait_for_address(child, tier, log_path)
-        print(f"  started {tier} (pid {child.pid}) on {address}")
-        yield address
-    finally:
-        _stop(child)
-
-
-def _wait_for_address(child: subprocess.Popen[bytes], tier: str, log_path: Path) -> str:
-    """Read the server's one stdout line, ``... serving plan ID on HOST:PORT``."""
-    assert child.stdout is not None
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    line = b""
-    while time.monotonic() < deadline:
-        line = child.stdout.readline()
-        if line or child.poll() is not None:
-            break
-    text = line.decode(errors="replace").strip()
-    if " on " not in text:
-        _stop(child)
-        log = log_path.read_text(errors="replace").strip().splitlines()
-        reason = log[-1] if log else "no output"
-        raise TransportError(f"the {tier} process did not start: {reason} (log: {log_path})")
-    return text.rsplit(" on ", 1)[1]
-
-
-def _stop(child: subprocess.Popen[bytes]) -> None:
-    if child.poll() is None:
-        child.send_signal(signal.SIGTERM)
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-    if child.stdout is not None:
-        child.stdout.close()
+        args += ["--upstream", upstream]
+    log = workdir / f"{plan_dir.name}-{tier}.log"
+    with ServeProcess(tier, plan_dir, *args, log=log, timeout=SERVER_START_TIMEOUT_S) as server:
+        print(f"  started {tier} (pid {server.pid}) on {server.address}")
+        yield server.address

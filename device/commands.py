@@ -2,7 +2,8 @@
 
 The report (``--report R.jsonl``) has one JSON object per request: id, answered_by,
 exit, cache_hit, bytes and achieved rate per link, milliseconds per tier and in total,
-and the error if it failed. A summary table goes to stdout. The exit status is 1 when
+and the error if it failed. A summary table goes to stdout (with ``--json``, the same
+summary as one JSON object). The exit status is 1 when
 any request failed. Outputs are kept as they come (``tierflow.device.progress``), so a
 killed run keeps what was answered and ``--resume`` runs only the rest.
 """
@@ -16,12 +17,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tierflow.errors import UsageError
 from tierflow.helptext import HelpFormatter, examples
 from tierflow.linkemu import add_link_arguments
-from tierflow.links import LINKS
+from tierflow.links import LINKS, TIERS
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.providers import add_providers_argument
@@ -68,6 +69,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--output", metavar="OUT.npz", help="where to write the outputs")
     parser.add_argument("--report", metavar="R.jsonl", help="one JSON line per request")
+    parser.add_argument(
+        "--json", action="store_true", help="print the summary as one JSON object, not a table"
+    )
     parser.add_argument("--window", type=int, default=16, help="requests in flight at once")
     parser.add_argument(
         "--deadline", type=parse_duration, default="30s", help="per-request deadline"
@@ -155,7 +159,8 @@ def _run(args: argparse.Namespace) -> int:
         ordered = [rows.get(index, {}) for index in range(len(requests))]
         write_outputs(args.output, ordered, plan, batch_added=batch_added, plan_dir=args.plan)
         partial.unlink(missing_ok=True)
-    _summary(results, elapsed)
+    summary = summarize(results, elapsed)
+    print(json.dumps(summary) if args.json else _summary_table(summary))
     failed = sum(1 for r in results if r.error is not None)
     if failed:
         first = next(r.error for r in results if r.error is not None)
@@ -181,27 +186,50 @@ def _keep_report_lines(path: Path, answered: set[int]) -> None:
     path.write_text("".join(f"{line}\n" for line in kept))
 
 
-def _summary(results: list[Result], elapsed: float) -> None:
+def summarize(results: list[Result], elapsed: float) -> dict[str, Any]:
+    """What ``run`` prints at the end, as data (``--json`` prints exactly this).
+
+    Latencies are medians over the requests that were answered, in milliseconds; bytes are
+    the mean per answered request and link; rates the median achieved rate (None where
+    nothing crossed the link).
+    """
     ok = [r for r in results if r.error is None]
-    rows: list[tuple[str, str]] = [
-        ("requests", f"{len(results)} ({len(results) - len(ok)} failed)"),
-        ("throughput", f"{len(results) / elapsed:.1f} req/s" if elapsed > 0 else "-"),
-    ]
+    summary: dict[str, Any] = {
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "throughput_rps": len(results) / elapsed if elapsed > 0 else None,
+        "answered_by": {tier: sum(1 for r in ok if r.answered_by == tier) for tier in TIERS},
+        "exits": sum(1 for r in ok if r.exit),
+        "cache_hits": sum(1 for r in ok if r.cache_hit),
+        "p50_ms": {},
+        "bytes_per_request": {},
+        "rate_bps": {},
+    }
     if ok:
-        by = {
-            tier: sum(1 for r in ok if r.answered_by == tier)
-            for tier in ("device", "edge", "cloud")
-        }
-        rows.append(("answered by", ", ".join(f"{t} {n}" for t, n in by.items())))
-        rows.append(("early exits", str(sum(1 for r in ok if r.exit))))
-        rows.append(("cache hits", str(sum(1 for r in ok if r.cache_hit))))
         for key in ("total", "device", "edge", "cloud", "network"):
-            rows.append(
-                (f"{key} p50", format_duration(statistics.median(r.ms[key] for r in ok) / 1e3))
-            )
+            summary["p50_ms"][key] = statistics.median(r.ms[key] for r in ok)
         for link in LINKS:
-            sent = [r.bytes.get(link, 0) for r in ok]
             rates = [r.rate_bps.get(link, 0.0) for r in ok if r.rate_bps.get(link, 0.0) > 0]
-            rate = format_rate(statistics.median(rates)) if rates else "-"
-            rows.append((f"{link}", f"{format_size(statistics.mean(sent))}/request, rate {rate}"))
-    print(format_table((), rows, align="ll"))
+            summary["bytes_per_request"][link] = statistics.mean(r.bytes.get(link, 0) for r in ok)
+            summary["rate_bps"][link] = statistics.median(rates) if rates else None
+    return summary
+
+
+def _summary_table(summary: dict[str, Any]) -> str:
+    throughput = summary["throughput_rps"]
+    rows: list[tuple[str, str]] = [
+        ("requests", f"{summary['requests']} ({summary['failed']} failed)"),
+        ("throughput", "-" if throughput is None else f"{throughput:.1f} req/s"),
+    ]
+    if summary["p50_ms"]:
+        by = summary["answered_by"]
+        rows.append(("answered by", ", ".join(f"{t} {n}" for t, n in by.items())))
+        rows.append(("early exits", str(summary["exits"])))
+        rows.append(("cache hits", str(summary["cache_hits"])))
+        for key, ms in summary["p50_ms"].items():
+            rows.append((f"{key} p50", format_duration(ms / 1e3)))
+        for link, sent in summary["bytes_per_request"].items():
+            rate = summary["rate_bps"][link]
+            shown = "-" if rate is None else format_rate(rate)
+            rows.append((link, f"{format_size(sent)}/request, rate {shown}"))
+    return format_table((), rows, align="ll")

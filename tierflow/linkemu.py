@@ -22,7 +22,7 @@ import argparse
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -32,6 +32,8 @@ from tierflow.plan import Plan
 from tierflow.rpc import tier_pb2
 
 T = TypeVar("T")
+#: Seconds from some fixed point, like :func:`time.monotonic`.
+Clock = Callable[[], float]
 
 EMULATION_MODES: tuple[str, ...] = ("off", "plan")
 
@@ -58,17 +60,22 @@ class Transfer:
 
 
 class LinkShaper:
-    """The state of one emulated link direction; thread-safe. ``spec=None``: not shaped."""
+    """The state of one emulated link direction; thread-safe. ``spec=None``: not shaped.
 
-    def __init__(self, name: str, spec: LinkSpec | None) -> None:
+    ``clock`` gives the time in seconds (monotonic, as the default); a test can pass its
+    own to check a schedule exactly, the way the caches take one.
+    """
+
+    def __init__(self, name: str, spec: LinkSpec | None, *, clock: Clock = time.monotonic) -> None:
         self.name = name
         self.spec = spec
+        self.clock = clock
         self._free_at = 0.0
         self._lock = threading.Lock()
 
     def schedule(self, nbytes: int) -> Transfer:
         """Book the link for ``nbytes`` bytes handed over now ([Note: link shaping])."""
-        now = time.monotonic()
+        now = self.clock()
         transfer = Transfer(nbytes, now)
         if self.spec is None:
             return transfer
@@ -92,12 +99,13 @@ class ShapedQueue(Generic[T]):
 
     def __init__(self, shaper: LinkShaper | None = None) -> None:
         self.shaper = shaper
+        self._clock = shaper.clock if shaper is not None else time.monotonic
         self._queue: queue.SimpleQueue[tuple[Transfer | None, object]] = queue.SimpleQueue()
 
     def put(self, item: T, nbytes: int) -> Transfer:
         """Queue ``item`` (``nbytes`` on the wire); return its transfer record."""
         if self.shaper is None:
-            transfer = Transfer(nbytes, time.monotonic())
+            transfer = Transfer(nbytes, self._clock())
         else:
             transfer = self.shaper.schedule(nbytes)
         self._queue.put((transfer, item))
@@ -114,13 +122,13 @@ class ShapedQueue(Generic[T]):
                 return
             assert transfer is not None
             if transfer.arrives is not None:
-                delay = transfer.arrives - time.monotonic()
+                delay = transfer.arrives - self._clock()
                 if delay > 0:
                     time.sleep(delay)
             yield item  # type: ignore[misc]
             if transfer.left is None:
                 # The transport asks for the next item once this one is written.
-                transfer.left = time.monotonic()
+                transfer.left = self._clock()
 
 
 def add_link_arguments(parser: argparse.ArgumentParser) -> None:

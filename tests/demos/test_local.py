@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -83,21 +84,30 @@ def test_demo_runs_the_three_strategies_and_stops_its_processes(
             "24",
             "--workdir",
             str(workdir),
+            "--json",
         ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    out = done.stdout
-    assert "cached in" in out  # the run's model was built once by the fixture, then reused
-    assert "at an exit)" in out  # the plan with early exits answered some requests early
-    results = out[out.index("[6/6]") :]
-    for strategy in ("tierflow", "tierflow+exits", "device-only", "cloud-only"):
-        row = next(line for line in results.splitlines() if line.split()[:1] == [strategy])
-        cells = row.split()
-        assert float(cells[1].rstrip("%")) >= 90.0  # accuracy on the held-out requests
-        assert cells[-1] == "0"  # no failed requests
+    steps = done.stderr  # with --json the steps' output goes to stderr
+    assert "cached in" in steps  # the run's model was built once by the fixture, then reused
+    assert "[6/6] results" in steps
+    report = json.loads(done.stdout)
+    assert report["links"] == {"device-edge": "20mbit,2ms", "edge-cloud": "200mbit,20ms"}
+    rows = {row["strategy"]: row for row in report["strategies"]}
+    assert list(rows) == ["tierflow", "tierflow+exits", "device-only", "cloud-only"]
+    for row in rows.values():
+        assert row["requests"] == 24 and row["failed"] == 0
+        assert row["accuracy"] >= 0.9  # on the held-out requests
+        assert row["p95_ms"] >= row["p50_ms"] > 0 and row["throughput_rps"] > 0
+        assert sum(row["answered_by"].values()) == 24
+    assert rows["tierflow+exits"]["exits"] > 0  # the plan with exits answered some early
+    assert rows["device-only"]["answered_by"] == {"device": 24}
+    assert rows["device-only"]["bytes_per_request"]["device-edge"] == 0
+    assert rows["cloud-only"]["answered_by"] == {"cloud": 24}
+    assert rows["cloud-only"]["bytes_per_request"]["device-edge"] > 0
     # Every process the demo started is gone: none still names the demo's plans.
     leftover = subprocess.run(
         ["pgrep", "-f", str(workdir)], capture_output=True, text=True, check=False

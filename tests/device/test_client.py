@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -154,7 +155,14 @@ def test_tierflow_run_on_a_device_only_plan(
     args = ["run", "--plan", str(plan_dir), "--input", str(tmp_path / "in.npz")]
     args += ["--output", str(tmp_path / "out.npz"), "--report", str(tmp_path / "r.jsonl")]
     assert main(args) == 0
-    assert "answered by" in capsys.readouterr().out
+    assert "answered by  device 4, edge 0, cloud 0" in capsys.readouterr().out  # the table
+    assert main([*args, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["requests"], summary["failed"], summary["exits"]) == (4, 0, 0)
+    assert summary["answered_by"] == {"device": 4, "edge": 0, "cloud": 0}
+    assert summary["bytes_per_request"] == {"device-edge": 0, "edge-cloud": 0}
+    assert summary["rate_bps"] == {"device-edge": None, "edge-cloud": None}
+    assert summary["p50_ms"]["total"] >= summary["p50_ms"]["device"] > 0
     with np.load(tmp_path / "out.npz") as out:
         assert out["y"].shape == (4, 4)
         for i in range(4):

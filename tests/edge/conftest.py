@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import select
-import signal
 import socket
-import subprocess
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +24,7 @@ from tierflow.edge.server import EdgeServer
 from tierflow.links import LinkSpec
 from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec, save_plan
+from tierflow.processes import ServeProcess
 from tierflow.sessions import DEFAULT_OPTIMIZATION, open_session
 
 
@@ -225,46 +222,16 @@ def running_tiers(
         cloud.stop(0.5)
 
 
-class ServerProcess:
-    """``tierflow serve TIER ...`` in a child process; the address it printed once serving."""
-
-    def __init__(self, tier: str, plan_dir: Path, *args: str, listen: str = "127.0.0.1:0") -> None:
-        command = [sys.executable, "-m", "tierflow.cli", "serve", tier, "--plan", str(plan_dir)]
-        command += ["--listen", listen, "--grace", "0.5", *args]
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        assert self.process.stdout is not None
-        ready, _, _ = select.select([self.process.stdout], [], [], 60)
-        line = self.process.stdout.readline() if ready else ""
-        if " on " not in line:
-            self.kill()
-            _, err = self.process.communicate(timeout=10)
-            raise RuntimeError(f"tierflow serve {tier} did not start: {line!r} {err[-2000:]}")
-        self.address = line.rsplit(" on ", 1)[1].strip()
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-        self.process.wait(10)
-
-    def terminate(self) -> int:
-        """SIGTERM, as a service manager stops it; returns the exit status."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(10)
-        finally:
-            self.kill()
-
-
 @contextlib.contextmanager
-def server_processes() -> Iterator[Callable[..., ServerProcess]]:
-    """Start servers with the yielded function; every one is killed afterwards."""
-    started: list[ServerProcess] = []
+def server_processes() -> Iterator[Callable[..., ServeProcess]]:
+    """Start servers with the yielded function; every one is killed afterwards.
 
-    def start(tier: str, plan_dir: Path, *args: str, listen: str = "127.0.0.1:0") -> ServerProcess:
-        server = ServerProcess(tier, plan_dir, *args, listen=listen)
+    Each is ``tierflow serve`` with a short ``--grace`` (``tierflow.processes``).
+    """
+    started: list[ServeProcess] = []
+
+    def start(tier: str, plan_dir: Path, *args: str, listen: str = "127.0.0.1:0") -> ServeProcess:
+        server = ServeProcess(tier, plan_dir, "--grace", "0.5", *args, listen=listen)
         started.append(server)
         return server
 
@@ -273,9 +240,6 @@ def server_processes() -> Iterator[Callable[..., ServerProcess]]:
     finally:
         for server in started:
             server.kill()
-            for stream in (server.process.stdout, server.process.stderr):
-                if stream is not None:
-                    stream.close()
 
 
 class RuntimeKit:

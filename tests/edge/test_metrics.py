@@ -23,10 +23,10 @@ prometheus = pytest.importorskip("prometheus_client.parser")
 def _metrics_address(server: Any) -> str:
     """The second stdout line of ``tierflow serve``: where its metrics are.
 
-    Read without select(): both lines may already sit in the pipe's text buffer. The
-    server prints it right after the first, or exits (an empty line).
+    ``read_line`` keeps what the pipe held beyond the first line, so a line printed right
+    after it is not lost in a buffer; it waits at most 30 s.
     """
-    line = server.process.stdout.readline()
+    line = server.read_line(30)
     assert " metrics on http://" in line, line
     return line.rsplit(" on ", 1)[1].strip()
 

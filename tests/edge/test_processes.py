@@ -59,10 +59,14 @@ def test_three_processes_reproduce_the_model_exactly(tmp_path: Path, rt: Any, mo
             str(tmp_path / "r.jsonl"),
             "--window",
             "3",
+            "--json",
         )
         assert done.returncode == 0, done.stderr
-        assert edge.terminate() == 0 and cloud.terminate() == 0  # graceful on SIGTERM
-    assert "requests" in done.stdout  # the summary table
+        assert edge.stop() == 0 and cloud.stop() == 0  # graceful on SIGTERM
+    summary = json.loads(done.stdout)
+    assert (summary["requests"], summary["failed"]) == (len(inputs), 0)
+    assert summary["answered_by"] == {"device": 0, "edge": 0, "cloud": len(inputs)}
+    assert summary["bytes_per_request"]["edge-cloud"] > 0 and summary["rate_bps"]["device-edge"]
     with np.load(tmp_path / "out.npz") as out:
         outputs = {key: out[key] for key in out.files}
     for i in range(len(inputs)):

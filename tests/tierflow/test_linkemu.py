@@ -68,3 +68,29 @@ def test_resolve_links_uses_the_plan_and_overrides() -> None:
         resolve_links(plan, "off", ["device-edge=1mbit"])
     with pytest.raises(UsageError):
         resolve_links(plan, "plan", ["wifi=1mbit"])
+
+
+class _Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_schedule_on_an_injected_clock_is_exact() -> None:
+    clock = _Clock(10.0)
+    shaper = LinkShaper("device-edge", LinkSpec(20e6, 0.05), clock=clock)
+    first = shaper.schedule(MB)  # 0.4 s on the link, then 25 ms of propagation
+    assert (first.queued, first.left, first.arrives) == (10.0, 10.4, pytest.approx(10.425))
+    clock.now = 10.1  # handed over while the link is busy: waits for it
+    second = shaper.schedule(MB // 2)
+    assert second.queued == 10.1
+    assert second.left == pytest.approx(10.6) and second.arrives == pytest.approx(10.625)
+    assert second.stat("device-edge").rate_bps == pytest.approx(MB / 2 * 8 / 0.5)
+    clock.now = 20.0  # the link has been idle: starts at once
+    third = shaper.schedule(MB // 4)
+    assert third.left == pytest.approx(20.1) and third.arrives == pytest.approx(20.125)
+    assert LinkShaper("device-edge", None, clock=clock).schedule(MB).left is None
