@@ -28,6 +28,7 @@ from typing import Generic, TypeVar
 
 from tierflow.errors import UsageError
 from tierflow.links import LINKS, LinkSpec, parse_link_option
+from tierflow.linktrace import LinkTrace, load_trace
 from tierflow.plan import Plan
 from tierflow.rpc import tier_pb2
 
@@ -35,7 +36,8 @@ T = TypeVar("T")
 #: Seconds from some fixed point, like :func:`time.monotonic`.
 Clock = Callable[[], float]
 
-EMULATION_MODES: tuple[str, ...] = ("off", "plan")
+#: ``--link-emulation`` values; ``trace`` is written ``trace=FILE.csv``.
+EMULATION_MODES: tuple[str, ...] = ("off", "plan", "trace")
 
 
 @dataclass
@@ -62,14 +64,21 @@ class Transfer:
 class LinkShaper:
     """The state of one emulated link direction; thread-safe. ``spec=None``: not shaped.
 
-    ``clock`` gives the time in seconds (monotonic, as the default); a test can pass its
-    own to check a schedule exactly, the way the caches take one.
+    A :class:`~tierflow.linktrace.LinkTrace` changes the link over time, counted from
+    when the shaper is made (the sender opening the link). ``clock`` gives the time in
+    seconds (monotonic, as the default); a test can pass its own to check a schedule
+    exactly, the way the caches take one.
     """
 
-    def __init__(self, name: str, spec: LinkSpec | None, *, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self, name: str, spec: LinkSpec | LinkTrace | None, *, clock: Clock = time.monotonic
+    ) -> None:
         self.name = name
         self.spec = spec
         self.clock = clock
+        self._trace = LinkTrace.constant(spec) if isinstance(spec, LinkSpec) else spec
+        # A fixed link does not depend on when it opened (0: its schedule stays exact).
+        self._epoch = clock() if isinstance(spec, LinkTrace) else 0.0
         self._free_at = 0.0
         self._lock = threading.Lock()
 
@@ -77,13 +86,14 @@ class LinkShaper:
         """Book the link for ``nbytes`` bytes handed over now ([Note: link shaping])."""
         now = self.clock()
         transfer = Transfer(nbytes, now)
-        if self.spec is None:
+        trace = self._trace
+        if trace is None:
             return transfer
         with self._lock:
             start = max(now, self._free_at)
-            self._free_at = start + nbytes * 8.0 / self.spec.rate_bps
+            self._free_at = self._epoch + trace.serialised(start - self._epoch, nbytes)
             transfer.left = self._free_at
-        transfer.arrives = transfer.left + self.spec.rtt_s / 2.0
+        transfer.arrives = transfer.left + trace.at(transfer.left - self._epoch).rtt_s / 2.0
         return transfer
 
 
@@ -135,10 +145,11 @@ def add_link_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``--link-emulation`` and ``--link`` options every runtime command takes."""
     parser.add_argument(
         "--link-emulation",
-        choices=EMULATION_MODES,
         default="off",
-        help="shape the links this process sends on: 'plan' uses the plan's rates and RTTs "
-        "(overridden by --link), so local processes behave like the real links",
+        metavar="{off,plan,trace=FILE.csv}",
+        help="shape the links this process sends on: 'plan' uses the plan's rates and RTTs, "
+        "'trace=FILE.csv' replays SECONDS,RATE,RTT lines (e.g. 3,2mbit,30ms: from 3 s on) "
+        "from when each link opens; --link pins single links to fixed values",
     )
     parser.add_argument(
         "--link",
@@ -150,15 +161,29 @@ def add_link_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_links(plan: Plan, mode: str, overrides: Sequence[str] = ()) -> dict[str, LinkSpec]:
-    """The links to emulate: none when ``mode`` is 'off', else the plan's with overrides."""
-    if mode not in EMULATION_MODES:
-        raise UsageError(f"unknown --link-emulation {mode!r}: expected one of off, plan")
+def resolve_links(
+    plan: Plan, mode: str, overrides: Sequence[str] = ()
+) -> dict[str, LinkSpec | LinkTrace]:
+    """The links to emulate: none when ``mode`` is 'off', else the plan's or a trace's.
+
+    ``trace=FILE.csv`` shapes every link by the trace in FILE, except the links that
+    ``overrides`` (``--link`` values) pin.
+    """
+    kind, sep, path = mode.partition("=")
+    if kind not in EMULATION_MODES or bool(sep) != (kind == "trace") or (sep and not path):
+        raise UsageError(f"unknown --link-emulation {mode!r}: expected off, plan or trace=FILE.csv")
     parsed = dict(parse_link_option(text, plan.links) for text in overrides)
-    if mode == "off":
+    if kind == "off":
         if parsed:
-            raise UsageError("--link needs --link-emulation plan; it only sets emulated links")
+            raise UsageError(
+                "--link needs --link-emulation plan or trace; it only sets emulated links"
+            )
         return {}
-    links = {name: plan.links[name] for name in LINKS if name in plan.links}
+    links: dict[str, LinkSpec | LinkTrace]
+    if kind == "trace":
+        trace = load_trace(path)
+        links = {name: trace for name in LINKS}
+    else:
+        links = {name: plan.links[name] for name in LINKS if name in plan.links}
     links.update(parsed)
     return links

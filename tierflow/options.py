@@ -19,6 +19,7 @@ from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
 from tierflow.errors import UsageError
 from tierflow.linkemu import resolve_links
 from tierflow.links import LinkSpec
+from tierflow.linktrace import LinkTrace
 from tierflow.plan import Plan
 from tierflow.providers import CPU
 from tierflow.security import Security
@@ -37,7 +38,8 @@ class RuntimeOptions:
     ``slowdown``: run this many times slower than this machine (emulation; >= 1).
     ``optimization``: ONNX Runtime level ([Note: optimization level and exactness] in
     ``tierflow.sessions``). ``workers``: requests a server runs at once (None: one per
-    core). ``links``: the links to emulate by name (``tierflow.linkemu``), read-only.
+    core). ``links``: the links to emulate by name, fixed or traced (``tierflow.linkemu``),
+    read-only.
     ``max_tensor_bytes`` / ``max_message_bytes``: the largest decoded tensor and gRPC
     message accepted. ``max_in_flight``: requests a server holds before answering
     OVERLOADED. ``security``: TLS and tokens (``tierflow.security``). ``providers``: ONNX
@@ -48,7 +50,7 @@ class RuntimeOptions:
     slowdown: float = 1.0
     optimization: str = DEFAULT_OPTIMIZATION
     workers: int | None = None
-    links: Mapping[str, LinkSpec] = field(default_factory=dict)
+    links: Mapping[str, LinkSpec | LinkTrace] = field(default_factory=dict)
     max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES
     max_message_bytes: int = DEFAULT_MESSAGE_BYTES
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
