@@ -1,4 +1,4 @@
-"""``tierflow run --link-emulation trace=FILE.csv``: a rate step mid-stream shows in the requests."""
+"""``tierflow run --link-emulation trace=FILE.csv``: a mid-stream rate step shows in requests."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ def test_a_trace_that_steps_the_rate_mid_stream_changes_transfer_time(
     # (sent across the step) went partly at each.
     assert slow and fast and max(slow) < min(fast)
     assert len(lines) - len(slow) - len(fast) <= 1 and min(fast) - max(slow) <= 2
-    assert all(250e3 < rates[i] <= 301e3 for i in slow)
-    assert all(totals[i] >= 50 for i in slow)
+    whole = slow[:-1]  # the last slow one may have been sent across the step
+    assert whole and all(250e3 < rates[i] <= 301e3 for i in whole)
+    assert all(totals[i] >= 50 for i in whole)
     assert statistics.median(totals[i] for i in slow) > statistics.median(totals[i] for i in fast)
     with np.load(tmp_path / "out.npz") as out:
         for i, feeds in enumerate(samples):

@@ -17,7 +17,9 @@ MB = 1_000_000
 
 
 def test_a_trace_file_reads_steps_with_units_header_and_comments() -> None:
-    text = "seconds,rate,rtt\n# a step down and back\n0,20mbit,10ms\n\n3, 2MB/s , 30ms # slow\n5.5,1gbit,0ms\n"
+    text = (
+        "seconds,rate,rtt\n# down and up\n0,20mbit,10ms\n\n3, 2MB/s , 30ms # slow\n5.5,1gbit,0ms\n"
+    )
     trace = parse_trace(text, "up.csv")
     assert [step.start_s for step in trace.steps] == [0.0, 3.0, 5.5]
     assert trace.at(0) == LinkSpec(20e6, 0.01)
@@ -100,7 +102,7 @@ def test_resolve_links_with_a_trace_shapes_every_link_but_the_pinned(tmp_path: P
     assert pinned["edge-cloud"] == LinkSpec(100e6, 0.02)
     assert isinstance(pinned["device-edge"], LinkTrace)
     for mode in ("trace", "trace=", "plan=x.csv", "replay=x.csv"):
-        with pytest.raises(UsageError, match="expected off, plan or trace=FILE.csv"):
+        with pytest.raises(UsageError, match=r"expected off, plan or trace=FILE\.csv"):
             resolve_links(_plan(), mode)
     path.write_text("0,1mbit,5ms\n2,3mbit\n")
     with pytest.raises(UsageError, match="line 2"):
