@@ -8,7 +8,9 @@ gives its callers.
 [Note: one reply per request]
 Every :meth:`StreamClient.submit` returns a future that is resolved exactly once: with
 the peer's ``Reply``; with a :class:`~tierflow.errors.TransportError` as soon as the
-stream breaks (the peer died, the connection dropped, the peer refused the stream); or
+stream breaks (the peer died, the connection dropped, the peer refused the stream: a
+:class:`~tierflow.errors.RemoteError` of code ``OVERLOADED`` when it serves too many
+streams, see [Note: stream admission] in ``tierflow.admission``); or
 with a :class:`~tierflow.errors.DeadlineError` when the request's deadline passes first
 (within a few milliseconds: deadlines are swept in batches).
 A broken stream is not reused: the next submit opens a new one on the same channel,
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from tierflow.errors import DeadlineError, InputError, TransportError
+from tierflow.errors import DeadlineError, InputError, RemoteError, TransportError
 from tierflow.linkemu import LinkShaper, ShapedQueue, Transfer
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.security import Security, open_channel
@@ -128,9 +130,16 @@ class _Stream:
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
             name = code.name if code is not None else "UNKNOWN"
             unavailable = code == grpc.StatusCode.UNAVAILABLE
-            error = TransportError(
-                f"the {client.peer} at {client.address} went away: {name}: {details}"
-            )
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # [Note: stream admission]
+                error = RemoteError(
+                    f"the {client.peer} at {client.address} refused the stream: {details}",
+                    code="OVERLOADED",
+                    tier=client.peer,
+                )
+            else:
+                error = TransportError(
+                    f"the {client.peer} at {client.address} went away: {name}: {details}"
+                )
         except Exception as exc:  # a bug here must not leave requests hanging
             logger.exception("[%s] stream reader failed", client.me)
             error = TransportError(f"the stream to the {client.peer} failed: {exc}")

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from tierflow.admission import DEFAULT_MAX_STREAMS, DEFAULT_MAX_STREAMS_PER_PEER
 from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
 from tierflow.errors import UsageError
 from tierflow.linkemu import resolve_links
@@ -42,7 +43,9 @@ class RuntimeOptions:
     read-only.
     ``max_tensor_bytes`` / ``max_message_bytes``: the largest decoded tensor and gRPC
     message accepted. ``max_in_flight``: requests a server holds before answering
-    OVERLOADED. ``security``: TLS and tokens (``tierflow.security``). ``providers``: ONNX
+    OVERLOADED. ``max_streams`` / ``max_streams_per_peer``: streams a server serves at
+    once in all and from one host ([Note: stream admission] in ``tierflow.admission``).
+    ``security``: TLS and tokens (``tierflow.security``). ``providers``: ONNX
     Runtime execution providers in order of preference (``tierflow.providers``).
     """
 
@@ -54,6 +57,8 @@ class RuntimeOptions:
     max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES
     max_message_bytes: int = DEFAULT_MESSAGE_BYTES
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    max_streams: int = DEFAULT_MAX_STREAMS
+    max_streams_per_peer: int = DEFAULT_MAX_STREAMS_PER_PEER
     security: Security = field(default_factory=Security)
     providers: tuple[str, ...] = (CPU,)
 
@@ -65,7 +70,8 @@ class RuntimeOptions:
         check_optimization(self.optimization)
         if self.workers is not None and self.workers < 1:
             raise UsageError(f"workers must be >= 1, got {self.workers}")
-        for name in ("max_tensor_bytes", "max_message_bytes", "max_in_flight"):
+        limits = ("max_tensor_bytes", "max_message_bytes", "max_in_flight", "max_streams")
+        for name in (*limits, "max_streams_per_peer"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.providers:
@@ -86,6 +92,10 @@ class RuntimeOptions:
             workers=getattr(args, "workers", None),
             links=resolve_links(plan, args.link_emulation, args.link),
             max_tensor_bytes=getattr(args, "max_tensor_bytes", DEFAULT_MAX_TENSOR_BYTES),
+            max_streams=getattr(args, "max_streams", DEFAULT_MAX_STREAMS),
+            max_streams_per_peer=getattr(
+                args, "max_streams_per_peer", DEFAULT_MAX_STREAMS_PER_PEER
+            ),
             security=Security.from_args(args),
             providers=getattr(args, "providers", (CPU,)),
         )

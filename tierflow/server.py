@@ -33,6 +33,7 @@ from types import FrameType
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tierflow.admission import DEFAULT_MAX_STREAMS, DEFAULT_MAX_STREAMS_PER_PEER
 from tierflow.errors import UsageError
 from tierflow.helptext import HelpFormatter, examples
 from tierflow.linkemu import add_link_arguments
@@ -47,8 +48,8 @@ from tierflow.wire import add_tier_servicer, grpc_options
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "tierflow.rpc.Tier"
-# Threads serving gRPC streams (one per open stream); the work runs on the service's pool.
-_STREAM_THREADS = 64
+# gRPC threads beyond the stream caps, for health checks ([Note: stream admission]).
+_SPARE_THREADS = 16
 # How long stopping waits for cancelled streams to end, and how long after the grace
 # period a stopping CLI process exits in any case ([Note: stopping a tier]).
 _CANCEL_WAIT_S = 0.5
@@ -69,11 +70,13 @@ class TierServer:
         self.security = service.options.security
         self.port = 0
         self.health = health.HealthServicer()
+        # One thread per call gRPC admits, so that no call waits behind idle streams
+        # ([Note: stream admission] in tierflow.admission); threads start as needed.
+        calls = service.options.max_streams + _SPARE_THREADS
         self._server = grpc.server(
-            ThreadPoolExecutor(
-                max_workers=_STREAM_THREADS, thread_name_prefix=f"{service.tier}-grpc"
-            ),
+            ThreadPoolExecutor(max_workers=calls, thread_name_prefix=f"{service.tier}-grpc"),
             options=[*grpc_options(service.options.max_message_bytes), *server_options()],
+            maximum_concurrent_rpcs=calls,
             interceptors=self.security.interceptors(service.tier),
         )
         add_tier_servicer(service, self._server)
@@ -230,6 +233,20 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default="1GiB",
         metavar="SIZE",
         help="largest decoded tensor accepted",
+    )
+    parser.add_argument(
+        "--max-streams",
+        type=int,
+        default=DEFAULT_MAX_STREAMS,
+        metavar="N",
+        help="streams served at once, all peers together; more are refused OVERLOADED",
+    )
+    parser.add_argument(
+        "--max-streams-per-peer",
+        type=int,
+        default=DEFAULT_MAX_STREAMS_PER_PEER,
+        metavar="N",
+        help="streams served at once from one host; more are refused OVERLOADED",
     )
     parser.add_argument(
         "--grace", type=float, default=5.0, help="seconds open streams get to finish on shutdown"

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
+from tierflow.admission import StreamAdmission, peer_host
 from tierflow.cache import CacheAnswer, FeatureCache, cache_key
 from tierflow.codec import CodecSpec, decode
 from tierflow.errors import (
@@ -167,6 +168,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         self.metrics: TierMetrics | None = None  # --metrics-port (tierflow.metrics)
         self._ready = threading.Event()
         self._stopping = threading.Event()
+        self.admission = StreamAdmission(tier, options.max_streams, options.max_streams_per_peer)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -231,6 +233,23 @@ class TierService(tier_pb2_grpc.TierServicer):
 
     # ------------------------------------------------------------------ streams
 
+    def _admit(self, context: grpc.ServicerContext) -> None:
+        """Take a place for this stream, or end it OVERLOADED ([Note: stream admission])."""
+        peer = peer_host(context.peer())
+        refusal = self.admission.admit(peer)
+        if refusal is not None:
+            logger.info("[%s] stream refused: %s", self.tier, refusal)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        released = threading.Event()
+
+        def release() -> None:
+            if not released.is_set():
+                released.set()
+                self.admission.release(peer)
+
+        if not context.add_callback(release):  # the call already ended
+            release()
+
     def Infer(
         self,
         request_iterator: Iterator[tier_pb2.Request | Undecodable],
@@ -244,6 +263,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         (a grpc that does not offer that form) a reader thread dispatches the requests
         and the returned generator writes the replies.
         """
+        self._admit(context)
         spec = self.options.links.get(self.down_link or "")
         shaper = LinkShaper(self.down_link or "", spec)
         if send_response is None or spec is not None:
@@ -464,10 +484,15 @@ class TierService(tier_pb2_grpc.TierServicer):
     def _decode(self, request: tier_pb2.Request, runner: TierRunner) -> dict[str, np.ndarray]:
         """Headers first (names, dtypes, shapes), payloads after ([Note: a request at a tier]).
 
-        The tensor count is checked before anything else: a request of two million tiny
-        tensors costs no more than one of the plan's size.
+        The segment and the tensor count are checked before anything else: a request of
+        two million tiny tensors costs no more than one of the plan's size. Each tensor's
+        dtype and shape are checked against the segment's input before any payload is
+        decoded, so a tensor decodes to exactly the size the plan expects (at most
+        ``max_tensor_bytes`` along a symbolic dimension).
         """
-        if request.segment == runner.start and len(request.tensors) != len(runner.needs):
+        if request.segment != runner.start:
+            runner.check_names(set(), segment=request.segment)  # raises: wrong segment
+        if len(request.tensors) != len(runner.needs):
             raise InputError(
                 f"the {self.tier} expects {len(runner.needs)} tensors {list(runner.needs)}, "
                 f"the request carries {len(request.tensors)}"
@@ -572,6 +597,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         large answer. ``tierflow probe`` sends its payload up before asking
         for it down, so it never meets the bound.
         """
+        self._admit(context)
         context.send_initial_metadata((("tierflow-tier", self.tier),))
         zeros = b""
         credit = PROBE_ALLOWANCE

@@ -1,0 +1,158 @@
+"""Stream admission: idle streams cost no worker; a peer beyond its cap is told OVERLOADED."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from tierflow.cloud.server import CloudServer
+from tierflow.edge.server import EdgeServer
+from tierflow.errors import RemoteError
+from tierflow.mux import StreamClient
+from tierflow.options import RuntimeOptions
+from tierflow.plan import load_plan
+from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.segment_runner import TierRunner
+from tierflow.wire import decode_tensors, grpc_options, put_tensors
+
+
+def _device_request(plan_dir: Path, feeds: dict[str, np.ndarray]) -> tier_pb2.Request:
+    """What a device sends the edge for ``feeds``: the device segment run here."""
+    plan = load_plan(plan_dir)
+    outcome = TierRunner(plan, plan_dir, "device").run(feeds)
+    request = tier_pb2.Request(plan_id=plan.plan_id, segment=outcome.next_segment)
+    put_tensors(request.tensors, outcome.tensors, plan.link_codec("device-edge"))
+    return request
+
+
+@contextlib.contextmanager
+def _tiers(plan_dir: Path, options: RuntimeOptions) -> Iterator[EdgeServer]:
+    cloud = CloudServer(plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=2))
+    cloud.start()
+    edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, options=options)
+    try:
+        edge.start()
+        yield edge
+    finally:
+        edge.stop(0)
+        cloud.stop(0)
+
+
+class _IdleStreams:
+    """Streams opened on one channel that never send a request until closed."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address, options=grpc_options())
+        self.stub = tier_pb2_grpc.TierStub(self.channel)
+        self.calls: list[tuple[threading.Event, Any]] = []
+
+    def open(self, count: int) -> None:
+        for _ in range(count):
+            stop = threading.Event()
+
+            def nothing(stop: threading.Event = stop) -> Iterator[tier_pb2.Request]:
+                stop.wait()
+                yield from ()
+
+            self.calls.append((stop, self.stub.Infer(nothing())))
+
+    def close_one(self) -> None:
+        stop, call = self.calls.pop()
+        stop.set()
+        call.cancel()
+
+    def close(self) -> None:
+        while self.calls:
+            self.close_one()
+        self.channel.close()
+
+
+def _wait_for(condition: Any, what: str, timeout: float = 20.0) -> None:
+    ends = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > ends:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_a_hundred_idle_streams_do_not_delay_a_device(tmp_path: Path, rt: Any) -> None:
+    """With 100 streams held open and silent, a device's request is answered in time, exactly."""
+    split = rt.cnn(tmp_path / "plan")
+    feeds = split.sample(0)[0]
+    with _tiers(split.plan_dir, RuntimeOptions(workers=2)) as edge:
+        idle = _IdleStreams(edge.address)
+        device = StreamClient(edge.address, me="device", peer="edge")
+        try:
+            idle.open(100)
+            admission = edge.service.admission
+            _wait_for(lambda: admission.open_streams == 100, "the edge to hold 100 streams")
+            started = time.monotonic()
+            sent = device.submit(_device_request(split.plan_dir, feeds), deadline=started + 3.0)
+            reply = sent.future.result(timeout=10)
+            assert not reply.HasField("error"), reply.error
+            assert reply.answered_by == "cloud"
+            outputs = decode_tensors(reply.outputs)
+            np.testing.assert_array_equal(outputs["y"], split.reference(feeds)["y"])
+            assert admission.open_streams == 101  # the idle ones were still open
+        finally:
+            device.close(timeout=1)
+            idle.close()
+
+
+def test_a_peer_beyond_its_stream_cap_is_answered_overloaded(tmp_path: Path, rt: Any) -> None:
+    """The third stream from one host is refused OVERLOADED; a freed place serves again."""
+    split = rt.cnn(tmp_path / "plan")
+    request = _device_request(split.plan_dir, split.sample(1)[0])
+    options = RuntimeOptions(workers=2, max_streams_per_peer=2)
+    with _tiers(split.plan_dir, options) as edge:
+        idle = _IdleStreams(edge.address)
+        device = StreamClient(edge.address, me="device", peer="edge")
+        try:
+            idle.open(2)
+            admission = edge.service.admission
+            _wait_for(lambda: admission.open_streams == 2, "the edge to hold 2 streams")
+            refused = device.submit(request, deadline=time.monotonic() + 5.0)
+            with pytest.raises(RemoteError) as caught:
+                refused.future.result(timeout=10)
+            assert caught.value.code == "OVERLOADED"
+            assert "at most 2 per peer" in str(caught.value)
+            assert admission.open_streams == 2  # the refused stream took no place
+
+            idle.close_one()
+            _wait_for(lambda: admission.open_streams == 1, "a place to be given back")
+            served = device.submit(request, deadline=time.monotonic() + 5.0)
+            reply = served.future.result(timeout=10)
+            assert not reply.HasField("error"), reply.error
+        finally:
+            device.close(timeout=1)
+            idle.close()
+
+
+def test_a_request_for_another_segment_is_refused_before_its_tensors_are_read(
+    tmp_path: Path, rt: Any
+) -> None:
+    """200,000 tensors naming the wrong segment are refused without parsing them."""
+    split = rt.cnn(tmp_path / "plan")
+    plan = load_plan(split.plan_dir)
+    request = tier_pb2.Request(id="many", plan_id=plan.plan_id, segment=2)
+    for index in range(200_000):
+        request.tensors.add(name=f"t{index}", dtype="float32", shape=[1], codec="raw", data=b"0000")
+    with _tiers(split.plan_dir, RuntimeOptions(workers=2)) as edge:
+        channel = grpc.insecure_channel(edge.address, options=grpc_options())
+        try:
+            started = time.monotonic()
+            (reply,) = tier_pb2_grpc.TierStub(channel).Infer(iter([request]), timeout=20)
+            elapsed = time.monotonic() - started
+        finally:
+            channel.close()
+    assert tier_pb2.ErrorCode.Name(reply.error.code) == "INVALID_INPUT"
+    assert "segment 2" in reply.error.message
+    assert elapsed < 5.0
