@@ -1,0 +1,150 @@
+"""``tierflow bottleneck add`` and ``tierflow bottleneck show``: learned bottlenecks.
+
+The work happens in :mod:`tierflow.partitioner.bottleneck`; this module parses options,
+prints the rate-fidelity table (or JSON with ``--json``) and writes the model. torch and
+onnx are imported inside the handlers, so registering costs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from tierflow.errors import UsageError
+
+
+def _percent(text: str) -> float:
+    """``99%`` -> 0.99, ``0.99`` -> 0.99."""
+    value_text = text.strip()
+    try:
+        value = float(value_text.rstrip("%"))
+    except ValueError as exc:
+        raise UsageError(f"malformed share {text!r}: expected a percentage like 99%") from exc
+    return value / 100.0 if value_text.endswith("%") else value
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bottleneck",
+        help="graft a learned encoder/decoder at a cut, so fewer bytes cross the link",
+        description="Learned bottlenecks: narrow a feature where it crosses a link.",
+    )
+    commands = parser.add_subparsers(dest="bottleneck_command", metavar="ACTION", required=True)
+    add = commands.add_parser(
+        "add",
+        help="train bottlenecks at a cut and graft the smallest that keeps the answers",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=(
+            "At a one-tensor cut (--at, else chosen), train 1x1-convolution encoder/decoder "
+            "pairs that narrow the feature to K channels of B-bit integer codes, by "
+            "distillation from the frozen model on the (unlabeled) calibration inputs; "
+            "measure each on held-out requests against the exact model; graft the one with "
+            "the fewest bytes that meets --target. The codes are the new crossing tensor: "
+            "plan the written model as usual, with a lossless codec."
+        ),
+    )
+    add.add_argument("model", metavar="MODEL.onnx", help="the model to add a bottleneck to")
+    add.add_argument(
+        "--data", required=True, metavar="CALIB.npz", help="inputs (leading request axis)"
+    )
+    add.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="model to write")
+    add.add_argument(
+        "--at", default=None, metavar="CUT", help="tensor name or cut index (default: chosen)"
+    )
+    add.add_argument(
+        "--channels",
+        type=int,
+        action="append",
+        default=[],
+        metavar="K",
+        help="code channels to try, repeatable (default: C/4, C/8, C/16 of the feature)",
+    )
+    add.add_argument(
+        "--bits",
+        type=int,
+        action="append",
+        default=[],
+        metavar="B",
+        help="bits per code value to try, repeatable (default: 8, 4, 2)",
+    )
+    add.add_argument(
+        "--target", default="99%", help="agreement with the exact model the written one needs"
+    )
+    add.add_argument(
+        "--agreement",
+        choices=("top1", "boxes", "text"),
+        default="top1",
+        help="how answers are compared: top-1 class, detected boxes (PicoDet), CTC text",
+    )
+    add.add_argument("--holdout", default="30%", help="share of --data kept for measuring")
+    add.add_argument("--steps", type=int, default=300, help="training steps per point")
+    add.add_argument(
+        "--features-only",
+        action="store_true",
+        help="distil the feature only, not the model's outputs",
+    )
+    add.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="NAME=DIMS",
+        help="fix a symbolic input dimension (default: from --data)",
+    )
+    add.add_argument("--json", action="store_true", help="print the result as JSON")
+    add.set_defaults(handler=_add)
+
+    show = commands.add_parser(
+        "show",
+        help="print the rate-fidelity points recorded in a model",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    show.add_argument("model", metavar="MODEL.onnx")
+    show.add_argument("--json", action="store_true", help="print them as JSON")
+    show.set_defaults(handler=_show)
+
+
+def _add(args: argparse.Namespace) -> int:
+    from tierflow.partitioner.bottleneck import DEFAULT_BITS, add_bottleneck
+    from tierflow.partitioner.bottleneck_train import TrainSettings
+    from tierflow.partitioner.shapes import parse_shape_option
+
+    if args.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    shapes = dict(parse_shape_option(text) for text in args.shape) or None
+    result = add_bottleneck(
+        args.model,
+        args.data,
+        at=args.at,
+        channels=args.channels,
+        bits=args.bits or DEFAULT_BITS,
+        target=_percent(args.target),
+        agreement=args.agreement,
+        holdout=_percent(args.holdout),
+        settings=TrainSettings(steps=args.steps),
+        outputs_distillation=not args.features_only,
+        shapes=shapes,
+    )
+    path = result.save(args.output)
+    if args.json:
+        print(json.dumps({"model": str(path), **result.summary()}, indent=2))
+    else:
+        print(result.table())
+        print(f"wrote {path}: plan it as usual; the codes {result.code!r} are its cheapest cut")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from tierflow.partitioner.bottleneck import read_bottleneck
+
+    summary = read_bottleneck(args.model)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    elif not summary:
+        print(f"{args.model} has no learned bottleneck")
+    else:
+        for key in ("at", "code", "agreement", "distillation", "trained_on", "measured_on"):
+            print(f"{key}: {summary[key]}")
+        for point in summary["points"]:
+            print("  " + ", ".join(f"{k} {v}" for k, v in point.items()))
+    return 0

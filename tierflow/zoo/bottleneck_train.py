@@ -1,0 +1,226 @@
+"""Training a learned bottleneck: a small convolutional encoder/decoder pair around a feature.
+
+See [Note: learned bottleneck] in :mod:`tierflow.partitioner.bottleneck` for what is
+trained and why. This module holds the numbers: the PCA start, the distillation loop in
+torch, and :class:`BottleneckWeights`, the trained pair folded into the form the graph
+runs (codes in 0..L-1, L = 2**bits). Needs torch (the ``train`` extra).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_PCA_ROWS = 20_000  # feature vectors (pixels) used to find the principal directions
+_SPREAD = 2.0  # the code range covers +-_SPREAD standard deviations of each direction
+
+
+@dataclass(frozen=True)
+class BottleneckWeights:
+    """A trained pair as the graph runs it (float32 arrays, convolution layouts).
+
+    Encoder: ``codes = Cast<uint8>(Round(Clip(conv3x3(x, enc_w, enc_b), 0, levels - 1)))``
+    with enc_w [k, C, 3, 3]. Decoder: ``h = Relu(conv3x3(Cast<float>(codes), dec1_w,
+    dec1_b))`` with dec1_w [2C, k, 3, 3], then ``x' = conv1x1(h, dec2_w, dec2_b)`` with
+    dec2_w [C, 2C, 1, 1], and a final ReLU when ``relu`` (the feature is non-negative).
+    """
+
+    channels: int
+    bits: int
+    enc_w: np.ndarray
+    enc_b: np.ndarray
+    dec1_w: np.ndarray
+    dec1_b: np.ndarray
+    dec2_w: np.ndarray
+    dec2_b: np.ndarray
+    relu: bool
+
+    @property
+    def levels(self) -> int:
+        return 1 << self.bits
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """How long and how hard to train; the defaults suit a few hundred calibration images."""
+
+    steps: int = 300
+    batch: int = 32
+    learning_rate: float = 3e-3
+    output_weight: float = 1.0
+    seed: int = 0
+
+
+def pca_start(features: np.ndarray, channels: int, seed: int = 0) -> tuple[np.ndarray, ...]:
+    """Mean [C], the top ``channels`` principal directions [k, C] and their std devs [k].
+
+    The encoder starts as the projection onto these directions, so training begins from
+    the best linear k-channel code instead of from noise.
+    """
+    pixels = features.transpose(0, 2, 3, 1).reshape(-1, features.shape[1]).astype(np.float64)
+    if len(pixels) > _PCA_ROWS:
+        pick = np.random.default_rng(seed).choice(len(pixels), _PCA_ROWS, replace=False)
+        pixels = pixels[pick]
+    mean = pixels.mean(axis=0)
+    covariance = np.cov(pixels - mean, rowvar=False).reshape(len(mean), len(mean))
+    values, vectors = np.linalg.eigh(covariance)
+    order = np.argsort(values)[::-1][:channels]
+    stds = np.sqrt(np.maximum(values[order], 1e-12))
+    return mean, vectors[:, order].T, stds
+
+
+def _start_weights(features: np.ndarray, channels: int, seed: int) -> list[np.ndarray]:
+    """Encoder and decoder weights that compute the rank-k PCA reconstruction exactly.
+
+    Codes z in [0, 1]: z = (u + 1) / 2 with u = directions . (x - mean) / (spread * std).
+    The decoder's hidden layer holds +r and -r (r the linear reconstruction) so that after
+    its ReLU the 1x1 layer [I, -I] gives r back whatever its sign.
+    """
+    mean, directions, stds = pca_start(features, channels, seed)
+    k, c = directions.shape
+    enc_w = np.zeros((k, c, 3, 3))
+    enc_w[:, :, 1, 1] = directions / (_SPREAD * stds)[:, None] / 2.0
+    enc_b = 0.5 - enc_w[:, :, 1, 1] @ mean
+    recon_w = (directions * (2.0 * _SPREAD * stds)[:, None]).T  # [C, k]
+    recon_b = mean - recon_w.sum(axis=1) / 2.0
+    dec1_w = np.zeros((2 * c, k, 3, 3))
+    dec1_w[:c, :, 1, 1], dec1_w[c:, :, 1, 1] = recon_w, -recon_w
+    dec1_b = np.concatenate([recon_b, -recon_b])
+    dec2_w = np.concatenate([np.eye(c), -np.eye(c)], axis=1)[:, :, None, None]
+    dec2_b = np.zeros(c)
+    return [enc_w, enc_b, dec1_w, dec1_b, dec2_w, dec2_b]
+
+
+def _as_logits(torch: Any, output: Any, probabilities: bool) -> Any:
+    return torch.log(output.clamp_min(1e-8)) if probabilities else output
+
+
+def train_bottleneck(
+    features: np.ndarray,
+    teacher: Sequence[np.ndarray],
+    tail: Callable[[Any], list[Any]] | None,
+    channels: int,
+    bits: int,
+    settings: TrainSettings,
+) -> BottleneckWeights:
+    """Distil a ``channels``-wide, ``bits``-bit bottleneck from the frozen model.
+
+    ``features`` [N,C,H,W] are the model's own features at the cut, ``teacher`` its
+    outputs for the same rows; ``tail`` (or None) maps a feature to the outputs in torch.
+    Loss: MSE of the reconstructed feature over its variance; with a tail, plus
+    ``output_weight`` x (MSE of each output over its variance, and for 2-D class outputs
+    the KL divergence from the teacher's class distribution). Rounding to the code levels
+    is in the loop, with a straight-through gradient.
+    """
+    import torch
+
+    # One thread: the tensors are small, and on a shared machine torch's thread pool
+    # spins against other processes (measured 8x slower with 2 threads on 2 busy cores).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(torch, features, teacher, tail, channels, bits, settings)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(
+    torch: Any,
+    features: np.ndarray,
+    teacher: Sequence[np.ndarray],
+    tail: Callable[[Any], list[Any]] | None,
+    channels: int,
+    bits: int,
+    settings: TrainSettings,
+) -> BottleneckWeights:
+    torch.manual_seed(settings.seed)
+    generator = np.random.default_rng(settings.seed)
+    levels = (1 << bits) - 1
+    relu = bool(features.min() >= 0.0)
+    params = [
+        torch.tensor(a, dtype=torch.float32, requires_grad=True)
+        for a in _start_weights(features, channels, settings.seed)
+    ]
+    k = int(params[0].shape[0])
+    optimizer = torch.optim.Adam(params, lr=settings.learning_rate)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(settings.steps, 1))
+    feature_var = float(features.var()) or 1.0
+    output_vars = [float(t.var()) or 1.0 for t in teacher]
+    x_all = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
+    t_all = [torch.from_numpy(np.ascontiguousarray(t, dtype=np.float32)) for t in teacher]
+    classes = [t.ndim == 2 and t.shape[1] >= 2 for t in teacher]
+    probabilities = [
+        bool(c and t.min() >= 0 and np.allclose(t.sum(axis=1), 1.0, atol=1e-3))
+        for c, t in zip(classes, teacher, strict=True)
+    ]
+    conv = torch.nn.functional.conv2d
+
+    def reconstruct(x: Any) -> Any:
+        code = torch.clamp(conv(x, params[0], params[1], padding=1), 0.0, 1.0) * levels
+        code = code + (torch.round(code) - code).detach()  # straight-through rounding
+        hidden = torch.relu(conv(code / levels, params[2], params[3], padding=1))
+        out = conv(hidden, params[4], params[5])
+        return torch.relu(out) if relu else out
+
+    for step in range(settings.steps):
+        rows = torch.from_numpy(generator.choice(len(x_all), min(settings.batch, len(x_all))))
+        x = x_all[rows]
+        rebuilt = reconstruct(x)
+        loss = torch.mean((rebuilt - x) ** 2) / feature_var
+        if tail is not None and settings.output_weight > 0:
+            got_all = tail(rebuilt)
+            for i, (got, want) in enumerate(zip(got_all, t_all, strict=True)):
+                target = want[rows]
+                loss = (
+                    loss + settings.output_weight * torch.mean((got - target) ** 2) / output_vars[i]
+                )
+                if classes[i]:
+                    student = torch.log_softmax(_as_logits(torch, got, probabilities[i]), dim=1)
+                    teacher_p = torch.softmax(_as_logits(torch, target, probabilities[i]), dim=1)
+                    kl = torch.nn.functional.kl_div(student, teacher_p, reduction="batchmean")
+                    loss = loss + settings.output_weight * kl
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == settings.steps - 1:
+            logger.info(
+                "[bottleneck] k=%d bits=%d step %d/%d: loss %.4g",
+                k,
+                bits,
+                step + 1,
+                settings.steps,
+                float(loss.detach()),
+            )
+    e_w, e_b, d1_w, d1_b, d2_w, d2_b = (p.detach().numpy().astype(np.float64) for p in params)
+    # Fold the code scale into the convolutions: the graph's codes are integers 0..levels.
+    return BottleneckWeights(
+        channels=k,
+        bits=bits,
+        enc_w=(e_w * levels).astype(np.float32),
+        enc_b=(e_b * levels).astype(np.float32),
+        dec1_w=(d1_w / levels).astype(np.float32),
+        dec1_b=d1_b.astype(np.float32),
+        dec2_w=d2_w.astype(np.float32),
+        dec2_b=d2_b.astype(np.float32),
+        relu=relu,
+    )
+
+
+def default_channels(feature_channels: int) -> tuple[int, ...]:
+    """C/4, C/8 and C/16 channels (at least 1), widest first, without repeats."""
+    widths = {max(1, feature_channels // d) for d in (4, 8, 16)}
+    return tuple(sorted(widths, reverse=True))
+
+
+def packed_bytes(shape: Sequence[int], weights: BottleneckWeights) -> int:
+    """Bytes of one request's codes packed at ``bits`` per value (the information sent)."""
+    positions = math.prod(int(d) for d in shape[2:])
+    return math.ceil(positions * weights.channels * weights.bits / 8)
