@@ -44,30 +44,81 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
 
 from tierflow.errors import ModelError, UsageError
-from tierflow.partitioner.bottleneck_train import (
+from tierflow.partitioner.bottleneck.graft import (
+    METADATA_KEY,
     BottleneckWeights,
-    TrainSettings,
-    default_channels,
-    packed_bytes,
-    train_bottleneck,
+    code_name,
+    graft,
 )
 
 logger = logging.getLogger(__name__)
 
-METADATA_KEY = "tierflow.bottleneck"
 DEFAULT_BITS = (8, 4, 2)
 DEFAULT_TARGET = 0.99
 HOLDOUT_FRACTION = 0.3
-AGREEMENTS = ("top1", "boxes", "text")
-_TAIL_TOLERANCE = 1e-3  # relative; larger and the torch tail is not trusted
 _SEED = 0
+
+# Per-request agreement of changed outputs with exact ones (lists in output order).
+Agreement = Callable[[list[np.ndarray], list[np.ndarray]], np.ndarray]
+
+
+class Trainer(Protocol):
+    """What trains the pairs: :class:`tierflow.zoo.bottleneck_train.TorchTrainer`.
+
+    The planner side imports no torch; ``tierflow bottleneck add`` hands it a trainer.
+    :meth:`prepare` gets the analysed model, the cut tensor, the output names, the
+    features and the exact outputs on the training rows, and returns a description of how
+    it distils; :meth:`train` returns :class:`BottleneckWeights` fields for one point.
+    """
+
+    def prepare(
+        self,
+        model: onnx.ModelProto,
+        at: str,
+        outputs: Sequence[str],
+        features: np.ndarray,
+        teacher: Sequence[np.ndarray],
+    ) -> str: ...
+
+    def train(
+        self, features: np.ndarray, teacher: Sequence[np.ndarray], channels: int, bits: int
+    ) -> Mapping[str, Any]: ...
+
+
+def top1(exact: list[np.ndarray], changed: list[np.ndarray]) -> np.ndarray:
+    """Per request, 1.0 when every output keeps the exact model's argmax (see fidelity)."""
+    from tierflow.partitioner.fidelity import request_agrees
+
+    rows = len(exact[0])
+    return np.array(
+        [
+            float(
+                request_agrees(
+                    {str(i): e[r : r + 1] for i, e in enumerate(exact)},
+                    {str(i): c[r : r + 1] for i, c in enumerate(changed)},
+                )
+            )
+            for r in range(rows)
+        ]
+    )
+
+
+def default_channels(feature_channels: int) -> tuple[int, ...]:
+    """C/4, C/8 and C/16 channels (at least 1), widest first, without repeats."""
+    widths = {max(1, feature_channels // d) for d in (4, 8, 16)}
+    return tuple(sorted(widths, reverse=True))
+
+
+def packed_bytes(codes_per_request: int, bits: int) -> int:
+    """Bytes of one request's codes packed at ``bits`` per value (the information sent)."""
+    return math.ceil(codes_per_request * bits / 8)
 
 
 @dataclass(frozen=True)
@@ -253,102 +304,7 @@ def choose_cut(graph: Any, at: str | None) -> Any:
     return min(half, key=lambda c: (positions(c), c.position))
 
 
-# --- grafting ---------------------------------------------------------------------------
-
-
-def graft(
-    model: onnx.ModelProto, at: str, weights: BottleneckWeights
-) -> tuple[onnx.ModelProto, str]:
-    """A copy of ``model`` with the pair around tensor ``at``; returns it and the code name.
-
-    Every reader of ``at`` reads the decoder's output instead; the nodes go right after
-    the one producing ``at``, so the order stays topological.
-    """
-    grafted = onnx.ModelProto()
-    grafted.CopyFrom(model)
-    graph = grafted.graph
-    producer = next((i for i, n in enumerate(graph.node) if at in n.output), None)
-    if producer is None:
-        raise ModelError(f"no node produces {at!r}; a bottleneck needs an inner feature")
-    if any(o.name == at for o in graph.output):
-        raise ModelError(f"{at!r} is a model output; a bottleneck needs an inner feature")
-    if (
-        max((o.version for o in grafted.opset_import if o.domain in ("", "ai.onnx")), default=0)
-        < 11
-    ):
-        raise ModelError("a bottleneck needs opset 11 or newer (Round)")
-    prefix = f"{at}.bottleneck"
-    code, decoded = code_name(at), f"{prefix}.decoded"
-    for node in graph.node:
-        for i, name in enumerate(node.input):
-            if name == at:
-                node.input[i] = decoded
-    arrays = {
-        "enc_w": weights.enc_w,
-        "enc_b": weights.enc_b,
-        "dec1_w": weights.dec1_w,
-        "dec1_b": weights.dec1_b,
-        "dec2_w": weights.dec2_w,
-        "dec2_b": weights.dec2_b,
-        "low": np.array(0.0, np.float32),
-        "high": np.array(float(weights.levels - 1), np.float32),
-    }
-    graph.initializer.extend(numpy_helper.from_array(a, f"{prefix}.{k}") for k, a in arrays.items())
-    linear = f"{prefix}.linear" if weights.relu else decoded
-    p = prefix
-    nodes = [
-        helper.make_node("Conv", [at, f"{p}.enc_w", f"{p}.enc_b"], [f"{p}.enc"], pads=[1] * 4),
-        helper.make_node("Clip", [f"{p}.enc", f"{p}.low", f"{p}.high"], [f"{p}.clipped"]),
-        helper.make_node("Round", [f"{p}.clipped"], [f"{p}.rounded"]),
-        helper.make_node("Cast", [f"{p}.rounded"], [code], to=TensorProto.UINT8),
-        helper.make_node("Cast", [code], [f"{p}.levels"], to=TensorProto.FLOAT),
-        helper.make_node(
-            "Conv", [f"{p}.levels", f"{p}.dec1_w", f"{p}.dec1_b"], [f"{p}.dec1"], pads=[1] * 4
-        ),
-        helper.make_node("Relu", [f"{p}.dec1"], [f"{p}.hidden"]),
-        helper.make_node("Conv", [f"{p}.hidden", f"{p}.dec2_w", f"{p}.dec2_b"], [linear]),
-    ]
-    if weights.relu:
-        nodes.append(helper.make_node("Relu", [linear], [decoded]))
-    for offset, node in enumerate(nodes):
-        node.name = f"{prefix}/{node.op_type.lower()}{offset}"
-    ordered = [*graph.node[: producer + 1], *nodes, *graph.node[producer + 1 :]]
-    del graph.node[:]
-    graph.node.extend(ordered)
-    try:
-        onnx.checker.check_model(grafted)
-    except onnx.checker.ValidationError as exc:
-        raise ModelError(f"the grafted model is not valid ONNX: {exc}") from exc
-    return grafted, code
-
-
-def read_bottleneck(model: onnx.ModelProto | str | Path) -> dict[str, Any]:
-    """The summary ``bottleneck add`` recorded in a model, or {} when it has none."""
-    proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
-    for prop in proto.metadata_props:
-        if prop.key == METADATA_KEY:
-            return dict(json.loads(prop.value))
-    return {}
-
-
 # --- measuring --------------------------------------------------------------------------
-
-
-def agreement_function(kind: str) -> Callable[[list[np.ndarray], list[np.ndarray]], np.ndarray]:
-    """Per-request agreement of changed outputs with exact ones, for ``kind`` in AGREEMENTS."""
-    from tierflow.zoo import agreement
-
-    if kind == "top1":
-        return lambda exact, changed: np.min(
-            [agreement.top1_agreement(e, c) for e, c in zip(exact, changed, strict=True)], axis=0
-        )
-    if kind == "boxes":
-        return lambda exact, changed: agreement.box_agreement(
-            agreement.layout_boxes(exact), agreement.layout_boxes(changed)
-        )
-    if kind == "text":
-        return lambda exact, changed: agreement.text_agreement(exact[0], changed[0])
-    raise UsageError(f"unknown agreement {kind!r}: expected one of {', '.join(AGREEMENTS)}")
 
 
 def _rel_error(exact: Sequence[np.ndarray], changed: Sequence[np.ndarray]) -> float:
@@ -366,31 +322,6 @@ def _zstd_mean(codes: np.ndarray) -> float:
     return float(np.mean([len(compressor.compress(row.tobytes())) for row in codes]))
 
 
-def _tail_or_none(
-    graph: Any, at: str, outputs: list[str], features: np.ndarray, exact: list[np.ndarray]
-) -> tuple[Any, str]:
-    """The torch tail if it reproduces ONNX Runtime on a few rows, and how training uses it."""
-    import torch
-
-    from tierflow.partitioner.torch_tail import UnsupportedTail, build_tail
-
-    try:
-        tail = build_tail(graph.model, at, outputs)
-        with torch.no_grad():
-            got = tail(torch.from_numpy(np.ascontiguousarray(features[:4], dtype=np.float32)))
-    except UnsupportedTail as exc:
-        return None, f"features only ({exc})"
-    except (RuntimeError, ValueError, KeyError) as exc:
-        return None, f"features only (the layers after the cut did not run in torch: {exc})"
-    error = _rel_error([e[:4] for e in exact], [g.numpy() for g in got])
-    if error > _TAIL_TOLERANCE:
-        return (
-            None,
-            f"features only (torch's re-run of the layers after the cut differs by {error:.2g})",
-        )
-    return tail, "features + outputs (the layers after the cut re-run in torch)"
-
-
 def add_bottleneck(
     model: str | Path,
     data: Mapping[str, np.ndarray] | str | Path,
@@ -398,31 +329,30 @@ def add_bottleneck(
     at: str | None = None,
     channels: Sequence[int] = (),
     bits: Sequence[int] = DEFAULT_BITS,
+    trainer: Trainer,
     target: float = DEFAULT_TARGET,
-    agreement: str = "top1",
+    agreement: Agreement = top1,
+    agreement_name: str = "top1",
     holdout: float = HOLDOUT_FRACTION,
-    settings: TrainSettings | None = None,
-    outputs_distillation: bool = True,
     shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> BottleneckResult:
     """Train bottlenecks at one cut of ``model`` for each (channels, bits), graft the best.
 
     ``data`` is a calibration file (or its arrays) as ``exits add`` takes it; labels, if
-    present, are ignored: the model's own outputs are the targets. See
+    present, are ignored: the model's own outputs are the targets. ``agreement`` judges
+    each point on the held-out rows (``agreement_name`` labels it). See
     [Note: learned bottleneck].
     """
-    from tierflow.partitioner.exit_calibration import load_calibration, prepare_data
-    from tierflow.partitioner.exit_heads import run_model
+    from tierflow.partitioner.exits.calibration import load_calibration, prepare_data
+    from tierflow.partitioner.exits.heads import run_model
     from tierflow.partitioner.graph import load_model
 
-    settings = settings or TrainSettings()
     if not 0.0 < target <= 1.0:
         raise UsageError(f"the agreement target must lie in (0, 1], got {target}")
     if not 0.0 < holdout < 1.0:
         raise UsageError(f"the held-out share must lie in (0, 1), got {holdout}")
     if any(b not in range(1, 9) for b in bits) or not bits:
         raise UsageError(f"bits must be 1 to 8, got {list(bits)}")
-    measure = agreement_function(agreement)
     arrays = load_calibration(data) if isinstance(data, str | Path) else dict(data)
     sample = None if shapes else {k: v for k, v in arrays.items() if k != "labels"}
     graph = load_model(model, shapes=shapes, sample=sample)
@@ -444,9 +374,7 @@ def add_bottleneck(
     exact_held = run_model(original, held.inputs, outputs)
     exact = [exact_held[o] for o in outputs]
 
-    tail, distillation = None, "features only (asked for)"
-    if outputs_distillation:
-        tail, distillation = _tail_or_none(graph, tensor, outputs, features, teacher)
+    distillation = trainer.prepare(graph.model, tensor, outputs, features, teacher)
     logger.info("[bottleneck] at %s %s; distillation: %s", tensor, feature_shape, distillation)
 
     widths = tuple(channels) or default_channels(feature_shape[1])
@@ -456,7 +384,7 @@ def add_bottleneck(
     models: list[onnx.ModelProto] = []
     for k in widths:
         for b in bits:
-            weights = train_bottleneck(features, teacher, tail, k, b, settings)
+            weights = BottleneckWeights.from_dict(trainer.train(features, teacher, k, b))
             grafted, code = graft(original, tensor, weights)
             got = run_model(grafted, held.inputs, [code, *outputs])
             changed = [got[o] for o in outputs]
@@ -467,8 +395,8 @@ def add_bottleneck(
                     bits=b,
                     code_bytes=int(math.prod(codes.shape[1:])),
                     zstd_bytes=_zstd_mean(codes),
-                    packed_bytes=packed_bytes(codes.shape, weights),
-                    agreement=float(np.mean(measure(exact, changed))),
+                    packed_bytes=packed_bytes(int(math.prod(codes.shape[1:])), b),
+                    agreement=float(np.mean(agreement(exact, changed))),
                     max_rel_error=_rel_error(exact, changed),
                 )
             )
@@ -489,7 +417,7 @@ def add_bottleneck(
         input_bytes=int(input_bytes),
         points=tuple(points),
         chosen=chosen,
-        agreement=agreement,
+        agreement=agreement_name,
         distillation=distillation,
         trained_on=fit.rows,
         measured_on=held.rows,
@@ -499,8 +427,3 @@ def add_bottleneck(
     props[METADATA_KEY] = json.dumps(result.summary())
     helper.set_model_props(result.model, props)
     return result
-
-
-def code_name(at: str) -> str:
-    """The name of the crossing tensor a bottleneck at ``at`` creates."""
-    return f"{at}.bottleneck.codes"

@@ -1,8 +1,11 @@
 """``tierflow bottleneck add`` and ``tierflow bottleneck show``: learned bottlenecks.
 
-The work happens in :mod:`tierflow.partitioner.bottleneck`; this module parses options,
-prints the rate-fidelity table (or JSON with ``--json``) and writes the model. torch and
-onnx are imported inside the handlers, so registering costs nothing.
+The work happens in :func:`tierflow.partitioner.bottleneck.add.add_bottleneck`; this
+module parses options, hands it the torch trainer (:mod:`tierflow.zoo.bottleneck_train`)
+and the agreement measure (:mod:`tierflow.zoo.agreement`), prints the rate-fidelity table
+(or JSON with ``--json``) and writes the model. It is the one planner module that reaches
+the torch side, and only inside the handler: ``bottleneck add`` trains, so it needs the
+``train`` extra; registering the command costs nothing.
 """
 
 from __future__ import annotations
@@ -104,10 +107,26 @@ def register(subparsers: Any) -> None:
     show.set_defaults(handler=_show)
 
 
+def _agreement(kind: str) -> Any:
+    from tierflow.partitioner.bottleneck.add import top1
+    from tierflow.zoo import agreement
+
+    if kind == "boxes":
+        return lambda exact, changed: agreement.box_agreement(
+            agreement.layout_boxes(exact), agreement.layout_boxes(changed)
+        )
+    if kind == "text":
+        return lambda exact, changed: agreement.text_agreement(exact[0], changed[0])
+    return top1
+
+
 def _add(args: argparse.Namespace) -> int:
-    from tierflow.partitioner.bottleneck import DEFAULT_BITS, add_bottleneck
-    from tierflow.partitioner.bottleneck_train import TrainSettings
+    from tierflow.extras import import_extra
+    from tierflow.partitioner.bottleneck.add import DEFAULT_BITS, add_bottleneck
     from tierflow.partitioner.shapes import parse_shape_option
+
+    import_extra("torch", "training a bottleneck")
+    from tierflow.zoo.bottleneck_train import TorchTrainer, TrainSettings
 
     if args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
@@ -118,11 +137,11 @@ def _add(args: argparse.Namespace) -> int:
         at=args.at,
         channels=args.channels,
         bits=args.bits or DEFAULT_BITS,
+        trainer=TorchTrainer(TrainSettings(steps=args.steps), outputs=not args.features_only),
         target=_percent(args.target),
-        agreement=args.agreement,
+        agreement=_agreement(args.agreement),
+        agreement_name=args.agreement,
         holdout=_percent(args.holdout),
-        settings=TrainSettings(steps=args.steps),
-        outputs_distillation=not args.features_only,
         shapes=shapes,
     )
     path = result.save(args.output)
@@ -135,7 +154,7 @@ def _add(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from tierflow.partitioner.bottleneck import read_bottleneck
+    from tierflow.partitioner.bottleneck.graft import read_bottleneck
 
     summary = read_bottleneck(args.model)
     if args.json:

@@ -29,7 +29,7 @@ def test_a_grafted_bottleneck_splits_serves_and_reports_its_fidelity(
     model = demo.directory / "model.onnx"
     grafted = tmp_path / "model-bn.onnx"
     args = ["bottleneck", "add", str(model), "--data", str(data), "-o", str(grafted)]
-    args += ["--at", "relu_6", "--channels", "4", "--bits", "8", "--steps", "80", "--json"]
+    args += ["--at", "relu_6", "--channels", "4", "--bits", "8", "--steps", "120", "--json"]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     (point,) = report["points"]

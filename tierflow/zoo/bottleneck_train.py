@@ -1,15 +1,17 @@
 """Training a learned bottleneck: a small convolutional encoder/decoder pair around a feature.
 
-See [Note: learned bottleneck] in :mod:`tierflow.partitioner.bottleneck` for what is
+See [Note: learned bottleneck] in :mod:`tierflow.partitioner.bottleneck.add` for what is
 trained and why. This module holds the numbers: the PCA start, the distillation loop in
-torch, and :class:`BottleneckWeights`, the trained pair folded into the form the graph
-runs (codes in 0..L-1, L = 2**bits). Needs torch (the ``train`` extra).
+torch, and :class:`TorchTrainer`, which ``tierflow bottleneck add`` hands to the
+planner-side code (which imports no torch). Weights come back as plain arrays in the form
+the graph runs (codes in 0..L-1, L = 2**bits; see
+:class:`tierflow.partitioner.bottleneck.graft.BottleneckWeights`). Needs torch (the
+``train`` extra).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,31 +22,6 @@ logger = logging.getLogger(__name__)
 
 _PCA_ROWS = 20_000  # feature vectors (pixels) used to find the principal directions
 _SPREAD = 2.0  # the code range covers +-_SPREAD standard deviations of each direction
-
-
-@dataclass(frozen=True)
-class BottleneckWeights:
-    """A trained pair as the graph runs it (float32 arrays, convolution layouts).
-
-    Encoder: ``codes = Cast<uint8>(Round(Clip(conv3x3(x, enc_w, enc_b), 0, levels - 1)))``
-    with enc_w [k, C, 3, 3]. Decoder: ``h = Relu(conv3x3(Cast<float>(codes), dec1_w,
-    dec1_b))`` with dec1_w [2C, k, 3, 3], then ``x' = conv1x1(h, dec2_w, dec2_b)`` with
-    dec2_w [C, 2C, 1, 1], and a final ReLU when ``relu`` (the feature is non-negative).
-    """
-
-    channels: int
-    bits: int
-    enc_w: np.ndarray
-    enc_b: np.ndarray
-    dec1_w: np.ndarray
-    dec1_b: np.ndarray
-    dec2_w: np.ndarray
-    dec2_b: np.ndarray
-    relu: bool
-
-    @property
-    def levels(self) -> int:
-        return 1 << self.bits
 
 
 @dataclass(frozen=True)
@@ -109,7 +86,7 @@ def train_bottleneck(
     channels: int,
     bits: int,
     settings: TrainSettings,
-) -> BottleneckWeights:
+) -> dict[str, Any]:
     """Distil a ``channels``-wide, ``bits``-bit bottleneck from the frozen model.
 
     ``features`` [N,C,H,W] are the model's own features at the cut, ``teacher`` its
@@ -139,7 +116,7 @@ def _train(
     channels: int,
     bits: int,
     settings: TrainSettings,
-) -> BottleneckWeights:
+) -> dict[str, Any]:
     torch.manual_seed(settings.seed)
     generator = np.random.default_rng(settings.seed)
     levels = (1 << bits) - 1
@@ -201,26 +178,50 @@ def _train(
             )
     e_w, e_b, d1_w, d1_b, d2_w, d2_b = (p.detach().numpy().astype(np.float64) for p in params)
     # Fold the code scale into the convolutions: the graph's codes are integers 0..levels.
-    return BottleneckWeights(
-        channels=k,
-        bits=bits,
-        enc_w=(e_w * levels).astype(np.float32),
-        enc_b=(e_b * levels).astype(np.float32),
-        dec1_w=(d1_w / levels).astype(np.float32),
-        dec1_b=d1_b.astype(np.float32),
-        dec2_w=d2_w.astype(np.float32),
-        dec2_b=d2_b.astype(np.float32),
-        relu=relu,
-    )
+    return {
+        "channels": k,
+        "bits": bits,
+        "enc_w": (e_w * levels).astype(np.float32),
+        "enc_b": (e_b * levels).astype(np.float32),
+        "dec1_w": (d1_w / levels).astype(np.float32),
+        "dec1_b": d1_b.astype(np.float32),
+        "dec2_w": d2_w.astype(np.float32),
+        "dec2_b": d2_b.astype(np.float32),
+        "relu": relu,
+    }
 
 
-def default_channels(feature_channels: int) -> tuple[int, ...]:
-    """C/4, C/8 and C/16 channels (at least 1), widest first, without repeats."""
-    widths = {max(1, feature_channels // d) for d in (4, 8, 16)}
-    return tuple(sorted(widths, reverse=True))
+class TorchTrainer:
+    """Trains bottlenecks in torch for :func:`tierflow.partitioner.bottleneck.add.add_bottleneck`.
 
+    :meth:`prepare` builds the torch re-run of the layers after the cut
+    (:mod:`tierflow.zoo.torch_tail`) once, checked against ONNX Runtime's outputs, and
+    says how training distils; :meth:`train` trains one (channels, bits) point.
+    """
 
-def packed_bytes(shape: Sequence[int], weights: BottleneckWeights) -> int:
-    """Bytes of one request's codes packed at ``bits`` per value (the information sent)."""
-    positions = math.prod(int(d) for d in shape[2:])
-    return math.ceil(positions * weights.channels * weights.bits / 8)
+    def __init__(self, settings: TrainSettings | None = None, *, outputs: bool = True) -> None:
+        self.settings = settings or TrainSettings()
+        self.outputs = outputs
+        self._tail: Callable[[Any], list[Any]] | None = None
+
+    def prepare(
+        self,
+        model: Any,
+        at: str,
+        outputs: Sequence[str],
+        features: np.ndarray,
+        teacher: Sequence[np.ndarray],
+    ) -> str:
+        """Set up distillation for the analysed ``model`` cut at ``at``; describe it."""
+        from tierflow.zoo.torch_tail import checked_tail
+
+        if not self.outputs:
+            self._tail = None
+            return "features only (asked for)"
+        self._tail, description = checked_tail(model, at, outputs, features, teacher)
+        return description
+
+    def train(
+        self, features: np.ndarray, teacher: Sequence[np.ndarray], channels: int, bits: int
+    ) -> dict[str, Any]:
+        return train_bottleneck(features, teacher, self._tail, channels, bits, self.settings)

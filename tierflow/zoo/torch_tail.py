@@ -6,12 +6,12 @@ graph, but it requires torchvision, which tierflow does not install; this module
 interprets the analysed graph node by node with ``torch.nn.functional``, for the operators
 convnet classifiers and detectors use (:data:`SUPPORTED_OPS`). A graph with any other
 operator after the cut raises :class:`UnsupportedTail`, and the caller trains on features
-only. :func:`tail_function` checks its result against ONNX Runtime before it is used.
+only. :func:`checked_tail` checks its result against ONNX Runtime before it is used.
 
 Weights become frozen tensors; the tensor at the cut is the only input that carries
-gradients. Shapes are static (the graph comes from :func:`~tierflow.partitioner.graph.
-load_model`, which fixed them and folded Shape/Size to constants). Needs torch (the
-``train`` extra).
+gradients. Shapes are static (the graph is the planner's analysed model, whose shapes are
+fixed and whose Shape/Size nodes are folded to constants). Needs torch (the ``train``
+extra).
 """
 
 from __future__ import annotations
@@ -228,3 +228,37 @@ def build_tail(
         return [values[name] for name in outputs]
 
     return tail
+
+
+# Relative difference from ONNX Runtime above which torch's re-run is not trusted.
+TAIL_TOLERANCE = 1e-3
+
+
+def checked_tail(
+    model: onnx.ModelProto,
+    start: str,
+    outputs: Sequence[str],
+    features: np.ndarray,
+    expected: Sequence[np.ndarray],
+) -> tuple[Callable[[Any], list[Any]] | None, str]:
+    """:func:`build_tail`, if it reproduces ONNX Runtime's ``expected`` outputs on a few rows.
+
+    Returns the tail (or None) and how training will distil, for the user to read.
+    """
+    import torch
+
+    try:
+        tail = build_tail(model, start, outputs)
+        with torch.no_grad():
+            got = tail(torch.from_numpy(np.ascontiguousarray(features[:4], dtype=np.float32)))
+    except UnsupportedTail as exc:
+        return None, f"features only ({exc})"
+    except (ModelError, RuntimeError, ValueError, KeyError, IndexError) as exc:
+        return None, f"features only (the layers after the cut did not run in torch: {exc})"
+    worst = 0.0
+    for want, have in zip(expected, got, strict=True):
+        scale = float(np.abs(want[:4]).max()) or 1.0
+        worst = max(worst, float(np.abs(want[:4] - have.numpy()).max()) / scale)
+    if worst > TAIL_TOLERANCE:
+        return None, f"features only (torch's re-run of the later layers differs by {worst:.2g})"
+    return tail, "features + outputs (the layers after the cut re-run in torch)"
