@@ -10,8 +10,9 @@ only. :func:`checked_tail` checks its result against ONNX Runtime before it is u
 
 Weights become frozen tensors; the tensor at the cut is the only input that carries
 gradients. Shapes are static (the graph is the planner's analysed model, whose shapes are
-fixed and whose Shape/Size nodes are folded to constants). Needs torch (the ``train``
-extra).
+fixed for one request and whose Shape/Size nodes are folded to constants); the tail runs a
+batch of requests along axis 0, so a Reshape to a constant shape with a leading 1 (the
+analysed batch) keeps the batch instead. Needs torch (the ``train`` extra).
 """
 
 from __future__ import annotations
@@ -126,6 +127,8 @@ def _run_node(torch: Any, op: str, attrs: dict[str, Any], x: list[Any]) -> list[
         shape = [int(s) for s in x[1].tolist()]
         if not attrs.get("allowzero", 0):
             shape = [x[0].shape[i] if s == 0 else s for i, s in enumerate(shape)]
+        if shape and shape[0] == 1:
+            shape[0] = x[0].shape[0]  # the analysed graph's batch of 1 is the batch here
         return [x[0].reshape(shape)]
     if op == "Transpose":
         perm = attrs.get("perm", list(reversed(range(x[0].dim()))))

