@@ -26,9 +26,9 @@ import numpy as np
 
 from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
 from tierflow.errors import DeadlineError, InputError, TierflowError, TransportError, UsageError
-from tierflow.linkemu import LinkShaper, Transfer
+from tierflow.linkemu import LinkShaper
 from tierflow.links import LINKS, TIERS
-from tierflow.mux import StreamClient
+from tierflow.mux import Sent, StreamClient
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2
@@ -52,11 +52,15 @@ class Result:
 
     ``outputs`` are the model outputs, or, when an early exit answered, that exit's class
     scores under the exit's name. ``bytes`` and ``rate_bps`` are per link, as measured by
-    the sender of the request's features on that link (0 where nothing crossed).
-    ``ms`` holds each tier's compute + codec (+ queueing) time, ``total`` (wall time on
-    the device) and ``network`` (total minus the tiers: links, gRPC and waiting).
+    the sender of the request's features on that link (0 where nothing crossed; the rate
+    is over the transfer time only, see [Note: honest link figures]).
+    ``ms`` holds each tier's compute + codec time, ``queue`` (all waiting: at each
+    receiver before its work started, and at each sender behind earlier messages),
+    ``total`` (wall time on the device) and ``network`` (total minus the tiers and the
+    waiting: transfers, propagation, gRPC and the way back).
     ``error`` is set, and ``outputs`` empty, when the request failed. ``timings`` splits
-    each remote tier's time into ``compute_ms``, ``codec_ms`` and ``queue_ms``.
+    each tier's time into ``compute_ms``, ``codec_ms`` and ``queue_ms``; ``links`` each
+    link's into ``queue_ms`` (at its sender) and ``transfer_ms``.
     """
 
     id: str
@@ -69,6 +73,7 @@ class Result:
     ms: dict[str, float] = field(default_factory=dict)
     error: TierflowError | None = None
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
+    links: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -100,6 +105,7 @@ class Result:
             "ms": dict(self.ms),
             "error": error,
             "timings": {tier: dict(parts) for tier, parts in self.timings.items()},
+            "links": {link: dict(parts) for link, parts in self.links.items()},
         }
 
     @classmethod
@@ -119,6 +125,10 @@ class Result:
                 str(tier): {str(k): float(v) for k, v in parts.items()}
                 for tier, parts in (data.get("timings") or {}).items()
             },
+            links={
+                str(link): {str(k): float(v) for k, v in parts.items()}
+                for link, parts in (data.get("links") or {}).items()
+            },
         )
 
 
@@ -132,8 +142,7 @@ class Ticket:
         device_ms: float,
         *,
         compute_ms: float = 0.0,
-        sent: Future[tier_pb2.Reply] | None = None,
-        transfer: Transfer | None = None,
+        sent: Sent | None = None,
         result: Result | None = None,
         timeout: float = DEFAULT_DEADLINE_S,
         max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
@@ -142,21 +151,20 @@ class Ticket:
         self._started = started
         self._device_ms = device_ms
         self._compute_ms = compute_ms
-        self._future = sent
-        self._transfer = transfer
+        self._sent = sent
         self._result = result
         self._timeout = timeout
         self._max_tensor_bytes = max_tensor_bytes
         self._arrived: float | None = None
         if sent is not None:
             # When the reply came, not when the caller got round to asking for it.
-            sent.add_done_callback(self._mark_arrival)
+            sent.future.add_done_callback(self._mark_arrival)
 
     def _mark_arrival(self, future: Future[tier_pb2.Reply]) -> None:
         self._arrived = time.perf_counter()
 
     def done(self) -> bool:
-        return self._result is not None or (self._future is not None and self._future.done())
+        return self._result is not None or (self._sent is not None and self._sent.future.done())
 
     def result(self) -> Result:
         """Wait for the reply (the stream client resolves it by the deadline at the latest)."""
@@ -165,25 +173,31 @@ class Ticket:
         return self._result
 
     def _finish(self) -> Result:
-        assert self._future is not None and self._transfer is not None
+        assert self._sent is not None
+        failure: TierflowError | None = None
+        try:
+            reply = self._sent.future.result(timeout=self._timeout + 5.0)
+        except TierflowError as exc:
+            failure = exc
+        except TimeoutError:
+            failure = DeadlineError("no reply within the deadline")
+        # Read once the request is done: a request sent again has a new transfer.
+        stat = self._sent.transfer.stat("device-edge")
         bytes_ = {link: 0 for link in LINKS}
         rates = {link: 0.0 for link in LINKS}
-        bytes_["device-edge"] = self._transfer.nbytes
-        stat = self._transfer.stat("device-edge")
-        rates["device-edge"] = stat.rate_bps
-        try:
-            reply = self._future.result(timeout=self._timeout + 5.0)
-        except TierflowError as exc:
-            return self._failed(exc, bytes_, rates)
-        except TimeoutError:
-            return self._failed(DeadlineError("no reply within the deadline"), bytes_, rates)
+        links = {link: {"queue_ms": 0.0, "transfer_ms": 0.0} for link in LINKS}
+        _add_link(stat, bytes_, rates, links)
+        if failure is not None:
+            return self._failed(failure, bytes_, rates, links)
         ended = self._arrived or time.perf_counter()
         ms = {tier: 0.0 for tier in TIERS}
         ms["device"] = self._device_ms
+        ms["queue"] = stat.queue_ms
         timings: dict[str, dict[str, float]] = {}
         for timing in reply.timings:
             if timing.tier in ms:
-                ms[timing.tier] += timing.compute_ms + timing.codec_ms + timing.queue_ms
+                ms[timing.tier] += timing.compute_ms + timing.codec_ms
+                ms["queue"] += timing.queue_ms
                 timings[timing.tier] = {
                     "compute_ms": timing.compute_ms,
                     "codec_ms": timing.codec_ms,
@@ -191,15 +205,15 @@ class Ticket:
                 }
         for link in reply.links:
             if link.link in bytes_:
-                bytes_[link.link] += link.bytes
-                rates[link.link] = link.rate_bps
+                _add_link(link, bytes_, rates, links)
+                ms["queue"] += link.queue_ms
         if reply.HasField("error"):
-            return self._failed(error_from_proto(reply.error), bytes_, rates)
+            return self._failed(error_from_proto(reply.error), bytes_, rates, links)
         start = time.perf_counter()
         try:
             outputs = decode_tensors(reply.outputs, max_bytes=self._max_tensor_bytes)
         except TierflowError as exc:
-            return self._failed(exc, bytes_, rates)
+            return self._failed(exc, bytes_, rates, links)
         decode_ms = (time.perf_counter() - start) * 1e3
         ms["device"] += decode_ms
         timings["device"] = {
@@ -208,7 +222,8 @@ class Ticket:
             "queue_ms": 0.0,
         }
         ms["total"] = (ended - self._started) * 1e3 + (time.perf_counter() - start) * 1e3
-        ms["network"] = max(ms["total"] - sum(ms[tier] for tier in TIERS), 0.0)
+        busy = sum(ms[tier] for tier in TIERS) + ms["queue"]
+        ms["network"] = max(ms["total"] - busy, 0.0)
         return Result(
             self.id,
             outputs,
@@ -219,14 +234,32 @@ class Ticket:
             rates,
             ms,
             timings=timings,
+            links=links,
         )
 
     def _failed(
-        self, error: TierflowError, bytes_: dict[str, int], rates: dict[str, float]
+        self,
+        error: TierflowError,
+        bytes_: dict[str, int],
+        rates: dict[str, float],
+        links: dict[str, dict[str, float]],
     ) -> Result:
         total = ((self._arrived or time.perf_counter()) - self._started) * 1e3
-        ms = {"device": self._device_ms, "edge": 0.0, "cloud": 0.0, "total": total, "network": 0.0}
-        return Result(self.id, bytes=bytes_, rate_bps=rates, ms=ms, error=error)
+        ms = {"device": self._device_ms, "edge": 0.0, "cloud": 0.0, "total": total}
+        ms.update(queue=0.0, network=0.0)
+        return Result(self.id, bytes=bytes_, rate_bps=rates, ms=ms, error=error, links=links)
+
+
+def _add_link(
+    stat: tier_pb2.LinkStat,
+    bytes_: dict[str, int],
+    rates: dict[str, float],
+    links: dict[str, dict[str, float]],
+) -> None:
+    """Record one link's figures for a request ([Note: honest link figures])."""
+    bytes_[stat.link] += stat.bytes
+    rates[stat.link] = stat.rate_bps
+    links[stat.link] = {"queue_ms": stat.queue_ms, "transfer_ms": stat.send_ms}
 
 
 class DeviceClient:
@@ -334,8 +367,7 @@ class DeviceClient:
             started,
             device_ms,
             compute_ms=outcome.compute_s * 1e3,
-            sent=sent.future,
-            transfer=sent.transfer,
+            sent=sent,
             timeout=self.deadline_s,
             max_tensor_bytes=self.max_tensor_bytes,
         )
@@ -350,7 +382,8 @@ class DeviceClient:
         error: TierflowError | None = None,
     ) -> Ticket:
         total = (time.perf_counter() - started) * 1e3
-        ms = {"device": total, "edge": 0.0, "cloud": 0.0, "total": total, "network": 0.0}
+        ms = {"device": total, "edge": 0.0, "cloud": 0.0, "total": total}
+        ms.update(queue=0.0, network=0.0)
         result = Result(
             request_id,
             outputs or {},

@@ -206,7 +206,7 @@ def summarize(results: list[Result], elapsed: float) -> dict[str, Any]:
         "rate_bps": {},
     }
     if ok:
-        for key in ("total", "device", "edge", "cloud", "network"):
+        for key in ("total", "device", "edge", "cloud", "queue", "network"):
             summary["p50_ms"][key] = statistics.median(r.ms[key] for r in ok)
         for link in LINKS:
             rates = [r.rate_bps.get(link, 0.0) for r in ok if r.rate_bps.get(link, 0.0) > 0]

@@ -14,6 +14,15 @@ for ``n * 8 / rate`` seconds (serialisation) and arrives ``rtt / 2`` after it ha
 while the previous one is still in flight, as on a real wire. Shaping happens on the
 sending side by holding a message back until its arrival time, then writing it to the
 (much faster) real connection; message order is kept.
+
+[Note: honest link figures]
+A message's time on a link direction has two parts, reported apart (``LinkStat``):
+waiting at the sender behind earlier messages (``queue_ms``: with a window of 16
+requests in flight, most of a message's time) and crossing the link (``send_ms``, from
+the start of its serialisation, or the transport taking it, to its having left).
+``rate_bps`` is bytes over the crossing time only, so it tells the link's rate, not how
+full the window was. Waiting at the receiver is the receiver's ``TierTiming.queue_ms``.
+A message the transport never took (its stream broke first) reports 0 bytes.
 """
 
 from __future__ import annotations
@@ -44,21 +53,35 @@ EMULATION_MODES: tuple[str, ...] = ("off", "plan", "trace")
 class Transfer:
     """One message put on a link direction, as its sender saw it (monotonic seconds).
 
-    ``left`` is when the message had left the sender: with emulation, the end of its
-    serialisation; without, when the transport had written it (None until then).
+    ``started`` is when the message began to cross the link (with emulation, the start of
+    its serialisation; without, when the transport took it), ``left`` when it had left
+    the sender (the end of its serialisation; when the transport had written it): see
+    [Note: honest link figures]. ``handed`` says whether the transport got it at all.
     """
 
     nbytes: int
     queued: float
     left: float | None = None
     arrives: float | None = None
+    started: float | None = None
+    handed: bool = False
 
     def stat(self, link: str) -> tier_pb2.LinkStat:
-        """The wire record of this transfer: bytes, send time and the rate achieved."""
-        left = self.left if self.left is not None else time.monotonic()
-        send_s = max(left - self.queued, 0.0)
+        """The wire record of this transfer ([Note: honest link figures])."""
+        now = time.monotonic()
+        if not self.handed:  # never went out: no bytes, no rate, all of it waiting
+            return tier_pb2.LinkStat(link=link, queue_ms=max(now - self.queued, 0.0) * 1e3)
+        started = self.started if self.started is not None else self.queued
+        left = self.left if self.left is not None else now
+        send_s = max(left - started, 0.0)
         rate = self.nbytes * 8.0 / send_s if send_s > 0 and self.nbytes > 0 else 0.0
-        return tier_pb2.LinkStat(link=link, bytes=self.nbytes, send_ms=send_s * 1e3, rate_bps=rate)
+        return tier_pb2.LinkStat(
+            link=link,
+            bytes=self.nbytes,
+            send_ms=send_s * 1e3,
+            rate_bps=rate,
+            queue_ms=max(started - self.queued, 0.0) * 1e3,
+        )
 
 
 class LinkShaper:
@@ -92,6 +115,7 @@ class LinkShaper:
         with self._lock:
             start = max(now, self._free_at)
             self._free_at = self._epoch + trace.serialised(start - self._epoch, nbytes)
+            transfer.started = start
             transfer.left = self._free_at
         transfer.arrives = transfer.left + trace.at(transfer.left - self._epoch).rtt_s / 2.0
         return transfer
@@ -135,6 +159,9 @@ class ShapedQueue(Generic[T]):
                 delay = transfer.arrives - self._clock()
                 if delay > 0:
                     time.sleep(delay)
+            if transfer.started is None:
+                transfer.started = self._clock()
+            transfer.handed = True
             yield item  # type: ignore[misc]
             if transfer.left is None:
                 # The transport asks for the next item once this one is written.

@@ -156,6 +156,9 @@ class _Stream:
                 or client._connections != self.connections_at_start
             )
         self.queue.close()
+        if not reached:  # nothing got out: no bytes to report ([Note: honest link figures])
+            for sent in failed:
+                sent.transfer.handed = False
         retry = [] if reached else [s for s in failed if s.attempts <= len(_RETRY_DELAYS_S)]
         failed = [s for s in failed if s not in retry]
         if failed:

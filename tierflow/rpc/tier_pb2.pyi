@@ -55,16 +55,18 @@ class TierTiming(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., compute_ms: _Optional[float] = ..., codec_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ...) -> None: ...
 
 class LinkStat(_message.Message):
-    __slots__ = ("link", "bytes", "send_ms", "rate_bps")
+    __slots__ = ("link", "bytes", "send_ms", "rate_bps", "queue_ms")
     LINK_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SEND_MS_FIELD_NUMBER: _ClassVar[int]
     RATE_BPS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     link: str
     bytes: int
     send_ms: float
     rate_bps: float
-    def __init__(self, link: _Optional[str] = ..., bytes: _Optional[int] = ..., send_ms: _Optional[float] = ..., rate_bps: _Optional[float] = ...) -> None: ...
+    queue_ms: float
+    def __init__(self, link: _Optional[str] = ..., bytes: _Optional[int] = ..., send_ms: _Optional[float] = ..., rate_bps: _Optional[float] = ..., queue_ms: _Optional[float] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message", "tier")
