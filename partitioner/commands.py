@@ -204,6 +204,22 @@ def register(subparsers: Any) -> None:
         action="store_false",
         help="skip checking that the split reproduces the model (it is checked unless given)",
     )
+    plan.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="write a plan set: the best plan at every point of a grid of link rates and "
+        "RTTs (see --grid), with the region where each is best; segments shared where cuts "
+        "coincide, and the plan for --link as the default",
+    )
+    plan.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="LINK=RATE,...[/RTT,...]",
+        help="with --adaptive, the rates (and RTTs) tried on a link, like "
+        "device-edge=1mbit,10mbit,100mbit/5ms,50ms (repeatable; the --link values are always "
+        "tried; default: device-edge 1..200mbit, edge-cloud 10mbit..1gbit, the --link RTTs)",
+    )
     plan.add_argument("--json", action="store_true", help="print the ranking as JSON")
     plan.set_defaults(handler=run_plan)
 
@@ -433,6 +449,7 @@ def run_plan(args: argparse.Namespace) -> int:
     _positive(args.top, "--top")
     _shapes(args.shape)
     check_plan_dir(args.output)
+    grid = _grid(args, links)
     options = PlanOptions(
         links=links,
         memory=memory,
@@ -460,6 +477,8 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     finally:
         progress.close()
+    if grid is not None:
+        return _run_adaptive(args, graph, profiles, options, grid, notes)
     progress = Progress("measuring fidelity")
     try:
         outcome = make_plan(graph, profiles, options, args.output, sample=sample, progress=progress)
@@ -522,4 +541,72 @@ def run_plan(args: argparse.Namespace) -> int:
             print(f"note: {codec} on {name} changes values{by}")
     print(_verdict_line(outcome, lossy))
     print(f"wrote {outcome.plan_dir / 'plan.json'} and {len(outcome.plan.segments)} segment(s)")
+    return 0
+
+
+def _grid(args: argparse.Namespace, links: Mapping[str, LinkSpec]) -> Any:
+    """The rate grid of ``--adaptive`` (None without it), checked before any work."""
+    from tierflow.partitioner.grid import RateGrid
+
+    if not args.adaptive:
+        if args.grid:
+            raise UsageError("--grid sets the rates an --adaptive plan set covers: add --adaptive")
+        return None
+    if args.fidelity != "exact" or args.image_input:
+        raise UsageError(
+            "--adaptive plans with lossless codecs only: drop --fidelity/--image-input"
+        )
+    return RateGrid.around(links, args.grid)
+
+
+def _run_adaptive(
+    args: argparse.Namespace,
+    graph: Any,
+    profiles: Mapping[str, Any],
+    options: Any,
+    grid: Any,
+    notes: Sequence[str],
+) -> int:
+    """``tierflow plan --adaptive``: write a plan set and print where each plan is best."""
+    from tierflow.partitioner.plan_sets import make_plan_set
+    from tierflow.partitioner.report import plan_letter, region_tables
+
+    outcome = make_plan_set(graph, profiles, options, grid, args.output)
+    choice = outcome.choice
+    if args.json:
+        report = {
+            "plan_dir": str(outcome.plan_dir),
+            "points": len(choice.points),
+            "plans": [
+                {
+                    "letter": plan_letter(i),
+                    "plan_id": plan.plan_id,
+                    **plan.estimate,
+                    "regions": [
+                        {name: link.to_dict() for name, link in point.items()}
+                        for point in outcome.plans.regions[i]
+                    ],
+                }
+                for i, plan in enumerate(outcome.plans.plans)
+            ],
+            "segment_files": outcome.segment_files,
+            "verified": outcome.verified,
+            "notes": [*notes, *outcome.notes],
+        }
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    for note in (*notes, *outcome.notes):
+        print(note)
+    print(
+        f"{len(choice.points)} link conditions scored for {args.objective}: "
+        f"{len(choice.plans)} plan(s) are best somewhere\n"
+    )
+    print(region_tables(choice))
+    checked = "each split verified bit-for-bit on 1 input" if outcome.verified else "not verified"
+    print(f"\n{checked}")
+    print(
+        f"wrote {outcome.plan_dir / 'plan.json'} (a plan set, default plan A) and "
+        f"{outcome.segment_files} segment file(s) for {outcome.segments_named} segments"
+    )
     return 0

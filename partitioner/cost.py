@@ -57,7 +57,7 @@ often a request crosses. Memory ignores the heads (a few kilobytes of weights).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -410,6 +410,21 @@ def build_tables(problem: Problem) -> CostTables:
         problem=problem,
         segment_s={t: _segment_table(problem.profiles[t], reach, problem.exits) for t in TIERS},
         memory={t: _memory_table(problem.profiles[t]) for t in TIERS},
+        links={name: _link_table(problem, name, reach) for name in LINKS},
+    )
+
+
+def with_links(tables: CostTables, links: Mapping[str, LinkSpec]) -> CostTables:
+    """``tables`` for other link rates and RTTs: only the link tables are built again.
+
+    Compute and memory do not depend on the links, so a search over many link
+    conditions (:mod:`.grid`) tabulates them once.
+    """
+    problem = replace(tables.problem, links={**tables.problem.links, **links})
+    reach = problem.reach() if problem.exits else None
+    return replace(
+        tables,
+        problem=problem,
         links={name: _link_table(problem, name, reach) for name in LINKS},
     )
 

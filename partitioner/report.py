@@ -14,6 +14,7 @@ from typing import TextIO
 
 from tierflow.links import LINKS, TIERS
 from tierflow.partitioner.cost import Estimate
+from tierflow.partitioner.grid import GridChoice
 from tierflow.partitioner.search import SearchResult
 from tierflow.table import format_table
 from tierflow.units import format_size
@@ -141,3 +142,57 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
             self._drawn = False
+
+
+def plan_letter(index: int) -> str:
+    """How region tables name the plans of a set: A, B, ..., Z, then P26, P27, ..."""
+    return chr(ord("A") + index) if index < 26 else f"P{index}"
+
+
+def region_tables(choice: GridChoice) -> str:
+    """Which plan of a set is best where: one table per pair of RTTs.
+
+    Rows are device-edge rates, columns edge-cloud rates, each cell the letter of the
+    best plan there; then each plan's split, codecs and latency at its own point.
+    """
+    from tierflow.units import format_duration, format_rate
+
+    rtts = sorted({(p["device-edge"].rtt_s, p["edge-cloud"].rtt_s) for p in choice.points})
+    de_rates = sorted({p["device-edge"].rate_bps for p in choice.points})
+    ec_rates = sorted({p["edge-cloud"].rate_bps for p in choice.points})
+    best = {
+        tuple((n, p[n].rate_bps, p[n].rtt_s) for n in LINKS): index
+        for index, region in enumerate(choice.regions)
+        for p in region
+    }
+    blocks = []
+    for de_rtt, ec_rtt in rtts:
+        rows = []
+        for de in de_rates:
+            cells = []
+            for ec in ec_rates:
+                key = (("device-edge", de, de_rtt), ("edge-cloud", ec, ec_rtt))
+                cells.append(plan_letter(best[key]) if key in best else "")
+            rows.append([format_rate(de), *cells])
+        title = (
+            f"best plan by link rate (device-edge RTT {format_duration(de_rtt)}, "
+            f"edge-cloud RTT {format_duration(ec_rtt)}); rows: device-edge, columns: edge-cloud"
+        )
+        headers = ["device-edge", *(format_rate(ec) for ec in ec_rates)]
+        blocks.append(title + "\n" + format_table(headers, rows))
+    legend = []
+    for index, (estimate, anchor) in enumerate(zip(choice.plans, choice.anchors, strict=True)):
+        at = ", ".join(f"{n} {anchor[n]}" for n in LINKS)
+        legend.append(
+            [
+                plan_letter(index) + (" (default)" if index == 0 else ""),
+                _split(estimate),
+                *(_link(estimate, name) for name in LINKS),
+                _ms(estimate.latency_s),
+                str(len(choice.regions[index])),
+                at,
+            ]
+        )
+    headers = ["plan", "units", "device-edge", "edge-cloud", "latency ms", "points", "at"]
+    blocks.append(format_table(headers, legend, align="llllrrl"))
+    return "\n\n".join(blocks)

@@ -238,8 +238,9 @@ def write_segments(segments: Iterable[Segment], plan_dir: str | Path) -> None:
         logger.info("[split] wrote %s (%s, %d nodes)", path, spec.tier, len(model.graph.node))
 
 
-# Segment files as split_model names them (``00-device.onnx``) and their external data.
-_SEGMENT_FILE = re.compile(r"\d{2}-(?:device|edge|cloud)\.onnx(?:\.data)?")
+# Segment files as split_model names them (``00-device.onnx``), as plan sets name them
+# (``seg-<hash>.onnx``, see tierflow.partitioner.plan_sets) and their external data.
+_SEGMENT_FILE = re.compile(r"(?:\d{2}-(?:device|edge|cloud)|seg-[0-9a-f]{12})\.onnx(?:\.data)?")
 
 
 def check_plan_dir(plan_dir: str | Path) -> Path:
@@ -267,8 +268,9 @@ def remove_old_plan(plan_dir: str | Path) -> list[str]:
     named: set[str] = set()
     try:
         old = json.loads((directory / PLAN_FILE).read_text())
-        named = {str(seg["file"]) for seg in old["segments"]}
-    except (OSError, ValueError, KeyError, TypeError):
+        plans = old.get("plans", [old])  # a plan set, or one plan
+        named = {str(seg["file"]) for plan in plans for seg in plan["segments"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # no plan, or not one tierflow wrote: only its segment-named files go
     removed = []
     for path in sorted(directory.iterdir()):

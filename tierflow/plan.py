@@ -19,6 +19,8 @@ from tierflow.errors import PlanError, UsageError
 from tierflow.links import LINKS, TIERS, LinkSpec
 
 PLAN_FORMAT = "tierflow.plan/1"
+#: A plan set (``tierflow plan --adaptive``): several plans, each with its rate region.
+PLAN_SET_FORMAT = "tierflow.plan/2"
 PLAN_FILE = "plan.json"
 #: Largest plan.json read (a real one is a few kB; estimates and calibration add little).
 MAX_PLAN_BYTES = 16 * 1024 * 1024
@@ -361,9 +363,22 @@ def load_plan(plan_dir: str | Path) -> Plan:
 
     Segment files must be regular files inside the plan directory: a symbolic link that
     leads out of it is refused, so a plan cannot make a tier load (or reveal) other files.
+    A plan set's directory gives its default plan (the one for the links it was planned
+    for); :func:`load_plan_set` gives them all.
     """
+    return load_plan_set(plan_dir).default_plan
+
+
+def load_plan_set(plan_dir: str | Path) -> PlanSet:
+    """Read and validate a plan directory as a :class:`PlanSet` (one plan: a set of one)."""
     directory = Path(plan_dir)
-    plan = Plan.from_dict(read_plan_json(directory / PLAN_FILE))
+    plans = PlanSet.from_dict(read_plan_json(directory / PLAN_FILE))
+    for plan in plans.plans:
+        _check_segment_files(plan, directory)
+    return plans
+
+
+def _check_segment_files(plan: Plan, directory: Path) -> None:
     root = directory.resolve()
     for segment in plan.segments:
         path = directory / segment.file
@@ -374,7 +389,6 @@ def load_plan(plan_dir: str | Path) -> Plan:
                 f"plan {directory}: segment file {segment.file} is a link to "
                 f"{path.resolve()}, outside the plan directory"
             )
-    return plan
 
 
 def save_plan(plan: Plan, plan_dir: str | Path) -> Path:
@@ -384,3 +398,121 @@ def save_plan(plan: Plan, plan_dir: str | Path) -> Path:
     path = directory / PLAN_FILE
     path.write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
     return path
+
+
+def save_plan_set(plans: PlanSet, plan_dir: str | Path) -> Path:
+    """Write a plan set's ``plan.json`` into ``plan_dir`` (created if needed)."""
+    directory = Path(plan_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / PLAN_FILE
+    path.write_text(json.dumps(plans.to_dict(), indent=2) + "\n")
+    return path
+
+
+#: Where one plan of a set is best: one link condition per link name.
+RegionPoint = dict[str, LinkSpec]
+
+
+@dataclass(frozen=True)
+class PlanSet:
+    """Plans for one model over a range of link conditions, and where each is best.
+
+    ``regions[i]`` holds the link conditions (grid points, see
+    ``tierflow.partitioner.grid``) at which ``plans[i]`` is the best plan; ``default``
+    indexes the plan for the links the set was planned for. A single-plan directory
+    reads as a set of one with no regions. Plans may share segment files.
+
+    ``plan.json`` of a set: ``{"format": "tierflow.plan/2", "default": 0, "plans":
+    [PLAN, ...]}`` where each PLAN is a whole ``tierflow.plan/1`` object plus its
+    ``"regions": [{"device-edge": {"rate_bps": ..., "rtt_s": ...}, "edge-cloud": ...}]``.
+    """
+
+    plans: tuple[Plan, ...]
+    regions: tuple[tuple[RegionPoint, ...], ...] = ()
+    default: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.plans:
+            raise PlanError("malformed plan set: it holds no plans")
+        regions = self.regions or tuple(() for _ in self.plans)
+        object.__setattr__(self, "regions", regions)
+        if len(regions) != len(self.plans):
+            raise PlanError(
+                f"malformed plan set: {len(self.plans)} plans but {len(regions)} regions"
+            )
+        if not 0 <= self.default < len(self.plans):
+            raise PlanError(
+                f"malformed plan set: default plan {self.default} is not one of its "
+                f"{len(self.plans)} plans"
+            )
+        first = self.plans[0]
+        for plan in self.plans[1:]:
+            if (plan.model_sha256, plan.inputs, plan.outputs) != (
+                first.model_sha256,
+                first.inputs,
+                first.outputs,
+            ):
+                raise PlanError("malformed plan set: its plans are for different models")
+        ids = [plan.plan_id for plan in self.plans]
+        if len(set(ids)) != len(ids):
+            raise PlanError(f"malformed plan set: a plan appears twice ({ids})")
+
+    @property
+    def default_plan(self) -> Plan:
+        return self.plans[self.default]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_SET_FORMAT,
+            "default": self.default,
+            "plans": [
+                dict(
+                    plan.to_dict(),
+                    regions=[
+                        {name: link.to_dict() for name, link in point.items()} for point in region
+                    ],
+                )
+                for plan, region in zip(self.plans, self.regions, strict=True)
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PlanSet:
+        """A set from ``plan.json``: ``tierflow.plan/2``, or one ``tierflow.plan/1`` plan."""
+        if isinstance(data, dict) and data.get("format") == PLAN_FORMAT:
+            return cls((Plan.from_dict(data),))
+        if not isinstance(data, dict) or data.get("format") != PLAN_SET_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else None
+            raise PlanError(
+                f"unsupported plan format {found!r}: expected {PLAN_FORMAT!r} or "
+                f"{PLAN_SET_FORMAT!r}"
+            )
+        entries = data.get("plans")
+        default = data.get("default", 0)
+        if not isinstance(entries, list) or not isinstance(default, int):
+            raise PlanError("malformed plan set: 'plans' must be a list, 'default' an index")
+        plans, regions = [], []
+        for number, entry in enumerate(entries):
+            plans.append(Plan.from_dict(entry))
+            points = entry.get("regions", [])
+            if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
+                raise PlanError(f"malformed plan set: plan {number} regions must be a list")
+            try:
+                regions.append(
+                    tuple(
+                        {check_link_name(n): LinkSpec.from_dict(v) for n, v in p.items()}
+                        for p in points
+                    )
+                )
+            except (UsageError, AttributeError) as exc:
+                raise PlanError(f"malformed plan set: plan {number} regions: {exc}") from exc
+        return cls(tuple(plans), tuple(regions), default)
+
+
+def check_link_name(name: str) -> str:
+    """``name`` if it is a link name (for plan files: a :class:`PlanError` otherwise)."""
+    if name not in LINKS:
+        raise PlanError(
+            f"malformed plan: unknown link {name!r}, expected one of {', '.join(LINKS)}"
+        )
+    return name

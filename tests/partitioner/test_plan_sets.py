@@ -1,0 +1,99 @@
+"""``tierflow plan --adaptive``: one directory, every plan best somewhere, shared segments."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tierflow.cli import main
+from tierflow.partitioner.split import run_segments, session
+from tierflow.plan import SegmentSpec, load_plan, load_plan_set
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: Any) -> Path:
+    """An MLP whose features shrink (1024 -> 256 -> 64 -> 10): where to cut depends on rate."""
+    rng = np.random.default_rng(0)
+    dims = [1024, 256, 64, 10]
+    weights = [
+        numpy_helper.from_array(
+            (rng.standard_normal((dims[i + 1], dims[i])) * 0.05).astype(np.float32), f"w{i}"
+        )
+        for i in range(3)
+    ]
+    nodes, source = [], "x"
+    for i in range(3):
+        nodes += [
+            helper.make_node("Gemm", [source, f"w{i}"], [f"g{i}"], transB=1),
+            helper.make_node("Relu", [f"g{i}"], [f"h{i}"]),
+        ]
+        source = f"h{i}"
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 1024])],
+        [helper.make_tensor_value_info("h2", TensorProto.FLOAT, [4, 10])],
+        weights,
+    )
+    path = tmp_path_factory.mktemp("model") / "mlp.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_plan_adaptive_writes_a_set_with_regions_and_shared_segments(
+    model: Path, tmp_path: Path, capsys: Any
+) -> None:
+    out = tmp_path / "set"
+    # 10 kbit/s makes sending anything cost seconds; 100 Gbit/s with no RTT makes it free
+    # next to a device emulated 50x slower than this machine.
+    args = ["plan", str(model), "-o", str(out), "--adaptive", "--emulate", "device=50"]
+    args += ["--grid", "device-edge=10kbit,100gbit/0ms", "--grid", "edge-cloud=100gbit/0ms"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "best plan by link rate" in printed and "A (default)" in printed
+    plans = load_plan_set(out)
+    data = json.loads((out / "plan.json").read_text())
+    assert data["format"] == "tierflow.plan/2" and len(data["plans"]) == len(plans.plans)
+    # 3 device-edge rates x 2 RTTs, 2 edge-cloud rates x 2 RTTs; each point in one region.
+    assert sum(len(region) for region in plans.regions) == 3 * 2 * 2 * 2
+    assert load_plan(out) == plans.plans[0]  # the plan for --link (20mbit,10ms) is the default
+    slow = {"device-edge": (10e3, 0.0), "edge-cloud": (100e9, 0.0)}
+    fast = {"device-edge": (100e9, 0.0), "edge-cloud": (100e9, 0.0)}
+
+    def best_at(point: dict[str, tuple[float, float]]) -> int:
+        return next(
+            i
+            for i, region in enumerate(plans.regions)
+            for p in region
+            if all((p[n].rate_bps, p[n].rtt_s) == point[n] for n in point)
+        )
+
+    assert [s.tier for s in plans.plans[best_at(slow)].segments] == ["device"]
+    assert best_at(fast) != best_at(slow)
+    # Segments that compute the same thing are one file, whatever tier runs them.
+    named = [s.file for plan in plans.plans for s in plan.segments]
+    files = sorted(p.name for p in out.iterdir() if p.suffix == ".onnx")
+    assert files == sorted(set(named)) and len(files) < len(named)
+    # Every plan of the set reproduces the model bit for bit.
+    x = np.random.default_rng(1).standard_normal((4, 1024)).astype(np.float32)
+    (want,) = session(onnx.load(model)).run(None, {"x": x})
+    for plan in plans.plans:
+        chain: list[tuple[SegmentSpec, onnx.ModelProto]] = [
+            (spec, onnx.load(out / spec.file)) for spec in plan.segments
+        ]
+        got = run_segments(chain, {"x": x})["h2"]
+        assert got.tobytes() == want.tobytes()
+    # Planning again replaces the set whole; --grid needs --adaptive.
+    assert main(["plan", str(model), "-o", str(out), "--emulate", "device=50"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["plan.json", *(s.file for s in load_plan(out).segments)]
+    )
+    capsys.readouterr()
+    assert main(["plan", str(model), "-o", str(out), "--grid", "device-edge=1mbit"]) == 2
+    assert "add --adaptive" in capsys.readouterr().err
