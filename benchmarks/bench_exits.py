@@ -13,7 +13,7 @@ the runtime does ([Note: a request at a tier] in ``tierflow.service``), in-proce
   codecs reach the later pieces and the exits as they would in the runtime) and costs
   the link model's bytes × 8 / rate + RTT/2; the answer costs the same on the way back;
 * the first tier after the device keeps the runtime's exact cache
-  (``tierflow.cloud.cache_memory.MemoryCache``, keyed by ``cache.cache_key`` on the
+  (``tierflow.cache_memory.MemoryCache``, keyed by ``cache.cache_key`` on the
   decoded features): a hit is answered there. Lookups are timed; stores are not (the
   edge stores the cloud's answers after passing them on, off the request's path).
 
@@ -38,7 +38,7 @@ import onnxruntime as ort
 
 from tierflow import codec as codec_lib
 from tierflow.cache import CacheAnswer, cache_key
-from tierflow.cloud.cache_memory import MemoryCache
+from tierflow.cache_memory import MemoryCache
 from tierflow.links import LinkSpec
 from tierflow.segment_runner import exit_confidence
 from tierflow.sessions import open_session

@@ -203,7 +203,7 @@ def run_exit_plan(
     cache_bytes: int,
 ) -> dict[str, Any]:
     """Serve an exit plan with a feature cache on the edge; time ``requests`` one by one."""
-    from tierflow.cloud.cache_memory import MemoryCache
+    from tierflow.cache_memory import MemoryCache
 
     with serving(plan_dir, links, slowdown, cache=MemoryCache(cache_bytes)) as client:
         results = [client.infer(inputs) for inputs in requests]

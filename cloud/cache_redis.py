@@ -55,12 +55,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from tierflow.cache import CacheAnswer, CacheStats, answer_nbytes
-from tierflow.cloud.cache_memory import check_budget
+from tierflow.cache import CacheAnswer, CacheStats, FeatureCache, answer_nbytes
+from tierflow.cache_config import CacheSpec, build_cache, redact
+from tierflow.cache_memory import Clock, check_budget
 from tierflow.errors import CacheError
 
 if TYPE_CHECKING:
@@ -191,19 +191,6 @@ def decode_answer(blob: bytes) -> CacheAnswer:
     if offset != len(blob):
         raise CacheError(f"cached answer: {len(blob) - offset} bytes left after the last output")
     return CacheAnswer(outputs=outputs, exit=exit_name)
-
-
-def redact(url: str) -> str:
-    """``url`` with its password (if any) replaced by ``***``, for logs and messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    netloc = f"{user}:***@{host}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 class CircuitBreaker:
@@ -479,3 +466,40 @@ class RedisCache:
     def close(self) -> None:
         """Release the connection pool."""
         self._client.close()
+
+
+def build_server_cache(spec: CacheSpec, *, clock: Clock | None = None) -> FeatureCache | None:
+    """The cache a server's ``--cache`` describes: Redis, or an in-process one.
+
+    An unreachable Redis is not an error: the cache starts without it and uses it once
+    it answers (see [Note: redis circuit breaker]). ``clock`` is for the in-process
+    caches (:func:`tierflow.cache_config.build_cache`).
+    """
+    if spec.kind != "redis":
+        return build_cache(spec, clock=clock)
+    assert spec.url is not None
+    if clock is not None:
+        raise CacheError("the Redis cache expires entries on Redis' clock; it takes no clock")
+    return RedisCache(
+        spec.url,
+        spec.budget_bytes,
+        ttl_s=spec.ttl_s,
+        namespace=spec.namespace,
+        timeout_s=spec.timeout_s,
+        cooldown_s=spec.cooldown_s,
+        hmac_key=read_hmac_key(spec.hmac_key_file) if spec.hmac_key_file else None,
+    )
+
+
+def read_hmac_key(path: str) -> bytes:
+    """The key in ``path`` (its bytes, surrounding whitespace removed); at least 16 bytes."""
+    try:
+        with open(path, "rb") as file:
+            key = file.read(64 * 1024 + 1).strip()
+    except OSError as exc:
+        raise CacheError(f"cannot read the Redis cache's hmac_key_file {path}: {exc}") from exc
+    if not 16 <= len(key) <= 64 * 1024:
+        raise CacheError(
+            f"hmac_key_file {path}: expected 16 to 65536 bytes of key, found {len(key)}"
+        )
+    return key

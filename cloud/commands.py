@@ -17,7 +17,7 @@ from tierflow.server import add_serve_parser, serve_until_stopped
 
 def _cache_argument(text: str) -> Any:
     # The cache modules are imported only when the option is given.
-    from tierflow.cloud.cache_config import cache_spec_argument
+    from tierflow.cache_config import cache_spec_argument
 
     return cache_spec_argument(text)
 
@@ -52,14 +52,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tierflow.cloud.cache_config import build_cache
+    from tierflow.cloud.cache_redis import build_server_cache
     from tierflow.cloud.server import CloudServer
 
     options = RuntimeOptions.from_args(args, load_plan(args.plan))
     server = CloudServer(
         args.plan,
         args.listen,
-        cache=build_cache(args.cache),
+        cache=build_server_cache(args.cache),
         options=options,
     )
     return serve_until_stopped(server, args.grace, args.metrics_port)

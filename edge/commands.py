@@ -69,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tierflow.cloud.cache_config import build_cache
+    from tierflow.cloud.cache_redis import build_server_cache
     from tierflow.edge.server import EdgeServer
 
     options = RuntimeOptions.from_args(args, load_plan(args.plan))
@@ -77,7 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
         args.plan,
         args.listen,
         args.upstream,
-        cache=build_cache(args.cache),
+        cache=build_server_cache(args.cache),
         options=options,
     )
     return serve_until_stopped(server, args.grace, args.metrics_port)

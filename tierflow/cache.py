@@ -3,8 +3,10 @@
 More memory → less computation: a tier that has seen a feature before (exactly, or
 nearly for the approximate cache) returns the stored answer without running the rest of
 the model. The tier service (``tierflow.service``) only knows this protocol, so it lives
-in the core; the implementations (in-process exact and approximate caches, Redis) live
-with the cloud (``tierflow.cloud.cache_*``), and the edge may use them too.
+in the core, and so do the in-process exact and approximate caches
+(``tierflow.cache_memory``, ``tierflow.cache_approx``), which every tier may keep (the
+device too: ``run --cache``); the Redis cache that replicas share lives with the cloud
+(``tierflow.cloud.cache_redis``).
 """
 
 from __future__ import annotations

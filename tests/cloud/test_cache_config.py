@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 
 from tierflow.cache import CacheAnswer, cache_key
-from tierflow.cloud.cache_approx import ApproxCache
-from tierflow.cloud.cache_config import (
+from tierflow.cache_approx import ApproxCache
+from tierflow.cache_config import (
     CacheSpec,
     build_cache,
     cache_spec_argument,
     parse_cache_spec,
 )
-from tierflow.cloud.cache_memory import MemoryCache
-from tierflow.cloud.cache_redis import RedisCache
+from tierflow.cache_memory import MemoryCache
+from tierflow.cloud.cache_redis import RedisCache, build_server_cache
 from tierflow.errors import CacheError, UsageError
 
 
@@ -94,11 +94,11 @@ def test_build_cache_makes_working_caches() -> None:
 
 
 def test_build_cache_reaches_redis(redis_url: str) -> None:
-    cache = build_cache(parse_cache_spec(f"{redis_url}?budget=1MiB&namespace=config-test"))
+    cache = build_server_cache(parse_cache_spec(f"{redis_url}?budget=1MiB&namespace=config-test"))
     assert isinstance(cache, RedisCache) and cache.stats().budget_bytes == 1 << 20
     cache.close()
-    down = build_cache(parse_cache_spec("redis://127.0.0.1:1/0?budget=1MiB&timeout=50ms"))
+    down = build_server_cache(parse_cache_spec("redis://127.0.0.1:1/0?budget=1MiB&timeout=50ms"))
     assert isinstance(down, RedisCache) and not down.available  # starts without Redis
     down.close()
     with pytest.raises(CacheError, match="hmac_key_file"):
-        build_cache(parse_cache_spec(f"{redis_url}?budget=1MiB&hmac_key_file=/nonexistent"))
+        build_server_cache(parse_cache_spec(f"{redis_url}?budget=1MiB&hmac_key_file=/nonexistent"))

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tierflow.cloud.cache_memory import MemoryCache
+from tierflow.cache_memory import MemoryCache
 from tierflow.device.client import DeviceClient
 from tierflow.links import LinkSpec
 from tierflow.options import RuntimeOptions

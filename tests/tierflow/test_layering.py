@@ -115,7 +115,7 @@ def _loaded_by_tiers(graph: dict[str, set[str]]) -> set[str]:
 def test_runtime_tiers_load_no_planner_torch_or_onnx() -> None:
     graph = _imports()
     loaded = _loaded_by_tiers(graph)
-    assert "tierflow.service" in loaded and "tierflow.cloud.cache_memory" in loaded
+    assert "tierflow.service" in loaded and "tierflow.cache_memory" in loaded
     wrong = {
         module: sorted(name for name in graph[module] if _within(name, NOT_AT_RUNTIME))
         for module in loaded

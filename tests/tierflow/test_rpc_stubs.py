@@ -51,7 +51,7 @@ def test_runtime_tiers_import_without_torch_or_onnx() -> None:
         "import tierflow.codec, tierflow.wire, tierflow.plan, tierflow.links, tierflow.units\n"
         "import tierflow.rpc.tier_pb2_grpc\n"
         "import tierflow.device.client, tierflow.edge.server, tierflow.cloud.server\n"
-        "import tierflow.edge.probe, tierflow.cloud.cache_config, tierflow.cloud.cache_approx\n"
+        "import tierflow.edge.probe, tierflow.cache_config, tierflow.cache_approx\n"
         "import tierflow.cli\n"
         "tierflow.cli.build_parser()\n"
         "heavy_roots = ('torch', 'onnx', 'sklearn', 'scipy', 'matplotlib')\n"

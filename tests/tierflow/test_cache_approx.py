@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tierflow.cache import CacheAnswer, cache_key
-from tierflow.cloud.cache_approx import (
+from tierflow.cache_approx import (
     ApproxCache,
     Calibration,
     calibrate_threshold,

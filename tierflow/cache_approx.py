@@ -51,7 +51,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tierflow.cache import CacheAnswer, CacheStats, key_scope
-from tierflow.cloud.cache_memory import Clock, LruStore
+from tierflow.cache_memory import Clock, LruStore
 from tierflow.errors import CacheError
 
 logger = logging.getLogger(__name__)

@@ -18,9 +18,11 @@ Spec forms (sizes, durations and rates as :mod:`tierflow.units` reads them)::
                                           entries authenticated with the key in FILE,
                                           see tierflow.cloud.cache_redis
 
-A server calls :func:`parse_cache_spec` on the option's text (or uses
-:func:`cache_spec_argument` as an argparse ``type=``) and :func:`build_cache` once at
-start-up, which is where an unreachable Redis is reported.
+A tier calls :func:`parse_cache_spec` on the option's text (or uses
+:func:`cache_spec_argument` as an argparse ``type=``) and builds the cache once at
+start-up: the device (``run --cache``) with :func:`build_cache`, which makes the
+in-process caches; the servers with ``tierflow.cloud.cache_redis.build_server_cache``,
+which adds Redis (and is where an unreachable Redis is reported).
 """
 
 from __future__ import annotations
@@ -33,10 +35,9 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from tierflow.cache import FeatureCache
-from tierflow.cloud.cache_approx import DEFAULT_DIM, ApproxCache
-from tierflow.cloud.cache_memory import Clock, MemoryCache
-from tierflow.cloud.cache_redis import redact
-from tierflow.errors import CacheError, UsageError
+from tierflow.cache_approx import DEFAULT_DIM, ApproxCache
+from tierflow.cache_memory import Clock, MemoryCache
+from tierflow.errors import UsageError
 from tierflow.units import format_duration, format_size, parse_duration, parse_size
 
 KINDS = ("off", "exact", "approx", "redis")
@@ -230,10 +231,8 @@ def cache_spec_argument(text: str) -> CacheSpec:
 
 
 def build_cache(spec: CacheSpec, *, clock: Clock | None = None) -> FeatureCache | None:
-    """The cache a spec describes (None for ``off``).
+    """The in-process cache a spec describes (None for ``off``); Redis is the servers'.
 
-    An unreachable Redis is not an error: the cache starts without it and uses it once
-    it answers (see [Note: redis circuit breaker] in ``tierflow.cloud.cache_redis``).
     ``clock`` (default :func:`time.monotonic`) decides when entries expire in the
     in-memory caches.
     """
@@ -250,31 +249,20 @@ def build_cache(spec: CacheSpec, *, clock: Clock | None = None) -> FeatureCache 
             dim=spec.dim,
             clock=clock or time.monotonic,
         )
-    from tierflow.cloud.cache_redis import RedisCache
-
-    assert spec.url is not None
-    if clock is not None:
-        raise CacheError("the Redis cache expires entries on Redis' clock; it takes no clock")
-    return RedisCache(
-        spec.url,
-        spec.budget_bytes,
-        ttl_s=spec.ttl_s,
-        namespace=spec.namespace,
-        timeout_s=spec.timeout_s,
-        cooldown_s=spec.cooldown_s,
-        hmac_key=read_hmac_key(spec.hmac_key_file) if spec.hmac_key_file else None,
+    raise UsageError(
+        "a Redis cache is shared by servers (tierflow.cloud.cache_redis.build_server_cache); "
+        f"here the cache is exact: or approx:, found {redact(spec.url or '')!r}"
     )
 
 
-def read_hmac_key(path: str) -> bytes:
-    """The key in ``path`` (its bytes, surrounding whitespace removed); at least 16 bytes."""
-    try:
-        with open(path, "rb") as file:
-            key = file.read(64 * 1024 + 1).strip()
-    except OSError as exc:
-        raise CacheError(f"cannot read the Redis cache's hmac_key_file {path}: {exc}") from exc
-    if not 16 <= len(key) <= 64 * 1024:
-        raise CacheError(
-            f"hmac_key_file {path}: expected 16 to 65536 bytes of key, found {len(key)}"
-        )
-    return key
+def redact(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``, for logs and messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    netloc = f"{user}:***@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))

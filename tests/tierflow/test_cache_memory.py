@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierflow.cache import CacheAnswer, CacheStats, cache_key, key_scope
-from tierflow.cloud.cache_memory import ARRAY_OVERHEAD, ENTRY_OVERHEAD, MemoryCache, entry_size
+from tierflow.cache_memory import ARRAY_OVERHEAD, ENTRY_OVERHEAD, MemoryCache, entry_size
 from tierflow.errors import CacheError
 
 
