@@ -1,0 +1,152 @@
+"""Which plan of a set to use for the next request: link estimates and a choice with hysteresis.
+
+A plan set (``tierflow plan --adaptive``, :class:`~tierflow.plan.PlanSet`) holds plans
+and, for each, the grid of link conditions where it is best. The device keeps an
+estimate of each link from the transfers it sees (:class:`LinkEstimator`) and asks a
+:class:`PlanSelector` which plan suits the estimate. Both take the time as an argument
+and read no clock, so they are deterministic and a test replays any history.
+
+[Note: switching with hysteresis]
+Near the border between two regions a noisy estimate would flip the choice back and
+forth, and every switch can cost (a segment fetched, a cold session). The selector
+therefore measures how far the estimate is from each plan's region, in decades of rate
+(log10; RTTs in log10 of milliseconds, with 1 ms added so that 0 is allowed), and moves
+off the current plan only when another plan's region is closer by more than ``margin``
+(0.1 decade: about 26% in rate) and has stayed the better one for ``hold_s`` seconds.
+The estimate itself is an exponentially weighted mean over time (half-life
+``half_life_s``), so one odd transfer moves it a little and a lasting change fully.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tierflow.errors import UsageError
+from tierflow.links import LINKS, LinkSpec
+from tierflow.plan import PlanSet
+
+#: Decades of rate (or of RTT in ms) by which another region must be closer to switch.
+DEFAULT_MARGIN = 0.1
+#: Seconds another plan must stay the better one before the selector switches to it.
+DEFAULT_HOLD_S = 0.5
+#: Half-life of a link estimate's memory, in seconds: short enough that a 100x step in
+#: rate is tracked within 20% after 1 s (in log space, 100 ** 0.5 ** 5 < 1.2).
+DEFAULT_HALF_LIFE_S = 0.2
+
+
+class LinkEstimator:
+    """A link's rate and RTT as recent transfers show them (time-weighted mean).
+
+    :meth:`observe` a transfer of ``nbytes`` that took ``seconds`` on the wire (transfer
+    time only: queueing at either end would make the link look slower than it is).
+    Rates are averaged in log space: a transfer 100x slower than the rest moves the
+    estimate as much as one 100x faster would, and neither swamps it.
+    """
+
+    def __init__(self, prior: LinkSpec, half_life_s: float = DEFAULT_HALF_LIFE_S) -> None:
+        if not half_life_s > 0:
+            raise UsageError(f"an estimate's half-life must be positive, got {half_life_s!r}")
+        self.half_life_s = half_life_s
+        self._log_rate = math.log(prior.rate_bps)
+        self._rtt_s = prior.rtt_s
+        self._at: float | None = None
+        self._rtt_at: float | None = None
+
+    def _weight(self, since: float | None, now: float) -> float:
+        """The weight of a new observation against what is known from ``since``."""
+        if since is None:
+            return 1.0
+        return 1.0 - 0.5 ** (max(now - since, 0.0) / self.half_life_s)
+
+    def observe(self, now: float, nbytes: int, seconds: float) -> None:
+        """A transfer of ``nbytes`` bytes that spent ``seconds`` on the link, seen at ``now``."""
+        if nbytes <= 0 or not seconds > 0 or not math.isfinite(seconds):
+            return
+        # At least a tenth of full weight: a burst of transfers at one instant still counts.
+        weight = max(self._weight(self._at, now), 0.1)
+        self._log_rate += weight * (math.log(nbytes * 8.0 / seconds) - self._log_rate)
+        self._at = now
+
+    def observe_rtt(self, now: float, rtt_s: float) -> None:
+        """A round trip (a probe's, say) of ``rtt_s`` seconds, seen at ``now``."""
+        if not 0 <= rtt_s < math.inf:
+            return
+        weight = max(self._weight(self._rtt_at, now), 0.1)
+        self._rtt_s += weight * (rtt_s - self._rtt_s)
+        self._rtt_at = now
+
+    def estimate(self) -> LinkSpec:
+        return LinkSpec(math.exp(self._log_rate), self._rtt_s)
+
+
+def _distance(point: Mapping[str, LinkSpec], links: Mapping[str, LinkSpec]) -> float:
+    """How far two link conditions are apart, in decades (see the note)."""
+    total = 0.0
+    for name in LINKS:
+        if name not in point or name not in links:
+            continue
+        total += (math.log10(point[name].rate_bps) - math.log10(links[name].rate_bps)) ** 2
+        total += (
+            math.log10(point[name].rtt_s * 1e3 + 1) - math.log10(links[name].rtt_s * 1e3 + 1)
+        ) ** 2
+    return math.sqrt(total)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The plan for the next request; ``reason`` says why it changed (empty if it did not)."""
+
+    index: int
+    switched: bool
+    reason: str = ""
+
+
+class PlanSelector:
+    """Picks a plan of ``plans`` for estimated links ([Note: switching with hysteresis]).
+
+    Starts on the set's default plan. Not thread-safe: one caller (the device's sender).
+    """
+
+    def __init__(
+        self,
+        plans: PlanSet,
+        *,
+        margin: float = DEFAULT_MARGIN,
+        hold_s: float = DEFAULT_HOLD_S,
+    ) -> None:
+        if not margin >= 0 or not hold_s >= 0:
+            raise UsageError(f"margin and hold must not be negative, got {margin}, {hold_s}")
+        self.plans = plans
+        self.margin = margin
+        self.hold_s = hold_s
+        self.current = plans.default
+        self._candidate: int | None = None
+        self._since = 0.0
+
+    def distances(self, links: Mapping[str, LinkSpec]) -> list[float]:
+        """Per plan, how far ``links`` are from its region (inf for a plan without one)."""
+        return [
+            min((_distance(point, links) for point in region), default=math.inf)
+            for region in self.plans.regions
+        ]
+
+    def choose(self, now: float, links: Mapping[str, LinkSpec]) -> Choice:
+        """The plan for a request sent at ``now`` over links estimated as ``links``."""
+        distances = self.distances(links)
+        best = min(range(len(distances)), key=lambda i: (distances[i], i))
+        if best == self.current or not math.isfinite(distances[best]):
+            self._candidate = None
+            return Choice(self.current, False)
+        if distances[self.current] - distances[best] <= self.margin:
+            self._candidate = None  # not clearly better: stay
+            return Choice(self.current, False)
+        if self._candidate != best:
+            self._candidate, self._since = best, now
+        if now - self._since < self.hold_s:
+            return Choice(self.current, False)
+        before, self.current, self._candidate = self.current, best, None
+        seen = ", ".join(f"{name} {links[name]}" for name in LINKS if name in links)
+        reason = f"links now {seen}: plan {best} fits them better than plan {before}"
+        return Choice(best, True, reason)

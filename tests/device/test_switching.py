@@ -1,0 +1,101 @@
+"""Link estimates and the per-request plan choice: tracks a step, does not flap, says why."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tierflow.device.switching import LinkEstimator, PlanSelector
+from tierflow.errors import UsageError
+from tierflow.links import LinkSpec
+from tierflow.plan import Plan, PlanSet, SegmentSpec
+
+EC = LinkSpec(1e9, 0.03)
+
+
+def _plan(tier: str) -> Plan:
+    return Plan(
+        model_file="m.onnx",
+        model_sha256="a" * 64,
+        inputs=("x",),
+        outputs=("y",),
+        segments=(SegmentSpec(tier, f"seg-{tier}.onnx", ("x",), ("y",)),),
+    )
+
+
+def _point(rate: float) -> dict[str, LinkSpec]:
+    return {"device-edge": LinkSpec(rate, 0.01), "edge-cloud": EC}
+
+
+def _set() -> PlanSet:
+    """Plan 0 (device) below 10 Mbit/s device-edge, plan 1 (edge) from 10 Mbit/s up."""
+    slow = tuple(_point(r) for r in (1e6, 2e6, 5e6))
+    fast = tuple(_point(r) for r in (10e6, 20e6, 50e6, 100e6, 200e6))
+    return PlanSet((_plan("device"), _plan("edge")), (slow, fast), default=1)
+
+
+def test_the_estimate_tracks_a_rate_step_within_20_percent_after_a_second() -> None:
+    estimator = LinkEstimator(LinkSpec(200e6, 0.01))
+    t = 0.0
+    for _ in range(20):  # 200 Mbit/s: 100 kB take 4 ms
+        estimator.observe(t, 100_000, 0.004)
+        t += 0.05
+    assert estimator.estimate().rate_bps == pytest.approx(200e6, rel=0.01)
+    step = t
+    while t < step + 1.0:  # then 2 Mbit/s: 100 kB take 0.4 s
+        estimator.observe(t, 100_000, 0.4)
+        t += 0.1
+    assert estimator.estimate().rate_bps == pytest.approx(2e6, rel=0.2)
+
+
+def test_one_odd_transfer_moves_the_estimate_only_a_little() -> None:
+    estimator = LinkEstimator(LinkSpec(20e6, 0.01))
+    for i in range(50):
+        estimator.observe(i * 0.01, 10_000, 0.004)  # 20 Mbit/s
+    estimator.observe(0.5, 10_000, 0.4)  # one stall, 100x slower
+    assert estimator.estimate().rate_bps > 10e6
+    estimator.observe(0.6, 0, 1.0)  # nothing sent: no information
+    estimator.observe(0.6, 10_000, 0.0)
+    assert math.isfinite(estimator.estimate().rate_bps)
+    estimator.observe_rtt(0.7, 0.05)
+    assert 0.01 < estimator.estimate().rtt_s <= 0.05
+
+
+def test_the_selector_switches_after_the_hold_and_says_why() -> None:
+    selector = PlanSelector(_set(), hold_s=0.5)
+    assert selector.current == 1  # the set's default
+    assert not selector.choose(0.0, _point(100e6)).switched
+    assert not selector.choose(1.0, _point(2e6)).switched  # a new candidate: hold
+    assert not selector.choose(1.4, _point(2e6)).switched
+    choice = selector.choose(1.6, _point(2e6))
+    assert choice.switched and choice.index == 0 == selector.current
+    assert "device-edge 2mbit,10ms" in choice.reason and "plan 0" in choice.reason
+    # And back when the link recovers.
+    selector.choose(2.0, _point(150e6))
+    assert selector.choose(2.6, _point(150e6)).index == 1
+
+
+def test_an_estimate_near_the_border_does_not_flap() -> None:
+    selector = PlanSelector(_set(), hold_s=0.0)
+    # 7 and 8 Mbit/s sit between the regions (5 and 10 Mbit/s): never clearly better.
+    switches = sum(
+        selector.choose(i * 0.1, _point(7e6 if i % 2 else 8e6)).switched for i in range(100)
+    )
+    assert switches == 0 and selector.current == 1
+    # A candidate that stops being better before the hold ends resets the hold.
+    selector = PlanSelector(_set(), hold_s=0.5)
+    selector.choose(0.0, _point(1e6))
+    selector.choose(0.3, _point(100e6))
+    assert not selector.choose(0.6, _point(1e6)).switched
+    assert selector.choose(1.1, _point(1e6)).switched
+
+
+def test_a_set_of_one_never_switches_and_bad_settings_are_usage_errors() -> None:
+    selector = PlanSelector(PlanSet((_plan("device"),)))
+    assert selector.choose(5.0, _point(1e3)) == selector.choose(9.0, _point(1e9))
+    assert selector.current == 0
+    with pytest.raises(UsageError):
+        PlanSelector(_set(), margin=-1)
+    with pytest.raises(UsageError):
+        LinkEstimator(LinkSpec(1e6), half_life_s=0)
