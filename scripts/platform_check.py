@@ -25,8 +25,13 @@ from typing import Any
 
 import numpy as np
 
+from tierflow.errors import TransportError
+from tierflow.processes import ServeProcess
+
 INPUT_SHAPE = (1, 3, 16, 16)
 REQUESTS = 8
+# Seconds a tier may take to start: an emulated arm64 interpreter imports slowly.
+START_S = 600.0
 
 
 def build_model(path: Path) -> None:
@@ -108,37 +113,6 @@ def prepare(work: Path) -> dict[str, Any]:
     return {"plan_dir": str(plan_dir), "segments": [s.file for s in plan.segments]}
 
 
-def _start(prefix: list[str], args: list[str], log: Path) -> tuple[subprocess.Popen[str], str]:
-    """Start a tier; return it and the address from its 'serving ... on HOST:PORT' line."""
-    command = [*prefix, "-m", "tierflow.cli", *args]
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=log.open("w"),
-        text=True,
-        bufsize=1,
-        cwd=log.parent,  # not the checkout: `-m` would import its tierflow/ folder
-    )
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    if " on " not in line:
-        process.kill()
-        raise SystemExit(
-            f"{shlex.join(command)} did not start: {line!r}\n{log.read_text()[-2000:]}"
-        )
-    return process, line.rsplit(" on ", 1)[1].strip()
-
-
-def _stop(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def import_seconds(prefix: list[str], cwd: Path) -> float:
     """Seconds a fresh interpreter takes to import the edge and cloud runtimes."""
     code = (
@@ -154,17 +128,23 @@ def import_seconds(prefix: list[str], cwd: Path) -> float:
 def check(work: Path, edge: list[str], cloud: list[str], run: list[str]) -> dict[str, Any]:
     plan_dir = work / "plan"
     started = time.perf_counter()
-    cloud_process, cloud_address = _start(
-        cloud, ["serve", "cloud", "--plan", str(plan_dir)], work / "cloud.log"
-    )
-    try:
+    with ServeProcess(
+        "cloud", plan_dir, python=cloud, cwd=work, log=work / "cloud.log", timeout=START_S
+    ) as cloud_server:
         # The edge reads its options from a config file (tomli on Python 3.10).
         config = work / "edge.toml"
-        config.write_text(f'plan = "{plan_dir}"\nupstream = "{cloud_address}"\n')
-        edge_process, edge_address = _start(
-            edge, ["serve", "edge", "--config", str(config)], work / "edge.log"
-        )
-        try:
+        config.write_text(f'plan = "{plan_dir}"\nupstream = "{cloud_server.address}"\n')
+        with ServeProcess(
+            "edge",
+            None,
+            "--config",
+            str(config),
+            listen=None,
+            python=edge,
+            cwd=work,  # not the checkout: `-m` would import its tierflow/ folder
+            log=work / "edge.log",
+            timeout=START_S,
+        ) as edge_server:
             up_s = time.perf_counter() - started
             begin = time.perf_counter()
             out = work / "out.npz"
@@ -176,7 +156,7 @@ def check(work: Path, edge: list[str], cloud: list[str], run: list[str]) -> dict
                 "--plan",
                 str(plan_dir),
                 "--edge",
-                edge_address,
+                edge_server.address,
                 "--input",
                 str(work / "in.npz"),
                 "--output",
@@ -186,10 +166,6 @@ def check(work: Path, edge: list[str], cloud: list[str], run: list[str]) -> dict
             ]
             finished = subprocess.run(command, capture_output=True, text=True, cwd=work)
             run_s = time.perf_counter() - begin
-        finally:
-            _stop(edge_process)
-    finally:
-        _stop(cloud_process)
     if finished.returncode != 0:
         raise SystemExit(f"tierflow run failed:\n{finished.stdout}\n{finished.stderr}")
     with np.load(out) as data:
@@ -228,9 +204,12 @@ def main() -> int:
     for item in args.import_time:
         name, _, prefix = item.partition("=")
         figures[f"import_s_{name}"] = round(import_seconds(shlex.split(prefix), args.work), 2)
-    figures["check"] = check(
-        args.work, shlex.split(args.edge), shlex.split(args.cloud), shlex.split(args.run)
-    )
+    try:
+        figures["check"] = check(
+            args.work, shlex.split(args.edge), shlex.split(args.cloud), shlex.split(args.run)
+        )
+    except TransportError as exc:  # a tier did not start: its log's end says why
+        raise SystemExit(str(exc)) from exc
     print(json.dumps(figures, indent=2))
     ok = figures["check"]["bit_exact_vs_segments_chained_here"]
     return 0 if ok else 1

@@ -35,25 +35,31 @@ class ServeProcess:
     """``tierflow serve TIER --plan PLAN_DIR --listen LISTEN ARGS...`` in a child process.
 
     Construction returns once the server serves (``address`` is where), or raises a
-    :class:`TransportError` with the end of its log. ``python`` is the interpreter
-    command to run (another venv's, for instance); ``log`` the file its stderr goes to.
+    :class:`TransportError` with the end of its log. ``plan_dir`` or ``listen`` None
+    leaves that flag out (a ``--config`` file in ``args`` may give it). ``python`` is the
+    interpreter command to run (another venv's, for instance); ``log`` the file its
+    stderr goes to.
     Use as a context manager (stopped gracefully on the way out) or call :meth:`stop`.
     """
 
     def __init__(
         self,
         tier: str,
-        plan_dir: str | Path,
+        plan_dir: str | Path | None,
         *args: str,
-        listen: str = "127.0.0.1:0",
+        listen: str | None = "127.0.0.1:0",
         log: str | Path | None = None,
         timeout: float = START_TIMEOUT_S,
         python: Sequence[str] = (sys.executable,),
         cwd: str | Path | None = None,
     ) -> None:
         self.tier = tier
-        self.command = [*python, "-m", "tierflow.cli", "serve", tier, "--plan", str(plan_dir)]
-        self.command += ["--listen", listen, *args]
+        self.command = [*python, "-m", "tierflow.cli", "serve", tier]
+        if plan_dir is not None:
+            self.command += ["--plan", str(plan_dir)]
+        if listen is not None:
+            self.command += ["--listen", listen]
+        self.command += args
         self.log_path = Path(log) if log is not None else None
         # Held open for the child's lifetime, closed by stop() or kill().
         if self.log_path is not None:
