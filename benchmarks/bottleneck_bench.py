@@ -74,15 +74,10 @@ BOTTLENECKS_QUICK: tuple[tuple[str | None, int, int], ...] = ((None, 4, 2),)
 
 
 def _session(model: Any) -> Any:
-    import onnxruntime as ort
+    """The tiers' session: one intra-op thread, 'extended' (tierflow.sessions)."""
+    from tierflow.sessions import open_session
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.inter_op_num_threads = 1
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    options.log_severity_level = 3
-    data = model if isinstance(model, bytes) else model.SerializeToString()
-    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    return open_session(model if isinstance(model, bytes) else model.SerializeToString())
 
 
 def _timed(repeats: int, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
