@@ -1,7 +1,8 @@
 """``tierflow serve cloud``: finish the model and answer, until SIGTERM or SIGINT.
 
 The options every server takes are in ``tierflow.server``; ``--cache`` (which the edge's
-server takes too) builds one of the feature caches beside this module (``cache_config``).
+server takes too) builds an in-process cache (``tierflow.cache_config``) or the Redis
+cache replicas share (``cache_redis`` beside this module).
 """
 
 from __future__ import annotations

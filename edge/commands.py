@@ -1,9 +1,9 @@
 """``tierflow serve edge`` and ``tierflow probe``.
 
 The server runs until SIGTERM or SIGINT and then stops gracefully; the options it shares
-with ``tierflow serve cloud`` are in ``tierflow.server``. The feature caches behind
-``--cache`` live with the cloud (``tierflow.cloud``); an edge may keep one too. ``probe``
-measures the link to a running tier and prints it the way ``tierflow plan --link`` takes it.
+with ``tierflow serve cloud`` are in ``tierflow.server``, and ``--cache`` is the cloud's
+(``tierflow.cloud.commands``: the shared Redis cache lives there). ``probe`` measures the
+link to a running tier and prints it the way ``tierflow plan --link`` takes it.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ ABOVE_CORE = (*TIERS, "tierflow.partitioner", "tierflow.demos")
 # What no module a runtime tier loads may import: the offline planner, the demos, and the
 # libraries only planning and training need (onnxruntime is not onnx).
 NOT_AT_RUNTIME = ("tierflow.partitioner", "tierflow.demos", "torch", "onnx", "sklearn")
-# The tiers each runtime tier may use besides the core: the edge keeps the cloud's
-# feature caches (``serve edge --cache``).
+# The tiers each runtime tier may use besides the core: the edge's --cache is the cloud's
+# option, which can build the Redis cache the cloud owns (``serve edge --cache redis://``).
 TIER_USES = {
     "tierflow.device": (),
     "tierflow.edge": ("tierflow.cloud",),
