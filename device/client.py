@@ -13,10 +13,11 @@ fails every request in flight at once (see ``tierflow.mux``).
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +25,16 @@ from typing import Any
 
 import numpy as np
 
+from tierflow.cache import CacheAnswer, FeatureCache, cache_key
 from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
-from tierflow.errors import DeadlineError, InputError, TierflowError, TransportError, UsageError
+from tierflow.errors import (
+    CacheError,
+    DeadlineError,
+    InputError,
+    TierflowError,
+    TransportError,
+    UsageError,
+)
 from tierflow.linkemu import LinkShaper
 from tierflow.links import LINKS, TIERS
 from tierflow.mux import Sent, StreamClient
@@ -146,8 +155,10 @@ class Ticket:
         result: Result | None = None,
         timeout: float = DEFAULT_DEADLINE_S,
         max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+        store: Callable[[Mapping[str, np.ndarray], str | None], None] | None = None,
     ) -> None:
         self.id = request_id
+        self._store = store
         self._started = started
         self._device_ms = device_ms
         self._compute_ms = compute_ms
@@ -224,6 +235,8 @@ class Ticket:
         ms["total"] = (ended - self._started) * 1e3 + (time.perf_counter() - start) * 1e3
         busy = sum(ms[tier] for tier in TIERS) + ms["queue"]
         ms["network"] = max(ms["total"] - busy, 0.0)
+        if self._store is not None:  # after the figures: storing is not the request's time
+            self._store(outputs, reply.exit or None)
         return Result(
             self.id,
             outputs,
@@ -269,8 +282,11 @@ class DeviceClient:
     ``options`` say how to run: ONNX Runtime settings, emulated links (only
     ``device-edge`` matters here), limits, and the TLS and token setting of the channel
     to the edge. ``window`` requests are in flight at most; each fails with a
-    ``DeadlineError`` if not answered within ``deadline_s``. Use as a context manager,
-    or call :meth:`close`.
+    ``DeadlineError`` if not answered within ``deadline_s``. ``cache`` (any
+    :class:`~tierflow.cache.FeatureCache`, e.g. from ``run --cache``) is looked up with
+    the model inputs before anything runs: a hit is answered here, with no compute and
+    nothing sent (``answered_by`` "device", ``cache_hit``); every answer is stored when
+    its result is read. Use as a context manager, or call :meth:`close`.
     """
 
     def __init__(
@@ -281,6 +297,7 @@ class DeviceClient:
         options: RuntimeOptions | None = None,
         window: int = DEFAULT_WINDOW,
         deadline_s: float = DEFAULT_DEADLINE_S,
+        cache: FeatureCache | None = None,
     ) -> None:
         if window < 1:
             raise UsageError(f"the window must be at least 1 request, got {window}")
@@ -296,6 +313,7 @@ class DeviceClient:
         self.window = window
         self.deadline_s = deadline_s
         self.max_tensor_bytes = options.max_tensor_bytes
+        self.cache = cache
         self.codec = self.plan.link_codec("device-edge")
         self.local_only = self.runner.end >= len(self.plan.segments)
         self._exits = any(spec.exits for _, spec, _ in self.runner.segments)
@@ -334,19 +352,34 @@ class DeviceClient:
         """
         request_id = str(next(self._ids))
         started = time.perf_counter()
-        if self.stream is not None and not self._exits and self.stream.known_down():
-            down = TransportError(f"the edge at {self.stream.address} is down; not running")
-            return self._local(request_id, started, error=down)
+        key: bytes | None = None
         try:
             arrays = {name: np.asarray(value) for name, value in inputs.items()}
             self.runner.check_names(set(arrays), segment=0)
+            if self.cache is not None:
+                key = cache_key(self.plan.model_sha256, self.plan_id, 0, arrays)
+                answer = self._lookup(key, arrays)
+                if answer is not None:
+                    return self._local(
+                        request_id,
+                        started,
+                        outputs=answer.outputs,
+                        exit_name=answer.exit,
+                        cache_hit=True,
+                    )
+            if self.stream is not None and not self._exits and self.stream.known_down():
+                address = self.stream.address
+                raise TransportError(f"the edge at {address} is down; not running")
             outcome = self.runner.run(arrays)
         except TierflowError as exc:
             return self._local(request_id, started, error=exc)
         except Exception as exc:  # onnxruntime or numpy on odd input: still one Result
             logger.exception("[device] request %s failed", request_id)
             return self._local(request_id, started, error=InputError(str(exc)))
+        store = None if key is None else functools.partial(self._store, key, arrays)
         if outcome.final:
+            if store is not None:
+                store(outcome.tensors, outcome.exit)
             return self._local(request_id, started, outputs=outcome.tensors, exit_name=outcome.exit)
         assert self.stream is not None
         try:
@@ -370,7 +403,29 @@ class DeviceClient:
             sent=sent,
             timeout=self.deadline_s,
             max_tensor_bytes=self.max_tensor_bytes,
+            store=store,
         )
+
+    def _lookup(self, key: bytes, arrays: Mapping[str, np.ndarray]) -> CacheAnswer | None:
+        assert self.cache is not None
+        try:
+            return self.cache.lookup(key, arrays)
+        except CacheError as exc:
+            logger.warning("[device] cache lookup failed, running the model: %s", exc)
+            return None
+
+    def _store(
+        self,
+        key: bytes,
+        arrays: Mapping[str, np.ndarray],
+        outputs: Mapping[str, np.ndarray],
+        exit_name: str | None,
+    ) -> None:
+        assert self.cache is not None
+        try:
+            self.cache.store(key, arrays, CacheAnswer(dict(outputs), exit_name))
+        except CacheError as exc:
+            logger.warning("[device] cache store failed: %s", exc)
 
     def _local(
         self,
@@ -380,6 +435,7 @@ class DeviceClient:
         outputs: dict[str, np.ndarray] | None = None,
         exit_name: str | None = None,
         error: TierflowError | None = None,
+        cache_hit: bool = False,
     ) -> Ticket:
         total = (time.perf_counter() - started) * 1e3
         ms = {"device": total, "edge": 0.0, "cloud": 0.0, "total": total}
@@ -389,7 +445,7 @@ class DeviceClient:
             outputs or {},
             None if error else "device",
             exit_name,
-            False,
+            cache_hit,
             {link: 0 for link in LINKS},
             {link: 0.0 for link in LINKS},
             ms,

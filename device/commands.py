@@ -52,6 +52,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "--report r.jsonl",
             "# a device-only plan needs no edge; emulate a Pi 8x slower than this machine",
             "tierflow run --plan plan/ --input in.npz --output out.npz --slowdown 8",
+            "# answer repeated frames on the device",
+            "tierflow run --plan plan/ --edge 127.0.0.1:50051 --input in.npz --cache exact:16MiB",
         ),
         formatter_class=HelpFormatter,
     )
@@ -87,12 +89,34 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add_optimization_argument(parser)
     add_providers_argument(parser)
+    parser.add_argument(
+        "--cache",
+        type=_cache_argument,
+        default="off",
+        metavar="SPEC",
+        help="answer repeated (exact:SIZE[,ttl=DUR]) or near-identical "
+        "(approx:SIZE[,target=RATE|threshold=D]...) inputs on the device, without compute "
+        "or network",
+    )
     add_link_arguments(parser)
     add_security_arguments(parser, server=False)
     parser.set_defaults(handler=_run)
 
 
+def _cache_argument(text: str) -> Any:
+    # The cache modules are imported only when the option is given.
+    from tierflow.cache_config import cache_spec_argument
+
+    spec = cache_spec_argument(text)
+    if spec.kind == "redis":
+        raise argparse.ArgumentTypeError(
+            "a Redis cache is shared by servers; the device keeps exact: or approx:"
+        )
+    return spec
+
+
 def _run(args: argparse.Namespace) -> int:
+    from tierflow.cache_config import build_cache
     from tierflow.device.client import DeviceClient
     from tierflow.device.npz import load_requests, output_row, write_outputs
     from tierflow.device.progress import PartialWriter, partial_path, read_partial
@@ -121,6 +145,7 @@ def _run(args: argparse.Namespace) -> int:
         options=RuntimeOptions.from_args(args, plan),
         window=args.window,
         deadline_s=args.deadline,
+        cache=build_cache(args.cache),
     ) as client:
         known = {
             name: len(runner.inputs[name].shape)
