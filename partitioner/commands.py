@@ -209,7 +209,7 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="write a plan set: the best plan at every point of a grid of link rates and "
         "RTTs (see --grid), with the region where each is best; segments shared where cuts "
-        "coincide, and the plan for --link as the default",
+        "coincide; tiers load the plan for --link unless told otherwise",
     )
     plan.add_argument(
         "--grid",
@@ -218,7 +218,7 @@ def register(subparsers: Any) -> None:
         metavar="LINK=RATE,...[/RTT,...]",
         help="with --adaptive, the rates (and RTTs) tried on a link, like "
         "device-edge=1mbit,10mbit,100mbit/5ms,50ms (repeatable; the --link values are always "
-        "tried; default: device-edge 1..200mbit, edge-cloud 10mbit..1gbit, the --link RTTs)",
+        "tried) (default: device-edge 1..200mbit, edge-cloud 10mbit..1gbit, the --link RTTs)",
     )
     plan.add_argument("--json", action="store_true", help="print the ranking as JSON")
     plan.set_defaults(handler=run_plan)
