@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 import os
 import platform
@@ -601,6 +602,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             logger.info("[bench] %s figures in %.1f s", name, time.perf_counter() - began)
     else:
         sections += ["Transport, codec and planning figures not measured (`--no-extras`).\n"]
+    chaos_json = Path(__file__).resolve().parent / "results" / "chaos.json"
+    if chaos_json.exists():  # kept from chaos.py's last run (it is not run here)
+        import chaos
+
+        sections += chaos.markdown(json.loads(chaos_json.read_text()))
     command = (
         " ".join(["python", "benchmarks/run.py", *sys.argv[1:]])
         if argv is None
