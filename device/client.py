@@ -16,6 +16,7 @@ import collections
 import functools
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
@@ -39,7 +40,7 @@ from tierflow.linkemu import LinkShaper
 from tierflow.links import LINKS, TIERS
 from tierflow.mux import Sent, StreamClient
 from tierflow.options import RuntimeOptions
-from tierflow.plan import load_plan
+from tierflow.plan import Plan, load_plan_set
 from tierflow.rpc import tier_pb2
 from tierflow.segment_runner import TierRunner
 from tierflow.wire import (
@@ -69,7 +70,9 @@ class Result:
     waiting: transfers, propagation, gRPC and the way back).
     ``error`` is set, and ``outputs`` empty, when the request failed. ``timings`` splits
     each tier's time into ``compute_ms``, ``codec_ms`` and ``queue_ms``; ``links`` each
-    link's into ``queue_ms`` (at its sender) and ``transfer_ms``.
+    link's into ``queue_ms`` (at its sender) and ``transfer_ms``. ``fallback`` marks an
+    answer the device computed alone because the edge could not be reached
+    ([Note: device fallback]).
     """
 
     id: str
@@ -83,6 +86,7 @@ class Result:
     error: TierflowError | None = None
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
     links: dict[str, dict[str, float]] = field(default_factory=dict)
+    fallback: bool = False
 
     @property
     def ok(self) -> bool:
@@ -115,6 +119,7 @@ class Result:
             "error": error,
             "timings": {tier: dict(parts) for tier, parts in self.timings.items()},
             "links": {link: dict(parts) for link, parts in self.links.items()},
+            "fallback": self.fallback,
         }
 
     @classmethod
@@ -138,6 +143,7 @@ class Result:
                 str(link): {str(k): float(v) for k, v in parts.items()}
                 for link, parts in (data.get("links") or {}).items()
             },
+            fallback=bool(data.get("fallback", False)),
         )
 
 
@@ -156,9 +162,11 @@ class Ticket:
         timeout: float = DEFAULT_DEADLINE_S,
         max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
         store: Callable[[Mapping[str, np.ndarray], str | None], None] | None = None,
+        fallback: Callable[[TransportError], Result] | None = None,
     ) -> None:
         self.id = request_id
         self._store = store
+        self._fallback = fallback
         self._started = started
         self._device_ms = device_ms
         self._compute_ms = compute_ms
@@ -198,6 +206,8 @@ class Ticket:
         rates = {link: 0.0 for link in LINKS}
         links = {link: {"queue_ms": 0.0, "transfer_ms": 0.0} for link in LINKS}
         _add_link(stat, bytes_, rates, links)
+        if isinstance(failure, TransportError) and self._fallback is not None:
+            return self._fallback(failure)
         if failure is not None:
             return self._failed(failure, bytes_, rates, links)
         ended = self._arrived or time.perf_counter()
@@ -286,7 +296,20 @@ class DeviceClient:
     :class:`~tierflow.cache.FeatureCache`, e.g. from ``run --cache``) is looked up with
     the model inputs before anything runs: a hit is answered here, with no compute and
     nothing sent (``answered_by`` "device", ``cache_hit``); every answer is stored when
-    its result is read. Use as a context manager, or call :meth:`close`.
+    its result is read. When the plan directory also holds a device-only plan, requests
+    the edge cannot take are answered with it ([Note: device fallback]). Use as a
+    context manager, or call :meth:`close`.
+
+    [Note: device fallback]
+    A plan set (``plan --adaptive``) may hold a plan that runs the whole model on the
+    device. While the edge is known to be down, and for every request whose stream to
+    the edge broke (a ``TransportError``: not a deadline, not an error the edge
+    answered), the device runs that plan on the request's inputs and answers itself,
+    marked ``fallback`` in its result. Its sessions are opened on the first fallback,
+    so a device that never loses the edge never pays their memory. Each request still
+    tries the edge first unless it is known to be down, so answers come from the edge
+    again as soon as it is back (the channel reconnects by itself, see
+    [Note: retries and failing fast]).
     """
 
     def __init__(
@@ -307,7 +330,8 @@ class DeviceClient:
                 f"got {deadline_s}"
             )
         self.options = options = options or RuntimeOptions()
-        self.plan = load_plan(plan_dir)
+        plans = load_plan_set(plan_dir)
+        self.plan = plans.default_plan
         self.plan_id = self.plan.plan_id
         self.runner = TierRunner(self.plan, plan_dir, "device", options)
         self.window = window
@@ -317,6 +341,10 @@ class DeviceClient:
         self.codec = self.plan.link_codec("device-edge")
         self.local_only = self.runner.end >= len(self.plan.segments)
         self._exits = any(spec.exits for _, spec, _ in self.runner.segments)
+        self._plan_dir = plan_dir
+        self.fallback_plan = None if self.local_only else _device_only(plans.plans)
+        self._fallback_runner: TierRunner | None = None
+        self._fallback_lock = threading.Lock()
         self.stream: StreamClient | None = None
         self._ids = itertools.count()
         if not self.local_only:
@@ -369,7 +397,11 @@ class DeviceClient:
                     )
             if self.stream is not None and not self._exits and self.stream.known_down():
                 address = self.stream.address
-                raise TransportError(f"the edge at {address} is down; not running")
+                down = TransportError(f"the edge at {address} is down; not running")
+                if self.fallback_plan is None:
+                    raise down
+                result = self._fall_back(request_id, started, arrays, down)
+                return Ticket(request_id, started, result.ms["device"], result=result)
             outcome = self.runner.run(arrays)
         except TierflowError as exc:
             return self._local(request_id, started, error=exc)
@@ -393,8 +425,16 @@ class DeviceClient:
             sent = self.stream.submit(
                 request, deadline=time.monotonic() + self.deadline_s, nbytes=nbytes
             )
+        except TransportError as exc:
+            if self.fallback_plan is None:
+                return self._local(request_id, started, error=exc)
+            result = self._fall_back(request_id, started, arrays, exc)
+            return Ticket(request_id, started, result.ms["device"], result=result)
         except TierflowError as exc:
             return self._local(request_id, started, error=exc)
+        fallback = None
+        if self.fallback_plan is not None:
+            fallback = functools.partial(self._fall_back, request_id, started, arrays)
         return Ticket(
             request_id,
             started,
@@ -404,6 +444,65 @@ class DeviceClient:
             timeout=self.deadline_s,
             max_tensor_bytes=self.max_tensor_bytes,
             store=store,
+            fallback=fallback,
+        )
+
+    def _fall_back(
+        self,
+        request_id: str,
+        started: float,
+        arrays: Mapping[str, np.ndarray],
+        cause: TransportError,
+    ) -> Result:
+        """Answer with the device-only plan ([Note: device fallback]); never raises."""
+        assert self.fallback_plan is not None
+        bytes_ = {link: 0 for link in LINKS}
+        rates = {link: 0.0 for link in LINKS}
+        try:
+            with self._fallback_lock:
+                if self._fallback_runner is None:
+                    logger.warning(
+                        "[device] the edge is unreachable (%s); answering with the "
+                        "device-only plan %s until it is back",
+                        cause,
+                        self.fallback_plan.plan_id,
+                    )
+                    self._fallback_runner = TierRunner(
+                        self.fallback_plan, self._plan_dir, "device", self.options
+                    )
+                runner = self._fallback_runner
+            run_start = time.perf_counter()
+            outcome = runner.run(dict(arrays))
+        except TierflowError as exc:
+            total = (time.perf_counter() - started) * 1e3
+            ms = {"device": total, "edge": 0.0, "cloud": 0.0, "total": total}
+            ms.update(queue=0.0, network=0.0)
+            logger.warning("[device] request %s: the device-only plan failed too", request_id)
+            return Result(request_id, bytes=bytes_, rate_bps=rates, ms=ms, error=exc)
+        assert outcome.final, "a device-only plan ends on the device"
+        total = (time.perf_counter() - started) * 1e3
+        # Time spent trying the edge is waiting, not the device's work.
+        device_ms = (time.perf_counter() - run_start) * 1e3
+        ms = {"device": device_ms, "edge": 0.0, "cloud": 0.0, "total": total}
+        ms.update(queue=0.0, network=max(total - device_ms, 0.0))
+        timings = {
+            "device": {
+                "compute_ms": outcome.compute_s * 1e3,
+                "codec_ms": 0.0,
+                "queue_ms": 0.0,
+            }
+        }
+        return Result(
+            request_id,
+            outcome.tensors,
+            "device",
+            outcome.exit,
+            False,
+            bytes_,
+            rates,
+            ms,
+            timings=timings,
+            fallback=True,
         )
 
     def _lookup(self, key: bytes, arrays: Mapping[str, np.ndarray]) -> CacheAnswer | None:
@@ -471,3 +570,11 @@ class DeviceClient:
                 yield in_flight.popleft().result()
         while in_flight:
             yield in_flight.popleft().result()
+
+
+def _device_only(plans: Iterable[Plan]) -> Plan | None:
+    """The first plan that runs every segment on the device, if any."""
+    for plan in plans:
+        if all(segment.tier == "device" for segment in plan.segments):
+            return plan
+    return None

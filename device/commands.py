@@ -226,6 +226,7 @@ def summarize(results: list[Result], elapsed: float) -> dict[str, Any]:
         "answered_by": {tier: sum(1 for r in ok if r.answered_by == tier) for tier in TIERS},
         "exits": sum(1 for r in ok if r.exit),
         "cache_hits": sum(1 for r in ok if r.cache_hit),
+        "fallbacks": sum(1 for r in ok if r.fallback),
         "p50_ms": {},
         "bytes_per_request": {},
         "rate_bps": {},
@@ -251,6 +252,8 @@ def _summary_table(summary: dict[str, Any]) -> str:
         rows.append(("answered by", ", ".join(f"{t} {n}" for t, n in by.items())))
         rows.append(("early exits", str(summary["exits"])))
         rows.append(("cache hits", str(summary["cache_hits"])))
+        if summary["fallbacks"]:
+            rows.append(("device fallbacks", str(summary["fallbacks"])))
         for key, ms in summary["p50_ms"].items():
             rows.append((f"{key} p50", format_duration(ms / 1e3)))
         for link, sent in summary["bytes_per_request"].items():

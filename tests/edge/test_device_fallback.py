@@ -1,0 +1,79 @@
+"""Device fallback: with the edge gone the device answers alone, then uses the edge again.
+
+See [Note: device fallback] in tierflow/device/client.py.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierflow.device.client import DeviceClient
+from tierflow.edge.server import EdgeServer
+from tierflow.errors import TransportError
+from tierflow.options import RuntimeOptions
+from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan_set
+
+
+def _with_device_only_plan(split: Any) -> Plan:
+    """Add a plan running the whole model on the device to the split's directory."""
+    split_plan = load_plan(split.plan_dir)
+    whole = SegmentSpec("device", split_plan.model_file, split_plan.inputs, split_plan.outputs)
+    alone = Plan(
+        split_plan.model_file,
+        split_plan.model_sha256,
+        split_plan.inputs,
+        split_plan.outputs,
+        (whole,),
+    )
+    save_plan_set(PlanSet((split_plan, alone)), split.plan_dir)
+    return alone
+
+
+def test_the_device_answers_alone_while_the_edge_is_down(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
+    alone = _with_device_only_plan(split)
+    samples = split.sample(seed=31, count=9)
+    options = RuntimeOptions(workers=2)
+    with rt.tiers(split.plan_dir) as (_, _, cloud):
+        edge = EdgeServer(split.plan_dir, "127.0.0.1:0", cloud.address, options=options)
+        edge.start()
+        address = edge.address
+        with DeviceClient(split.plan_dir, address, window=1, deadline_s=10.0) as device:
+            assert device.fallback_plan == alone
+            before = [device.infer(feeds) for feeds in samples[:3]]
+            edge.stop(0.5)
+            during = [device.submit(feeds).result() for feeds in samples[3:6]]
+            edge = EdgeServer(split.plan_dir, address, cloud.address, options=options)
+            edge.start()
+            try:
+                after = []
+                for feeds in samples[6:]:
+                    for _ in range(100):  # the channel reconnects within its backoff
+                        result = device.submit(feeds).result()
+                        if not result.fallback:
+                            break
+                        time.sleep(0.05)
+                    after.append(result)
+            finally:
+                edge.stop(0.5)
+    assert all(r.answered_by == "cloud" and not r.fallback for r in before)
+    for feeds, result in zip(samples[3:6], during, strict=True):
+        result.unwrap()
+        assert result.fallback and result.answered_by == "device"
+        assert result.bytes == {"device-edge": 0, "edge-cloud": 0}
+        np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
+        assert result.to_dict()["fallback"] is True
+    assert all(r.answered_by == "cloud" and not r.fallback for r in after)
+
+
+def test_without_a_device_only_plan_requests_fail(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
+    nowhere = f"127.0.0.1:{rt.free_port()}"
+    with DeviceClient(split.plan_dir, nowhere, deadline_s=10.0) as device:
+        assert device.fallback_plan is None
+        result = device.submit(split.sample(seed=32)[0]).result()
+    assert isinstance(result.error, TransportError) and not result.fallback
