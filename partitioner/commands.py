@@ -444,7 +444,7 @@ def run_plan(args: argparse.Namespace) -> int:
     profile_paths = parse_profile_paths(args.profile)
     budget = parse_fidelity(args.fidelity, args.sample)
     norms = dict(parse_norm(text) for text in args.image_norm)
-    codec_candidates(args.codec, budget, args.image_input)
+    candidates = codec_candidates(args.codec, budget, args.image_input)
     _positive(args.threads, "--threads")
     _positive(args.top, "--top")
     _shapes(args.shape)
@@ -473,7 +473,12 @@ def run_plan(args: argparse.Namespace) -> int:
     progress = Progress("profiling here")
     try:
         profiles, notes = complete_profiles(
-            graph, given, emulation=emulation, threads=args.threads, progress=progress
+            graph,
+            given,
+            emulation=emulation,
+            threads=args.threads,
+            progress=progress,
+            codecs=candidates,
         )
     finally:
         progress.close()

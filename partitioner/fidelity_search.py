@@ -59,13 +59,17 @@ def is_lossless(codec: str) -> bool:
 
 
 def fidelity_class(codec: str) -> str:
-    """Codecs in one class decode to the same values: the codec without its compressor."""
+    """Codecs in one class decode to the same values: the codec without its compressor.
+
+    ``sparse+`` and ``drop+`` stay: they decode zeros and constant channels exactly,
+    which the quantiser alone may not.
+    """
     spec = CodecSpec.parse(codec)
     if spec.bit_exact:
         return "lossless"
     if spec.image:
         return str(spec)
-    return str(CodecSpec(spec.quant, "none"))
+    return str(CodecSpec(spec.quant, "none", sparse=spec.sparse, drop=spec.drop))
 
 
 def lossy_crossings(best: Estimate) -> tuple[tuple[str, int, str], ...]:

@@ -133,10 +133,13 @@ def complete_profiles(
     threads: int = 1,
     time_budget_s: float = 20.0,
     progress: ProgressFn | None = None,
+    codecs: Sequence[str] = PLANNER_CODECS,
 ) -> tuple[dict[str, Profile], list[str]]:
     """One profile per tier: the given ones, the rest measured here once and emulated.
 
-    Returns the profiles and one note per tier profiled here, for the user.
+    ``codecs`` are those measured at each cut: the candidates (:func:`codec_candidates`)
+    are enough, image codecs are measured apart. Returns the profiles and one note per
+    tier profiled here, for the user.
     """
     for tier, profile in given.items():
         if tier not in TIERS:
@@ -146,7 +149,13 @@ def complete_profiles(
     missing = [t for t in TIERS if t not in profiles]
     notes: list[str] = []
     if missing:
-        base = profile_model(graph, threads=threads, time_budget_s=time_budget_s, progress=progress)
+        base = profile_model(
+            graph,
+            threads=threads,
+            time_budget_s=time_budget_s,
+            progress=progress,
+            codecs=[c for c in codecs if not CodecSpec.parse(c).image],
+        )
         for tier in missing:
             slowdown = emulation.get(tier, 1.0)
             profiles[tier] = base.emulate(slowdown)
@@ -171,7 +180,8 @@ def _ensure_codecs(
             c
             for p in profiles.values()
             for c in codecs
-            if c not in p.codecs and not CodecSpec.parse(c).image
+            if (c not in p.codecs or _skipped_without_stand_in(p, c, codecs))
+            and not CodecSpec.parse(c).image
         }
     )
     if not lacking:
@@ -179,8 +189,29 @@ def _ensure_codecs(
     features = capture_features(graph)
     base = measure_cut_codecs(graph, features, lacking)
     for tier, profile in profiles.items():
-        profiles[tier] = with_codecs(profile, _scaled(base, profile.slowdown))
+        kept = replace(
+            profile,
+            cuts=tuple(
+                replace(cut, codecs={k: v for k, v in cut.codecs.items() if k not in lacking})
+                for cut in profile.cuts
+            ),
+        )
+        profiles[tier] = with_codecs(kept, _scaled(base, profile.slowdown))
     return [f"codec {', '.join(lacking)}: not in the profiles, measured on this machine"]
+
+
+def _skipped_without_stand_in(profile: Profile, codec: str, codecs: Sequence[str]) -> bool:
+    """Whether ``profile`` skipped ``codec`` at some cut ([Note: codec pruning]) while the
+    codec that stood in for it there is no candidate now (``--codec drop+zstd``, say)."""
+    if not any(math.isinf(cut.codecs[codec].encode_s_per_mb) for cut in profile.cuts):
+        return False
+    spec = CodecSpec.parse(codec)
+    stand_ins = {
+        str(replace(spec, drop=False)),
+        str(replace(spec, sparse=False)),
+        str(replace(spec, drop=False, sparse=False)),
+    } - {codec}
+    return not stand_ins & set(codecs)
 
 
 def _ensure_image_codecs(

@@ -53,6 +53,7 @@ import numpy as np
 from tierflow import codec as codec_lib
 from tierflow.codec import PLANNER_CODECS, CodecStats
 from tierflow.errors import ModelError, ProfileError
+from tierflow.partitioner.codec_pruning import CutTraits, pruned_by, skipped_stats, widest_float
 from tierflow.partitioner.profile_data import (
     PROFILE_FORMAT,
     CutProfile,
@@ -320,13 +321,26 @@ def measure_cut_codecs(
     """Each codec's figures on the real features crossing each cut, times ``slowdown``.
 
     ``features`` must hold every tensor crossing a cut (see :func:`capture_features`).
+    A ``drop+`` or ``sparse+`` codec that a cheap look at the features shows cannot beat
+    the same codec without that stage (also measured) is skipped at that cut and recorded
+    as never worth choosing there: see [Note: codec pruning].
     """
     result: list[dict[str, CodecStats]] = []
     for cut in graph.cuts:
         arrays = [features[name] for name in cut.tensors]
         repeats = 3 if cut.nbytes < (1 << 20) else 1
         stats: dict[str, CodecStats] = {}
+        traits = CutTraits.of(arrays) if any(_prunable(c) for c in codecs) else None
         for name in codecs:
+            better = (
+                None if traits is None else pruned_by(name, traits, codecs, widest_float(arrays))
+            )
+            if better is not None:
+                logger.debug(
+                    "[profile] cut %d: %s skipped, %s does as well", cut.index, name, better
+                )
+                stats[name] = skipped_stats(name)
+                continue
             measured = codec_lib.measure(name, arrays, repeats=repeats)
             stats[name] = replace(
                 measured,
@@ -338,6 +352,11 @@ def measure_cut_codecs(
         if progress is not None:
             progress(cut.index)
     return result
+
+
+def _prunable(codec: str) -> bool:
+    spec = codec_lib.CodecSpec.parse(codec)
+    return spec.drop or spec.sparse
 
 
 def capture_features(graph: ModelGraph) -> dict[str, np.ndarray]:

@@ -28,8 +28,31 @@ DEFAULT_LEVEL = 3
 MIN_LEVEL = 1
 MAX_LEVEL = 22
 
+#: What ``--codec auto`` chooses among under ``--fidelity exact``: bit-exact for every
+#: tensor (``sparse`` keeps -0.0 and every NaN's bits; ``drop`` only drops channels whose
+#: elements share their bits and whose value float32 holds exactly).
+EXACT_PLANNER_CODECS: tuple[str, ...] = (
+    "raw",
+    "zstd",
+    "shuffle+zstd",
+    "sparse+zstd",
+    "sparse+shuffle+zstd",
+    "drop+sparse+zstd",
+)
+#: What ``--codec auto`` adds under a lossy fidelity budget (each measured end to end).
+LOSSY_PLANNER_CODECS: tuple[str, ...] = (
+    "fp16",
+    "fp16+zstd",
+    "int8",
+    "int8+zstd",
+    "int8c+zstd",
+    "int4+zstd",
+    "int2+zstd",
+    "sparse+int8+zstd",
+    "sparse+int4+zstd",
+)
 #: The codecs ``--codec auto`` chooses among (DESIGN.md, command line contract).
-PLANNER_CODECS: tuple[str, ...] = ("raw", "zstd", "fp16", "fp16+zstd", "int8", "int8+zstd")
+PLANNER_CODECS: tuple[str, ...] = EXACT_PLANNER_CODECS + LOSSY_PLANNER_CODECS
 #: Codecs whose round trip is bit-exact for every dtype.
 LOSSLESS_CODECS: tuple[str, ...] = ("raw", "zstd", "shuffle+zstd")
 #: Codecs that spend computation to save bandwidth on features (benchmarks compare them).

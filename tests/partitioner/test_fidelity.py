@@ -21,7 +21,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cli import main
-from tierflow.codec import CodecSpec
+from tierflow.codec import EXACT_PLANNER_CODECS, CodecSpec
 from tierflow.errors import PlanError, UsageError
 from tierflow.links import LinkSpec
 from tierflow.partitioner.cost import Problem, build_tables, estimate
@@ -126,9 +126,15 @@ def test_malformed_budgets_say_what_is_expected(text: str, message: str) -> None
 
 def test_the_exact_budget_admits_only_lossless_codecs() -> None:
     exact = FidelityBudget()
-    assert codec_candidates("auto", exact) == ("raw", "zstd")
+    assert codec_candidates("auto", exact) == EXACT_PLANNER_CODECS
+    assert all(CodecSpec.parse(c).bit_exact for c in EXACT_PLANNER_CODECS)
+    assert {"sparse+zstd", "drop+sparse+zstd", "shuffle+zstd"} <= set(EXACT_PLANNER_CODECS)
     assert codec_candidates("zstd:9", exact) == ("zstd:9",)
-    assert "int8+zstd" in codec_candidates("auto", FidelityBudget.parse("top1=99%"))
+    assert codec_candidates("drop+zstd", exact) == ("drop+zstd",)
+    lossy = codec_candidates("auto", FidelityBudget.parse("top1=99%"))
+    assert {"int8+zstd", "int4+zstd", "int2+zstd", "sparse+int8+zstd", "int8c+zstd"} <= set(lossy)
+    assert set(EXACT_PLANNER_CODECS) <= set(lossy)
+    assert codec_candidates("int2+zstd", FidelityBudget.parse("rel=0.1")) == ("int2+zstd",)
     with pytest.raises(UsageError, match="codec int8 is lossy"):
         codec_candidates("int8", exact)
 

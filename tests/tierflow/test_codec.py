@@ -18,7 +18,9 @@ from hypothesis.extra import numpy as hnp
 from tierflow.codec import (
     ALLOWED_DTYPES,
     DEFAULT_MAX_TENSOR_BYTES,
+    EXACT_PLANNER_CODECS,
     LOSSLESS_CODECS,
+    LOSSY_PLANNER_CODECS,
     PLANNER_CODECS,
     CodecSpec,
     CodecStats,
@@ -160,11 +162,45 @@ def test_codec_lists_parse_and_lossless_list_is_lossless() -> None:
     for text in PLANNER_CODECS + LOSSLESS_CODECS:
         assert str(CodecSpec.parse(text)) == text
     assert all(CodecSpec.parse(t).lossless for t in LOSSLESS_CODECS)
-    assert {t for t in PLANNER_CODECS if CodecSpec.parse(t).lossless} == {"raw", "zstd"}
+    lossless = {t for t in PLANNER_CODECS if CodecSpec.parse(t).lossless}
+    assert lossless == set(EXACT_PLANNER_CODECS)
+    assert all(CodecSpec.parse(t).bit_exact for t in EXACT_PLANNER_CODECS)
+    assert not any(CodecSpec.parse(t).lossless for t in LOSSY_PLANNER_CODECS)
     assert not CodecSpec.parse("int8c+zstd").lossless
 
 
 # --------------------------------------------------------------------------- lossless
+
+
+@pytest.mark.parametrize("codec", EXACT_PLANNER_CODECS)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_exact_planner_codecs_keep_every_bit_of_awkward_floats(codec: str, dtype: str) -> None:
+    """-0.0, NaNs with payloads and signs, infinities and subnormals, alone and as whole
+    channels (a channel of -0.0, of one NaN, of a float64 value float32 cannot hold)."""
+    kind = np.dtype(dtype)
+    bits = np.dtype(f"u{kind.itemsize}")
+    info = np.finfo(kind)
+    nans = [np.array(v, bits).view(kind) for v in _nan_patterns(kind.itemsize)]
+    awkward = [0.0, -0.0, np.inf, -np.inf, info.smallest_subnormal, -info.tiny, 1.5, *nans]
+    array = np.zeros((1, 6, 4, 4), kind)
+    array[0, 0] = np.resize(np.array(awkward, kind), (4, 4))
+    array[0, 1] = -0.0
+    array[0, 2] = nans[0]
+    array[0, 3] = 1e-300 if dtype == "float64" else info.smallest_subnormal
+    array[0, 4] = 2.25  # a droppable channel
+    array[0, 5, 0, 0] = -0.0  # zeros of both signs in one channel
+    decoded = decode(encode("x", array, codec))
+    assert decoded.dtype == array.dtype
+    assert decoded.view(bits).tobytes() == array.view(bits).tobytes()
+
+
+def _nan_patterns(itemsize: int) -> list[int]:
+    """Quiet and signalling NaNs of both signs, with payloads."""
+    if itemsize == 2:
+        return [0x7E00, 0xFE00, 0x7C01, 0xFD55]
+    if itemsize == 4:
+        return [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFA5A5A5]
+    return [0x7FF8000000000000, 0xFFF8000000000000, 0x7FF0000000000001, 0xFFFA5A5A5A5A5A5A]
 
 
 @st.composite
