@@ -20,7 +20,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cli import main
-from tierflow.codec import CodecSpec, ImageNorm
+from tierflow.codec import EXACT_PLANNER_CODECS, CodecSpec, ImageNorm
 from tierflow.errors import PlanError, UsageError
 from tierflow.links import LinkSpec
 from tierflow.partitioner.fidelity import FidelityBudget
@@ -157,7 +157,7 @@ def test_image_codecs_join_the_candidates_only_for_image_inputs() -> None:
     assert "jpeg:90" not in codec_candidates("auto", FidelityBudget("rel", 1.0))
     lossy = codec_candidates("auto", FidelityBudget("rel", 1.0), ["x"])
     assert {"jpeg:50", "jpeg:95", "webp:75", "png"} <= set(lossy)
-    assert codec_candidates("auto", exact, ["x"]) == ("raw", "zstd", "png")
+    assert codec_candidates("auto", exact, ["x"]) == (*EXACT_PLANNER_CODECS, "png")
     with pytest.raises(UsageError, match="name them with --image-input"):
         codec_candidates("jpeg:90", FidelityBudget("rel", 1.0))
     with pytest.raises(UsageError, match="codec jpeg:90 is lossy"):
