@@ -146,6 +146,17 @@ def _train(
         out = conv(hidden, params[4], params[5])
         return torch.relu(out) if relu else out
 
+    def feature_loss() -> float:
+        """The reconstruction loss over every training row (no gradients)."""
+        with torch.no_grad():
+            total = sum(
+                float(torch.sum((reconstruct(x_all[i : i + 64]) - x_all[i : i + 64]) ** 2))
+                for i in range(0, len(x_all), 64)
+            )
+        return total / x_all.numel() / feature_var
+
+    start = [p.detach().clone() for p in params]
+    start_loss = feature_loss()
     for step in range(settings.steps):
         rows = torch.from_numpy(generator.choice(len(x_all), min(settings.batch, len(x_all))))
         x = x_all[rows]
@@ -176,6 +187,13 @@ def _train(
                 settings.steps,
                 float(loss.detach()),
             )
+    if tail is None and feature_loss() > start_loss:
+        # Training made the reconstruction worse than the PCA start (it can, with few
+        # steps and coarse codes): keep the start.
+        logger.info(
+            "[bottleneck] k=%d bits=%d: keeping the PCA start (loss %.4g)", k, bits, start_loss
+        )
+        params = start
     e_w, e_b, d1_w, d1_b, d2_w, d2_b = (p.detach().numpy().astype(np.float64) for p in params)
     # Fold the code scale into the convolutions: the graph's codes are integers 0..levels.
     return {
