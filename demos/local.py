@@ -2,20 +2,25 @@
 
 What it does, in order (each step prints what it measured):
 
-1. builds the demo model once (a residual CNN trained on scikit-learn's digits, scaled
-   up; see ``tierflow.zoo.digits``), then reuses the cached copy;
+1. builds the demo model once (a residual CNN trained on scikit-learn's digits; see
+   ``tierflow.zoo.digits``), then reuses the cached copy, and puts a camera's
+   preprocessing in front of it (``tierflow.zoo.digits_camera``): requests are 224x224
+   RGB frames of the held-out digits, as a camera app would send them;
 2. adds early exits to a copy of it (heads trained on the model's own answers,
    thresholds calibrated for at most 1% disagreement), also cached;
 3. profiles both on this machine, emulating a slow device, a medium edge and a fast
    cloud (fewer threads, and a slowdown factor that the runtimes reproduce by sleeping);
-4. plans them for emulated links and prints the ranked tables;
-5. writes four plans — tierflow's choice, the same with early exits, device-only and
-   cloud-only — and for each starts the cloud and the edge as two real processes, runs
-   the device in this process and streams the held-out set through them with live
-   progress;
-6. ends with one table: accuracy, p50/p95 latency, pipelined throughput, bytes per link
-   and which tier answered, measured in the same run for every strategy. With --json
-   that table is one JSON object on stdout and the steps go to stderr.
+4. plans them for emulated links, with the frame declared an image input (so sending it
+   as PNG is among the exact candidates), and prints the ranked tables;
+5. writes six plans — tierflow's choice, the same with early exits, device-only,
+   edge-only, cloud-only and ``cloud-only-jpeg`` (the frame uploaded as JPEG quality 90,
+   what a camera app does today) — and for each starts the cloud and the edge as two
+   real processes, runs the device in this process and streams the held-out frames
+   through them with live progress;
+6. ends with one table: accuracy, agreement with the exact model, p50/p95 latency,
+   pipelined throughput, bytes per link and which tier answered, measured in the same
+   run for every strategy. With --json that table is one JSON object on stdout and
+   the steps go to stderr.
 
 Every process it starts (``tierflow.processes.ServeProcess``) is stopped on the way out,
 also on errors and Ctrl-C.
@@ -39,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from tierflow.codec import ImageNorm
 from tierflow.errors import UsageError
 from tierflow.helptext import HelpFormatter, examples
 from tierflow.links import LINKS, TIERS, LinkSpec
@@ -54,9 +60,16 @@ EMULATION: dict[str, tuple[int, float]] = {
     "edge": (1, 2.0),
     "cloud": (1, 1.0),
 }
-# Wi-Fi to an edge box in the same building; a metro link from there to the cloud.
-DEFAULT_LINKS: dict[str, str] = {"device-edge": "20mbit,2ms", "edge-cloud": "200mbit,20ms"}
+# A phone-class device (20x slower than one core here), an edge server at the cellular
+# base station (2x), a cloud core; an LTE uplink to that edge (5 Mbit/s, 10 ms round
+# trip), a metro/WAN link from there to the cloud.
+DEFAULT_LINKS: dict[str, str] = {"device-edge": "5mbit,10ms", "edge-cloud": "200mbit,20ms"}
 SERVER_START_TIMEOUT_S = 60.0
+# The camera frame is pixel / 255 on three channels; frames for the planner's sample.
+FRAME_NORM = ImageNorm(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+SAMPLE_REQUESTS = 8
+# What a camera app does today: upload the frame as JPEG, quality 90.
+JPEG_BASELINE = "jpeg:90"
 
 
 @dataclass
@@ -66,6 +79,9 @@ class StrategyRun:
     name: str
     latencies_ms: list[float] = field(default_factory=list)
     correct: int = 0
+    agree: int = 0  # answers whose top-1 class is the exact model's
+    tiers: tuple[str, ...] = ()  # the tiers the plan runs on
+    codec: dict[str, str] = field(default_factory=dict)  # each used link's codec
     answered: int = 0
     failed: int = 0
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LINKS, 0))
@@ -85,6 +101,9 @@ class StrategyRun:
             "requests": self.answered + self.failed,
             "failed": self.failed,
             "accuracy": self.correct / n,
+            "agreement": self.agree / n,
+            "tiers": list(self.tiers),
+            "codec": dict(self.codec),
             "p50_ms": self.percentile(50) if answered else None,
             "p95_ms": self.percentile(95) if answered else None,
             "throughput_rps": self.throughput_rps,
@@ -102,7 +121,7 @@ def register(subparsers: Any) -> None:
         epilog=examples(
             "tierflow demo",
             "# a slower, farther link, 200 requests per strategy, plans kept in demo/",
-            "tierflow demo --link device-edge=5mbit,40ms --requests 200 --workdir demo/",
+            "tierflow demo --link device-edge=2mbit,40ms --requests 200 --workdir demo/",
         ),
         formatter_class=HelpFormatter,
     )
@@ -118,7 +137,7 @@ def register(subparsers: Any) -> None:
         default=[],
         metavar="NAME=RATE[,RTT]",
         help="emulated link, repeatable; a rate alone keeps that link's RTT "
-        "(default: device-edge=20mbit,2ms, edge-cloud=200mbit,20ms)",
+        "(default: device-edge=5mbit,10ms, edge-cloud=200mbit,20ms)",
     )
     parser.add_argument(
         "--window",
@@ -178,77 +197,137 @@ def _demo(
 ) -> list[StrategyRun]:
     """Steps 1-6; returns what each strategy did."""
     from tierflow.partitioner.exits.plan import load_planning_graph
-    from tierflow.partitioner.planner import PlanOptions, rank, write_plan
+    from tierflow.partitioner.fidelity_probe import FidelityProbe, sample_requests
+    from tierflow.partitioner.planner import PlanOptions, rank, score_plan, write_plan
     from tierflow.partitioner.report import plan_table
     from tierflow.zoo.digits import build_demo_model
+    from tierflow.zoo.digits_camera import FRAME_INPUT, FRAME_SIZE, digit_frames, frame_tensor
 
-    _step(1, "demo model: a residual CNN trained on scikit-learn's digits (32x32)")
+    _step(1, "demo model: a residual CNN trained on scikit-learn's digits, fed camera frames")
     demo = build_demo_model(progress=_epoch_printer, status=_status_printer)
     meta = demo.meta
     how = "trained now" if demo.built else f"cached in {demo.directory}"
     print(
-        f"  {how}: {meta.params:,} parameters, held-out accuracy {meta.accuracy:.1%}, "
+        f"  {how}: {meta.params:,} parameters, held-out accuracy {meta.accuracy:.1%} (32x32), "
         f"{demo.model_path.stat().st_size:,} bytes"
     )
-    heldout = np.load(demo.heldout_path)
-    images = heldout["image"]
-    labels = heldout["labels"]
-    if requests:
-        images, labels = images[:requests], labels[:requests]
+    frames, labels = digit_frames("heldout", requests)
+    camera_path = _camera_model(demo, demo.model_path, "camera")
+    exact_top1 = _top1(camera_path, frames)
+    print(
+        f"  requests: {FRAME_SIZE}x{FRAME_SIZE} RGB frames of the {len(labels)} held-out digits "
+        f"({frame_tensor(frames[:1]).nbytes:,} bytes as float32); the model greys and pools "
+        f"them to 32x32 first: held-out accuracy {np.mean(exact_top1 == labels):.1%}"
+    )
 
     _step(2, "early exits: heads trained on the model's own answers, thresholds calibrated")
-    exited_path = _exited_model(demo)
+    exited_path = _camera_model(demo, _exited_model(demo), "camera-exits")
 
     _step(3, "profiling on this machine, emulating the three tiers")
     for tier in TIERS:
         threads, slowdown = EMULATION[tier]
         print(f"  {tier:<6} {threads} thread, {slowdown:g}x slower than this machine")
-    graph = load_planning_graph(demo.model_path)
+    graph = load_planning_graph(camera_path)
     profiles = _emulated_profiles(graph, "model")
     exit_graph = load_planning_graph(exited_path)
     exit_profiles = _emulated_profiles(exit_graph, "model with exits")
     print(f"  {len(graph.cuts)} candidate cuts, {len(graph.nodes)} nodes")
 
     _step(4, "planning for " + ", ".join(f"{n} {links[n]}" for n in LINKS))
-    options = PlanOptions(links=links)
-    result, notes = rank(graph, profiles, options)
+    options = PlanOptions(links=links, images={FRAME_INPUT: FRAME_NORM})
+    sample = {FRAME_INPUT: frame_tensor(digit_frames("train", SAMPLE_REQUESTS)[0])}
+    probe = FidelityProbe(graph, sample_requests(graph.inputs, sample), images=options.images)
+    result, notes = rank(graph, profiles, options, probe=probe)
     for note in notes:
         print(f"  {note}")
     print(_indent(plan_table(result, {})))
-    exit_result, _ = rank(exit_graph, exit_profiles, options)
+    exit_probe = FidelityProbe(
+        exit_graph, sample_requests(exit_graph.inputs, sample), images=options.images
+    )
+    exit_result, _ = rank(exit_graph, exit_profiles, options, probe=exit_probe)
     print("  with early exits, the best plans are:")
     print(_indent(plan_table(exit_result, {})))
+    # The uploads send the frame as a camera app would: PNG (exact for 8-bit pixels, the
+    # smallest exact form of these frames) or JPEG quality 90.
+    last = len(graph.cuts) - 1
+    feeds = probe.requests[0]
+
+    def upload(cuts: tuple[int, int], codec: str) -> Any:
+        return score_plan(graph, profiles, options, cuts, dict.fromkeys(LINKS, codec), feeds)
+
     plans = {
         "tierflow": (graph, profiles, result.best),
         "tierflow+exits": (exit_graph, exit_profiles, exit_result.best),
         "device-only": (graph, profiles, result.baselines["device-only"]),
-        "cloud-only": (graph, profiles, result.baselines["cloud-only"]),
+        "edge-only": (graph, profiles, upload((0, last), "png")),
+        "cloud-only": (graph, profiles, upload((0, 0), "png")),
+        "cloud-only-jpeg": (graph, profiles, upload((0, 0), JPEG_BASELINE)),
     }
     plan_dirs = {}
     for name, (plan_graph, plan_profiles, estimate) in plans.items():
         outcome = write_plan(plan_graph, plan_profiles, options, estimate, workdir / name)
         plan_dirs[name] = outcome.plan_dir
-        verified = "split verified bit-for-bit" if outcome.verified_bitwise else "not verified"
-        print(f"  wrote {name} plan: {' -> '.join(estimate.tiers)} ({verified})")
+        codecs = ", ".join(f"{k} {v}" for k, v in estimate.codec.items()) or "no link"
+        print(
+            f"  wrote {name} plan: {' -> '.join(estimate.tiers)} ({codecs}; "
+            f"predicted {estimate.latency_s * 1e3:.1f} ms)"
+        )
 
-    _step(5, f"streaming {len(labels)} held-out requests through each strategy")
+    _step(5, f"streaming {len(labels)} held-out frames through each strategy")
     tune_for_latency()  # this process is the device, as in `tierflow run`
     runs = []
     for name in plans:
-        run = StrategyRun(name)
-        _run_strategy(run, plan_dirs[name], links, images, labels, window, workdir)
+        estimate = plans[name][2]
+        run = StrategyRun(name, tiers=estimate.tiers, codec=estimate.codec)
+        _run_strategy(run, plan_dirs[name], links, frames, labels, exact_top1, window, workdir)
         runs.append(run)
 
     _step(6, "results, measured side by side in this run")
     print(_indent(_results_table(runs)))
+    print(
+        "  agrees: share of requests whose answer is the exact model's (top-1); "
+        f"req/s: {window} requests in flight"
+    )
     by_name = {run.name: run for run in runs}
-    for mine in ("tierflow", "tierflow+exits"):
-        for other in ("device-only", "cloud-only"):
-            ratio = by_name[other].percentile(50) / by_name[mine].percentile(50)
-            same = plans[mine][2].tiers == plans[other][2].tiers
-            note = " (the same placement: the difference is measurement noise)" if same else ""
-            print(f"  {mine} p50 is {ratio:.2f}x lower than {other}'s{note}")
+    best = plans["tierflow"][2]
+    print(f"  tierflow's plan runs on {len(best.tiers)} tier(s): {' -> '.join(best.tiers)}")
+    for other in ("edge-only", "cloud-only-jpeg", "cloud-only", "device-only"):
+        mine, theirs = by_name["tierflow"], by_name[other]
+        same = best.tiers == plans[other][2].tiers and best.codec == plans[other][2].codec
+        note = " (the same plan: the difference is measurement noise)" if same else ""
+        print(
+            f"  tierflow against {other}: p50 {mine.percentile(50):.1f} against "
+            f"{theirs.percentile(50):.1f} ms ({theirs.percentile(50) / mine.percentile(50):.2f}x "
+            f"lower), {mine.throughput_rps:.1f} against {theirs.throughput_rps:.1f} req/s{note}"
+        )
     return runs
+
+
+def _camera_model(demo: Any, model_path: Path, stem: str) -> Path:
+    """``model_path`` with the camera preprocessing in front, made once next to the cache."""
+    from tierflow.zoo.digits_camera import STEM_VERSION, add_camera_stem, training_normalisation
+
+    sha = demo.meta.sha256.get("model.onnx", "")[:12]
+    path = demo.directory / f"{stem}-v{STEM_VERSION}-{sha}.onnx"
+    if not path.is_file():
+        mean, std = training_normalisation()
+        add_camera_stem(model_path, path, mean, std)
+    return path
+
+
+def _top1(model_path: Path, frames: np.ndarray) -> np.ndarray:
+    """The exact model's top-1 class for each frame, in ONNX Runtime, in batches."""
+    from tierflow.sessions import open_session
+    from tierflow.zoo.digits_camera import FRAME_INPUT, frame_tensor
+
+    session = open_session(model_path)
+    output = session.get_outputs()[0].name
+    return np.concatenate(
+        [
+            np.argmax(session.run([output], {FRAME_INPUT: frame_tensor(frames[i : i + 32])})[0], 1)
+            for i in range(0, len(frames), 32)
+        ]
+    )
 
 
 def _exited_model(demo: Any) -> Path:
@@ -307,8 +386,9 @@ def _run_strategy(
     run: StrategyRun,
     plan_dir: Path,
     links: Mapping[str, LinkSpec],
-    images: np.ndarray,
+    frames: np.ndarray,
     labels: np.ndarray,
+    exact_top1: np.ndarray,
     window: int,
     workdir: Path,
 ) -> None:
@@ -316,6 +396,7 @@ def _run_strategy(
     from tierflow.device.client import DeviceClient
     from tierflow.options import RuntimeOptions
     from tierflow.plan import load_plan
+    from tierflow.zoo.digits_camera import frame_tensor
 
     plan = load_plan(plan_dir)
     needs = {s.tier for s in plan.segments} - {"device"}
@@ -327,21 +408,25 @@ def _run_strategy(
             cloud = stack.enter_context(_server("cloud", plan_dir, None, workdir))
             edge = stack.enter_context(_server("edge", plan_dir, cloud, workdir))
         input_name = plan.inputs[0]
+
+        def requests() -> Iterator[dict[str, np.ndarray]]:
+            return ({input_name: frame_tensor(frames[i : i + 1])} for i in range(len(frames)))
+
         # Latency pass: one request at a time, as a user waiting for each answer sees it.
         with DeviceClient(plan_dir, edge, options=options, window=1) as client:
-            for i, result in enumerate(client.run_stream({input_name: image} for image in images)):
-                _account(run, result, int(labels[i]))
+            for i, result in enumerate(client.run_stream(requests())):
+                _account(run, result, int(labels[i]), int(exact_top1[i]))
                 _live(run, i + 1, len(labels))
         if sys.stdout.isatty():
             print(flush=True)
         # Throughput pass: many requests in flight, so the tiers work as a pipeline.
         with DeviceClient(plan_dir, edge, options=options, window=window) as client:
             started = time.perf_counter()
-            count = sum(1 for r in client.run_stream({input_name: im} for im in images) if r.ok)
+            count = sum(1 for r in client.run_stream(requests()) if r.ok)
             run.throughput_rps = count / (time.perf_counter() - started)
 
 
-def _account(run: StrategyRun, result: Any, label: int) -> None:
+def _account(run: StrategyRun, result: Any, label: int, exact: int) -> None:
     if not result.ok:
         run.failed += 1
         logger.warning("[demo] request %s failed: %s", result.id, result.error)
@@ -350,6 +435,7 @@ def _account(run: StrategyRun, result: Any, label: int) -> None:
     run.latencies_ms.append(result.ms["total"])
     scores = next(iter(result.outputs.values()))
     run.correct += int(np.argmax(scores) == label)
+    run.agree += int(np.argmax(scores) == exact)
     for link, nbytes in result.bytes.items():
         run.bytes[link] = run.bytes.get(link, 0) + nbytes
     who = result.answered_by or "?"
@@ -367,7 +453,7 @@ def _live(run: StrategyRun, done: int, total: int) -> None:
     filled = width * done // total
     bar = "#" * filled + "." * (width - filled)
     line = (
-        f"  {run.name:<12} [{bar}] {done}/{total}  p50 {run.percentile(50):7.2f} ms  "
+        f"  {run.name:<15} [{bar}] {done}/{total}  p50 {run.percentile(50):7.2f} ms  "
         f"accuracy {run.correct / max(run.answered, 1):6.1%}  failed {run.failed}"
     )
     sys.stdout.write(f"\r{line}" if tty else f"{line}\n")
@@ -380,6 +466,7 @@ def _results_table(runs: Sequence[StrategyRun]) -> str:
     headers = [
         "strategy",
         "accuracy",
+        "agrees",
         "p50 ms",
         "p95 ms",
         "req/s",
@@ -398,6 +485,7 @@ def _results_table(runs: Sequence[StrategyRun]) -> str:
             [
                 run.name,
                 f"{run.correct / n:.1%}",
+                f"{run.agree / n:.1%}",
                 f"{run.percentile(50):.2f}",
                 f"{run.percentile(95):.2f}",
                 f"{run.throughput_rps:.1f}",

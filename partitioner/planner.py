@@ -27,7 +27,7 @@ import numpy as np
 from tierflow.codec import PLANNER_CODECS, CodecSpec, CodecStats, ImageNorm
 from tierflow.errors import PlanError, UsageError
 from tierflow.links import LINKS, TIERS, LinkSpec
-from tierflow.partitioner.cost import Estimate, Problem, build_tables
+from tierflow.partitioner.cost import Estimate, Problem, build_tables, estimate
 from tierflow.partitioner.exits.plan import exit_points, split_with_exits
 from tierflow.partitioner.fidelity import (
     EXACT,
@@ -341,6 +341,35 @@ def rank(
             f"{verdicts.count} candidates; lossy crossings not measured were left out"
         )
     return budgeted.result, notes
+
+
+def score_plan(
+    graph: ModelGraph,
+    profiles: Mapping[str, Profile],
+    options: PlanOptions,
+    cuts: tuple[int, int],
+    codec: Mapping[str, str],
+    feeds: Mapping[str, np.ndarray],
+) -> Estimate:
+    """The cost model's prediction for one given plan, outside any fidelity budget.
+
+    For baselines the search may not choose, such as uploading the input as JPEG under
+    the exact budget: codecs the profiles lack are measured as :func:`rank` measures
+    them (image codecs on ``feeds``, one request).
+    """
+    codecs = tuple(dict.fromkeys(codec.values()))
+    profiles = dict(profiles)
+    _ensure_codecs(graph, profiles, codecs)
+    _ensure_image_codecs(graph, profiles, codecs, options.images, feeds)
+    problem = Problem(
+        profiles=profiles,
+        links=options.links,
+        memory=options.memory,
+        objective=options.objective,
+        codecs=codecs,
+        exits=exit_points(graph)[0],
+    )
+    return estimate(build_tables(problem), cuts[0], cuts[1], codec)
 
 
 def estimate_dict(best: Estimate, graph: ModelGraph, objective: str) -> dict[str, Any]:

@@ -70,7 +70,7 @@ def test_lossy_codecs_keep_the_top1_class_on_the_held_out_set(
     assert all(r.bytes["device-edge"] > 0 and r.bytes["edge-cloud"] > 0 for r in results)
 
 
-def test_demo_runs_the_three_strategies_and_stops_its_processes(
+def test_demo_runs_every_strategy_and_stops_its_processes(
     demo_build: tuple[Any, list[Any]], tmp_path: Path
 ) -> None:
     workdir = tmp_path / "work"
@@ -95,19 +95,35 @@ def test_demo_runs_the_three_strategies_and_stops_its_processes(
     assert "cached in" in steps  # the run's model was built once by the fixture, then reused
     assert "[6/6] results" in steps
     report = json.loads(done.stdout)
-    assert report["links"] == {"device-edge": "20mbit,2ms", "edge-cloud": "200mbit,20ms"}
+    assert report["links"] == {"device-edge": "5mbit,10ms", "edge-cloud": "200mbit,20ms"}
     rows = {row["strategy"]: row for row in report["strategies"]}
-    assert list(rows) == ["tierflow", "tierflow+exits", "device-only", "cloud-only"]
+    assert list(rows) == [
+        "tierflow",
+        "tierflow+exits",
+        "device-only",
+        "edge-only",
+        "cloud-only",
+        "cloud-only-jpeg",
+    ]
     for row in rows.values():
         assert row["requests"] == 24 and row["failed"] == 0
         assert row["accuracy"] >= 0.9  # on the held-out requests
         assert row["p95_ms"] >= row["p50_ms"] > 0 and row["throughput_rps"] > 0
         assert sum(row["answered_by"].values()) == 24
+    # Exact plans agree with the exact model on every request.
+    for name in ("tierflow", "device-only", "edge-only", "cloud-only"):
+        assert rows[name]["agreement"] == 1.0, rows[name]
+    # The camera frames make a split worth it: tierflow's plan uses two tiers or more.
+    assert len(rows["tierflow"]["tiers"]) >= 2, rows["tierflow"]
     assert rows["tierflow+exits"]["exits"] > 0  # the plan with exits answered some early
     assert rows["device-only"]["answered_by"] == {"device": 24}
     assert rows["device-only"]["bytes_per_request"]["device-edge"] == 0
+    assert rows["edge-only"]["answered_by"] == {"edge": 24}
     assert rows["cloud-only"]["answered_by"] == {"cloud": 24}
-    assert rows["cloud-only"]["bytes_per_request"]["device-edge"] > 0
+    jpeg = rows["cloud-only-jpeg"]
+    assert jpeg["codec"] == {"device-edge": "jpeg:90", "edge-cloud": "jpeg:90"}
+    # A 224x224 frame as JPEG is a few KB, not the 588 KiB of its float32 tensor.
+    assert 0 < jpeg["bytes_per_request"]["device-edge"] < 20_000
     # Every process the demo started is gone: none still names the demo's plans.
     leftover = subprocess.run(
         ["pgrep", "-f", str(workdir)], capture_output=True, text=True, check=False

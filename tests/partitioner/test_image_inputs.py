@@ -34,7 +34,7 @@ from tierflow.partitioner.image_inputs import (
     png_is_exact,
     resolve_images,
 )
-from tierflow.partitioner.planner import PlanOptions, codec_candidates, make_plan
+from tierflow.partitioner.planner import PlanOptions, codec_candidates, make_plan, score_plan
 from tierflow.partitioner.profile import profile_model, save_profile
 from tierflow.plan import Plan, load_plan
 
@@ -188,6 +188,21 @@ def test_exact_plans_send_png_only_where_the_sample_shows_it_exact(
     outcome = make_plan(graph, profiles, options, tmp_path / "no-png", sample=noisy)
     assert all(CodecSpec.parse(c).bit_exact for c in outcome.plan.codec.values())
     assert any("png left out under the exact budget" in n for n in outcome.notes)
+
+
+def test_a_jpeg_baseline_is_scored_outside_the_exact_budget(cnn: Any) -> None:
+    _, graph, profiles = cnn
+    options = PlanOptions(links=LINKS, images={"x": IMAGENET})
+    feeds = {"x": photos(1, 3)["x"][0]}
+    jpeg = score_plan(graph, profiles, options, (0, 0), dict.fromkeys(LINKS, "jpeg:90"), feeds)
+    raw = score_plan(graph, profiles, options, (0, 0), dict.fromkeys(LINKS, "raw"), feeds)
+    assert jpeg.codec == {"device-edge": "jpeg:90", "edge-cloud": "jpeg:90"}
+    assert jpeg.tiers == ("cloud",)
+    de = jpeg.links["device-edge"]
+    assert 0 < de.bytes < de.raw_bytes / 3  # a photo crop as JPEG: a fraction of float32
+    assert jpeg.latency_s < raw.latency_s  # on 2 Mbit/s links the bytes dominate
+    with pytest.raises(PlanError, match="no codec"):
+        score_plan(graph, profiles, options, (0, 0), {"device-edge": "jpeg:90"}, feeds)
 
 
 def test_a_top1_budget_picks_a_lossy_image_codec_that_holds_on_held_out_photos(
