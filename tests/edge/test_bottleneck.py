@@ -11,6 +11,7 @@ import pytest
 
 from tierflow.cli import main
 from tierflow.device.client import DeviceClient
+from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.segment_runner import SegmentRunner
 
@@ -61,11 +62,12 @@ def test_a_grafted_bottleneck_splits_serves_and_reports_its_fidelity(
     # agreement reported for held-out data.
     heldout = np.load(demo.directory / "heldout.npz")
     samples = [{"image": heldout["image"][i]} for i in range(24)]
-    whole = SegmentRunner(grafted, optimization="extended")
-    exact = SegmentRunner(model, optimization="extended")
+    extended = RuntimeOptions(optimization="extended")
+    whole = SegmentRunner(grafted, extended)
+    exact = SegmentRunner(model, extended)
     with (
         rt.tiers(plan_dir, optimization="extended") as (edge, _, _),
-        DeviceClient(plan_dir, edge, optimization="extended") as device,
+        DeviceClient(plan_dir, edge, options=extended) as device,
     ):
         results = [r.unwrap() for r in device.run_stream(samples)]
     agree = []
