@@ -41,7 +41,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add_cache_argument(edge)
     edge.add_argument(
-        "--upstream", metavar="HOST:PORT", help="the cloud (needed if the plan uses it)"
+        "--upstream",
+        metavar="HOST:PORT",
+        help="the cloud (needed if the plan uses it); replicas as a gRPC target list, "
+        "ipv4:H1:P1,H2:P2 or dns:///NAME:PORT, balanced round robin",
     )
     edge.set_defaults(handler=_serve)
 

@@ -27,6 +27,19 @@ and a reply is only ever delivered once (the first one for an id). While the pee
 known to be down (the channel's last connection attempt failed and it has not been
 connected since), :meth:`StreamClient.submit` fails at once instead of queueing, and
 :meth:`StreamClient.known_down` tells callers so before they do any work.
+
+[Note: replicas]
+The peer's address may be a gRPC target list, ``ipv4:H1:P1,H2:P2`` (or a ``dns:`` name
+with several addresses, a Kubernetes headless Service). The channel balances round robin
+(gRPC's own ``round_robin`` policy), but it balances *calls*, and a stream is one call: it
+stays on the replica it was opened on. So a client of a list keeps one stream per listed
+address (:data:`DNS_STREAMS` for a ``dns:`` name), opens them in turn as requests come, and
+sends its requests over them in turn; the channel connects to every replica as soon as
+the client is made, so that the first streams already find them all ready. When a replica
+dies, its stream breaks and its requests in flight fail as above (typed errors; those that
+never reached it are sent again); the stream opened next in its place goes to a live
+replica, since round robin picks only among connected ones. A replica that comes back
+gets streams again as others break, not at once.
 """
 
 from __future__ import annotations
@@ -60,19 +73,36 @@ _SWEEP_SLACK_S = 0.005
 _MAX_SWEEP_WAIT_S = 60.0
 
 
-def channel_options(max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """GRPC_OPTIONS plus a short reconnect backoff: a restarted tier is found again fast.
+def channel_options(max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> list[tuple[str, int | str]]:
+    """GRPC_OPTIONS plus a short reconnect backoff and round-robin balancing.
 
-    grpc also takes ``min_reconnect_backoff_ms`` as the shortest time a connection
-    attempt may take, so it is left at grpc's 20 s: at 100 ms, every attempt over a link
-    with a 300 ms round trip timed out before the TLS and HTTP/2 handshakes could finish.
+    A restarted tier is found again fast. grpc also takes ``min_reconnect_backoff_ms`` as
+    the shortest time a connection attempt may take, so it is left at grpc's 20 s: at
+    100 ms, every attempt over a link with a 300 ms round trip timed out before the TLS and
+    HTTP/2 handshakes could finish. Round robin only matters for a target with several
+    addresses ([Note: replicas]); with one it is the same as grpc's default.
     """
     return [
         *grpc_options(max_message_bytes),
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2_000),
+        ("grpc.service_config", _ROUND_ROBIN),
     ]
 
+
+def stream_count(address: str) -> int:
+    """How many streams a client keeps to ``address`` ([Note: replicas])."""
+    scheme, _, rest = address.partition(":")
+    if scheme in ("ipv4", "ipv6"):
+        return max(1, len([part for part in rest.split(",") if part.strip()]))
+    if scheme == "dns":
+        return DNS_STREAMS
+    return 1
+
+
+_ROUND_ROBIN = '{"loadBalancingConfig": [{"round_robin": {}}]}'
+#: Streams a client keeps to a ``dns:`` target, whose addresses it cannot count.
+DNS_STREAMS = 4
 
 # When a request that never reached the peer is sent again ([Note: retries and failing fast]).
 _RETRY_DELAYS_S = (0.1, 0.3, 0.9)
@@ -147,8 +177,7 @@ class _Stream:
             self.alive = False
             failed = list(self.pending.values())
             self.pending.clear()
-            if client.stream is self:
-                client.stream = None
+            client.streams = [None if s is self else s for s in client.streams]
             reached = (
                 not unavailable
                 or self.replied
@@ -183,7 +212,8 @@ class StreamClient:
 
     ``me`` and ``peer`` name the tiers for messages ("device" -> "edge"); ``shaper``
     emulates the outgoing link (None: not shaped); ``security`` is the channel's TLS and
-    token setting (``tierflow.security``). Thread-safe.
+    token setting (``tierflow.security``). ``address`` may list replicas
+    ([Note: replicas]). Thread-safe.
     """
 
     def __init__(
@@ -204,7 +234,9 @@ class StreamClient:
         self.channel = open_channel(address, security, channel_options(max_message_bytes))
         self.stub = tier_pb2_grpc.TierStub(self.channel)
         self.lock = threading.Lock()
-        self.stream: _Stream | None = None
+        # One slot per stream kept ([Note: replicas]); None: not open (or broken).
+        self.streams: list[_Stream | None] = [None] * stream_count(address)
+        self._turn = itertools.count()
         self._ids = itertools.count()
         self._prefix = f"{me[0]}{id(self):x}-"
         # (deadline, wire id, attempt, stream): a request sent again has a second entry.
@@ -214,7 +246,8 @@ class StreamClient:
         self._down = False  # see known_down
         self._connected = False
         self._connections = 0  # times the channel became READY
-        self.channel.subscribe(self._on_state, try_to_connect=False)
+        # With replicas, connect to all of them now, before the first streams are opened.
+        self.channel.subscribe(self._on_state, try_to_connect=len(self.streams) > 1)
         self._sweeper = threading.Thread(target=self._sweep, name=f"{me}-deadlines", daemon=True)
         self._sweeper.start()
 
@@ -273,10 +306,15 @@ class StreamClient:
         return sent
 
     def _live_stream(self) -> _Stream:
-        """The stream to send on, opened if need be; call with the lock held."""
-        if self.stream is None or not self.stream.alive:
-            self.stream = _Stream(self)
-        return self.stream
+        """The stream to send on, opened if need be; call with the lock held.
+
+        With several streams, each call takes the next in turn ([Note: replicas]).
+        """
+        slot = next(self._turn) % len(self.streams)
+        stream = self.streams[slot]
+        if stream is None or not stream.alive:
+            stream = self.streams[slot] = _Stream(self)
+        return stream
 
     def _track(self, stream: _Stream, sent: Sent) -> None:
         """Wait for ``sent``'s reply on ``stream``, within its deadline; lock held."""
@@ -341,17 +379,20 @@ class StreamClient:
 
     def in_flight(self) -> int:
         with self.lock:
-            return len(self.stream.pending) if self.stream is not None else 0
+            return sum(len(s.pending) for s in self.streams if s is not None)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Finish the stream (waiting up to ``timeout`` for replies), then close the channel."""
+        """Finish the streams (waiting up to ``timeout`` for replies), then close the channel."""
         with self.lock:
             self._closed = True
-            stream = self.stream
+            streams = [s for s in self.streams if s is not None]
             self._wake.notify()
-        if stream is not None:
+        for stream in streams:
             stream.queue.close()
-            stream.reader.join(timeout)
+        end = time.monotonic() + timeout
+        for stream in streams:
+            stream.reader.join(max(0.0, end - time.monotonic()))
+        for stream in streams:
             stream.call.cancel()
             stream.reader.join(1.0)
         self.channel.unsubscribe(self._on_state)

@@ -1,0 +1,104 @@
+"""Three cloud replicas behind one edge, balanced round robin, sharing one Redis cache.
+
+The edge's ``--upstream`` is a gRPC target list (``ipv4:H:P1,H:P2,H:P3``); see
+[Note: replicas] in ``tierflow.mux``. One replica is killed (SIGKILL) while a device
+stream runs: every request gets exactly one answer (its outputs bit-exact, or a typed
+error), later requests all succeed on the two left, and each replica's metrics show it
+served its share. A request answered before by the dead replica is then a cache hit on
+another one: the cache is shared.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tierflow.device.client import DeviceClient, Result
+from tierflow.errors import RemoteError, TransportError
+
+prometheus = pytest.importorskip("prometheus_client.parser")
+pytest.importorskip("redis")
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+
+def _metrics_address(server: Any) -> str:
+    line = server.read_line(30)
+    assert " metrics on http://" in line, line
+    return line.rsplit(" on ", 1)[1].strip()
+
+
+def _served(url: str) -> float:
+    """Requests this replica answered, as its Prometheus endpoint counts them."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        sample.value
+        for family in prometheus.text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "tierflow_requests_total" and sample.labels.get("tier") == "cloud"
+    )
+
+
+def _check(split: Any, feeds: dict[str, np.ndarray], result: Result) -> None:
+    assert result.error is None, result.error
+    np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
+
+
+def test_replicas_share_the_load_and_survive_one_killed(
+    tmp_path: Path, rt: Any, redis_servers: Any
+) -> None:
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
+    _, redis_url = redis_servers()
+    cache = f"{redis_url}?budget=4MiB&namespace=replicas"
+    before, during, after = (split.sample(seed=seed, count=24) for seed in (21, 22, 23))
+    with rt.processes() as serve:
+        clouds = [
+            serve("cloud", split.plan_dir, "--cache", cache, "--metrics-port", "0")
+            for _ in range(3)
+        ]
+        metrics = [_metrics_address(cloud) for cloud in clouds]
+        targets = ",".join(cloud.address for cloud in clouds)
+        edge = serve("edge", split.plan_dir, "--upstream", f"ipv4:{targets}", "--workers", "2")
+        with DeviceClient(split.plan_dir, edge.address, deadline_s=20.0, window=6) as device:
+            first = list(device.run_stream(before))
+            shares = [_served(url) for url in metrics]
+
+            tickets = [device.submit(feeds) for feeds in during[:12]]
+            clouds[0].kill()
+            tickets += [device.submit(feeds) for feeds in during[12:]]
+            second = [ticket.result() for ticket in tickets]
+
+            time.sleep(0.5)  # the edge's channel notices the dead replica
+            third = list(device.run_stream(after))
+            again = device.submit(before[0]).result()
+            later = [_served(url) for url in metrics[1:]]
+
+    for feeds, result in zip(before, first, strict=True):
+        _check(split, feeds, result)
+    # Round robin over three streams, one per replica: each took a third of the stream.
+    assert sum(shares) == len(before) and all(share >= 4 for share in shares), shares
+
+    # Killed mid-stream: one answer per request, bit-exact or a typed error naming why.
+    assert len(second) == len(during)
+    for feeds, result in zip(during, second, strict=True):
+        if result.error is None:
+            _check(split, feeds, result)
+        else:
+            assert isinstance(result.error, (RemoteError, TransportError)), result.error
+    assert sum(result.error is None for result in second) >= len(during) // 2
+
+    # Afterwards: every request succeeds, on both replicas left.
+    for feeds, result in zip(after, third, strict=True):
+        _check(split, feeds, result)
+    gained = [now - then for now, then in zip(later, shares[1:], strict=True)]
+    assert all(gain >= 4 for gain in gained), (shares, later)
+
+    # The cache is shared: an answer stored by any replica serves the same input again.
+    _check(split, before[0], again)
+    assert again.cache_hit
