@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tierflow.cache import FeatureCache
 from tierflow.options import RuntimeOptions
-from tierflow.plan import load_plan
+from tierflow.plan import load_plan_set
 from tierflow.server import TierServer
 from tierflow.service import TierService
 
@@ -33,5 +33,7 @@ class CloudServer(TierServer):
         cache: FeatureCache | None = None,
         options: RuntimeOptions | None = None,
     ) -> None:
-        service = TierService("cloud", load_plan(plan_dir), plan_dir, cache=cache, options=options)
+        service = TierService(
+            "cloud", load_plan_set(plan_dir), plan_dir, cache=cache, options=options
+        )
         super().__init__(service, listen)

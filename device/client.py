@@ -13,6 +13,7 @@ fails every request in flight at once (see ``tierflow.mux``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import logging
@@ -28,6 +29,7 @@ import numpy as np
 
 from tierflow.cache import CacheAnswer, FeatureCache, cache_key
 from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
+from tierflow.device.switching import LinkEstimator, PlanSelector
 from tierflow.errors import (
     CacheError,
     DeadlineError,
@@ -37,12 +39,12 @@ from tierflow.errors import (
     UsageError,
 )
 from tierflow.linkemu import LinkShaper
-from tierflow.links import LINKS, TIERS
+from tierflow.links import LINKS, TIERS, LinkSpec
 from tierflow.mux import Sent, StreamClient
 from tierflow.options import RuntimeOptions
-from tierflow.plan import Plan, load_plan_set
+from tierflow.plan import Plan, PlanSet, load_plan_set
 from tierflow.rpc import tier_pb2
-from tierflow.segment_runner import TierRunner
+from tierflow.segment_runner import SegmentRunner, TierRunner
 from tierflow.wire import (
     MAX_DEADLINE_AHEAD_S,
     decode_tensors,
@@ -54,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_WINDOW = 16
 DEFAULT_DEADLINE_S = 30.0
+#: A link's assumed rate before any transfer, when the plan names none (bits/s).
+DEFAULT_PRIOR_BPS = 100e6
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,8 @@ class Result:
     each tier's time into ``compute_ms``, ``codec_ms`` and ``queue_ms``; ``links`` each
     link's into ``queue_ms`` (at its sender) and ``transfer_ms``. ``fallback`` marks an
     answer the device computed alone because the edge could not be reached
-    ([Note: device fallback]).
+    ([Note: device fallback]). ``plan`` is the id of the plan the request ran on;
+    ``switch`` says why the device changed plans at this request (None if it did not).
     """
 
     id: str
@@ -87,6 +92,8 @@ class Result:
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
     links: dict[str, dict[str, float]] = field(default_factory=dict)
     fallback: bool = False
+    plan: str | None = None
+    switch: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -120,6 +127,8 @@ class Result:
             "timings": {tier: dict(parts) for tier, parts in self.timings.items()},
             "links": {link: dict(parts) for link, parts in self.links.items()},
             "fallback": self.fallback,
+            "plan": self.plan,
+            "switch": self.switch,
         }
 
     @classmethod
@@ -144,6 +153,8 @@ class Result:
                 for link, parts in (data.get("links") or {}).items()
             },
             fallback=bool(data.get("fallback", False)),
+            plan=data.get("plan"),
+            switch=data.get("switch"),
         )
 
 
@@ -165,6 +176,8 @@ class Ticket:
         fallback: Callable[[TransportError], Result] | None = None,
     ) -> None:
         self.id = request_id
+        self.plan: str | None = None  # the plan it runs on, set by DeviceClient.submit
+        self.switch: str | None = None
         self._store = store
         self._fallback = fallback
         self._started = started
@@ -189,6 +202,9 @@ class Ticket:
         """Wait for the reply (the stream client resolves it by the deadline at the latest)."""
         if self._result is None:
             self._result = self._finish()
+        if self.plan is not None:  # a fallback answer already names the device-only plan
+            plan = self._result.plan or self.plan
+            self._result = dataclasses.replace(self._result, plan=plan, switch=self.switch)
         return self._result
 
     def _finish(self) -> Result:
@@ -310,6 +326,17 @@ class DeviceClient:
     tries the edge first unless it is known to be down, so answers come from the edge
     again as soon as it is back (the channel reconnects by itself, see
     [Note: retries and failing fast]).
+
+    [Note: switching plans on the device]
+    When the plan set has several plans with rate regions, the device keeps a
+    :class:`~tierflow.device.switching.LinkEstimator` per link, fed passively from each
+    answered request's measured transfer (bytes over transfer time, per link), and asks a
+    :class:`~tierflow.device.switching.PlanSelector` which plan the next request runs
+    ([Note: switching with hysteresis]). Each request names its plan on the wire and the
+    tiers serve every plan of the set, so requests in flight finish on the plan they
+    started with. A plan's device sessions open on its first request (segment files
+    shared between plans are opened once). Its result names the plan (``plan``) and, at
+    a switch, why (``switch``). ``adaptive=False`` keeps the default plan.
     """
 
     def __init__(
@@ -321,6 +348,7 @@ class DeviceClient:
         window: int = DEFAULT_WINDOW,
         deadline_s: float = DEFAULT_DEADLINE_S,
         cache: FeatureCache | None = None,
+        adaptive: bool = True,
     ) -> None:
         if window < 1:
             raise UsageError(f"the window must be at least 1 request, got {window}")
@@ -330,24 +358,27 @@ class DeviceClient:
                 f"got {deadline_s}"
             )
         self.options = options = options or RuntimeOptions()
-        plans = load_plan_set(plan_dir)
+        self.plans = plans = load_plan_set(plan_dir)
         self.plan = plans.default_plan
         self.plan_id = self.plan.plan_id
-        self.runner = TierRunner(self.plan, plan_dir, "device", options)
+        self._sessions: dict[Path, SegmentRunner] = {}
+        self.runner = TierRunner(self.plan, plan_dir, "device", options, self._sessions)
+        self._runners = {plans.default: self.runner}
+        self._runners_lock = threading.Lock()
         self.window = window
         self.deadline_s = deadline_s
         self.max_tensor_bytes = options.max_tensor_bytes
         self.cache = cache
         self.codec = self.plan.link_codec("device-edge")
         self.local_only = self.runner.end >= len(self.plan.segments)
-        self._exits = any(spec.exits for _, spec, _ in self.runner.segments)
         self._plan_dir = plan_dir
         self.fallback_plan = None if self.local_only else _device_only(plans.plans)
         self._fallback_runner: TierRunner | None = None
         self._fallback_lock = threading.Lock()
         self.stream: StreamClient | None = None
         self._ids = itertools.count()
-        if not self.local_only:
+        remote = any(not _runs_on_device_only(plan) for plan in plans.plans)
+        if not self.local_only or (edge and remote):
             if not edge:
                 raise UsageError(
                     "the plan runs segments on the edge or the cloud; give the edge's "
@@ -361,6 +392,11 @@ class DeviceClient:
                 max_message_bytes=options.max_message_bytes,
                 security=options.security,
             )
+        self.selector: PlanSelector | None = None
+        if adaptive and self.stream is not None and len(plans.plans) > 1 and any(plans.regions):
+            self.selector = PlanSelector(plans)
+        self.estimators = {link: LinkEstimator(_prior(plans, link)) for link in LINKS}
+        self._estimates_lock = threading.Lock()
 
     def __enter__(self) -> DeviceClient:
         return self
@@ -375,15 +411,55 @@ class DeviceClient:
     def submit(self, inputs: Mapping[str, np.ndarray]) -> Ticket:
         """Run the device's part now and send the rest on; errors end up in the Result.
 
-        While the edge is known to be down, and no device exit could answer, the request
-        fails at once without running anything (see [Note: retries and failing fast]).
+        The plan is chosen per request ([Note: switching plans on the device]). While the
+        edge is known to be down, and no device exit could answer, the request fails at
+        once without running anything (see [Note: retries and failing fast]).
         """
+        index, switch = self._choose()
+        plan = self.plans.plans[index]
+        ticket = self._submit(inputs, plan, self._runner_for(index))
+        ticket.plan, ticket.switch = plan.plan_id, switch
+        return ticket
+
+    def _choose(self) -> tuple[int, str | None]:
+        """The index of the plan for the next request, and why it changed (if it did)."""
+        if self.selector is None:
+            return self.plans.default, None
+        with self._estimates_lock:
+            links = {link: estimator.estimate() for link, estimator in self.estimators.items()}
+            choice = self.selector.choose(time.monotonic(), links)
+        if choice.switched:
+            logger.info("[device] switching plans: %s", choice.reason)
+        return choice.index, choice.reason or None
+
+    def _runner_for(self, index: int) -> TierRunner:
+        with self._runners_lock:
+            runner = self._runners.get(index)
+            if runner is None:
+                plan = self.plans.plans[index]
+                runner = TierRunner(plan, self._plan_dir, "device", self.options, self._sessions)
+                self._runners[index] = runner
+            return runner
+
+    def _observe(self, sent: Sent, future: Future[tier_pb2.Reply]) -> None:
+        """Feed the link estimators from an answered request's transfers (passive)."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        stats = [sent.transfer.stat("device-edge"), *future.result().links]
+        now = time.monotonic()
+        with self._estimates_lock:
+            for stat in stats:
+                estimator = self.estimators.get(stat.link)
+                if estimator is not None and stat.rate_bps > 0:
+                    estimator.observe(now, stat.bytes, stat.send_ms / 1e3)
+
+    def _submit(self, inputs: Mapping[str, np.ndarray], plan: Plan, runner: TierRunner) -> Ticket:
         request_id = str(next(self._ids))
         started = time.perf_counter()
         key: bytes | None = None
         try:
             arrays = {name: np.asarray(value) for name, value in inputs.items()}
-            self.runner.check_names(set(arrays), segment=0)
+            runner.check_names(set(arrays), segment=0)
             if self.cache is not None:
                 key = cache_key(self.plan.model_sha256, self.plan_id, 0, arrays)
                 answer = self._lookup(key, arrays)
@@ -395,14 +471,15 @@ class DeviceClient:
                         exit_name=answer.exit,
                         cache_hit=True,
                     )
-            if self.stream is not None and not self._exits and self.stream.known_down():
+            exits = any(spec.exits for _, spec, _ in runner.segments)
+            if self.stream is not None and not exits and self.stream.known_down():
                 address = self.stream.address
                 down = TransportError(f"the edge at {address} is down; not running")
                 if self.fallback_plan is None:
                     raise down
                 result = self._fall_back(request_id, started, arrays, down)
                 return Ticket(request_id, started, result.ms["device"], result=result)
-            outcome = self.runner.run(arrays)
+            outcome = runner.run(arrays)
         except TierflowError as exc:
             return self._local(request_id, started, error=exc)
         except Exception as exc:  # onnxruntime or numpy on odd input: still one Result
@@ -416,11 +493,12 @@ class DeviceClient:
         assert self.stream is not None
         try:
             request = tier_pb2.Request(
-                plan_id=self.plan_id,
+                plan_id=plan.plan_id,
                 segment=outcome.next_segment,
                 deadline_unix_s=time.time() + self.deadline_s,
             )
-            nbytes = put_tensors(request.tensors, outcome.tensors, self.codec, self.plan.images)
+            codec = plan.link_codec("device-edge")
+            nbytes = put_tensors(request.tensors, outcome.tensors, codec, plan.images)
             device_ms = (time.perf_counter() - started) * 1e3
             sent = self.stream.submit(
                 request, deadline=time.monotonic() + self.deadline_s, nbytes=nbytes
@@ -432,6 +510,7 @@ class DeviceClient:
             return Ticket(request_id, started, result.ms["device"], result=result)
         except TierflowError as exc:
             return self._local(request_id, started, error=exc)
+        sent.future.add_done_callback(functools.partial(self._observe, sent))
         fallback = None
         if self.fallback_plan is not None:
             fallback = functools.partial(self._fall_back, request_id, started, arrays)
@@ -503,6 +582,7 @@ class DeviceClient:
             ms,
             timings=timings,
             fallback=True,
+            plan=self.fallback_plan.plan_id,
         )
 
     def _lookup(self, key: bytes, arrays: Mapping[str, np.ndarray]) -> CacheAnswer | None:
@@ -572,9 +652,19 @@ class DeviceClient:
             yield in_flight.popleft().result()
 
 
+def _runs_on_device_only(plan: Plan) -> bool:
+    return all(segment.tier == "device" for segment in plan.segments)
+
+
+def _prior(plans: PlanSet, link: str) -> LinkSpec:
+    """What to believe of ``link`` before any transfer: the default plan's figures."""
+    default = plans.default_plan
+    if link in default.links:
+        return default.links[link]
+    points = [point[link] for point in plans.regions[plans.default] if link in point]
+    return points[0] if points else LinkSpec(DEFAULT_PRIOR_BPS)
+
+
 def _device_only(plans: Iterable[Plan]) -> Plan | None:
     """The first plan that runs every segment on the device, if any."""
-    for plan in plans:
-        if all(segment.tier == "device" for segment in plan.segments):
-            return plan
-    return None
+    return next((plan for plan in plans if _runs_on_device_only(plan)), None)

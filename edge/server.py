@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tierflow.cache import FeatureCache
 from tierflow.options import RuntimeOptions
-from tierflow.plan import load_plan
+from tierflow.plan import load_plan_set
 from tierflow.server import TierServer
 from tierflow.service import TierService
 
@@ -35,6 +35,11 @@ class EdgeServer(TierServer):
         options: RuntimeOptions | None = None,
     ) -> None:
         service = TierService(
-            "edge", load_plan(plan_dir), plan_dir, upstream=upstream, cache=cache, options=options
+            "edge",
+            load_plan_set(plan_dir),
+            plan_dir,
+            upstream=upstream,
+            cache=cache,
+            options=options,
         )
         super().__init__(service, listen)

@@ -187,8 +187,15 @@ class TierRunner:
     """
 
     def __init__(
-        self, plan: Plan, plan_dir: str | Path, tier: str, options: RuntimeOptions | None = None
+        self,
+        plan: Plan,
+        plan_dir: str | Path,
+        tier: str,
+        options: RuntimeOptions | None = None,
+        sessions: dict[Path, SegmentRunner] | None = None,
     ) -> None:
+        """``sessions`` (by segment file) is shared by the runners of one plan set's plans:
+        a segment file two plans name is opened once."""
         if tier not in TIERS:
             raise PlanError(f"unknown tier {tier!r}: expected one of {', '.join(TIERS)}")
         self.plan = plan
@@ -199,7 +206,12 @@ class TierRunner:
         mine = plan.segments_for(tier)
         self.segments: list[tuple[int, SegmentSpec, SegmentRunner]] = []
         for index, spec in mine:
-            runner = SegmentRunner(Path(plan_dir) / spec.file, options)
+            path = Path(plan_dir) / spec.file
+            runner = sessions.get(path) if sessions is not None else None
+            if runner is None:
+                runner = SegmentRunner(path, options)
+                if sessions is not None:
+                    sessions[path] = runner
             missing = sorted(set(spec.inputs) - set(runner.inputs))
             if missing or not set(spec.outputs) <= set(runner.output_names):
                 raise PlanError(

@@ -9,7 +9,11 @@ the cloud differ only in whether a next tier exists (see ``tierflow.edge.server`
 ``tierflow.cloud.server``).
 
 [Note: a request at a tier]
-1. Refuse it if the tier is not ready, the plan id differs, or its deadline has passed.
+1. Refuse it if the tier is not ready, the plan id is not one of the tier's plan set, or
+   its deadline has passed. Each request names its plan, so requests in flight finish on
+   the plan they started with while the device switches ([Note: switching with
+   hysteresis] in tierflow/device/switching.py); a plan's sessions open on its first
+   request, sharing those of segment files that plans have in common.
 2. Check the tensor headers (names, dtypes, shapes, codec, sizes) before decoding any
    payload, so malformed or hostile messages cost nothing; then decode.
 3. Look the features up in the feature cache, if there is one: a hit is the answer.
@@ -78,10 +82,10 @@ from tierflow.linkemu import LinkShaper, ShapedQueue, Transfer
 from tierflow.links import TIERS, downstream_link, upstream_link
 from tierflow.mux import StreamClient
 from tierflow.options import RuntimeOptions
-from tierflow.plan import Plan
+from tierflow.plan import Plan, PlanSet
 from tierflow.providers import describe as describe_providers
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.segment_runner import TierRunner
+from tierflow.segment_runner import SegmentRunner, TierRunner
 
 if TYPE_CHECKING:
     from tierflow.metrics import TierMetrics
@@ -110,6 +114,12 @@ def _write_all(
         send_response(reply)
 
 
+def _reply_codec(plan: Plan, link: str | None) -> CodecSpec:
+    """Answers go down with the lossless part of the link's codec ([Note: a request at a tier])."""
+    codec = plan.link_codec(link).lossless_part()
+    return CodecSpec.parse("raw") if codec.compress == "none" else codec
+
+
 class _DirectReplies:
     """Replies written by the thread that makes them (unshaped links, see Infer)."""
 
@@ -127,16 +137,18 @@ class TierService(tier_pb2_grpc.TierServicer):
     """The ``Tier`` servicer of an edge or a cloud ([Note: a request at a tier]).
 
     ``upstream`` is the next tier's address; it is required when the plan runs segments
-    beyond this tier. ``cache`` is any :class:`~tierflow.cache.FeatureCache`. ``options``
-    say how to run: ONNX Runtime settings, the links to emulate (``tierflow.linkemu``),
-    limits, and the TLS and token setting of the channel to the next tier. Call
+    beyond this tier. ``plan`` may be a whole :class:`~tierflow.plan.PlanSet`: the tier
+    serves every plan of it (``plan``, ``plan_id`` and ``runner`` are the default's).
+    ``cache`` is any :class:`~tierflow.cache.FeatureCache`. ``options`` say how to run:
+    ONNX Runtime settings, the links to emulate (``tierflow.linkemu``), limits, and the
+    TLS and token setting of the channel to the next tier. Call
     :meth:`load` before serving.
     """
 
     def __init__(
         self,
         tier: str,
-        plan: Plan,
+        plan: Plan | PlanSet,
         plan_dir: str | Path,
         *,
         upstream: str | None = None,
@@ -146,7 +158,8 @@ class TierService(tier_pb2_grpc.TierServicer):
         if tier not in ("edge", "cloud"):
             raise UsageError(f"a tier service runs on the edge or the cloud, not on {tier!r}")
         self.tier = tier
-        self.plan = plan
+        self.plans = plan if isinstance(plan, PlanSet) else PlanSet((plan,))
+        self.plan = plan = self.plans.default_plan
         self.plan_dir = Path(plan_dir)
         self.plan_id = plan.plan_id
         self.upstream_address = upstream
@@ -155,13 +168,14 @@ class TierService(tier_pb2_grpc.TierServicer):
         self.up_link = upstream_link(tier)
         self.down_link = downstream_link(tier)
         self.up_codec = plan.link_codec(self.up_link)
-        self.reply_codec = plan.link_codec(self.down_link).lossless_part()
-        if self.reply_codec.compress == "none":
-            self.reply_codec = CodecSpec.parse("raw")
+        self.reply_codec = _reply_codec(plan, self.down_link)
         self.pool = ThreadPoolExecutor(
             max_workers=options.workers or os.cpu_count() or 1, thread_name_prefix=f"{tier}-work"
         )
         self.runner: TierRunner | None = None
+        self._runners: dict[str, TierRunner] = {}  # by plan id, opened on first use
+        self._sessions: dict[Path, SegmentRunner] = {}
+        self._runners_lock = threading.Lock()
         self.upstream: StreamClient | None = None
         self._in_flight = 0
         self._count_lock = threading.Lock()
@@ -174,8 +188,10 @@ class TierService(tier_pb2_grpc.TierServicer):
 
     def load(self) -> None:
         """Load this tier's segments and open the channel to the next tier."""
-        runner = TierRunner(self.plan, self.plan_dir, self.tier, self.options)
-        if runner.end < len(self.plan.segments):
+        runner = TierRunner(self.plan, self.plan_dir, self.tier, self.options, self._sessions)
+        rank = TIERS.index(self.tier)
+        later = any(TIERS.index(s.tier) > rank for p in self.plans.plans for s in p.segments)
+        if runner.end < len(self.plan.segments) or (later and self.upstream_address):
             if self.up_link is None or not self.upstream_address:
                 raise UsageError(
                     f"the plan runs segments after the {self.tier}; give the next tier's "
@@ -190,7 +206,7 @@ class TierService(tier_pb2_grpc.TierServicer):
                 max_message_bytes=self.options.max_message_bytes,
                 security=self.options.security,
             )
-        self.runner = runner
+        self.runner = self._runners[self.plan_id] = runner
         self._ready.set()
         logger.info(
             "[%s] plan %s loaded: segments %s on %s, forwards to %s",
@@ -386,6 +402,24 @@ class TierService(tier_pb2_grpc.TierServicer):
 
     # ------------------------------------------------------------------ requests
 
+    def _runner_for(self, plan_id: str) -> tuple[Plan, TierRunner]:
+        """The plan a request names and its runner, opened on first use."""
+        with self._runners_lock:
+            runner = self._runners.get(plan_id)
+            if runner is not None:
+                return runner.plan, runner
+            plan = next((p for p in self.plans.plans if p.plan_id == plan_id), None)
+            if plan is None:
+                served = ", ".join(p.plan_id for p in self.plans.plans)
+                raise PlanError(
+                    f"the {self.tier} serves plans {served}, the request names plan "
+                    f"{plan_id or '(none)'}"
+                )
+            runner = TierRunner(plan, self.plan_dir, self.tier, self.options, self._sessions)
+            self._runners[plan_id] = runner
+            logger.info("[%s] plan %s opened", self.tier, plan_id)
+            return plan, runner
+
     def _error_reply(
         self, request_id: str, exc: BaseException, code: str | None = None
     ) -> tier_pb2.Reply:
@@ -426,14 +460,9 @@ class TierService(tier_pb2_grpc.TierServicer):
         send: Callable[[tier_pb2.Reply], None],
     ) -> tier_pb2.Reply | None:
         """Steps 1-5 of [Note: a request at a tier]; None when the reply comes later."""
-        runner = self.runner
-        if runner is None or not self._ready.is_set():
+        if self.runner is None or not self._ready.is_set():
             raise TransportError(f"the {self.tier} is not serving yet (its model is loading)")
-        if request.plan_id != self.plan_id:
-            raise PlanError(
-                f"the {self.tier} serves plan {self.plan_id}, the request names plan "
-                f"{request.plan_id or '(none)'}"
-            )
+        plan, runner = self._runner_for(request.plan_id)
         deadline = check_deadline(request.deadline_unix_s, time.time())
         if deadline and time.time() > deadline:
             raise DeadlineError(f"the request's deadline passed before the {self.tier} ran it")
@@ -444,10 +473,10 @@ class TierService(tier_pb2_grpc.TierServicer):
 
         key: bytes | None = None
         if self.cache is not None:
-            answer, key = self._lookup(request.segment, features)
+            answer, key = self._lookup(plan, request.segment, features)
             if answer is not None:
                 start = time.perf_counter()
-                reply = self._answer(answer.outputs, answer.exit)
+                reply = self._answer(plan, answer.outputs, answer.exit)
                 reply.cache_hit = True
                 timing.codec_ms = (codec_s + time.perf_counter() - start) * 1e3
                 reply.timings.append(timing)  # a copy: every field is set by now
@@ -457,18 +486,23 @@ class TierService(tier_pb2_grpc.TierServicer):
         timing.compute_ms = outcome.compute_s * 1e3
         start = time.perf_counter()
         if outcome.final:
-            reply = self._answer(outcome.tensors, outcome.exit)
+            reply = self._answer(plan, outcome.tensors, outcome.exit)
             timing.codec_ms = (codec_s + time.perf_counter() - start) * 1e3
             reply.timings.append(timing)
             if key is not None:
                 self._store(key, features, outcome.tensors, outcome.exit)
             return reply
 
-        assert self.upstream is not None
+        if self.upstream is None:
+            raise PlanError(
+                f"plan {plan.plan_id} runs beyond the {self.tier}, which has no --upstream"
+            )
         forward = tier_pb2.Request(
-            plan_id=self.plan_id, segment=outcome.next_segment, deadline_unix_s=deadline or 0.0
+            plan_id=plan.plan_id, segment=outcome.next_segment, deadline_unix_s=deadline or 0.0
         )
-        nbytes = put_tensors(forward.tensors, outcome.tensors, self.up_codec, self.plan.images)
+        assert self.up_link is not None  # an upstream exists only below the cloud
+        codec = plan.link_codec(self.up_link)
+        nbytes = put_tensors(forward.tensors, outcome.tensors, codec, plan.images)
         timing.codec_ms = (codec_s + time.perf_counter() - start) * 1e3
         local_deadline = None
         if deadline:
@@ -510,9 +544,12 @@ class TierService(tier_pb2_grpc.TierServicer):
         limit = self.options.max_tensor_bytes  # read-only views: ONNX Runtime only reads them
         return {t.name: decode(t, max_bytes=limit, writable=False) for t in encoded}
 
-    def _answer(self, outputs: Mapping[str, np.ndarray], exit_name: str | None) -> tier_pb2.Reply:
-        reply = tier_pb2.Reply(plan_id=self.plan_id, answered_by=self.tier, exit=exit_name or "")
-        put_tensors(reply.outputs, outputs, self.reply_codec)
+    def _answer(
+        self, plan: Plan, outputs: Mapping[str, np.ndarray], exit_name: str | None
+    ) -> tier_pb2.Reply:
+        reply = tier_pb2.Reply(plan_id=plan.plan_id, answered_by=self.tier, exit=exit_name or "")
+        codec = self.reply_codec if plan is self.plan else _reply_codec(plan, self.down_link)
+        put_tensors(reply.outputs, outputs, codec)
         return reply
 
     def _forwarded(
@@ -545,10 +582,10 @@ class TierService(tier_pb2_grpc.TierServicer):
     # ------------------------------------------------------------------ cache
 
     def _lookup(
-        self, segment: int, features: dict[str, np.ndarray]
+        self, plan: Plan, segment: int, features: dict[str, np.ndarray]
     ) -> tuple[CacheAnswer | None, bytes]:
         assert self.cache is not None
-        key = cache_key(self.plan.model_sha256, self.plan_id, segment, features)
+        key = cache_key(plan.model_sha256, plan.plan_id, segment, features)
         try:
             answer = self.cache.lookup(key, features)
         except CacheError as exc:
