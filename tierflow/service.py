@@ -218,6 +218,12 @@ class TierService(tier_pb2_grpc.TierServicer):
         )
 
     @property
+    def opened_plans(self) -> list[str]:
+        """Ids of the plans whose sessions are open: the default's, and those asked for."""
+        with self._runners_lock:
+            return list(self._runners)
+
+    @property
     def in_flight(self) -> int:
         """Requests at this tier not yet answered."""
         return self._in_flight

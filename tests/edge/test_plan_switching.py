@@ -15,6 +15,7 @@ import onnx.utils
 
 from tierflow.links import LinkSpec
 from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan_set
+from tierflow.segment_runner import SegmentRunner, TierRunner
 from tierflow.sessions import open_session
 
 
@@ -73,11 +74,13 @@ def test_a_rate_drop_and_recovery_switches_plans_both_ways_losing_nothing(
     np.savez(tmp_path / "in.npz", x=np.concatenate([s["x"] for s in samples]))
     trace = tmp_path / "trace.csv"
     trace.write_text("seconds,rate,rtt\n0,200mbit,20ms\n0.4,2mbit,20ms\n1.4,200mbit,20ms\n")
-    with rt.tiers(split.plan_dir) as (edge, _, _):
+    with rt.tiers(split.plan_dir) as (edge, _, cloud):
+        assert cloud.service.opened_plans == [fast.plan_id]  # the other opens when asked for
         args = ["run", "--plan", str(split.plan_dir), "--edge", edge, "--window", "1"]
         args += ["--input", str(tmp_path / "in.npz"), "--output", str(tmp_path / "out.npz")]
         args += ["--report", str(tmp_path / "r.jsonl"), "--link-emulation", f"trace={trace}"]
         assert main(args) == 0
+        assert sorted(cloud.service.opened_plans) == sorted([fast.plan_id, slow.plan_id])
     lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     lines.sort(key=lambda line: int(line["id"]))
     assert [int(line["id"]) for line in lines] == list(range(count))  # one answer each
@@ -94,3 +97,13 @@ def test_a_rate_drop_and_recovery_switches_plans_both_ways_losing_nothing(
     with np.load(tmp_path / "out.npz") as out:
         for i, feeds in enumerate(samples):
             np.testing.assert_array_equal(out["y"][i], reference.run(["y"], feeds)[0][0])
+
+
+def test_plans_of_a_set_open_a_shared_segment_file_once(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
+    fast, slow = _plan_set(split)
+    sessions: dict[Path, SegmentRunner] = {}
+    first = TierRunner(fast, split.plan_dir, "device", sessions=sessions)
+    second = TierRunner(slow, split.plan_dir, "device", sessions=sessions)
+    assert first.segments[0][2] is second.segments[0][2]  # conv1: one session
+    assert len(sessions) == 3  # conv1, conv2 and the pooling, each opened once
