@@ -9,11 +9,9 @@ plus a few spare threads for health checks, and tells gRPC to refuse any call be
 that at once (``maximum_concurrent_rpcs``): no call ever waits in gRPC's queue behind
 idle streams, which is how 64 idle streams used to stall every device.
 
-Not covered here: a client that sends requests but stops reading its replies. Replies are
-written by the thread that makes them ([Note: replies written where they are made] in
-``tierflow.service``), and a write waits while the client's HTTP/2 window is full, so
-such a client holds that thread (a worker, or on the edge the thread that receives the
-cloud's replies) until its stream ends.
+A client that sends requests but stops reading its replies holds only its own
+stream's threads, and only until a reply has waited ``reply_timeout`` for it: then its
+stream is cancelled ([Note: slow readers] in ``tierflow.service``).
 
 A stream beyond ``max_streams_per_peer`` from one peer, or beyond ``max_streams`` in all,
 ends at once with gRPC status RESOURCE_EXHAUSTED and a message starting ``OVERLOADED:``;

@@ -29,6 +29,8 @@ from tierflow.wire import DEFAULT_MESSAGE_BYTES
 
 #: Requests a tier accepts in flight (all streams together) before answering OVERLOADED.
 DEFAULT_MAX_IN_FLIGHT = 1024
+#: Seconds a reply may wait for its client to read before the stream is cancelled.
+DEFAULT_REPLY_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class RuntimeOptions:
     message accepted. ``max_in_flight``: requests a server holds before answering
     OVERLOADED. ``max_streams`` / ``max_streams_per_peer``: streams a server serves at
     once in all and from one host ([Note: stream admission] in ``tierflow.admission``).
+    ``reply_timeout``: seconds a reply may wait for a client that does not read before
+    its stream is cancelled ([Note: slow readers] in ``tierflow.service``).
     ``security``: TLS and tokens (``tierflow.security``). ``providers``: ONNX
     Runtime execution providers in order of preference (``tierflow.providers``).
     """
@@ -59,6 +63,7 @@ class RuntimeOptions:
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     max_streams: int = DEFAULT_MAX_STREAMS
     max_streams_per_peer: int = DEFAULT_MAX_STREAMS_PER_PEER
+    reply_timeout: float = DEFAULT_REPLY_TIMEOUT_S
     security: Security = field(default_factory=Security)
     providers: tuple[str, ...] = (CPU,)
 
@@ -74,6 +79,8 @@ class RuntimeOptions:
         for name in (*limits, "max_streams_per_peer"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.reply_timeout < float("inf"):
+            raise UsageError(f"reply_timeout must be a positive number, got {self.reply_timeout}")
         if not self.providers:
             raise UsageError("providers must name at least one execution provider")
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
@@ -96,6 +103,7 @@ class RuntimeOptions:
             max_streams_per_peer=getattr(
                 args, "max_streams_per_peer", DEFAULT_MAX_STREAMS_PER_PEER
             ),
+            reply_timeout=getattr(args, "reply_timeout", DEFAULT_REPLY_TIMEOUT_S),
             security=Security.from_args(args),
             providers=getattr(args, "providers", (CPU,)),
         )

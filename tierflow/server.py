@@ -37,6 +37,7 @@ from tierflow.admission import DEFAULT_MAX_STREAMS, DEFAULT_MAX_STREAMS_PER_PEER
 from tierflow.errors import UsageError
 from tierflow.helptext import HelpFormatter, examples
 from tierflow.linkemu import add_link_arguments
+from tierflow.options import DEFAULT_REPLY_TIMEOUT_S
 from tierflow.providers import add_providers_argument
 from tierflow.security import add_security_arguments, bind, server_options
 from tierflow.service import TierService
@@ -247,6 +248,14 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_STREAMS_PER_PEER,
         metavar="N",
         help="streams served at once from one host; more are refused OVERLOADED",
+    )
+    parser.add_argument(
+        "--reply-timeout",
+        type=float,
+        default=DEFAULT_REPLY_TIMEOUT_S,
+        metavar="S",
+        help="seconds a reply waits for a client that does not read it before its stream "
+        "is cancelled",
     )
     parser.add_argument(
         "--grace", type=float, default=5.0, help="seconds open streams get to finish on shutdown"

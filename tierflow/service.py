@@ -38,17 +38,30 @@ and from 1.89 to 1.46 ms for 1 MB (a bare gRPC round trip: 0.38 and 1.05 ms):
   interactive client sends them) is run by the thread that read it, not handed to the
   pool. With others in flight the pool runs it and the reader reads on, so a pipeline
   always has its next request read ahead.
-* Replies are written to the stream by the thread that makes them (a worker, the
-  reader, or, on the edge, the thread that received the cloud's reply) through grpc's
-  non-blocking handler form (``experimental_non_blocking``: grpc passes the handler a
-  function that writes one message and waits until it is written), one at a time per
-  stream. The gRPC thread running the handler reads the stream itself.
+* Replies are written to the stream through grpc's non-blocking handler form
+  (``experimental_non_blocking``: grpc passes the handler a function that writes one
+  message and waits until it is written), one at a time per stream. The gRPC thread
+  running the handler reads the stream itself, and writes the replies it made; a reply
+  any other thread made (a worker, or on the edge the thread that received the cloud's
+  reply) goes to the stream's writer thread, for the reason in [Note: slow readers].
   When the reply link is emulated, or a grpc version does not pass that function,
   replies go through a :class:`~tierflow.linkemu.ShapedQueue` to one writer thread.
 
-A writer waits while the client does not read its replies (HTTP/2 flow control);
-tierflow's clients read theirs at once (``tierflow.mux``), and a cancelled stream
-releases the writer.
+[Note: slow readers]
+A write waits while the client does not read its replies (HTTP/2 flow control). A
+client that keeps sending requests but never reads would so hold whatever thread
+writes to it, and on the edge that was the one thread receiving all of the cloud's
+replies: every device stalled. So only a thread that belongs to the stream waits for
+it: its gRPC thread writes what it made itself (then it reads no further requests
+from that client, which is only fair), and replies made anywhere else are handed to
+the stream's writer thread (started on first use; a parked thread, like the reader,
+never a worker) or queued behind the write in progress. The thread receiving the
+cloud's replies, and the workers, never wait for a client. A write that has waited
+``reply_timeout`` seconds (``serve --reply-timeout``, default 5) makes a watchdog
+cancel the stream, which ends the waiting write; the stream's queued replies are
+dropped, since its client can no longer receive them, and its place is given back
+([Note: stream admission] in ``tierflow.admission``). tierflow's own clients read
+their replies at once (``tierflow.mux``), so they never meet the limit.
 """
 
 from __future__ import annotations
@@ -57,6 +70,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -120,17 +134,88 @@ def _reply_codec(plan: Plan, link: str | None) -> CodecSpec:
     return CodecSpec.parse("raw") if codec.compress == "none" else codec
 
 
-class _DirectReplies:
-    """Replies written by the thread that makes them (unshaped links, see Infer)."""
+class _StreamReplies:
+    """A stream's replies, written one at a time and in order ([Note: slow readers]).
 
-    def __init__(self, write: Callable[[tier_pb2.Reply], None]) -> None:
-        self.write = write
+    A reply the stream's own gRPC thread made is written by that thread; any other
+    (from a worker, or from the thread that receives the next tier's replies) is handed
+    to the stream's writer thread, started on first use. A reply that finds a write in
+    progress is queued, and the thread writing takes it along.
+    """
+
+    def __init__(
+        self,
+        write: Callable[[tier_pb2.Reply], None],
+        name: str,
+        context: grpc.ServicerContext,
+    ) -> None:
+        self._write = write
+        self._name = name
+        self.context = context
+        self.cancelled = False
+        self._owner = threading.current_thread()
+        self._lock = threading.Condition()
+        self._queue: deque[tier_pb2.Reply] = deque()
+        self._writing = False  # some thread is writing, and takes the queue along
+        self._handed = False  # the writer thread has a reply to take
+        self._closed = False
+        self._writer: threading.Thread | None = None
+        #: When the write in progress began (monotonic), None while none is.
+        self.write_started: float | None = None
 
     def put(self, reply: tier_pb2.Reply, nbytes: int) -> None:
-        self.write(reply)
+        with self._lock:
+            if self._closed:
+                return  # the stream ended: the client cannot receive it
+            if self._writing:
+                self._queue.append(reply)
+                return
+            self._writing = True
+            if threading.current_thread() is not self._owner:
+                self._queue.append(reply)
+                self._handed = True
+                if self._writer is None:
+                    self._writer = threading.Thread(
+                        target=self._run_writer, name=self._name, daemon=True
+                    )
+                    self._writer.start()
+                else:
+                    self._lock.notify_all()
+                return
+        self._write_from(reply)
+
+    def _run_writer(self) -> None:
+        while True:
+            with self._lock:
+                while not self._handed and not self._closed:
+                    self._lock.wait()
+                if not self._handed:
+                    return
+                self._handed = False
+                reply = self._queue.popleft()
+            self._write_from(reply)
+
+    def _write_from(self, reply: tier_pb2.Reply) -> None:
+        """Write ``reply``, then what was queued meanwhile (this thread holds the writing)."""
+        while True:
+            self.write_started = time.monotonic()
+            self._write(reply)
+            with self._lock:
+                self.write_started = None
+                if not self._queue:
+                    self._writing = False
+                    self._lock.notify_all()
+                    return
+                reply = self._queue.popleft()
 
     def close(self) -> None:
-        pass
+        """Wait until the queued replies are written or the stream ended; stop the writer."""
+        with self._lock:
+            while (self._writing or self._queue) and self.context.is_active():
+                self._lock.wait(0.5)
+            self._closed = True
+            self._queue.clear()
+            self._lock.notify_all()
 
 
 class TierService(tier_pb2_grpc.TierServicer):
@@ -183,6 +268,9 @@ class TierService(tier_pb2_grpc.TierServicer):
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self.admission = StreamAdmission(tier, options.max_streams, options.max_streams_per_peer)
+        self._streams: set[_StreamReplies] = set()  # written directly, watched for slow readers
+        self._watchdog: threading.Thread | None = None
+        self._closed = threading.Event()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -249,6 +337,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         """Release the pool and the stream to the next tier (waiting up to ``timeout`` s)."""
         self._ready.clear()
         self._stopping.set()
+        self._closed.set()
         if self.upstream is not None:
             self.upstream.close(timeout=timeout)
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -300,10 +389,50 @@ class TierService(tier_pb2_grpc.TierServicer):
                     # Expected when the device went away: one line, no traceback.
                     logger.warning("[%s] reply %s not delivered: %r", self.tier, reply.id, exc)
 
-        self._read_stream(request_iterator, _DirectReplies(write), context)
+        replies = _StreamReplies(write, f"{self.tier}-replies", context)
+        self._watch(replies)
+        try:
+            self._read_stream(request_iterator, replies, context)
+        finally:
+            with self._count_lock:
+                self._streams.discard(replies)
         with lock:
             send_response(None)  # the status: the stream ends normally
         return None
+
+    def _watch(self, replies: _StreamReplies) -> None:
+        """Have :meth:`_watch_writes` look after this stream's writes."""
+        with self._count_lock:
+            self._streams.add(replies)
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(
+                    target=self._watch_writes, name=f"{self.tier}-watchdog", daemon=True
+                )
+                self._watchdog.start()
+
+    def _watch_writes(self) -> None:
+        """Cancel each stream whose reply waited longer than ``reply_timeout`` to be read.
+
+        See [Note: slow readers]; the cancel makes the waiting write return.
+        """
+        limit = self.options.reply_timeout
+        while not self._closed.wait(min(limit / 4, 0.25)):
+            now = time.monotonic()
+            with self._count_lock:
+                streams = list(self._streams)
+            for replies in streams:
+                started = replies.write_started
+                if started is None or now - started <= limit or replies.cancelled:
+                    continue
+                replies.cancelled = True
+                logger.warning(
+                    "[%s] stream from %s cancelled: a reply waited %.1f s for it to read "
+                    "(--reply-timeout)",
+                    self.tier,
+                    replies.context.peer(),
+                    now - started,
+                )
+                replies.context.cancel()
 
     def _serve_queued(
         self,
@@ -339,7 +468,7 @@ class TierService(tier_pb2_grpc.TierServicer):
     def _read_stream(
         self,
         requests: Iterator[tier_pb2.Request | Undecodable],
-        replies: ShapedQueue[tier_pb2.Reply] | _DirectReplies,
+        replies: ShapedQueue[tier_pb2.Reply] | _StreamReplies,
         context: grpc.ServicerContext,
     ) -> None:
         """Dispatch a stream's requests; close its replies once every one is answered."""

@@ -195,6 +195,22 @@ def make_residual(directory: Path, codec: dict[str, str] | None = None) -> Split
     return _write_split(directory, nodes, inits, {"x": (1, 16)}, ["y", "p"], segments, codec or {})
 
 
+def make_wide(directory: Path, width: int = 65536) -> Split:
+    """x -> Relu | Neg | Sigmoid, each tier's tensor ``width`` float32s: large replies."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["h1"]),
+        helper.make_node("Neg", ["h1"], ["h2"]),
+        helper.make_node("Sigmoid", ["h2"], ["y"]),
+    ]
+    segments = [
+        ("device", [0], ["x"], ["h1"], []),
+        ("edge", [1], ["h1"], ["h2"], []),
+        ("cloud", [2], ["h2"], ["y"], []),
+    ]
+    codec = {"device-edge": "raw", "edge-cloud": "raw"}
+    return _write_split(directory, nodes, [], {"x": (1, width)}, ["y"], segments, codec)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -247,6 +263,7 @@ class RuntimeKit:
 
     cnn = staticmethod(make_cnn)
     residual = staticmethod(make_residual)
+    wide = staticmethod(make_wide)
     tiers = staticmethod(running_tiers)
     free_port = staticmethod(free_port)
     processes = staticmethod(server_processes)

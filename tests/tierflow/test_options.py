@@ -33,6 +33,8 @@ PLAN = Plan(
         ({"workers": 0}, "workers must be >= 1, got 0"),
         ({"max_tensor_bytes": 0}, "max_tensor_bytes must be >= 1"),
         ({"max_in_flight": 0}, "max_in_flight must be >= 1"),
+        ({"reply_timeout": 0.0}, "reply_timeout must be a positive number"),
+        ({"reply_timeout": float("inf")}, "reply_timeout must be a positive number"),
     ],
 )
 def test_values_no_runtime_can_use_are_refused(change: dict[str, object], message: str) -> None:
@@ -54,6 +56,7 @@ def test_serve_and_run_build_the_options_from_their_flags() -> None:
     parser = build_parser()
     flags = "--threads 3 --slowdown 4 --workers 5 --optimization basic --max-tensor-bytes 1MiB"
     flags += " --link-emulation plan --link device-edge=1mbit,4ms --token-file t"
+    flags += " --reply-timeout 2.5"
     serve = parser.parse_args(["serve", "edge", "--plan", "p", *flags.split()])
     options = RuntimeOptions.from_args(serve, PLAN)
     assert (options.threads, options.slowdown, options.workers) == (3, 4.0, 5)
@@ -64,6 +67,7 @@ def test_serve_and_run_build_the_options_from_their_flags() -> None:
     }
     assert options.security == Security(token_file="t")
     assert options.max_in_flight == DEFAULT_MAX_IN_FLIGHT
+    assert options.reply_timeout == 2.5
 
     run = parser.parse_args(["run", "--plan", "p", "--input", "in.npz", "--slowdown", "20"])
     device = RuntimeOptions.from_args(run, PLAN)
