@@ -29,6 +29,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tierflow.edge.commands",  # serve edge, probe
     "tierflow.cloud.commands",  # serve cloud
     "tierflow.device.commands",  # run
+    "tierflow.device.process",  # device
     "tierflow.partitioner.exits.commands",  # exits add, exits show
     "tierflow.partitioner.bottleneck.commands",  # bottleneck add, bottleneck show
     "tierflow.demos.local",  # demo

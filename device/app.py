@@ -1,0 +1,145 @@
+"""``tierflow.device.Device``: the device's part of a plan, for embedding in an app.
+
+A :class:`Device` wraps a :class:`~tierflow.device.client.DeviceClient` with the device's
+declared preprocessing (:mod:`tierflow.device.preprocess`), so that an app hands it
+frames (8-bit pictures, or image file paths) and gets one
+:class:`~tierflow.device.client.Result` per frame::
+
+    with Device("plan/", "edge:50051") as device:
+        result = device.infer(frame)                  # one frame, start to end
+        for result in device.stream(camera_frames):   # many, pipelined, in order
+            ...
+
+A frame may also be the model inputs themselves (a mapping of name to array), which go
+to the client as they are. ``stream`` keeps up to ``window`` requests in flight, and a
+frame that cannot be read or preprocessed becomes a failed Result (``InputError``) in
+its place, so the stream goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from tierflow.cache import FeatureCache
+from tierflow.device.client import DEFAULT_DEADLINE_S, DEFAULT_WINDOW, DeviceClient, Result, Ticket
+from tierflow.device.preprocess import Preprocess, plan_preprocess, read_image
+from tierflow.device.sources import Frame
+from tierflow.errors import InputError, TierflowError
+from tierflow.options import RuntimeOptions
+
+#: What :meth:`Device.infer` and :meth:`Device.stream` take: a picture (uint8 H x W [x C],
+#: RGB), an image file, a source :class:`Frame`, or the model inputs by name.
+FrameLike = np.ndarray | str | Path | Frame | Mapping[str, np.ndarray]
+T = TypeVar("T")
+
+
+class Device:
+    """The device's part of a plan: preprocess frames, run them, send the rest on.
+
+    Arguments are :class:`DeviceClient`'s, plus ``image_norm`` (``--image-norm``'s forms),
+    used when the plan records no normalisation for its image input. Use as a context
+    manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        plan_dir: str | Path,
+        edge: str | None = None,
+        *,
+        options: RuntimeOptions | None = None,
+        window: int = DEFAULT_WINDOW,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        cache: FeatureCache | None = None,
+        image_norm: str | None = None,
+    ) -> None:
+        self.client = DeviceClient(
+            plan_dir, edge, options=options, window=window, deadline_s=deadline_s, cache=cache
+        )
+        self.plan = self.client.plan
+        self._plan_dir = plan_dir
+        self._image_norm = image_norm
+        self._preprocess: Preprocess | None = None
+
+    def __enter__(self) -> Device:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.client.close()
+
+    @property
+    def preprocess(self) -> Preprocess:
+        """The preprocessing of the plan's image input (found on first use)."""
+        if self._preprocess is None:
+            self._preprocess = plan_preprocess(self.plan, self._plan_dir, self._image_norm)
+        return self._preprocess
+
+    def inputs(self, frame: FrameLike) -> dict[str, np.ndarray]:
+        """The model inputs for ``frame`` (see :data:`FrameLike`)."""
+        if isinstance(frame, Mapping):
+            return {str(name): np.asarray(value) for name, value in frame.items()}
+        picture: np.ndarray | str | Path | None = frame  # type: ignore[assignment]
+        if isinstance(frame, Frame):
+            if frame.tensor is not None:
+                return {self.preprocess.name: frame.tensor}
+            picture = frame.path if frame.path is not None else frame.image
+        if isinstance(picture, (str, Path)):
+            picture = read_image(picture)
+        if picture is None:
+            raise InputError("a frame holds no picture")
+        return {self.preprocess.name: self.preprocess(picture)}
+
+    def submit(self, frame: FrameLike) -> Ticket:
+        """Start ``frame`` now; a frame that cannot be prepared is a failed ticket."""
+        started = time.perf_counter()
+        try:
+            inputs = self.inputs(frame)
+        except TierflowError as exc:
+            return _failed(frame, started, exc)
+        except (ValueError, TypeError) as exc:  # numpy on an odd array
+            return _failed(frame, started, InputError(str(exc)))
+        return self.client.submit(inputs)
+
+    def infer(self, frame: FrameLike) -> Result:
+        """One frame, start to end; raises its error (a TierflowError) if it failed."""
+        return self.submit(frame).result().unwrap()
+
+    def stream(self, frames: Iterable[FrameLike]) -> Iterator[Result]:
+        """One Result per frame, in order, with up to ``window`` in flight."""
+        for _, result in self.pairs(frames):
+            yield result
+
+    def pairs(self, frames: Iterable[T]) -> Iterator[tuple[T, Result]]:
+        """As :meth:`stream`, each Result with the frame it answers.
+
+        Every frame taken from ``frames`` is answered (or fails) before this ends, so a
+        caller that stops the iterable gets every result of what was submitted.
+        """
+        in_flight: collections.deque[tuple[T, Ticket]] = collections.deque()
+        window = self.client.window
+        for frame in frames:
+            while len(in_flight) >= window:
+                item, ticket = in_flight.popleft()
+                yield item, ticket.result()
+            in_flight.append((frame, self.submit(frame)))  # type: ignore[arg-type]
+            while in_flight and in_flight[0][1].done():
+                item, ticket = in_flight.popleft()
+                yield item, ticket.result()
+        while in_flight:
+            item, ticket = in_flight.popleft()
+            yield item, ticket.result()
+
+
+def _failed(frame: Any, started: float, error: TierflowError) -> Ticket:
+    name = frame.source if isinstance(frame, Frame) else frame if isinstance(frame, str) else "-"
+    ms = (time.perf_counter() - started) * 1e3
+    result = Result(id=str(name), error=error, ms={"total": ms, "device": ms})
+    return Ticket(str(name), started, ms, result=result)

@@ -1,0 +1,239 @@
+"""``tierflow device``: be the device, continuously, from a camera, a folder or stdin.
+
+Frames come from ``--source`` (:mod:`tierflow.device.sources`), become the model input
+by the declared preprocessing (:mod:`tierflow.device.preprocess`), and run through a
+:class:`~tierflow.device.app.Device` with up to ``--window`` in flight. Each result is one
+JSON line in ``--results`` (default stdout): the ``tierflow run`` report line (``id``
+counts results from 0), plus ``source`` (the file name or frame number) and ``outputs``
+(each model output, or the exit's scores, as nested lists).
+
+[Note: stopping the device]
+The source is read in a thread of its own and handed over through a small queue, so the
+main thread never blocks in a read (a camera, or stdin with nothing to say) and SIGINT
+and SIGTERM only set an event. The reader then stops taking frames; every frame already
+submitted is answered or fails by its deadline, its line is written, and the process
+exits with status 0 (1 if any request failed). A second signal is not caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import logging
+import queue
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import IO, TYPE_CHECKING, Any
+
+from tierflow.helptext import HelpFormatter, examples
+from tierflow.linkemu import add_link_arguments
+from tierflow.options import RuntimeOptions
+from tierflow.plan import load_plan
+from tierflow.providers import add_providers_argument
+from tierflow.security import add_security_arguments
+from tierflow.sessions import add_optimization_argument
+from tierflow.units import parse_duration
+
+if TYPE_CHECKING:
+    from tierflow.device.client import Result, Ticket
+    from tierflow.device.sources import Frame
+
+logger = logging.getLogger(__name__)
+
+_END = object()  # the source has no more frames
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "device",
+        help="be the device: stream a camera, a folder of images or stdin through a plan",
+        description="Run the plan's device part continuously: read frames from a camera, a "
+        "folder of PNG/JPEG images (with --watch, also the files added later) or stdin (.npy "
+        "arrays one after another), resize and normalise each to the model's image input, "
+        "stream it through the edge and the cloud, and write one JSON line per result. "
+        "Ctrl-C or SIGTERM stops reading; every frame already sent is answered first.",
+        epilog=examples(
+            "tierflow device --plan plan/ --edge edge:50051 --source /dev/video0 "
+            "--results results.jsonl",
+            "tierflow device --plan plan/ --edge edge:50051 --source frames/ --watch",
+            "# raw arrays on stdin: uint8 HxWxC pictures, or the model input itself",
+            "python make_frames.py | tierflow device --plan plan/ --edge edge:50051 --source -",
+        ),
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument(
+        "--plan", required=True, metavar="PLAN_DIR", help="the plan directory `tierflow plan` wrote"
+    )
+    parser.add_argument(
+        "--edge", metavar="HOST:PORT", help="the edge (not needed for a device-only plan)"
+    )
+    parser.add_argument(
+        "--source",
+        required=True,
+        metavar="CAMERA|DIR|-",
+        help="a camera (/dev/videoN or an index; needs pip install 'tierflow[camera]'), a "
+        "folder of PNG/JPEG images read in name order, or - for .npy arrays on stdin",
+    )
+    parser.add_argument(
+        "--results", default="-", metavar="R.jsonl", help="one JSON line per result (- stdout)"
+    )
+    parser.add_argument(
+        "--watch", action="store_true", help="keep watching the folder for new images"
+    )
+    parser.add_argument(
+        "--poll", type=parse_duration, default="500ms", help="how often --watch looks"
+    )
+    parser.add_argument(
+        "--image-norm",
+        metavar="SPEC",
+        help="how the model input is made from pixels, x = (pixel / scale - mean) / std, when "
+        "the plan records none: a preset (unit, imagenet, symmetric) or "
+        "'mean=M[,M,M];std=S[,S,S][;scale=255][;layout=NCHW|NHWC]' (default: unit)",
+    )
+    parser.add_argument("--window", type=int, default=16, help="frames in flight")
+    parser.add_argument(
+        "--deadline",
+        type=parse_duration,
+        default="30s",
+        help="per-frame deadline",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads")
+    parser.add_argument(
+        "--slowdown", type=float, default=1.0, help="emulate a device this many times slower"
+    )
+    add_optimization_argument(parser)
+    add_providers_argument(parser)
+    add_link_arguments(parser)
+    add_security_arguments(parser, server=False)
+    parser.set_defaults(handler=_device)
+
+
+def _device(args: argparse.Namespace) -> int:
+    from tierflow.device.app import Device
+    from tierflow.device.sources import open_source, source_kind
+
+    source_kind(args.source)  # a bad --source fails before the plan loads
+    plan = load_plan(args.plan)
+    stop = threading.Event()
+    results = sys.stdout if args.results == "-" else open(args.results, "w")  # noqa: SIM115
+    count = failed = 0
+    try:
+        with (
+            Device(
+                args.plan,
+                args.edge,
+                options=RuntimeOptions.from_args(args, plan),
+                window=args.window,
+                deadline_s=args.deadline,
+                image_norm=args.image_norm,
+            ) as device,
+            _stop_on_signals(stop),
+        ):
+            frames = open_source(args.source, watch=args.watch, stop=stop, poll_s=args.poll)
+            print(f"tierflow device: reading {args.source}", file=sys.stderr, flush=True)
+            in_flight: collections.deque[tuple[Frame, Ticket]] = collections.deque()
+
+            def answer() -> None:
+                nonlocal count, failed
+                frame, ticket = in_flight.popleft()
+                result = ticket.result()
+                _write(results, count, frame.source, result)
+                count += 1
+                if result.error is not None:
+                    failed += 1
+                    logger.warning("[device] %s failed: %s", frame.source, result.error)
+
+            for frame in _handed_over(frames, stop, args.window):
+                if frame is not None:
+                    while len(in_flight) >= args.window:
+                        answer()
+                    in_flight.append((frame, device.submit(frame)))
+                while in_flight and in_flight[0][1].done():
+                    answer()
+            while in_flight:
+                answer()
+    finally:
+        if results is not sys.stdout:
+            results.close()
+    ended = "stopped" if stop.is_set() else "source ended"
+    print(f"tierflow device: {ended}; {count} results, {failed} failed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _write(out: IO[str], index: int, source: str | int, result: Result) -> None:
+    line: dict[str, Any] = result.to_dict()
+    line["id"] = index
+    line["source"] = source
+    line["outputs"] = {name: array.tolist() for name, array in result.outputs.items()}
+    out.write(json.dumps(line) + "\n")
+    out.flush()
+
+
+def _handed_over(
+    frames: Iterator[Frame], stop: threading.Event, size: int
+) -> Iterator[Frame | None]:
+    """``frames`` read in a thread, yielded here until they end or ``stop`` is set.
+
+    None is yielded whenever no frame came for a moment, so that the caller writes the
+    results that arrived meanwhile. See [Note: stopping the device]. A source's error is
+    raised here, in order.
+    """
+    handoff: queue.Queue[Any] = queue.Queue(maxsize=max(1, size))
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            with contextlib.suppress(queue.Full):
+                handoff.put(item, timeout=0.1)
+                return True
+        return False
+
+    def read() -> None:
+        try:
+            for frame in frames:
+                if not put(frame):
+                    return
+        except BaseException as exc:  # handed to the main thread, raised there
+            put(exc)
+            return
+        put(_END)
+
+    reader = threading.Thread(target=read, name="tierflow-device-source", daemon=True)
+    reader.start()
+    while not stop.is_set():
+        try:
+            item = handoff.get(timeout=0.1)
+        except queue.Empty:
+            yield None
+            continue
+        if item is _END:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGINT and SIGTERM set ``stop`` once; the second one acts as usual."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum: int, frame: Any) -> None:
+        logger.info("[device] %s: stopping after the frames in flight", signal.Signals(signum).name)
+        stop.set()
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

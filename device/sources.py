@@ -1,0 +1,164 @@
+"""Where ``tierflow device`` gets its frames: a camera, a folder of images, or stdin.
+
+Each source is an iterator of :class:`Frame`: what it came from (a file name, or a frame
+number counted from 0) and the picture, or for stdin possibly the model input itself.
+Every source checks ``stop`` (a :class:`threading.Event`) between frames and ends when
+it is set, so that a signal ends the stream after the frame being read.
+
+- **camera** (``/dev/videoN``, or an index ``N``): OpenCV's ``VideoCapture``, needs the
+  ``camera`` extra (opencv-python-headless); frames are converted from OpenCV's BGR to RGB.
+  The stream ends when the camera gives no more frames.
+- **folder**: its PNG and JPEG files in name order, each read once; with ``watch``, the
+  folder is then polled every ``poll_s`` for files not seen before, until ``stop``. A file
+  is taken once its size has stayed the same over one poll, so a file being copied in is
+  not read half-written.
+- **stdin** (``-``): a stream of NumPy ``.npy`` arrays one after another (what repeated
+  ``numpy.save(sys.stdout.buffer, a)`` writes). A uint8 array of H x W or H x W x C is a
+  frame and is preprocessed like a file; any other array is the model input tensor as is.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from tierflow.errors import InputError, UsageError
+from tierflow.extras import import_extra
+
+#: Image files a folder source reads (by suffix, any case).
+IMAGE_SUFFIXES: tuple[str, ...] = (".png", ".jpg", ".jpeg")
+DEFAULT_POLL_S = 0.5
+_CAMERA = re.compile(r"^(/dev/video\d+|\d+)$")
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One item of a source: ``source`` names it (file name or frame number).
+
+    ``image`` is an 8-bit picture (H x W x C, RGB) to preprocess; ``path`` an image file
+    to read and preprocess (read when the frame is run, so that a file that cannot be read
+    fails alone); ``tensor`` (stdin only) is the model input given as is. Exactly one is set.
+    """
+
+    source: str | int
+    image: np.ndarray | None = None
+    path: Path | None = None
+    tensor: np.ndarray | None = None
+
+
+def source_kind(text: str) -> str:
+    """``camera``, ``folder`` or ``stdin`` for a ``--source``; a UsageError otherwise."""
+    if text == "-":
+        return "stdin"
+    if Path(text).is_dir():
+        return "folder"
+    if _CAMERA.match(text):
+        return "camera"
+    raise UsageError(
+        f"--source {text!r} is neither a folder, a camera (/dev/videoN or an index) nor - (stdin)"
+    )
+
+
+def folder_frames(
+    folder: str | Path,
+    *,
+    watch: bool = False,
+    stop: threading.Event | None = None,
+    poll_s: float = DEFAULT_POLL_S,
+) -> Iterator[Frame]:
+    """The folder's images in name order; with ``watch``, then new ones until ``stop``."""
+    stop = stop or threading.Event()
+    folder = Path(folder)
+    seen: set[str] = set()
+    sizes: dict[str, int] = {}  # files seen growing or new at the last poll
+    first = True
+    while not stop.is_set():
+        ready = []
+        for path in sorted(folder.iterdir()):
+            if path.name in seen or path.suffix.lower() not in IMAGE_SUFFIXES:
+                continue
+            if not path.is_file():
+                continue
+            size = path.stat().st_size
+            if first or sizes.get(path.name) == size:
+                ready.append(path)
+            else:
+                sizes[path.name] = size
+        for path in ready:
+            if stop.is_set():
+                return
+            seen.add(path.name)
+            sizes.pop(path.name, None)
+            yield Frame(path.name, path=path)
+        first = False
+        if not watch:
+            return
+        stop.wait(poll_s)
+
+
+def camera_frames(device: str, *, stop: threading.Event | None = None) -> Iterator[Frame]:
+    """Frames from a camera (``/dev/videoN`` or an index) until it ends or ``stop``."""
+    cv2 = import_extra("cv2", "--source CAMERA")
+    stop = stop or threading.Event()
+    capture = cv2.VideoCapture(int(device) if device.isdigit() else device)
+    if not capture.isOpened():
+        raise UsageError(f"cannot open camera {device}")
+    try:
+        number = 0
+        while not stop.is_set():
+            ok, bgr = capture.read()
+            if not ok:
+                return
+            yield Frame(number, image=np.ascontiguousarray(bgr[:, :, ::-1]))
+            number += 1
+    finally:
+        capture.release()
+
+
+def stdin_frames(stream: BinaryIO, *, stop: threading.Event | None = None) -> Iterator[Frame]:
+    """``.npy`` arrays one after another on ``stream``, until it ends or ``stop``."""
+    stop = stop or threading.Event()
+    number = 0
+    while not stop.is_set():
+        try:
+            array = np.load(stream, allow_pickle=False)
+        except EOFError:  # the stream ended between arrays
+            return
+        except ValueError as exc:
+            raise InputError(f"stdin item {number} is not a .npy array: {exc}") from exc
+        if not isinstance(array, np.ndarray):
+            raise InputError(f"stdin item {number} is not a .npy array")
+        if array.dtype == np.uint8 and array.ndim in (2, 3):
+            yield Frame(number, image=array)
+        else:
+            yield Frame(number, tensor=array)
+        number += 1
+
+
+def open_source(
+    text: str,
+    *,
+    watch: bool = False,
+    stop: threading.Event | None = None,
+    stdin: BinaryIO | None = None,
+    poll_s: float = DEFAULT_POLL_S,
+) -> Iterator[Frame]:
+    """The frames of ``--source TEXT`` (see the module docstring)."""
+    kind = source_kind(text)
+    if watch and kind != "folder":
+        raise UsageError("--watch watches a folder; --source is not one")
+    if kind == "folder":
+        return folder_frames(text, watch=watch, stop=stop, poll_s=poll_s)
+    if kind == "camera":
+        return camera_frames(text, stop=stop)
+    if stdin is None:
+        import sys
+
+        stdin = sys.stdin.buffer
+    return stdin_frames(stdin, stop=stop)

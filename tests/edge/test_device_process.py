@@ -1,0 +1,207 @@
+"""``tierflow device`` and ``tierflow.device.Device``: frames through device, edge and cloud.
+
+The CNN fixture reads 3 x 8 x 8 images. Frames are PNG and JPEG files of other sizes, so
+every one is resized; each result must equal the unsplit model's output on the same
+preprocessed input, bit for bit, and the preprocessing must be the declared one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tierflow.cli import main
+from tierflow.codec import ImageNorm
+from tierflow.device import Device
+from tierflow.device.preprocess import Preprocess, plan_preprocess, read_image
+from tierflow.device.sources import stdin_frames
+from tierflow.errors import InputError, UsageError
+from tierflow.plan import load_plan, save_plan
+
+Image = pytest.importorskip("PIL.Image")
+
+
+def _pictures(folder: Path, count: int, seed: int = 0) -> list[Path]:
+    """``count`` random pictures of assorted sizes, PNG and JPEG alternately."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(count):
+        size = (8, 8) if i == 0 else (int(rng.integers(5, 30)), int(rng.integers(5, 30)))
+        pixels = rng.integers(0, 256, (*size, 3), dtype=np.uint8)
+        path = folder / f"frame{seed:02d}{i:03d}.{'png' if i % 2 == 0 else 'jpg'}"
+        Image.fromarray(pixels).save(path)
+        paths.append(path)
+    return paths
+
+
+def _expected(split: Any, preprocess: Preprocess, path: Path) -> np.ndarray:
+    return split.reference({"x": preprocess(read_image(path))})["y"]
+
+
+def test_preprocessing_is_the_declared_one(rt: Any, tmp_path: Path) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    preprocess = plan_preprocess(load_plan(split.plan_dir), split.plan_dir, "imagenet")
+    assert (preprocess.name, preprocess.height, preprocess.width) == ("x", 8, 8)
+    pixels = np.random.default_rng(3).integers(0, 256, (8, 8, 3), dtype=np.uint8)
+    mean = np.array([0.485, 0.456, 0.406], np.float32)
+    std = np.array([0.229, 0.224, 0.225], np.float32)
+    by_hand = ((pixels.astype(np.float32) / np.float32(255) - mean) / std).transpose(2, 0, 1)
+    np.testing.assert_array_equal(preprocess(pixels), by_hand[np.newaxis])
+    # another size is resized first (bilinear), grey is made RGB
+    assert preprocess(np.zeros((20, 13), np.uint8)).shape == (1, 3, 8, 8)
+    with pytest.raises(InputError, match="8-bit image"):
+        preprocess(pixels.astype(np.float32))
+
+
+def test_plan_normalisation_wins_over_the_default(rt: Any, tmp_path: Path) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    plan = load_plan(split.plan_dir)
+    norm = ImageNorm(mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), layout="NCHW")
+    save_plan(replace(plan, images={"x": norm}), split.plan_dir)
+    assert plan_preprocess(load_plan(split.plan_dir), split.plan_dir).norm == norm
+    assert plan_preprocess(load_plan(split.plan_dir), split.plan_dir, "unit").norm.mean == (
+        0.0,
+        0.0,
+        0.0,
+    )
+    with pytest.raises(UsageError, match="malformed --image-norm"):
+        plan_preprocess(plan, split.plan_dir, "mean=1")
+
+
+def test_device_command_from_a_folder_is_bit_exact(rt: Any, tmp_path: Path) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    paths = _pictures(tmp_path / "frames", 6)
+    (tmp_path / "frames" / "notes.txt").write_text("not an image")
+    (tmp_path / "frames" / "broken.png").write_bytes(b"not a png")
+    results = tmp_path / "r.jsonl"
+    with rt.tiers(split.plan_dir) as (edge, _, _):
+        status = main(
+            [
+                "device",
+                "--plan",
+                str(split.plan_dir),
+                "--edge",
+                edge,
+                "--source",
+                str(tmp_path / "frames"),
+                "--results",
+                str(results),
+                "--image-norm",
+                "imagenet",
+                "--window",
+                "3",
+            ]
+        )
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert status == 1  # the broken file failed, alone
+    assert [line["source"] for line in lines] == sorted([p.name for p in paths] + ["broken.png"])
+    assert [line["id"] for line in lines] == list(range(len(lines)))
+    broken = next(line for line in lines if line["source"] == "broken.png")
+    assert broken["error"]["type"] == "InputError"
+    preprocess = plan_preprocess(load_plan(split.plan_dir), split.plan_dir, "imagenet")
+    for line in lines:
+        if line["source"] == "broken.png":
+            continue
+        assert line["error"] is None and line["answered_by"] == "cloud"
+        got = np.array(line["outputs"]["y"], np.float32)
+        np.testing.assert_array_equal(
+            got, _expected(split, preprocess, tmp_path / "frames" / line["source"])
+        )
+
+
+def test_device_watch_takes_new_files_and_stops_on_sigterm(rt: Any, tmp_path: Path) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    folder = tmp_path / "frames"
+    first = _pictures(folder, 1, seed=1)
+    results = tmp_path / "r.jsonl"
+    with rt.tiers(split.plan_dir) as (edge, _, _):
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tierflow.cli",
+                "device",
+                "--plan",
+                str(split.plan_dir),
+                "--edge",
+                edge,
+                "--source",
+                str(folder),
+                "--watch",
+                "--poll",
+                "50ms",
+                "--results",
+                str(results),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            _wait_for_lines(results, 1, process)
+            added = _pictures(tmp_path / "later", 1, seed=2)[0]
+            os.replace(added, folder / added.name)
+            _wait_for_lines(results, 2, process)
+            process.send_signal(signal.SIGTERM)
+            _, stderr = process.communicate(timeout=20)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert process.returncode == 0, stderr
+    assert "stopped; 2 results, 0 failed" in stderr
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [line["source"] for line in lines] == [first[0].name, added.name]
+    preprocess = plan_preprocess(load_plan(split.plan_dir), split.plan_dir)
+    got = np.array(lines[1]["outputs"]["y"], np.float32)
+    np.testing.assert_array_equal(got, _expected(split, preprocess, folder / added.name))
+
+
+def _wait_for_lines(path: Path, count: int, process: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= count:
+            return
+        assert process.poll() is None, process.communicate()[1]
+        time.sleep(0.05)
+    raise AssertionError(f"{path} did not reach {count} lines")
+
+
+def test_device_api_infer_and_stream(rt: Any, tmp_path: Path) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    paths = _pictures(tmp_path / "frames", 4, seed=4)
+    broken = tmp_path / "frames" / "broken.jpg"
+    broken.write_bytes(b"\xff\xd8 not really")
+    with rt.tiers(split.plan_dir) as (edge, _, _), Device(split.plan_dir, edge) as device:
+        preprocess = device.preprocess
+        pixels = read_image(paths[1])
+        one = device.infer(pixels)
+        np.testing.assert_array_equal(one.outputs["y"], _expected(split, preprocess, paths[1]))
+        frames: list[Any] = [paths[0], broken, pixels, {"x": preprocess(pixels)}, str(paths[3])]
+        results = list(device.stream(frames))
+        stdin = io.BytesIO()
+        np.save(stdin, pixels)
+        np.save(stdin, preprocess(read_image(paths[2])))
+        stdin.seek(0)
+        piped = [result for _, result in device.pairs(stdin_frames(stdin))]
+    assert [r.ok for r in results] == [True, False, True, True, True]
+    assert isinstance(results[1].error, InputError)
+    expected = [_expected(split, preprocess, p) for p in (paths[0], paths[1], paths[1], paths[3])]
+    for result, want in zip([r for r in results if r.ok], expected, strict=True):
+        np.testing.assert_array_equal(result.outputs["y"], want)
+    np.testing.assert_array_equal(piped[0].outputs["y"], expected[1])
+    np.testing.assert_array_equal(piped[1].outputs["y"], _expected(split, preprocess, paths[2]))
+    with pytest.raises(InputError, match="cannot read image"):
+        device.infer(broken)
