@@ -26,7 +26,7 @@ import numpy as np
 from tierflow.codec import ImageNorm
 from tierflow.errors import InputError, UsageError
 from tierflow.extras import import_extra
-from tierflow.partitioner.image_inputs import NormSpec, parse_norm
+from tierflow.image_norm import NormSpec, parse_norm
 from tierflow.plan import Plan
 from tierflow.sessions import open_session
 

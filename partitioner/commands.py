@@ -425,8 +425,9 @@ def _verdict_line(outcome: Any, lossy: bool) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from tierflow.image_norm import parse_norm
     from tierflow.partitioner.fidelity import check_sample_size
-    from tierflow.partitioner.image_inputs import parse_norm, resolve_images
+    from tierflow.partitioner.image_inputs import resolve_images
     from tierflow.partitioner.planner import (
         PlanOptions,
         codec_candidates,

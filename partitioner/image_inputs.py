@@ -10,11 +10,13 @@ to end; ``png`` is exact only for a tensor that really is normalised 8-bit pixel
 under the ``exact`` budget it is a candidate only when it reproduces every sample
 request bit for bit (:func:`png_is_exact`).
 
-The normalisation comes from ``--image-norm NAME=SPEC``: a preset (``unit``: x = pixel /
-255; ``imagenet``: torchvision's mean and std over pixel / 255; ``symmetric``: x = pixel
-/ 127.5 - 1) or ``mean=M[,M,M];std=S[,S,S][;scale=255][;layout=NCHW|NHWC]``. Without
-``--image-norm`` an image input is ``unit``; the layout, when not given, is NCHW if
-dimension 1 holds 1 or 3 channels, else NHWC if the last one does.
+The normalisation comes from ``--image-norm NAME=SPEC``, read by
+:func:`tierflow.image_norm.parse_norm` (shared with ``tierflow device``): a preset
+(``unit``: x = pixel / 255; ``imagenet``: torchvision's mean and std over pixel / 255;
+``symmetric``: x = pixel / 127.5 - 1) or
+``mean=M[,M,M];std=S[,S,S][;scale=255][;layout=NCHW|NHWC]``. Without ``--image-norm``
+an image input is ``unit``; the layout, when not given, is NCHW if dimension 1 holds 1
+or 3 channels, else NHWC if the last one does.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ from tierflow.codec import (
     encode,
 )
 from tierflow.errors import CodecError, UsageError
+from tierflow.image_norm import NormSpec
 
 #: The image codecs ``--codec auto`` adds for image inputs: JPEG's quality sweep, WebP, PNG.
 IMAGE_CANDIDATES: tuple[str, ...] = (
@@ -51,70 +53,6 @@ IMAGE_CANDIDATES: tuple[str, ...] = (
     "webp:90",
     "png",
 )
-
-# preset -> (mean, std, scale); one value means the same for every channel.
-PRESETS: dict[str, tuple[tuple[float, ...], tuple[float, ...], float]] = {
-    "unit": ((0.0,), (1.0,), 255.0),
-    "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225), 255.0),
-    "symmetric": ((0.5,), (0.5,), 255.0),
-}
-_FORM = (
-    "a preset (unit, imagenet, symmetric) or mean=M[,M,M];std=S[,S,S][;scale=255]"
-    "[;layout=NCHW|NHWC]"
-)
-
-
-@dataclass(frozen=True)
-class NormSpec:
-    """``--image-norm`` as written: values not given are filled in from the input's shape."""
-
-    mean: tuple[float, ...] = (0.0,)
-    std: tuple[float, ...] = (1.0,)
-    scale: float = 255.0
-    layout: str | None = None
-
-
-def _floats(text: str, key: str, option: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(","))
-    except ValueError as exc:
-        raise UsageError(f"malformed --image-norm {option!r}: {key} must be numbers") from exc
-    if len(values) not in (1, 3):
-        raise UsageError(f"malformed --image-norm {option!r}: {key} takes 1 or 3 values")
-    return values
-
-
-def parse_norm(text: str) -> tuple[str, NormSpec]:
-    """Read ``--image-norm NAME=SPEC``."""
-    name, sep, spec = text.partition("=")
-    name, spec = name.strip(), spec.strip()
-    malformed = f"malformed --image-norm {text!r}: expected NAME=SPEC, SPEC being {_FORM}"
-    if not sep or not name or not spec:
-        raise UsageError(malformed)
-    if spec.lower() in PRESETS:
-        mean, std, scale = PRESETS[spec.lower()]
-        return name, NormSpec(mean, std, scale)
-    fields: dict[str, str] = {}
-    for part in spec.split(";"):
-        key, eq, value = part.partition("=")
-        key = key.strip().lower()
-        if not eq or key not in ("mean", "std", "scale", "layout") or key in fields:
-            raise UsageError(
-                f"malformed --image-norm {text!r}: expected NAME=SPEC, SPEC being {_FORM}"
-            )
-        fields[key] = value.strip()
-    if "mean" not in fields or "std" not in fields:
-        raise UsageError(f"malformed --image-norm {text!r}: give both mean= and std=")
-    mean = _floats(fields["mean"], "mean", text)
-    std = _floats(fields["std"], "std", text)
-    try:
-        scale = float(fields.get("scale", "255"))
-    except ValueError as exc:
-        raise UsageError(f"malformed --image-norm {text!r}: scale must be a number") from exc
-    layout = fields.get("layout")
-    if layout is not None and layout.upper() not in ("NCHW", "NHWC"):
-        raise UsageError(f"malformed --image-norm {text!r}: layout is NCHW or NHWC")
-    return name, NormSpec(mean, std, scale, layout.upper() if layout else None)
 
 
 def resolve_images(

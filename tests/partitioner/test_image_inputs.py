@@ -22,18 +22,12 @@ from onnx import TensorProto, helper, numpy_helper
 from tierflow.cli import main
 from tierflow.codec import EXACT_PLANNER_CODECS, CodecSpec, ImageNorm
 from tierflow.errors import PlanError, UsageError
+from tierflow.image_norm import PRESETS, NormSpec, parse_norm
 from tierflow.links import LinkSpec
 from tierflow.partitioner.fidelity import FidelityBudget
 from tierflow.partitioner.fidelity_probe import plan_fidelity
 from tierflow.partitioner.graph import load_model
-from tierflow.partitioner.image_inputs import (
-    PRESETS,
-    NormSpec,
-    outside_pixels,
-    parse_norm,
-    png_is_exact,
-    resolve_images,
-)
+from tierflow.partitioner.image_inputs import outside_pixels, png_is_exact, resolve_images
 from tierflow.partitioner.planner import PlanOptions, codec_candidates, make_plan, score_plan
 from tierflow.partitioner.profile import profile_model, save_profile
 from tierflow.plan import Plan, load_plan

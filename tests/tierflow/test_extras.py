@@ -88,6 +88,7 @@ def test_missing_extra_names_the_extra() -> None:
         "metrics",
         "image",
         "models",
+        "camera",
     }
 
 
