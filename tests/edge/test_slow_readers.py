@@ -78,16 +78,16 @@ def test_a_client_that_never_reads_delays_no_device_and_is_cancelled(
             device_request = _device_request(split.plan_dir, feeds[1], "device")
             for _ in range(5):
                 started = time.monotonic()
-                sent = device.submit(device_request, deadline=started + 0.5)
+                sent = device.submit(device_request, deadline=started + 2.0)
                 reply = sent.future.result(timeout=5)
                 assert not reply.HasField("error"), reply.error
-                assert time.monotonic() - started < 0.5
+                assert time.monotonic() - started < 2.0
                 np.testing.assert_array_equal(decode_tensors(reply.outputs)["y"], expected)
             admission = edge.service.admission
             while admission.open_streams > 1 and time.monotonic() - sent_at < 10:
                 time.sleep(0.01)
             assert admission.open_streams == 1  # the device's stream only
-            assert time.monotonic() - sent_at < REPLY_TIMEOUT_S + 1.5
+            assert time.monotonic() - sent_at < REPLY_TIMEOUT_S + 2.0
             received = 0
             with pytest.raises(grpc.RpcError) as ended:
                 for _ in slow:  # what reached the client before the cancel, then the end
