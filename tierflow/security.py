@@ -11,7 +11,9 @@ service and the standard health service share it). See [Note: tier security].
   as well it accepts only clients that present a certificate signed by that CA (mutual
   TLS). A client with TLS flags verifies the server against ``--tls-ca`` (the system's
   roots without it) and presents its own certificate when it has one. gRPC does the TLS;
-  nothing beyond grpcio is needed.
+  nothing beyond grpcio is needed. A client of a list of replicas (``ipv4:H1:P1,H2:P2``,
+  [Note: replicas] in ``tierflow.mux``) checks every replica's certificate against one
+  name, ``--tls-server-name``, as the address names no single host.
 * Without TLS flags a server listens on loopback addresses only, unless ``--insecure``
   is given: plaintext beyond this machine must be asked for.
 * Bearer token (``--token-file``, for setups that terminate TLS elsewhere): clients send
@@ -70,6 +72,7 @@ class Security:
     tls_ca: str | None = None
     token_file: str | None = None
     insecure: bool = False
+    server_name: str | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -99,6 +102,7 @@ class Security:
             tls_ca=args.tls_ca,
             token_file=args.token_file,
             insecure=bool(getattr(args, "insecure", False)),
+            server_name=getattr(args, "tls_server_name", None),
         )
 
     def token(self) -> bytes | None:
@@ -170,6 +174,12 @@ def add_security_arguments(parser: argparse.ArgumentParser, *, server: bool) -> 
             if server
             else "send this bearer token with every call"
         ),
+    )
+    group.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="the name the next tier's certificate must carry, when its address does not "
+        "say it (needed with TLS for a list of replicas, ipv4:H1:P1,H2:P2)",
     )
     if server:
         group.add_argument(
@@ -243,6 +253,13 @@ def open_channel(
     if credentials is None:
         channel = grpc.insecure_channel(address, options=options)
     else:
+        if security.server_name:
+            options = [*options, ("grpc.ssl_target_name_override", security.server_name)]
+        elif address.startswith(("ipv4:", "ipv6:")) and "," in address:
+            raise UsageError(
+                f"with TLS, a list of replicas ({address}) needs --tls-server-name: the "
+                "name their certificates carry"
+            )
         channel = grpc.secure_channel(address, credentials, options=options)
     token = security.token()
     if token is not None:

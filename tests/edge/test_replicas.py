@@ -18,13 +18,17 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient, Result
-from tierflow.errors import RemoteError, TransportError
+from tierflow.edge.server import EdgeServer
+from tierflow.errors import RemoteError, TransportError, UsageError
+from tierflow.options import RuntimeOptions
+from tierflow.security import Security
 
-prometheus = pytest.importorskip("prometheus_client.parser")
-pytest.importorskip("redis")
 
-pytestmark = [pytest.mark.slow, pytest.mark.redis]
+def _scrape_needs() -> Any:
+    pytest.importorskip("redis")
+    return pytest.importorskip("prometheus_client.parser")
 
 
 def _metrics_address(server: Any) -> str:
@@ -39,7 +43,7 @@ def _served(url: str) -> float:
         text = response.read().decode()
     return sum(
         sample.value
-        for family in prometheus.text_string_to_metric_families(text)
+        for family in _scrape_needs().text_string_to_metric_families(text)
         for sample in family.samples
         if sample.name == "tierflow_requests_total" and sample.labels.get("tier") == "cloud"
     )
@@ -50,9 +54,12 @@ def _check(split: Any, feeds: dict[str, np.ndarray], result: Result) -> None:
     np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
 
 
+@pytest.mark.slow
+@pytest.mark.redis
 def test_replicas_share_the_load_and_survive_one_killed(
     tmp_path: Path, rt: Any, redis_servers: Any
 ) -> None:
+    _scrape_needs()
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     _, redis_url = redis_servers()
     cache = f"{redis_url}?budget=4MiB&namespace=replicas"
@@ -102,3 +109,53 @@ def test_replicas_share_the_load_and_survive_one_killed(
     # The cache is shared: an answer stored by any replica serves the same input again.
     _check(split, before[0], again)
     assert again.cache_hit
+
+
+def test_replicas_over_mutual_tls_are_checked_against_one_name(
+    tmp_path: Path, rt: Any, tls_files: dict[str, Path]
+) -> None:
+    """An address list names no host: the replicas' certificates carry --tls-server-name."""
+    split = rt.cnn(tmp_path / "plan")
+    samples = split.sample(seed=24, count=4)
+    server = Security(
+        tls_cert=str(tls_files["server_cert"]),
+        tls_key=str(tls_files["server_key"]),
+        tls_ca=str(tls_files["ca"]),
+    )
+    device = RuntimeOptions(
+        security=Security(
+            tls_cert=str(tls_files["client_cert"]),
+            tls_key=str(tls_files["client_key"]),
+            tls_ca=str(tls_files["ca"]),
+        )
+    )
+    clouds = [
+        CloudServer(
+            split.plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=1, security=server)
+        )
+        for _ in range(2)
+    ]
+    for cloud in clouds:
+        cloud.start()
+    targets = "ipv4:" + ",".join(cloud.address for cloud in clouds)
+    try:
+        unnamed = EdgeServer(
+            split.plan_dir, "127.0.0.1:0", targets, options=RuntimeOptions(security=server)
+        )
+        with pytest.raises(UsageError, match="--tls-server-name"):
+            unnamed.start()
+        named = Security(**{**server.to_dict(), "server_name": "localhost"})
+        edge = EdgeServer(
+            split.plan_dir, "127.0.0.1:0", targets, options=RuntimeOptions(security=named)
+        )
+        edge.start()
+        try:
+            with DeviceClient(split.plan_dir, edge.address, options=device) as client:
+                results = list(client.run_stream(samples))
+        finally:
+            edge.stop(0.5)
+    finally:
+        for cloud in clouds:
+            cloud.stop(0.5)
+    for feeds, result in zip(samples, results, strict=True):
+        _check(split, feeds, result)
