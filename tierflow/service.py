@@ -56,7 +56,8 @@ it: its gRPC thread writes what it made itself (then it reads no further request
 from that client, which is only fair), and replies made anywhere else are handed to
 the stream's writer thread (started on first use; a parked thread, like the reader,
 never a worker) or queued behind the write in progress. The thread receiving the
-cloud's replies, and the workers, never wait for a client. A write that has waited
+cloud's replies, and the workers, never wait for a client (with an emulated reply
+link, the stream's one writer thread writes every reply). A write that has waited
 ``reply_timeout`` seconds (``serve --reply-timeout``, default 5) makes a watchdog
 cancel the stream, which ends the waiting write; the stream's queued replies are
 dropped, since its client can no longer receive them, and its place is given back
@@ -118,14 +119,6 @@ logger = logging.getLogger(__name__)
 MAX_PROBE_BYTES = 64 * 1024 * 1024
 #: Bytes a probe stream may be sent beyond what its caller sent ([Note: probe credit]).
 PROBE_ALLOWANCE = 64 * 1024
-
-
-def _write_all(
-    replies: ShapedQueue[tier_pb2.Reply], send_response: Callable[[tier_pb2.Reply], None]
-) -> None:
-    """Write a stream's queued replies as they come out of the queue, until it closes."""
-    for reply in replies.drain():
-        send_response(reply)
 
 
 def _reply_codec(plan: Plan, link: str | None) -> CodecSpec:
@@ -268,7 +261,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self.admission = StreamAdmission(tier, options.max_streams, options.max_streams_per_peer)
-        self._streams: set[_StreamReplies] = set()  # written directly, watched for slow readers
+        self._streams: set[_StreamReplies] = set()  # watched for slow readers
         self._watchdog: threading.Thread | None = None
         self._closed = threading.Event()
 
@@ -454,8 +447,8 @@ class TierService(tier_pb2_grpc.TierServicer):
             reader.start()
             return replies.drain()
         writer = threading.Thread(
-            target=_write_all,
-            args=(replies, send_response),
+            target=self._write_all,
+            args=(replies, send_response, context),
             name=f"{self.tier}-replies",
             daemon=True,
         )
@@ -464,6 +457,22 @@ class TierService(tier_pb2_grpc.TierServicer):
         writer.join()
         send_response(None)
         return None
+
+    def _write_all(
+        self,
+        replies: ShapedQueue[tier_pb2.Reply],
+        send_response: Callable[[tier_pb2.Reply], None],
+        context: grpc.ServicerContext,
+    ) -> None:
+        """Write a stream's queued replies as they leave the queue, watched for a slow reader."""
+        watched = _StreamReplies(send_response, f"{self.tier}-replies", context)
+        self._watch(watched)  # this thread is its owner: it writes, and the watchdog times it
+        try:
+            for reply in replies.drain():
+                watched.put(reply, 0)
+        finally:
+            with self._count_lock:
+                self._streams.discard(watched)
 
     def _read_stream(
         self,

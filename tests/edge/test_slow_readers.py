@@ -20,6 +20,7 @@ import pytest
 
 from tierflow.cloud.server import CloudServer
 from tierflow.edge.server import EdgeServer
+from tierflow.links import LinkSpec
 from tierflow.mux import StreamClient
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
@@ -39,8 +40,8 @@ def _device_request(plan_dir: Path, feeds: dict[str, np.ndarray], rid: str) -> t
 
 
 @contextlib.contextmanager
-def _tiers(plan_dir: Path) -> Iterator[EdgeServer]:
-    options = RuntimeOptions(workers=2, reply_timeout=REPLY_TIMEOUT_S)
+def _tiers(plan_dir: Path, links: dict[str, LinkSpec]) -> Iterator[EdgeServer]:
+    options = RuntimeOptions(workers=2, reply_timeout=REPLY_TIMEOUT_S, links=links)
     cloud = CloudServer(plan_dir, "127.0.0.1:0", options=options)
     cloud.start()
     edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, options=options)
@@ -52,14 +53,16 @@ def _tiers(plan_dir: Path) -> Iterator[EdgeServer]:
         cloud.stop(0)
 
 
+@pytest.mark.parametrize("links", [{}, {"device-edge": LinkSpec(10e9)}], ids=["direct", "shaped"])
 def test_a_client_that_never_reads_delays_no_device_and_is_cancelled(
-    tmp_path: Path, rt: Any
+    tmp_path: Path, rt: Any, links: dict[str, LinkSpec]
 ) -> None:
+    """Replies written directly, and through an emulated link's queue (one writer thread)."""
     split = rt.wide(tmp_path / "plan")  # 256 KB replies: a few fill any HTTP/2 window
     feeds = split.sample(0, count=2)
     slow_request = _device_request(split.plan_dir, feeds[0], "slow")
     expected = split.reference(feeds[1])["y"]
-    with _tiers(split.plan_dir) as edge:
+    with _tiers(split.plan_dir, links) as edge:
         channel = grpc.insecure_channel(edge.address, options=grpc_options())
         device = StreamClient(edge.address, me="device", peer="edge")
         sent_all = threading.Event()
