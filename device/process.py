@@ -29,6 +29,7 @@ import threading
 from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Any
 
+from tierflow.errors import UsageError
 from tierflow.helptext import HelpFormatter, examples
 from tierflow.linkemu import add_link_arguments
 from tierflow.options import RuntimeOptions
@@ -39,8 +40,11 @@ from tierflow.sessions import add_optimization_argument
 from tierflow.units import parse_duration
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tierflow.device.client import Result, Ticket
     from tierflow.device.sources import Frame
+    from tierflow.metrics import TierMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +109,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--slowdown", type=float, default=1.0, help="emulate a device this many times slower"
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="N",
+        help="serve Prometheus metrics on http://HOST:N/metrics, HOST from --metrics-host "
+        "(0 picks a port; needs pip install 'tierflow[metrics]')",
+    )
+    parser.add_argument(
+        "--metrics-host", default="127.0.0.1", help="the address --metrics-port listens on"
+    )
     add_optimization_argument(parser)
     add_providers_argument(parser)
     add_link_arguments(parser)
@@ -119,10 +133,12 @@ def _device(args: argparse.Namespace) -> int:
     source_kind(args.source)  # a bad --source fails before the plan loads
     plan = load_plan(args.plan)
     stop = threading.Event()
-    results = sys.stdout if args.results == "-" else open(args.results, "w")  # noqa: SIM115
     count = failed = 0
-    try:
-        with (
+    with contextlib.ExitStack() as stack:
+        results: IO[str] = sys.stdout
+        if args.results != "-":
+            results = stack.enter_context(open(args.results, "w"))
+        device = stack.enter_context(
             Device(
                 args.plan,
                 args.edge,
@@ -130,38 +146,58 @@ def _device(args: argparse.Namespace) -> int:
                 window=args.window,
                 deadline_s=args.deadline,
                 image_norm=args.image_norm,
-            ) as device,
-            _stop_on_signals(stop),
-        ):
-            frames = open_source(args.source, watch=args.watch, stop=stop, poll_s=args.poll)
-            print(f"tierflow device: reading {args.source}", file=sys.stderr, flush=True)
-            in_flight: collections.deque[tuple[Frame, Ticket]] = collections.deque()
+            )
+        )
+        in_flight: collections.deque[tuple[Frame, Ticket]] = collections.deque()
+        metrics = _start_metrics(args, lambda: len(in_flight))
+        if metrics is not None:
+            stack.callback(metrics.stop)
+        stack.enter_context(_stop_on_signals(stop))
+        frames = open_source(args.source, watch=args.watch, stop=stop, poll_s=args.poll)
+        print(f"tierflow device: reading {args.source}", file=sys.stderr, flush=True)
 
-            def answer() -> None:
-                nonlocal count, failed
-                frame, ticket = in_flight.popleft()
-                result = ticket.result()
-                _write(results, count, frame.source, result)
-                count += 1
-                if result.error is not None:
-                    failed += 1
-                    logger.warning("[device] %s failed: %s", frame.source, result.error)
+        def answer() -> None:
+            nonlocal count, failed
+            frame, ticket = in_flight.popleft()
+            result = ticket.result()
+            _write(results, count, frame.source, result)
+            if metrics is not None:
+                metrics.observe_result(result)
+            count += 1
+            if result.error is not None:
+                failed += 1
+                logger.warning("[device] %s failed: %s", frame.source, result.error)
 
-            for frame in _handed_over(frames, stop, args.window):
-                if frame is not None:
-                    while len(in_flight) >= args.window:
-                        answer()
-                    in_flight.append((frame, device.submit(frame)))
-                while in_flight and in_flight[0][1].done():
+        for frame in _handed_over(frames, stop, args.window):
+            if frame is not None:
+                while len(in_flight) >= args.window:
                     answer()
-            while in_flight:
+                in_flight.append((frame, device.submit(frame)))
+            while in_flight and in_flight[0][1].done():
                 answer()
-    finally:
-        if results is not sys.stdout:
-            results.close()
+        while in_flight:
+            answer()
     ended = "stopped" if stop.is_set() else "source ended"
     print(f"tierflow device: {ended}; {count} results, {failed} failed", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _start_metrics(args: argparse.Namespace, in_flight: Callable[[], int]) -> TierMetrics | None:
+    """The device's Prometheus metrics (``tierflow.metrics``), when ``--metrics-port``."""
+    if args.metrics_port is None:
+        return None
+    if not 0 <= args.metrics_port <= 65535:
+        raise UsageError(f"--metrics-port must be a port number, got {args.metrics_port}")
+    from tierflow.metrics import TierMetrics
+
+    metrics = TierMetrics("device", in_flight)
+    port = metrics.start(args.metrics_host, args.metrics_port)
+    print(
+        f"tierflow device metrics on http://{args.metrics_host}:{port}/metrics",
+        file=sys.stderr,
+        flush=True,
+    )
+    return metrics
 
 
 def _write(out: IO[str], index: int, source: str | int, result: Result) -> None:

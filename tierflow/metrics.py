@@ -39,7 +39,7 @@ _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 
 class TierMetrics:
-    """The metrics of one tier (``edge`` or ``cloud``) in their own registry."""
+    """The metrics of one tier (``edge``, ``cloud`` or ``device``) in their own registry."""
 
     def __init__(self, tier: str, in_flight: Callable[[], float]) -> None:
         prom = import_extra("prometheus_client", "--metrics-port")
@@ -119,6 +119,40 @@ class TierMetrics:
                 self._rate.labels(link.link).set(link.rate_bps)
         if down_link and nbytes:
             self._bytes.labels(down_link, "reply").inc(nbytes)
+
+    def observe_result(self, result: Any) -> None:
+        """Count one request the device finished (a ``tierflow.device.client.Result``).
+
+        The outcome of a failed request is its error code (``RemoteError``) or, for errors
+        the device met itself, its type (``deadlineerror``, ``transporterror``, ...).
+        """
+        error = result.error
+        if error is not None:
+            outcome = str(getattr(error, "code", None) or type(error).__name__).lower()
+        elif result.cache_hit:
+            outcome = "cache_hit"
+        elif result.exit:
+            outcome = "exit"
+        else:
+            outcome = "ok"
+        answered_by = result.answered_by or self.tier
+        self._requests.labels(self.tier, outcome, answered_by).inc()
+        if result.cache_hit:
+            self._cache_hits.labels(self.tier, answered_by).inc()
+        if result.exit and error is None:
+            self._exits.labels(answered_by, result.exit).inc()
+        if "total" in result.ms:
+            self._latency.labels(self.tier).observe(result.ms["total"] / 1e3)
+        for tier, parts in result.timings.items():
+            for part in ("queue", "compute", "codec"):
+                if f"{part}_ms" in parts:
+                    self._tier_seconds.labels(tier, part).observe(parts[f"{part}_ms"] / 1e3)
+        for link, nbytes in result.bytes.items():
+            if link.startswith(f"{self.tier}-"):  # what this process sent
+                self._bytes.labels(link, "request").inc(nbytes)
+        for link, rate in result.rate_bps.items():
+            if rate > 0:
+                self._rate.labels(link).set(rate)
 
     def timed(
         self, send: Callable[[tier_pb2.Reply], None], received: float

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -122,26 +123,26 @@ def test_device_command_from_a_folder_is_bit_exact(rt: Any, tmp_path: Path) -> N
 
 
 def test_device_watch_takes_new_files_and_stops_on_sigterm(rt: Any, tmp_path: Path) -> None:
+    """A config file, --watch, metrics scraped while it runs, SIGTERM ends it cleanly."""
+    prometheus = pytest.importorskip("prometheus_client.parser")
     split = rt.cnn(tmp_path / "plan")
     folder = tmp_path / "frames"
     first = _pictures(folder, 1, seed=1)
     results = tmp_path / "r.jsonl"
     with rt.tiers(split.plan_dir) as (edge, _, _):
+        config = tmp_path / "device.toml"
+        config.write_text(
+            f'plan = "{split.plan_dir}"\nedge = "{edge}"\nsource = "{folder}"\n'
+            'watch = true\npoll = "50ms"\nmetrics-port = 0\n'
+        )
         process = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
                 "tierflow.cli",
                 "device",
-                "--plan",
-                str(split.plan_dir),
-                "--edge",
-                edge,
-                "--source",
-                str(folder),
-                "--watch",
-                "--poll",
-                "50ms",
+                "--config",
+                str(config),
                 "--results",
                 str(results),
             ],
@@ -150,10 +151,16 @@ def test_device_watch_takes_new_files_and_stops_on_sigterm(rt: Any, tmp_path: Pa
             text=True,
         )
         try:
+            assert process.stderr is not None
+            said = process.stderr.readline()
+            assert "metrics on http://" in said, said + process.communicate()[1]
+            url = said.split(" on ")[1].strip()
             _wait_for_lines(results, 1, process)
             added = _pictures(tmp_path / "later", 1, seed=2)[0]
             os.replace(added, folder / added.name)
             _wait_for_lines(results, 2, process)
+            with urllib.request.urlopen(url, timeout=10) as response:
+                scraped = response.read().decode()
             process.send_signal(signal.SIGTERM)
             _, stderr = process.communicate(timeout=20)
         finally:
@@ -167,6 +174,18 @@ def test_device_watch_takes_new_files_and_stops_on_sigterm(rt: Any, tmp_path: Pa
     preprocess = plan_preprocess(load_plan(split.plan_dir), split.plan_dir)
     got = np.array(lines[1]["outputs"]["y"], np.float32)
     np.testing.assert_array_equal(got, _expected(split, preprocess, folder / added.name))
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in prometheus.text_string_to_metric_families(scraped)
+        for sample in family.samples
+    }
+    ok = (("answered_by", "cloud"), ("outcome", "ok"), ("tier", "device"))
+    assert samples[("tierflow_requests_total", ok)] == 2
+    assert samples[("tierflow_request_seconds_count", (("tier", "device"),))] == 2
+    sent = samples[
+        ("tierflow_link_bytes_total", (("direction", "request"), ("link", "device-edge")))
+    ]
+    assert sent > 0
 
 
 def _wait_for_lines(path: Path, count: int, process: subprocess.Popen[str]) -> None:
