@@ -63,6 +63,15 @@ from tierflow.wire import DEFAULT_MESSAGE_BYTES, grpc_options
 
 logger = logging.getLogger(__name__)
 
+# [Note: closing a watched channel]
+# ``channel.subscribe`` starts a grpc thread that watches the channel's state. After
+# ``unsubscribe`` it stops at its next wake-up (at most 0.2 s later), but if the channel
+# changes state in that window and is closed meanwhile, the thread calls into the closed
+# channel and dies with "Channel closed!" (a traceback on stderr; seen under load in the
+# test suite). So a subscribed channel is closed from a small daemon thread once the
+# watcher has stopped (bounded by _WATCHER_STOP_S); the caller does not wait.
+_WATCHER_STOP_S = 1.0
+
 # What a request's ids, shapes, names and timings may add around its tensor bytes.
 _FRAMING_MARGIN = 64 * 1024
 # How late past a deadline a request may be failed. Deadlines of answered requests stay
@@ -205,6 +214,25 @@ class _Stream:
                 error,
             )
             client._send_again(retry, error)
+
+
+def close_when_unwatched(channel: grpc.Channel) -> None:
+    """Close ``channel`` once grpc's connectivity watcher has stopped, without waiting here.
+
+    See [Note: closing a watched channel].
+    """
+    state = getattr(channel, "_connectivity_state", None)
+    if state is None or not getattr(state, "polling", False):
+        channel.close()
+        return
+
+    def close() -> None:
+        ends = time.monotonic() + _WATCHER_STOP_S
+        while getattr(state, "polling", False) and time.monotonic() < ends:
+            time.sleep(0.01)
+        channel.close()
+
+    threading.Thread(target=close, name="tierflow-channel-close", daemon=True).start()
 
 
 class StreamClient:
@@ -396,4 +424,4 @@ class StreamClient:
             stream.call.cancel()
             stream.reader.join(1.0)
         self.channel.unsubscribe(self._on_state)
-        self.channel.close()
+        close_when_unwatched(self.channel)

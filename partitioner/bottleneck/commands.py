@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from tierflow.errors import UsageError
+from tierflow.helptext import HelpFormatter, examples
 
 
 def _percent(text: str) -> float:
@@ -32,19 +33,30 @@ def register(subparsers: Any) -> None:
         "bottleneck",
         help="graft a learned encoder/decoder at a cut, so fewer bytes cross the link",
         description="Learned bottlenecks: narrow a feature where it crosses a link.",
+        formatter_class=HelpFormatter,
+        epilog=examples(
+            "tierflow bottleneck add model.onnx --data photos.npz -o model-bn.onnx",
+            "tierflow bottleneck show model-bn.onnx",
+        ),
     )
     commands = parser.add_subparsers(dest="bottleneck_command", metavar="ACTION", required=True)
     add = commands.add_parser(
         "add",
         help="train bottlenecks at a cut and graft the smallest that keeps the answers",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
         description=(
-            "At a one-tensor cut (--at, else chosen), train 1x1-convolution encoder/decoder "
+            "At a one-tensor cut (--at, else chosen), train convolutional encoder/decoder "
             "pairs that narrow the feature to K channels of B-bit integer codes, by "
             "distillation from the frozen model on the (unlabeled) calibration inputs; "
             "measure each on held-out requests against the exact model; graft the one with "
             "the fewest bytes that meets --target. The codes are the new crossing tensor: "
             "plan the written model as usual, with a lossless codec."
+        ),
+        epilog=examples(
+            "tierflow bottleneck add model.onnx --data photos.npz -o model-bn.onnx",
+            "tierflow bottleneck add model.onnx --data calib.npz -o bn.onnx --at relu_6 "
+            "--channels 4 --bits 8 --target 98%",
+            "tierflow plan model-bn.onnx -o plan/ --link device-edge=5mbit,20ms",
         ),
     )
     add.add_argument("model", metavar="MODEL.onnx", help="the model to add a bottleneck to")
@@ -100,9 +112,14 @@ def register(subparsers: Any) -> None:
     show = commands.add_parser(
         "show",
         help="print the rate-fidelity points recorded in a model",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
+        description=(
+            "Print the rate-fidelity points that `bottleneck add` measured and recorded in "
+            "the model it wrote: bytes per request against agreement with the exact model."
+        ),
+        epilog=examples("tierflow bottleneck show model-bn.onnx --json"),
     )
-    show.add_argument("model", metavar="MODEL.onnx")
+    show.add_argument("model", metavar="MODEL.onnx", help="a model written by bottleneck add")
     show.add_argument("--json", action="store_true", help="print them as JSON")
     show.set_defaults(handler=_show)
 
