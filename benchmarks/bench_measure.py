@@ -111,18 +111,31 @@ def _time_runs(
 
 
 def measure_codecs(
-    tensors: Sequence[Mapping[str, np.ndarray]], codecs: Sequence[str]
+    tensors: Sequence[Mapping[str, np.ndarray]],
+    codecs: Sequence[str],
+    images: Mapping[str, codec_lib.ImageNorm] | None = None,
 ) -> dict[str, CodecSample]:
-    """Encode and decode each request's crossing tensors with every codec, timing both."""
+    """Encode and decode each request's crossing tensors with every codec, timing both.
+
+    An image codec sends the tensors named in ``images`` as images (with their
+    normalisation) and the others with its lossless part, as the runtime does.
+    """
     samples: dict[str, CodecSample] = {}
+    norms = dict(images or {})
     for name in codecs:
         spec = codec_lib.CodecSpec.parse(name)
+        plain = spec.lossless_part() if spec.image else spec
         enc = np.zeros(len(tensors))
         dec = np.zeros(len(tensors))
         size = np.zeros(len(tensors))
         for i, group in enumerate(tensors):
             start = _clock()
-            encoded = [codec_lib.encode(n, a, spec) for n, a in group.items()]
+            encoded = [
+                codec_lib.encode(n, a, spec, image=norms[n])
+                if spec.image and n in norms
+                else codec_lib.encode(n, a, plain)
+                for n, a in group.items()
+            ]
             enc[i] = _clock() - start
             size[i] = sum(t.nbytes for t in encoded)
             start = _clock()

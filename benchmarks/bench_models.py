@@ -21,6 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from tierflow.codec import ImageNorm
+from tierflow.codec_image import from_pixels
+
 logger = logging.getLogger(__name__)
 
 # Builders return (torch module, example inputs); typed loosely so this module imports
@@ -113,6 +116,11 @@ def suite(quick: bool) -> list[BenchModel]:
     ]
 
 
+#: The suite's CNNs, whose input is an 8-bit picture normalised by ``IMAGE_NORM``.
+IMAGE_KINDS = ("chain", "residual", "mobilenet")
+IMAGE_NORM = ImageNorm(mean=(0.45, 0.45, 0.45), std=(0.225, 0.225, 0.225))
+
+
 def default_work_dir() -> Path:
     """Where exported models are cached: $TIERFLOW_CACHE/bench, else ~/.cache/tierflow/bench."""
     root = os.environ.get("TIERFLOW_CACHE")
@@ -153,7 +161,9 @@ def export(model: BenchModel, work_dir: Path) -> Path:
 
 
 def smooth_images(count: int, channels: int, size: int, seed: int) -> np.ndarray:
-    """``count`` smooth 8-bit-origin images [count, 1, C, H, W], ImageNet-normalised."""
+    """``count`` smooth 8-bit images [count, 1, C, H, W], normalised by ``IMAGE_NORM``
+    (with 3 channels; else the same mean and std per channel) as a camera client would:
+    ``tierflow.codec_image.from_pixels``, in float32, so PNG carries them bit for bit."""
     rng = np.random.default_rng(seed)
     coarse_size = max(2, size // 16)
     coarse = rng.random((count, channels, coarse_size, coarse_size))
@@ -168,9 +178,10 @@ def smooth_images(count: int, channels: int, size: int, seed: int) -> np.ndarray
     )
     image = rows[:, :, :, low] * (1 - frac) + rows[:, :, :, high] * frac
     image = image + rng.normal(0, 0.02, image.shape)  # sensor noise
-    pixels = np.clip(np.round(image * 255), 0, 255) / 255.0
-    normalised = (pixels - 0.45) / 0.225
-    return normalised.astype(np.float32)[:, None]
+    pixels = np.clip(np.round(image * 255), 0, 255).astype(np.uint8)
+    norm = ImageNorm(mean=(IMAGE_NORM.mean[0],) * channels, std=(IMAGE_NORM.std[0],) * channels)
+    normalised = from_pixels(pixels.transpose(0, 2, 3, 1), norm, "float32")
+    return normalised[:, None]
 
 
 def demo_indices(count: int, seed: int, available: int) -> list[int]:

@@ -12,7 +12,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from strategies import STRATEGIES
+import strategies as _strategies
+
+#: Every strategy a row may have, in the order tables and legends show them.
+STRATEGIES = (*_strategies.STRATEGIES, "cloud-only-jpeg", "cloud-only-png", "tierflow-bottleneck")
 
 Row = dict[str, Any]
 
@@ -23,6 +26,9 @@ _COLOURS = {
     "single-split": "#ff7f0e",
     "tierflow": "#2ca02c",
     "tierflow-exits": "#d62728",
+    "cloud-only-jpeg": "#bcbd22",
+    "cloud-only-png": "#8c564b",
+    "tierflow-bottleneck": "#e377c2",
 }
 _TIER_COLOURS = {"device": "#9467bd", "edge": "#ff7f0e", "cloud": "#1f77b4"}
 
@@ -325,14 +331,14 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any], sections: Sequence[st
     strategies = [s for s in STRATEGIES if any(r["strategy"] == s for r in rows)]
     for model in _models(rows):
         out.append(f"### {model}\n")
-        out.append("p50 latency in ms (p90 in the JSON):\n")
+        out.append("p50 latency in ms, fidelity in brackets (p90 in the JSON):\n")
         out.append("| Mbit/s | " + " | ".join(strategies) + " |")
         out.append("|---" * (len(strategies) + 1) + "|")
         for mbit in _bandwidths([r for r in rows if r["model"] == model]):
             cells = []
             for strategy in strategies:
                 row = _find(rows, model, mbit, strategy)
-                cells.append(_ms(row["p50_ms"]) if row else "–")
+                cells.append(f"{_ms(row['p50_ms'])} ({_fidelity(row)})" if row else "–")
             out.append(f"| {mbit:g} | " + " | ".join(cells) + " |")
         out.append("")
         out.append("tierflow's plan at each point, against the best measured plan:\n")
@@ -357,6 +363,11 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any], sections: Sequence[st
         out.append("")
     out.extend(sections)
     return "\n".join(out) + "\n"
+
+
+def _fidelity(row: Row) -> str:
+    value = row.get("fidelity")
+    return "–" if value is None else f"{value:.2f}"
 
 
 def _span(rows: Sequence[Row], key: str) -> str:

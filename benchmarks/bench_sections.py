@@ -191,3 +191,149 @@ def prediction_section(rows: Sequence[Row]) -> list[str]:
         )
     out.append("")
     return out
+
+
+def verdict_lines(verdict: Sequence[Row]) -> list[str]:
+    """The fidelity verdict as printed: one summary line, then every point where it fails."""
+    if not verdict:
+        return ["verdict: no point has both a tierflow row and a baseline"]
+    failed = [v for v in verdict if not v["holds"]]
+    lines = [
+        "verdict: tierflow never slower than any baseline of equal or better fidelity: "
+        + (
+            f"holds at all {len(verdict)} model x bandwidth points"
+            if not failed
+            else f"FAILS at {len(failed)} of {len(verdict)} model x bandwidth points "
+            f"(holds at {len(verdict) - len(failed)})"
+        )
+    ]
+    for v in failed:
+        beaten = ", ".join(
+            f"{b['strategy']} {b['p50_ms']:.1f} ms (fidelity {b['fidelity']:.3f})"
+            for b in v["beaten_by"]
+        )
+        lines.append(
+            f"  fails: {v['model']} at {v['bandwidth_mbit']:g} Mbit/s: {v['tierflow_strategy']} "
+            f"{v['tierflow_ms']:.1f} ms (fidelity {v['tierflow_fidelity']:.3f}) beaten by {beaten}"
+        )
+    return lines
+
+
+def _fid(value: Any) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def fidelity_section(
+    rows: Sequence[Row], verdict: Sequence[Row], bottleneck: dict[str, Any]
+) -> list[str]:
+    """Fidelity of every row, the image baselines, the folded bottleneck rows, the verdict."""
+    out = ["## Fidelity and the verdict\n"]
+    out.append(
+        "Every row's `fidelity` is the share of the benchmark's requests whose top-1 answer "
+        "(argmax of each output along its last axis) equals the exact, unsplit model's, "
+        "measured by running the plan's segments with its codecs applied for real "
+        "(`FidelityProbe`, the planner's own probe, both sides at ONNX Runtime optimisation "
+        "level `disabled`); `bit_exact` says whether every output was also equal bit for bit. "
+        "`tierflow` plans among the exact codecs only (the planner's default `--fidelity "
+        "exact`), and its best-measured-plan regret is against the best measured plan with "
+        "exact codecs. `cloud-only-jpeg` (quality 90) and `cloud-only-png` send the input as "
+        "an 8-bit image (`tierflow.codec_image`, the input's `ImageNorm`), with their encode "
+        "and decode times and bytes measured per request like every other codec; they exist "
+        "for the image-input models only (the suite's CNNs; the demo's digits are not 8-bit "
+        "pictures and the transformer takes tokens). tierflow-exits' fidelity is its "
+        "agreement with its own plan walked without exits, which equals the exact model "
+        "where that plan is bit-exact (checked).\n"
+    )
+    out.append(
+        "**The suite's CNNs and transformer have random weights** (built in code, no "
+        "weights downloaded): their fidelity figures measure agreement with that random "
+        "model, not accuracy on any task, and a random network's near-tied logits make "
+        "lossy codecs look worse (or better) than on a trained one. The demo model is "
+        "trained; the `orientation` rows (below) are a real trained classifier.\n"
+    )
+    if bottleneck:
+        out.append(
+            f"The `{bottleneck.get('model')}` rows are folded in from "
+            "`benchmarks/results/bottleneck.json` (`bottleneck_bench.py`'s last committed run, "
+            f"not rerun here): `{bottleneck.get('model_file')}`, a trained page orientation "
+            f"classifier, on {bottleneck.get('heldout_pages')} held-out "
+            f"{bottleneck.get('inputs')}; "
+            "latency composed by that script the same way (its own rates, 1-50 Mbit/s). "
+            "`tierflow-bottleneck` is the fastest learned-bottleneck variant at each rate, "
+            "`cloud-only-compressed` there is its int8+zstd upload.\n"
+        )
+    strategies = [
+        s
+        for s in (
+            "tierflow",
+            "tierflow-bottleneck",
+            "device-only",
+            "cloud-only",
+            "cloud-only-compressed",
+            "cloud-only-jpeg",
+            "cloud-only-png",
+            "single-split",
+            "tierflow-exits",
+        )
+        if any(r["strategy"] == s for r in rows)
+    ]
+    out.append("p50 ms (fidelity) per strategy:\n")
+    out.append("| model | Mbit/s | " + " | ".join(strategies) + " |")
+    out.append("|---" * (len(strategies) + 2) + "|")
+    points = sorted({(r["model"], r["bandwidth_mbit"]) for r in rows}, key=lambda p: (p[0], p[1]))
+    for model, mbit in points:
+        cells = []
+        for strategy in strategies:
+            row = next(
+                (
+                    r
+                    for r in rows
+                    if r["model"] == model
+                    and r["bandwidth_mbit"] == mbit
+                    and r["strategy"] == strategy
+                ),
+                None,
+            )
+            cells.append("–" if row is None else f"{row['p50_ms']:.1f} ({_fid(row['fidelity'])})")
+        out.append(f"| {model} | {mbit:g} | " + " | ".join(cells) + " |")
+    out.append("")
+    out.append(
+        "**Verdict** — is tierflow's plan (`tierflow`, or `tierflow-bottleneck` where the "
+        "model has no `tierflow` row) never slower than any baseline of equal or better "
+        "fidelity? A faster baseline of *lower* fidelity (a lossy upload against an exact "
+        "plan) is a different trade-off, not a failure; such points are listed after the "
+        "failures.\n"
+    )
+    lines = verdict_lines(verdict)
+    out.append("`" + lines[0] + "`\n")
+    if len(lines) > 1:
+        out.append(
+            "| model | Mbit/s | tierflow plan | ms | fidelity | faster baselines (ms, fidelity) |"
+        )
+        out.append("|---|---|---|---|---|---|")
+        for v in verdict:
+            if v["holds"]:
+                continue
+            beaten = "; ".join(
+                f"{b['strategy']} {b['p50_ms']:.1f} ({b['fidelity']:.3f})" for b in v["beaten_by"]
+            )
+            out.append(
+                f"| {v['model']} | {v['bandwidth_mbit']:g} | {v['tierflow_strategy']} | "
+                f"{v['tierflow_ms']:.1f} | {v['tierflow_fidelity']:.3f} | {beaten} |"
+            )
+        out.append("")
+    lossy = [v for v in verdict if v["faster_less_faithful"]]
+    if lossy:
+        out.append("Faster baselines of lower fidelity than tierflow's plan:\n")
+        for v in lossy:
+            faster = "; ".join(
+                f"{b['strategy']} {b['p50_ms']:.1f} ms (fidelity {b['fidelity']:.3f})"
+                for b in v["faster_less_faithful"]
+            )
+            out.append(
+                f"- {v['model']} at {v['bandwidth_mbit']:g} Mbit/s: {v['tierflow_strategy']} "
+                f"{v['tierflow_ms']:.1f} ms (fidelity {v['tierflow_fidelity']:.3f}) "
+                f"against {faster}"
+            )
+        out.append("")
+    return out

@@ -7,7 +7,12 @@ For each model of the suite (``bench_models``) it profiles the model as the plan
 would, asks every strategy (``strategies``) for its plan at each device-edge bandwidth,
 measures a wide set of candidate plans on real requests (``bench_measure``: all cut
 pairs of a cut sample that always holds every strategy's cuts), and reports each
-strategy's measured latency, tierflow's regret against the best measured plan, the cost
+strategy's measured latency and fidelity (``bench_fidelity``: the share of requests whose
+top-1 answer is the exact model's, each plan run with its codecs applied), the image
+baselines (``cloud-only-jpeg``, ``cloud-only-png``) for image-input models, the
+``tierflow-bottleneck`` rows of ``bottleneck_bench.py``'s committed run, the verdict
+"tierflow never slower than any baseline of equal or better fidelity", tierflow's regret
+against the best measured exact plan, the cost
 model's prediction error, early exits and caches on the demo model (``bench_exits``),
 the runtime itself over gRPC at a subset of points (``bench_runtime``) and the other
 engineers' overhead benchmarks (``bench_overheads``). Results: ``results.json`` (one
@@ -37,13 +42,14 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import bench_emulation as emu  # noqa: E402
+import bench_fidelity  # noqa: E402
 import bench_measure  # noqa: E402
 import bench_models  # noqa: E402
 import bench_report  # noqa: E402
 import bench_sections  # noqa: E402
 import strategies  # noqa: E402
 
-from tierflow.codec import PLANNER_CODECS  # noqa: E402
+from tierflow.codec import EXACT_PLANNER_CODECS  # noqa: E402
 from tierflow.links import TIERS  # noqa: E402
 
 logger = logging.getLogger("benchmarks.run")
@@ -146,6 +152,7 @@ def bench_model(
     cuts = select_cuts(last, required, args.max_cuts)
     pairs = [(a, b) for a in cuts for b in cuts if a <= b]
     requests = bench_models.requests(model, specs, args.requests)
+    images = bench_fidelity.image_norms(model, graph)
     logger.info(
         "[bench] %s: measuring %d cuts, %d pairs, %d requests",
         model.name,
@@ -159,20 +166,35 @@ def bench_model(
         requests,
         cuts,
         pairs,
-        PLANNER_CODECS,
+        strategies.TABLE_CODECS,
         rounds=args.rounds,
         progress=lambda what: logger.debug("[bench] %s", what),
     )
+    if images:  # the image baselines' codecs on the input (cut 0), each request
+        inputs = [{t: np.ascontiguousarray(r[t]) for t in graph.cuts[0].tensors} for r in requests]
+        measured.codecs[0].update(
+            bench_measure.measure_codecs(
+                inputs, tuple(bench_fidelity.IMAGE_BASELINES.values()), images
+            )
+        )
+    fidelity = bench_fidelity.RowFidelity(graph, requests, images)
     slow = slowdowns()
     rows: list[Row] = []
     plans_compared = 0
     for mbit in bandwidths:
         links = emu.links_at(mbit)
-        best, plans_compared = bench_measure.best_plan(measured, links, slow, PLANNER_CODECS)
+        # The best measured plan with exact codecs: what tierflow's exact plan competes with.
+        best, plans_compared = bench_measure.best_plan(measured, links, slow, EXACT_PLANNER_CODECS)
         point: dict[str, bench_measure.Composed] = {}
         for name, choice in choices[mbit].items():
             point[name] = bench_measure.compose(measured, *choice.cuts, choice.codec, links, slow)
-        for name, choice in choices[mbit].items():
+        planned: list[tuple[str, strategies.Choice | None]] = list(choices[mbit].items())
+        if images:
+            for name, codec in bench_fidelity.IMAGE_BASELINES.items():
+                both = {"device-edge": codec, "edge-cloud": codec}
+                point[name] = bench_measure.compose(measured, 0, 0, both, links, slow)
+                planned.append((name, None))
+        for name, choice in planned:
             composed = point[name]
             row: Row = {
                 "model": model.name,
@@ -180,24 +202,28 @@ def bench_model(
                 "strategy": name,
                 "p50_ms": composed.p50_ms,
                 "p90_ms": composed.p90_ms,
-                "predicted_ms": choice.predicted_s * 1e3,
-                "prediction_error": choice.predicted_s * 1e3 / composed.p50_ms - 1.0,
-                "cuts": list(choice.cuts),
+                "predicted_ms": choice.predicted_s * 1e3 if choice else None,
+                "prediction_error": (
+                    choice.predicted_s * 1e3 / composed.p50_ms - 1.0 if choice else None
+                ),
+                "cuts": list(composed.cuts),
                 "last_cut": last,
                 "codec_used": composed.codec,
                 "bytes": composed.bytes,
                 "parts_ms": composed.parts_ms,
-                "compute_share": compute_share(base, *choice.cuts),
+                "compute_share": compute_share(base, *composed.cuts),
                 "device_edge_rtt_ms": links["device-edge"].rtt_s * 1e3,
                 "gap_to_best": composed.p50_ms / best.p50_ms - 1.0,
+                # Against the best measured exact plan (below zero: a lossy plan beat it).
+                "regret": composed.p50_ms / best.p50_ms - 1.0,
                 "measured": "composed",
                 "requests": len(requests),
             }
+            fidelity.add_to(row)
             for other in ("device-only", "cloud-only", "cloud-only-compressed", "single-split"):
                 key = "speedup_vs_" + other.replace("-", "_")
                 row[key] = point[other].p50_ms / composed.p50_ms
             if name == "tierflow":
-                row["regret"] = composed.p50_ms / best.p50_ms - 1.0
                 row["best_measured"] = {
                     "cuts": list(best.cuts),
                     "codec": best.codec,
@@ -218,6 +244,7 @@ def bench_model(
         "measure_s": measured.seconds,
         "seconds": time.perf_counter() - started,
         "profile_correction": base.calibration.get("correction"),
+        "image_inputs": {name: norm.to_dict() for name, norm in images.items()},
     }
     logger.info(
         "[bench] %s done in %.1f s (measuring %.1f s)",
@@ -231,6 +258,7 @@ def bench_model(
         "profiles": profiles,
         "choices": choices,
         "measured": measured,
+        "images": images,
     }
     return rows, info, context
 
@@ -288,6 +316,7 @@ def exits_rows(
     order = bench_exits.workload(count, unique)
     slow = slowdowns()
     walkers: dict[Any, bench_exits.PlanWalker] = {}
+    exact_plans: dict[Any, bool] = {}
     out: list[Row] = []
     for mbit in bandwidths:
         choice = context["choices"][mbit]["tierflow"]
@@ -334,6 +363,15 @@ def exits_rows(
             "speedup_vs_tierflow_same_requests": plain_p50 / p50,
             "agreement_with_tierflow": float(np.mean(point.predicted == point.plain_predicted)),
         }
+        # The plain walk is the exact model's answer when the plan reproduces the model bit
+        # for bit on these requests (measured here); then agreeing with it is fidelity.
+        if key not in exact_plans:
+            probe = bench_fidelity.RowFidelity(graph, requests, context["images"])
+            exact_plans[key] = probe.of(choice.cuts, choice.codec)[1]
+        row["bit_exact"] = exact_plans[key] and row["agreement_with_tierflow"] == 1.0
+        row["fidelity"] = row["agreement_with_tierflow"] if exact_plans[key] else None
+        row["fidelity_requests"] = len(order)
+        row["regret"] = None
         if labels is not None:
             digits = bench_models.demo_indices(unique, EXIT_SEED, len(labels))
             truth = labels[[digits[i] for i in order]]
@@ -576,7 +614,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         measured.append(context["measured"])
         infos.append(info)
+    folded, bottleneck_source = bench_fidelity.bottleneck_rows()
+    if args.models:
+        folded = [r for r in folded if r["model"] in args.models]
+    rows.extend(folded)
+    verdict = bench_fidelity.verdict(rows)
+    for line in bench_sections.verdict_lines(verdict):
+        print(line)
     sections: list[str] = []
+    sections += bench_sections.fidelity_section(rows, verdict, bottleneck_source)
     sections += bench_sections.exits_section(rows)
     sections += bench_sections.runtime_section(rows)
     sections += ["## Overheads and limits\n"]
@@ -622,6 +668,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "emulation": emu.describe(),
         "models": infos,
         "method": bench_sections.METHOD.format(rounds=args.rounds),
+        "verdict": verdict,
+        "bottleneck_source": bottleneck_source,
     }
     sections += bench_sections.LIMITS.splitlines()
     meta["load_average"] = {"start": load_start[0], "end": os.getloadavg()[0]}

@@ -12,7 +12,11 @@ the plan is chosen, so they are measured by the same code on the same requests:
 ``single-split``           Neurosurgeon's approach: the best single device|cloud cut by
                            the same cost model restricted to two tiers (edge forwards,
                            no compute there) with raw fp32 features.
-``tierflow``               the planner's choice over all cut pairs and codecs (``auto``).
+``tierflow``               the planner's choice over all cut pairs and its exact codecs
+                           (``--codec auto`` under the default ``--fidelity exact``).
+``cloud-only-jpeg``,       as cloud-only, the input sent as an 8-bit image (JPEG at
+``cloud-only-png``         quality 90, or PNG) with its normalisation; image-input models
+                           only (``bench_fidelity.IMAGE_BASELINES``, no cost-model choice).
 ``tierflow-exits``         tierflow's plan chosen knowing the early exits (the cost model's
                            expected latency, :func:`choose_with_exits`), run with the exits
                            and the edge's feature cache (measured by ``bench_exits``).
@@ -20,11 +24,12 @@ the plan is chosen, so they are measured by the same code on the same requests:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tierflow.codec import PLANNER_CODECS
+from tierflow.codec import EXACT_PLANNER_CODECS
 from tierflow.links import LinkSpec
 from tierflow.partitioner.cost import (
     CostTables,
@@ -48,6 +53,8 @@ STRATEGIES: tuple[str, ...] = (
 #: Strategies whose plan comes from the cost model alone (``tierflow-exits`` adds exits).
 PLANNED: tuple[str, ...] = STRATEGIES[:-1]
 COMPRESSED_INPUT_CODEC = "int8+zstd"
+#: The codecs the cost tables hold: tierflow's exact ones, then the compressed baseline's.
+TABLE_CODECS: tuple[str, ...] = (*EXACT_PLANNER_CODECS, COMPRESSED_INPUT_CODEC)
 RAW = {"device-edge": "raw", "edge-cloud": "raw"}
 
 
@@ -76,8 +83,14 @@ def _choice(strategy: str, est: Estimate) -> Choice:
 
 
 def problem_at(profiles: Mapping[str, Profile], links: Mapping[str, LinkSpec]) -> Problem:
-    """The planner's problem at one link setting: no memory budgets, every planner codec."""
-    return Problem(profiles=profiles, links=links, codecs=PLANNER_CODECS)
+    """The planner's problem at one link setting: no memory budgets, ``TABLE_CODECS``."""
+    return Problem(profiles=profiles, links=links, codecs=TABLE_CODECS)
+
+
+def exact_problem(problem: Problem) -> Problem:
+    """``problem`` with only the exact planner codecs: what ``tierflow plan`` searches
+    under its default ``--fidelity exact``."""
+    return dataclasses.replace(problem, codecs=EXACT_PLANNER_CODECS)
 
 
 def choose(tables: CostTables) -> dict[str, Choice]:
@@ -94,7 +107,7 @@ def choose(tables: CostTables) -> dict[str, Choice]:
             "cloud-only-compressed", estimate(tables, 0, 0, compressed)
         ),
         "single-split": _choice("single-split", single),
-        "tierflow": _choice("tierflow", search(tables.problem, top=1, tables=tables).best),
+        "tierflow": _choice("tierflow", search(exact_problem(tables.problem), top=1).best),
     }
 
 
@@ -103,7 +116,9 @@ def choose_with_exits(
 ) -> Choice:
     """tierflow's plan when the model has early exits: the cost model weighs every plan by
     where requests leave (``Problem.exits``), and predicts the *mean* latency."""
-    problem = Problem(profiles=profiles, links=links, codecs=PLANNER_CODECS, exits=tuple(exits))
+    problem = Problem(
+        profiles=profiles, links=links, codecs=EXACT_PLANNER_CODECS, exits=tuple(exits)
+    )
     return _choice("tierflow-exits", search(problem, top=1).best)
 
 
