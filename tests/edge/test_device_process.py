@@ -7,6 +7,7 @@ preprocessed input, bit for bit, and the preprocessing must be the declared one.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -224,3 +225,41 @@ def test_device_api_infer_and_stream(rt: Any, tmp_path: Path) -> None:
     np.testing.assert_array_equal(piped[1].outputs["y"], _expected(split, preprocess, paths[2]))
     with pytest.raises(InputError, match="cannot read image"):
         device.infer(broken)
+
+
+def test_device_command_reads_npy_arrays_on_stdin(
+    rt: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    picture = np.random.default_rng(5).integers(0, 256, (11, 9, 3), dtype=np.uint8)
+    tensor = split.sample(6)[0]["x"]
+    piped = io.BytesIO()
+    np.save(piped, picture)  # a picture: preprocessed
+    np.save(piped, tensor)  # the model input: as is
+    piped.seek(0)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(piped))
+    results = tmp_path / "r.jsonl"
+    with rt.tiers(split.plan_dir) as (edge, _, _):
+        argv = ["device", "--plan", str(split.plan_dir), "--edge", edge, "--source", "-"]
+        assert main([*argv, "--results", str(results)]) == 0
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [line["source"] for line in lines] == [0, 1]
+    preprocess = plan_preprocess(load_plan(split.plan_dir), split.plan_dir)
+    want = [split.reference({"x": preprocess(picture)})["y"], split.reference({"x": tensor})["y"]]
+    for line, expected in zip(lines, want, strict=True):
+        np.testing.assert_array_equal(np.array(line["outputs"]["y"], np.float32), expected)
+
+
+def test_device_command_says_what_is_wrong_in_one_line(
+    rt: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    argv = ["device", "--plan", str(split.plan_dir), "--edge", "127.0.0.1:1"]
+    assert main([*argv, "--source", str(tmp_path / "nowhere")]) == 2
+    assert "is neither a folder, a camera" in capsys.readouterr().err
+    assert main([*argv, "--source", "-", "--watch"]) == 2
+    assert "--watch watches a folder" in capsys.readouterr().err
+    if importlib.util.find_spec("cv2") is None:
+        assert main([*argv, "--source", "/dev/video9"]) == 2
+        err = capsys.readouterr().err
+        assert "pip install 'tierflow[camera]'" in err and "Traceback" not in err
