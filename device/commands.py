@@ -57,12 +57,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
         formatter_class=HelpFormatter,
     )
-    parser.add_argument(
-        "--plan", required=True, metavar="PLAN_DIR", help="the plan directory `tierflow plan` wrote"
-    )
-    parser.add_argument(
-        "--edge", metavar="HOST:PORT", help="the edge (not needed for a device-only plan)"
-    )
+    add_plan_arguments(parser)
     parser.add_argument(
         "--input",
         required=True,
@@ -83,12 +78,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_true",
         help="continue a stopped run: keep what it answered (OUT.npz.partial), run the rest",
     )
-    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads")
-    parser.add_argument(
-        "--slowdown", type=float, default=1.0, help="emulate a device this many times slower"
-    )
-    add_optimization_argument(parser)
-    add_providers_argument(parser)
+    add_device_runtime_arguments(parser)
     parser.add_argument(
         "--cache",
         type=_cache_argument,
@@ -101,6 +91,26 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_link_arguments(parser)
     add_security_arguments(parser, server=False)
     parser.set_defaults(handler=_run)
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--plan`` and ``--edge``, as ``run`` and ``device`` both take them."""
+    parser.add_argument(
+        "--plan", required=True, metavar="PLAN_DIR", help="the plan directory `tierflow plan` wrote"
+    )
+    parser.add_argument(
+        "--edge", metavar="HOST:PORT", help="the edge (not needed for a device-only plan)"
+    )
+
+
+def add_device_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the device runs its segments (threads, slowdown, optimisation, providers)."""
+    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads")
+    parser.add_argument(
+        "--slowdown", type=float, default=1.0, help="emulate a device this many times slower"
+    )
+    add_optimization_argument(parser)
+    add_providers_argument(parser)
 
 
 def _cache_argument(text: str) -> Any:

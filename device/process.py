@@ -29,14 +29,13 @@ import threading
 from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Any
 
+from tierflow.device.commands import add_device_runtime_arguments, add_plan_arguments
 from tierflow.errors import UsageError
 from tierflow.helptext import HelpFormatter, examples
 from tierflow.linkemu import add_link_arguments
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
-from tierflow.providers import add_providers_argument
 from tierflow.security import add_security_arguments
-from tierflow.sessions import add_optimization_argument
 from tierflow.units import parse_duration
 
 if TYPE_CHECKING:
@@ -69,12 +68,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
         formatter_class=HelpFormatter,
     )
-    parser.add_argument(
-        "--plan", required=True, metavar="PLAN_DIR", help="the plan directory `tierflow plan` wrote"
-    )
-    parser.add_argument(
-        "--edge", metavar="HOST:PORT", help="the edge (not needed for a device-only plan)"
-    )
+    add_plan_arguments(parser)
     parser.add_argument(
         "--source",
         required=True,
@@ -105,10 +99,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default="30s",
         help="per-frame deadline",
     )
-    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads")
-    parser.add_argument(
-        "--slowdown", type=float, default=1.0, help="emulate a device this many times slower"
-    )
+    add_device_runtime_arguments(parser)
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -119,8 +110,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--metrics-host", default="127.0.0.1", help="the address --metrics-port listens on"
     )
-    add_optimization_argument(parser)
-    add_providers_argument(parser)
     add_link_arguments(parser)
     add_security_arguments(parser, server=False)
     parser.set_defaults(handler=_device)
