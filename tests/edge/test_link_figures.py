@@ -5,6 +5,7 @@ See [Note: honest link figures] in tierflow/linkemu.py.
 
 from __future__ import annotations
 
+import socket
 import statistics
 from pathlib import Path
 from typing import Any
@@ -58,20 +59,24 @@ def test_a_report_line_keeps_the_link_figures(tmp_path: Path, rt: Any) -> None:
 
 def test_requests_that_never_left_report_no_bytes(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
-    nowhere = f"127.0.0.1:{rt.free_port()}"
-    edge = EdgeServer(split.plan_dir, "127.0.0.1:0", nowhere, options=RuntimeOptions(workers=2))
-    edge.start()
-    try:
-        with DeviceClient(split.plan_dir, edge.address, deadline_s=10.0) as device:
-            failed = device.submit(split.sample(seed=13)[0]).result()
-    finally:
-        edge.stop(0.5)
-    # The edge got the features, but nothing reached the cloud.
-    assert failed.error is not None
-    assert failed.bytes == {"device-edge": failed.bytes["device-edge"], "edge-cloud": 0}
-    assert failed.bytes["device-edge"] > 0 and failed.rate_bps["edge-cloud"] == 0.0
-    with DeviceClient(split.plan_dir, nowhere, deadline_s=10.0) as device:
-        lost = device.submit(split.sample(seed=14)[0]).result()
-    assert isinstance(lost.error, TransportError)
-    assert lost.bytes == {link: 0 for link in LINKS}
-    assert lost.rate_bps == {link: 0.0 for link in LINKS}
+    # A port bound but not listening: connecting there is refused. A port merely found
+    # free could be reached by TCP self-connect (a client whose own port is the target).
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{holder.getsockname()[1]}"
+        edge = EdgeServer(split.plan_dir, "127.0.0.1:0", nowhere, options=RuntimeOptions(workers=2))
+        edge.start()
+        try:
+            with DeviceClient(split.plan_dir, edge.address, deadline_s=10.0) as device:
+                failed = device.submit(split.sample(seed=13)[0]).result()
+        finally:
+            edge.stop(0.5)
+        # The edge got the features, but nothing reached the cloud.
+        assert failed.error is not None
+        assert failed.bytes == {"device-edge": failed.bytes["device-edge"], "edge-cloud": 0}
+        assert failed.bytes["device-edge"] > 0 and failed.rate_bps["edge-cloud"] == 0.0
+        with DeviceClient(split.plan_dir, nowhere, deadline_s=10.0) as device:
+            lost = device.submit(split.sample(seed=14)[0]).result()
+        assert isinstance(lost.error, TransportError)
+        assert lost.bytes == {link: 0 for link in LINKS}
+        assert lost.rate_bps == {link: 0.0 for link in LINKS}
