@@ -18,7 +18,7 @@ Resizing needs Pillow (the ``image`` extra), imported when a frame needs it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -141,30 +141,9 @@ def plan_preprocess(plan: Plan, plan_dir: str | Path, image_norm: str | None = N
         norm = recorded
     else:
         spec = _norm_spec(image_norm or "unit", name)
-        mean, std, layout = spec.mean, spec.std, spec.layout
-        if layout is None and recorded is not None:
-            layout = recorded.layout
-        if layout is None:
-            layout = "NCHW" if shape[1] in (1, 3) else "NHWC" if shape[3] in (1, 3) else None
-        if layout is None:
-            raise UsageError(
-                f"model input {name!r} of shape {list(shape)} has no 1- or 3-channel axis; "
-                "give the layout (--image-norm '...;layout=NCHW|NHWC')"
-            )
-        channels = shape[1] if layout == "NCHW" else shape[3]
-        if channels not in (1, 3):
-            raise UsageError(
-                f"model input {name!r} of shape {list(shape)} ({layout}) has {channels} "
-                "channels; a frame gives 1 (grey) or 3 (RGB)"
-            )
-        mean = mean * channels if len(mean) == 1 else mean
-        std = std * channels if len(std) == 1 else std
-        if len(mean) != channels or len(std) != channels:
-            raise UsageError(
-                f"--image-norm {image_norm!r}: {len(mean)} means and {len(std)} stds for an "
-                f"input of {channels} channel(s)"
-            )
-        norm = ImageNorm(mean=mean, std=std, scale=spec.scale, layout=layout)
+        if spec.layout is None and recorded is not None:
+            spec = replace(spec, layout=recorded.layout)
+        norm = spec.resolve(shape, f"model input {name!r} (--image-norm)")
     height, width = (shape[2], shape[3]) if norm.layout == "NCHW" else (shape[1], shape[2])
     if height is None or width is None:
         raise UsageError(

@@ -82,28 +82,7 @@ def resolve_images(
                 f"--image-input {name}: an image input is a 4-D float tensor, the model's is "
                 f"{info.dtype}{list(shape)}"
             )
-        layout = spec.layout
-        if layout is None:
-            layout = "NCHW" if shape[1] in (1, 3) else "NHWC" if shape[3] in (1, 3) else None
-        if layout is None:
-            raise UsageError(
-                f"--image-input {name}: shape {list(shape)} has no 1- or 3-channel axis; "
-                "an image codec carries grey or RGB images"
-            )
-        channels = shape[1] if layout == "NCHW" else shape[3]
-        if channels not in (1, 3):
-            raise UsageError(
-                f"--image-input {name}: layout {layout} puts {channels} channels in shape "
-                f"{list(shape)}; an image codec carries 1 or 3"
-            )
-        mean = spec.mean * channels if len(spec.mean) == 1 else spec.mean
-        std = spec.std * channels if len(spec.std) == 1 else spec.std
-        if len(mean) != channels or len(std) != channels:
-            raise UsageError(
-                f"--image-norm {name}: {len(spec.mean)} means and {len(spec.std)} stds for an "
-                f"image of {channels} channel(s)"
-            )
-        images[name] = ImageNorm(mean=mean, std=std, scale=spec.scale, layout=layout)
+        images[name] = spec.resolve(shape, f"--image-input {name}")
     return images
 
 

@@ -5,13 +5,15 @@ Read the same way by ``tierflow plan`` (:mod:`tierflow.partitioner.image_inputs`
 x = pixel / 255; ``imagenet``: torchvision's mean and std over pixel / 255;
 ``symmetric``: x = pixel / 127.5 - 1) or ``mean=M[,M,M];std=S[,S,S][;scale=255]
 [;layout=NCHW|NHWC]``; what is not given is filled in from the input's shape by the
-caller (:class:`NormSpec`).
+caller (:meth:`NormSpec.resolve`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tierflow.codec import ImageNorm
 from tierflow.errors import UsageError
 
 __all__ = ["PRESETS", "NormSpec", "parse_norm"]
@@ -36,6 +38,36 @@ class NormSpec:
     std: tuple[float, ...] = (1.0,)
     scale: float = 255.0
     layout: str | None = None
+
+    def resolve(self, shape: Sequence[int | None], what: str) -> ImageNorm:
+        """The :class:`ImageNorm` for a 4-D input of ``shape``, its gaps filled from it.
+
+        The layout, when not given, is the one whose channel axis holds 1 or 3; one mean
+        or std is repeated over the channels. ``what`` opens every error message (the
+        option and input it is about).
+        """
+        layout = self.layout
+        if layout is None:
+            layout = "NCHW" if shape[1] in (1, 3) else "NHWC" if shape[3] in (1, 3) else None
+        if layout is None:
+            raise UsageError(
+                f"{what}: shape {list(shape)} has no 1- or 3-channel axis; give the layout "
+                "(--image-norm '...;layout=NCHW|NHWC'); an image carries grey or RGB"
+            )
+        channels = shape[1] if layout == "NCHW" else shape[3]
+        if channels not in (1, 3):
+            raise UsageError(
+                f"{what}: layout {layout} puts {channels} channels in shape {list(shape)}; "
+                "an image carries 1 (grey) or 3 (RGB)"
+            )
+        mean = self.mean * channels if len(self.mean) == 1 else self.mean
+        std = self.std * channels if len(self.std) == 1 else self.std
+        if len(mean) != channels or len(std) != channels:
+            raise UsageError(
+                f"{what}: {len(self.mean)} means and {len(self.std)} stds for an image of "
+                f"{channels} channel(s)"
+            )
+        return ImageNorm(mean=mean, std=std, scale=self.scale, layout=layout)
 
 
 def _floats(text: str, key: str, option: str) -> tuple[float, ...]:
