@@ -26,8 +26,7 @@ from tierflow.partitioner.exits.plan import exit_points, split_with_exits
 from tierflow.partitioner.fidelity import FidelityScore
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.grid import GridChoice, RateGrid, grid_search
-from tierflow.partitioner.planner import PlanOptions, codec_candidates, estimate_dict
-from tierflow.partitioner.planner import _ensure_codecs as ensure_codecs
+from tierflow.partitioner.planner import PlanOptions, codec_candidates, ensure_codecs, estimate_dict
 from tierflow.partitioner.profile import Profile
 from tierflow.partitioner.split import (
     Segment,

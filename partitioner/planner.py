@@ -166,7 +166,7 @@ def complete_profiles(
     return profiles, notes
 
 
-def _ensure_codecs(
+def ensure_codecs(
     graph: ModelGraph, profiles: dict[str, Profile], codecs: Sequence[str]
 ) -> list[str]:
     """Measure codecs a profile lacks (like ``zstd:9``) on this machine's features.
@@ -225,7 +225,7 @@ def _ensure_image_codecs(
 
     They can carry nothing else: at the other cuts they are infinitely slow, so the
     search never puts them there. Scaled by each profile's slowdown, as
-    :func:`_ensure_codecs` does.
+    :func:`ensure_codecs` does.
     """
     wanted = [c for c in codecs if CodecSpec.parse(c).image]
     if not wanted:
@@ -310,7 +310,7 @@ def rank(
     codecs = codec_candidates(options.codec, budget, tuple(options.images))
     codecs, notes = _keep_png(codecs, options, probe)
     profiles = dict(profiles)
-    notes += _ensure_codecs(graph, profiles, codecs)
+    notes += ensure_codecs(graph, profiles, codecs)
     feeds = probe.requests[0] if probe is not None else graph.representative_inputs()
     notes += _ensure_image_codecs(graph, profiles, codecs, options.images, feeds)
     points, exit_notes = exit_points(graph)
@@ -359,7 +359,7 @@ def score_plan(
     """
     codecs = tuple(dict.fromkeys(codec.values()))
     profiles = dict(profiles)
-    _ensure_codecs(graph, profiles, codecs)
+    ensure_codecs(graph, profiles, codecs)
     _ensure_image_codecs(graph, profiles, codecs, options.images, feeds)
     problem = Problem(
         profiles=profiles,
