@@ -12,7 +12,7 @@ from typing import Any
 
 from tierflow.helptext import examples
 from tierflow.options import RuntimeOptions
-from tierflow.plan import load_plan
+from tierflow.plan import load_plan_set
 from tierflow.server import add_serve_parser, serve_until_stopped
 
 
@@ -56,7 +56,9 @@ def _serve(args: argparse.Namespace) -> int:
     from tierflow.cloud.cache_redis import build_server_cache
     from tierflow.cloud.server import CloudServer
 
-    options = RuntimeOptions.from_args(args, load_plan(args.plan))
+    options = RuntimeOptions.from_args(
+        args, load_plan_set(args.plan, require_segments=False).default_plan
+    )
     server = CloudServer(
         args.plan,
         args.listen,

@@ -34,6 +34,10 @@ class CloudServer(TierServer):
         options: RuntimeOptions | None = None,
     ) -> None:
         service = TierService(
-            "cloud", load_plan_set(plan_dir), plan_dir, cache=cache, options=options
+            "cloud",
+            load_plan_set(plan_dir, require_segments=False),
+            plan_dir,
+            cache=cache,
+            options=options,
         )
         super().__init__(service, listen)

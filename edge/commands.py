@@ -15,7 +15,7 @@ import logging
 from tierflow.cloud.commands import add_cache_argument
 from tierflow.helptext import HelpFormatter, examples
 from tierflow.options import RuntimeOptions
-from tierflow.plan import load_plan
+from tierflow.plan import load_plan_set
 from tierflow.security import Security, add_security_arguments
 from tierflow.server import add_serve_parser, serve_until_stopped
 from tierflow.table import format_table
@@ -75,7 +75,9 @@ def _serve(args: argparse.Namespace) -> int:
     from tierflow.cloud.cache_redis import build_server_cache
     from tierflow.edge.server import EdgeServer
 
-    options = RuntimeOptions.from_args(args, load_plan(args.plan))
+    options = RuntimeOptions.from_args(
+        args, load_plan_set(args.plan, require_segments=False).default_plan
+    )
     server = EdgeServer(
         args.plan,
         args.listen,

@@ -36,7 +36,7 @@ class EdgeServer(TierServer):
     ) -> None:
         service = TierService(
             "edge",
-            load_plan_set(plan_dir),
+            load_plan_set(plan_dir, require_segments=False),
             plan_dir,
             upstream=upstream,
             cache=cache,

@@ -15,6 +15,9 @@ Messages say what was expected and what was found.
     ├── ProfileError        malformed profile, or a profile made for another model
     ├── PlanError           malformed plan directory, a budget nothing fits, a plan that
     │                       does not match the model
+    │   └── SegmentError    a segment file fetched from another tier differs from the
+    │                       sha256 in plan.json, is not offered there, or does not fit
+    │                       --segment-budget
     ├── InputError          request inputs with the wrong names, shapes or dtypes
     ├── CodecError          corrupt, oversized or hostile encoded tensors (including
     │                       decompression bombs)
@@ -54,6 +57,10 @@ class ProfileError(TierflowError):
 
 class PlanError(TierflowError):
     """A plan cannot be made, read or used."""
+
+
+class SegmentError(PlanError):
+    """A segment file cannot be had as the plan describes it (``tierflow.segments``)."""
 
 
 class InputError(TierflowError):

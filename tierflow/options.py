@@ -51,6 +51,8 @@ class RuntimeOptions:
     its stream is cancelled ([Note: slow readers] in ``tierflow.service``).
     ``security``: TLS and tokens (``tierflow.security``). ``providers``: ONNX
     Runtime execution providers in order of preference (``tierflow.providers``).
+    ``segment_budget``: bytes of segment files the tier keeps (None: no bound; see
+    [Note: segments on demand] in ``tierflow.segments``).
     """
 
     threads: int = 1
@@ -66,6 +68,7 @@ class RuntimeOptions:
     reply_timeout: float = DEFAULT_REPLY_TIMEOUT_S
     security: Security = field(default_factory=Security)
     providers: tuple[str, ...] = (CPU,)
+    segment_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.threads < 0:
@@ -83,6 +86,8 @@ class RuntimeOptions:
             raise UsageError(f"reply_timeout must be a positive number, got {self.reply_timeout}")
         if not self.providers:
             raise UsageError("providers must name at least one execution provider")
+        if self.segment_budget is not None and self.segment_budget < 0:
+            raise UsageError(f"segment_budget must be >= 0, got {self.segment_budget}")
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
         object.__setattr__(self, "providers", tuple(self.providers))
 
@@ -106,4 +111,5 @@ class RuntimeOptions:
             reply_timeout=getattr(args, "reply_timeout", DEFAULT_REPLY_TIMEOUT_S),
             security=Security.from_args(args),
             providers=getattr(args, "providers", (CPU,)),
+            segment_budget=getattr(args, "segment_budget", None),
         )

@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ PLAN_FILE = "plan.json"
 MAX_PLAN_BYTES = 16 * 1024 * 1024
 #: Deepest nesting of JSON objects and lists accepted in plan.json (a real one has 5).
 MAX_PLAN_DEPTH = 32
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _str_tuple(value: Any, what: str) -> tuple[str, ...]:
@@ -78,15 +80,34 @@ class ExitSpec:
 
 @dataclass(frozen=True)
 class SegmentSpec:
-    """One segment of the split model: which tier runs it, its file, inputs and outputs."""
+    """One segment of the split model: which tier runs it, its file, inputs and outputs.
+
+    ``sha256`` and ``size`` describe the file's bytes (``plan.json`` keys ``"sha256"`` and
+    ``"bytes"``): a tier that fetches the file checks it against them, and the device
+    weighs the fetch when it switches plans ([Note: segments on demand] in
+    ``tierflow.segments``). :func:`save_plan` records them; plans written before have
+    none (None). They describe the file, not what it computes, so they take no part in
+    equality or in the plan's id.
+    """
 
     tier: str
     file: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     exits: tuple[ExitSpec, ...] = ()
+    sha256: str | None = field(default=None, compare=False)
+    size: int | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
+        data = self.computes()
+        if self.sha256 is not None:
+            data["sha256"] = self.sha256
+        if self.size is not None:
+            data["bytes"] = self.size
+        return data
+
+    def computes(self) -> dict[str, Any]:
+        """What the segment computes, and where: :meth:`to_dict` without the file's digest."""
         data: dict[str, Any] = {
             "tier": self.tier,
             "file": self.file,
@@ -118,12 +139,27 @@ class SegmentSpec:
         exits = data.get("exits") or []
         if not isinstance(exits, list):
             raise PlanError(f"malformed plan: segment {file} exits must be a list, got {exits!r}")
+        sha256 = data.get("sha256")
+        if sha256 is not None and not (
+            isinstance(sha256, str) and _SHA256.fullmatch(sha256) is not None
+        ):
+            raise PlanError(
+                f"malformed plan: segment {file} sha256 must be 64 lowercase hex digits, "
+                f"got {sha256!r}"
+            )
+        size = data.get("bytes")
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+            raise PlanError(
+                f"malformed plan: segment {file} bytes must be a whole number >= 0, got {size!r}"
+            )
         return cls(
             tier=tier,
             file=file,
             inputs=_str_tuple(data.get("inputs"), "segment inputs"),
             outputs=_str_tuple(data.get("outputs"), "segment outputs"),
             exits=tuple(ExitSpec.from_dict(e) for e in exits),
+            sha256=sha256,
+            size=size,
         )
 
 
@@ -223,7 +259,7 @@ class Plan:
         key = json.dumps(
             {
                 "model": self.model_sha256,
-                "segments": [s.to_dict() for s in self.segments],
+                "segments": [s.computes() for s in self.segments],
                 "codec": self.codec,
                 **({"images": self._images_dict()} if self.images else {}),
             },
@@ -369,20 +405,26 @@ def load_plan(plan_dir: str | Path) -> Plan:
     return load_plan_set(plan_dir).default_plan
 
 
-def load_plan_set(plan_dir: str | Path) -> PlanSet:
-    """Read and validate a plan directory as a :class:`PlanSet` (one plan: a set of one)."""
+def load_plan_set(plan_dir: str | Path, *, require_segments: bool = True) -> PlanSet:
+    """Read and validate a plan directory as a :class:`PlanSet` (one plan: a set of one).
+
+    With ``require_segments`` False a segment file may be missing (a tier that fetches
+    its segments, ``tierflow.segments``); one that is there is still checked.
+    """
     directory = Path(plan_dir)
     plans = PlanSet.from_dict(read_plan_json(directory / PLAN_FILE))
     for plan in plans.plans:
-        _check_segment_files(plan, directory)
+        _check_segment_files(plan, directory, require_segments)
     return plans
 
 
-def _check_segment_files(plan: Plan, directory: Path) -> None:
+def _check_segment_files(plan: Plan, directory: Path, required: bool = True) -> None:
     root = directory.resolve()
     for segment in plan.segments:
         path = directory / segment.file
         if not path.is_file():
+            if not required and not path.is_symlink() and not path.exists():
+                continue
             raise PlanError(f"plan {directory} names segment file {segment.file}, which is missing")
         if path.resolve().parent != root:
             raise PlanError(
@@ -392,21 +434,66 @@ def _check_segment_files(plan: Plan, directory: Path) -> None:
 
 
 def save_plan(plan: Plan, plan_dir: str | Path) -> Path:
-    """Write ``plan.json`` into ``plan_dir`` (created if needed); return its path."""
+    """Write ``plan.json`` into ``plan_dir`` (created if needed); return its path.
+
+    Each segment whose file is in ``plan_dir`` is recorded with its sha256 and size
+    (:func:`with_digests`).
+    """
     directory = Path(plan_dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / PLAN_FILE
-    path.write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+    path.write_text(json.dumps(with_digests(plan, directory).to_dict(), indent=2) + "\n")
     return path
 
 
 def save_plan_set(plans: PlanSet, plan_dir: str | Path) -> Path:
-    """Write a plan set's ``plan.json`` into ``plan_dir`` (created if needed)."""
+    """Write a plan set's ``plan.json`` into ``plan_dir`` (created if needed).
+
+    Segments are recorded with their files' sha256 and size, as :func:`save_plan` does.
+    """
     directory = Path(plan_dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / PLAN_FILE
-    path.write_text(json.dumps(plans.to_dict(), indent=2) + "\n")
+    digests: dict[str, tuple[str, int]] = {}
+    recorded = PlanSet(
+        tuple(with_digests(plan, directory, digests) for plan in plans.plans),
+        plans.regions,
+        plans.default,
+    )
+    path.write_text(json.dumps(recorded.to_dict(), indent=2) + "\n")
     return path
+
+
+def file_digest(path: Path) -> tuple[str, int]:
+    """The sha256 (hex) and size of a file, read in 1 MiB pieces."""
+    digest = hashlib.sha256()
+    size = 0
+    with path.open("rb") as file:
+        while piece := file.read(1 << 20):
+            digest.update(piece)
+            size += len(piece)
+    return digest.hexdigest(), size
+
+
+def with_digests(
+    plan: Plan, directory: Path, known: dict[str, tuple[str, int]] | None = None
+) -> Plan:
+    """``plan`` with the sha256 and size of every segment file found in ``directory``.
+
+    A segment whose file is not there keeps what it had. ``known`` caches digests by file
+    name across the plans of a set (they share files).
+    """
+    known = {} if known is None else known
+    segments = []
+    for segment in plan.segments:
+        path = directory / segment.file
+        if segment.file not in known and path.is_file():
+            known[segment.file] = file_digest(path)
+        if segment.file in known:
+            sha256, size = known[segment.file]
+            segment = replace(segment, sha256=sha256, size=size)
+        segments.append(segment)
+    return replace(plan, segments=tuple(segments))
 
 
 #: Where one plan of a set is best: one link condition per link name.

@@ -192,7 +192,11 @@ def add_security_arguments(parser: argparse.ArgumentParser, *, server: bool) -> 
 # ---------------------------------------------------------------------- channels
 
 
-class _TokenMetadata(grpc.StreamStreamClientInterceptor, grpc.UnaryUnaryClientInterceptor):
+class _TokenMetadata(
+    grpc.StreamStreamClientInterceptor,
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+):
     """Adds ``authorization: Bearer TOKEN`` to every call of a channel."""
 
     def __init__(self, token: bytes) -> None:
@@ -218,6 +222,14 @@ class _TokenMetadata(grpc.StreamStreamClientInterceptor, grpc.UnaryUnaryClientIn
         return continuation(self._details(client_call_details), request_iterator)
 
     def intercept_unary_unary(
+        self,
+        continuation: Callable[..., Any],
+        client_call_details: grpc.ClientCallDetails,
+        request: Any,
+    ) -> Any:
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(
         self,
         continuation: Callable[..., Any],
         client_call_details: grpc.ClientCallDetails,

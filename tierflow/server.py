@@ -40,6 +40,7 @@ from tierflow.linkemu import add_link_arguments
 from tierflow.options import DEFAULT_REPLY_TIMEOUT_S
 from tierflow.providers import add_providers_argument
 from tierflow.security import add_security_arguments, bind, server_options
+from tierflow.segments import add_segment_budget_argument
 from tierflow.service import TierService
 from tierflow.sessions import add_optimization_argument
 from tierflow.tuning import tune_for_latency
@@ -260,6 +261,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grace", type=float, default=5.0, help="seconds open streams get to finish on shutdown"
     )
+    add_segment_budget_argument(parser)
     add_link_arguments(parser)
     add_security_arguments(parser, server=True)
     parser.add_argument(

@@ -67,6 +67,7 @@ their replies at once (``tierflow.mux``), so they never meet the limit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -101,6 +102,7 @@ from tierflow.plan import Plan, PlanSet
 from tierflow.providers import describe as describe_providers
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.segment_runner import SegmentRunner, TierRunner
+from tierflow.segments import SegmentSource, SegmentStore, serve_segment, tier_files
 
 if TYPE_CHECKING:
     from tierflow.metrics import TierMetrics
@@ -255,6 +257,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         self._sessions: dict[Path, SegmentRunner] = {}
         self._runners_lock = threading.Lock()
         self.upstream: StreamClient | None = None
+        self.segments: SegmentStore | None = None  # made by load ([Note: segments on demand])
         self._in_flight = 0
         self._count_lock = threading.Lock()
         self.metrics: TierMetrics | None = None  # --metrics-port (tierflow.metrics)
@@ -268,11 +271,11 @@ class TierService(tier_pb2_grpc.TierServicer):
     # ------------------------------------------------------------------ lifecycle
 
     def load(self) -> None:
-        """Load this tier's segments and open the channel to the next tier."""
-        runner = TierRunner(self.plan, self.plan_dir, self.tier, self.options, self._sessions)
+        """Open the channel to the next tier, then load (or fetch) this tier's segments."""
         rank = TIERS.index(self.tier)
         later = any(TIERS.index(s.tier) > rank for p in self.plans.plans for s in p.segments)
-        if runner.end < len(self.plan.segments) or (later and self.upstream_address):
+        beyond = any(TIERS.index(s.tier) > rank for s in self.plan.segments)
+        if beyond or (later and self.upstream_address):
             if self.up_link is None or not self.upstream_address:
                 raise UsageError(
                     f"the plan runs segments after the {self.tier}; give the next tier's "
@@ -287,6 +290,18 @@ class TierService(tier_pb2_grpc.TierServicer):
                 max_message_bytes=self.options.max_message_bytes,
                 security=self.options.security,
             )
+        self.segments = SegmentStore(
+            self.plan_dir,
+            self.plans,
+            tier=self.tier,
+            budget=self.options.segment_budget,
+            source=None
+            if self.upstream is None
+            else SegmentSource(self.upstream.channel, self.upstream.peer),
+            on_evict=self._evicted,
+        )
+        with self.segments.holding(tier_files(self.plans, self.plans.default, self.tier)):
+            runner = TierRunner(self.plan, self.plan_dir, self.tier, self.options, self._sessions)
         self.runner = self._runners[self.plan_id] = runner
         self._ready.set()
         logger.info(
@@ -564,6 +579,23 @@ class TierService(tier_pb2_grpc.TierServicer):
             logger.info("[%s] plan %s opened", self.tier, plan_id)
             return plan, runner
 
+    def _holding(self, plan_id: str) -> contextlib.AbstractContextManager[None]:
+        """Hold (fetching if need be) the files of plan ``plan_id`` this tier runs."""
+        index = next((i for i, p in enumerate(self.plans.plans) if p.plan_id == plan_id), None)
+        if self.segments is None or index is None:
+            return contextlib.nullcontext()  # not loaded, or a plan _process refuses
+        return self.segments.holding(tier_files(self.plans, index, self.tier))
+
+    def _evicted(self, file: str) -> None:
+        """A segment file left the store: drop the sessions on it and the plans using it."""
+        path = self.plan_dir / file
+        with self._runners_lock:
+            self._sessions.pop(path, None)
+            for plan_id, runner in list(self._runners.items()):
+                if any(spec.file == file for _, spec, _ in runner.segments):
+                    del self._runners[plan_id]
+                    logger.info("[%s] plan %s closed: segment %s evicted", self.tier, plan_id, file)
+
     def _error_reply(
         self, request_id: str, exc: BaseException, code: str | None = None
     ) -> tier_pb2.Reply:
@@ -584,7 +616,8 @@ class TierService(tier_pb2_grpc.TierServicer):
         if self.metrics is not None:
             send = self.metrics.timed(send, received)
         try:
-            reply = self._process(request, timing, send)  # None: the next tier answers
+            with self._holding(request.plan_id):  # its segment files stay while it runs
+                reply = self._process(request, timing, send)  # None: the next tier answers
         except TierflowError as exc:
             logger.info("[%s] request %s refused: %s", self.tier, request.id, exc)
             reply = self._error_reply(request.id, exc)
@@ -604,7 +637,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         send: Callable[[tier_pb2.Reply], None],
     ) -> tier_pb2.Reply | None:
         """Steps 1-5 of [Note: a request at a tier]; None when the reply comes later."""
-        if self.runner is None or not self._ready.is_set():
+        if not self._ready.is_set():
             raise TransportError(f"the {self.tier} is not serving yet (its model is loading)")
         plan, runner = self._runner_for(request.plan_id)
         deadline = check_deadline(request.deadline_unix_s, time.time())
@@ -761,6 +794,19 @@ class TierService(tier_pb2_grpc.TierServicer):
             self._store(key, features, decode_tensors(outputs), exit_name)
         except Exception:
             logger.exception("[%s] could not cache the next tier's answer", self.tier)
+
+    # ------------------------------------------------------------------ segments
+
+    def FetchSegment(
+        self, request: tier_pb2.SegmentRequest, context: grpc.ServicerContext
+    ) -> Iterator[tier_pb2.SegmentChunk]:
+        """A segment file in chunks, for the tier below ([Note: segments on demand])."""
+        self._admit(context)
+        if self.segments is None or not self._ready.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the {self.tier} is not serving yet")
+            return
+        shaper = LinkShaper(self.down_link or "", self.options.links.get(self.down_link or ""))
+        yield from serve_segment(self.segments, request, context, shaper)
 
     # ------------------------------------------------------------------ probe
 

@@ -284,6 +284,11 @@ def add_tier_servicer(servicer: tier_pb2_grpc.TierServicer, server: grpc.Server)
             request_deserializer=_tolerant(tier_pb2.ProbeMessage.FromString, "probe message"),
             response_serializer=tier_pb2.ProbeMessage.SerializeToString,
         ),
+        "FetchSegment": grpc.unary_stream_rpc_method_handler(
+            servicer.FetchSegment,
+            request_deserializer=tier_pb2.SegmentRequest.FromString,
+            response_serializer=tier_pb2.SegmentChunk.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("tierflow.rpc.Tier", handlers),)

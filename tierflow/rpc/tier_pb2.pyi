@@ -127,3 +127,25 @@ class ProbeMessage(_message.Message):
     payload: bytes
     reply_bytes: int
     def __init__(self, seq: _Optional[int] = ..., payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
+
+class SegmentRequest(_message.Message):
+    __slots__ = ("file", "sha256", "offset", "chunk_bytes")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    sha256: str
+    offset: int
+    chunk_bytes: int
+    def __init__(self, file: _Optional[str] = ..., sha256: _Optional[str] = ..., offset: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class SegmentChunk(_message.Message):
+    __slots__ = ("offset", "data", "size")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    size: int
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...

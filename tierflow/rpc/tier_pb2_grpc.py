@@ -44,6 +44,11 @@ class TierStub:
                 request_serializer=tierflow_dot_rpc_dot_tier__pb2.ProbeMessage.SerializeToString,
                 response_deserializer=tierflow_dot_rpc_dot_tier__pb2.ProbeMessage.FromString,
                 _registered_method=True)
+        self.FetchSegment = channel.unary_stream(
+                '/tierflow.rpc.Tier/FetchSegment',
+                request_serializer=tierflow_dot_rpc_dot_tier__pb2.SegmentRequest.SerializeToString,
+                response_deserializer=tierflow_dot_rpc_dot_tier__pb2.SegmentChunk.FromString,
+                _registered_method=True)
 
 
 class TierServicer:
@@ -64,6 +69,13 @@ class TierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchSegment(self, request, context):
+        """A segment file in chunks, for a tier started without it (its downstream tier).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +88,11 @@ def add_TierServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=tierflow_dot_rpc_dot_tier__pb2.ProbeMessage.FromString,
                     response_serializer=tierflow_dot_rpc_dot_tier__pb2.ProbeMessage.SerializeToString,
+            ),
+            'FetchSegment': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchSegment,
+                    request_deserializer=tierflow_dot_rpc_dot_tier__pb2.SegmentRequest.FromString,
+                    response_serializer=tierflow_dot_rpc_dot_tier__pb2.SegmentChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +149,33 @@ class Tier:
             '/tierflow.rpc.Tier/Probe',
             tierflow_dot_rpc_dot_tier__pb2.ProbeMessage.SerializeToString,
             tierflow_dot_rpc_dot_tier__pb2.ProbeMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tierflow.rpc.Tier/FetchSegment',
+            tierflow_dot_rpc_dot_tier__pb2.SegmentRequest.SerializeToString,
+            tierflow_dot_rpc_dot_tier__pb2.SegmentChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,260 @@
+"""Segments on demand: tiers started with only plan.json fetch, check and bound their segments.
+
+See [Note: segments on demand] in tierflow/segments.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import onnx.utils
+import pytest
+
+from tierflow.cloud.server import CloudServer
+from tierflow.device.client import DeviceClient
+from tierflow.edge.server import EdgeServer
+from tierflow.errors import SegmentError
+from tierflow.links import LinkSpec
+from tierflow.options import RuntimeOptions
+from tierflow.plan import PLAN_FILE, Plan, PlanSet, SegmentSpec, load_plan, save_plan_set
+from tierflow.segments import PART_SUFFIX, SegmentSource, SegmentStore
+
+OPTIONS = RuntimeOptions(workers=2)
+
+
+def _bare(plan_dir: Path, directory: Path) -> Path:
+    """A plan directory holding only ``plan_dir``'s plan.json."""
+    directory.mkdir(parents=True)
+    shutil.copy(plan_dir / PLAN_FILE, directory / PLAN_FILE)
+    return directory
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_plan_json_records_every_segments_sha256_and_size(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    for spec in load_plan(split.plan_dir).segments:
+        path = split.plan_dir / spec.file
+        assert (spec.sha256, spec.size) == (_sha256(path), path.stat().st_size)
+
+
+def test_an_edge_with_only_plan_json_fetches_its_segment_and_answers_bit_exact(
+    tmp_path: Path, rt: Any
+) -> None:
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
+    plan = load_plan(split.plan_dir)
+    edge_dir = _bare(split.plan_dir, tmp_path / "edge")
+    samples = split.sample(seed=51, count=3)
+    cloud = CloudServer(split.plan_dir, options=OPTIONS)
+    cloud.start()
+    edge = EdgeServer(edge_dir, upstream=cloud.address, options=OPTIONS)
+    try:
+        edge.start()
+        with DeviceClient(split.plan_dir, edge.address, deadline_s=10.0) as device:
+            results = [device.infer(feeds) for feeds in samples]
+        store = edge.service.segments
+        assert store is not None
+        assert [report.file for report in store.fetched] == [plan.segments[1].file]
+    finally:
+        edge.stop(0.5)
+        cloud.stop(0.5)
+    (edge_file,) = [p.name for p in edge_dir.iterdir() if p.name != PLAN_FILE]
+    assert edge_file == plan.segments[1].file
+    assert _sha256(edge_dir / edge_file) == plan.segments[1].sha256
+    for feeds, result in zip(samples, results, strict=True):
+        assert result.answered_by == "cloud"
+        np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
+
+
+def test_a_segment_whose_hash_is_wrong_is_refused_and_never_used(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    plan = load_plan(split.plan_dir)
+    edge_file = plan.segments[1].file
+    edge_dir = _bare(split.plan_dir, tmp_path / "edge")
+    # The cloud holds a different file of the same name and size: a weight changed.
+    path = split.plan_dir / edge_file
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 0x01
+    path.write_bytes(bytes(data))
+    cloud = CloudServer(split.plan_dir, options=OPTIONS)
+    cloud.start()
+    try:
+        edge = EdgeServer(edge_dir, upstream=cloud.address, options=OPTIONS)
+        with pytest.raises(SegmentError, match=rf"{edge_file} .*sha256 .*refused, not used"):
+            edge.start()
+        edge.stop(0)
+    finally:
+        cloud.stop(0.5)
+    assert sorted(p.name for p in edge_dir.iterdir()) == [PLAN_FILE]  # nothing kept
+
+
+def test_a_tier_refuses_a_segment_its_plans_do_not_name_or_with_another_hash(
+    tmp_path: Path, rt: Any
+) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    plan = load_plan(split.plan_dir)
+    cloud = CloudServer(split.plan_dir, options=OPTIONS)
+    cloud.start()
+    try:
+        with grpc.insecure_channel(cloud.address) as channel:
+            source = SegmentSource(channel, "cloud")
+            stranger = SegmentSpec("edge", "model.onnx", ("x",), ("y",), sha256="0" * 64)
+            with pytest.raises(SegmentError, match="no plan here names segment"):
+                source.fetch(stranger, tmp_path)
+            wrong = SegmentSpec("edge", plan.segments[1].file, ("h1",), ("h2",), sha256="1" * 64)
+            with pytest.raises(SegmentError, match="here has sha256"):
+                source.fetch(wrong, tmp_path)
+    finally:
+        cloud.stop(0.5)
+    assert list(tmp_path.glob("*.onnx*")) == []
+
+
+def test_an_interrupted_fetch_resumes_where_it_broke_off(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    plan = load_plan(split.plan_dir)
+    spec = plan.segments[1]
+    assert spec.size is not None and spec.size > 4 * 512
+    edge_dir = _bare(split.plan_dir, tmp_path / "edge")
+    # A slow link, so that the chunks are still to come when the cloud goes (10 ms each).
+    slow = RuntimeOptions(workers=2, links={"edge-cloud": LinkSpec(512 * 8 * 100)})
+    servers = [CloudServer(split.plan_dir, options=slow)]
+    servers[0].start()
+    address = servers[0].address
+    seen: list[int] = []
+
+    def break_once(file: str, held: int, size: int) -> None:
+        seen.append(held)
+        if len(servers) == 1:  # after the first chunk: the cloud restarts, the stream breaks
+            servers[0].stop(0)
+            servers.append(CloudServer(split.plan_dir, address, options=slow))
+            servers[1].start()
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            source = SegmentSource(channel, "cloud", chunk_bytes=512, on_chunk=break_once)
+            store = SegmentStore(edge_dir, PlanSet((plan,)), tier="edge", source=source)
+            with store.holding([spec.file]):
+                pass
+    finally:
+        for server in servers:
+            server.stop(0.5)
+    (report,) = store.fetched
+    assert report.attempts == 2
+    assert report.received == spec.size  # no byte came twice
+    assert seen[0] == 512 and seen[1] == 1024  # the second try went on from the first
+    assert _sha256(edge_dir / spec.file) == spec.sha256
+    assert not (edge_dir / (spec.file + PART_SUFFIX)).exists()
+
+
+def test_a_part_left_by_a_stopped_tier_is_resumed(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    plan = load_plan(split.plan_dir)
+    spec = plan.segments[0]
+    assert spec.size is not None
+    edge_dir = _bare(split.plan_dir, tmp_path / "edge")
+    half = spec.size // 2
+    whole = (split.plan_dir / spec.file).read_bytes()
+    (edge_dir / (spec.file + PART_SUFFIX)).write_bytes(whole[:half])
+    cloud = CloudServer(split.plan_dir, options=OPTIONS)
+    cloud.start()
+    try:
+        with grpc.insecure_channel(cloud.address) as channel:
+            store = SegmentStore(
+                edge_dir, PlanSet((plan,)), tier="edge", source=SegmentSource(channel, "cloud")
+            )
+            with store.holding([spec.file]):
+                assert (edge_dir / spec.file).read_bytes() == whole
+    finally:
+        cloud.stop(0.5)
+    (report,) = store.fetched
+    assert (report.resumed_from, report.received, report.attempts) == (half, spec.size - half, 1)
+
+
+def _two_edge_plans(split: Any) -> tuple[Plan, Plan]:
+    """The cnn's split (edge: conv) and one whose edge runs conv + pool: no edge file shared."""
+    first = load_plan(split.plan_dir)
+    model = str(split.plan_dir / first.model_file)
+    onnx.utils.extract_model(model, str(split.plan_dir / "edge-pool.onnx"), ["h1"], ["f"])
+    onnx.utils.extract_model(model, str(split.plan_dir / "head.onnx"), ["f"], ["y"])
+    second = Plan(
+        first.model_file,
+        first.model_sha256,
+        first.inputs,
+        first.outputs,
+        (
+            first.segments[0],
+            SegmentSpec("edge", "edge-pool.onnx", ("h1",), ("f",)),
+            SegmentSpec("cloud", "head.onnx", ("f",), ("y",)),
+        ),
+        codec=first.codec,
+    )
+    save_plan_set(PlanSet((first, second)), split.plan_dir)
+    return first, second
+
+
+def test_a_budgeted_edge_stays_within_it_while_plans_alternate(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
+    first, second = _two_edge_plans(split)
+    sizes = [(split.plan_dir / p.segments[1].file).stat().st_size for p in (first, second)]
+    budget = max(sizes)
+    assert budget < sum(sizes)  # the two edge segments never fit together
+    edge_dir = _bare(split.plan_dir, tmp_path / "edge")
+    devices = []
+    for number, plan in enumerate((first, second)):  # each device sends one plan's id
+        directory = tmp_path / f"device{number}"
+        shutil.copytree(split.plan_dir, directory)
+        save_plan_set(PlanSet((plan,)), directory)
+        devices.append(directory)
+    samples = split.sample(seed=53, count=6)
+    cloud = CloudServer(split.plan_dir, options=OPTIONS)
+    cloud.start()
+    options = RuntimeOptions(workers=2, segment_budget=budget)
+    edge = EdgeServer(edge_dir, upstream=cloud.address, options=options)
+    used = []
+    try:
+        edge.start()
+        store = edge.service.segments
+        assert store is not None
+        with (
+            DeviceClient(devices[0], edge.address, deadline_s=10.0) as one,
+            DeviceClient(devices[1], edge.address, deadline_s=10.0) as other,
+        ):
+            results = []
+            for number, feeds in enumerate(samples):
+                results.append((one if number % 2 == 0 else other).infer(feeds))
+                used.append(store.used_bytes)
+    finally:
+        edge.stop(0.5)
+        cloud.stop(0.5)
+    assert max(used) <= budget
+    files = [first.segments[1].file, second.segments[1].file]
+    assert [r.file for r in store.fetched] == files * 3  # each switch fetched again
+    assert store.evicted == files * 2 + files[:1]
+    for feeds, result in zip(samples, results, strict=True):
+        np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
+    assert {r.plan for r in results} == {first.plan_id, second.plan_id}
+
+
+def test_a_segment_larger_than_the_budget_is_a_typed_error(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    edge_dir = _bare(split.plan_dir, tmp_path / "edge")
+    cloud = CloudServer(split.plan_dir, options=OPTIONS)
+    cloud.start()
+    try:
+        edge = EdgeServer(
+            edge_dir,
+            upstream=cloud.address,
+            options=RuntimeOptions(workers=2, segment_budget=100),
+        )
+        with pytest.raises(SegmentError, match="does not fit --segment-budget"):
+            edge.start()
+        edge.stop(0)
+    finally:
+        cloud.stop(0.5)
