@@ -45,6 +45,7 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, load_plan_set
 from tierflow.rpc import tier_pb2
 from tierflow.segment_runner import SegmentRunner, TierRunner
+from tierflow.segments import SegmentSource, SegmentStore, tier_files
 from tierflow.wire import (
     MAX_DEADLINE_AHEAD_S,
     decode_tensors,
@@ -358,19 +359,18 @@ class DeviceClient:
                 f"got {deadline_s}"
             )
         self.options = options = options or RuntimeOptions()
-        self.plans = plans = load_plan_set(plan_dir)
+        self.plans = plans = load_plan_set(plan_dir, require_segments=False)
         self.plan = plans.default_plan
         self.plan_id = self.plan.plan_id
         self._sessions: dict[Path, SegmentRunner] = {}
-        self.runner = TierRunner(self.plan, plan_dir, "device", options, self._sessions)
-        self._runners = {plans.default: self.runner}
+        self._runners: dict[int, TierRunner] = {}
         self._runners_lock = threading.Lock()
         self.window = window
         self.deadline_s = deadline_s
         self.max_tensor_bytes = options.max_tensor_bytes
         self.cache = cache
         self.codec = self.plan.link_codec("device-edge")
-        self.local_only = self.runner.end >= len(self.plan.segments)
+        self.local_only = _runs_on_device_only(self.plan)
         self._plan_dir = plan_dir
         self.fallback_plan = None if self.local_only else _device_only(plans.plans)
         self._fallback_runner: TierRunner | None = None
@@ -392,6 +392,20 @@ class DeviceClient:
                 max_message_bytes=options.max_message_bytes,
                 security=options.security,
             )
+        self.segments = SegmentStore(
+            plan_dir,
+            plans,
+            tier="device",
+            budget=options.segment_budget,
+            source=None if self.stream is None else SegmentSource(self.stream.channel, "edge"),
+            on_evict=self._evicted,
+        )
+        self._fetching_ahead = threading.Lock()  # one fetch ahead at a time
+        try:
+            self.runner = self._runner_for(plans.default)
+        except BaseException:
+            self.close()
+            raise
         self.selector: PlanSelector | None = None
         if adaptive and self.stream is not None and len(plans.plans) > 1 and any(plans.regions):
             self.selector = PlanSelector(plans)
@@ -417,7 +431,17 @@ class DeviceClient:
         """
         index, switch = self._choose()
         plan = self.plans.plans[index]
-        ticket = self._submit(inputs, plan, self._runner_for(index))
+        try:
+            with self.segments.holding(tier_files(self.plans, index, "device")):
+                ticket = self._submit(inputs, plan, self._runner_for(index))
+        except TierflowError as exc:  # its segments could not be fetched
+            request_id, started = str(next(self._ids)), time.perf_counter()
+            if not isinstance(exc, TransportError) or self.fallback_plan is None:
+                ticket = self._local(request_id, started, error=exc)
+            else:
+                arrays = {name: np.asarray(value) for name, value in inputs.items()}
+                result = self._fall_back(request_id, started, arrays, exc)
+                ticket = Ticket(request_id, started, result.ms["device"], result=result)
         ticket.plan, ticket.switch = plan.plan_id, switch
         return ticket
 
@@ -425,21 +449,39 @@ class DeviceClient:
         """The index of the plan for the next request, and why it changed (if it did)."""
         if self.selector is None:
             return self.plans.default, None
+        fetch = [
+            self.segments.missing_bytes(tier_files(self.plans, index, "device"))
+            for index in range(len(self.plans.plans))
+        ]
         with self._estimates_lock:
             links = {link: estimator.estimate() for link, estimator in self.estimators.items()}
-            choice = self.selector.choose(time.monotonic(), links)
+            choice = self.selector.choose(time.monotonic(), links, fetch)
         if choice.switched:
             logger.info("[device] switching plans: %s", choice.reason)
         return choice.index, choice.reason or None
 
     def _runner_for(self, index: int) -> TierRunner:
-        with self._runners_lock:
+        """Plan ``index``'s device runner, opened on first use (its files fetched first)."""
+        files = tier_files(self.plans, index, "device")
+        with self.segments.holding(files), self._runners_lock:
             runner = self._runners.get(index)
             if runner is None:
                 plan = self.plans.plans[index]
                 runner = TierRunner(plan, self._plan_dir, "device", self.options, self._sessions)
                 self._runners[index] = runner
             return runner
+
+    def _evicted(self, file: str) -> None:
+        """A segment file left the store: drop the sessions on it and the runners using it."""
+        uses = functools.partial(_uses, file)
+        with self._runners_lock:
+            self._sessions.pop(Path(self._plan_dir) / file, None)
+            for index, runner in list(self._runners.items()):
+                if uses(runner):
+                    del self._runners[index]
+        with self._fallback_lock:
+            if self._fallback_runner is not None and uses(self._fallback_runner):
+                self._fallback_runner = None
 
     def _observe(self, sent: Sent, future: Future[tier_pb2.Reply]) -> None:
         """Feed the link estimators from an answered request's transfers (passive)."""
@@ -452,6 +494,42 @@ class DeviceClient:
                 estimator = self.estimators.get(stat.link)
                 if estimator is not None and stat.rate_bps > 0:
                     estimator.observe(now, stat.bytes, stat.send_ms / 1e3)
+        self._fetch_ahead()  # the edge answered: the link is up
+
+    def _fetch_ahead(self) -> None:
+        """Fetch, in the background, the device files the next requests may need.
+
+        Those of the device-only plan ([Note: device fallback]) and of the plan the
+        selector is about to switch to ([Note: switching plans on the device]), when the
+        store's budget holds them beside the current plan's files. One fetch at a time.
+        """
+        if self.segments.source is None or self.stream is None or self.stream.known_down():
+            return
+        wanted = [spec.file for spec in self.fallback_plan.segments] if self.fallback_plan else []
+        current = self.plans.default
+        if self.selector is not None:
+            with self._estimates_lock:
+                current, candidate = self.selector.current, self.selector.candidate
+            if candidate is not None:
+                wanted += tier_files(self.plans, candidate, "device")
+        missing = [name for name in dict.fromkeys(wanted) if not self.segments.present(name)]
+        keep = tier_files(self.plans, current, "device")
+        if not missing or not self.segments.fits(missing, keep=keep):
+            return
+        if not self._fetching_ahead.acquire(blocking=False):
+            return
+        threading.Thread(
+            target=self._fetch, args=(missing,), name="device-fetch-ahead", daemon=True
+        ).start()
+
+    def _fetch(self, files: list[str]) -> None:
+        try:
+            with self.segments.holding(files):
+                pass
+        except TierflowError as exc:
+            logger.info("[device] fetching %s ahead failed, later again: %s", files, exc)
+        finally:
+            self._fetching_ahead.release()
 
     def _submit(self, inputs: Mapping[str, np.ndarray], plan: Plan, runner: TierRunner) -> Ticket:
         request_id = str(next(self._ids))
@@ -537,21 +615,23 @@ class DeviceClient:
         assert self.fallback_plan is not None
         bytes_ = {link: 0 for link in LINKS}
         rates = {link: 0.0 for link in LINKS}
+        files = [spec.file for spec in self.fallback_plan.segments]
         try:
-            with self._fallback_lock:
-                if self._fallback_runner is None:
-                    logger.warning(
-                        "[device] the edge is unreachable (%s); answering with the "
-                        "device-only plan %s until it is back",
-                        cause,
-                        self.fallback_plan.plan_id,
-                    )
-                    self._fallback_runner = TierRunner(
-                        self.fallback_plan, self._plan_dir, "device", self.options
-                    )
-                runner = self._fallback_runner
-            run_start = time.perf_counter()
-            outcome = runner.run(dict(arrays))
+            with self.segments.holding(files):  # fetched ahead, or this fails
+                with self._fallback_lock:
+                    if self._fallback_runner is None:
+                        logger.warning(
+                            "[device] the edge is unreachable (%s); answering with the "
+                            "device-only plan %s until it is back",
+                            cause,
+                            self.fallback_plan.plan_id,
+                        )
+                        self._fallback_runner = TierRunner(
+                            self.fallback_plan, self._plan_dir, "device", self.options
+                        )
+                    runner = self._fallback_runner
+                run_start = time.perf_counter()
+                outcome = runner.run(dict(arrays))
         except TierflowError as exc:
             total = (time.perf_counter() - started) * 1e3
             ms = {"device": total, "edge": 0.0, "cloud": 0.0, "total": total}
@@ -650,6 +730,10 @@ class DeviceClient:
                 yield in_flight.popleft().result()
         while in_flight:
             yield in_flight.popleft().result()
+
+
+def _uses(file: str, runner: TierRunner) -> bool:
+    return any(spec.file == file for _, spec, _ in runner.segments)
 
 
 def _runs_on_device_only(plan: Plan) -> bool:

@@ -24,9 +24,10 @@ from tierflow.helptext import HelpFormatter, examples
 from tierflow.linkemu import add_link_arguments
 from tierflow.links import LINKS, TIERS
 from tierflow.options import RuntimeOptions
-from tierflow.plan import load_plan
+from tierflow.plan import load_plan_set
 from tierflow.providers import add_providers_argument
 from tierflow.security import add_security_arguments
+from tierflow.segments import add_segment_budget_argument
 from tierflow.sessions import add_optimization_argument
 from tierflow.table import format_table
 from tierflow.units import format_duration, format_rate, format_size, parse_duration
@@ -104,13 +105,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_device_runtime_arguments(parser: argparse.ArgumentParser) -> None:
-    """How the device runs its segments (threads, slowdown, optimisation, providers)."""
+    """How the device runs its segments (threads, slowdown, optimisation, providers, store)."""
     parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads")
     parser.add_argument(
         "--slowdown", type=float, default=1.0, help="emulate a device this many times slower"
     )
     add_optimization_argument(parser)
     add_providers_argument(parser)
+    add_segment_budget_argument(parser)
 
 
 def _cache_argument(text: str) -> Any:
@@ -134,7 +136,7 @@ def _run(args: argparse.Namespace) -> int:
 
     tune_for_latency()
 
-    plan = load_plan(args.plan)
+    plan = load_plan_set(args.plan, require_segments=False).default_plan
     partial = partial_path(args.output) if args.output else None
     rows: dict[int, dict[str, np.ndarray]] = {}  # answered requests' OUT.npz rows
     if args.resume:

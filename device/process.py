@@ -34,7 +34,7 @@ from tierflow.errors import UsageError
 from tierflow.helptext import HelpFormatter, examples
 from tierflow.linkemu import add_link_arguments
 from tierflow.options import RuntimeOptions
-from tierflow.plan import load_plan
+from tierflow.plan import load_plan_set
 from tierflow.security import add_security_arguments
 from tierflow.units import parse_duration
 
@@ -120,7 +120,7 @@ def _device(args: argparse.Namespace) -> int:
     from tierflow.device.sources import open_source, source_kind
 
     source_kind(args.source)  # a bad --source fails before the plan loads
-    plan = load_plan(args.plan)
+    plan = load_plan_set(args.plan, require_segments=False).default_plan
     stop = threading.Event()
     count = failed = 0
     with contextlib.ExitStack() as stack:

@@ -15,12 +15,20 @@ off the current plan only when another plan's region is closer by more than ``ma
 (0.1 decade: about 26% in rate) and has stayed the better one for ``hold_s`` seconds.
 The estimate itself is an exponentially weighted mean over time (half-life
 ``half_life_s``), so one odd transfer moves it a little and a lasting change fully.
+
+A switch may cost a fetch: a plan whose device segments are not held locally needs them
+from the edge first ([Note: segments on demand] in tierflow/segments.py). The caller
+passes, per plan, the bytes it would fetch (``plan.json`` records each segment's size),
+and the other plan must then stay the better one for ``hold_s`` plus the time that fetch
+takes at the estimated device-edge rate. Meanwhile the device fetches those segments in
+the background (the selector's :attr:`~PlanSelector.candidate` names the plan), so a
+lasting change switches once they are here, and a brief one costs no switch at all.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tierflow.errors import UsageError
@@ -132,8 +140,19 @@ class PlanSelector:
             for region in self.plans.regions
         ]
 
-    def choose(self, now: float, links: Mapping[str, LinkSpec]) -> Choice:
-        """The plan for a request sent at ``now`` over links estimated as ``links``."""
+    @property
+    def candidate(self) -> int | None:
+        """The plan the selector is waiting to switch to (its hold not over yet), if any."""
+        return self._candidate
+
+    def choose(
+        self, now: float, links: Mapping[str, LinkSpec], fetch_bytes: Sequence[int] = ()
+    ) -> Choice:
+        """The plan for a request sent at ``now`` over links estimated as ``links``.
+
+        ``fetch_bytes[i]``: bytes the device must fetch before plan ``i`` can run (none
+        if not given); they lengthen the hold before a switch to it (see the note).
+        """
         distances = self.distances(links)
         best = min(range(len(distances)), key=lambda i: (distances[i], i))
         if best == self.current or not math.isfinite(distances[best]):
@@ -144,7 +163,10 @@ class PlanSelector:
             return Choice(self.current, False)
         if self._candidate != best:
             self._candidate, self._since = best, now
-        if now - self._since < self.hold_s:
+        fetch_s = 0.0
+        if best < len(fetch_bytes) and fetch_bytes[best] > 0 and "device-edge" in links:
+            fetch_s = fetch_bytes[best] * 8.0 / links["device-edge"].rate_bps
+        if now - self._since < self.hold_s + fetch_s:
             return Choice(self.current, False)
         before, self.current, self._candidate = self.current, best, None
         seen = ", ".join(f"{name} {links[name]}" for name in LINKS if name in links)

@@ -99,3 +99,19 @@ def test_a_set_of_one_never_switches_and_bad_settings_are_usage_errors() -> None
         PlanSelector(_set(), margin=-1)
     with pytest.raises(UsageError):
         LinkEstimator(LinkSpec(1e6), half_life_s=0)
+
+
+def test_a_switch_that_needs_a_fetch_waits_the_fetch_time_longer() -> None:
+    """Plan 0's device segment is 1 MB away: at 2 Mbit/s that adds 4 s to the hold."""
+    selector = PlanSelector(_set(), hold_s=0.5)
+    slow = _point(2e6)
+    fetch = [1_000_000, 0]
+    assert not selector.choose(0.0, slow, fetch).switched
+    assert selector.candidate == 0  # the device fetches its segments meanwhile
+    assert not selector.choose(4.4, slow, fetch).switched  # 0.5 s + 4 s not yet over
+    assert selector.choose(4.6, slow, fetch).switched
+    assert selector.candidate is None
+    # Once the segments are here, only the hold is left.
+    again = PlanSelector(_set(), hold_s=0.5)
+    again.choose(0.0, slow, fetch)
+    assert again.choose(0.6, slow, [0, 0]).switched

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,15 @@ from tierflow.edge.server import EdgeServer
 from tierflow.errors import SegmentError
 from tierflow.links import LinkSpec
 from tierflow.options import RuntimeOptions
-from tierflow.plan import PLAN_FILE, Plan, PlanSet, SegmentSpec, load_plan, save_plan_set
+from tierflow.plan import (
+    PLAN_FILE,
+    Plan,
+    PlanSet,
+    SegmentSpec,
+    load_plan,
+    load_plan_set,
+    save_plan_set,
+)
 from tierflow.segments import PART_SUFFIX, SegmentSource, SegmentStore
 
 OPTIONS = RuntimeOptions(workers=2)
@@ -70,6 +79,34 @@ def test_an_edge_with_only_plan_json_fetches_its_segment_and_answers_bit_exact(
     assert _sha256(edge_dir / edge_file) == plan.segments[1].sha256
     for feeds, result in zip(samples, results, strict=True):
         assert result.answered_by == "cloud"
+        np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
+
+
+def test_a_device_with_only_plan_json_fetches_through_an_edge_that_lacks_it_too(
+    tmp_path: Path, rt: Any
+) -> None:
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
+    plan = load_plan(split.plan_dir)
+    edge_dir = _bare(split.plan_dir, tmp_path / "edge")
+    device_dir = _bare(split.plan_dir, tmp_path / "device")
+    samples = split.sample(seed=52, count=3)
+    cloud = CloudServer(split.plan_dir, options=OPTIONS)
+    cloud.start()
+    edge = EdgeServer(edge_dir, upstream=cloud.address, options=OPTIONS)
+    try:
+        edge.start()
+        with DeviceClient(device_dir, edge.address, deadline_s=10.0) as device:
+            results = [device.infer(feeds) for feeds in samples]
+        store = edge.service.segments
+        assert store is not None
+        # The edge fetched its own segment, then the device's (to serve it on).
+        assert [r.file for r in store.fetched] == [s.file for s in plan.segments[1::-1]]
+    finally:
+        edge.stop(0.5)
+        cloud.stop(0.5)
+    device_file = device_dir / plan.segments[0].file
+    assert _sha256(device_file) == plan.segments[0].sha256
+    for feeds, result in zip(samples, results, strict=True):
         np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
 
 
@@ -258,3 +295,88 @@ def test_a_segment_larger_than_the_budget_is_a_typed_error(tmp_path: Path, rt: A
         edge.stop(0)
     finally:
         cloud.stop(0.5)
+
+
+def _with_device_only_plan(split: Any) -> Plan:
+    """The split plus a plan running the whole model on the device (model.onnx)."""
+    first = load_plan(split.plan_dir)
+    whole = SegmentSpec("device", first.model_file, first.inputs, first.outputs)
+    alone = Plan(first.model_file, first.model_sha256, first.inputs, first.outputs, (whole,))
+    save_plan_set(PlanSet((first, alone)), split.plan_dir)
+    return load_plan_set(split.plan_dir).plans[1]  # with its file's sha256 and size
+
+
+def _wait_until(condition: Any, seconds: float = 10.0) -> bool:
+    ends = time.monotonic() + seconds
+    while time.monotonic() < ends:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_the_device_fetches_its_fallback_plan_ahead_and_answers_alone_with_it(
+    tmp_path: Path, rt: Any
+) -> None:
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
+    alone = _with_device_only_plan(split)
+    device_dir = _bare(split.plan_dir, tmp_path / "device")
+    samples = split.sample(seed=54, count=4)
+    with (
+        rt.tiers(split.plan_dir) as (address, edge, _),
+        DeviceClient(device_dir, address, window=1, deadline_s=10.0) as device,
+    ):
+        assert device.infer(samples[0]).answered_by == "cloud"
+        assert _wait_until(lambda: device.segments.present(alone.segments[0].file))
+        edge.stop(0.5)
+        during = [device.submit(feeds).result() for feeds in samples[1:]]
+    for feeds, result in zip(samples[1:], during, strict=True):
+        assert result.fallback and result.answered_by == "device", result.error
+        np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
+    assert _sha256(device_dir / alone.segments[0].file) == alone.segments[0].sha256
+
+
+def test_the_device_fetches_nothing_ahead_beyond_its_budget(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
+    alone = _with_device_only_plan(split)
+    first = load_plan(split.plan_dir)
+    device_dir = _bare(split.plan_dir, tmp_path / "device")
+    budget = (split.plan_dir / first.segments[0].file).stat().st_size  # its own plan only
+    options = RuntimeOptions(segment_budget=budget)
+    samples = split.sample(seed=55, count=4)
+    with (
+        rt.tiers(split.plan_dir) as (address, _, _),
+        DeviceClient(device_dir, address, options=options, deadline_s=10.0) as device,
+    ):
+        results = [device.infer(feeds) for feeds in samples]
+        time.sleep(0.2)  # a fetch ahead would have begun by now
+        assert device.segments.used_bytes <= budget
+        assert not device.segments.present(alone.segments[0].file)
+    assert [r.file for r in device.segments.fetched] == [first.segments[0].file]
+    for feeds, result in zip(samples, results, strict=True):
+        np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
+
+
+def test_serve_and_run_started_with_only_plan_json_answer_bit_exact(
+    tmp_path: Path, rt: Any
+) -> None:
+    """The commands, as processes: ``serve edge --segment-budget`` and ``run`` on bare dirs."""
+    from tierflow.cli import main
+
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
+    plan = load_plan(split.plan_dir)
+    edge_dir = _bare(split.plan_dir, tmp_path / "edge")
+    device_dir = _bare(split.plan_dir, tmp_path / "device")
+    samples = split.sample(seed=56, count=3)
+    np.savez(tmp_path / "in.npz", x=np.concatenate([s["x"] for s in samples]))
+    with rt.processes() as serve:
+        cloud = serve("cloud", split.plan_dir, "--workers", "1")
+        edge = serve("edge", edge_dir, "--upstream", cloud.address, "--segment-budget", "64KiB")
+        args = ["run", "--plan", str(device_dir), "--edge", edge.address, "--segment-budget"]
+        args += ["64KiB", "--input", str(tmp_path / "in.npz")]
+        assert main([*args, "--output", str(tmp_path / "out.npz")]) == 0
+    for directory, spec in ((edge_dir, plan.segments[1]), (device_dir, plan.segments[0])):
+        assert _sha256(directory / spec.file) == spec.sha256
+    with np.load(tmp_path / "out.npz") as out:
+        for i, feeds in enumerate(samples):
+            np.testing.assert_array_equal(out["y"][i], split.reference(feeds)["y"][0])
