@@ -402,7 +402,7 @@ class DeviceClient:
         )
         self._fetching_ahead = threading.Lock()  # one fetch ahead at a time
         try:
-            self.runner = self._runner_for(plans.default)
+            self._runner_for(plans.default)  # fetched and opened now, not at the first request
         except BaseException:
             self.close()
             raise
@@ -459,6 +459,11 @@ class DeviceClient:
         if choice.switched:
             logger.info("[device] switching plans: %s", choice.reason)
         return choice.index, choice.reason or None
+
+    @property
+    def runner(self) -> TierRunner:
+        """The default plan's device runner (reopened, its files fetched, if evicted)."""
+        return self._runner_for(self.plans.default)
 
     def _runner_for(self, index: int) -> TierRunner:
         """Plan ``index``'s device runner, opened on first use (its files fetched first)."""

@@ -239,8 +239,11 @@ def write_segments(segments: Iterable[Segment], plan_dir: str | Path) -> None:
 
 
 # Segment files as split_model names them (``00-device.onnx``), as plan sets name them
-# (``seg-<hash>.onnx``, see tierflow.partitioner.plan_sets) and their external data.
-_SEGMENT_FILE = re.compile(r"(?:\d{2}-(?:device|edge|cloud)|seg-[0-9a-f]{12})\.onnx(?:\.data)?")
+# (``seg-<hash>.onnx``, see tierflow.partitioner.plan_sets), their external data, and
+# what a tier fetching them left unfinished (``.part``, see tierflow.segments).
+_SEGMENT_FILE = re.compile(
+    r"(?:\d{2}-(?:device|edge|cloud)|seg-[0-9a-f]{12})\.onnx(?:\.data)?(?:\.part)?"
+)
 
 
 def check_plan_dir(plan_dir: str | Path) -> Path:
@@ -277,7 +280,7 @@ def remove_old_plan(plan_dir: str | Path) -> list[str]:
         name = path.name
         if not path.is_file() or "/" in name:
             continue
-        base = name.removesuffix(".data")
+        base = name.removesuffix(".part").removesuffix(".data")
         if name == PLAN_FILE or base in named or _SEGMENT_FILE.fullmatch(name):
             path.unlink()
             removed.append(name)

@@ -594,6 +594,8 @@ class TierService(tier_pb2_grpc.TierServicer):
             for plan_id, runner in list(self._runners.items()):
                 if any(spec.file == file for _, spec, _ in runner.segments):
                     del self._runners[plan_id]
+                    if runner is self.runner:
+                        self.runner = None  # reopened (fetched again) on its next request
                     logger.info("[%s] plan %s closed: segment %s evicted", self.tier, plan_id, file)
 
     def _error_reply(

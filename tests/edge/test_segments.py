@@ -5,6 +5,7 @@ See [Note: segments on demand] in tierflow/segments.py.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import shutil
 import time
@@ -21,6 +22,7 @@ from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
 from tierflow.errors import SegmentError
 from tierflow.links import LinkSpec
+from tierflow.mux import channel_options
 from tierflow.options import RuntimeOptions
 from tierflow.plan import (
     PLAN_FILE,
@@ -31,6 +33,7 @@ from tierflow.plan import (
     load_plan_set,
     save_plan_set,
 )
+from tierflow.security import Security, open_channel
 from tierflow.segments import PART_SUFFIX, SegmentSource, SegmentStore
 
 OPTIONS = RuntimeOptions(workers=2)
@@ -380,3 +383,83 @@ def test_serve_and_run_started_with_only_plan_json_answer_bit_exact(
     with np.load(tmp_path / "out.npz") as out:
         for i, feeds in enumerate(samples):
             np.testing.assert_array_equal(out["y"][i], split.reference(feeds)["y"][0])
+
+
+def test_segments_are_fetched_over_mutual_tls_with_the_token_and_only_with_them(
+    tmp_path: Path, rt: Any, tls_files: dict[str, Path]
+) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    plan = load_plan(split.plan_dir)
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    server = Security(
+        tls_cert=str(tls_files["server_cert"]),
+        tls_key=str(tls_files["server_key"]),
+        tls_ca=str(tls_files["ca"]),
+        token_file=str(token),
+    )
+    client = Security(
+        tls_cert=str(tls_files["client_cert"]),
+        tls_key=str(tls_files["client_key"]),
+        tls_ca=str(tls_files["ca"]),
+        token_file=str(token),
+    )
+    cloud = CloudServer(split.plan_dir, options=RuntimeOptions(workers=1, security=server))
+    cloud.start()
+    edge_dir = _bare(split.plan_dir, tmp_path / "edge")
+    edge = EdgeServer(
+        edge_dir, upstream=cloud.address, options=RuntimeOptions(workers=1, security=client)
+    )
+    try:
+        edge.start()  # its segment comes from the cloud over mutual TLS, with the token
+        untokened = dataclasses.replace(client, token_file=None)
+        with (
+            open_channel(cloud.address, untokened, channel_options()) as channel,
+            pytest.raises(SegmentError, match="bearer token"),
+        ):
+            SegmentSource(channel, "cloud").fetch(plan.segments[0], tmp_path)
+    finally:
+        edge.stop(0.5)
+        cloud.stop(0.5)
+    assert _sha256(edge_dir / plan.segments[1].file) == plan.segments[1].sha256
+    assert not (tmp_path / plan.segments[0].file).exists()
+
+
+def test_the_least_recently_used_file_goes_first_but_never_a_held_one(
+    tmp_path: Path, rt: Any
+) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    plan = load_plan(split.plan_dir)
+    first, second, third = (spec.file for spec in plan.segments)
+    size = {s.file: s.size or 0 for s in plan.segments}
+    budget = size[first] + max(size[second], size[third])
+    edge_dir = _bare(split.plan_dir, tmp_path / "edge")
+    cloud = CloudServer(split.plan_dir, options=OPTIONS)
+    cloud.start()
+    try:
+        with grpc.insecure_channel(cloud.address) as channel:
+            store = SegmentStore(
+                edge_dir,
+                PlanSet((plan,)),
+                tier="edge",
+                budget=budget,
+                source=SegmentSource(channel, "cloud"),
+            )
+            with store.holding([first]):  # the oldest, but a request runs on it
+                with store.holding([second]):
+                    pass
+                with store.holding([third]):
+                    assert store.evicted == [second]
+                assert store.used_bytes <= budget
+            with store.holding([second]):  # nothing is held now: the oldest goes
+                assert store.evicted == [second, first]
+            with (
+                pytest.raises(SegmentError, match="does not fit --segment-budget"),
+                store.holding([first, second, third]),
+            ):
+                pass
+    finally:
+        cloud.stop(0.5)
+    assert store.used_bytes <= budget
+    held = [name for name in (first, second, third) if store.present(name)]
+    assert sorted(p.name for p in edge_dir.iterdir()) == sorted([PLAN_FILE, *held])

@@ -97,10 +97,18 @@ def test_replanning_leaves_exactly_the_new_plan(model: Path, tmp_path: Path, cap
 
 def test_remove_old_plan_touches_only_plan_files(tmp_path: Path) -> None:
     (tmp_path / "plan.json").write_text(json.dumps({"segments": [{"file": "mine.onnx"}]}))
-    for name in ("mine.onnx", "mine.onnx.data", "model.onnx", "00-phone.onnx", "10-edge.onnx"):
+    names = ("mine.onnx", "mine.onnx.data", "model.onnx", "00-phone.onnx", "10-edge.onnx")
+    for name in (*names, "mine.onnx.part", "seg-0123456789ab.onnx.part"):  # fetches left
         (tmp_path / name).write_bytes(b"")
     removed = remove_old_plan(tmp_path)
-    assert removed == ["10-edge.onnx", "mine.onnx", "mine.onnx.data", "plan.json"]
+    assert removed == [
+        "10-edge.onnx",
+        "mine.onnx",
+        "mine.onnx.data",
+        "mine.onnx.part",
+        "plan.json",
+        "seg-0123456789ab.onnx.part",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["00-phone.onnx", "model.onnx"]
     assert remove_old_plan(tmp_path / "absent") == []
     with pytest.raises(UsageError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,10 @@ def test_plan_adaptive_writes_a_set_with_regions_and_shared_segments(
     named = [s.file for plan in plans.plans for s in plan.segments]
     files = sorted(p.name for p in out.iterdir() if p.suffix == ".onnx")
     assert files == sorted(set(named)) and len(files) < len(named)
+    # Each segment's file is recorded with its sha256 and size (fetching checks them).
+    for spec in (s for plan in plans.plans for s in plan.segments):
+        data_ = (out / spec.file).read_bytes()
+        assert (spec.sha256, spec.size) == (hashlib.sha256(data_).hexdigest(), len(data_))
     # Every plan of the set reproduces the model bit for bit.
     x = np.random.default_rng(1).standard_normal((4, 1024)).astype(np.float32)
     (want,) = session(onnx.load(model)).run(None, {"x": x})

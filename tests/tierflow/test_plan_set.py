@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -111,3 +112,33 @@ def test_a_missing_segment_of_any_plan_fails_the_load(tmp_path: Path) -> None:
     (directory / "seg-2.onnx").unlink()
     with pytest.raises(PlanError, match=r"seg-2\.onnx, which is missing"):
         load_plan_set(directory)
+
+
+def test_a_plan_json_without_segment_digests_loads_and_keeps_its_id(tmp_path: Path) -> None:
+    plan = _plan(("seg-1.onnx", "seg-2.onnx"), ("device", "cloud"), 1e6)
+    for name in ("seg-1.onnx", "seg-2.onnx"):
+        (tmp_path / name).write_bytes(name.encode())
+    (tmp_path / "plan.json").write_text(json.dumps(plan.to_dict()))  # as tierflow wrote it before
+    old = load_plan(tmp_path)
+    assert all(s.sha256 is None and s.size is None for s in old.segments)
+    save_plan(old, tmp_path)
+    new = load_plan(tmp_path)
+    for spec in new.segments:
+        assert spec.sha256 == hashlib.sha256(spec.file.encode()).hexdigest()
+        assert spec.size == len(spec.file)
+    assert new.plan_id == old.plan_id and new == old  # a file's digest is not its identity
+
+
+@pytest.mark.parametrize(
+    ("entry", "match"),
+    [
+        ({"sha256": "ABC"}, "64 lowercase hex"),
+        ({"bytes": -1}, "whole number"),
+        ({"bytes": True}, "whole number"),
+    ],
+)
+def test_a_malformed_segment_digest_is_refused(entry: dict[str, Any], match: str) -> None:
+    data = _plan(("seg-1.onnx", "seg-2.onnx"), ("device", "cloud"), 1e6).to_dict()
+    data["segments"][0].update(entry)
+    with pytest.raises(PlanError, match=match):
+        Plan.from_dict(data)
