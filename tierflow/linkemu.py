@@ -105,6 +105,11 @@ class LinkShaper:
         self._free_at = 0.0
         self._lock = threading.Lock()
 
+    @property
+    def epoch(self) -> float:
+        """When a traced link opened, on ``clock``: the trace's time 0 (0 for a fixed link)."""
+        return self._epoch
+
     def schedule(self, nbytes: int) -> Transfer:
         """Book the link for ``nbytes`` bytes handed over now ([Note: link shaping])."""
         now = self.clock()

@@ -1,0 +1,160 @@
+"""What the adaptation benchmark computes from its runs: the oracle, summaries, the verdict.
+
+Pure: runs come in as lists of :class:`Sample` (one per request, times in seconds from
+the trace's start), results go out as plain dicts for ``adaptation.json``.
+
+[Note: the per-request oracle]
+Every static plan of a set runs on the same trace, with the same request schedule
+(request ``i`` is due at ``i * period`` seconds). For a moment ``t``, plan ``p``'s
+measured latency ``L_p(t)`` is the latency of the last request ``p``'s run sent at or
+before ``t`` (its first request's before that). The oracle sends a request at every
+scheduled time ``t_i`` of the trace and answers it in ``min_p L_p(t_i)``: for each
+request, the static plan that was fastest for a request sent at that moment, chosen in
+hindsight with every plan's real measurement under the same link, queueing included.
+It never pays for a switch, so no online policy is expected to beat it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request: sent at ``sent_s``, answered ``latency_ms`` later (None: it failed)."""
+
+    sent_s: float
+    latency_ms: float | None
+    plan: str | None = None
+
+
+def summary(latencies: Sequence[float]) -> dict[str, float | int | None]:
+    """Mean, p50 and p95 of ``latencies`` (ms) and how many there were."""
+    if not latencies:
+        return {"requests": 0, "mean_ms": None, "p50_ms": None, "p95_ms": None}
+    values = np.asarray(latencies, dtype=np.float64)
+    return {
+        "requests": len(values),
+        "mean_ms": float(values.mean()),
+        "p50_ms": float(np.percentile(values, 50)),
+        "p95_ms": float(np.percentile(values, 95)),
+    }
+
+
+def latency_at(samples: Sequence[Sample], t: float) -> float | None:
+    """``L_p(t)`` of [Note: the per-request oracle] for one plan's run."""
+    answered = [s for s in samples if s.latency_ms is not None]
+    if not answered:
+        return None
+    times = [s.sent_s for s in answered]
+    index = max(bisect.bisect_right(times, t) - 1, 0)
+    return answered[index].latency_ms
+
+
+def oracle(
+    runs: Mapping[str, Sequence[Sample]], period_s: float, duration_s: float
+) -> list[Sample]:
+    """The oracle's requests ([Note: the per-request oracle]); ``plan`` names the winner.
+
+    ``runs`` maps each static plan to its samples in send order. Ties go to the plan
+    named first in ``runs``.
+    """
+    if not period_s > 0:
+        raise ValueError(f"the period must be positive, got {period_s}")
+    out: list[Sample] = []
+    count = math.ceil(duration_s / period_s - 1e-9)
+    for i in range(count):
+        t = i * period_s
+        best: tuple[float, str] | None = None
+        for name, samples in runs.items():
+            latency = latency_at(samples, t)
+            if latency is not None and (best is None or latency < best[0]):
+                best = (latency, name)
+        if best is not None:
+            out.append(Sample(t, best[0], best[1]))
+    return out
+
+
+def estimate_errors(
+    points: Sequence[tuple[float, float, float, float]], settle_s: float = 1.0
+) -> dict[str, Any]:
+    """How far the rate estimate was from the true rate once the rate had held ``settle_s``.
+
+    ``points`` are ``(t, estimated_bps, true_bps, settled_s)``: the estimate at ``t``,
+    the trace's rate then, and how long that rate had held. Only points with
+    ``settled_s >= settle_s`` count; the error is ``|estimate / true - 1|``.
+    """
+    errors = [abs(est / true - 1.0) for _, est, true, held in points if held >= settle_s]
+    if not errors:
+        return {"settle_s": settle_s, "points": 0, "within_20pct": None}
+    values = np.asarray(errors)
+    return {
+        "settle_s": settle_s,
+        "points": len(errors),
+        "median": float(np.median(values)),
+        "p95": float(np.percentile(values, 95)),
+        "max": float(values.max()),
+        "within_20pct": float(np.mean(values <= 0.2)),
+    }
+
+
+def verdicts(case: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The issue's goals for one model x trace, each computed from ``case`` (never assumed).
+
+    ``case`` holds ``adaptive``, ``oracle`` and ``best_static`` summaries, the trace's
+    ``kind``, the adaptive run's ``estimate_error`` and ``lost``/``duplicated`` counts.
+    """
+    adaptive, oracle_, best = case["adaptive"], case["oracle"], case["best_static"]
+    out: list[dict[str, Any]] = []
+    if adaptive["mean_ms"] is not None and oracle_["mean_ms"]:
+        ratio = adaptive["mean_ms"] / oracle_["mean_ms"]
+        out.append(
+            _goal(
+                "adaptive mean within 10% of the oracle's",
+                ratio <= 1.10,
+                f"adaptive / oracle mean = {ratio:.2f}",
+                ratio,
+            )
+        )
+    if case["kind"] == "bursty" and adaptive["mean_ms"] and best["mean_ms"] is not None:
+        speedup = best["mean_ms"] / adaptive["mean_ms"]
+        out.append(
+            _goal(
+                "adaptive at least 1.3x better than the best static plan (mean, bursty trace)",
+                speedup >= 1.3,
+                f"best static / adaptive mean = {speedup:.2f}x",
+                speedup,
+            )
+        )
+    error = case["estimate_error"]
+    if error.get("points"):
+        share = error["within_20pct"]
+        out.append(
+            _goal(
+                "rate estimate within 20% of the true rate 1 s after a change",
+                error["p95"] <= 0.2,
+                f"p95 error {error['p95']:.0%} (median {error['median']:.0%}, "
+                f"{share:.0%} of {error['points']} samples within 20%)",
+                error["p95"],
+            )
+        )
+    lost = case["lost"] + case["duplicated"]
+    out.append(
+        _goal(
+            "0 requests lost or answered twice across switches",
+            lost == 0,
+            f"{case['lost']} lost, {case['duplicated']} duplicated, {case['switches']} switches",
+            lost,
+        )
+    )
+    return out
+
+
+def _goal(name: str, met: bool, detail: str, value: float) -> dict[str, Any]:
+    return {"goal": name, "met": bool(met), "detail": detail, "value": value}

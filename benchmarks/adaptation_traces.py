@@ -1,0 +1,136 @@
+"""The bandwidth traces of the adaptation benchmark: a step, and a bursty 4G-like uplink.
+
+Both are :class:`~tierflow.linktrace.LinkTrace` objects, written as the CSV files that
+``--link-emulation trace=FILE.csv`` replays. Pure and deterministic: the same parameters
+and seed give the same trace, byte for byte.
+
+The bursty trace comes from a stated model (:class:`BurstyModel`), a Markov-modulated
+log-normal rate process in the manner of the LTE uplink logs people measure on the move
+(the rate sits in a coarse state for a while, jitters within it, and now and then falls
+to a poor state or climbs to a good one):
+
+- three states with median rates (good, fair, poor), 30, 8 and 1.5 Mbit/s by default;
+- the trace is a series of holds; each hold lasts ``min_hold_s`` plus an exponential
+  time of mean ``mean_hold_s`` (0.6 + 1.4 s on average), and keeps one rate;
+- at each new hold the state stays with probability ``stay`` (0.5), else moves to a
+  neighbouring state (good <-> fair <-> poor, each way equally likely from fair);
+- a hold's rate is its state's median times a log-normal factor ``exp(N(0, sigma))``
+  (sigma 0.35), clipped to ``[floor, ceiling]`` Mbit/s;
+- the RTT is fixed (see :data:`TRACE_RTT_S`): the traces vary the rate only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from tierflow.links import LinkSpec
+from tierflow.linktrace import LinkTrace, step_trace
+
+#: Round trip of the device-edge link in both traces (a 4G-class access link).
+TRACE_RTT_S = 0.030
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """``high`` Mbit/s for ``before_s``, ``low`` for ``low_s``, then ``high`` for ``after_s``."""
+
+    high_mbit: float = 200.0
+    low_mbit: float = 2.0
+    before_s: float = 5.0
+    low_s: float = 10.0
+    after_s: float = 5.0
+    rtt_s: float = TRACE_RTT_S
+
+    @property
+    def duration_s(self) -> float:
+        return self.before_s + self.low_s + self.after_s
+
+    def trace(self) -> LinkTrace:
+        high = LinkSpec(self.high_mbit * 1e6, self.rtt_s)
+        low = LinkSpec(self.low_mbit * 1e6, self.rtt_s)
+        points = [(0.0, high), (self.before_s, low), (self.before_s + self.low_s, high)]
+        return step_trace(points, source=self.describe())
+
+    def describe(self) -> str:
+        return (
+            f"step {self.high_mbit:g} -> {self.low_mbit:g} -> {self.high_mbit:g} Mbit/s "
+            f"at {self.before_s:g} s and {self.before_s + self.low_s:g} s, "
+            f"RTT {self.rtt_s * 1e3:g} ms"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(asdict(self), kind="step", duration_s=self.duration_s)
+
+
+@dataclass(frozen=True)
+class BurstyModel:
+    """A Markov-modulated log-normal uplink (see the module docstring); ``seed`` fixes it."""
+
+    duration_s: float = 36.0
+    seed: int = 4
+    state_mbit: tuple[float, float, float] = (30.0, 8.0, 1.5)  # good, fair, poor
+    stay: float = 0.5
+    min_hold_s: float = 0.6
+    mean_hold_s: float = 1.4
+    sigma: float = 0.35
+    floor_mbit: float = 0.5
+    ceiling_mbit: float = 100.0
+    start_state: int = 1
+    rtt_s: float = TRACE_RTT_S
+
+    def holds(self) -> list[tuple[float, float, int]]:
+        """``(start_s, rate_mbit, state)`` of every hold, in time order."""
+        rng = np.random.default_rng(self.seed)
+        states = len(self.state_mbit)
+        t, state = 0.0, self.start_state
+        out: list[tuple[float, float, int]] = []
+        while t < self.duration_s:
+            if out and rng.random() >= self.stay:
+                if state == 0:
+                    state = 1
+                elif state == states - 1:
+                    state = states - 2
+                else:
+                    state += 1 if rng.random() < 0.5 else -1
+            factor = math.exp(float(rng.normal(0.0, self.sigma)))
+            rate = min(max(self.state_mbit[state] * factor, self.floor_mbit), self.ceiling_mbit)
+            out.append((round(t, 3), round(rate, 3), state))
+            t += self.min_hold_s + float(rng.exponential(self.mean_hold_s))
+        return out
+
+    def trace(self) -> LinkTrace:
+        points = [(start, LinkSpec(rate * 1e6, self.rtt_s)) for start, rate, _ in self.holds()]
+        return step_trace(points, source=self.describe())
+
+    def describe(self) -> str:
+        good, fair, poor = self.state_mbit
+        return (
+            f"bursty 4G-like, seed {self.seed}: Markov-modulated log-normal, states "
+            f"{good:g}/{fair:g}/{poor:g} Mbit/s, stay {self.stay:g}, holds "
+            f"{self.min_hold_s:g} s + Exp(mean {self.mean_hold_s:g} s), sigma {self.sigma:g}, "
+            f"RTT {self.rtt_s * 1e3:g} ms"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["state_mbit"] = list(self.state_mbit)
+        return dict(data, kind="bursty")
+
+
+def changes(trace: LinkTrace) -> list[float]:
+    """When the trace's rate changes (seconds; not its start)."""
+    return [
+        step.start_s
+        for before, step in zip(trace.steps, trace.steps[1:], strict=False)
+        if step.link.rate_bps != before.link.rate_bps
+    ]
+
+
+def settled_since(trace: LinkTrace, t: float) -> float:
+    """Seconds since the rate last changed, at ``t`` (``t`` itself before any change)."""
+    last = max((c for c in changes(trace) if c <= t), default=0.0)
+    return t - last

@@ -1,0 +1,122 @@
+"""The adaptation benchmark's pure parts: its traces, the per-request oracle, the verdict."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+
+import adaptation_stats as stats  # noqa: E402
+import adaptation_traces as traces  # noqa: E402
+
+from tierflow.linktrace import parse_trace  # noqa: E402
+
+
+def test_the_bursty_trace_is_the_same_for_a_seed_and_differs_across_seeds() -> None:
+    first = traces.BurstyModel(seed=4).trace().to_csv()
+    assert traces.BurstyModel(seed=4).trace().to_csv() == first
+    assert traces.BurstyModel(seed=5).trace().to_csv() != first
+    again = parse_trace(first)  # what --link-emulation trace=FILE.csv reads back
+    assert [s.link.rate_bps for s in again.steps] == [
+        s.link.rate_bps for s in traces.BurstyModel(seed=4).trace().steps
+    ]
+
+
+def test_the_bursty_trace_follows_its_stated_model() -> None:
+    model = traces.BurstyModel(duration_s=400.0, seed=11)
+    holds = model.holds()
+    starts = [start for start, _, _ in holds]
+    assert starts[0] == 0 and starts[-1] < model.duration_s <= starts[-1] + 60
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert min(gaps) >= model.min_hold_s - 1e-3
+    assert sum(gaps) / len(gaps) == pytest.approx(model.min_hold_s + model.mean_hold_s, rel=0.25)
+    states = [state for _, _, state in holds]
+    assert all(abs(a - b) <= 1 for a, b in itertools.pairwise(states))
+    assert set(states) == {0, 1, 2}
+    for _, rate, state in holds:
+        assert model.floor_mbit <= rate <= model.ceiling_mbit
+        # exp(N(0, 0.35)) stays within a factor of 5 of the state's median (4.6 sigma).
+        assert abs(math.log(rate / model.state_mbit[state])) < math.log(5)
+    assert all(s.link.rtt_s == model.rtt_s for s in model.trace().steps)
+
+
+def test_the_step_trace_and_how_long_its_rate_has_held() -> None:
+    step = traces.StepModel(high_mbit=200, low_mbit=2, before_s=5, low_s=10, after_s=5)
+    trace = step.trace()
+    assert [(s.start_s, s.link.rate_bps) for s in trace.steps] == [
+        (0.0, 200e6),
+        (5.0, 2e6),
+        (15.0, 200e6),
+    ]
+    assert step.duration_s == 20
+    assert traces.changes(trace) == [5.0, 15.0]
+    assert traces.settled_since(trace, 4.0) == 4.0
+    assert traces.settled_since(trace, 6.5) == 1.5
+    assert traces.settled_since(trace, 15.0) == 0.0
+
+
+def test_the_oracle_takes_per_request_the_fastest_plan_measured_at_that_time() -> None:
+    runs = {
+        # A is fast early and slow late; B the other way round; B's run skipped t=0.5.
+        "A": [stats.Sample(0.0, 10.0), stats.Sample(0.5, 12.0), stats.Sample(1.0, 90.0)],
+        "B": [stats.Sample(0.02, 50.0), stats.Sample(1.01, 20.0)],
+        "C": [stats.Sample(0.0, None), stats.Sample(0.5, None)],  # every request failed
+    }
+    got = stats.oracle(runs, period_s=0.5, duration_s=1.5)
+    # t=0: A's 10 (B's first request counts from before it was sent);
+    # t=0.5: A's 12 against B's 50 (B's last before 0.5); t=1.0: A's 90 against B's 50
+    # (B's request at 1.01 comes after).
+    assert [(s.sent_s, s.latency_ms, s.plan) for s in got] == [
+        (0.0, 10.0, "A"),
+        (0.5, 12.0, "A"),
+        (1.0, 50.0, "B"),
+    ]
+    tie = stats.oracle({"X": [stats.Sample(0, 5.0)], "Y": [stats.Sample(0, 5.0)]}, 1.0, 1.0)
+    assert [s.plan for s in tie] == ["X"]
+
+
+def test_estimate_errors_count_only_moments_the_rate_had_held() -> None:
+    points = [
+        (0.5, 50e6, 100e6, 0.5),  # too soon after a change: not counted
+        (1.5, 110e6, 100e6, 1.5),
+        (2.0, 100e6, 100e6, 2.0),
+        (3.0, 2e6, 1e6, 1.0),
+    ]
+    errors = stats.estimate_errors(points, settle_s=1.0)
+    assert errors["points"] == 3
+    assert errors["max"] == pytest.approx(1.0)
+    assert errors["within_20pct"] == pytest.approx(2 / 3)
+    assert stats.estimate_errors(points[:1])["points"] == 0
+
+
+def _case(adaptive: float, oracle: float, best: float, kind: str, lost: int) -> dict:
+    def figures(mean: float) -> dict:
+        return {"mean_ms": mean, "p50_ms": mean, "p95_ms": mean, "requests": 10}
+
+    return {
+        "adaptive": figures(adaptive),
+        "oracle": figures(oracle),
+        "best_static": figures(best),
+        "kind": kind,
+        "estimate_error": {"points": 5, "p95": 0.1, "median": 0.05, "within_20pct": 1.0},
+        "lost": lost,
+        "duplicated": 0,
+        "switches": 2,
+    }
+
+
+def test_verdicts_are_computed_from_the_figures() -> None:
+    good = stats.verdicts(_case(105.0, 100.0, 140.0, "bursty", 0))
+    assert [g["met"] for g in good] == [True, True, True, True]
+    bad = stats.verdicts(_case(115.0, 100.0, 160.0, "bursty", 1))
+    assert [g["met"] for g in bad] == [False, True, True, False]
+    assert "1.15" in bad[0]["detail"]
+    step = stats.verdicts(_case(100.0, 100.0, 100.0, "step", 0))
+    assert len(step) == 3  # the 1.3x goal is for the bursty trace only
