@@ -29,11 +29,13 @@ import numpy as np
 
 from tierflow.cache import CacheAnswer, FeatureCache, cache_key
 from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
+from tierflow.device.probing import DEFAULT_IDLE_S, IdleProber
 from tierflow.device.switching import LinkEstimator, PlanSelector
 from tierflow.errors import (
     CacheError,
     DeadlineError,
     InputError,
+    RemoteError,
     TierflowError,
     TransportError,
     UsageError,
@@ -59,6 +61,10 @@ DEFAULT_WINDOW = 16
 DEFAULT_DEADLINE_S = 30.0
 #: A link's assumed rate before any transfer, when the plan names none (bits/s).
 DEFAULT_PRIOR_BPS = 100e6
+#: While the cloud is missing, one request in this many seconds tries it again.
+DEFAULT_RETRY_S = 1.0
+#: Error codes of a reply that mean a tier is gone: the edge (stopping) or the one after it.
+_TIER_GONE = ("UNAVAILABLE", "UPSTREAM_UNAVAILABLE")
 
 
 @dataclass(frozen=True)
@@ -76,8 +82,9 @@ class Result:
     ``error`` is set, and ``outputs`` empty, when the request failed. ``timings`` splits
     each tier's time into ``compute_ms``, ``codec_ms`` and ``queue_ms``; ``links`` each
     link's into ``queue_ms`` (at its sender) and ``transfer_ms``. ``fallback`` marks an
-    answer the device computed alone because the edge could not be reached
-    ([Note: device fallback]). ``plan`` is the id of the plan the request ran on;
+    answer given without a tier the request's plan needed, and ``fallback_reason`` says
+    which tier was missing and how the answer came instead ([Note: device fallback],
+    [Note: losing a tier]). ``plan`` is the id of the plan the request ran on;
     ``switch`` says why the device changed plans at this request (None if it did not).
     """
 
@@ -95,6 +102,7 @@ class Result:
     fallback: bool = False
     plan: str | None = None
     switch: str | None = None
+    fallback_reason: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -128,6 +136,7 @@ class Result:
             "timings": {tier: dict(parts) for tier, parts in self.timings.items()},
             "links": {link: dict(parts) for link, parts in self.links.items()},
             "fallback": self.fallback,
+            "fallback_reason": self.fallback_reason,
             "plan": self.plan,
             "switch": self.switch,
         }
@@ -156,6 +165,7 @@ class Result:
             fallback=bool(data.get("fallback", False)),
             plan=data.get("plan"),
             switch=data.get("switch"),
+            fallback_reason=data.get("fallback_reason"),
         )
 
 
@@ -174,11 +184,13 @@ class Ticket:
         timeout: float = DEFAULT_DEADLINE_S,
         max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
         store: Callable[[Mapping[str, np.ndarray], str | None], None] | None = None,
-        fallback: Callable[[TransportError], Result] | None = None,
+        fallback: Callable[[TransportError], Result | None] | None = None,
     ) -> None:
         self.id = request_id
         self.plan: str | None = None  # the plan it runs on, set by DeviceClient.submit
         self.switch: str | None = None
+        #: Why the plan was one that avoids a missing tier ([Note: losing a tier]).
+        self.avoided: str | None = None
         self._store = store
         self._fallback = fallback
         self._started = started
@@ -206,6 +218,10 @@ class Ticket:
         if self.plan is not None:  # a fallback answer already names the device-only plan
             plan = self._result.plan or self.plan
             self._result = dataclasses.replace(self._result, plan=plan, switch=self.switch)
+        result = self._result
+        if self.avoided is not None and result.ok and not (result.fallback or result.cache_hit):
+            reason = f"{self.avoided}; answered with plan {self.plan}"
+            self._result = dataclasses.replace(self._result, fallback=True, fallback_reason=reason)
         return self._result
 
     def _finish(self) -> Result:
@@ -224,7 +240,9 @@ class Ticket:
         links = {link: {"queue_ms": 0.0, "transfer_ms": 0.0} for link in LINKS}
         _add_link(stat, bytes_, rates, links)
         if isinstance(failure, TransportError) and self._fallback is not None:
-            return self._fallback(failure)
+            answer = self._fallback(failure)
+            if answer is not None:
+                return answer
         if failure is not None:
             return self._failed(failure, bytes_, rates, links)
         ended = self._arrived or time.perf_counter()
@@ -246,7 +264,12 @@ class Ticket:
                 _add_link(link, bytes_, rates, links)
                 ms["queue"] += link.queue_ms
         if reply.HasField("error"):
-            return self._failed(error_from_proto(reply.error), bytes_, rates, links)
+            error = error_from_proto(reply.error)
+            if error.code in _TIER_GONE and self._fallback is not None:
+                answer = self._fallback(error)
+                if answer is not None:
+                    return answer
+            return self._failed(error, bytes_, rates, links)
         start = time.perf_counter()
         try:
             outputs = decode_tensors(reply.outputs, max_bytes=self._max_tensor_bytes)
@@ -275,6 +298,8 @@ class Ticket:
             ms,
             timings=timings,
             links=links,
+            fallback=bool(reply.fallback),
+            fallback_reason=reply.fallback or None,
         )
 
     def _failed(
@@ -326,7 +351,30 @@ class DeviceClient:
     so a device that never loses the edge never pays their memory. Each request still
     tries the edge first unless it is known to be down, so answers come from the edge
     again as soon as it is back (the channel reconnects by itself, see
-    [Note: retries and failing fast]).
+    [Note: retries and failing fast]). Without a device-only plan, a request whose
+    device segment has an early exit is answered from that exit's scores instead.
+
+    [Note: losing a tier]
+    When the cloud is gone, the edge answers what it can ([Note: answering without the
+    next tier] in tierflow/service.py): from its early exit, marked ``fallback`` with the
+    reason, or with an ``UPSTREAM_UNAVAILABLE`` error. The device takes either as
+    news that the cloud is missing. The request that met the error is finished with a
+    plan of the set that does not need the cloud: run here if it is the device-only
+    plan, else sent again on it through the edge (a device+edge plan); the answer is
+    marked ``fallback``, with ``fallback_reason``. Until the cloud is back the device
+    picks its plans among those that do not need it (the one closest to the link
+    estimates, with a plan set that has regions; else the first in the set), and names
+    the switch in ``switch``; a set without such a plan keeps its plans (the edge's
+    exits answer, or requests fail with the typed error). One request every
+    ``retry_s`` seconds tries the plan the device would use with every tier; the first
+    answer the cloud gives again ends the fallback (a failed try is still answered
+    once, as above).
+
+    [Note: idle probes on the device]
+    With a plan set that switches, the device also probes the device-edge link while
+    it is idle (``idle_probe_s``, default 1 s; None: never), so that the first request
+    after a pause runs on a plan chosen for the link as it is now
+    ([Note: idle probes] in tierflow/device/probing.py).
 
     [Note: switching plans on the device]
     When the plan set has several plans with rate regions, the device keeps a
@@ -350,6 +398,8 @@ class DeviceClient:
         deadline_s: float = DEFAULT_DEADLINE_S,
         cache: FeatureCache | None = None,
         adaptive: bool = True,
+        idle_probe_s: float | None = DEFAULT_IDLE_S,
+        retry_s: float = DEFAULT_RETRY_S,
     ) -> None:
         if window < 1:
             raise UsageError(f"the window must be at least 1 request, got {window}")
@@ -373,8 +423,6 @@ class DeviceClient:
         self.local_only = _runs_on_device_only(self.plan)
         self._plan_dir = plan_dir
         self.fallback_plan = None if self.local_only else _device_only(plans.plans)
-        self._fallback_runner: TierRunner | None = None
-        self._fallback_lock = threading.Lock()
         self.stream: StreamClient | None = None
         self._ids = itertools.count()
         remote = any(not _runs_on_device_only(plan) for plan in plans.plans)
@@ -411,6 +459,29 @@ class DeviceClient:
             self.selector = PlanSelector(plans)
         self.estimators = {link: LinkEstimator(_prior(plans, link)) for link in LINKS}
         self._estimates_lock = threading.Lock()
+        self._probe_switch: str | None = None  # a switch an idle probe made, not yet named
+        # [Note: losing a tier]: the plans that run without the cloud, and its state.
+        self.retry_s = retry_s
+        self._cloud_free = [i for i, p in enumerate(plans.plans) if not _needs_cloud(p)]
+        self._device_only_index = next(
+            (i for i, p in enumerate(plans.plans) if _runs_on_device_only(p)), None
+        )
+        self._cloud_missing: str | None = None  # why, while the cloud is missing
+        self._retry_at = 0.0
+        self._last_index = plans.default
+        self._tiers_lock = threading.Lock()
+        self.prober: IdleProber | None = None
+        if self.selector is not None and self.stream is not None and idle_probe_s is not None:
+            stream = self.stream
+            self.prober = IdleProber(
+                stream.channel,
+                busy=lambda: stream.in_flight() > 0,
+                rate=lambda: self.estimators["device-edge"].estimate().rate_bps,
+                report=self._probed,
+                shaper=stream.shaper,
+                idle_s=idle_probe_s,
+            )
+            self.prober.start()
 
     def __enter__(self) -> DeviceClient:
         return self
@@ -419,6 +490,8 @@ class DeviceClient:
         self.close()
 
     def close(self) -> None:
+        if self.prober is not None:
+            self.prober.close()
         if self.stream is not None:
             self.stream.close()
 
@@ -429,36 +502,117 @@ class DeviceClient:
         edge is known to be down, and no device exit could answer, the request fails at
         once without running anything (see [Note: retries and failing fast]).
         """
-        index, switch = self._choose()
+        index, switch, avoided = self._choose()
         plan = self.plans.plans[index]
         try:
             with self.segments.holding(tier_files(self.plans, index, "device")):
                 ticket = self._submit(inputs, plan, self._runner_for(index))
         except TierflowError as exc:  # its segments could not be fetched
             request_id, started = str(next(self._ids)), time.perf_counter()
-            if not isinstance(exc, TransportError) or self.fallback_plan is None:
+            result = None
+            if isinstance(exc, TransportError):
+                arrays = {name: np.asarray(value) for name, value in inputs.items()}
+                result = self._fall_back(request_id, started, arrays, None, exc)
+            if result is None:
                 ticket = self._local(request_id, started, error=exc)
             else:
-                arrays = {name: np.asarray(value) for name, value in inputs.items()}
-                result = self._fall_back(request_id, started, arrays, exc)
                 ticket = Ticket(request_id, started, result.ms["device"], result=result)
-        ticket.plan, ticket.switch = plan.plan_id, switch
+        ticket.plan, ticket.switch, ticket.avoided = plan.plan_id, switch, avoided
         return ticket
 
-    def _choose(self) -> tuple[int, str | None]:
-        """The index of the plan for the next request, and why it changed (if it did)."""
-        if self.selector is None:
-            return self.plans.default, None
-        fetch = [
+    def _choose(self) -> tuple[int, str | None, str | None]:
+        """The index of the plan for the next request, why it changed (if it did), and
+        why it avoids a tier (if it does: its answer is then a fallback).
+
+        See [Note: switching plans on the device] and, while the cloud is missing,
+        [Note: losing a tier].
+        """
+        now = time.monotonic()
+        index, reason = self.plans.default, None
+        if self.selector is not None:
+            fetch = self._fetch_bytes()
+            with self._estimates_lock:
+                links = {link: e.estimate() for link, e in self.estimators.items()}
+                choice = self.selector.choose(now, links, fetch)
+                if choice.switched:
+                    logger.info("[device] switching plans: %s", choice.reason)
+                index, reason = choice.index, choice.reason or None
+                if self._probe_switch is not None:
+                    reason, self._probe_switch = reason or self._probe_switch, None
+        with self._tiers_lock:
+            missing = self._cloud_missing
+            trial = missing is not None and now >= self._retry_at
+            if trial:
+                self._retry_at = now + self.retry_s
+        if trial:
+            return index, None, None  # tries the cloud again: not a switch
+        avoided = None
+        if missing is not None and index not in self._cloud_free:
+            index, avoided = self._cloud_free_plan(), missing
+        if index != self._last_index and reason is None:
+            plan_id = self.plans.plans[index].plan_id
+            if missing is not None:
+                reason = f"{missing}: plan {plan_id} does not need the cloud"
+            else:
+                reason = f"the cloud answers again: back to plan {plan_id}"
+            logger.info("[device] switching plans: %s", reason)
+        self._last_index = index
+        return index, reason, avoided
+
+    def _fetch_bytes(self) -> list[int]:
+        """Per plan, the bytes of device segments to fetch before it can run."""
+        return [
             self.segments.missing_bytes(tier_files(self.plans, index, "device"))
             for index in range(len(self.plans.plans))
         ]
+
+    def _cloud_free_plan(self) -> int:
+        """The plan to use without the cloud ([Note: losing a tier]); there is one."""
+        if self.selector is None:
+            return self._cloud_free[0]
         with self._estimates_lock:
-            links = {link: estimator.estimate() for link, estimator in self.estimators.items()}
-            choice = self.selector.choose(time.monotonic(), links, fetch)
-        if choice.switched:
-            logger.info("[device] switching plans: %s", choice.reason)
-        return choice.index, choice.reason or None
+            links = {link: e.estimate() for link, e in self.estimators.items()}
+        distances = self.selector.distances(links)
+        return min(self._cloud_free, key=lambda i: (distances[i], i))
+
+    def _lose_cloud(self, why: str) -> None:
+        """The cloud is missing ([Note: losing a tier]); a no-op without a plan to avoid it."""
+        if not self._cloud_free:
+            return
+        with self._tiers_lock:
+            if self._cloud_missing is not None:
+                return
+            self._cloud_missing = why
+            self._retry_at = time.monotonic() + self.retry_s
+        logger.warning("[device] %s; using plans that do not need it", self._cloud_missing)
+
+    def _track_cloud(self, reply: tier_pb2.Reply) -> None:
+        """Whether ``reply`` says the cloud is missing, or answers from it again."""
+        if reply.fallback:
+            self._lose_cloud(f"{reply.answered_by}: {reply.fallback}")
+        elif reply.HasField("error"):
+            if reply.error.code == tier_pb2.ErrorCode.UPSTREAM_UNAVAILABLE:
+                self._lose_cloud(str(error_from_proto(reply.error)))
+        elif reply.answered_by == "cloud" and self._cloud_missing is not None:
+            with self._tiers_lock:
+                self._cloud_missing = None
+            logger.info("[device] the cloud answers again")
+
+    def _probed(self, now: float, nbytes: int, seconds: float, rtt_s: float) -> None:
+        """An idle probe's measurement of the device-edge link ([Note: idle probes])."""
+        fetch = self._fetch_bytes()
+        with self._estimates_lock:
+            estimator = self.estimators["device-edge"]
+            estimator.observe(now, nbytes, seconds)
+            estimator.observe_rtt(now, rtt_s)
+            if self.selector is not None:
+                # The hold of a switch counts from what the probe saw, not from the next
+                # request; a switch made here is named by that request.
+                links = {link: e.estimate() for link, e in self.estimators.items()}
+                choice = self.selector.choose(now, links, fetch)
+                if choice.switched:
+                    self._probe_switch = f"idle probe: {choice.reason}"
+                    logger.info("[device] switching plans: %s", self._probe_switch)
 
     @property
     def runner(self) -> TierRunner:
@@ -484,14 +638,17 @@ class DeviceClient:
             for index, runner in list(self._runners.items()):
                 if uses(runner):
                     del self._runners[index]
-        with self._fallback_lock:
-            if self._fallback_runner is not None and uses(self._fallback_runner):
-                self._fallback_runner = None
 
     def _observe(self, sent: Sent, future: Future[tier_pb2.Reply]) -> None:
-        """Feed the link estimators from an answered request's transfers (passive)."""
+        """Feed the link estimators from an answered request's transfers (passive).
+
+        Also notes a missing cloud, or its return ([Note: losing a tier]).
+        """
+        if self.prober is not None:
+            self.prober.touch()
         if future.cancelled() or future.exception() is not None:
             return
+        self._track_cloud(future.result())
         stats = [sent.transfer.stat("device-edge"), *future.result().links]
         now = time.monotonic()
         with self._estimates_lock:
@@ -536,8 +693,15 @@ class DeviceClient:
         finally:
             self._fetching_ahead.release()
 
-    def _submit(self, inputs: Mapping[str, np.ndarray], plan: Plan, runner: TierRunner) -> Ticket:
-        request_id = str(next(self._ids))
+    def _submit(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        plan: Plan,
+        runner: TierRunner,
+        request_id: str | None = None,
+    ) -> Ticket:
+        """``request_id``: a request sent again keeps its id (new ones get the next)."""
+        request_id = str(next(self._ids)) if request_id is None else request_id
         started = time.perf_counter()
         key: bytes | None = None
         try:
@@ -558,9 +722,9 @@ class DeviceClient:
             if self.stream is not None and not exits and self.stream.known_down():
                 address = self.stream.address
                 down = TransportError(f"the edge at {address} is down; not running")
-                if self.fallback_plan is None:
+                result = self._fall_back(request_id, started, arrays, None, down)
+                if result is None:
                     raise down
-                result = self._fall_back(request_id, started, arrays, down)
                 return Ticket(request_id, started, result.ms["device"], result=result)
             outcome = runner.run(arrays)
         except TierflowError as exc:
@@ -587,16 +751,18 @@ class DeviceClient:
                 request, deadline=time.monotonic() + self.deadline_s, nbytes=nbytes
             )
         except TransportError as exc:
-            if self.fallback_plan is None:
+            result = self._fall_back(request_id, started, arrays, outcome.unconfident, exc)
+            if result is None:
                 return self._local(request_id, started, error=exc)
-            result = self._fall_back(request_id, started, arrays, exc)
             return Ticket(request_id, started, result.ms["device"], result=result)
         except TierflowError as exc:
             return self._local(request_id, started, error=exc)
+        if self.prober is not None:
+            self.prober.touch()
         sent.future.add_done_callback(functools.partial(self._observe, sent))
-        fallback = None
-        if self.fallback_plan is not None:
-            fallback = functools.partial(self._fall_back, request_id, started, arrays)
+        fallback = functools.partial(
+            self._fall_back, request_id, started, arrays, outcome.unconfident
+        )
         return Ticket(
             request_id,
             started,
@@ -614,27 +780,55 @@ class DeviceClient:
         request_id: str,
         started: float,
         arrays: Mapping[str, np.ndarray],
+        unconfident: tuple[str, np.ndarray] | None,
         cause: TransportError,
-    ) -> Result:
-        """Answer with the device-only plan ([Note: device fallback]); never raises."""
-        assert self.fallback_plan is not None
+    ) -> Result | None:
+        """Answer a request that the edge or the cloud could not take; never raises.
+
+        The cloud missing ([Note: losing a tier]): a plan that does not need it. The
+        edge missing ([Note: device fallback]): the device-only plan. Failing those, the
+        device's own exit scores (``unconfident``). None: no way to answer here.
+        """
+        if isinstance(cause, RemoteError) and cause.code == "UPSTREAM_UNAVAILABLE":
+            self._lose_cloud(str(cause))
+            index = self._cloud_free_plan() if self._cloud_free else None
+            why = str(cause)
+        else:
+            index = self._device_only_index
+            why = f"the edge is unavailable ({cause})"
+        if index is None:
+            if unconfident is None:
+                return None
+            name, scores = unconfident
+            total = (time.perf_counter() - started) * 1e3
+            ms = {"device": 0.0, "edge": 0.0, "cloud": 0.0, "total": total}
+            ms.update(queue=0.0, network=total)
+            return Result(
+                request_id,
+                {name: scores},
+                "device",
+                name,
+                bytes={link: 0 for link in LINKS},
+                rate_bps={link: 0.0 for link in LINKS},
+                ms=ms,
+                fallback=True,
+                fallback_reason=f"{why}; answered at the device's exit",
+            )
+        plan = self.plans.plans[index]
+        if not _runs_on_device_only(plan):
+            return self._send_again(request_id, started, arrays, index, why)
         bytes_ = {link: 0 for link in LINKS}
         rates = {link: 0.0 for link in LINKS}
-        files = [spec.file for spec in self.fallback_plan.segments]
+        files = tier_files(self.plans, index, "device")
         try:
             with self.segments.holding(files):  # fetched ahead, or this fails
-                with self._fallback_lock:
-                    if self._fallback_runner is None:
-                        logger.warning(
-                            "[device] the edge is unreachable (%s); answering with the "
-                            "device-only plan %s until it is back",
-                            cause,
-                            self.fallback_plan.plan_id,
-                        )
-                        self._fallback_runner = TierRunner(
-                            self.fallback_plan, self._plan_dir, "device", self.options
-                        )
-                    runner = self._fallback_runner
+                if index not in self._runners:  # the first time: its sessions open now
+                    logger.warning(
+                        "[device] %s; answering with the device-only plan %s until it is back",
+                        why,
+                        plan.plan_id,
+                    )
+                runner = self._runner_for(index)
                 run_start = time.perf_counter()
                 outcome = runner.run(dict(arrays))
         except TierflowError as exc:
@@ -667,7 +861,40 @@ class DeviceClient:
             ms,
             timings=timings,
             fallback=True,
-            plan=self.fallback_plan.plan_id,
+            plan=plan.plan_id,
+            fallback_reason=f"{why}; answered with the device-only plan",
+        )
+
+    def _send_again(
+        self,
+        request_id: str,
+        started: float,
+        arrays: Mapping[str, np.ndarray],
+        index: int,
+        why: str,
+    ) -> Result:
+        """Run a request again on plan ``index``, which needs no cloud ([Note: losing a tier])."""
+        plan = self.plans.plans[index]
+        with self.segments.holding(tier_files(self.plans, index, "device")):
+            ticket = self._submit(arrays, plan, self._runner_for(index), request_id)
+        answer = ticket.result()
+        ms = dict(answer.ms)
+        total = (time.perf_counter() - started) * 1e3
+        # The first attempt's time is waiting, not any tier's work.
+        ms["network"] = ms.get("network", 0.0) + max(total - ms.get("total", 0.0), 0.0)
+        ms["total"] = total
+        if answer.error is not None:
+            return dataclasses.replace(answer, id=request_id, ms=ms, plan=plan.plan_id)
+        reason = f"{why}; answered with plan {plan.plan_id}"
+        if answer.fallback_reason:  # the edge went too: the device answered alone
+            reason = f"{why}; then {answer.fallback_reason}"
+        return dataclasses.replace(
+            answer,
+            id=request_id,
+            ms=ms,
+            fallback=True,
+            plan=answer.plan or plan.plan_id,
+            fallback_reason=reason,
         )
 
     def _lookup(self, key: bytes, arrays: Mapping[str, np.ndarray]) -> CacheAnswer | None:
@@ -743,6 +970,10 @@ def _uses(file: str, runner: TierRunner) -> bool:
 
 def _runs_on_device_only(plan: Plan) -> bool:
     return all(segment.tier == "device" for segment in plan.segments)
+
+
+def _needs_cloud(plan: Plan) -> bool:
+    return any(segment.tier == "cloud" for segment in plan.segments)
 
 
 def _prior(plans: PlanSet, link: str) -> LinkSpec:

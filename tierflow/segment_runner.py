@@ -176,6 +176,10 @@ class Outcome:
     compute_s: float = 0.0
     confidence: float | None = None
     exits_checked: list[str] = field(default_factory=list)
+    #: The last exit checked and not taken, with its scores: the best answer a tier has
+    #: when the next tier is gone ([Note: answering without the next tier] in
+    #: tierflow/service.py). None when no exit was checked, or one was taken.
+    unconfident: tuple[str, np.ndarray] | None = None
 
 
 class TierRunner:
@@ -278,7 +282,10 @@ class TierRunner:
             return Outcome(outputs, True, None, self.end, elapsed, exits_checked=checked)
         names = self.required_names(self.end)
         forward = {name: env[name] for name in names}
-        return Outcome(forward, False, None, self.end, elapsed, exits_checked=checked)
+        unconfident = (checked[-1], env[checked[-1]]) if checked else None
+        return Outcome(
+            forward, False, None, self.end, elapsed, exits_checked=checked, unconfident=unconfident
+        )
 
     def _exit(
         self,

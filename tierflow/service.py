@@ -90,6 +90,7 @@ from tierflow.errors import (
     DeadlineError,
     InputError,
     PlanError,
+    RemoteError,
     TierflowError,
     TransportError,
     UsageError,
@@ -110,6 +111,7 @@ from tierflow.wire import (
     Undecodable,
     check_deadline,
     decode_tensors,
+    error_from_proto,
     error_to_proto,
     from_proto,
     put_tensors,
@@ -121,6 +123,17 @@ logger = logging.getLogger(__name__)
 MAX_PROBE_BYTES = 64 * 1024 * 1024
 #: Bytes a probe stream may be sent beyond what its caller sent ([Note: probe credit]).
 PROBE_ALLOWANCE = 64 * 1024
+
+
+#: Error codes from the next tier that mean it is gone ([Note: answering without the next tier]).
+_GONE_CODES = (tier_pb2.ErrorCode.UNAVAILABLE, tier_pb2.ErrorCode.UPSTREAM_UNAVAILABLE)
+
+
+def _is_gone(exc: BaseException) -> bool:
+    """Whether a failure to forward means the next tier is gone (not late, not busy)."""
+    if isinstance(exc, RemoteError):
+        return exc.code in ("UNAVAILABLE", "UPSTREAM_UNAVAILABLE")
+    return isinstance(exc, TransportError) and not isinstance(exc, DeadlineError)
 
 
 def _reply_codec(plan: Plan, link: str | None) -> CodecSpec:
@@ -267,6 +280,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         self._streams: set[_StreamReplies] = set()  # watched for slow readers
         self._watchdog: threading.Thread | None = None
         self._closed = threading.Event()
+        self._upstream_lost = False  # the next tier was found gone and has not answered since
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -686,10 +700,23 @@ class TierService(tier_pb2_grpc.TierServicer):
         local_deadline = None
         if deadline:
             local_deadline = time.monotonic() + max(deadline - time.time(), 0.0)
-        sent = self.upstream.submit(forward, deadline=local_deadline, nbytes=nbytes)
+        try:
+            sent = self.upstream.submit(forward, deadline=local_deadline, nbytes=nbytes)
+        except TransportError as exc:  # known to be down: no waiting for it
+            reply = self._without_upstream(plan, outcome.unconfident, exc)
+            reply.timings.append(timing)
+            return reply
         sent.future.add_done_callback(
             lambda future: self._forwarded(
-                future, request.id, timing, sent.transfer, key, features, send
+                future,
+                request.id,
+                timing,
+                sent.transfer,
+                key,
+                features,
+                send,
+                plan,
+                outcome.unconfident,
             )
         )
         return None
@@ -740,23 +767,75 @@ class TierService(tier_pb2_grpc.TierServicer):
         key: bytes | None,
         features: dict[str, np.ndarray],
         send: Callable[[tier_pb2.Reply], None],
+        plan: Plan,
+        unconfident: tuple[str, np.ndarray] | None,
     ) -> None:
         """The next tier answered (or failed): add this tier's figures and pass it down."""
+        gone: TierflowError | None = None
         try:
             reply = future.result()
+            if reply.HasField("error") and reply.error.code in _GONE_CODES:
+                gone = error_from_proto(reply.error)
         except TierflowError as exc:
             reply = self._error_reply(request_id, exc)
+            gone = exc if _is_gone(exc) else None
         except Exception as exc:  # a cancelled future, a bug: still one reply
             reply = self._error_reply(request_id, exc)
+        if gone is not None:
+            reply = self._without_upstream(plan, unconfident, gone)
+        elif self._upstream_lost and not reply.HasField("error"):
+            self._upstream_lost = False
+            logger.info("[%s] the %s answers again", self.tier, self._next_tier)
         reply.id = request_id
         reply.timings.append(timing)
         if self.up_link is not None:
             reply.links.append(transfer.stat(self.up_link))
         send(reply)
-        if key is not None and not reply.HasField("error") and not reply.cache_hit:
+        cacheable = not (reply.HasField("error") or reply.cache_hit or reply.fallback)
+        if key is not None and cacheable:
             outputs = list(reply.outputs)
             exit_name = reply.exit or None
             self.pool.submit(self._store_reply, key, features, outputs, exit_name)
+
+    def _without_upstream(
+        self,
+        plan: Plan,
+        unconfident: tuple[str, np.ndarray] | None,
+        cause: TierflowError,
+    ) -> tier_pb2.Reply:
+        """The reply to a request the next tier cannot take (it is gone).
+
+        [Note: answering without the next tier]
+        When the next tier cannot be reached (the stream to it broke, it is known to be
+        down, or it answered UNAVAILABLE because it is stopping), a request that has
+        already crossed to this tier still gets one answer from here. If the plan has
+        an early exit on this tier, the request's scores at that exit (checked and found
+        not confident enough) are the answer, marked with ``Reply.fallback`` (why), never
+        cached. Otherwise the reply is an ``UPSTREAM_UNAVAILABLE`` error: the device,
+        which still holds the request's inputs, finishes it with a plan of its set that
+        does not need the missing tier ([Note: losing a tier] in
+        tierflow/device/client.py). The features computed here are not sent back: the
+        device would need the missing tier's segment files to use them, and a plan
+        without that tier reproduces the model from the inputs bit for bit anyway.
+        """
+        peer = self._next_tier
+        if not self._upstream_lost:
+            self._upstream_lost = True
+            how = "from its exits" if unconfident is not None else "UPSTREAM_UNAVAILABLE"
+            logger.warning(
+                "[%s] the %s is unavailable (%s); answering %s", self.tier, peer, cause, how
+            )
+        if unconfident is None:
+            missing = TransportError(f"the {peer} is unavailable: {cause}")
+            return self._error_reply("", missing, "UPSTREAM_UNAVAILABLE")
+        name, scores = unconfident
+        reply = self._answer(plan, {name: scores}, name)
+        reply.fallback = f"the {peer} is unavailable ({cause}); answered at the {self.tier}'s exit"
+        return reply
+
+    @property
+    def _next_tier(self) -> str:
+        return TIERS[TIERS.index(self.tier) + 1] if self.tier != TIERS[-1] else "next tier"
 
     # ------------------------------------------------------------------ cache
 

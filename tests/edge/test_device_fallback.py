@@ -6,6 +6,7 @@ See [Note: device fallback] in tierflow/device/client.py.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +78,38 @@ def test_without_a_device_only_plan_requests_fail(tmp_path: Path, rt: Any) -> No
         assert device.fallback_plan is None
         result = device.submit(split.sample(seed=32)[0]).result()
     assert isinstance(result.error, TransportError) and not result.fallback
+
+
+def test_killing_the_edge_mid_stream_turns_the_rest_into_device_answers(
+    tmp_path: Path, rt: Any
+) -> None:
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
+    alone = _with_device_only_plan(split)
+    samples = split.sample(seed=33, count=24)
+
+    def stream(edge: Any) -> Iterator[dict[str, np.ndarray]]:
+        for i, feeds in enumerate(samples):
+            if i == 8:
+                edge.kill()  # SIGKILL, mid-stream: requests are in flight
+            yield feeds
+
+    with rt.processes() as start:
+        cloud = start("cloud", split.plan_dir)
+        edge = start("edge", split.plan_dir, "--upstream", cloud.address)
+        with DeviceClient(split.plan_dir, edge.address, window=4, deadline_s=10.0) as device:
+            results = list(device.run_stream(stream(edge)))
+            start("edge", split.plan_dir, "--upstream", cloud.address, listen=edge.address)
+            for _ in range(200):  # the channel reconnects within its backoff
+                back = device.submit(samples[0]).result()
+                if not back.fallback:
+                    break
+                time.sleep(0.05)
+    assert [r.id for r in results] == [str(i) for i in range(len(samples))]  # one answer each
+    for feeds, result in zip(samples, results, strict=True):
+        result.unwrap()
+        np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
+    assert all(r.answered_by == "cloud" and not r.fallback for r in results[:4])
+    late = results[8:]  # sent after the kill
+    assert all(r.fallback and r.answered_by == "device" and r.plan == alone.plan_id for r in late)
+    assert all(r.fallback_reason and "edge" in r.fallback_reason for r in late)
+    assert back.answered_by == "cloud" and not back.fallback

@@ -17,6 +17,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DEADLINE_EXCEEDED: _ClassVar[ErrorCode]
     INTERNAL: _ClassVar[ErrorCode]
     OVERLOADED: _ClassVar[ErrorCode]
+    UPSTREAM_UNAVAILABLE: _ClassVar[ErrorCode]
 ERROR_CODE_UNSPECIFIED: ErrorCode
 INVALID_INPUT: ErrorCode
 CODEC: ErrorCode
@@ -25,6 +26,7 @@ UNAVAILABLE: ErrorCode
 DEADLINE_EXCEEDED: ErrorCode
 INTERNAL: ErrorCode
 OVERLOADED: ErrorCode
+UPSTREAM_UNAVAILABLE: ErrorCode
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "codec", "params", "data")
@@ -97,7 +99,7 @@ class Request(_message.Message):
     def __init__(self, id: _Optional[str] = ..., plan_id: _Optional[str] = ..., segment: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[TierTiming, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStat, _Mapping]]] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
 
 class Reply(_message.Message):
-    __slots__ = ("id", "plan_id", "outputs", "answered_by", "exit", "cache_hit", "timings", "links", "error")
+    __slots__ = ("id", "plan_id", "outputs", "answered_by", "exit", "cache_hit", "timings", "links", "error", "fallback")
     ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +109,7 @@ class Reply(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
     id: str
     plan_id: str
     outputs: _containers.RepeatedCompositeFieldContainer[Tensor]
@@ -116,7 +119,8 @@ class Reply(_message.Message):
     timings: _containers.RepeatedCompositeFieldContainer[TierTiming]
     links: _containers.RepeatedCompositeFieldContainer[LinkStat]
     error: Error
-    def __init__(self, id: _Optional[str] = ..., plan_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., answered_by: _Optional[str] = ..., exit: _Optional[str] = ..., cache_hit: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[TierTiming, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStat, _Mapping]]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    fallback: str
+    def __init__(self, id: _Optional[str] = ..., plan_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., answered_by: _Optional[str] = ..., exit: _Optional[str] = ..., cache_hit: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[TierTiming, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStat, _Mapping]]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., fallback: _Optional[str] = ...) -> None: ...
 
 class ProbeMessage(_message.Message):
     __slots__ = ("seq", "payload", "reply_bytes")

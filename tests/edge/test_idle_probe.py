@@ -1,0 +1,90 @@
+"""Idle probes: an idle device keeps its device-edge estimate fresh, a busy one never probes.
+
+See [Note: idle probes] in tierflow/device/probing.py.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import onnx.utils
+import pytest
+
+from tierflow.device.client import DeviceClient
+from tierflow.device.probing import MAX_PROBE_BYTES, MIN_PROBE_BYTES, probe_size
+from tierflow.links import LinkSpec
+from tierflow.linktrace import LinkTrace, TraceStep
+from tierflow.options import RuntimeOptions
+from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan_set
+
+
+def _plan_set(split: Any) -> tuple[Plan, Plan]:
+    """The cnn's split, best at 200 Mbit/s, and one sending 32 bytes, best at 2 Mbit/s."""
+    directory = split.plan_dir
+    base = load_plan(directory)
+    model = str(directory / base.model_file)
+    onnx.utils.extract_model(model, str(directory / "pool.onnx"), ["h2"], ["f"])
+    onnx.utils.extract_model(model, str(directory / "head.onnx"), ["f"], ["y"])
+    conv1, conv2, _ = base.segments
+    fast_links = {"device-edge": LinkSpec(200e6, 0.02)}
+    fast = Plan(*_common(base), base.segments, links=fast_links, codec=base.codec)
+    slow_segments = (
+        conv1,
+        SegmentSpec("device", conv2.file, conv2.inputs, conv2.outputs),
+        SegmentSpec("device", "pool.onnx", ("h2",), ("f",)),
+        SegmentSpec("cloud", "head.onnx", ("f",), ("y",)),
+    )
+    slow = Plan(*_common(base), slow_segments, codec=base.codec)
+    regions = (({"device-edge": LinkSpec(200e6, 0.02)},), ({"device-edge": LinkSpec(2e6, 0.02)},))
+    save_plan_set(PlanSet((fast, slow), regions), directory)
+    return fast, slow
+
+
+def _common(plan: Plan) -> tuple[str, str, tuple[str, ...], tuple[str, ...]]:
+    return plan.model_file, plan.model_sha256, plan.inputs, plan.outputs
+
+
+def _rate(device: DeviceClient) -> float:
+    return device.estimators["device-edge"].estimate().rate_bps
+
+
+def test_probe_sizes_are_bounded() -> None:
+    assert probe_size(0.0) == MIN_PROBE_BYTES
+    assert probe_size(2e6) == 5000  # 20 ms at 2 Mbit/s
+    assert probe_size(1e12) == MAX_PROBE_BYTES
+
+
+def test_an_idle_device_learns_a_rate_drop_from_probes_and_a_busy_one_never_probes(
+    tmp_path: Path, rt: Any
+) -> None:
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
+    fast, slow = _plan_set(split)
+    # The link drops 100x a moment after it opens; no request crosses it then.
+    trace = LinkTrace((TraceStep(0, LinkSpec(200e6, 0.02)), TraceStep(0.3, LinkSpec(2e6, 0.02))))
+    options = RuntimeOptions(links={"device-edge": trace})
+    samples = split.sample(seed=61, count=100)
+    with (
+        rt.tiers(split.plan_dir) as (edge, _, _),
+        DeviceClient(split.plan_dir, edge, options=options, window=1, idle_probe_s=0.15) as device,
+    ):
+        assert device.prober is not None
+        first = device.infer(samples[0])
+        assert first.plan == fast.plan_id and _rate(device) > 50e6
+        ends = time.monotonic() + 10.0
+        while _rate(device) > 2.4e6 and time.monotonic() < ends:
+            time.sleep(0.05)
+        assert _rate(device) == pytest.approx(2e6, rel=0.2)  # learnt from probes alone
+        assert device.prober.probes >= 1 and device.prober.failures == 0
+        time.sleep(0.6)  # past the selector's hold, still idle
+        # Busy: requests back to back for 1 s and more (each waits 10 ms to cross the link).
+        results = [device.infer(samples[1])]
+        probes = device.prober.probes
+        started = time.monotonic()
+        results += list(device.run_stream(samples[2:]))
+        busy_s = time.monotonic() - started
+        assert device.prober.probes == probes  # none while real transfers flowed
+    assert busy_s > 4 * device.prober.idle_s
+    assert results[0].plan == slow.plan_id  # the first request after the pause switched
+    assert results[0].switch is not None and all(r.ok for r in results)
