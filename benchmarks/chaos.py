@@ -822,8 +822,8 @@ def markdown(results: dict[str, Any]) -> list[str]:
             "a tier that is killed may have reached it, so it is failed with a typed error, "
             "never sent twice ([Note: retries and failing fast] in `tierflow/mux.py`); while "
             "a killed edge restarts, the device fails requests at once (`known down`), and "
-            "while a killed cloud restarts the edge answers UNAVAILABLE, so most failures are "
-            "requests offered at the steady rate "
+            "while a killed cloud restarts the edge answers UPSTREAM_UNAVAILABLE, so most "
+            "failures are requests offered at the steady rate "
             f"({f.get('rate_per_s', '?')}/s) during a restart, which takes seconds on a "
             "machine this loaded.\n",
         ]
