@@ -265,7 +265,7 @@ def _summary_table(summary: dict[str, Any]) -> str:
         rows.append(("early exits", str(summary["exits"])))
         rows.append(("cache hits", str(summary["cache_hits"])))
         if summary["fallbacks"]:
-            rows.append(("device fallbacks", str(summary["fallbacks"])))
+            rows.append(("fallbacks", str(summary["fallbacks"])))
         for key, ms in summary["p50_ms"].items():
             rows.append((f"{key} p50", format_duration(ms / 1e3)))
         for link, sent in summary["bytes_per_request"].items():

@@ -7,8 +7,9 @@ hot path gains one call per reply and nothing when metrics are off. Metric names
 prefixed ``tierflow_``; labels in brackets):
 
 - ``requests_total{tier, outcome, answered_by}``: replies sent, by outcome (``ok``,
-  ``exit``, ``cache_hit``, or the error code: ``overloaded``, ``unavailable``,
-  ``invalid_input``, ...) and by the tier that answered.
+  ``exit``, ``cache_hit``, ``fallback`` (answered without the next tier), or the error
+  code: ``overloaded``, ``unavailable``, ``invalid_input``, ...) and by the tier that
+  answered.
 - ``request_seconds{tier}`` (histogram): from a request's arrival at this tier to its
   reply, the next tiers' time included.
 - ``tier_seconds{tier, part}`` (histogram): each tier's own time per request, as the
@@ -103,6 +104,8 @@ class TierMetrics:
         elif reply.cache_hit:
             outcome = "cache_hit"
             self._cache_hits.labels(self.tier, answered_by).inc()
+        elif reply.fallback:  # answered without the next tier: not the model's usual answer
+            outcome = "fallback"
         elif reply.exit:
             outcome = "exit"
             self._exits.labels(answered_by, reply.exit).inc()
@@ -131,6 +134,8 @@ class TierMetrics:
             outcome = str(getattr(error, "code", None) or type(error).__name__).lower()
         elif result.cache_hit:
             outcome = "cache_hit"
+        elif result.fallback:
+            outcome = "fallback"
         elif result.exit:
             outcome = "exit"
         else:

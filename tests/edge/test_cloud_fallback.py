@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import onnx.utils
+import pytest
 
 from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient, Result
@@ -20,6 +21,7 @@ from tierflow.edge.server import EdgeServer
 from tierflow.errors import RemoteError
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan_set
+from tierflow.rpc import tier_pb2
 from tierflow.sessions import open_session
 
 OPTIONS = RuntimeOptions(workers=2)
@@ -180,3 +182,16 @@ def test_without_a_plan_that_skips_the_cloud_requests_fail_typed(tmp_path: Path,
     for result in results:
         assert isinstance(result.error, RemoteError) and not result.fallback
         assert result.error.code == "UPSTREAM_UNAVAILABLE" and result.error.tier == "edge"
+
+
+def test_fallback_answers_count_as_their_own_outcome_in_the_metrics() -> None:
+    pytest.importorskip("prometheus_client", reason="the metrics extra")
+    from tierflow.metrics import TierMetrics
+
+    metrics = TierMetrics("edge", lambda: 0.0)
+    reply = tier_pb2.Reply(answered_by="edge", exit="exit_edge", fallback="the cloud is gone")
+    metrics.observe(reply, "device-edge", 0)
+    labels = {"tier": "edge", "outcome": "fallback", "answered_by": "edge"}
+    assert metrics.registry.get_sample_value("tierflow_requests_total", labels) == 1.0
+    labels["outcome"] = "exit"
+    assert metrics.registry.get_sample_value("tierflow_requests_total", labels) is None
