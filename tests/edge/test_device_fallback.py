@@ -5,6 +5,7 @@ See [Note: device fallback] in tierflow/device/client.py.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,8 @@ from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
 from tierflow.errors import TransportError
 from tierflow.options import RuntimeOptions
-from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan_set
+from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan, save_plan_set
+from tierflow.sessions import open_session
 
 
 def _with_device_only_plan(split: Any) -> Plan:
@@ -113,3 +115,32 @@ def test_killing_the_edge_mid_stream_turns_the_rest_into_device_answers(
     assert all(r.fallback and r.answered_by == "device" and r.plan == alone.plan_id for r in late)
     assert all(r.fallback_reason and "edge" in r.fallback_reason for r in late)
     assert back.answered_by == "cloud" and not back.fallback
+
+
+def test_without_a_device_only_plan_a_device_exit_answers(tmp_path: Path, rt: Any) -> None:
+    # The exit head runs on the device (threshold 1: never confident); the cloud the rest.
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"}, 1.0)
+    conv1, conv2, head = load_plan(split.plan_dir).segments
+    ours = dataclasses.replace(
+        load_plan(split.plan_dir), segments=(conv1, dataclasses.replace(conv2, tier="device"), head)
+    )
+    save_plan(ours, split.plan_dir)
+    first = open_session(split.plan_dir / conv1.file)
+    second = open_session(split.plan_dir / conv2.file)
+    samples = split.sample(seed=34, count=4)
+    with (
+        rt.tiers(split.plan_dir) as (address, edge, _),
+        DeviceClient(split.plan_dir, address, deadline_s=10.0) as device,
+    ):
+        assert device.fallback_plan is None
+        before = device.submit(samples[0]).result()
+        edge.stop(0.5)
+        during = [device.submit(feeds).result() for feeds in samples[1:]]
+    assert before.answered_by == "cloud" and not before.fallback
+    for feeds, result in zip(samples[1:], during, strict=True):
+        result.unwrap()
+        assert (result.answered_by, result.exit, result.fallback) == ("device", "exit_edge", True)
+        assert result.fallback_reason is not None and "edge" in result.fallback_reason
+        (h1,) = first.run(["h1"], feeds)
+        (scores,) = second.run(["exit_edge"], {"h1": h1})
+        np.testing.assert_array_equal(result.outputs["exit_edge"], scores)
