@@ -5,8 +5,8 @@ The device learns its links passively, from the transfers of real requests
 sends nothing for a while learns nothing, and its first request after a pause would run
 on a plan chosen for the link as it was. An :class:`IdleProber` fills the gap: once the
 link has carried no request for ``idle_s`` seconds it sends one small probe over the
-``Probe`` RPC of the channel the requests use, and again every ``idle_s`` seconds while
-the link stays idle. See [Note: idle probes].
+``Probe`` RPC of the channel the requests use, and again while the link stays idle, at
+intervals that double up to ``max_interval_s``. See [Note: idle probes].
 
 [Note: idle probes]
 A probe round opens a short ``Probe`` stream and sends two empty messages (the round
@@ -22,7 +22,12 @@ is the emulated serialisation; on a real link it is the payload's round trip les
 empty one's. Bytes over that time feed the device-edge
 :class:`~tierflow.device.switching.LinkEstimator`, the round trip its RTT. No probe
 starts while a request is in flight or has been sent within ``idle_s``, so probes never
-compete with real traffic, and they cost at most ``MAX_PROBE_BYTES`` per ``idle_s``.
+compete with real traffic. They cost at most ``MAX_PROBE_BYTES`` per ``idle_s`` right
+after traffic stops, and less the longer the link stays idle: the interval doubles
+after each probe, up to ``max_interval_s`` (30 s: about 2 KiB/s at most on a device
+left idle for hours); the first request resets it. A probe long after the last
+observation replaces most of the estimate (its weight grows with the time since,
+``LinkEstimator``), so a few probes suffice even far apart.
 A probe that fails (the edge is down) is skipped: the channel's own state tells the
 device that ([Note: retries and failing fast] in ``tierflow.mux``).
 """
@@ -43,8 +48,10 @@ from tierflow.rpc import tier_pb2, tier_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-#: Seconds without a request before the first probe, and between probes while idle.
+#: Seconds without a request before the first probe (and the first interval after it).
 DEFAULT_IDLE_S = 1.0
+#: Longest interval between probes while the link stays idle (seconds).
+DEFAULT_MAX_INTERVAL_S = 30.0
 #: A probe's payload aims at this many seconds on the link at the estimated rate.
 PROBE_TIME_S = 0.02
 #: Bounds on a probe's payload (bytes).
@@ -64,7 +71,10 @@ def probe_size(rate_bps: float) -> int:
 
 
 class IdleProber:
-    """Probes the link on ``channel`` whenever it has been idle for ``idle_s`` seconds.
+    """Probes the link on ``channel`` once it has been idle for ``idle_s`` seconds.
+
+    Then again at intervals doubling from ``idle_s`` up to ``max_interval_s`` while it
+    stays idle ([Note: idle probes]).
 
     ``busy`` says whether requests are in flight; :meth:`touch` is called for every
     request sent or answered. ``rate`` gives the current rate estimate (to size the
@@ -82,10 +92,13 @@ class IdleProber:
         report: Report,
         shaper: LinkShaper | None = None,
         idle_s: float = DEFAULT_IDLE_S,
+        max_interval_s: float = DEFAULT_MAX_INTERVAL_S,
     ) -> None:
         if not idle_s > 0:
             raise UsageError(f"the idle time before a probe must be positive, got {idle_s!r}")
         self.idle_s = idle_s
+        self.max_interval_s = max(max_interval_s, idle_s)
+        self._streak = 0  # probes since the last request
         self.probes = 0  # rounds that measured the link
         self.failures = 0
         self._stub = tier_pb2_grpc.TierStub(channel)
@@ -116,12 +129,18 @@ class IdleProber:
         if self._thread.is_alive():
             self._thread.join(PROBE_TIMEOUT_S)
 
+    def interval(self, streak: int) -> float:
+        """Seconds before the probe that follows ``streak`` probes of one idle spell."""
+        return min(self.idle_s * 2.0 ** min(streak, 32), self.max_interval_s)
+
     def _run(self) -> None:
         while True:
-            due = max(self._active_at, self._probed_at) + self.idle_s
+            active, probed = self._active_at, self._probed_at
+            streak = 0 if active >= probed else self._streak
+            due = max(active, probed) + self.interval(streak)
             if self._stop.wait(max(due - time.monotonic(), 0.0)):
                 return
-            if time.monotonic() < max(self._active_at, self._probed_at) + self.idle_s:
+            if self._active_at != active:
                 continue  # a request came meanwhile
             if self._busy():
                 self.touch()  # a request is in flight: look again an idle time later
@@ -133,6 +152,7 @@ class IdleProber:
                 self.failures += 1
                 logger.debug("[device] idle probe failed: %s", exc)
             self._probed_at = time.monotonic()
+            self._streak = streak + 1
 
     def _probe(self) -> None:
         """One probe round ([Note: idle probes])."""

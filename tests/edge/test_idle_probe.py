@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import onnx.utils
 import pytest
 
 from tierflow.device.client import DeviceClient
-from tierflow.device.probing import MAX_PROBE_BYTES, MIN_PROBE_BYTES, probe_size
+from tierflow.device.probing import MAX_PROBE_BYTES, MIN_PROBE_BYTES, IdleProber, probe_size
 from tierflow.links import LinkSpec
 from tierflow.linktrace import LinkTrace, TraceStep
 from tierflow.options import RuntimeOptions
@@ -88,3 +89,11 @@ def test_an_idle_device_learns_a_rate_drop_from_probes_and_a_busy_one_never_prob
     assert busy_s > 4 * device.prober.idle_s
     assert results[0].plan == slow.plan_id  # the first request after the pause switched
     assert results[0].switch is not None and all(r.ok for r in results)
+
+
+def test_probes_back_off_while_the_link_stays_idle() -> None:
+    with grpc.insecure_channel("127.0.0.1:9") as channel:  # never used: nothing started
+        prober = IdleProber(
+            channel, busy=lambda: False, rate=lambda: 1e6, report=lambda *_: None, idle_s=1.0
+        )
+        assert [prober.interval(n) for n in range(7)] == [1, 2, 4, 8, 16, 30, 30]
