@@ -344,10 +344,11 @@ class DeviceClient:
 
     [Note: device fallback]
     A plan set (``plan --adaptive``) may hold a plan that runs the whole model on the
-    device. While the edge is known to be down, and for every request whose stream to
-    the edge broke (a ``TransportError``: not a deadline, not an error the edge
-    answered), the device runs that plan on the request's inputs and answers itself,
-    marked ``fallback`` in its result. Its sessions are opened on the first fallback,
+    device. While the edge is known to be down, for every request whose stream to the
+    edge broke (a ``TransportError``, not a deadline) and for every request the edge
+    refused UNAVAILABLE (it is stopping), the device runs that plan on the request's
+    inputs and answers itself, marked ``fallback`` in its result, with
+    ``fallback_reason``. Its sessions are opened on the first fallback,
     so a device that never loses the edge never pays their memory. Each request still
     tries the edge first unless it is known to be down, so answers come from the edge
     again as soon as it is back (the channel reconnects by itself, see
@@ -363,8 +364,9 @@ class DeviceClient:
     plan, else sent again on it through the edge (a device+edge plan); the answer is
     marked ``fallback``, with ``fallback_reason``. Until the cloud is back the device
     picks its plans among those that do not need it (the one closest to the link
-    estimates, with a plan set that has regions; else the first in the set), and names
-    the switch in ``switch``; a set without such a plan keeps its plans (the edge's
+    estimates, with a plan set that has regions; else the first in the set), names the
+    switch in ``switch`` and marks those answers ``fallback`` too; a set without such a
+    plan keeps its plans (the edge's
     exits answer, or requests fail with the typed error). One request every
     ``retry_s`` seconds tries the plan the device would use with every tier; the first
     answer the cloud gives again ends the fallback (a failed try is still answered
