@@ -362,7 +362,18 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any], sections: Sequence[st
             )
         out.append("")
     out.extend(sections)
+    out.extend(rate_fidelity_section())
     return "\n".join(out) + "\n"
+
+
+def rate_fidelity_section() -> list[str]:
+    """``rate_fidelity.py``'s section from its last committed run (none if absent)."""
+    path = Path(__file__).resolve().parent / "results" / "rate_fidelity.json"
+    if not path.exists():
+        return []
+    import rate_fidelity
+
+    return ["", *rate_fidelity.results_section(json.loads(path.read_text()))]
 
 
 def _fidelity(row: Row) -> str:

@@ -168,6 +168,15 @@ class FidelityProbe:
             self._prefix_bytes += size
         return self._prefix[key]
 
+    def crossing(self, a: int, index: int) -> Request:
+        """The tensors of cut ``a`` for request ``index``: what the device sends at ``a``.
+
+        The raw features, before any codec (the benchmarks encode them to count bytes).
+        """
+        if not 0 <= a <= self.last:
+            raise PlanError(f"cut must be within 0..{self.last}, got {a}")
+        return self._device(a, index)
+
     def run_split(self, cuts: tuple[int, int], codec: Mapping[str, str], index: int) -> Request:
         """Request ``index`` through plan ``cuts = (a, b)`` with ``codec[link]`` on each link.
 

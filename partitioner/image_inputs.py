@@ -41,7 +41,13 @@ from tierflow.errors import CodecError, UsageError
 from tierflow.image_norm import NormSpec
 
 #: The image codecs ``--codec auto`` adds for image inputs: JPEG's quality sweep, WebP, PNG.
+#: The sweep goes down to quality 10: what an app tuned for a slow link uploads, and on
+#: a robust task (page orientation) as faithful as quality 90 (benchmarks/RATE_FIDELITY.md).
 IMAGE_CANDIDATES: tuple[str, ...] = (
+    "jpeg:10",
+    "jpeg:20",
+    "jpeg:30",
+    "jpeg:40",
     "jpeg:50",
     "jpeg:60",
     "jpeg:70",

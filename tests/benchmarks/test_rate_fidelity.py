@@ -1,0 +1,172 @@
+"""The rate-fidelity figures and the split plans of bottleneck_bench: small, real pieces."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+
+
+def _point(name: str, nbytes: float, fidelity: float, device_ms: float) -> dict[str, Any]:
+    return {"codec": name, "bytes": nbytes, "fidelity": fidelity, "prefix_ms_here": device_ms}
+
+
+def test_pareto_fronts_with_and_without_device_compute() -> None:
+    from rate_fidelity import mark_pareto
+
+    points = [
+        _point("jpeg:10", 3000, 1.0, 0.0),
+        _point("jpeg:5", 2000, 0.95, 0.0),
+        _point("int8 late", 100, 1.0, 50.0),
+        _point("int2 early", 5000, 1.0, 2.0),  # more bytes than jpeg:10 and more compute
+        _point("int4 early", 1000, 0.9, 2.0),
+    ]
+    mark_pareto(points)
+    front = {p["codec"] for p in points if p["pareto"]}
+    aware = {p["codec"] for p in points if p["pareto_compute"]}
+    assert front == {"int8 late"}  # on bytes alone the last features win
+    assert aware == {"jpeg:10", "jpeg:5", "int8 late", "int4 early"}
+
+
+def test_sent_bytes_counts_the_image_as_an_image_and_exact_codecs_round_trip() -> None:
+    from rate_fidelity import IMAGENET, sent_bytes
+
+    from tierflow.codec import ImageNorm
+
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, size=(1, 3, 32, 32)).astype(np.float32)
+    mean = np.array(IMAGENET[0], np.float32)[None, :, None, None]
+    std = np.array(IMAGENET[1], np.float32)[None, :, None, None]
+    image = (pixels / 255.0 - mean) / std
+    images = {"x": ImageNorm(mean=IMAGENET[0], std=IMAGENET[1])}
+    raw, decoded = sent_bytes({"x": image}, "raw", images)
+    assert raw == image.nbytes and np.array_equal(decoded["x"], image)
+    png, decoded = sent_bytes({"x": image}, "png", images)
+    assert png < raw and np.allclose(decoded["x"], image, atol=1e-5)
+    jpeg, _ = sent_bytes({"x": image}, "jpeg:10", images)
+    assert jpeg < png
+
+
+def test_results_section_replaces_its_own_block(tmp_path: Path) -> None:
+    from rate_fidelity import SECTION_END, SECTION_START, update_results_md
+
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# results\n\nbody\n")
+    update_results_md(path, [SECTION_START, "first", SECTION_END])
+    update_results_md(path, [SECTION_START, "second", SECTION_END])
+    text = path.read_text()
+    assert text.count(SECTION_START) == 1 and "second" in text and "first" not in text
+    assert text.startswith("# results\n\nbody\n")
+
+
+def _row(strategy: str, ms: float, fidelity: float, codec: str) -> dict[str, Any]:
+    return {
+        "bandwidth_mbit": 1.0,
+        "strategy": strategy,
+        "variant": strategy,
+        "p50_ms": ms,
+        "fidelity": fidelity,
+        "codec": codec,
+    }
+
+
+def test_verdict_matches_each_split_with_the_fastest_jpeg_as_faithful() -> None:
+    import bottleneck_bench
+
+    rows = [
+        _row("cloud-only-jpeg", 120.0, 1.0, "jpeg:90"),
+        _row("cloud-only-jpeg:10", 100.0, 1.0, "jpeg:10"),
+        _row("cloud-only-jpeg:5", 90.0, 0.9, "jpeg:5"),
+        _row("tierflow-lowbit", 200.0, 1.0, "int4+zstd"),
+        _row("tierflow-bottleneck", 150.0, 0.95, "zstd (uint8 codes)"),
+        _row("tierflow-budget", 100.0, 1.0, "jpeg:10"),
+    ]
+    saved = bottleneck_bench.RATES_RTT_MS
+    bottleneck_bench.RATES_RTT_MS = {1.0: 40.0}
+    try:
+        (verdict,) = bottleneck_bench.verdicts(rows)
+    finally:
+        bottleneck_bench.RATES_RTT_MS = saved
+    # The bottleneck (0.95) is matched with jpeg:10 (1.0 >= 0.95), not jpeg:5 (0.9).
+    assert verdict["split_strategy"] == "tierflow-bottleneck"
+    assert verdict["jpeg_same_fidelity"] == "jpeg:10"
+    assert verdict["speedup_vs_jpeg_same_fidelity"] == pytest.approx(100.0 / 150.0)
+    assert verdict["speedup_vs_jpeg90"] == pytest.approx(120.0 / 150.0)
+    assert verdict["tierflow_speedup_vs_fastest_upload"] == pytest.approx(1.0)
+
+
+def _chain_model(path: Path) -> None:
+    """x[1,64] -> (MatMul, Relu) x 3 -> y: a real ONNX file with a few cuts."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes, weights, current = [], [], "x"
+    for i in range(3):
+        nodes.append(helper.make_node("MatMul", [current, f"w{i}"], [f"m{i}"]))
+        nodes.append(helper.make_node("Relu", [f"m{i}"], [f"r{i}"]))
+        weights.append(
+            numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), f"w{i}")
+        )
+        current = f"r{i}"
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info(current, TensorProto.FLOAT, [1, 64])],
+        initializer=weights,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
+def test_compose_adds_tiers_codecs_and_links_as_the_cost_model(tmp_path: Path) -> None:
+    import bench_emulation as emu
+    from bench_splits import Parts, lowbit_row
+
+    from tierflow.links import LinkSpec
+    from tierflow.partitioner.graph import load_model
+
+    _chain_model(tmp_path / "m.onnx")
+    graph = load_model(tmp_path / "m.onnx")
+    rng = np.random.default_rng(1)
+    requests = [{"x": rng.standard_normal((1, 64)).astype(np.float32)} for _ in range(4)]
+    parts = Parts(graph, requests, {}, timed=2, repeats=1)
+    last = parts.last
+    link = LinkSpec(rate_bps=1e6, rtt_s=0.04)
+    composed = parts.compose((1, 1), {"device-edge": "raw", "edge-cloud": "raw"}, link)
+    split = composed["parts_ms"]
+    assert composed["p50_ms"] == pytest.approx(sum(split.values()))
+    assert split["device"] == pytest.approx(parts.segment_ms(0, 1) * 10.0)
+    assert split["edge"] == 0.0 and split["cloud"] == pytest.approx(parts.segment_ms(1, last))
+    sent = composed["bytes"]["device-edge"]
+    assert sent == composed["bytes"]["edge-cloud"] >= 256  # 64 float32
+    expected_wire = (sent * 8 / 1e6 + 0.04) * 1e3 + (
+        sent * 8 / emu.EDGE_CLOUD.rate_bps + emu.EDGE_CLOUD.rtt_s
+    ) * 1e3
+    assert split["wire"] == pytest.approx(expected_wire)
+    # A device-only plan uses no link; an exact codec keeps every answer.
+    alone = parts.compose((last, last), {}, link)
+    assert alone["parts_ms"]["wire"] == 0.0 and alone["bytes"] == {}
+    assert parts.fidelity((1, last), {"device-edge": "zstd"}) == 1.0
+    point = {
+        "cut": 1,
+        "codec": "int8+zstd",
+        "bytes": 100.0,
+        "encode_ms_here": 1.0,
+        "decode_ms_here": 1.0,
+        "device_ms_here": 2.0,
+        "cloud_ms": 3.0,
+        "fidelity": 1.0,
+    }
+    row = lowbit_row(point, 1.0, link)
+    assert row["parts_ms"]["device"] == 20.0 and row["parts_ms"]["codec"] == 11.0
+    assert row["p50_ms"] == pytest.approx(sum(row["parts_ms"].values()))
