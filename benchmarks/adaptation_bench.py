@@ -61,8 +61,10 @@ import adaptation_traces as traces  # noqa: E402
 import bench_emulation as emu  # noqa: E402
 import bench_models  # noqa: E402
 
+from tierflow.device.switching import PlanSelector  # noqa: E402
 from tierflow.links import TIERS, LinkSpec  # noqa: E402
 from tierflow.linktrace import LinkTrace  # noqa: E402
+from tierflow.plan import PlanSet  # noqa: E402
 from tierflow.table import format_table  # noqa: E402
 
 logger = logging.getLogger("benchmarks.adaptation")
@@ -125,6 +127,7 @@ class PlannedSet:
     """A plan set on disk, one directory per static plan, and labels for the plans."""
 
     set_dir: Path
+    plans: PlanSet
     static_dirs: tuple[Path, ...]
     labels: tuple[str, ...]
     plan_ids: tuple[str, ...]
@@ -191,6 +194,7 @@ def plan_set(model: bench_models.BenchModel, work_dir: Path, into: Path) -> Plan
         labels.append(f"{plan_letter(index)}: {units}{codec}")
     return PlannedSet(
         set_dir,
+        plans,
         tuple(statics),
         tuple(labels),
         tuple(p.plan_id for p in plans.plans),
@@ -418,7 +422,24 @@ def bench_case(
         },
         "switch_reasons": [r["switch"] for r in adaptive.records if r["switch"]][:20],
     }
+    selector = PlanSelector(planned.plans)
+
+    def planned_at(t: float) -> str:
+        """The plan the set's regions give for the true links at ``t``."""
+        links = {"device-edge": trace.at(t), "edge-cloud": emu.EDGE_CLOUD}
+        distances = selector.distances(links)
+        return planned.plan_ids[min(range(len(distances)), key=lambda i: (distances[i], i))]
+
+    known = stats.replay(runs, planned_at, setup.period_s, duration)
+    strategies["true-rate regions"] = {
+        "label": "the set's regions at the true rate (no estimation; priced like the oracle)",
+        **stats.summary([s.latency_ms for s in known if s.latency_ms is not None]),
+        "plans": dict(collections.Counter(letters[s.plan or ""] for s in known)),
+    }
+    case["true_rate_regions"] = _pick(strategies["true-rate regions"])
+    case["silent"] = stats.silent_stretch(adaptive.records)
     case["verdicts"] = stats.verdicts(case)
+    case["diagnosis"] = stats.diagnosis(case)
     return case
 
 
@@ -629,6 +650,9 @@ def case_notes(case: Mapping[str, Any]) -> list[str]:
     for goal in case["verdicts"]:
         mark = "met" if goal["met"] else "**NOT met**"
         lines.append(f"- {goal['goal']}: {mark} ({goal['detail']})")
+    if case["diagnosis"]:
+        lines += ["", "Why (computed from this case):", ""]
+        lines += [f"- {line}" for line in case["diagnosis"]]
     return lines
 
 
@@ -636,7 +660,7 @@ def markdown(results: Mapping[str, Any]) -> str:
     """ADAPTATION.md: how it was measured, per model and trace the table and the verdict."""
     command = "python benchmarks/adaptation_bench.py" + (" --quick" if results["quick"] else "")
     method = (__doc__ or "").split("\n\n", 2)[2].strip()
-    bursty = " ".join(
+    bursty = "\n".join(
         line.strip() for line in (traces.__doc__ or "").split("\n\n", 2)[2].splitlines()
     )
     lines = [

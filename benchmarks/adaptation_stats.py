@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,45 @@ def oracle(
         if best is not None:
             out.append(Sample(t, best[0], best[1]))
     return out
+
+
+def replay(
+    runs: Mapping[str, Sequence[Sample]],
+    choose: Callable[[float], str],
+    period_s: float,
+    duration_s: float,
+) -> list[Sample]:
+    """A policy that runs plan ``choose(t)`` at every scheduled time, priced like the oracle.
+
+    With ``choose`` the planner's plan for the true rate at ``t`` this is adaptation with a
+    perfect estimate: what the plan set's regions are worth without any estimation error.
+    """
+    out = []
+    for i in range(math.ceil(duration_s / period_s - 1e-9)):
+        t = i * period_s
+        plan = choose(t)
+        out.append(Sample(t, latency_at(runs[plan], t), plan))
+    return out
+
+
+def silent_stretch(records: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
+    """The longest time (start, seconds) requests in a row sent nothing over device-edge.
+
+    ``records`` are the adaptive run's requests in send order (``sent_s``, ``ok``,
+    ``bytes_device_edge``). While nothing crosses, a passive estimate cannot move.
+    """
+    best = (0.0, 0.0)
+    start: float | None = None
+    for record in records:
+        quiet = record["ok"] and record["bytes_device_edge"] == 0
+        if quiet and start is None:
+            start = record["sent_s"]
+        if start is not None:
+            if quiet:
+                best = max(best, (record["sent_s"] - start, start))
+            else:
+                start = None
+    return best[1], best[0]
 
 
 def estimate_errors(
@@ -153,6 +192,42 @@ def verdicts(case: Mapping[str, Any]) -> list[dict[str, Any]]:
             lost,
         )
     )
+    return out
+
+
+def diagnosis(case: Mapping[str, Any]) -> list[str]:
+    """Why a goal failed, from what the case measured (empty when every goal was met).
+
+    Separates the parts: how much any per-request choice could gain over the best static
+    plan (the oracle's headroom), what the plan set's regions are worth with the true
+    rate known (the cost model's share), and how long the device sent nothing over the
+    link (when a passive estimate cannot follow it).
+    """
+    if all(goal["met"] for goal in case["verdicts"]):
+        return []
+    out = []
+    oracle_, best = case["oracle"]["mean_ms"], case["best_static"]["mean_ms"]
+    adaptive = case["adaptive"]["mean_ms"]
+    known = case.get("true_rate_regions", {}).get("mean_ms")
+    if oracle_ and best:
+        out.append(
+            f"headroom: the oracle is {best / oracle_:.2f}x faster than the best static plan "
+            "(no per-request choice of these plans can gain more here)"
+        )
+    if known and oracle_ and adaptive:
+        out.append(
+            f"regions: choosing by the plan set's regions with the true rate known gives "
+            f"{known:.1f} ms, {known / oracle_:.2f}x the oracle's mean (the cost model's "
+            f"choice at each rate vs the measured best); the adaptive device's "
+            f"{adaptive:.1f} ms is {adaptive / known:.2f}x that (estimation and switching)"
+        )
+    start, length = case.get("silent", (0.0, 0.0))
+    if length >= 1.0:
+        out.append(
+            f"silent link: from {start:.1f} s the device ran {length:.1f} s on plans that "
+            "send nothing over device-edge, so its passive estimate had nothing to learn "
+            "from (the idle probe is what keeps it fresh then)"
+        )
     return out
 
 

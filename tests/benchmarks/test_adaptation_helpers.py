@@ -120,3 +120,40 @@ def test_verdicts_are_computed_from_the_figures() -> None:
     assert "1.15" in bad[0]["detail"]
     step = stats.verdicts(_case(100.0, 100.0, 100.0, "step", 0))
     assert len(step) == 3  # the 1.3x goal is for the bursty trace only
+
+
+def test_replay_prices_a_policy_by_the_static_runs() -> None:
+    runs = {
+        "A": [stats.Sample(0.0, 10.0), stats.Sample(1.0, 90.0)],
+        "B": [stats.Sample(0.0, 40.0), stats.Sample(1.0, 20.0)],
+    }
+    got = stats.replay(runs, lambda t: "A" if t < 1 else "B", 0.5, 1.5)
+    assert [(s.sent_s, s.latency_ms, s.plan) for s in got] == [
+        (0.0, 10.0, "A"),
+        (0.5, 10.0, "A"),
+        (1.0, 20.0, "B"),
+    ]
+
+
+def test_the_longest_run_of_requests_that_sent_nothing() -> None:
+    def record(t: float, nbytes: int, ok: bool = True) -> dict:
+        return {"sent_s": t, "bytes_device_edge": nbytes, "ok": ok}
+
+    records = [record(0, 100), record(1, 0), record(2, 0), record(3, 50), record(4, 0)]
+    records += [record(5, 0), record(6, 0), record(7, 0, ok=False)]
+    assert stats.silent_stretch(records) == (4, 2)
+    assert stats.silent_stretch([record(0, 10)]) == (0.0, 0.0)
+
+
+def test_a_failed_goal_comes_with_its_computed_reasons() -> None:
+    case = _case(150.0, 100.0, 120.0, "bursty", 0)
+    case["true_rate_regions"] = {"mean_ms": 130.0}
+    case["silent"] = (3.0, 12.5)
+    case["verdicts"] = stats.verdicts(case)
+    why = stats.diagnosis(case)
+    assert "1.20x" in why[0]  # headroom: best static / oracle
+    assert "1.30x the oracle" in why[1] and "1.15x that" in why[1]
+    assert "12.5 s" in why[2]
+    fine = _case(100.0, 100.0, 140.0, "bursty", 0)
+    fine["verdicts"] = stats.verdicts(fine)
+    assert stats.diagnosis(fine) == []
