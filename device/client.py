@@ -736,6 +736,8 @@ class DeviceClient:
             return self._local(request_id, started, error=InputError(str(exc)))
         store = None if key is None else functools.partial(self._store, key, arrays)
         if outcome.final:
+            if self.prober is not None:  # chosen on a link estimate it cannot refresh
+                self.prober.demand()
             if store is not None:
                 store(outcome.tensors, outcome.exit)
             return self._local(request_id, started, outputs=outcome.tensors, exit_name=outcome.exit)

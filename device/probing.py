@@ -25,7 +25,12 @@ starts while a request is in flight or has been sent within ``idle_s``, so probe
 compete with real traffic. They cost at most ``MAX_PROBE_BYTES`` per ``idle_s`` right
 after traffic stops, and less the longer the link stays idle: the interval doubles
 after each probe, up to ``max_interval_s`` (30 s: about 2 KiB/s at most on a device
-left idle for hours); the first request resets it. A probe long after the last
+left idle for hours); the first request resets it. A device that keeps answering
+requests without the link (a device-only plan chosen for a slow link, or a device exit)
+is not idle: each such request is chosen on the estimate, so while they come (within
+``idle_s`` of each other) the probes stay ``idle_s`` apart and do not back off
+(:meth:`IdleProber.demand`); without that, a link that recovered while the device sat on
+a device-only plan would go unseen for up to ``max_interval_s``. A probe long after the last
 observation replaces most of the estimate (its weight grows with the time since,
 ``LinkEstimator``), so a few probes suffice even far apart.
 A probe that fails (the edge is down) is skipped: the channel's own state tells the
@@ -77,10 +82,10 @@ class IdleProber:
     stays idle ([Note: idle probes]).
 
     ``busy`` says whether requests are in flight; :meth:`touch` is called for every
-    request sent or answered. ``rate`` gives the current rate estimate (to size the
-    probe) and ``report`` receives each measurement. ``shaper`` is the requests' link
-    emulation (None or unshaped: a real link). Runs a daemon thread from :meth:`start`
-    until :meth:`close`.
+    request sent or answered, :meth:`demand` for every one answered on the device alone.
+    ``rate`` gives the current rate estimate (to size the probe) and ``report`` receives
+    each measurement. ``shaper`` is the requests' link emulation (None or unshaped: a
+    real link). Runs a daemon thread from :meth:`start` until :meth:`close`.
     """
 
     def __init__(
@@ -108,6 +113,7 @@ class IdleProber:
         self._shaper = shaper if shaper is not None and shaper.spec is not None else None
         self._active_at = time.monotonic()
         self._probed_at = self._active_at
+        self._demand_at = -float("inf")  # when a request last ran without the link
         self._stop = threading.Event()
         self._call: grpc.Call | None = None
         self._lock = threading.Lock()
@@ -119,6 +125,10 @@ class IdleProber:
     def touch(self) -> None:
         """A request was sent or answered now: the link is not idle."""
         self._active_at = time.monotonic()
+
+    def demand(self) -> None:
+        """A request was answered on the device without the link: keep probing, no back-off."""
+        self._demand_at = time.monotonic()
 
     def close(self) -> None:
         self._stop.set()
@@ -136,7 +146,8 @@ class IdleProber:
     def _run(self) -> None:
         while True:
             active, probed = self._active_at, self._probed_at
-            streak = 0 if active >= probed else self._streak
+            wanted = time.monotonic() - self._demand_at < self.idle_s
+            streak = 0 if active >= probed or wanted else self._streak
             due = max(active, probed) + self.interval(streak)
             if self._stop.wait(max(due - time.monotonic(), 0.0)):
                 return

@@ -97,3 +97,37 @@ def test_probes_back_off_while_the_link_stays_idle() -> None:
             channel, busy=lambda: False, rate=lambda: 1e6, report=lambda *_: None, idle_s=1.0
         )
         assert [prober.interval(n) for n in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+
+
+def test_a_device_answering_alone_keeps_probing_and_sees_the_link_recover(
+    tmp_path: Path, rt: Any
+) -> None:
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
+    base = load_plan(split.plan_dir)
+    fast = Plan(*_common(base), base.segments, codec=base.codec)
+    alone = tuple(SegmentSpec("device", s.file, s.inputs, s.outputs) for s in base.segments)
+    local = Plan(*_common(base), alone, codec=base.codec)
+    regions = (({"device-edge": LinkSpec(200e6, 0.02)},), ({"device-edge": LinkSpec(2e6, 0.02)},))
+    save_plan_set(PlanSet((fast, local), regions), split.plan_dir)
+    # Slow from 0.3 s (the device goes local: nothing crosses), fast again from 2 s.
+    steps = [(0.0, 200e6), (0.3, 2e6), (2.0, 200e6)]
+    trace = LinkTrace(tuple(TraceStep(t, LinkSpec(rate, 0.02)) for t, rate in steps))
+    options = RuntimeOptions(links={"device-edge": trace})
+    sample = split.sample(seed=62, count=1)[0]
+    with (
+        rt.tiers(split.plan_dir) as (edge, _, _),
+        DeviceClient(split.plan_dir, edge, options=options, window=1, idle_probe_s=0.2) as device,
+    ):
+        assert device.prober is not None
+        opened = time.monotonic()
+        results = []
+        while time.monotonic() - opened < 3.6:
+            results.append(device.infer(sample))
+            time.sleep(0.05)
+        probes = device.prober.probes
+    plans = [r.plan for r in results]
+    went = plans.index(local.plan_id)  # the slow link sent it local
+    assert fast.plan_id in plans[went:]  # and probes showed it the link was back
+    # Local from about 0.9 s to 2.5 s: probes 0.2 s apart. Backing off (0.2, 0.4, 0.8,
+    # 1.6 s after the last transfer) would have seen the recovery only at about 3.9 s.
+    assert probes >= 5
