@@ -447,7 +447,9 @@ class DeviceClient:
             plans,
             tier="device",
             budget=options.segment_budget,
-            source=None if self.stream is None else SegmentSource(self.stream.channel, "edge"),
+            source=None
+            if self.stream is None
+            else SegmentSource(self.stream.channel, "edge", known_down=self.stream.known_down),
             on_evict=self._evicted,
         )
         self._fetching_ahead = threading.Lock()  # one fetch ahead at a time

@@ -107,7 +107,10 @@ class SegmentSource:
     ``channel`` is the tier's channel to it (its TLS and token: ``tierflow.security``);
     ``peer`` names that tier in messages. ``on_chunk`` is called after each chunk is
     written (progress, or a test's way to break a connection midway). ``timeout_s``
-    bounds each try.
+    bounds each try. ``known_down`` says whether that tier is known to be unreachable
+    (``StreamClient.known_down``): a broken fetch is then not tried again at once but
+    fails, keeping its ``.part`` for the next fetch to resume, so a request that needed
+    it fails fast (or falls back) instead of waiting out every try.
     """
 
     def __init__(
@@ -119,6 +122,7 @@ class SegmentSource:
         attempts: int = FETCH_ATTEMPTS,
         timeout_s: float = 600.0,
         on_chunk: ChunkCallback | None = None,
+        known_down: Callable[[], bool] | None = None,
     ) -> None:
         if not 0 < chunk_bytes <= MAX_CHUNK_BYTES or attempts < 1:
             raise ValueError(f"bad fetch settings: chunk {chunk_bytes}, attempts {attempts}")
@@ -128,6 +132,7 @@ class SegmentSource:
         self.attempts = attempts
         self.timeout_s = timeout_s
         self.on_chunk = on_chunk
+        self.known_down = known_down
 
     def fetch(self, spec: SegmentSpec, directory: Path) -> FetchReport:
         """Fetch ``spec.file`` into ``directory`` ([Note: segments on demand]).
@@ -163,7 +168,10 @@ class SegmentSource:
                         f"the {self.peer} does not serve segment {spec.file}: {details}"
                     ) from exc
                 received += max(_part_size(part, spec.size) - offset, 0)
-                if attempt >= self.attempts:
+                down = self.known_down is not None and self.known_down()
+                if attempt >= self.attempts or down:
+                    if _part_size(part, spec.size) == 0:
+                        part.unlink(missing_ok=True)  # nothing came: nothing to resume
                     raise TransportError(
                         f"fetching segment {spec.file} from the {self.peer} broke off "
                         f"{attempt} times; the last: {details}"

@@ -311,7 +311,9 @@ class TierService(tier_pb2_grpc.TierServicer):
             budget=self.options.segment_budget,
             source=None
             if self.upstream is None
-            else SegmentSource(self.upstream.channel, self.upstream.peer),
+            else SegmentSource(
+                self.upstream.channel, self.upstream.peer, known_down=self.upstream.known_down
+            ),
             on_evict=self._evicted,
         )
         with self.segments.holding(tier_files(self.plans, self.plans.default, self.tier)):

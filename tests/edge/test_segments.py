@@ -20,7 +20,7 @@ import pytest
 from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
-from tierflow.errors import SegmentError
+from tierflow.errors import SegmentError, TransportError
 from tierflow.links import LinkSpec
 from tierflow.mux import channel_options
 from tierflow.options import RuntimeOptions
@@ -463,3 +463,12 @@ def test_the_least_recently_used_file_goes_first_but_never_a_held_one(
     assert store.used_bytes <= budget
     held = [name for name in (first, second, third) if store.present(name)]
     assert sorted(p.name for p in edge_dir.iterdir()) == sorted([PLAN_FILE, *held])
+
+
+def test_a_device_whose_edge_is_gone_cannot_fetch_and_says_so(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    device_dir = _bare(split.plan_dir, tmp_path / "device")
+    nowhere = f"127.0.0.1:{rt.free_port()}"
+    with pytest.raises(TransportError, match=r"fetching segment \S+ from the edge broke off"):
+        DeviceClient(device_dir, nowhere, deadline_s=5.0)
+    assert sorted(p.name for p in device_dir.iterdir()) == [PLAN_FILE]
