@@ -456,7 +456,8 @@ class DeviceClient:
         try:
             self._runner_for(plans.default)  # fetched and opened now, not at the first request
         except BaseException:
-            self.close()
+            if self.stream is not None:
+                self.stream.close()
             raise
         self.selector: PlanSelector | None = None
         if adaptive and self.stream is not None and len(plans.plans) > 1 and any(plans.regions):
