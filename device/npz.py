@@ -30,7 +30,10 @@ def input_ranks(
 ) -> dict[str, int]:
     """The rank each model input has in the first segment that reads it.
 
-    ``known`` ranks (from sessions the caller already holds) spare loading a segment.
+    ``known`` ranks (from sessions the caller already holds) spare loading a segment. An
+    input read first by a segment file this device does not hold (it runs no segment, and
+    fetches only its own: [Note: segments on demand] in ``tierflow.segments``) is left
+    out: its rank is unknown, and its rows are taken as they are.
     """
     ranks: dict[str, int] = dict(known or {})
     for spec in plan.segments:
@@ -38,6 +41,8 @@ def input_ranks(
         if not wanted:
             continue
         path = Path(plan_dir) / spec.file
+        if not path.exists():
+            continue
         session = open_session(path, what=f"segment {path}")
         shapes = {arg.name: len(arg.shape) for arg in session.get_inputs()}
         for name in wanted:
@@ -138,6 +143,8 @@ def _output_templates(
         if not wanted:
             continue
         path = Path(plan_dir) / spec.file
+        if not path.exists():  # not held here ([Note: segments on demand]): no template
+            continue
         session = open_session(path, what=f"segment {path}")
         declared = {arg.name: arg for arg in session.get_outputs()}
         for name in wanted:

@@ -472,3 +472,30 @@ def test_a_device_whose_edge_is_gone_cannot_fetch_and_says_so(tmp_path: Path, rt
     with pytest.raises(TransportError, match=r"fetching segment \S+ from the edge broke off"):
         DeviceClient(device_dir, nowhere, deadline_s=5.0)
     assert sorted(p.name for p in device_dir.iterdir()) == [PLAN_FILE]
+
+
+def test_run_on_a_bare_plan_dir_where_the_device_runs_nothing_fetches_nothing(
+    tmp_path: Path, rt: Any
+) -> None:
+    from tierflow.cli import main
+
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
+    split_plan = load_plan(split.plan_dir)
+    first, second, third = split_plan.segments
+    edge_only = dataclasses.replace(
+        split_plan,
+        segments=(dataclasses.replace(first, tier="edge"), second, third),
+    )
+    save_plan_set(PlanSet((edge_only,)), split.plan_dir)
+    device_dir = _bare(split.plan_dir, tmp_path / "device")
+    samples = split.sample(seed=57, count=2)
+    # The device holds no segment to learn the input's rank from: rows are taken as given.
+    np.savez(tmp_path / "in.npz", x=np.stack([s["x"] for s in samples]))
+    with rt.tiers(split.plan_dir) as (address, _, _):
+        args = ["run", "--plan", str(device_dir), "--edge", address]
+        args += ["--input", str(tmp_path / "in.npz"), "--output", str(tmp_path / "out.npz")]
+        assert main(args) == 0
+    assert sorted(p.name for p in device_dir.iterdir()) == [PLAN_FILE]
+    with np.load(tmp_path / "out.npz") as out:
+        for i, feeds in enumerate(samples):
+            np.testing.assert_array_equal(out["y"][i], split.reference(feeds)["y"])
