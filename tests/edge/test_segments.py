@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
+import json
 import shutil
 import time
 from pathlib import Path
@@ -499,3 +501,55 @@ def test_run_on_a_bare_plan_dir_where_the_device_runs_nothing_fetches_nothing(
     with np.load(tmp_path / "out.npz") as out:
         for i, feeds in enumerate(samples):
             np.testing.assert_array_equal(out["y"][i], split.reference(feeds)["y"])
+
+
+def test_a_budgeted_device_fetches_again_what_a_switch_back_needs(
+    tmp_path: Path, rt: Any, caplog: Any
+) -> None:
+    """A rate drop and recovery switch plans whose device files cannot both be held."""
+    from tierflow.cli import main
+
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
+    fast = load_plan(split.plan_dir)
+    model = str(split.plan_dir / fast.model_file)
+    onnx.utils.extract_model(model, str(split.plan_dir / "device-both.onnx"), ["x"], ["h2"])
+    conv1, _, head = fast.segments
+    slow = dataclasses.replace(
+        fast, segments=(SegmentSpec("device", "device-both.onnx", ("x",), ("h2",)), head)
+    )
+    rtt = 0.02
+    regions = (({"device-edge": LinkSpec(200e6, rtt)},), ({"device-edge": LinkSpec(2e6, rtt)},))
+    save_plan_set(PlanSet((fast, slow), regions), split.plan_dir)
+    sizes = [(split.plan_dir / name).stat().st_size for name in (conv1.file, "device-both.onnx")]
+    budget = max(sizes)
+    assert budget < sum(sizes)
+    device_dir = _bare(split.plan_dir, tmp_path / "device")
+    count = 200
+    samples = split.sample(seed=58, count=count)
+    np.savez(tmp_path / "in.npz", x=np.concatenate([s["x"] for s in samples]))
+    trace = tmp_path / "trace.csv"
+    trace.write_text("seconds,rate,rtt\n0,200mbit,20ms\n0.4,2mbit,20ms\n1.4,200mbit,20ms\n")
+    caplog.set_level("INFO", logger="tierflow.segments")
+    with rt.tiers(split.plan_dir) as (edge, _, _):
+        args = ["run", "--plan", str(device_dir), "--edge", edge, "--window", "1"]
+        args += ["--input", str(tmp_path / "in.npz"), "--output", str(tmp_path / "out.npz")]
+        args += ["--report", str(tmp_path / "r.jsonl"), "--link-emulation", f"trace={trace}"]
+        args += ["--segment-budget", str(budget)]
+        assert main(args) == 0
+    lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    plans = [line["plan"] for line in sorted(lines, key=lambda line: int(line["id"]))]
+    runs = [plans[0]] + [b for a, b in itertools.pairwise(plans) if a != b]
+    assert runs == [fast.plan_id, slow.plan_id, fast.plan_id]
+    fetched = [r.getMessage() for r in caplog.records if "[device] segment" in r.getMessage()]
+    assert [m.split()[2] for m in fetched if "fetched" in m] == [
+        conv1.file,
+        "device-both.onnx",
+        conv1.file,
+    ]
+    evicted = [m.split()[2] for m in fetched if "evicted" in m]
+    assert evicted == [conv1.file, "device-both.onnx"]
+    held = [p for p in device_dir.iterdir() if p.name != PLAN_FILE]
+    assert sum(p.stat().st_size for p in held) <= budget
+    with np.load(tmp_path / "out.npz") as out:
+        for i, feeds in enumerate(samples):
+            np.testing.assert_array_equal(out["y"][i], split.reference(feeds)["y"][0])
