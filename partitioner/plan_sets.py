@@ -8,6 +8,11 @@ chosen plan's cuts, check each split bit for bit, and write the segments and one
 Plans share segment files where their cuts coincide: a segment is named after what it
 computes (the model, the tensors it takes and gives, its exits), ``seg-<hash>.onnx``, so
 the device-only part of two plans that cut the device at the same place is one file.
+``plan.json`` records each file's sha256 and size (``tierflow.plan.save_plan_set``): a
+tier started without the files fetches and checks them, and the device prices a switch
+to a plan whose files it lacks by the time that fetch takes ([Note: switching with
+hysteresis] in ``tierflow/device/switching.py``; [Note: segments on demand] in
+``tierflow/segments.py``). The choice of plans itself stays pure and knows no files.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ prefixed ``tierflow_``; labels in brackets):
   last measured on a transfer up.
 - ``in_flight{tier}``: requests at this tier not yet answered (its queue depth).
 - ``exits_total{tier, exit}``, ``cache_hits_total{tier, answered_by}``.
+- ``segment_bytes{tier}``: bytes of segment files the tier holds (bounded by
+  ``--segment-budget``); ``segment_fetches{tier}``: segment files it fetched from the tier
+  above so far ([Note: segments on demand] in ``tierflow.segments``).
 """
 
 from __future__ import annotations
@@ -27,11 +30,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierflow.errors import TransportError
 from tierflow.extras import import_extra
 from tierflow.rpc import tier_pb2
+
+if TYPE_CHECKING:
+    from tierflow.segments import SegmentStore
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +48,13 @@ _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 class TierMetrics:
     """The metrics of one tier (``edge``, ``cloud`` or ``device``) in their own registry."""
 
-    def __init__(self, tier: str, in_flight: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        tier: str,
+        in_flight: Callable[[], float],
+        segments: Callable[[], SegmentStore | None] | None = None,
+    ) -> None:
+        """``segments`` gives the tier's segment store (None until it has one)."""
         prom = import_extra("prometheus_client", "--metrics-port")
         self.tier = tier
         self.registry = prom.CollectorRegistry()
@@ -92,6 +104,21 @@ class TierMetrics:
             "tierflow_in_flight", "Requests at this tier not yet answered", ["tier"], registry=reg
         )
         depth.labels(tier).set_function(in_flight)
+        if segments is not None:
+            held = prom.Gauge(
+                "tierflow_segment_bytes",
+                "Bytes of segment files this tier holds",
+                ["tier"],
+                registry=reg,
+            )
+            held.labels(tier).set_function(lambda: _store_figure(segments(), "used_bytes"))
+            fetches = prom.Gauge(
+                "tierflow_segment_fetches",
+                "Segment files this tier fetched from the tier above",
+                ["tier"],
+                registry=reg,
+            )
+            fetches.labels(tier).set_function(lambda: _store_figure(segments(), "fetches"))
         self._server: Any = None
 
     # ------------------------------------------------------------------ observing
@@ -189,3 +216,9 @@ class TierMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def _store_figure(store: SegmentStore | None, what: str) -> float:
+    if store is None:
+        return 0.0
+    return float(store.used_bytes if what == "used_bytes" else len(store.fetched))

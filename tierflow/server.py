@@ -287,7 +287,9 @@ def serve_until_stopped(server: TierServer, grace: float, metrics_port: int | No
 
         if not 0 <= metrics_port <= 65535:
             raise UsageError(f"--metrics-port must be a port number, got {metrics_port}")
-        metrics = TierMetrics(service.tier, lambda: service.in_flight)
+        metrics = TierMetrics(
+            service.tier, lambda: service.in_flight, segments=lambda: service.segments
+        )
         service.metrics = metrics
     server.start()
     try:

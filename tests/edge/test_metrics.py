@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tierflow.device.client import DeviceClient
+from tierflow.plan import load_plan
 
 prometheus = pytest.importorskip("prometheus_client.parser")
 
@@ -98,6 +99,11 @@ def test_edge_and_cloud_metrics(tmp_path: Path, rt: Any) -> None:
     assert _total(edge_seen, "tierflow_in_flight", tier="edge") == 0
     assert _total(cloud_seen, "tierflow_in_flight", tier="cloud") == 0
     assert np.isfinite(list(edge_seen.values())).all()
+    # The segment files each tier holds (all of the plan's: the directory came whole).
+    segments = load_plan(split.plan_dir).segments
+    files = sum((split.plan_dir / s.file).stat().st_size for s in segments)
+    assert _total(edge_seen, "tierflow_segment_bytes", tier="edge") == files
+    assert _total(cloud_seen, "tierflow_segment_fetches", tier="cloud") == 0
 
 
 def test_metrics_port_without_the_extra_is_one_line(tmp_path: Path, rt: Any) -> None:
