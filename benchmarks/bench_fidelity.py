@@ -1,19 +1,24 @@
 """Fidelity of every benchmark row, the image-upload baselines, and the fidelity verdict.
 
-A row's ``fidelity`` is the share of the benchmark's requests whose top-1 answer (argmax
-of every float output along its last axis, :func:`tierflow.partitioner.fidelity.request_agrees`)
-equals the exact, unsplit model's. It is measured, never assumed: each distinct plan (cuts
-and a codec per link) runs the requests through its segments with the codecs applied for
-real (:class:`tierflow.partitioner.fidelity_probe.FidelityProbe`, the planner's own probe),
+A row's ``fidelity`` is the share of the benchmark's held-out fidelity requests whose
+top-1 answer (argmax of every float output along its last axis,
+:func:`tierflow.partitioner.fidelity.request_agrees`) equals the exact, unsplit model's.
+It is measured, never assumed: each distinct plan (cuts and a codec per link) runs the
+requests through its segments with the codecs applied for real
+(:class:`tierflow.partitioner.fidelity_probe.FidelityProbe`, the planner's own probe),
 and ``bit_exact`` says whether every output also matched bit for bit.
 
-The image baselines (``cloud-only-jpeg`` at quality 90, ``cloud-only-png``) send the
-model's input as an 8-bit image (:mod:`tierflow.codec_image`, with the input's
-:class:`~tierflow.codec.ImageNorm`); their codec times and bytes are measured per request
-on the benchmark's requests as every other codec's are (``bench_measure.measure_codecs``).
+The image baselines (``cloud-only-jpeg`` at quality 90, its quality sweep
+``cloud-only-jpeg-qNN``, ``cloud-only-png``) send the model's input as an 8-bit image
+(:mod:`tierflow.codec_image`, with the input's :class:`~tierflow.codec.ImageNorm`); their
+codec times and bytes are measured per request on the benchmark's requests as every
+other codec's are (``bench_measure.measure_codecs``). A JPEG row carries its ``quality``.
 
 ``tierflow-bottleneck`` rows come from ``bottleneck_bench.py`` (a real trained classifier,
 rows already in this shape with measured fidelity), folded in by :func:`bottleneck_rows`.
+
+The verdict (:func:`verdict`) and the split goal (:func:`split_goal`) are computed from
+the rows, never asserted.
 """
 
 from __future__ import annotations
@@ -32,16 +37,35 @@ logger = logging.getLogger(__name__)
 
 Row = dict[str, Any]
 
+#: JPEG's quality sweep on the input, beside ``cloud-only-jpeg`` (quality 90).
+JPEG_SWEEP: tuple[int, ...] = (30, 50, 75, 95)
+JPEG_BASELINE = "cloud-only-jpeg"
+
+
+def jpeg_strategy(quality: int) -> str:
+    """The strategy of a JPEG upload at ``quality``: ``cloud-only-jpeg`` at 90 (what a camera
+    app sends today), else ``cloud-only-jpeg-qNN``."""
+    return JPEG_BASELINE if quality == 90 else f"{JPEG_BASELINE}-q{quality}"
+
+
 #: The image-upload baselines: strategy -> the codec on both links.
-IMAGE_BASELINES: dict[str, str] = {"cloud-only-jpeg": "jpeg:90", "cloud-only-png": "png"}
+IMAGE_BASELINES: dict[str, str] = {
+    JPEG_BASELINE: "jpeg:90",
+    **{jpeg_strategy(q): f"jpeg:{q}" for q in JPEG_SWEEP},
+    "cloud-only-png": "png",
+}
 #: Strategies whose plan is tierflow's own (the verdict compares them with the others).
-TIERFLOW = ("tierflow", "tierflow-exits", "tierflow-bottleneck")
-#: Which tierflow row the verdict takes at a point, first present wins.
-VERDICT_STRATEGIES = ("tierflow", "tierflow-bottleneck")
+TIERFLOW = ("tierflow", "tierflow-budget", "tierflow-exits", "tierflow-bottleneck")
+#: tierflow's rows the verdict judges (exits rows are measured on another workload).
+VERDICT_STRATEGIES = ("tierflow", "tierflow-budget", "tierflow-bottleneck")
+#: The issue's goal for a split plan on a trained model: this many times faster than
+#: ``cloud-only-jpeg`` at the same or better fidelity, at a rate within these bounds.
+GOAL_SPEEDUP = 1.5
+GOAL_MBIT = (1.0, 50.0)
 BOTTLENECK_JSON = Path(__file__).resolve().parent / "results" / "bottleneck.json"
 # Which of bottleneck.json's strategies become results.json rows, and under which name.
 _BOTTLENECK_STRATEGIES = {
-    "cloud-only-jpeg": "cloud-only-jpeg",  # quality 90
+    "cloud-only-jpeg": JPEG_BASELINE,  # quality 90
     "cloud-only-png": "cloud-only-png",
     "cloud-only (int8+zstd)": "cloud-only-compressed",
 }
@@ -51,14 +75,23 @@ def image_norms(model: Any, graph: Any) -> dict[str, ImageNorm]:
     """The image inputs of a suite model and how they were normalised (empty: none).
 
     The CNNs of the suite get ``bench_models.smooth_images``: 8-bit pixels normalised by
-    ``bench_models.IMAGE_NORM``. The demo's digits are not 8-bit images (8x8 scans of 17
-    grey levels, upsampled), the transformer's inputs are tokens.
+    ``bench_models.IMAGE_NORM``; the camera model 8-bit frames as pixel / 255. The demo's
+    digits are not 8-bit images (8x8 scans of 17 grey levels, upsampled), the
+    transformer's inputs are tokens.
     """
     import bench_models
 
+    if model.kind == "camera":
+        return {graph.inputs[0].name: bench_models.CAMERA_NORM}
     if model.kind not in bench_models.IMAGE_KINDS:
         return {}
     return {graph.inputs[0].name: bench_models.IMAGE_NORM}
+
+
+def jpeg_quality(codec: str) -> int | None:
+    """The quality of a ``jpeg:Q`` codec, else None."""
+    name, _, quality = codec.partition(":")
+    return int(quality) if name == "jpeg" and quality.isdigit() else None
 
 
 class RowFidelity:
@@ -99,11 +132,37 @@ class RowFidelity:
         row["fidelity_requests"] = len(self.probe.requests)
 
 
+def planner_probe(
+    graph: Any, requests: Sequence[Mapping[str, np.ndarray]], images: Mapping[str, ImageNorm]
+) -> Any:
+    """The planner's fidelity probe on its own sample, remembering what it measured.
+
+    ``tierflow-budget`` is planned once per bandwidth, and the search measures the same
+    lossy crossings at many of them; a measurement depends only on the plan, the codecs
+    and the budget, so each is run once.
+    """
+    from tierflow.partitioner.fidelity_probe import FidelityProbe
+
+    class _RememberingProbe(FidelityProbe):
+        _seen: dict[tuple[Any, ...], Any]
+
+        def measure(self, cuts: Any, codec: Any, budget: Any, *, stop_early: bool = False) -> Any:
+            key = (tuple(cuts), tuple(sorted(codec.items())), str(budget), stop_early)
+            if key not in self._seen:
+                self._seen[key] = super().measure(cuts, codec, budget, stop_early=stop_early)
+            return self._seen[key]
+
+    probe = _RememberingProbe(graph, [dict(r) for r in requests], images=images)
+    probe._seen = {}
+    return probe
+
+
 def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, Any]]:
     """``bottleneck_bench.py``'s last committed run as results.json rows (none if absent).
 
-    Per rate: the fastest ``tierflow-bottleneck`` variant, JPEG at quality 90, PNG and the
-    int8+zstd upload, each with the fidelity that run measured on its held-out requests.
+    Per rate: the fastest ``tierflow-bottleneck`` variant, JPEG at quality 90 and its
+    quality sweep, PNG and the int8+zstd upload, each with the fidelity that run measured
+    on its held-out requests.
     Returns the rows and what the report says about their source.
     """
     if not path.exists():
@@ -121,6 +180,10 @@ def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, 
         for r in rows:
             if r["strategy"] in _BOTTLENECK_STRATEGIES:
                 chosen.append((_BOTTLENECK_STRATEGIES[r["strategy"]], r))
+            elif r["strategy"].startswith("cloud-only-jpeg:"):  # its quality sweep
+                quality = jpeg_quality(str(r.get("codec", "")))
+                if quality is not None and quality != 90:
+                    chosen.append((jpeg_strategy(quality), r))
         for name, r in chosen:
             row: Row = {
                 "model": data.get("model", r["model"]),
@@ -141,6 +204,10 @@ def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, 
             }
             if "variant" in r:
                 row["variant"] = r["variant"]
+            quality = jpeg_quality(str(r.get("codec", "")))
+            if quality is not None:
+                row["quality"] = quality
+            row["trained_weights"] = True
             out.append(row)
     source = {
         "model": data.get("model"),
@@ -153,13 +220,19 @@ def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, 
 
 
 def verdict(rows: Sequence[Row]) -> list[Row]:
-    """At every model and bandwidth: is tierflow's plan at least as fast as every baseline
-    of equal or better fidelity?
+    """At every model and bandwidth: is tierflow's best plan at each fidelity level at least
+    as fast as every baseline of that fidelity or better?
 
-    One entry per (model, bandwidth) with tierflow's row, the fastest baseline of equal or
-    better fidelity, and those of them faster than tierflow (``beaten_by``, empty when the
-    claim holds there). Faster baselines of *lower* fidelity (a lossy upload against an
-    exact plan) are a different trade-off: listed in ``faster_less_faithful``, not failures.
+    The levels are the fidelities of tierflow's rows at the point (``tierflow``, the exact
+    plan; ``tierflow-budget``, the plan under a fidelity budget; ``tierflow-bottleneck``).
+    At level ``f`` tierflow's best plan is its fastest row of fidelity ``>= f``; a baseline
+    of fidelity ``>= f`` that is faster beats it there. One entry per (model, bandwidth):
+    ``holds`` when no level is beaten, ``beaten_by`` the baselines that beat some level,
+    ``levels`` each level's plan and what beat it, and ``tierflow_*`` the first beaten
+    level's plan (else the most faithful one). Baselines faster than every tierflow plan
+    of at least their fidelity, but less faithful than every plan they are faster than
+    (a lossy upload against an exact plan), are a different trade-off: listed in
+    ``faster_less_faithful``, not failures.
     """
     out: list[Row] = []
     points = sorted({(r["model"], float(r["bandwidth_mbit"])) for r in rows})
@@ -169,32 +242,164 @@ def verdict(rows: Sequence[Row]) -> list[Row]:
         others = [r for r in here if r["strategy"] not in TIERFLOW]
         if not ours or not others:
             continue
-        # tierflow's plan where the point has one, else the bottleneck plan (exits rows
-        # are measured on another workload, with repeats, so they are not compared here).
-        best = min(ours, key=lambda r: VERDICT_STRATEGIES.index(r["strategy"]))
-        comparable = [o for o in others if o["fidelity"] >= best["fidelity"] - 1e-12]
-        beaten = [o for o in comparable if o["p50_ms"] < best["p50_ms"] * (1 - 1e-9)]
+        levels: list[Row] = []
+        beaten: list[Row] = []
+        for level in sorted({float(r["fidelity"]) for r in ours}, reverse=True):
+            best = min(
+                (r for r in ours if r["fidelity"] >= level - 1e-12),
+                key=lambda r: (r["p50_ms"], VERDICT_STRATEGIES.index(r["strategy"])),
+            )
+            faster = [
+                o
+                for o in others
+                if o["fidelity"] >= level - 1e-12 and o["p50_ms"] < best["p50_ms"] * (1 - 1e-9)
+            ]
+            levels.append(
+                {
+                    "fidelity": level,
+                    "strategy": best["strategy"],
+                    "p50_ms": best["p50_ms"],
+                    "plan_fidelity": best["fidelity"],
+                    "beaten_by": [_brief(o) for o in faster],
+                }
+            )
+            beaten += [o for o in faster if o not in beaten]
+        failing = [lv for lv in levels if lv["beaten_by"]]
+        shown = failing[0] if failing else levels[0]
+        comparable = [o for o in others if o["fidelity"] >= shown["plan_fidelity"] - 1e-12]
         fastest = min(comparable, key=lambda r: r["p50_ms"]) if comparable else None
+        undominated = [
+            o
+            for o in others
+            if o not in beaten
+            and any(o["p50_ms"] < r["p50_ms"] for r in ours)
+            and not any(
+                r["fidelity"] >= o["fidelity"] - 1e-12 and r["p50_ms"] <= o["p50_ms"] for r in ours
+            )
+        ]
         out.append(
             {
                 "model": model,
                 "bandwidth_mbit": mbit,
-                "tierflow_strategy": best["strategy"],
-                "tierflow_ms": best["p50_ms"],
-                "tierflow_fidelity": best["fidelity"],
+                "tierflow_strategy": shown["strategy"],
+                "tierflow_ms": shown["p50_ms"],
+                "tierflow_fidelity": shown["plan_fidelity"],
                 "fastest_comparable": fastest["strategy"] if fastest else None,
                 "fastest_comparable_ms": fastest["p50_ms"] if fastest else None,
                 "fastest_comparable_fidelity": fastest["fidelity"] if fastest else None,
-                "beaten_by": [
-                    {"strategy": o["strategy"], "p50_ms": o["p50_ms"], "fidelity": o["fidelity"]}
-                    for o in beaten
-                ],
-                "faster_less_faithful": [
-                    {"strategy": o["strategy"], "p50_ms": o["p50_ms"], "fidelity": o["fidelity"]}
-                    for o in others
-                    if o not in comparable and o["p50_ms"] < best["p50_ms"]
-                ],
+                "levels": levels,
+                "beaten_by": [_brief(o) for o in beaten],
+                "faster_less_faithful": [_brief(o) for o in undominated],
                 "holds": not beaten,
             }
         )
+    return out
+
+
+def _brief(row: Row) -> Row:
+    return {"strategy": row["strategy"], "p50_ms": row["p50_ms"], "fidelity": row["fidelity"]}
+
+
+def split_goal(rows: Sequence[Row]) -> Row:
+    """The issue's goal, computed: on a trained model, a split plan with a lossy or learned
+    codec at least ``GOAL_SPEEDUP`` times faster than ``cloud-only-jpeg`` at the same or
+    better fidelity, at some rate within ``GOAL_MBIT``.
+
+    Candidates are tierflow's rows (``tierflow-budget``, ``tierflow-bottleneck``) on models
+    with trained weights whose plan splits the model (the device runs part of it and sends
+    a feature) with a lossy codec or a learned bottleneck. Returns the best such
+    ratio (``best``: the row, its ratio, the JPEG row's figures; None when there is no
+    candidate), every candidate point, and ``met``.
+    """
+    from tierflow.codec import CodecSpec
+
+    candidates: list[Row] = []
+    for row in rows:
+        if row["strategy"] not in ("tierflow-budget", "tierflow-bottleneck"):
+            continue
+        rate = row["bandwidth_mbit"]
+        if not row.get("trained_weights") or not GOAL_MBIT[0] <= rate <= GOAL_MBIT[1]:
+            continue
+        cuts = row.get("cuts") or [0, 0]
+        # A bottleneck row's codec is the learned one's wire format, not a CodecSpec.
+        if row["strategy"] != "tierflow-bottleneck":
+            codecs = row.get("codec_used", {}).values()
+            if cuts[0] == 0 or all(CodecSpec.parse(c).bit_exact for c in codecs):
+                continue
+        jpeg = next(
+            (
+                r
+                for r in rows
+                if r["model"] == row["model"]
+                and r["bandwidth_mbit"] == row["bandwidth_mbit"]
+                and r["strategy"] == JPEG_BASELINE
+            ),
+            None,
+        )
+        if jpeg is None or row["fidelity"] < jpeg["fidelity"] - 1e-12:
+            continue
+        candidates.append(
+            {
+                "model": row["model"],
+                "bandwidth_mbit": row["bandwidth_mbit"],
+                "strategy": row["strategy"],
+                "cuts": list(cuts),
+                "codec": dict(row.get("codec_used", {})),
+                "p50_ms": row["p50_ms"],
+                "fidelity": row["fidelity"],
+                "jpeg_p50_ms": jpeg["p50_ms"],
+                "jpeg_fidelity": jpeg["fidelity"],
+                "speedup": jpeg["p50_ms"] / row["p50_ms"],
+            }
+        )
+    best = max(candidates, key=lambda c: c["speedup"], default=None)
+    return {
+        "target": GOAL_SPEEDUP,
+        "mbit": list(GOAL_MBIT),
+        "best": best,
+        "candidates": candidates,
+        "met": best is not None and best["speedup"] >= GOAL_SPEEDUP,
+        "any_plan": _best_against_jpeg(rows),
+    }
+
+
+def _best_against_jpeg(rows: Sequence[Row]) -> list[Row]:
+    """Per trained model: tierflow's largest p50 ratio over ``cloud-only-jpeg`` within
+    ``GOAL_MBIT`` by any of its plans (device-only included) of equal or better fidelity."""
+    out: list[Row] = []
+    for model in dict.fromkeys(r["model"] for r in rows if r.get("trained_weights")):
+        best: Row | None = None
+        for row in rows:
+            if row["model"] != model or row["strategy"] not in VERDICT_STRATEGIES:
+                continue
+            if not GOAL_MBIT[0] <= row["bandwidth_mbit"] <= GOAL_MBIT[1]:
+                continue
+            jpeg = next(
+                (
+                    r
+                    for r in rows
+                    if r["model"] == model
+                    and r["bandwidth_mbit"] == row["bandwidth_mbit"]
+                    and r["strategy"] == JPEG_BASELINE
+                ),
+                None,
+            )
+            if jpeg is None or row["fidelity"] < jpeg["fidelity"] - 1e-12:
+                continue
+            ratio = jpeg["p50_ms"] / row["p50_ms"]
+            if best is None or ratio > best["speedup"]:
+                best = {
+                    "model": model,
+                    "bandwidth_mbit": row["bandwidth_mbit"],
+                    "strategy": row["strategy"],
+                    "cuts": list(row.get("cuts") or []),
+                    "codec": dict(row.get("codec_used", {})),
+                    "p50_ms": row["p50_ms"],
+                    "fidelity": row["fidelity"],
+                    "jpeg_p50_ms": jpeg["p50_ms"],
+                    "jpeg_fidelity": jpeg["fidelity"],
+                    "speedup": ratio,
+                }
+        if best is not None:
+            out.append(best)
     return out

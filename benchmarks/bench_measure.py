@@ -166,8 +166,14 @@ def measure_model(
     threads: int = 1,
     rounds: int = 1,
     progress: Progress | None = None,
+    extra_codecs: Mapping[int, Sequence[str]] | None = None,
+    images: Mapping[str, codec_lib.ImageNorm] | None = None,
 ) -> Measurements:
     """Measure prefixes, suffixes and middles of ``pairs`` over ``cuts`` on ``requests``.
+
+    ``codecs`` are measured at every cut, ``extra_codecs[k]`` at cut ``k`` only (the image
+    uploads at cut 0, a budgeted plan's lossy codecs at its cuts); ``images`` are the
+    image inputs' normalisations, which image codecs need.
 
     ``graph`` is a :class:`tierflow.partitioner.graph.ModelGraph`; segments are cut out
     with the partitioner's own ``extract_segment`` (what ``split_model`` writes into plan
@@ -179,9 +185,12 @@ def measure_model(
     not the result; rounds are a whole pass apart, so they rarely share a spell.
     """
     started = time.perf_counter()
-    result = _measure_once(name, graph, requests, cuts, pairs, codecs, threads, progress)
+    extra = {k: tuple(v) for k, v in (extra_codecs or {}).items()}
+    norms = dict(images or {})
+    args = (name, graph, requests, cuts, pairs, codecs, extra, norms, threads, progress)
+    result = _measure_once(*args)
     for _ in range(rounds - 1):
-        again = _measure_once(name, graph, requests, cuts, pairs, codecs, threads, progress)
+        again = _measure_once(*args)
         _keep_fastest(result.prefix_s, again.prefix_s)
         _keep_fastest(result.suffix_s, again.suffix_s)
         _keep_fastest(result.middle_s, again.middle_s)
@@ -207,12 +216,14 @@ def _measure_once(
     cuts: Sequence[int],
     pairs: Sequence[tuple[int, int]],
     codecs: Sequence[str],
+    extra: Mapping[int, Sequence[str]],
+    images: Mapping[str, codec_lib.ImageNorm],
     threads: int,
     progress: Progress | None,
 ) -> Measurements:
     """One pass of :func:`measure_model`."""
     last = len(graph.cuts) - 1
-    cut_list = sorted(set(cuts) | {0, last})
+    cut_list = sorted(set(cuts) | {0, last} | {k for k in extra if k < last})
     wanted = sorted({(a, b) for a, b in pairs if a < b and a in cut_list and b in cut_list})
     result = Measurements(name, last, len(requests), tuple(cut_list))
     zeros = np.zeros(len(requests))
@@ -237,7 +248,8 @@ def _measure_once(
         groups = [{t: np.ascontiguousarray(env[t]) for t in crossing} for env in envs]
         result.raw_bytes[k] = sum(int(a.nbytes) for a in groups[0].values())
         if k < last:
-            result.codecs[k] = measure_codecs(groups, codecs)
+            here = list(dict.fromkeys([*codecs, *extra.get(k, ())]))
+            result.codecs[k] = measure_codecs(groups, here, images)
         for a, b in wanted:
             if a != k:
                 continue

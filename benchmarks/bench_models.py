@@ -5,7 +5,13 @@ exported once to ONNX and cached by its recipe, so a rerun skips the export. Req
 deterministic: images are smooth 8-bit pictures (low-resolution noise upsampled and
 quantised to 256 levels, then normalised as ImageNet images are), because real camera
 frames compress and white noise does not; the demo model gets real held-out digits; the
-transformer gets token ids and a padding mask.
+camera model (the demo's trained classifier behind a camera's preprocessing,
+:mod:`tierflow.zoo.digits_camera`, as ``tierflow demo`` runs it) gets 224x224 8-bit RGB
+frames of those held-out digits; the transformer gets token ids and a padding mask.
+
+The planner's fidelity sample (:func:`planner_sample`) never overlaps the measured
+requests: the trained models draw it from their training split, the others from
+another seed.
 """
 
 from __future__ import annotations
@@ -36,9 +42,14 @@ class BenchModel:
     """One model of the suite at one size: how to build it and how big it is."""
 
     name: str
-    kind: str  # "chain", "residual", "mobilenet", "transformer", "demo"
+    kind: str  # "chain", "residual", "mobilenet", "transformer", "demo", "camera"
     description: str
     params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def trained(self) -> bool:
+        """Whether the weights are trained (the demo's classifier), not random."""
+        return self.kind in TRAINED_KINDS
 
     @property
     def recipe(self) -> str:
@@ -54,6 +65,7 @@ class BenchModel:
             "kind": self.kind,
             "description": self.description,
             "params": dict(self.params),
+            "trained": self.trained,
         }
 
 
@@ -86,6 +98,7 @@ def suite(quick: bool) -> list[BenchModel]:
                 {"seq": 32, "dim": 64, "heads": 4, "layers": 2, "vocab": 1000},
             ),
             BenchModel("demo-digits", "demo", "tierflow demo: residual CNN on 32x32 digits", {}),
+            CAMERA_MODEL,
         ]
     return [
         BenchModel(
@@ -113,12 +126,24 @@ def suite(quick: bool) -> list[BenchModel]:
             {"seq": 128, "dim": 256, "heads": 8, "layers": 6, "vocab": 8000},
         ),
         BenchModel("demo-digits", "demo", "tierflow demo: residual CNN on 32x32 digits", {}),
+        CAMERA_MODEL,
     ]
 
 
 #: The suite's CNNs, whose input is an 8-bit picture normalised by ``IMAGE_NORM``.
 IMAGE_KINDS = ("chain", "residual", "mobilenet")
 IMAGE_NORM = ImageNorm(mean=(0.45, 0.45, 0.45), std=(0.225, 0.225, 0.225))
+#: Models with trained weights (the others are random networks built in code).
+TRAINED_KINDS = ("demo", "camera")
+#: The camera frame is pixel / 255 on three channels (``digits_camera.frame_tensor``).
+CAMERA_NORM = ImageNorm(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+CAMERA_MODEL = BenchModel(
+    "digits-camera",
+    "camera",
+    "tierflow demo's trained classifier behind a camera stem: 224x224 RGB frames of held-out "
+    "digits (as `tierflow demo` runs it)",
+    {"frame": 224},
+)
 
 
 def default_work_dir() -> Path:
@@ -146,6 +171,8 @@ def export(model: BenchModel, work_dir: Path) -> Path:
         from tierflow.zoo.digits import build_demo_model
 
         return build_demo_model().model_path
+    if model.kind == "camera":
+        return camera_model()
     path = work_dir / "models" / f"{model.name}-{model.recipe}.onnx"
     if path.is_file():
         return path
@@ -158,6 +185,40 @@ def export(model: BenchModel, work_dir: Path) -> Path:
     tmp.replace(path)
     logger.info("[bench] exported %s to %s", model.name, path)
     return path
+
+
+def camera_model() -> Path:
+    """The demo model with the camera stem in front, cached next to it as ``tierflow demo``
+    caches it (same file name, so either makes it once)."""
+    from tierflow.zoo.digits import build_demo_model
+    from tierflow.zoo.digits_camera import (
+        STEM_VERSION,
+        add_camera_stem,
+        training_normalisation,
+    )
+
+    demo = build_demo_model()
+    sha = demo.meta.sha256.get("model.onnx", "")[:12]
+    path = demo.directory / f"camera-v{STEM_VERSION}-{sha}.onnx"
+    if not path.is_file():
+        mean, std = training_normalisation()
+        add_camera_stem(demo.model_path, path, mean, std)
+    return path
+
+
+# Frames made so far, per split (rendering them takes seconds; the run asks several times).
+_FRAMES: dict[str, np.ndarray] = {}
+
+
+def camera_frames(split: str, indices: list[int]) -> list[np.ndarray]:
+    """Camera frames ``[1, 3, 224, 224]`` (pixel / 255) of the ``split`` digits at ``indices``."""
+    from tierflow.zoo.digits_camera import digit_frames, frame_tensor
+
+    needed = max(indices, default=0) + 1
+    if split not in _FRAMES or len(_FRAMES[split]) < needed:
+        _FRAMES[split] = digit_frames(split, needed if split == "train" else 0)[0]
+    frames = _FRAMES[split]
+    return [np.ascontiguousarray(frame_tensor(frames[i : i + 1])) for i in indices]
 
 
 def smooth_images(count: int, channels: int, size: int, seed: int) -> np.ndarray:
@@ -208,6 +269,11 @@ def requests(
         return [
             {name: np.ascontiguousarray(images[i])} for i in demo_indices(count, seed, len(images))
         ]
+    if model.kind == "camera":
+        count_heldout = _heldout_size()
+        name = input_specs[0][0]
+        indices = demo_indices(count, seed, count_heldout)
+        return [{name: frame} for frame in camera_frames("heldout", indices)]
     if model.kind == "transformer":
         rng = np.random.default_rng(seed)
         vocab = int(model.params.get("vocab", 100))
@@ -229,3 +295,35 @@ def requests(
     _, channels, height, _ = shape
     images = smooth_images(count, channels, height, seed)
     return [{name: images[i].reshape(shape).astype(dtype)} for i in range(count)]
+
+
+def _heldout_size() -> int:
+    from tierflow.zoo.digits import build_demo_model
+
+    with np.load(build_demo_model().heldout_path) as data:
+        return len(data["labels"])
+
+
+def planner_sample(
+    model: BenchModel,
+    input_specs: list[tuple[str, str, tuple[int, ...]]],
+    count: int,
+    seed: int,
+) -> list[dict[str, np.ndarray]]:
+    """``count`` requests for the planner's fidelity probe, none of them ever measured.
+
+    The trained models take them from their training split (the measured requests are
+    held-out digits); the random networks from ``seed``, which the measured requests
+    never use.
+    """
+    if model.kind == "demo":
+        from tierflow.zoo.digits import build_demo_model
+
+        with np.load(build_demo_model().calib_path) as data:
+            images = data["image"]
+        name = input_specs[0][0]
+        return [{name: np.ascontiguousarray(images[i])} for i in range(min(count, len(images)))]
+    if model.kind == "camera":
+        name = input_specs[0][0]
+        return [{name: frame} for frame in camera_frames("train", list(range(count)))]
+    return requests(model, input_specs, count, seed=seed)

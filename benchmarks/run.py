@@ -59,6 +59,7 @@ BENCH_MODULES = ("bench_measure", "bench_exits", "bench_runtime", "bench_overhea
 Row = dict[str, Any]
 SAMPLE_SEED = 7  # the profiling sample, never measured
 EXIT_SEED = 1  # the tierflow-exits workload (plans are measured on seed 0)
+PLANNER_SEED = 11  # tierflow-budget's planner sample (random networks; trained: training split)
 # Where the strategies also run through the real runtime (model -> bandwidths).
 RUNTIME_POINTS_QUICK: dict[str, tuple[float, ...]] = {"demo-digits": (20.0,)}
 RUNTIME_POINTS_FULL: dict[str, tuple[float, ...]] = {
@@ -137,8 +138,21 @@ def bench_model(
     base = profile_model(graph, threads=1, time_budget_s=args.profile_budget)
     profiles = {tier: base.emulate(emu.TIER_SPECS[tier].slowdown) for tier in TIERS}
 
+    images = bench_fidelity.image_norms(model, graph)
+    probe = None
+    if args.budget_sample:
+        planner_sample = bench_models.planner_sample(
+            model, specs, args.budget_sample, seed=PLANNER_SEED
+        )
+        probe = bench_fidelity.planner_probe(graph, planner_sample, images)
     choices: dict[float, dict[str, strategies.Choice]] = {}
+    budgeted: dict[float, strategies.Choice] = {}
+    planner_notes: list[str] = []
     required: set[int] = set()
+    # Codecs measured at one cut only: the image uploads on the input, the budgeted plans'.
+    extra: dict[int, list[str]] = {}
+    if images:
+        extra[0] = list(bench_fidelity.IMAGE_BASELINES.values())
     for mbit in bandwidths:
         problem = strategies.problem_at(profiles, emu.links_at(mbit))
         from tierflow.partitioner.cost import build_tables
@@ -149,10 +163,28 @@ def bench_model(
             required.update(choice.cuts)
         for est in search(problem, top=5, tables=tables).ranked:
             required.update(est.cuts)
+        if probe is not None:
+            began = time.perf_counter()
+            choice, notes = strategies.choose_within_budget(
+                graph, profiles, emu.links_at(mbit), probe, images
+            )
+            planner_notes += [f"{mbit:g} Mbit/s: {n}" for n in notes if "fidelity" in n]
+            logger.info(
+                "[bench] %s %g Mbit/s: tierflow-budget plans %s %s in %.1f s",
+                model.name,
+                mbit,
+                choice.cuts,
+                choice.codec,
+                time.perf_counter() - began,
+            )
+            budgeted[mbit] = choice
+            required.update(choice.cuts)
+            for link, cut in zip(("device-edge", "edge-cloud"), choice.cuts, strict=True):
+                if cut < last and choice.codec[link] not in strategies.TABLE_CODECS:
+                    extra.setdefault(cut, []).append(choice.codec[link])
     cuts = select_cuts(last, required, args.max_cuts)
     pairs = [(a, b) for a in cuts for b in cuts if a <= b]
     requests = bench_models.requests(model, specs, args.requests)
-    images = bench_fidelity.image_norms(model, graph)
     logger.info(
         "[bench] %s: measuring %d cuts, %d pairs, %d requests",
         model.name,
@@ -169,15 +201,16 @@ def bench_model(
         strategies.TABLE_CODECS,
         rounds=args.rounds,
         progress=lambda what: logger.debug("[bench] %s", what),
+        extra_codecs=extra,
+        images=images,
     )
-    if images:  # the image baselines' codecs on the input (cut 0), each request
-        inputs = [{t: np.ascontiguousarray(r[t]) for t in graph.cuts[0].tensors} for r in requests]
-        measured.codecs[0].update(
-            bench_measure.measure_codecs(
-                inputs, tuple(bench_fidelity.IMAGE_BASELINES.values()), images
-            )
-        )
-    fidelity = bench_fidelity.RowFidelity(graph, requests, images)
+    # Fidelity on held-out requests (never the planner's sample), at least the measured ones.
+    # The trained models are small, and their fidelity is what the split goal is judged on.
+    count = max(
+        args.fidelity_requests, args.requests, 100 if model.trained and not args.quick else 0
+    )
+    held_out = bench_models.requests(model, specs, count)
+    fidelity = bench_fidelity.RowFidelity(graph, held_out, images)
     slow = slowdowns()
     rows: list[Row] = []
     plans_compared = 0
@@ -189,6 +222,12 @@ def bench_model(
         for name, choice in choices[mbit].items():
             point[name] = bench_measure.compose(measured, *choice.cuts, choice.codec, links, slow)
         planned: list[tuple[str, strategies.Choice | None]] = list(choices[mbit].items())
+        if mbit in budgeted:
+            choice = budgeted[mbit]
+            point["tierflow-budget"] = bench_measure.compose(
+                measured, *choice.cuts, choice.codec, links, slow
+            )
+            planned.insert(len(choices[mbit]), ("tierflow-budget", choice))
         if images:
             for name, codec in bench_fidelity.IMAGE_BASELINES.items():
                 both = {"device-edge": codec, "edge-cloud": codec}
@@ -218,11 +257,21 @@ def bench_model(
                 "regret": composed.p50_ms / best.p50_ms - 1.0,
                 "measured": "composed",
                 "requests": len(requests),
+                "trained_weights": model.trained,
             }
             fidelity.add_to(row)
+            quality = bench_fidelity.jpeg_quality(composed.codec.get("device-edge", ""))
+            if name in bench_fidelity.IMAGE_BASELINES and quality is not None:
+                row["quality"] = quality
+            if name == "tierflow-budget":
+                row["budget"] = str(strategies.BUDGET)
+                row["budget_sample_requests"] = args.budget_sample
             for other in ("device-only", "cloud-only", "cloud-only-compressed", "single-split"):
                 key = "speedup_vs_" + other.replace("-", "_")
                 row[key] = point[other].p50_ms / composed.p50_ms
+            jpeg = point.get(bench_fidelity.JPEG_BASELINE)
+            if jpeg is not None:
+                row["speedup_vs_cloud_only_jpeg"] = jpeg.p50_ms / composed.p50_ms
             if name == "tierflow":
                 row["best_measured"] = {
                     "cuts": list(best.cuts),
@@ -245,6 +294,11 @@ def bench_model(
         "seconds": time.perf_counter() - started,
         "profile_correction": base.calibration.get("correction"),
         "image_inputs": {name: norm.to_dict() for name, norm in images.items()},
+        "trained": model.trained,
+        "fidelity_requests": len(held_out),
+        "budget": str(strategies.BUDGET) if probe is not None else None,
+        "budget_sample_requests": args.budget_sample if probe is not None else 0,
+        "budget_notes": planner_notes,
     }
     logger.info(
         "[bench] %s done in %.1f s (measuring %.1f s)",
@@ -535,6 +589,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="seconds of adaptive repeats while profiling a model",
     )
     parser.add_argument(
+        "--fidelity-requests",
+        type=int,
+        default=None,
+        help="held-out requests each row's fidelity is measured on (default 20 quick, 50 full; "
+        "at least 100 for the trained models in a full run)",
+    )
+    parser.add_argument(
+        "--budget-sample",
+        type=int,
+        default=100,
+        help="the planner's sample for tierflow-budget (top1=99%% needs 100); 0: no "
+        "tierflow-budget rows",
+    )
+    parser.add_argument(
         "--exit-requests",
         type=int,
         default=None,
@@ -563,6 +631,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.rounds = args.rounds or (1 if args.quick else 2)
     args.runtime_requests = args.runtime_requests or (5 if args.quick else 10)
     args.exit_requests = args.exit_requests or (40 if args.quick else 300)
+    args.fidelity_requests = args.fidelity_requests or (20 if args.quick else 50)
     args.max_cuts = args.max_cuts or (9 if args.quick else 20)
     args.profile_budget = args.profile_budget or (2.0 if args.quick else 20.0)
     return args
@@ -597,7 +666,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     infos: list[dict[str, Any]] = []
     measured: list[Any] = []
     for model in models:
+        load = os.getloadavg()[0]
         model_rows, info, context = bench_model(model, bandwidths, args)
+        info["load_average"] = {"start": load, "end": os.getloadavg()[0]}
         rows.extend(model_rows)
         if not args.no_extras:
             started_exits = time.perf_counter()
@@ -619,10 +690,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         folded = [r for r in folded if r["model"] in args.models]
     rows.extend(folded)
     verdict = bench_fidelity.verdict(rows)
-    for line in bench_sections.verdict_lines(verdict):
+    goal = bench_fidelity.split_goal(rows)
+    for line in [*bench_sections.verdict_lines(verdict), bench_sections.goal_line(goal)]:
         print(line)
     sections: list[str] = []
-    sections += bench_sections.fidelity_section(rows, verdict, bottleneck_source)
+    sections += bench_sections.fidelity_section(rows, verdict, bottleneck_source, goal)
+    sections += bench_sections.jpeg_sweep_section(rows)
     sections += bench_sections.exits_section(rows)
     sections += bench_sections.runtime_section(rows)
     sections += ["## Overheads and limits\n"]
@@ -669,6 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "models": infos,
         "method": bench_sections.METHOD.format(rounds=args.rounds),
         "verdict": verdict,
+        "split_goal": goal,
         "bottleneck_source": bottleneck_source,
     }
     sections += bench_sections.LIMITS.splitlines()

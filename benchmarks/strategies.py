@@ -14,9 +14,17 @@ the plan is chosen, so they are measured by the same code on the same requests:
                            no compute there) with raw fp32 features.
 ``tierflow``               the planner's choice over all cut pairs and its exact codecs
                            (``--codec auto`` under the default ``--fidelity exact``).
+``tierflow-budget``        the planner under a stated fidelity budget (``BUDGET``,
+                           ``tierflow plan --fidelity top1=99%``) with the image input
+                           declared (``--image-input``): JPEG/WebP/PNG on the input and the
+                           lossy feature codecs (fp16, int8, int4, int2, sparse, drop) are
+                           candidates, each lossy crossing measured end to end on the
+                           planner's own sample (``planner.rank``, :func:`choose_within_budget`).
+                           Its row's fidelity is measured on held-out requests.
 ``cloud-only-jpeg``,       as cloud-only, the input sent as an 8-bit image (JPEG at
-``cloud-only-png``         quality 90, or PNG) with its normalisation; image-input models
-                           only (``bench_fidelity.IMAGE_BASELINES``, no cost-model choice).
+``cloud-only-jpeg-qNN``,   quality 90, the quality sweep at NN, or PNG) with its
+``cloud-only-png``         normalisation; image-input models only
+                           (``bench_fidelity.IMAGE_BASELINES``, no cost-model choice).
 ``tierflow-exits``         tierflow's plan chosen knowing the early exits (the cost model's
                            expected latency, :func:`choose_with_exits`), run with the exits
                            and the edge's feature cache (measured by ``bench_exits``).
@@ -39,6 +47,7 @@ from tierflow.partitioner.cost import (
     build_tables,
     estimate,
 )
+from tierflow.partitioner.fidelity import FidelityBudget
 from tierflow.partitioner.profile import Profile
 from tierflow.partitioner.search import search
 
@@ -56,6 +65,9 @@ COMPRESSED_INPUT_CODEC = "int8+zstd"
 #: The codecs the cost tables hold: tierflow's exact ones, then the compressed baseline's.
 TABLE_CODECS: tuple[str, ...] = (*EXACT_PLANNER_CODECS, COMPRESSED_INPUT_CODEC)
 RAW = {"device-edge": "raw", "edge-cloud": "raw"}
+#: The ``tierflow-budget`` strategy's budget: 99% of requests keep the exact model's top-1
+#: answer (``--fidelity top1=99%``; the planner needs at least 100 sample requests for it).
+BUDGET = FidelityBudget("top1", 0.99)
 
 
 @dataclass(frozen=True)
@@ -124,3 +136,23 @@ def choose_with_exits(
 
 def choose_at(profiles: Mapping[str, Profile], links: Mapping[str, LinkSpec]) -> dict[str, Choice]:
     return choose(build_tables(problem_at(profiles, links)))
+
+
+def choose_within_budget(
+    graph: Any,
+    profiles: Mapping[str, Profile],
+    links: Mapping[str, LinkSpec],
+    probe: Any,
+    images: Mapping[str, Any],
+    budget: FidelityBudget = BUDGET,
+) -> tuple[Choice, list[str]]:
+    """``tierflow-budget``'s plan: what ``tierflow plan --fidelity BUDGET --image-input``
+    chooses (``planner.rank`` with the profiles, ``probe`` on the planner's sample).
+
+    Returns the plan and the planner's notes (how many lossy crossings it measured).
+    """
+    from tierflow.partitioner.planner import PlanOptions, rank
+
+    options = PlanOptions(links=links, fidelity=budget, images=dict(images))
+    result, notes = rank(graph, profiles, options, probe=probe)
+    return _choice("tierflow-budget", result.best), notes
