@@ -554,6 +554,7 @@ class DeviceClient:
         avoided = None
         if missing is not None and index not in self._cloud_free:
             index, avoided = self._cloud_free_plan(), missing
+            reason = None  # the selector's reason names a plan not taken
         if index != self._last_index and reason is None:
             plan_id = self.plans.plans[index].plan_id
             if missing is not None:
