@@ -698,6 +698,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     sections += bench_sections.jpeg_sweep_section(rows)
     sections += bench_sections.exits_section(rows)
     sections += bench_sections.runtime_section(rows)
+    adaptation = HERE / "results" / "adaptation.json"
+    if adaptation.is_file():  # adaptation_bench.py's last committed run, not rerun here
+        sections += [
+            "## Live adaptation\n",
+            "From `adaptation_bench.py`'s last committed run (not rerun by this script; "
+            "tables, method and plots in [ADAPTATION.md](ADAPTATION.md)):\n",
+            json.loads(adaptation.read_text())["summary"] + "\n",
+        ]
     sections += ["## Overheads and limits\n"]
     sections += bench_sections.prediction_section(rows)
     extras: dict[str, Any] = {}
