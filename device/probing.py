@@ -27,8 +27,8 @@ after traffic stops, and less the longer the link stays idle: the interval doubl
 after each probe, up to ``max_interval_s`` (30 s: about 2 KiB/s at most on a device
 left idle for hours); the first request resets it. A device that keeps answering
 requests without the link (a device-only plan chosen for a slow link, or a device exit)
-is not idle: each such request is chosen on the estimate, so while they come (within
-``idle_s`` of each other) the probes stay ``idle_s`` apart and do not back off
+is not idle: each such request is chosen on the estimate, so after an interval in which
+one came the next probe follows ``idle_s`` later, without backing off
 (:meth:`IdleProber.demand`); without that, a link that recovered while the device sat on
 a device-only plan would go unseen for up to ``max_interval_s``. A probe long after the last
 observation replaces most of the estimate (its weight grows with the time since,
@@ -113,7 +113,7 @@ class IdleProber:
         self._shaper = shaper if shaper is not None and shaper.spec is not None else None
         self._active_at = time.monotonic()
         self._probed_at = self._active_at
-        self._demand_at = -float("inf")  # when a request last ran without the link
+        self._demanded = False  # a request ran without the link since the loop looked
         self._stop = threading.Event()
         self._call: grpc.Call | None = None
         self._lock = threading.Lock()
@@ -128,7 +128,7 @@ class IdleProber:
 
     def demand(self) -> None:
         """A request was answered on the device without the link: keep probing, no back-off."""
-        self._demand_at = time.monotonic()
+        self._demanded = True
 
     def close(self) -> None:
         self._stop.set()
@@ -146,7 +146,7 @@ class IdleProber:
     def _run(self) -> None:
         while True:
             active, probed = self._active_at, self._probed_at
-            wanted = time.monotonic() - self._demand_at < self.idle_s
+            wanted, self._demanded = self._demanded, False  # one answered alone meanwhile
             streak = 0 if active >= probed or wanted else self._streak
             due = max(active, probed) + self.interval(streak)
             if self._stop.wait(max(due - time.monotonic(), 0.0)):
