@@ -106,6 +106,7 @@ class IdleProber:
         self._streak = 0  # probes since the last request
         self.probes = 0  # rounds that measured the link
         self.failures = 0
+        self.last_started: float | None = None  # when the last round began (monotonic)
         self._stub = tier_pb2_grpc.TierStub(channel)
         self._busy = busy
         self._rate = rate
@@ -167,6 +168,7 @@ class IdleProber:
 
     def _probe(self) -> None:
         """One probe round ([Note: idle probes])."""
+        self.last_started = time.monotonic()
         nbytes = probe_size(self._rate())
         outgoing: queue.SimpleQueue[tier_pb2.ProbeMessage | None] = queue.SimpleQueue()
         call = self._stub.Probe(iter(outgoing.get, None), timeout=PROBE_TIMEOUT_S)

@@ -70,9 +70,9 @@ def test_an_idle_device_learns_a_rate_drop_from_probes_and_a_busy_one_never_prob
         rt.tiers(split.plan_dir) as (edge, _, _),
         DeviceClient(split.plan_dir, edge, options=options, window=1, idle_probe_s=0.15) as device,
     ):
-        assert device.prober is not None
+        assert device.prober is not None and _rate(device) == 200e6  # the plan's link
         first = device.infer(samples[0])
-        assert first.plan == fast.plan_id and _rate(device) > 50e6
+        assert first.plan == fast.plan_id
         ends = time.monotonic() + 10.0
         while _rate(device) > 2.4e6 and time.monotonic() < ends:
             time.sleep(0.05)
@@ -80,12 +80,11 @@ def test_an_idle_device_learns_a_rate_drop_from_probes_and_a_busy_one_never_prob
         assert device.prober.probes >= 1 and device.prober.failures == 0
         time.sleep(0.6)  # past the selector's hold, still idle
         # Busy: requests back to back for 1 s and more (each waits 10 ms to cross the link).
-        results = [device.infer(samples[1])]
-        probes = device.prober.probes
         started = time.monotonic()
-        results += list(device.run_stream(samples[2:]))
+        results = list(device.run_stream(samples[1:]))
         busy_s = time.monotonic() - started
-        assert device.prober.probes == probes  # none while real transfers flowed
+        last = device.prober.last_started
+        assert last is not None and last < started  # none began while requests flowed
     assert busy_s > 4 * device.prober.idle_s
     assert results[0].plan == slow.plan_id  # the first request after the pause switched
     assert results[0].switch is not None and all(r.ok for r in results)
