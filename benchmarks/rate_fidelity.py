@@ -320,6 +320,11 @@ def split_verdict(path: Path) -> dict[str, Any] | None:
                     "speedup_vs_jpeg_same_fidelity",
                     "speedup_vs_jpeg90",
                     "jpeg90_fidelity",
+                    "faithful_split",
+                    "faithful_split_fidelity",
+                    "faithful_jpeg_same_fidelity",
+                    "faithful_speedup_vs_jpeg_same_fidelity",
+                    "faithful_speedup_vs_jpeg90",
                     "tierflow_plan",
                     "tierflow_fidelity",
                     "tierflow_speedup_vs_fastest_upload",
@@ -350,6 +355,20 @@ def verdict_lines(record: dict[str, Any]) -> list[str]:
         f"{top['bandwidth_mbit']:g} Mbit/s, fidelity {top['bottleneck_fidelity']:.3f} against "
         f"q90's {top['jpeg90_fidelity']:.3f}). {verdict['sentence']}",
     ]
+    faithful = [v for v in rates if v.get("faithful_split")]
+    if faithful:
+        lines.append(
+            "- The fastest split that keeps at least 99% agreement, against the fastest JPEG "
+            "as faithful and against JPEG q90: "
+            + ", ".join(
+                f"{v['faithful_split']} at {v['bandwidth_mbit']:g} Mbit/s "
+                f"({v['faithful_split_fidelity']:.3f}: "
+                f"{v['faithful_speedup_vs_jpeg_same_fidelity']:.2f}x "
+                f"{v['faithful_jpeg_same_fidelity']}, {v['faithful_speedup_vs_jpeg90']:.2f}x q90)"
+                for v in faithful
+            )
+            + "."
+        )
     planned = [v for v in rates if v.get("tierflow_plan")]
     if planned:
         lines.append(

@@ -100,6 +100,9 @@ def test_verdict_matches_each_split_with_the_fastest_jpeg_as_faithful() -> None:
     assert verdict["speedup_vs_jpeg_same_fidelity"] == pytest.approx(100.0 / 150.0)
     assert verdict["speedup_vs_jpeg90"] == pytest.approx(120.0 / 150.0)
     assert verdict["tierflow_speedup_vs_fastest_upload"] == pytest.approx(1.0)
+    # The fastest split of at least 99% agreement is the low-bit one, against jpeg:10.
+    assert verdict["faithful_split"] == "tierflow-lowbit"
+    assert verdict["faithful_speedup_vs_jpeg_same_fidelity"] == pytest.approx(100.0 / 200.0)
 
 
 def _chain_model(path: Path) -> None:
