@@ -69,7 +69,7 @@ def test_the_oracle_takes_per_request_the_fastest_plan_measured_at_that_time() -
         "B": [stats.Sample(0.02, 50.0), stats.Sample(1.01, 20.0)],
         "C": [stats.Sample(0.0, None), stats.Sample(0.5, None)],  # every request failed
     }
-    got = stats.oracle(runs, period_s=0.5, duration_s=1.5)
+    got = stats.oracle(runs, period_s=0.5, duration_s=1.5, window_s=None)
     # t=0: A's 10 (B's first request counts from before it was sent);
     # t=0.5: A's 12 against B's 50 (B's last before 0.5); t=1.0: A's 90 against B's 50
     # (B's request at 1.01 comes after).
@@ -80,6 +80,26 @@ def test_the_oracle_takes_per_request_the_fastest_plan_measured_at_that_time() -
     ]
     tie = stats.oracle({"X": [stats.Sample(0, 5.0)], "Y": [stats.Sample(0, 5.0)]}, 1.0, 1.0)
     assert [s.plan for s in tie] == ["X"]
+
+
+def test_the_oracle_picks_the_plan_fastest_on_the_rate_held_not_a_lucky_request() -> None:
+    # Until 2 s A is usually 100 ms with one lucky 10 ms request, B steadily 50 ms; from
+    # 2 s (the rate changed) A is 20 ms and B 80 ms.
+    a = [stats.Sample(t / 10, 10.0 if t == 10 else 100.0) for t in range(20)]
+    a += [stats.Sample(t / 10, 20.0) for t in range(20, 30)]
+    b = [stats.Sample(t / 10, 50.0 if t < 20 else 80.0) for t in range(30)]
+    runs = {"A": a, "B": b}
+    got = stats.oracle(runs, period_s=0.5, duration_s=3.0, changes=[2.0], window_s=1.0)
+    assert [(s.sent_s, s.plan, s.latency_ms) for s in got] == [
+        (0.0, "B", 50.0),
+        (0.5, "B", 50.0),
+        (1.0, "B", 50.0),  # not A's lucky 10 ms: A is slower on this rate
+        (1.5, "B", 50.0),  # A's 20 ms after the change does not count before it
+        (2.0, "A", 20.0),
+        (2.5, "A", 20.0),
+    ]
+    lucky = stats.oracle(runs, period_s=0.5, duration_s=3.0, window_s=None)
+    assert (lucky[2].plan, lucky[2].latency_ms) == ("A", 10.0)
 
 
 def test_estimate_errors_count_only_moments_the_rate_had_held() -> None:
