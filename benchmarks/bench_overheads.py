@@ -29,8 +29,23 @@ HERE = Path(__file__).resolve().parent
 
 
 def transport(quick: bool) -> tuple[list[str], dict[str, Any]]:
-    """Overhead per hop (100 KB and 1 MB features) and pipelined throughput."""
+    """Overhead per hop (100 KB and 1 MB features) and pipelined throughput.
+
+    A quick run's 30 requests in one round say little on a shared machine, so it shows
+    ``transport_bench.py``'s last saved run (``results/transport.json``) when there is one.
+    """
     out = ["### Transport overhead per hop and pipelined throughput\n"]
+    saved = HERE / "results" / "transport.json"
+    if quick and saved.is_file():
+        last = json.loads(saved.read_text())
+        load = last.get("machine", {}).get("load_average_at_start", ["?"])[0]
+        out.append(
+            "A `--quick` run does not measure transport: these are the last saved figures of "
+            f"`{last.get('command', 'python benchmarks/transport_bench.py')}` "
+            f"(`results/transport.json`, {last.get('date', 'undated')}, 1-minute load "
+            f"average {load} at the start).\n"
+        )
+        return out + _transport_lines(last), last
     try:
         import transport_bench
     except ImportError as exc:

@@ -24,15 +24,22 @@ machine with unlimited links, and runs the device in this process:
   per tier; requests with a window of 16 in flight, against the bound of the slowest
   stage (1 / its measured mean time per request).
 
+* **against another install** (``--against PYTHON``, another checkout's venv): the
+  overhead per hop of these servers and of that install's, both pairs of tiers running at
+  once and single requests sent to each in turn: how a change moved it, measured on one
+  machine in one run rather than on two days' machines (:func:`against`).
+
 Prints an aligned table of medians and ratios and writes
 ``benchmarks/results/transport.json``. Usage::
 
     python benchmarks/transport_bench.py [--requests 200] [--rounds 3] [--throughput-requests 300]
+                                         [--against OTHER/.venv/bin/python]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -105,11 +112,18 @@ def _plan(directory: Path, feature_bytes: int, edge_op: str = "Relu") -> Path:
 
 
 @contextmanager
-def _tiers(plan_dir: Path, *edge_args: str, workers: int = 2) -> Iterator[str]:
+def _tiers(
+    plan_dir: Path, *edge_args: str, workers: int = 2, python: str | None = None
+) -> Iterator[str]:
+    """A cloud and an edge; ``python``: another environment's interpreter to run them with."""
     grace = ("--grace", "0.5", "--workers", str(workers))
+    # Run from the plan's folder, so that the interpreter's own install is what it imports.
+    where: dict[str, Any] = {"python": (python or sys.executable,), "cwd": plan_dir}
     with (
-        ServeProcess("cloud", plan_dir, *grace) as cloud,
-        ServeProcess("edge", plan_dir, *grace, "--upstream", cloud.address, *edge_args) as edge,
+        ServeProcess("cloud", plan_dir, *grace, **where) as cloud,
+        ServeProcess(
+            "edge", plan_dir, *grace, "--upstream", cloud.address, *edge_args, **where
+        ) as edge,
     ):
         yield edge.address
 
@@ -255,6 +269,52 @@ def overhead(
     return figures
 
 
+def against(
+    python: str, size_name: str, feature_bytes: int, rounds: int, pairs: int, work: Path
+) -> dict[str, Any]:
+    """Overhead per hop of these servers against another install's, side by side.
+
+    ``python`` is another environment's interpreter, say an earlier commit's checkout
+    installed in a venv of its own. Both pairs of tiers run at once and the device sends
+    single requests to each in turn, the order flipping every round, so that both meet
+    the same load; load that comes and goes moves both medians of a round alike. The
+    figure is the median over rounds of each round's ratio of median overheads per hop
+    (other / this), with its quartiles.
+    """
+    plan_dir = _plan(work / f"plan-against-{size_name}", feature_bytes)
+    rng = np.random.default_rng(0)
+    x = {"x": rng.standard_normal((1, feature_bytes // 4)).astype(np.float32)}
+    per_round: dict[str, list[float]] = {"this": [], "other": []}
+    with (
+        _tiers(plan_dir) as this_edge,
+        _tiers(plan_dir, python=python) as other_edge,
+        DeviceClient(plan_dir, this_edge, window=1) as this,
+        DeviceClient(plan_dir, other_edge, window=1) as other,
+    ):
+        devices = {"this": this, "other": other}
+        for number in range(-1, rounds):  # round -1 warms up and is not kept
+            order = ("this", "other") if number % 2 == 0 else ("other", "this")
+            hops: dict[str, list[float]] = {name: [] for name in order}
+            for _ in range(pairs):
+                for name in order:
+                    result = devices[name].infer(x)
+                    hops[name].append((result.ms["total"] - _work_ms(result)) / 2)
+            if number >= 0:
+                for name in order:
+                    per_round[name].append(_median(hops[name]))
+    ratios = [o / t for o, t in zip(per_round["other"], per_round["this"], strict=True)]
+    return {
+        "feature": size_name,
+        "other_python": python,
+        "rounds": rounds,
+        "pairs_per_round": pairs,
+        "this_overhead_per_hop_ms_p50": _median(per_round["this"]),
+        "other_overhead_per_hop_ms_p50": _median(per_round["other"]),
+        "other_over_this_p50": _median(ratios),
+        "other_over_this_quartiles": [float(q) for q in np.percentile(ratios, [25, 50, 75])],
+    }
+
+
 def throughput(count: int, work: Path) -> dict[str, Any]:
     feature_bytes = 100_000
     plan_dir = _plan(work / "plan-throughput", feature_bytes, edge_op="Sigmoid")
@@ -326,7 +386,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="fresh sets of servers per size")
     parser.add_argument("--throughput-requests", type=int, default=300)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--against",
+        metavar="PYTHON",
+        help="also compare the overhead per hop with servers run by this interpreter (another "
+        "checkout's venv), interleaved",
+    )
+    parser.add_argument("--against-label", default="", help="what --against runs (recorded)")
+    parser.add_argument("--against-rounds", type=int, default=30)
+    parser.add_argument("--against-pairs", type=int, default=20, help="request pairs per round")
     args = parser.parse_args()
+    load_at_start = os.getloadavg()
     tune_for_latency()  # as `tierflow run` does for its process
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -334,6 +404,10 @@ def main() -> int:
             overhead(name, size, args.requests, work, args.rounds) for name, size in SIZES.items()
         ]
         pipe = throughput(args.throughput_requests, work)
+        compared = [
+            against(args.against, name, size, args.against_rounds, args.against_pairs, work)
+            for name, size in (SIZES.items() if args.against else ())
+        ]
     rows = [
         (
             "feature",
@@ -380,12 +454,29 @@ def main() -> int:
             ]
         )
     )
+    for row in compared:
+        quartiles = " - ".join(f"{q:.3f}" for q in row["other_over_this_quartiles"][::2])
+        print(
+            f"  {row['feature']} against {args.against_label or args.against}: "
+            f"{row['other_overhead_per_hop_ms_p50']:.3f} ms per hop there, "
+            f"{row['this_overhead_per_hop_ms_p50']:.3f} ms here; ratio there / here "
+            f"{row['other_over_this_p50']:.3f} (quartiles over rounds {quartiles})"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "command": " ".join(["python", "benchmarks/transport_bench.py", *sys.argv[1:]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_average_at_start": [round(x, 2) for x in load_at_start],
+            "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+        },
         "overhead": hops,
         "throughput": pipe,
     }
+    if compared:
+        record["against"] = {"label": args.against_label, "rows": compared}
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return 0
