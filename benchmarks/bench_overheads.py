@@ -45,7 +45,18 @@ def transport(quick: bool) -> tuple[list[str], dict[str, Any]]:
             f"(`results/transport.json`, {last.get('date', 'undated')}, 1-minute load "
             f"average {load} at the start).\n"
         )
-        return out + _transport_lines(last), last
+        out += _transport_lines(last)
+        for row in last.get("against", {}).get("rows", []):
+            low, _, high = row["other_over_this_quartiles"]
+            out.append(
+                f"- {row['feature']}, side by side with the servers of "
+                f"{last['against']['label'] or row['other_python']}: "
+                f"{row['other_overhead_per_hop_ms_p50']:.3f} ms per hop there, "
+                f"{row['this_overhead_per_hop_ms_p50']:.3f} ms here; there / here "
+                f"{row['other_over_this_p50']:.3f} (median of {row['rounds']} interleaved "
+                f"rounds; quartiles {low:.3f}–{high:.3f})"
+            )
+        return [*out, ""], last
     try:
         import transport_bench
     except ImportError as exc:

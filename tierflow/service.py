@@ -31,8 +31,9 @@ and quantising them would change the model's answers.
 On this small machine every wake-up of another thread costs 0.05-0.1 ms, as much as
 the codec and compute of a 100 KB feature, so the hot path avoids them. Both changes
 below together cut the transport overhead per hop (``benchmarks/transport_bench.py``,
-old and new servers side by side in one run) from 0.77 to 0.56 ms for 100 KB features
-and from 1.89 to 1.46 ms for 1 MB (a bare gRPC round trip: 0.38 and 1.05 ms):
+old and new servers side by side in one run, before [Note: slow readers]) from 0.77 to
+0.56 ms for 100 KB features and from 1.89 to 1.46 ms for 1 MB (a bare gRPC round trip:
+0.38 and 1.05 ms):
 
 * A request that finds no other request in flight on the tier (one at a time, as an
   interactive client sends them) is run by the thread that read it, not handed to the
@@ -63,6 +64,11 @@ cancel the stream, which ends the waiting write; the stream's queued replies are
 dropped, since its client can no longer receive them, and its place is given back
 ([Note: stream admission] in ``tierflow.admission``). tierflow's own clients read
 their replies at once (``tierflow.mux``), so they never meet the limit.
+It costs some speed (on the edge, a reply from the cloud now changes threads once more):
+side by side with the servers from before this (``transport_bench.py --against``, 30
+interleaved rounds on a shared 2-core machine), the overhead per hop went from 1.12 to
+1.21 ms for 100 KB features and from 2.30 to 2.49 ms for 1 MB
+(``benchmarks/results/transport.json``).
 """
 
 from __future__ import annotations
