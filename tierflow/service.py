@@ -64,11 +64,13 @@ cancel the stream, which ends the waiting write; the stream's queued replies are
 dropped, since its client can no longer receive them, and its place is given back
 ([Note: stream admission] in ``tierflow.admission``). tierflow's own clients read
 their replies at once (``tierflow.mux``), so they never meet the limit.
-It costs some speed (on the edge, a reply from the cloud now changes threads once more):
-side by side with the servers from before this (``transport_bench.py --against``, 30
-interleaved rounds on a shared 2-core machine), the overhead per hop went from 1.12 to
-1.21 ms for 100 KB features and from 2.30 to 2.49 ms for 1 MB
-(``benchmarks/results/transport.json``).
+It costs some speed (on the edge, a reply from the cloud now changes threads once more).
+``benchmarks/transport_bench.py --against`` runs another checkout's servers side by side
+with these, requests interleaved: against d776eb1, the commit before this change, the
+servers of 8ac944e (whose serving code differs from it by this change alone) took about
+8% more per hop, 1.12 -> 1.21 ms for 100 KB features and 2.30 -> 2.49 ms for 1 MB (30
+rounds, a shared 2-core machine). ``benchmarks/results/transport.json`` has the same
+comparison for later code.
 """
 
 from __future__ import annotations
