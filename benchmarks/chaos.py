@@ -1240,8 +1240,8 @@ def markdown(results: dict[str, Any]) -> list[str]:
             "rounds of each round's mTLS p50 / plaintext p50, so load that comes and goes hits "
             "both sides of a ratio alike; its quartiles over rounds and its medians over the "
             "first and second half of the rounds show how stable it is. Overhead per hop = "
-            "the median over rounds of (mTLS p50 − plaintext p50) / 2 ([Note: measuring the "
-            "TLS overhead] in `benchmarks/chaos.py`).\n",
+            "the median over rounds of (mTLS p50 − plaintext p50) / 2 "
+            "([Note: measuring the TLS overhead] in `benchmarks/chaos.py`).\n",
             "| feature | plaintext p50 ms | mTLS p50 ms | mTLS / plaintext | ratio quartiles "
             "| ratio, 1st / 2nd half | overhead per hop ms (quartiles) | wrong or failed |",
             "|---|---|---|---|---|---|---|---|",
