@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,18 @@ def test_a_plan_set_round_trips_and_loads_its_default_plan(tmp_path: Path) -> No
     # Tiers that serve one plan get the default one; the two plans share segment files.
     assert load_plan(directory) == plans.plans[1]
     assert plans.plans[0].plan_id != plans.plans[1].plan_id
+
+
+def test_a_plan_id_is_computed_once_and_stays_out_of_equality() -> None:
+    # Every tier looks each request's plan up by id: an id hashed again on every access
+    # cost 45 us per plan and request (found by transport_bench.py --against).
+    plans = _set()
+    first = plans.plans[0]
+    assert first.plan_id is first.plan_id  # kept, not hashed again
+    again = PlanSet.from_dict(json.loads(json.dumps(plans.to_dict()))).plans[0]
+    assert again == first and again.plan_id == first.plan_id
+    changed = replace(first, codec={"device-edge": "zstd"})
+    assert changed != first and changed.plan_id != first.plan_id
 
 
 def test_a_single_plan_loads_as_a_set_of_one(tmp_path: Path) -> None:
