@@ -555,7 +555,7 @@ def plot(results: Mapping[str, Any], kind: str, path: Path) -> None:
 
     models = [m for m in results["models"] if any(c["kind"] == kind for c in m["cases"])]
     fig, axes = plt.subplots(
-        2, len(models), figsize=(6.4 * len(models), 6.0), squeeze=False, sharex="col"
+        2, len(models), figsize=(6.4 * len(models), 6.6), squeeze=False, sharex="col"
     )
     for column, model in enumerate(models):
         case = next(c for c in model["cases"] if c["kind"] == kind)
@@ -574,7 +574,7 @@ def plot(results: Mapping[str, Any], kind: str, path: Path) -> None:
         rate.set_yscale("log")
         rate.set_ylabel("device-edge Mbit/s")
         rate.set_title(f"{model['model']['name']}: {kind} trace")
-        rate.legend(loc="lower left", fontsize=8)
+        rate.legend(loc="upper center", bbox_to_anchor=(0.5, -0.04), ncol=2, fontsize=8)
         letters = [p["label"].split(":")[0] for p in model["plans"]]
         row = {letter: i for i, letter in enumerate(letters)}
         oracle = case["timeline"]["oracle"]
@@ -596,7 +596,7 @@ def plot(results: Mapping[str, Any], kind: str, path: Path) -> None:
         plans.set_yticks(range(len(letters)))
         plans.set_yticklabels([p["label"] for p in model["plans"]], fontsize=7)
         plans.set_xlabel("seconds")
-        plans.legend(loc="upper right", fontsize=8)
+        plans.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
