@@ -15,6 +15,12 @@ off the current plan only when another plan's region is closer by more than ``ma
 (0.1 decade: about 26% in rate) and has stayed the better one for ``hold_s`` seconds.
 The estimate itself is an exponentially weighted mean over time (half-life
 ``half_life_s``), so one odd transfer moves it a little and a lasting change fully.
+The hold guards a border; when the estimate lies ``far`` (a decade) or more outside
+the current plan's whole region, the link has changed tenfold past anything that plan
+was chosen for, there is no border near to flap across, and every request held back
+runs on a plan far from its best (the adaptation benchmark's 200 -> 2 Mbit/s step queued
+seconds of 147 KiB uploads during a 0.5 s hold). The hold is then ``far_hold_s`` (0.1 s),
+so the estimate must still stay there across two choices.
 
 A switch may cost a fetch: a plan whose device segments are not held locally needs them
 from the edge first ([Note: segments on demand] in tierflow/segments.py). The caller
@@ -39,6 +45,10 @@ from tierflow.plan import PlanSet
 DEFAULT_MARGIN = 0.1
 #: Seconds another plan must stay the better one before the selector switches to it.
 DEFAULT_HOLD_S = 0.5
+#: Decades outside the current plan's region from which the shorter hold applies.
+DEFAULT_FAR = 1.0
+#: The hold, in seconds, when the estimate is that far from the current plan's region.
+DEFAULT_FAR_HOLD_S = 0.1
 #: Half-life of a link estimate's memory, in seconds: short enough that a 100x step in
 #: rate is tracked within 20% after 1 s (in log space, 100 ** 0.5 ** 5 < 1.2).
 DEFAULT_HALF_LIFE_S = 0.2
@@ -123,12 +133,21 @@ class PlanSelector:
         *,
         margin: float = DEFAULT_MARGIN,
         hold_s: float = DEFAULT_HOLD_S,
+        far: float = DEFAULT_FAR,
+        far_hold_s: float = DEFAULT_FAR_HOLD_S,
     ) -> None:
         if not margin >= 0 or not hold_s >= 0:
             raise UsageError(f"margin and hold must not be negative, got {margin}, {hold_s}")
+        if not far > margin or not far_hold_s >= 0:
+            raise UsageError(
+                f"'far' must exceed the margin and its hold must not be negative, got {far}, "
+                f"{far_hold_s}"
+            )
         self.plans = plans
         self.margin = margin
         self.hold_s = hold_s
+        self.far = far
+        self.far_hold_s = min(far_hold_s, hold_s)
         self.current = plans.default
         self._candidate: int | None = None
         self._since = 0.0
@@ -166,7 +185,8 @@ class PlanSelector:
         fetch_s = 0.0
         if best < len(fetch_bytes) and fetch_bytes[best] > 0 and "device-edge" in links:
             fetch_s = fetch_bytes[best] * 8.0 / links["device-edge"].rate_bps
-        if now - self._since < self.hold_s + fetch_s:
+        hold = self.far_hold_s if distances[self.current] >= self.far else self.hold_s
+        if now - self._since < hold + fetch_s:
             return Choice(self.current, False)
         before, self.current, self._candidate = self.current, best, None
         seen = ", ".join(f"{name} {links[name]}" for name in LINKS if name in links)

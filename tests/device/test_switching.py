@@ -115,3 +115,19 @@ def test_a_switch_that_needs_a_fetch_waits_the_fetch_time_longer() -> None:
     again = PlanSelector(_set(), hold_s=0.5)
     again.choose(0.0, slow, fetch)
     assert again.choose(0.6, slow, [0, 0]).switched
+
+
+def test_far_outside_the_current_plans_region_the_hold_is_short() -> None:
+    """Plan 1 covers 10-200 Mbit/s: 0.5 Mbit/s is 1.3 decades off, 2 Mbit/s only 0.7."""
+    far = PlanSelector(_set(), hold_s=0.5, far=1.0, far_hold_s=0.1)
+    assert not far.choose(0.0, _point(0.5e6)).switched  # still one look to confirm it
+    assert far.choose(0.15, _point(0.5e6)).switched
+    near = PlanSelector(_set(), hold_s=0.5, far=1.0, far_hold_s=0.1)
+    near.choose(0.0, _point(2e6))
+    assert not near.choose(0.15, _point(2e6)).switched  # near the border: the full hold
+    assert near.choose(0.55, _point(2e6)).switched
+    with pytest.raises(UsageError):
+        PlanSelector(_set(), margin=0.1, far=0.05)
+    with pytest.raises(UsageError):
+        PlanSelector(_set(), far_hold_s=-1.0)
+    assert PlanSelector(_set(), hold_s=0.05).far_hold_s == 0.05  # never longer than the hold
