@@ -171,7 +171,7 @@ def register(subparsers: Any) -> None:
         default=[],
         metavar="NAME",
         help="model input NAME is a normalised 8-bit image: where the inputs cross a link it "
-        "may travel as JPEG (quality 50..95), WebP or PNG (repeatable; lossy ones need a "
+        "may travel as JPEG (quality 5..95), WebP or PNG (repeatable; lossy ones need a "
         "--fidelity budget, png an exact round trip on --sample)",
     )
     plan.add_argument(

@@ -25,7 +25,11 @@ small) comes back over every link used, uncompressed: one more serialisation and
 per link. So a device-only plan pays no link at all, and a cloud-only plan pays the full
 round trip on both links. Codec speeds come from the sending tier's profile (encode) and
 the receiving tier's (decode); the compression ratio from the sender's, measured on the
-real features at that cut. An edge with no work still decodes and re-encodes.
+real features at that cut. An edge with no work (``a == b < last``) forwards what it
+receives as it came ([Note: an edge that runs nothing] in tierflow/plan.py): the
+device-edge codec crosses both links, encoded once on the device and decoded once on
+the cloud: such a plan pays no codec time on the edge, and the same bytes on both links
+(:func:`forwarded_plans` scores them for the search).
 
 [Note: expected cost with early exits]
 A model may carry early exits (:class:`ExitPoint`): a head reads the tensor of one-tensor
@@ -293,10 +297,14 @@ class LinkTable:
         return np.where(self.used, self.reply_s * self.crossing, 0.0)
 
     @property
+    def fixed_row_s(self) -> np.ndarray:
+        """(n,) expected propagation both ways and answer serialisation; 0 where unused."""
+        return np.where(self.used, (self.propagation_s + self.reply_s) * self.crossing, 0.0)
+
+    @property
     def total_s(self) -> np.ndarray:
         """(n, C) expected latency of the link for a plan whose crossing cut is the row."""
-        fixed = np.where(self.used, (self.propagation_s + self.reply_s) * self.crossing, 0.0)
-        return self.encode_s + self.wire_s + self.decode_s + fixed[:, None]
+        return self.encode_s + self.wire_s + self.decode_s + self.fixed_row_s[:, None]
 
 
 @dataclass(frozen=True)
@@ -442,14 +450,53 @@ def exit_tier(cut: int, a: int, b: int) -> str:
     return "edge" if cut <= b else "cloud"
 
 
+def edge_forwards(a: int, b: int, last: int) -> bool:
+    """Whether the edge runs nothing in plan ``(a, b)`` and passes the device's tensors on
+    to the cloud as they came ([Note: what crosses a link])."""
+    return a == b < last
+
+
+def forwarded_plans(tables: CostTables) -> tuple[np.ndarray, np.ndarray]:
+    """``(n, C)`` latency and period of each plan ``(a, a)``, codec column ``j`` on both links.
+
+    The plans whose edge runs nothing: the device encodes once, the cloud decodes once,
+    the edge only forwards ([Note: what crosses a link]); the same figures as
+    :func:`estimate` gives. Row ``last`` (device-only) uses no link.
+    """
+    last = tables.last
+    de, ec = tables.links["device-edge"], tables.links["edge-cloud"]
+    device = tables.segment_s["device"][0, :][:, None]
+    cloud = tables.segment_s["cloud"][:, last][:, None]
+    links = (
+        de.encode_s
+        + de.wire_s
+        + ec.wire_s
+        + ec.decode_s
+        + (de.fixed_row_s + ec.fixed_row_s)[:, None]
+    )
+    latency = device + cloud + links
+    period = np.maximum.reduce(
+        [
+            device + de.encode_s,
+            ec.decode_s + cloud,
+            de.wire_s + de.reply_row_s[:, None],
+            ec.wire_s + ec.reply_row_s[:, None],
+        ]
+    )
+    return latency, period
+
+
 def estimate(tables: CostTables, a: int, b: int, codec: Mapping[str, str]) -> Estimate:
     """The prediction for plan ``(a, b)`` with ``codec[link]`` on each used link.
 
-    Links that are unused in this plan need no codec entry.
+    Links that are unused in this plan need no codec entry. When the edge runs nothing
+    (``a == b``) the device-edge codec crosses both links and ``codec["edge-cloud"]``
+    is not read ([Note: what crosses a link]).
     """
     problem, last = tables.problem, tables.last
     if not 0 <= a <= b <= last:
         raise PlanError(f"cuts must satisfy 0 <= a <= b <= {last}, got ({a}, {b})")
+    forwards = edge_forwards(a, b, last)
     span = spans(a, b, last)
     compute = {t: float(tables.segment_s[t][span[t]]) for t in TIERS}
     memory = {t: int(tables.memory[t][span[t]]) for t in TIERS}
@@ -460,7 +507,7 @@ def estimate(tables: CostTables, a: int, b: int, codec: Mapping[str, str]) -> Es
         if not table.used[row]:
             links[name] = LinkCost("raw", 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
             continue
-        chosen = codec.get(name)
+        chosen = codec.get("device-edge" if forwards else name)
         if chosen not in problem.codecs:
             raise PlanError(
                 f"no codec {chosen!r} for link {name}: expected one of {', '.join(problem.codecs)}"
@@ -471,10 +518,10 @@ def estimate(tables: CostTables, a: int, b: int, codec: Mapping[str, str]) -> Es
             codec=chosen,
             raw_bytes=int(table.raw_bytes[row]),
             bytes=float(table.bytes[row, col]),
-            encode_s=float(table.encode_s[row, col]),
+            encode_s=0.0 if forwards and name == "edge-cloud" else float(table.encode_s[row, col]),
             wire_s=float(table.wire_s[row, col]),
             propagation_s=table.propagation_s * share,
-            decode_s=float(table.decode_s[row, col]),
+            decode_s=0.0 if forwards and name == "device-edge" else float(table.decode_s[row, col]),
             reply_s=table.reply_s * share,
             reach=share,
         )

@@ -182,8 +182,9 @@ class FidelityProbe:
 
         As the tiers run it ([Note: what crosses a link] in :mod:`.cost`): the tensors of
         cut ``a`` cross device-edge when the edge or cloud has work, those of cut ``b``
-        cross edge-cloud when the cloud has work (an edge with no work decodes and
-        re-encodes them).
+        cross edge-cloud when the cloud has work. An edge with no work forwards what it
+        received as it came: the device-edge codec is applied once, and
+        ``codec["edge-cloud"]`` is not read.
         """
         a, b = cuts
         if not 0 <= a <= b <= self.last:
@@ -194,7 +195,8 @@ class FidelityProbe:
             if a < b:
                 current = self._segment(a, b, current)
             if b < self.last:
-                current = crossed_with(current, codec.get("edge-cloud", "raw"), self.images)
+                if a < b:
+                    current = crossed_with(current, codec.get("edge-cloud", "raw"), self.images)
                 current = self._segment(b, self.last, current)
         return {name: current[name] for name in self.outputs}
 
@@ -253,7 +255,8 @@ def run_plan_dir(plan: Plan, sessions: Sequence[Any], request: Mapping[str, np.n
     """One request through a written plan's segments, each link's codec applied.
 
     Between tiers only what a later segment reads (or a model output) crosses; a tier
-    without work passes what it receives on, re-encoded with the next link's codec.
+    without work passes what it receives on as it came, so the codec of the link into it
+    is applied once ([Note: an edge that runs nothing] in :mod:`tierflow.plan`).
     Early exits are not taken: this measures the plan's full path.
     """
     available: Request = {name: np.asarray(request[name]) for name in plan.inputs}
@@ -267,9 +270,9 @@ def run_plan_dir(plan: Plan, sessions: Sequence[Any], request: Mapping[str, np.n
                 *(plan.segments[i].inputs for i in range(indices[0], len(plan.segments)))
             )
             available = {name: v for name, v in available.items() if name in later}
-            for step in range(TIERS.index(holder), TIERS.index(tier)):
-                link = link_between(TIERS[step], TIERS[step + 1])
-                available = crossed_with(available, str(plan.link_codec(link)), plan.images)
+            step = TIERS.index(holder)
+            link = link_between(TIERS[step], TIERS[step + 1])
+            available = crossed_with(available, str(plan.link_codec(link)), plan.images)
             holder = tier
         for i in indices:
             spec = plan.segments[i]

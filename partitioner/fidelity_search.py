@@ -38,7 +38,7 @@ import numpy as np
 
 from tierflow.codec import CodecSpec
 from tierflow.links import LINKS
-from tierflow.partitioner.cost import CostTables, Estimate, Problem
+from tierflow.partitioner.cost import CostTables, Estimate, Problem, edge_forwards
 from tierflow.partitioner.fidelity import FidelityBudget
 from tierflow.partitioner.fidelity_probe import FidelityProbe, Measurement
 from tierflow.partitioner.profile import ProgressFn
@@ -73,12 +73,17 @@ def fidelity_class(codec: str) -> str:
 
 
 def lossy_crossings(best: Estimate) -> tuple[tuple[str, int, str], ...]:
-    """``(link, cut, codec)`` of each used link of ``best`` whose codec is lossy."""
+    """``(link, cut, codec)`` of each used link of ``best`` whose codec is lossy.
+
+    An edge that runs nothing forwards the device's tensors as they came: its plan has
+    one crossing, on device-edge ([Note: what crosses a link] in :mod:`.cost`).
+    """
     crossing = dict(zip(LINKS, best.cuts, strict=True))
+    forwarded = edge_forwards(*best.cuts, best.last)
     return tuple(
         (name, crossing[name], cost.codec)
         for name, cost in best.links.items()
-        if cost.used and not is_lossless(cost.codec)
+        if cost.used and not is_lossless(cost.codec) and not (forwarded and name == "edge-cloud")
     )
 
 

@@ -1,14 +1,14 @@
 """Image inputs: model inputs that are normalised 8-bit images, and sending them as images.
 
 A camera app uploads its frame as JPEG; ``tierflow plan --image-input NAME`` lets a plan
-do the same: where the model inputs cross a link (the device runs nothing; the edge-cloud
-link too when the edge runs nothing), input NAME may travel as ``jpeg:Q``, ``webp:Q``
-or ``png`` ([Note: image codecs] in :mod:`tierflow.codec`; [Note: image inputs] in
-:mod:`tierflow.plan`). The planner measures each image codec's size and speed on the
-sample's image (:func:`measure_image_codecs`) and, like any lossy codec, its fidelity end
-to end; ``png`` is exact only for a tensor that really is normalised 8-bit pixels, so
-under the ``exact`` budget it is a candidate only when it reproduces every sample
-request bit for bit (:func:`png_is_exact`).
+do the same: where the model inputs cross a link (the device runs nothing; an edge that
+runs nothing either forwards them to the cloud as they came), input NAME may travel as
+``jpeg:Q``, ``webp:Q`` or ``png`` ([Note: image codecs] in :mod:`tierflow.codec`;
+[Note: image inputs] in :mod:`tierflow.plan`). The planner measures each image codec's
+size and speed on the sample's image (:func:`measure_image_codecs`) and, like any lossy
+codec, its fidelity end to end; ``png`` is exact only for a tensor that really is
+normalised 8-bit pixels, so under the ``exact`` budget it is a candidate only when it
+reproduces every sample request bit for bit (:func:`png_is_exact`).
 
 The normalisation comes from ``--image-norm NAME=SPEC``, read by
 :func:`tierflow.image_norm.parse_norm` (shared with ``tierflow device``): a preset
@@ -41,9 +41,11 @@ from tierflow.errors import CodecError, UsageError
 from tierflow.image_norm import NormSpec
 
 #: The image codecs ``--codec auto`` adds for image inputs: JPEG's quality sweep, WebP, PNG.
-#: The sweep goes down to quality 10: what an app tuned for a slow link uploads, and on
-#: a robust task (page orientation) as faithful as quality 90 (benchmarks/RATE_FIDELITY.md).
+#: The sweep goes down to quality 5: what an app tuned for a slow link uploads, and on
+#: a robust task (page orientation) quality 10 is as faithful as quality 90
+#: (benchmarks/RATE_FIDELITY.md); the benchmarks' lowest JPEG baseline is quality 5.
 IMAGE_CANDIDATES: tuple[str, ...] = (
+    "jpeg:5",
     "jpeg:10",
     "jpeg:20",
     "jpeg:30",

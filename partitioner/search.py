@@ -27,7 +27,14 @@ import numpy as np
 
 from tierflow.errors import PlanError
 from tierflow.links import TIERS
-from tierflow.partitioner.cost import CostTables, Estimate, Problem, build_tables, estimate
+from tierflow.partitioner.cost import (
+    CostTables,
+    Estimate,
+    Problem,
+    build_tables,
+    estimate,
+    forwarded_plans,
+)
 from tierflow.units import format_size
 
 BASELINES: tuple[str, ...] = ("device-only", "edge-only", "cloud-only")
@@ -192,6 +199,39 @@ def _throughput_scores(tables: CostTables, admission: Admission | None = None) -
     return _Scores(best_period, best_latency, codec_de, codec_ec)
 
 
+def _with_forwarding(
+    tables: CostTables, scores: _Scores, admission: Admission | None = None
+) -> _Scores:
+    """``scores`` with the plans ``(a, a)`` whose edge runs nothing scored as forwarded.
+
+    Such a plan carries one codec across both links, applied once
+    ([Note: what crosses a link] in :mod:`.cost`); under an ``admission`` it is one lossy
+    crossing at cut ``a``, never a pair.
+    """
+    last = tables.last
+    latency, period = forwarded_plans(tables)
+    score = period if tables.problem.objective == "throughput" else latency
+    if admission is not None:
+        allowed = admission.allowed["device-edge"]
+        score = np.where(allowed, score, np.inf)
+        latency = np.where(allowed, latency, np.inf)
+    rows = np.arange(last)  # a == b < last
+    # Lower score, then lower latency, then the codec listed first.
+    columns = np.broadcast_to(np.arange(score.shape[1]), (last, score.shape[1]))
+    choice = np.lexsort((columns, latency[rows], score[rows]), axis=-1)[:, 0]
+    out = _Scores(
+        np.array(scores.score, dtype=float),
+        np.array(scores.latency, dtype=float),
+        np.array(scores.codec_de, dtype=np.int64),
+        np.array(scores.codec_ec, dtype=np.int64),
+    )
+    out.score[rows, rows] = score[rows, choice]
+    out.latency[rows, rows] = latency[rows, choice]
+    out.codec_de[rows, rows] = choice
+    out.codec_ec[rows, rows] = choice
+    return out
+
+
 def _feasible(tables: CostTables) -> np.ndarray:
     n, last = tables.problem.ncuts, tables.last
     a, b = np.indices((n, n))
@@ -262,6 +302,7 @@ def search(
         scores = _admitted_latency_scores(tables, admission)
     else:
         scores = _latency_scores(tables)
+    scores = _with_forwarding(tables, scores, admission)
     feasible = _feasible(tables)
     if admission is not None:
         feasible &= np.isfinite(scores.score)

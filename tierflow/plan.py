@@ -181,10 +181,10 @@ class Plan:
     image inputs among its tensors as images, each encoded with its ``images`` entry
     and decoded back into the model's tensor by the receiver; every other tensor on
     that link goes raw (the image codec's lossless part). The planner only chooses an
-    image codec where the model inputs cross (the device runs nothing, and the edge-cloud
-    link when the edge runs nothing either). ``plan.json`` holds them as
-    ``"image_inputs": {NAME: {"mean": [...], "std": [...], "scale": ..., "layout": ...}}``;
-    plans without image inputs leave the key out.
+    image codec where the model inputs cross (the device runs nothing); an edge that runs
+    nothing either forwards the images as they came ([Note: an edge that runs nothing]).
+    ``plan.json`` holds them as ``"image_inputs": {NAME: {"mean": [...], "std": [...],
+    "scale": ..., "layout": ...}}``; plans without image inputs leave the key out.
     """
 
     model_file: str
@@ -284,10 +284,34 @@ class Plan:
     def _images_dict(self) -> dict[str, Any]:
         return {name: norm.to_dict() for name, norm in self.images.items()}
 
+    @property
+    def edge_forwards(self) -> bool:
+        """Whether the edge runs nothing and passes requests on to the cloud as they came.
+
+        [Note: an edge that runs nothing]
+        When a plan gives the edge no segment but the cloud some, the edge forwards the
+        tensors it receives verbatim, encoded as the device encoded them: it checks their
+        headers and its limits but decodes nothing (unless it keeps a feature cache, which
+        needs the values), and re-encodes nothing. A lossy codec is so applied once, as a
+        camera app's JPEG upload through a router is, and the edge spends no time on it.
+        The edge-cloud link then carries the device-edge codec by definition: the planner
+        writes that codec for both links, the cost model charges one encode (device) and
+        one decode (cloud) with the same bytes on both links, and :meth:`link_codec` gives
+        the device-edge codec for the edge-cloud link whatever an older plan file says.
+        """
+        tiers = {s.tier for s in self.segments}
+        return "edge" not in tiers and "cloud" in tiers
+
     def link_codec(self, link: str | None) -> CodecSpec:
-        """The codec for ``link`` ('raw' when the plan names none, or for no link)."""
+        """The codec for ``link`` ('raw' when the plan names none, or for no link).
+
+        The edge-cloud link of a plan whose edge runs nothing carries the device-edge
+        codec ([Note: an edge that runs nothing]).
+        """
         if link is None:
             return CodecSpec.parse("raw")
+        if link == "edge-cloud" and self.edge_forwards:
+            link = "device-edge"
         return CodecSpec.parse(self.codec.get(link, "raw"))
 
     def to_dict(self) -> dict[str, Any]:

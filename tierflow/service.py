@@ -15,7 +15,10 @@ the cloud differ only in whether a next tier exists (see ``tierflow.edge.server`
    hysteresis] in tierflow/device/switching.py); a plan's sessions open on its first
    request, sharing those of segment files that plans have in common.
 2. Check the tensor headers (names, dtypes, shapes, codec, sizes) before decoding any
-   payload, so malformed or hostile messages cost nothing; then decode.
+   payload, so malformed or hostile messages cost nothing; then decode. An edge that
+   runs nothing for the plan decodes nothing (only for its feature cache, if it has
+   one) and forwards the tensors as they came ([Note: an edge that runs nothing] in
+   tierflow/plan.py).
 3. Look the features up in the feature cache, if there is one: a hit is the answer.
 4. Run this tier's segments; a confident early exit is the answer; so are the model
    outputs when no segment is left.
@@ -91,7 +94,7 @@ import numpy as np
 
 from tierflow.admission import StreamAdmission, peer_host
 from tierflow.cache import CacheAnswer, FeatureCache, cache_key
-from tierflow.codec import CodecSpec, decode
+from tierflow.codec import CodecSpec, EncodedTensor, decode
 from tierflow.errors import (
     CacheError,
     CodecError,
@@ -110,7 +113,7 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet
 from tierflow.providers import describe as describe_providers
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.segment_runner import SegmentRunner, TierRunner
+from tierflow.segment_runner import Outcome, SegmentRunner, TierRunner
 from tierflow.segments import SegmentSource, SegmentStore, serve_segment, tier_files
 
 if TYPE_CHECKING:
@@ -671,7 +674,15 @@ class TierService(tier_pb2_grpc.TierServicer):
             raise DeadlineError(f"the request's deadline passed before the {self.tier} ran it")
 
         start = time.perf_counter()
-        features = self._decode(request, runner)
+        encoded = self._checked(request, runner)
+        # [Note: an edge that runs nothing] in tierflow/plan.py: it forwards what came.
+        relay = self.tier == "edge" and plan.edge_forwards
+        limit = self.options.max_tensor_bytes  # read-only views: ONNX Runtime only reads them
+        features = (
+            {}
+            if relay and self.cache is None
+            else {t.name: decode(t, max_bytes=limit, writable=False) for t in encoded}
+        )
         codec_s = time.perf_counter() - start
 
         key: bytes | None = None
@@ -685,7 +696,7 @@ class TierService(tier_pb2_grpc.TierServicer):
                 reply.timings.append(timing)  # a copy: every field is set by now
                 return reply
 
-        outcome = runner.run(features)
+        outcome = Outcome({}, False, next_segment=runner.start) if relay else runner.run(features)
         timing.compute_ms = outcome.compute_s * 1e3
         start = time.perf_counter()
         if outcome.final:
@@ -704,8 +715,12 @@ class TierService(tier_pb2_grpc.TierServicer):
             plan_id=plan.plan_id, segment=outcome.next_segment, deadline_unix_s=deadline or 0.0
         )
         assert self.up_link is not None  # an upstream exists only below the cloud
-        codec = plan.link_codec(self.up_link)
-        nbytes = put_tensors(forward.tensors, outcome.tensors, codec, plan.images)
+        if relay:
+            forward.tensors.extend(request.tensors)
+            nbytes = sum(t.nbytes for t in encoded)
+        else:
+            codec = plan.link_codec(self.up_link)
+            nbytes = put_tensors(forward.tensors, outcome.tensors, codec, plan.images)
         timing.codec_ms = (codec_s + time.perf_counter() - start) * 1e3
         local_deadline = None
         if deadline:
@@ -731,8 +746,10 @@ class TierService(tier_pb2_grpc.TierServicer):
         )
         return None
 
-    def _decode(self, request: tier_pb2.Request, runner: TierRunner) -> dict[str, np.ndarray]:
-        """Headers first (names, dtypes, shapes), payloads after ([Note: a request at a tier]).
+    def _checked(self, request: tier_pb2.Request, runner: TierRunner) -> list[EncodedTensor]:
+        """The request's tensors, their headers (names, dtypes, shapes) checked.
+
+        Payloads are decoded after ([Note: a request at a tier]), if at all.
 
         The segment and the tensor count are checked before anything else: a request of
         two million tiny tensors costs no more than one of the plan's size. Each tensor's
@@ -757,8 +774,7 @@ class TierService(tier_pb2_grpc.TierServicer):
             spec = specs.get(tensor.name)
             if spec is not None:
                 spec.check(tensor.dtype, tensor.shape, f"the {self.tier}'s")
-        limit = self.options.max_tensor_bytes  # read-only views: ONNX Runtime only reads them
-        return {t.name: decode(t, max_bytes=limit, writable=False) for t in encoded}
+        return encoded
 
     def _answer(
         self, plan: Plan, outputs: Mapping[str, np.ndarray], exit_name: str | None

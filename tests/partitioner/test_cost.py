@@ -8,6 +8,7 @@ from tierflow.errors import PlanError, ProfileError
 from tierflow.links import LinkSpec
 from tierflow.partitioner.cost import Problem, build_tables, estimate
 from tierflow.partitioner.profile import Profile
+from tierflow.partitioner.search import search
 
 LINKS = {"device-edge": LinkSpec(8e6, 0.010), "edge-cloud": LinkSpec(80e6, 0.030)}
 RAW = {"device-edge": "raw", "edge-cloud": "raw"}
@@ -68,6 +69,32 @@ def test_breakdown_adds_up_to_the_latency(profile_factory) -> None:
     parts = sum(result.compute_s.values()) + sum(c.total_s for c in result.links.values())
     assert result.latency_s == pytest.approx(parts)
     assert result.codec == {"device-edge": "zstd", "edge-cloud": "raw"}
+
+
+def test_an_edge_that_runs_nothing_costs_one_encode_and_one_decode(profile_factory) -> None:
+    profile = profile_factory([0.1, 0.2, 0.3], [10**6, 5 * 10**5, 2 * 10**5, 40], overhead_s=0.005)
+    problem = Problem(three(profile, edge=0.5, cloud=0.25), LINKS, codecs=("raw", "zstd"))
+    tables = build_tables(problem)
+    # The edge forwards the device's zstd: codec["edge-cloud"] is not read.
+    for a in (0, 1, 2):
+        result = estimate(tables, a, a, {"device-edge": "zstd", "edge-cloud": "raw"})
+        de, ec = result.links["device-edge"], result.links["edge-cloud"]
+        assert result.codec == {"device-edge": "zstd", "edge-cloud": "zstd"}
+        assert de.decode_s == 0.0 and ec.encode_s == 0.0  # nothing on the edge
+        assert de.encode_s == pytest.approx(profile.cuts[a].nbytes / 1e6 * 0.01)  # device's
+        assert ec.decode_s == pytest.approx(profile.cuts[a].nbytes / 1e6 * 0.005 * 0.25)
+        assert de.bytes == ec.bytes == pytest.approx(profile.cuts[a].nbytes / 2)
+        parts = sum(result.compute_s.values()) + de.total_s + ec.total_s
+        assert result.compute_s["edge"] == 0.0
+        assert result.latency_s == pytest.approx(parts)
+    # The search scores such plans the same way: its cloud-only baseline is this estimate.
+    searched = search(problem).baselines["cloud-only"]
+    by_hand = min(
+        (estimate(tables, 0, 0, {"device-edge": c}) for c in problem.codecs),
+        key=lambda e: e.latency_s,
+    )
+    assert searched.latency_s == pytest.approx(by_hand.latency_s)
+    assert searched.codec == by_hand.codec
 
 
 def test_throughput_period_is_the_slowest_stage(profile_factory) -> None:

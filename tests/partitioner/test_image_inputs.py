@@ -195,8 +195,13 @@ def test_a_jpeg_baseline_is_scored_outside_the_exact_budget(cnn: Any) -> None:
     de = jpeg.links["device-edge"]
     assert 0 < de.bytes < de.raw_bytes / 3  # a photo crop as JPEG: a fraction of float32
     assert jpeg.latency_s < raw.latency_s  # on 2 Mbit/s links the bytes dominate
+    # The edge runs nothing: it forwards the JPEG, decoding and encoding nothing.
+    ec = jpeg.links["edge-cloud"]
+    assert de.decode_s == 0.0 and ec.encode_s == 0.0
+    assert de.encode_s > 0 and ec.decode_s > 0
+    assert ec.bytes == pytest.approx(de.bytes)
     with pytest.raises(PlanError, match="no codec"):
-        score_plan(graph, profiles, options, (0, 0), {"device-edge": "jpeg:90"}, feeds)
+        score_plan(graph, profiles, options, (0, 0), {"edge-cloud": "jpeg:90"}, feeds)
 
 
 def test_a_top1_budget_picks_a_lossy_image_codec_that_holds_on_held_out_photos(

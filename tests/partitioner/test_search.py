@@ -65,7 +65,15 @@ def test_auto_codec_picks_compression_on_a_slow_link_and_raw_on_a_fast_one() -> 
         codecs=("raw", "zstd", "int8+zstd"),
     )
     result = search(problem)
-    assert result.baselines["cloud-only"].codec == {"device-edge": "int8+zstd", "edge-cloud": "raw"}
+    # Cloud-only: the edge runs nothing and forwards the device's int8+zstd as it came.
+    cloud_only = result.baselines["cloud-only"]
+    assert cloud_only.codec == {"device-edge": "int8+zstd", "edge-cloud": "int8+zstd"}
+    assert cloud_only.links["device-edge"].decode_s == 0.0
+    assert cloud_only.links["edge-cloud"].encode_s == 0.0
+    # Where the edge works, its fast link to the cloud goes raw.
+    splits = [e for e in search(problem, top=15).ranked if e.cuts[0] < e.cuts[1] < 4]
+    assert splits
+    assert all(e.links["edge-cloud"].codec == "raw" for e in splits)
 
 
 def test_memory_budget_forces_the_feature_off_the_device() -> None:
@@ -180,6 +188,8 @@ def _admitted(admission: Admission, plan: Any, codecs: tuple[str, ...]) -> bool:
     a, b = plan.cuts
     last = plan.last
     cols = {name: codecs.index(cost.codec) for name, cost in plan.links.items() if cost.used}
+    if a == b < last:  # the edge forwards: one crossing, the device-edge codec
+        cols = {"device-edge": cols["device-edge"]}
     for name, cut in (("device-edge", a), ("edge-cloud", b)):
         if name in cols and not admission.allowed[name][cut, cols[name]]:
             return False
