@@ -209,6 +209,24 @@ def test_lossless_codecs_score_bit_for_bit_and_int8_on_the_outlier_does_not(mlp:
     assert not early.passed and not early.complete and early.score.samples < 40
 
 
+def test_a_plan_whose_edge_runs_nothing_applies_its_codec_once(mlp: Any) -> None:
+    _, graph, profiles = mlp
+    probe = FidelityProbe(graph, sample_requests(graph.inputs, _sample(4, 2)))
+    last = probe.last  # cuts: x, h, y
+    for a in (0, 1):  # cloud-only; device then cloud
+        # The edge forwards the device's int8: codec["edge-cloud"] is not applied, and the
+        # plan answers as one where the edge runs the rest after that one crossing.
+        got = probe.run_split((a, a), {"device-edge": "int8", "edge-cloud": "fp16"}, 0)
+        once = probe.run_split((a, last), {"device-edge": "int8"}, 0)
+        np.testing.assert_array_equal(got["y"], once["y"])
+    # Where the edge does run something, the second codec shows.
+    twice = probe.run_split((0, 1), {"device-edge": "int8", "edge-cloud": "fp16"}, 0)
+    assert not np.array_equal(twice["y"], probe.run_split((0, 0), {"device-edge": "int8"}, 0)["y"])
+    problem = Problem(profiles, LINKS, codecs=("raw", "int8"))
+    forwarded = estimate(build_tables(problem), 0, 0, {"device-edge": "int8"})
+    assert lossy_crossings(forwarded) == (("device-edge", 0, "int8"),)
+
+
 # --------------------------------------------------------------------------- planning
 
 
