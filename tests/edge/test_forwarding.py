@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,12 @@ import numpy as np
 import onnx
 import pytest
 
+from tierflow.cache_memory import MemoryCache
+from tierflow.cloud.server import CloudServer
 from tierflow.codec import ImageNorm, decode, encode
 from tierflow.device.client import DeviceClient
+from tierflow.edge.server import EdgeServer
+from tierflow.options import RuntimeOptions
 from tierflow.partitioner.fidelity_probe import plan_fidelity, run_plan_dir
 from tierflow.partitioner.split import session
 from tierflow.plan import Plan, SegmentSpec, load_plan, save_plan
@@ -116,3 +121,42 @@ def test_the_edge_leaves_the_payload_to_the_cloud(rt: Any, tmp_path: Path) -> No
     error = replies["bad"].error
     assert tier_pb2.ErrorCode.Name(error.code) == "CODEC"
     assert error.tier == "cloud", error.message
+
+
+def test_a_forwarding_edge_with_a_cache_answers_repeats_and_forwards_the_rest(
+    rt: Any, tmp_path: Path
+) -> None:
+    """The edge decodes only to look its cache up; what it forwards is still the device's."""
+    plan_dir, model = _cloud_only(rt, tmp_path, "jpeg:30", "jpeg:30")
+    feeds, other = _requests(2)
+    options = RuntimeOptions(workers=2)
+    cloud = CloudServer(plan_dir, "127.0.0.1:0", options=options)
+    cloud.start()
+    edge = EdgeServer(
+        plan_dir, "127.0.0.1:0", cloud.address, cache=MemoryCache(1 << 20), options=options
+    )
+    try:
+        edge.start()
+        with DeviceClient(plan_dir, edge.address) as device:
+            first = device.infer(feeds).unwrap()
+            second = first
+            for _ in range(50):  # the store happens just after the answer is sent
+                second = device.infer(feeds).unwrap()
+                if second.cache_hit:
+                    break
+                time.sleep(0.01)
+            third = device.infer(other).unwrap()
+    finally:
+        edge.stop(0.5)
+        cloud.stop(0.5)
+    whole = open_session(model)
+    assert first.answered_by == "cloud" and not first.cache_hit
+    assert first.bytes["edge-cloud"] == first.bytes["device-edge"]
+    expected = whole.run(["y"], {"x": _once("jpeg:30", feeds["x"])})[0]
+    np.testing.assert_array_equal(first.outputs["y"], expected)
+    assert second.cache_hit and second.answered_by == "edge"
+    np.testing.assert_array_equal(second.outputs["y"], expected)
+    assert not third.cache_hit
+    np.testing.assert_array_equal(
+        third.outputs["y"], whole.run(["y"], {"x": _once("jpeg:30", other["x"])})[0]
+    )

@@ -218,6 +218,26 @@ def test_a_top1_budget_picks_a_lossy_image_codec_that_holds_on_held_out_photos(
     assert budget.met_by(held_out.value, held_out.samples), held_out.describe()
 
 
+def test_a_cloud_only_jpeg_plan_says_its_edge_forwards(cnn: Any, tmp_path: Path) -> None:
+    _, graph, profiles = cnn
+    slow_edge = {**profiles, "edge": profiles["cloud"].emulate(1000.0)}
+    options = PlanOptions(
+        links=LINKS,
+        codec="jpeg:50",
+        fidelity=FidelityBudget.parse("top1=50%"),
+        images={"x": IMAGENET},
+    )
+    outcome = make_plan(graph, slow_edge, options, tmp_path / "plan", sample=photos(10, 3))
+    plan = load_plan(tmp_path / "plan")
+    assert plan.segments[0].tier == "cloud" and plan.edge_forwards
+    # plan.json says what the runtime does: one codec on both links, none at the edge.
+    assert plan.codec == {"device-edge": "jpeg:50", "edge-cloud": "jpeg:50"}
+    links = plan.estimate["links"]
+    assert links["device-edge"]["decode_s"] == 0.0 and links["edge-cloud"]["encode_s"] == 0.0
+    assert links["device-edge"]["bytes"] == links["edge-cloud"]["bytes"]
+    assert outcome.plan.fidelity["samples"] == 10
+
+
 def test_old_plans_without_image_inputs_load_and_bad_ones_are_refused(
     cnn: Any, tmp_path: Path
 ) -> None:
