@@ -55,9 +55,17 @@ IMAGE_BASELINES: dict[str, str] = {
     "cloud-only-png": "png",
 }
 #: Strategies whose plan is tierflow's own (the verdict compares them with the others).
-TIERFLOW = ("tierflow", "tierflow-budget", "tierflow-exits", "tierflow-bottleneck")
+TIERFLOW = (
+    "tierflow",
+    "tierflow-budget",
+    "tierflow-exits",
+    "tierflow-bottleneck",
+    "tierflow-lowbit",
+)
 #: tierflow's rows the verdict judges (exits rows are measured on another workload).
-VERDICT_STRATEGIES = ("tierflow", "tierflow-budget", "tierflow-bottleneck")
+VERDICT_STRATEGIES = ("tierflow", "tierflow-budget", "tierflow-bottleneck", "tierflow-lowbit")
+#: The folded ``tierflow-lowbit`` row is the fastest low-bit split of at least this fidelity.
+LOWBIT_FIDELITY = 0.99
 #: The issue's goal for a split plan on a trained model: this many times faster than
 #: ``cloud-only-jpeg`` at the same or better fidelity, at a rate within these bounds.
 GOAL_SPEEDUP = 1.5
@@ -68,6 +76,7 @@ _BOTTLENECK_STRATEGIES = {
     "cloud-only-jpeg": JPEG_BASELINE,  # quality 90
     "cloud-only-png": "cloud-only-png",
     "cloud-only (int8+zstd)": "cloud-only-compressed",
+    "tierflow-budget": "tierflow-budget",  # the planner's own choice under its budget
 }
 
 
@@ -160,8 +169,10 @@ def planner_probe(
 def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, Any]]:
     """``bottleneck_bench.py``'s last committed run as results.json rows (none if absent).
 
-    Per rate: the fastest ``tierflow-bottleneck`` variant, JPEG at quality 90 and its
-    quality sweep, PNG and the int8+zstd upload, each with the fidelity that run measured
+    Per rate: the fastest ``tierflow-bottleneck`` variant, the fastest low-bit split of
+    at least ``LOWBIT_FIDELITY`` (``tierflow-lowbit``), the planner's ``tierflow-budget``
+    choice, JPEG at quality 90 and its quality sweep, WebP (``cloud-only-webp-qNN``), PNG
+    and the int8+zstd upload, each with the fidelity that run measured
     on its held-out requests.
     Returns the rows and what the report says about their source.
     """
@@ -177,6 +188,13 @@ def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, 
         bottlenecks = [r for r in rows if r["strategy"] == "tierflow-bottleneck"]
         if bottlenecks:
             chosen.append(("tierflow-bottleneck", min(bottlenecks, key=lambda r: r["p50_ms"])))
+        lowbit = [
+            r
+            for r in rows
+            if r["strategy"] == "tierflow-lowbit" and r["fidelity"] >= LOWBIT_FIDELITY - 1e-12
+        ]
+        if lowbit:
+            chosen.append(("tierflow-lowbit", min(lowbit, key=lambda r: r["p50_ms"])))
         for r in rows:
             if r["strategy"] in _BOTTLENECK_STRATEGIES:
                 chosen.append((_BOTTLENECK_STRATEGIES[r["strategy"]], r))
@@ -184,6 +202,8 @@ def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, 
                 quality = jpeg_quality(str(r.get("codec", "")))
                 if quality is not None and quality != 90:
                     chosen.append((jpeg_strategy(quality), r))
+            elif r["strategy"].startswith("cloud-only-webp:"):
+                chosen.append((r["strategy"].replace(":", "-q"), r))
         for name, r in chosen:
             row: Row = {
                 "model": data.get("model", r["model"]),
@@ -196,7 +216,9 @@ def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, 
                 "fidelity": r["fidelity"],
                 "bit_exact": None,
                 "fidelity_requests": r.get("requests"),
-                "codec_used": {"device-edge": r["codec"], "edge-cloud": r["codec"]},
+                "codec_used": dict(
+                    r.get("codec_used") or {"device-edge": r["codec"], "edge-cloud": r["codec"]}
+                ),
                 "bytes": r.get("bytes", {}),
                 "parts_ms": r.get("parts_ms", {}),
                 "measured": "composed by bottleneck_bench.py",
@@ -224,7 +246,8 @@ def verdict(rows: Sequence[Row]) -> list[Row]:
     as fast as every baseline of that fidelity or better?
 
     The levels are the fidelities of tierflow's rows at the point (``tierflow``, the exact
-    plan; ``tierflow-budget``, the plan under a fidelity budget; ``tierflow-bottleneck``).
+    plan; ``tierflow-budget``, the plan under a fidelity budget; ``tierflow-bottleneck`` and
+    ``tierflow-lowbit``, folded from ``bottleneck_bench.py``).
     At level ``f`` tierflow's best plan is its fastest row of fidelity ``>= f``; a baseline
     of fidelity ``>= f`` that is faster beats it there. One entry per (model, bandwidth):
     ``holds`` when no level is beaten, ``beaten_by`` the baselines that beat some level,
@@ -305,7 +328,8 @@ def split_goal(rows: Sequence[Row]) -> Row:
     codec at least ``GOAL_SPEEDUP`` times faster than ``cloud-only-jpeg`` at the same or
     better fidelity, at some rate within ``GOAL_MBIT``.
 
-    Candidates are tierflow's rows (``tierflow-budget``, ``tierflow-bottleneck``) on models
+    Candidates are tierflow's rows (``tierflow-budget``, ``tierflow-bottleneck``,
+    ``tierflow-lowbit``) on models
     with trained weights whose plan splits the model (the device runs part of it and sends
     a feature) with a lossy codec or a learned bottleneck. Returns the best such
     ratio (``best``: the row, its ratio, the JPEG row's figures; None when there is no
@@ -315,7 +339,7 @@ def split_goal(rows: Sequence[Row]) -> Row:
 
     candidates: list[Row] = []
     for row in rows:
-        if row["strategy"] not in ("tierflow-budget", "tierflow-bottleneck"):
+        if row["strategy"] not in ("tierflow-budget", "tierflow-bottleneck", "tierflow-lowbit"):
             continue
         rate = row["bandwidth_mbit"]
         if not row.get("trained_weights") or not GOAL_MBIT[0] <= rate <= GOAL_MBIT[1]:

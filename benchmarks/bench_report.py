@@ -23,6 +23,7 @@ STRATEGIES = (
     "cloud-only-jpeg",
     "cloud-only-png",
     "tierflow-bottleneck",
+    "tierflow-lowbit",
 )
 
 Row = dict[str, Any]
@@ -38,6 +39,7 @@ _COLOURS = {
     "cloud-only-jpeg": "#bcbd22",
     "cloud-only-png": "#8c564b",
     "tierflow-bottleneck": "#e377c2",
+    "tierflow-lowbit": "#aec7e8",
 }
 _TIER_COLOURS = {"device": "#9467bd", "edge": "#ff7f0e", "cloud": "#1f77b4"}
 

@@ -290,7 +290,9 @@ def fidelity_section(
             f"{bottleneck.get('inputs')}; "
             "latency composed by that script the same way (its own rates, 1-50 Mbit/s). "
             "`tierflow-bottleneck` is the fastest learned-bottleneck variant at each rate, "
-            "`cloud-only-compressed` there is its int8+zstd upload.\n"
+            "`tierflow-lowbit` the fastest low-bit split that keeps at least 99% agreement, "
+            "`tierflow-budget` the planner's own choice there, `cloud-only-webp-qNN` its WebP "
+            "uploads, and `cloud-only-compressed` its int8+zstd upload.\n"
         )
     strategies = [
         s
@@ -298,6 +300,7 @@ def fidelity_section(
             "tierflow",
             "tierflow-budget",
             "tierflow-bottleneck",
+            "tierflow-lowbit",
             "device-only",
             "cloud-only",
             "cloud-only-compressed",
@@ -332,7 +335,8 @@ def fidelity_section(
         "**Verdict** — at every point, is tierflow's best plan at each fidelity level never "
         "slower than any baseline of equal or better fidelity? The levels are the "
         "fidelities of tierflow's rows there (`tierflow`, exact; `tierflow-budget`; "
-        "`tierflow-bottleneck`); at level f tierflow's best plan is its fastest row of "
+        "`tierflow-bottleneck`; `tierflow-lowbit`); at level f tierflow's best plan is "
+        "its fastest row of "
         "fidelity ≥ f, and every baseline (device-only, cloud-only, cloud-only-compressed, "
         "single-split, the JPEG uploads at every quality, PNG) of fidelity ≥ f must be no "
         "faster. A faster baseline of *lower* fidelity than every tierflow plan it beats (a "

@@ -438,3 +438,59 @@ def test_split_goal_counts_only_lossy_splits_of_trained_models_within_the_rates(
     assert goal["met"]
     rows[1]["fidelity"] = 0.98  # less faithful than the JPEG upload: not the same fidelity
     assert split_goal(rows)["best"] is None and not split_goal(rows)["met"]
+
+
+def test_bottleneck_fold_keeps_each_strategy_once_per_rate(tmp_path: Path) -> None:
+    """bottleneck_bench.py's rows become one row per strategy and rate: the fastest
+    bottleneck, the fastest low-bit split of at least 99% agreement, the planner's budgeted
+    plan with its codecs, and the uploads under results.json's names."""
+    from bench_fidelity import bottleneck_rows
+
+    def row(strategy: str, ms: float, fidelity: float, codec: str, **extra: Any) -> dict[str, Any]:
+        return {
+            "model": "orientation",
+            "bandwidth_mbit": 5.0,
+            "strategy": strategy,
+            "p50_ms": ms,
+            "fidelity": fidelity,
+            "codec": codec,
+            "cuts": [0, 0],
+            **extra,
+        }
+
+    rows = [
+        row("tierflow-bottleneck", 90.0, 0.98, "zstd (uint8 codes)", cuts=[9, 9]),
+        row("tierflow-bottleneck", 80.0, 0.95, "zstd (uint8 codes)", cuts=[9, 9]),
+        row("tierflow-lowbit", 50.0, 0.90, "int2+zstd", cuts=[4, 4]),  # too unfaithful
+        row("tierflow-lowbit", 70.0, 1.00, "int4+zstd", cuts=[4, 4]),
+        row("tierflow-lowbit", 75.0, 1.00, "int8+zstd", cuts=[2, 2]),
+        row(
+            "tierflow-budget",
+            60.0,
+            0.99,
+            "jpeg:10 / jpeg:20",
+            codec_used={"device-edge": "jpeg:10", "edge-cloud": "jpeg:20"},
+        ),
+        row("cloud-only-jpeg", 65.0, 1.0, "jpeg:90"),
+        row("cloud-only-jpeg:10", 55.0, 1.0, "jpeg:10"),
+        row("cloud-only-webp:50", 58.0, 1.0, "webp:50"),
+        row("cloud-only (zstd)", 300.0, 1.0, "zstd"),  # not a results.json strategy
+    ]
+    path = tmp_path / "bottleneck.json"
+    path.write_text(json.dumps({"model": "orientation", "rows": rows}))
+    folded, _ = bottleneck_rows(path)
+    by_name = {r["strategy"]: r for r in folded}
+    assert len(by_name) == len(folded)
+    assert set(by_name) == {
+        "tierflow-bottleneck",
+        "tierflow-lowbit",
+        "tierflow-budget",
+        "cloud-only-jpeg",
+        "cloud-only-jpeg-q10",
+        "cloud-only-webp-q50",
+    }
+    assert by_name["tierflow-bottleneck"]["p50_ms"] == 80.0
+    assert by_name["tierflow-lowbit"]["codec_used"]["device-edge"] == "int4+zstd"
+    assert by_name["tierflow-budget"]["codec_used"]["edge-cloud"] == "jpeg:20"
+    assert by_name["cloud-only-jpeg-q10"]["quality"] == 10
+    assert all(r["trained_weights"] for r in folded)
