@@ -30,7 +30,7 @@ import numpy as np
 from tierflow.cache import CacheAnswer, FeatureCache, cache_key
 from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
 from tierflow.device.probing import DEFAULT_IDLE_S, IdleProber
-from tierflow.device.switching import LinkEstimator, PlanSelector
+from tierflow.device.switching import LinkEstimator, PlanSelector, rate_ceiling
 from tierflow.errors import (
     CacheError,
     DeadlineError,
@@ -63,6 +63,12 @@ DEFAULT_DEADLINE_S = 30.0
 DEFAULT_PRIOR_BPS = 100e6
 #: While the cloud is missing, one request in this many seconds tries it again.
 DEFAULT_RETRY_S = 1.0
+#: Answers whose time after crossing the device-edge link bounds the next ones'
+#: ([Note: censored rate evidence] in tierflow/device/switching.py): the slowest counts,
+#: times ANSWER_MARGIN, so that a tier a little slower than of late is not taken for a
+#: slow link.
+ANSWER_TIMES_KEPT = 8
+ANSWER_MARGIN = 1.5
 #: Error codes of a reply that mean a tier is gone: the edge (stopping) or the one after it.
 _TIER_GONE = ("UNAVAILABLE", "UPSTREAM_UNAVAILABLE")
 
@@ -387,7 +393,14 @@ class DeviceClient:
     tiers serve every plan of the set, so requests in flight finish on the plan they
     started with. A plan's device sessions open on its first request (segment files
     shared between plans are opened once). Its result names the plan (``plan``) and, at
-    a switch, why (``switch``). ``adaptive=False`` keeps the default plan.
+    a switch, why (``switch``). ``adaptive=False`` keeps the default plan. Before each
+    choice the device-edge estimate is also bounded by the requests still on that link
+    ([Note: censored rate evidence] in tierflow/device/switching.py): one unanswered for
+    longer than its upload at the estimated rate plus ``ANSWER_MARGIN`` times the slowest
+    of the last ``ANSWER_TIMES_KEPT`` answers' time after their upload lowers the
+    estimate at once,
+    so a sudden drop turns the next requests, not only those sent after the slow uploads
+    are answered.
     """
 
     def __init__(
@@ -464,6 +477,12 @@ class DeviceClient:
             self.selector = PlanSelector(plans)
         self.estimators = {link: LinkEstimator(_prior(plans, link)) for link in LINKS}
         self._estimates_lock = threading.Lock()
+        # Under _estimates_lock: requests on the device-edge link not answered yet, and
+        # how long recent answers took after their upload had left.
+        self._unanswered: dict[str, Sent] = {}
+        self._answer_s: collections.deque[float] = collections.deque(
+            [_prior(plans, "device-edge").rtt_s], maxlen=ANSWER_TIMES_KEPT
+        )
         self._probe_switch: str | None = None  # a switch an idle probe made, not yet named
         # [Note: losing a tier]: the plans that run without the cloud, and its state.
         self.retry_s = retry_s
@@ -537,6 +556,7 @@ class DeviceClient:
         if self.selector is not None:
             fetch = self._fetch_bytes()
             with self._estimates_lock:
+                self._bound_by_unanswered(now)
                 links = {link: e.estimate() for link, e in self.estimators.items()}
                 choice = self.selector.choose(now, links, fetch)
                 if choice.switched:
@@ -611,6 +631,7 @@ class DeviceClient:
             estimator = self.estimators["device-edge"]
             estimator.observe(now, nbytes, seconds)
             estimator.observe_rtt(now, rtt_s)
+            self._bound_by_unanswered(now)
             if self.selector is not None:
                 # The hold of a switch counts from what the probe saw, not from the next
                 # request; a switch made here is named by that request.
@@ -619,6 +640,18 @@ class DeviceClient:
                 if choice.switched:
                     self._probe_switch = f"idle probe: {choice.reason}"
                     logger.info("[device] switching plans: %s", self._probe_switch)
+
+    def _bound_by_unanswered(self, now: float) -> None:
+        """Bound the device-edge estimate by the uploads still unanswered at ``now``.
+
+        See [Note: censored rate evidence]; call with ``_estimates_lock`` held.
+        """
+        in_flight: list[tuple[int, float]] = []
+        for sent in self._unanswered.values():
+            if sent.transfer.started is not None:  # it has begun to cross
+                in_flight.append((sent.transfer.nbytes, sent.transfer.started))
+        ceiling = rate_ceiling(now, in_flight, ANSWER_MARGIN * max(self._answer_s))
+        self.estimators["device-edge"].bound(ceiling)
 
     @property
     def runner(self) -> TierRunner:
@@ -652,12 +685,16 @@ class DeviceClient:
         """
         if self.prober is not None:
             self.prober.touch()
+        now = time.monotonic()
+        with self._estimates_lock:
+            self._unanswered.pop(sent.wire_id, None)
         if future.cancelled() or future.exception() is not None:
             return
         self._track_cloud(future.result())
         stats = [sent.transfer.stat("device-edge"), *future.result().links]
-        now = time.monotonic()
         with self._estimates_lock:
+            if sent.transfer.handed and sent.transfer.left is not None:
+                self._answer_s.append(max(now - sent.transfer.left, 0.0))
             for stat in stats:
                 estimator = self.estimators.get(stat.link)
                 if estimator is not None and stat.rate_bps > 0:
@@ -767,6 +804,8 @@ class DeviceClient:
             return self._local(request_id, started, error=exc)
         if self.prober is not None:
             self.prober.touch()
+        with self._estimates_lock:
+            self._unanswered[sent.wire_id] = sent
         sent.future.add_done_callback(functools.partial(self._observe, sent))
         fallback = functools.partial(
             self._fall_back, request_id, started, arrays, outcome.unconfident

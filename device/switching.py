@@ -29,12 +29,28 @@ and the other plan must then stay the better one for ``hold_s`` plus the time th
 takes at the estimated device-edge rate. Meanwhile the device fetches those segments in
 the background (the selector's :attr:`~PlanSelector.candidate` names the plan), so a
 lasting change switches once they are here, and a brief one costs no switch at all.
+
+[Note: censored rate evidence]
+The estimate learns from transfers only once they are answered. When the link slows a
+hundredfold, the uploads already on it (147 KiB each in the adaptation benchmark, a few
+in flight) are answered a second or more later, and every request sent meanwhile is
+chosen on the old rate. A transfer still unanswered is evidence too: if it began to
+cross ``t`` seconds ago and an answer takes ``answer_s`` once a request has crossed (the
+round trip and the tiers' work, as recent answers showed), then its ``n`` bytes have
+not crossed in ``t - answer_s`` seconds, so the rate is below ``8 n / (t - answer_s)``
+(:func:`rate_ceiling`). The bound says nothing until ``t`` exceeds the transfer's
+expected time at the estimated rate plus ``answer_s``; from then on it falls as the wait
+grows. It is a censored observation, not a measurement: the estimator keeps it apart
+(:meth:`LinkEstimator.bound`) and reports the lower of it and its mean of completed
+transfers, so it can only lower the estimate, and once those transfers are answered
+their own measurement counts as any other. The device recomputes the bound before each
+choice from the requests then in flight, so a bound lasts only while its evidence does.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tierflow.errors import UsageError
@@ -71,6 +87,7 @@ class LinkEstimator:
         self._rtt_s = prior.rtt_s
         self._at: float | None = None
         self._rtt_at: float | None = None
+        self._ceiling_bps: float | None = None
 
     def _weight(self, since: float | None, now: float) -> float:
         """The weight of a new observation against what is known from ``since``."""
@@ -95,8 +112,39 @@ class LinkEstimator:
         self._rtt_s += weight * (rtt_s - self._rtt_s)
         self._rtt_at = now
 
-    def estimate(self) -> LinkSpec:
+    def bound(self, ceiling_bps: float | None) -> None:
+        """The rate is at most ``ceiling_bps``, as transfers still in flight show (None:
+        they show nothing); replaces the previous bound ([Note: censored rate evidence])."""
+        valid = ceiling_bps is not None and 0 < ceiling_bps < math.inf
+        self._ceiling_bps = ceiling_bps if valid else None
+
+    def measured(self) -> LinkSpec:
+        """The estimate from completed transfers alone, without any bound."""
         return LinkSpec(math.exp(self._log_rate), self._rtt_s)
+
+    def estimate(self) -> LinkSpec:
+        measured = self.measured()
+        if self._ceiling_bps is None or self._ceiling_bps >= measured.rate_bps:
+            return measured
+        return LinkSpec(self._ceiling_bps, self._rtt_s)
+
+
+def rate_ceiling(
+    now: float, in_flight: Iterable[tuple[int, float]], answer_s: float
+) -> float | None:
+    """The tightest upper bound on a link's rate that unanswered transfers give.
+
+    ``in_flight``: (bytes, when the transfer began to cross the link) of each request
+    sent on the link and not answered by ``now``; ``answer_s``: how long an answer takes
+    once a request has crossed. None when no transfer has been out long enough to tell
+    anything ([Note: censored rate evidence]).
+    """
+    bounds = [
+        nbytes * 8.0 / (now - started - answer_s)
+        for nbytes, started in in_flight
+        if nbytes > 0 and now - started > answer_s
+    ]
+    return min(bounds, default=None)
 
 
 def _distance(point: Mapping[str, LinkSpec], links: Mapping[str, LinkSpec]) -> float:

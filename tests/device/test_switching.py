@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tierflow.device.switching import LinkEstimator, PlanSelector
+from tierflow.device.switching import LinkEstimator, PlanSelector, rate_ceiling
 from tierflow.errors import UsageError
 from tierflow.links import LinkSpec
 from tierflow.plan import Plan, PlanSet, SegmentSpec
@@ -131,3 +131,60 @@ def test_far_outside_the_current_plans_region_the_hold_is_short() -> None:
     with pytest.raises(UsageError):
         PlanSelector(_set(), far_hold_s=-1.0)
     assert PlanSelector(_set(), hold_s=0.05).far_hold_s == 0.05  # never longer than the hold
+
+
+def _fast_estimator() -> LinkEstimator:
+    estimator = LinkEstimator(LinkSpec(200e6, 0.03))
+    for i in range(20):  # 200 Mbit/s: 150 kB take 6 ms
+        estimator.observe(i * 0.2, 150_000, 0.006)
+    return estimator
+
+
+def test_an_upload_that_outlives_its_expectation_lowers_the_estimate_at_once() -> None:
+    estimator = _fast_estimator()
+    # The link dropped to 2 Mbit/s at 4.0 s: the upload started then is still crossing
+    # 0.4 s later, when an answer takes 0.1 s once a request has crossed.
+    ceiling = rate_ceiling(4.4, [(150_000, 4.0)], answer_s=0.1)
+    assert ceiling == pytest.approx(150_000 * 8 / 0.3)  # 4 Mbit/s: at most that
+    estimator.bound(ceiling)
+    assert estimator.estimate().rate_bps == pytest.approx(4e6)
+    # The selector sees the drop now, not once the slow uploads are answered.
+    selector = PlanSelector(_set())
+    assert not selector.choose(
+        4.4, {"device-edge": estimator.estimate(), "edge-cloud": EC}
+    ).switched
+    choice = selector.choose(4.9, {"device-edge": estimator.estimate(), "edge-cloud": EC})
+    assert choice.switched and choice.index == 0
+
+
+def test_an_upload_within_its_expectation_says_nothing() -> None:
+    estimator = _fast_estimator()
+    # 6 ms on the link and 0.1 s for the answer: 0.05 s out is nothing unusual, nor is
+    # an upload that has not begun to cross yet (queued behind another).
+    in_flight = [(150_000, 3.95), (150_000, 4.2)]
+    ceiling = rate_ceiling(4.0, in_flight, answer_s=0.1)
+    assert ceiling is None
+    estimator.bound(ceiling)
+    assert estimator.estimate().rate_bps == pytest.approx(200e6, rel=0.01)
+    # Out for its 6 ms upload and its answer's 0.1 s: the bound (240 Mbit/s) is above
+    # the measured rate and does not raise it.
+    estimator.bound(rate_ceiling(4.105, [(150_000, 4.0)], answer_s=0.1))
+    assert estimator.estimate().rate_bps == pytest.approx(200e6, rel=0.01)
+
+
+def test_completed_transfers_still_set_the_rate_under_a_bound() -> None:
+    estimator = _fast_estimator()
+    estimator.bound(4e6)
+    # The bound is kept apart: the measured mean is untouched by it.
+    assert estimator.measured().rate_bps == pytest.approx(200e6, rel=0.01)
+    for i in range(10):  # the uploads come back: 2 Mbit/s measured
+        estimator.observe(5.0 + i * 0.2, 150_000, 0.6)
+    estimator.bound(None)  # nothing unanswered for too long any more
+    assert estimator.estimate().rate_bps == pytest.approx(2e6, rel=0.2)
+    # And when the link recovers, measurements raise the estimate past an old bound's value.
+    for i in range(10):
+        estimator.observe(8.0 + i * 0.2, 150_000, 0.006)
+    assert estimator.estimate().rate_bps == pytest.approx(200e6, rel=0.2)
+    estimator.bound(math.inf)  # no bound: ignored
+    estimator.bound(-1.0)
+    assert estimator.estimate() == estimator.measured()
