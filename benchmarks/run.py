@@ -2,6 +2,7 @@
 
     python benchmarks/run.py            # full run (~20 min), writes benchmarks/RESULTS.md
     python benchmarks/run.py --quick    # small models, 3 bandwidths, a couple of minutes
+    python benchmarks/run.py --refold   # fold bottleneck_bench.py's rows in again, no measuring
 
 For each model of the suite (``bench_models``) it profiles the model as the planner
 would, asks every strategy (``strategies``) for its plan at each device-edge bandwidth,
