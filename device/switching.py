@@ -20,7 +20,11 @@ the current plan's whole region, the link has changed tenfold past anything that
 was chosen for, there is no border near to flap across, and every request held back
 runs on a plan far from its best (the adaptation benchmark's 200 -> 2 Mbit/s step queued
 seconds of 147 KiB uploads during a 0.5 s hold). The hold is then ``far_hold_s`` (0.1 s),
-so the estimate must still stay there across two choices.
+so the estimate must still stay there across two choices. The hold counts from when the
+current plan stopped being the clear choice, even if the plan that beats it changes
+meanwhile: an estimate falling a hundredfold crosses several regions on its way down
+(the bounds of [Note: censored rate evidence] fall as the slow uploads wait), and a hold
+restarted at each would keep the device on the plan that fits worst of all.
 
 A switch may cost a fetch: a plan whose device segments are not held locally needs them
 from the edge first ([Note: segments on demand] in tierflow/segments.py). The caller
@@ -228,8 +232,9 @@ class PlanSelector:
         if distances[self.current] - distances[best] <= self.margin:
             self._candidate = None  # not clearly better: stay
             return Choice(self.current, False)
-        if self._candidate != best:
-            self._candidate, self._since = best, now
+        if self._candidate is None:  # the current plan stops being the clear choice now
+            self._since = now
+        self._candidate = best
         fetch_s = 0.0
         if best < len(fetch_bytes) and fetch_bytes[best] > 0 and "device-edge" in links:
             fetch_s = fetch_bytes[best] * 8.0 / links["device-edge"].rate_bps

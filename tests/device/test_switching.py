@@ -188,3 +188,24 @@ def test_completed_transfers_still_set_the_rate_under_a_bound() -> None:
     estimator.bound(math.inf)  # no bound: ignored
     estimator.bound(-1.0)
     assert estimator.estimate() == estimator.measured()
+
+
+def test_the_hold_counts_from_when_the_current_plan_stopped_fitting() -> None:
+    """A falling estimate crosses the middle plan's region on its way to the slow one."""
+    regions = (
+        tuple(_point(r) for r in (1e6, 2e6)),
+        tuple(_point(r) for r in (5e6, 10e6)),
+        tuple(_point(r) for r in (20e6, 50e6, 100e6, 200e6)),
+    )
+    plans = PlanSet((_plan("device"), _plan("edge"), _plan("cloud")), regions, default=2)
+    selector = PlanSelector(plans, hold_s=0.5, far=1.0, far_hold_s=0.1)
+    assert not selector.choose(0.0, _point(8e6)).switched  # near: plan 1 waits its hold
+    assert selector.candidate == 1
+    choice = selector.choose(0.2, _point(1e6))  # far now, and beaten for 0.2 s already
+    assert choice.switched and choice.index == 0
+    # An estimate back inside the current region ends the wait.
+    selector = PlanSelector(plans, hold_s=0.5)
+    selector.choose(0.0, _point(8e6))
+    selector.choose(0.3, _point(100e6))
+    assert selector.candidate is None
+    assert not selector.choose(0.6, _point(8e6)).switched  # the hold starts again
