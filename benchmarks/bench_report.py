@@ -19,6 +19,7 @@ import strategies as _strategies
 STRATEGIES = (
     *_strategies.STRATEGIES[:5],
     "tierflow-budget",
+    "tierflow-split",
     *_strategies.STRATEGIES[5:],
     "cloud-only-jpeg",
     "cloud-only-png",
@@ -36,6 +37,7 @@ _COLOURS = {
     "tierflow": "#2ca02c",
     "tierflow-exits": "#d62728",
     "tierflow-budget": "#9467bd",
+    "tierflow-split": "#ff9896",
     "cloud-only-jpeg": "#bcbd22",
     "cloud-only-png": "#8c564b",
     "tierflow-bottleneck": "#e377c2",

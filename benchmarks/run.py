@@ -3,6 +3,8 @@
     python benchmarks/run.py            # full run (~20 min), writes benchmarks/RESULTS.md
     python benchmarks/run.py --quick    # small models, 3 bandwidths, a couple of minutes
     python benchmarks/run.py --refold   # fold bottleneck_bench.py's rows in again, no measuring
+    python benchmarks/run.py --models digits-camera --no-overheads --out /tmp/dc
+    python benchmarks/run.py --refold --fold-from /tmp/dc   # that model's rows from /tmp/dc
 
 For each model of the suite (``bench_models``) it profiles the model as the planner
 would, asks every strategy (``strategies``) for its plan at each device-edge bandwidth,
@@ -148,6 +150,11 @@ def bench_model(
         probe = bench_fidelity.planner_probe(graph, planner_sample, images)
     choices: dict[float, dict[str, strategies.Choice]] = {}
     budgeted: dict[float, strategies.Choice] = {}
+    split: dict[float, strategies.Choice] = {}
+    # tierflow-split's device holds the first layers, not the model (trained models only).
+    device_memory = (
+        strategies.device_memory_budget(base) if probe is not None and model.trained else None
+    )
     planner_notes: list[str] = []
     required: set[int] = set()
     # Codecs measured at one cut only: the image uploads on the input, the budgeted plans'.
@@ -179,10 +186,23 @@ def bench_model(
                 time.perf_counter() - began,
             )
             budgeted[mbit] = choice
-            required.update(choice.cuts)
-            for link, cut in zip(("device-edge", "edge-cloud"), choice.cuts, strict=True):
-                if cut < last and choice.codec[link] not in strategies.TABLE_CODECS:
-                    extra.setdefault(cut, []).append(choice.codec[link])
+            if device_memory is not None:
+                split[mbit], _ = strategies.choose_within_budget(
+                    graph, profiles, emu.links_at(mbit), probe, images, device_memory=device_memory
+                )
+                logger.info(
+                    "[bench] %s %g Mbit/s: tierflow-split (device %d B) plans %s %s",
+                    model.name,
+                    mbit,
+                    device_memory,
+                    split[mbit].cuts,
+                    split[mbit].codec,
+                )
+            for choice in (budgeted[mbit], *([split[mbit]] if mbit in split else [])):
+                required.update(choice.cuts)
+                for link, cut in zip(("device-edge", "edge-cloud"), choice.cuts, strict=True):
+                    if cut < last and choice.codec[link] not in strategies.TABLE_CODECS:
+                        extra.setdefault(cut, []).append(choice.codec[link])
     cuts = select_cuts(last, required, args.max_cuts)
     pairs = [(a, b) for a in cuts for b in cuts if a <= b]
     requests = bench_models.requests(model, specs, args.requests)
@@ -229,6 +249,12 @@ def bench_model(
                 measured, *choice.cuts, choice.codec, links, slow
             )
             planned.insert(len(choices[mbit]), ("tierflow-budget", choice))
+        if mbit in split:
+            choice = split[mbit]
+            point["tierflow-split"] = bench_measure.compose(
+                measured, *choice.cuts, choice.codec, links, slow
+            )
+            planned.insert(len(choices[mbit]) + 1, ("tierflow-split", choice))
         if images:
             for name, codec in bench_fidelity.IMAGE_BASELINES.items():
                 both = {"device-edge": codec, "edge-cloud": codec}
@@ -264,9 +290,12 @@ def bench_model(
             quality = bench_fidelity.jpeg_quality(composed.codec.get("device-edge", ""))
             if name in bench_fidelity.IMAGE_BASELINES and quality is not None:
                 row["quality"] = quality
-            if name == "tierflow-budget":
+            if name in ("tierflow-budget", "tierflow-split"):
                 row["budget"] = str(strategies.BUDGET)
                 row["budget_sample_requests"] = args.budget_sample
+            if name == "tierflow-split":
+                row["device_memory_budget"] = device_memory
+                row["device_memory_fraction"] = strategies.SPLIT_MEMORY_FRACTION
             for other in ("device-only", "cloud-only", "cloud-only-compressed", "single-split"):
                 key = "speedup_vs_" + other.replace("-", "_")
                 row[key] = point[other].p50_ms / composed.p50_ms
@@ -300,6 +329,7 @@ def bench_model(
         "budget": str(strategies.BUDGET) if probe is not None else None,
         "budget_sample_requests": args.budget_sample if probe is not None else 0,
         "budget_notes": planner_notes,
+        "split_device_memory": device_memory,
     }
     logger.info(
         "[bench] %s done in %.1f s (measuring %.1f s)",
@@ -625,6 +655,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "in --out again, recompute the verdict and the split goal, redraw RESULTS.md and plots",
     )
     parser.add_argument(
+        "--fold-from",
+        type=Path,
+        default=None,
+        help="with --refold: another run's folder (e.g. a --models run); the models it "
+        "measured take all their rows from it, recorded in results_meta.json model_runs",
+    )
+    parser.add_argument(
+        "--no-overheads",
+        action="store_true",
+        help="skip the transport, codec and planning overhead figures (exits and runtime "
+        "passes still run)",
+    )
+    parser.add_argument(
         "--nice",
         type=int,
         default=0,
@@ -644,21 +687,58 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def refold(out: Path) -> int:
+FOLDED = "composed by bottleneck_bench.py"
+
+
+def fold_models(
+    rows: list[Row], data: dict[str, Any], new_rows: list[Row], new_meta: dict[str, Any]
+) -> tuple[list[Row], dict[str, Any]]:
+    """Replace the rows and model entries of the models of another run (``new_rows``,
+    ``new_meta``) in a run's ``rows`` and meta ``data``.
+
+    Every model's rows then come from one run, named in ``data["model_runs"]`` (command and
+    date; models not folded keep the run's own). Folded ``bottleneck_bench.py`` rows are
+    left out of both: the caller folds them in again.
+    """
+    names = {m["name"] for m in new_meta["models"]}
+    if not names:
+        raise ValueError("the run to fold from measured no model")
+    runs = data.get("model_runs") or {
+        m["name"]: {"command": data["command"], "date": data["date"]} for m in data["models"]
+    }
+    for name in names:
+        runs[name] = {"command": new_meta["command"], "date": new_meta["date"]}
+    kept = [r for r in rows if r["model"] not in names and r.get("measured") != FOLDED]
+    kept += [r for r in new_rows if r["model"] in names and r.get("measured") != FOLDED]
+    infos = {m["name"]: m for m in data["models"]}
+    infos.update({m["name"]: m for m in new_meta["models"]})
+    order = [m["name"] for m in data["models"]]
+    order += [n for n in sorted(names) if n not in order]
+    return kept, {**data, "models": [infos[n] for n in order], "model_runs": runs}
+
+
+def refold(out: Path, fold_from: Path | None = None) -> int:
     """Fold ``results/bottleneck.json`` again into the run in ``out``, measuring nothing.
 
     The folded rows are replaced, the verdict and the split goal recomputed, and RESULTS.md
     redrawn: every part drawn from the rows is drawn again; the measured overhead figures
     (from "## Live adaptation" or "## Overheads and limits" on) are kept as they were.
+    With ``fold_from`` (another run's folder), the models that run measured take their rows
+    from it (:func:`fold_models`).
     """
     rows = [
-        r
-        for r in json.loads((out / "results.json").read_text())
-        if r.get("measured") != "composed by bottleneck_bench.py"
+        r for r in json.loads((out / "results.json").read_text()) if r.get("measured") != FOLDED
     ]
+    data = json.loads((out / "results_meta.json").read_text())
+    if fold_from is not None:
+        rows, data = fold_models(
+            rows,
+            data,
+            json.loads((fold_from / "results.json").read_text()),
+            json.loads((fold_from / "results_meta.json").read_text()),
+        )
     folded, source = bench_fidelity.bottleneck_rows()
     rows.extend(folded)
-    data = json.loads((out / "results_meta.json").read_text())
     extras = data.pop("overheads", {})
     data["verdict"] = bench_fidelity.verdict(rows)
     data["split_goal"] = bench_fidelity.split_goal(rows)
@@ -674,16 +754,32 @@ def refold(out: Path) -> int:
     data["method"] = old[old.index("## How it was measured") : old.index("## Summary")].rstrip()
     marks = [old.find(m) for m in ("## Live adaptation", "## Overheads and limits")]
     kept = old[min(m for m in marks if m >= 0) :]
-    if "## Rate against fidelity" in kept:  # markdown() appends rate_fidelity.py's anew
-        kept = kept[: kept.index("## Rate against fidelity")]
+    for mark in ("<!-- rate-fidelity:start", "## Rate against fidelity"):
+        if mark in kept:  # markdown() appends rate_fidelity.py's anew
+            kept = kept[: kept.index(mark)]
+            break
     sections = bench_sections.fidelity_section(rows, data["verdict"], source, data["split_goal"])
     sections += bench_sections.jpeg_sweep_section(rows)
     sections += bench_sections.exits_section(rows)
     sections += bench_sections.runtime_section(rows)
+    runs = data.get("model_runs", {})
+    from_other = sorted(n for n, r in runs.items() if r["command"] != data["command"])
     sections += [
         f"*The rows of `bottleneck_bench.py` were folded in again on {data['refolded']} "
         "(`run.py --refold`, nothing measured); the sections below are kept as they were "
         "in RESULTS.md.*\n",
+        *(
+            [
+                "*Rows of "
+                + ", ".join(
+                    f"`{n}` from `{runs[n]['command']}` ({runs[n]['date']})" for n in from_other
+                )
+                + f"; every other model's from `{data['command']}` ({data['date']}) "
+                "(`results_meta.json` `model_runs`).*\n"
+            ]
+            if from_other
+            else []
+        ),
         kept,
     ]
     bench_report.write_json(rows, out / "results.json")
@@ -699,8 +795,11 @@ def refold(out: Path) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.fold_from is not None and not args.refold:
+        print("run.py: error: --fold-from goes with --refold", file=sys.stderr)
+        return 2
     if args.refold:
-        return refold(args.out)
+        return refold(args.out, args.fold_from)
     logging.basicConfig(
         level=logging.WARNING if args.verbose == 0 else logging.DEBUG,
         format="%(asctime)s %(message)s",
@@ -771,7 +870,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sections += ["## Overheads and limits\n"]
     sections += bench_sections.prediction_section(rows)
     extras: dict[str, Any] = {}
-    if not args.no_extras:
+    if not args.no_extras and not args.no_overheads:
         import bench_overheads
 
         for name, part in (

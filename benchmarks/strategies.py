@@ -21,6 +21,12 @@ the plan is chosen, so they are measured by the same code on the same requests:
                            candidates, each lossy crossing measured end to end on the
                            planner's own sample (``planner.rank``, :func:`choose_within_budget`).
                            Its row's fidelity is measured on held-out requests.
+``tierflow-split``         as ``tierflow-budget``, on a device that cannot hold the whole
+                           model: the planner's device memory budget
+                           (``PlanOptions.memory``) is ``SPLIT_MEMORY_FRACTION`` of what
+                           the whole model needs there (:func:`device_memory_budget`), so
+                           device-only is infeasible and the first layers still fit
+                           (trained models only).
 ``cloud-only-jpeg``,       as cloud-only, the input sent as an 8-bit image (JPEG at
 ``cloud-only-jpeg-qNN``,   quality 90, the quality sweep at NN, or PNG) with its
 ``cloud-only-png``         normalisation; image-input models only
@@ -68,6 +74,9 @@ RAW = {"device-edge": "raw", "edge-cloud": "raw"}
 #: The ``tierflow-budget`` strategy's budget: 99% of requests keep the exact model's top-1
 #: answer (``--fidelity top1=99%``; the planner needs at least 100 sample requests for it).
 BUDGET = FidelityBudget("top1", 0.99)
+#: ``tierflow-split``'s device: half the memory the whole model needs on it, so it holds
+#: the first layers (and the input's peak) but not every weight.
+SPLIT_MEMORY_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -138,6 +147,16 @@ def choose_at(profiles: Mapping[str, Profile], links: Mapping[str, LinkSpec]) ->
     return choose(build_tables(problem_at(profiles, links)))
 
 
+def device_memory_budget(profile: Profile, fraction: float = SPLIT_MEMORY_FRACTION) -> int:
+    """``fraction`` of the bytes the whole model needs on one tier, as the cost model counts
+    them (every unit's weights plus the largest activation peak of any unit)."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+    weights = sum(u.weight_bytes for u in profile.units)
+    peak = max((u.peak_activation_bytes for u in profile.units), default=0)
+    return int(fraction * (weights + peak))
+
+
 def choose_within_budget(
     graph: Any,
     profiles: Mapping[str, Profile],
@@ -145,14 +164,19 @@ def choose_within_budget(
     probe: Any,
     images: Mapping[str, Any],
     budget: FidelityBudget = BUDGET,
+    *,
+    device_memory: int | None = None,
 ) -> tuple[Choice, list[str]]:
     """``tierflow-budget``'s plan: what ``tierflow plan --fidelity BUDGET --image-input``
     chooses (``planner.rank`` with the profiles, ``probe`` on the planner's sample).
+    With ``device_memory`` (bytes), the device's memory budget too: ``tierflow-split``.
 
     Returns the plan and the planner's notes (how many lossy crossings it measured).
     """
     from tierflow.partitioner.planner import PlanOptions, rank
 
-    options = PlanOptions(links=links, fidelity=budget, images=dict(images))
+    memory = {} if device_memory is None else {"device": device_memory}
+    options = PlanOptions(links=links, fidelity=budget, images=dict(images), memory=memory)
     result, notes = rank(graph, profiles, options, probe=probe)
-    return _choice("tierflow-budget", result.best), notes
+    name = "tierflow-budget" if device_memory is None else "tierflow-split"
+    return _choice(name, result.best), notes

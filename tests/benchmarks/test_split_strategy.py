@@ -1,0 +1,114 @@
+"""tierflow-split's device memory budget, the split goal's codec kinds, and folding one
+model's rows from another run (``run.py --refold --fold-from``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+
+from tierflow.codec import CodecStats  # noqa: E402
+from tierflow.links import LinkSpec  # noqa: E402
+from tierflow.partitioner.cost import Problem, build_tables  # noqa: E402
+from tierflow.partitioner.profile import CutProfile, MachineInfo, Profile, UnitProfile  # noqa: E402
+from tierflow.partitioner.search import search  # noqa: E402
+
+
+def _profile(weights: list[int], peaks: list[int]) -> Profile:
+    machine = MachineInfo("test", "cpu", 1, 1, 1.0, False, "0")
+    cuts = tuple(
+        CutProfile(i, i, (f"t{i}",), 4000, {"raw": CodecStats("raw", 1.0, 0.0, 0.0, 0.0)})
+        for i in range(len(weights) + 1)
+    )
+    units = tuple(
+        UnitProfile(i, 0.01, w, p) for i, (w, p) in enumerate(zip(weights, peaks, strict=True))
+    )
+    return Profile(machine, "model.onnx", "0" * 64, cuts, units, 0.0)
+
+
+def test_device_budget_is_a_fraction_of_the_whole_model_and_rules_out_device_only() -> None:
+    from strategies import device_memory_budget
+
+    # A camera stem whose input peak dominates, then layers whose weights do.
+    profile = _profile([600, 10_000, 400_000, 500_000], [600_000, 100_000, 50_000, 20_000])
+    budget = device_memory_budget(profile)
+    profiles = {t: profile for t in ("device", "edge", "cloud")}
+    links = {
+        "device-edge": LinkSpec(rate_bps=1e9, rtt_s=0.001),
+        "edge-cloud": LinkSpec(rate_bps=1e9, rtt_s=0.001),
+    }
+    tables = build_tables(Problem(profiles=profiles, links=links, codecs=("raw",)))
+    assert budget == int(0.5 * tables.memory["device"][0, 4])  # the cost model's own count
+    assert budget == 755_300
+    fitting = Problem(profiles=profiles, links=links, codecs=("raw",), memory={"device": budget})
+    plans = {e.cuts for e in search(fitting, top=50).ranked}
+    assert (4, 4) not in plans and max(a for a, _ in plans) == 2  # the first layers
+    with pytest.raises(ValueError):
+        device_memory_budget(profile, 1.0)
+
+
+def _row(strategy: str, codec: dict[str, str], ms: float, fidelity: float = 1.0) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "bandwidth_mbit": 5.0,
+        "strategy": strategy,
+        "p50_ms": ms,
+        "fidelity": fidelity,
+        "cuts": [1, 9] if strategy != "cloud-only-jpeg" else [0, 0],
+        "codec_used": codec,
+        "trained_weights": True,
+    }
+
+
+def test_split_goal_counts_low_bit_and_learned_codecs_only() -> None:
+    from bench_fidelity import split_goal
+
+    jpeg = _row("cloud-only-jpeg", {"device-edge": "jpeg:90", "edge-cloud": "jpeg:90"}, 60.0)
+    fp16 = _row("tierflow-split", {"device-edge": "fp16"}, 20.0)
+    goal = split_goal([jpeg, fp16])
+    assert goal["best"] is None and not goal["met"]
+    assert goal["best_other_lossy"]["codec_kind"] == "lossy"
+    assert goal["best_other_lossy"]["speedup"] == pytest.approx(3.0)
+    int2 = _row("tierflow-split", {"device-edge": "int2+zstd"}, 30.0)
+    goal = split_goal([jpeg, fp16, int2])
+    assert goal["met"] and goal["best"]["codec_kind"] == "low-bit"
+    assert goal["best"]["speedup"] == pytest.approx(2.0)
+    int2["fidelity"] = 0.98  # below the JPEG upload's fidelity: not at the same fidelity
+    assert not split_goal([jpeg, fp16, int2])["met"]
+
+
+def test_fold_models_takes_every_row_of_the_new_runs_models_and_names_the_run() -> None:
+    from run import FOLDED, fold_models
+
+    old = [
+        {"model": "a", "strategy": "tierflow", "p50_ms": 1.0},
+        {"model": "b", "strategy": "tierflow", "p50_ms": 2.0},
+        {"model": "b", "strategy": "tierflow-exits", "p50_ms": 3.0},
+        {"model": "b", "strategy": "tierflow-bottleneck", "measured": FOLDED},
+    ]
+    meta = {"command": "full", "date": "d0", "models": [{"name": "a"}, {"name": "b", "x": 0}]}
+    new = [
+        {"model": "b", "strategy": "tierflow", "p50_ms": 5.0},
+        {"model": "b", "strategy": "tierflow-split", "p50_ms": 4.0},
+        {"model": "b", "strategy": "tierflow-bottleneck", "measured": FOLDED},
+    ]
+    new_meta = {"command": "only b", "date": "d1", "models": [{"name": "b", "x": 1}]}
+    rows, data = fold_models(old, meta, new, new_meta)
+    assert [(r["model"], r["strategy"], r["p50_ms"]) for r in rows] == [
+        ("a", "tierflow", 1.0),
+        ("b", "tierflow", 5.0),
+        ("b", "tierflow-split", 4.0),
+    ]
+    assert data["models"] == [{"name": "a"}, {"name": "b", "x": 1}]
+    assert data["model_runs"] == {
+        "a": {"command": "full", "date": "d0"},
+        "b": {"command": "only b", "date": "d1"},
+    }
+    with pytest.raises(ValueError):
+        fold_models(old, meta, [], {"command": "x", "date": "d", "models": []})
