@@ -32,6 +32,8 @@ JPEG_SWEEP["cloud-only-jpeg-q95"] = 95
 IMAGE_STRATEGIES = {"cloud-only-jpeg", "cloud-only-png", *JPEG_SWEEP}
 IMAGE_MODELS = {"vgg-like", "resnet18", "mobilenetv2", "digits-camera"}
 MODELS = {"vgg-like", "resnet18", "mobilenetv2", "transformer", "demo-digits", "digits-camera"}
+# The trained models also get tierflow-split (the budgeted plan on a smaller device).
+TRAINED_MODELS = {"demo-digits", "digits-camera"}
 # Folded in from bottleneck_bench.py's committed results/bottleneck.json.
 BOTTLENECK_MODEL = "orientation"
 CONTRACT = (
@@ -88,12 +90,18 @@ def test_rows_cover_every_model_strategy_and_bandwidth(
         assert row["p50_ms"] > 0
     rows = [r for r in all_rows if r["model"] != BOTTLENECK_MODEL]
     assert {r["model"] for r in rows} == MODELS
-    assert {r["strategy"] for r in rows} == STRATEGIES | IMAGE_STRATEGIES
+    assert {r["strategy"] for r in rows} == STRATEGIES | IMAGE_STRATEGIES | {"tierflow-split"}
+    assert {r["model"] for r in rows if r["strategy"] == "tierflow-split"} == TRAINED_MODELS
+    for r in rows:  # its device cannot hold the whole model: never device-only
+        if r["strategy"] == "tierflow-split":
+            assert r["cuts"][0] < r["last_cut"] and r["device_memory_budget"] > 0, r
     bandwidths = {r["bandwidth_mbit"] for r in rows}
     assert len(bandwidths) >= 3
     seen = {(r["model"], r["bandwidth_mbit"], r["strategy"]) for r in rows}
     expected = len(bandwidths) * (
-        len(MODELS) * len(STRATEGIES) + len(IMAGE_MODELS) * len(IMAGE_STRATEGIES)
+        len(MODELS) * len(STRATEGIES)
+        + len(IMAGE_MODELS) * len(IMAGE_STRATEGIES)
+        + len(TRAINED_MODELS)
     )
     assert len(seen) == len(rows) == expected
     for model in IMAGE_MODELS:
