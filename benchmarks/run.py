@@ -291,7 +291,8 @@ def bench_model(
             if name in bench_fidelity.IMAGE_BASELINES and quality is not None:
                 row["quality"] = quality
             if name in ("tierflow-budget", "tierflow-split"):
-                row["budget"] = str(strategies.BUDGET)
+                chosen = strategies.SPLIT_BUDGET if name == "tierflow-split" else strategies.BUDGET
+                row["budget"] = str(chosen)
                 row["budget_sample_requests"] = args.budget_sample
             if name == "tierflow-split":
                 row["device_memory_budget"] = device_memory
@@ -717,12 +718,26 @@ def fold_models(
     return kept, {**data, "models": [infos[n] for n in order], "model_runs": runs}
 
 
+def adaptation_section() -> list[str]:
+    """RESULTS.md's summary of ``adaptation_bench.py``'s last committed run, if there is one."""
+    adaptation = HERE / "results" / "adaptation.json"
+    if not adaptation.is_file():
+        return []
+    return [
+        "## Live adaptation\n",
+        "From `adaptation_bench.py`'s last committed run (not rerun by this script; "
+        "tables, method and plots in [ADAPTATION.md](ADAPTATION.md)):\n",
+        json.loads(adaptation.read_text())["summary"] + "\n",
+    ]
+
+
 def refold(out: Path, fold_from: Path | None = None) -> int:
     """Fold ``results/bottleneck.json`` again into the run in ``out``, measuring nothing.
 
     The folded rows are replaced, the verdict and the split goal recomputed, and RESULTS.md
-    redrawn: every part drawn from the rows is drawn again; the measured overhead figures
-    (from "## Live adaptation" or "## Overheads and limits" on) are kept as they were.
+    redrawn: every part drawn from the rows is drawn again, the live adaptation summary is
+    read again from ``results/adaptation.json``, and the measured overhead figures (from
+    "## Overheads and limits" on) are kept as they were.
     With ``fold_from`` (another run's folder), the models that run measured take their rows
     from it (:func:`fold_models`).
     """
@@ -752,8 +767,7 @@ def refold(out: Path, fold_from: Path | None = None) -> int:
     old = (out / "RESULTS.md").read_text()
     # The method text as the run wrote it (results_meta.json leaves it out).
     data["method"] = old[old.index("## How it was measured") : old.index("## Summary")].rstrip()
-    marks = [old.find(m) for m in ("## Live adaptation", "## Overheads and limits")]
-    kept = old[min(m for m in marks if m >= 0) :]
+    kept = old[old.index("## Overheads and limits") :]
     for mark in ("<!-- rate-fidelity:start", "## Rate against fidelity"):
         if mark in kept:  # markdown() appends rate_fidelity.py's anew
             kept = kept[: kept.index(mark)]
@@ -766,8 +780,8 @@ def refold(out: Path, fold_from: Path | None = None) -> int:
     from_other = sorted(n for n, r in runs.items() if r["command"] != data["command"])
     sections += [
         f"*The rows of `bottleneck_bench.py` were folded in again on {data['refolded']} "
-        "(`run.py --refold`, nothing measured); the sections below are kept as they were "
-        "in RESULTS.md.*\n",
+        "(`run.py --refold`, nothing measured); the live adaptation summary is read again "
+        "from its JSON and the overhead sections are kept as they were in RESULTS.md.*\n",
         *(
             [
                 "*Rows of "
@@ -780,6 +794,7 @@ def refold(out: Path, fold_from: Path | None = None) -> int:
             if from_other
             else []
         ),
+        *adaptation_section(),
         kept,
     ]
     bench_report.write_json(rows, out / "results.json")
@@ -859,14 +874,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sections += bench_sections.jpeg_sweep_section(rows)
     sections += bench_sections.exits_section(rows)
     sections += bench_sections.runtime_section(rows)
-    adaptation = HERE / "results" / "adaptation.json"
-    if adaptation.is_file():  # adaptation_bench.py's last committed run, not rerun here
-        sections += [
-            "## Live adaptation\n",
-            "From `adaptation_bench.py`'s last committed run (not rerun by this script; "
-            "tables, method and plots in [ADAPTATION.md](ADAPTATION.md)):\n",
-            json.loads(adaptation.read_text())["summary"] + "\n",
-        ]
+    sections += adaptation_section()
     sections += ["## Overheads and limits\n"]
     sections += bench_sections.prediction_section(rows)
     extras: dict[str, Any] = {}
