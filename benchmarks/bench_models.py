@@ -189,21 +189,11 @@ def export(model: BenchModel, work_dir: Path) -> Path:
 
 def camera_model() -> Path:
     """The demo model with the camera stem in front, cached next to it as ``tierflow demo``
-    caches it (same file name, so either makes it once)."""
+    caches it (the same file, so either makes it once)."""
     from tierflow.zoo.digits import build_demo_model
-    from tierflow.zoo.digits_camera import (
-        STEM_VERSION,
-        add_camera_stem,
-        training_normalisation,
-    )
+    from tierflow.zoo.digits_camera import camera_model as cached
 
-    demo = build_demo_model()
-    sha = demo.meta.sha256.get("model.onnx", "")[:12]
-    path = demo.directory / f"camera-v{STEM_VERSION}-{sha}.onnx"
-    if not path.is_file():
-        mean, std = training_normalisation()
-        add_camera_stem(demo.model_path, path, mean, std)
-    return path
+    return cached(build_demo_model())
 
 
 # Frames made so far, per split (rendering them takes seconds; the run asks several times).

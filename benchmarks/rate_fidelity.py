@@ -128,15 +128,9 @@ def orientation(count: int) -> Subject:
 def camera_model_path() -> Path:
     """The demo's trained digits model with the camera stem, cached next to it (as the demo)."""
     from tierflow.zoo import digits
-    from tierflow.zoo.digits_camera import STEM_VERSION, add_camera_stem, training_normalisation
+    from tierflow.zoo.digits_camera import camera_model
 
-    demo = digits.build_demo_model()
-    sha = demo.meta.sha256.get("model.onnx", "")[:12]
-    path = demo.directory / f"camera-v{STEM_VERSION}-{sha}.onnx"
-    if not path.is_file():
-        mean, std = training_normalisation()
-        add_camera_stem(demo.model_path, path, mean, std)
-    return path
+    return camera_model(digits.build_demo_model())
 
 
 def digits_camera(count: int) -> Subject:

@@ -201,7 +201,13 @@ def _demo(
     from tierflow.partitioner.planner import PlanOptions, rank, score_plan, write_plan
     from tierflow.partitioner.report import plan_table
     from tierflow.zoo.digits import build_demo_model
-    from tierflow.zoo.digits_camera import FRAME_INPUT, FRAME_SIZE, digit_frames, frame_tensor
+    from tierflow.zoo.digits_camera import (
+        FRAME_INPUT,
+        FRAME_SIZE,
+        camera_model,
+        digit_frames,
+        frame_tensor,
+    )
 
     _step(1, "demo model: a residual CNN trained on scikit-learn's digits, fed camera frames")
     demo = build_demo_model(progress=_epoch_printer, status=_status_printer)
@@ -212,7 +218,7 @@ def _demo(
         f"{demo.model_path.stat().st_size:,} bytes"
     )
     frames, labels = digit_frames("heldout", requests)
-    camera_path = _camera_model(demo, demo.model_path, "camera")
+    camera_path = camera_model(demo)
     exact_top1 = _top1(camera_path, frames)
     print(
         f"  requests: {FRAME_SIZE}x{FRAME_SIZE} RGB frames of the {len(labels)} held-out digits "
@@ -221,7 +227,7 @@ def _demo(
     )
 
     _step(2, "early exits: heads trained on the model's own answers, thresholds calibrated")
-    exited_path = _camera_model(demo, _exited_model(demo), "camera-exits")
+    exited_path = camera_model(demo, _exited_model(demo), "camera-exits")
 
     _step(3, "profiling on this machine, emulating the three tiers")
     for tier in TIERS:
@@ -301,18 +307,6 @@ def _demo(
             f"lower), {mine.throughput_rps:.1f} against {theirs.throughput_rps:.1f} req/s{note}"
         )
     return runs
-
-
-def _camera_model(demo: Any, model_path: Path, stem: str) -> Path:
-    """``model_path`` with the camera preprocessing in front, made once next to the cache."""
-    from tierflow.zoo.digits_camera import STEM_VERSION, add_camera_stem, training_normalisation
-
-    sha = demo.meta.sha256.get("model.onnx", "")[:12]
-    path = demo.directory / f"{stem}-v{STEM_VERSION}-{sha}.onnx"
-    if not path.is_file():
-        mean, std = training_normalisation()
-        add_camera_stem(model_path, path, mean, std)
-    return path
 
 
 def _top1(model_path: Path, frames: np.ndarray) -> np.ndarray:

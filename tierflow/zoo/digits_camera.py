@@ -19,10 +19,14 @@ that uploads the frame, and exactly what the network needs.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tierflow.errors import ModelError
+
+if TYPE_CHECKING:
+    from tierflow.zoo.digits import DemoModel
 
 FRAME_SIZE = 224
 FRAME_INPUT = "frame"
@@ -97,6 +101,20 @@ def digit_frames(split: str, count: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def frame_tensor(frames: np.ndarray) -> np.ndarray:
     """uint8 frames [...,3,224,224] as the model's ``frame`` input: pixel / 255, float32."""
     return frames.astype(np.float32) / np.float32(255.0)
+
+
+def camera_model(demo: DemoModel, model_path: Path | None = None, stem: str = "camera") -> Path:
+    """``model_path`` (the demo model's by default) with the camera stem in front.
+
+    Made once and cached next to the demo model, named by ``stem``, the stem's version
+    and the demo model's digest, so ``tierflow demo`` and the benchmarks share the file.
+    """
+    sha = demo.meta.sha256.get("model.onnx", "")[:12]
+    path = demo.directory / f"{stem}-v{STEM_VERSION}-{sha}.onnx"
+    if not path.is_file():
+        mean, std = training_normalisation()
+        add_camera_stem(demo.model_path if model_path is None else model_path, path, mean, std)
+    return path
 
 
 def add_camera_stem(model_path: Path, out_path: Path, mean: float, std: float) -> None:
