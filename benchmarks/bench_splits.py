@@ -176,6 +176,18 @@ class Parts:
             "wire": 0.0,
         }
         sent: dict[str, float] = {}
+        if a == b < self.last:
+            # The edge runs nothing and forwards the device's bytes as they came ([Note: an
+            # edge that runs nothing] in tierflow.plan): one encode on the device, one
+            # decode on the cloud, the same bytes on both links.
+            figures = self.codec(a, codec.get("device-edge", "raw"))
+            parts["codec"] = (
+                figures["encode_ms"] * slow["device"] + figures["decode_ms"] * slow["cloud"]
+            )
+            for name, spec in (("device-edge", link), ("edge-cloud", emu.EDGE_CLOUD)):
+                parts["wire"] += (figures["bytes"] * 8.0 / spec.rate_bps + spec.rtt_s) * 1e3
+                sent[name] = figures["bytes"]
+            return {"p50_ms": sum(parts.values()), "parts_ms": parts, "bytes": sent}
         crossings = (
             ("device-edge", a, link, "device", "edge"),
             ("edge-cloud", b, emu.EDGE_CLOUD, "edge", "cloud"),
@@ -209,8 +221,7 @@ def lowbit_points(parts: Parts, cuts: Sequence[int], codecs: Sequence[str]) -> l
                     "decode_ms_here": figures["decode_ms"],
                     "device_ms_here": parts.segment_ms(0, a),
                     "cloud_ms": parts.segment_ms(a, parts.last),
-                    # Cloud-run rest, one crossing: the edge forwards the bytes as in the
-                    # cloud-only rows (a tierflow edge with no work would re-encode).
+                    # Cloud-run rest, one crossing: the edge forwards the bytes.
                     "fidelity": parts.fidelity((a, parts.last), {"device-edge": codec}),
                 }
             )

@@ -156,6 +156,13 @@ def test_compose_adds_tiers_codecs_and_links_as_the_cost_model(tmp_path: Path) -
         sent * 8 / emu.EDGE_CLOUD.rate_bps + emu.EDGE_CLOUD.rtt_s
     ) * 1e3
     assert split["wire"] == pytest.approx(expected_wire)
+    # The edge runs nothing and forwards: one encode on the device, one decode on the cloud.
+    figures = parts.codec(1, "int8+zstd")
+    forwarded = parts.compose((1, 1), {"device-edge": "int8+zstd", "edge-cloud": "raw"}, link)
+    assert forwarded["parts_ms"]["codec"] == pytest.approx(
+        figures["encode_ms"] * 10.0 + figures["decode_ms"]
+    )
+    assert forwarded["bytes"] == {"device-edge": figures["bytes"], "edge-cloud": figures["bytes"]}
     # A device-only plan uses no link; an exact codec keeps every answer.
     alone = parts.compose((last, last), {}, link)
     assert alone["parts_ms"]["wire"] == 0.0 and alone["bytes"] == {}
