@@ -22,7 +22,11 @@ requests in flight, most of a message's time) and crossing the link (``send_ms``
 the start of its serialisation, or the transport taking it, to its having left).
 ``rate_bps`` is bytes over the crossing time only, so it tells the link's rate, not how
 full the window was. Waiting at the receiver is the receiver's ``TierTiming.queue_ms``.
-A message the transport never took (its stream broke first) reports 0 bytes.
+A message the transport never took (its stream broke first), or one the sender learned
+never reached the peer (its stream broke UNAVAILABLE before the channel ever connected),
+reports 0 bytes. The second is a mark of its own, not a reset of ``handed``: the transport's
+thread may still take the message from the dead stream's queue after the sender has
+learned that, and must not undo it.
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ class Transfer:
     ``started`` is when the message began to cross the link (with emulation, the start of
     its serialisation; without, when the transport took it), ``left`` when it had left
     the sender (the end of its serialisation; when the transport had written it): see
-    [Note: honest link figures]. ``handed`` says whether the transport got it at all.
+    [Note: honest link figures]. ``handed`` says whether the transport got it at all,
+    ``unreached`` that the sender learned it never reached the peer.
     """
 
     nbytes: int
@@ -65,11 +70,12 @@ class Transfer:
     arrives: float | None = None
     started: float | None = None
     handed: bool = False
+    unreached: bool = False
 
     def stat(self, link: str) -> tier_pb2.LinkStat:
         """The wire record of this transfer ([Note: honest link figures])."""
         now = time.monotonic()
-        if not self.handed:  # never went out: no bytes, no rate, all of it waiting
+        if not self.handed or self.unreached:  # never got out: no bytes, no rate, all waiting
             return tier_pb2.LinkStat(link=link, queue_ms=max(now - self.queued, 0.0) * 1e3)
         started = self.started if self.started is not None else self.queued
         left = self.left if self.left is not None else now

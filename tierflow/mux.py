@@ -196,7 +196,7 @@ class _Stream:
         self.queue.close()
         if not reached:  # nothing got out: no bytes to report ([Note: honest link figures])
             for sent in failed:
-                sent.transfer.handed = False
+                sent.transfer.unreached = True
         retry = [] if reached else [s for s in failed if s.attempts <= len(_RETRY_DELAYS_S)]
         failed = [s for s in failed if s not in retry]
         if failed:

@@ -51,6 +51,18 @@ def test_an_unshaped_queue_does_not_wait() -> None:
     assert item == 7 and at - start < 0.1
 
 
+def test_a_message_known_never_to_have_reached_the_peer_reports_no_bytes() -> None:
+    # The sender learns the stream died before connecting; the transport's thread then
+    # still takes the message from the dead stream's queue. That must not count it sent.
+    queue: ShapedQueue[int] = ShapedQueue(LinkShaper("device-edge", None))
+    transfer = queue.put(1, 2048)
+    transfer.unreached = True
+    assert [item for item, _ in _arrivals(queue)] == [1]
+    assert transfer.handed
+    stat = transfer.stat("device-edge")
+    assert stat.bytes == 0 and stat.rate_bps == 0.0
+
+
 def test_resolve_links_uses_the_plan_and_overrides() -> None:
     plan = Plan(
         model_file="m.onnx",
