@@ -11,6 +11,8 @@ import itertools
 import json
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,26 @@ def _bare(plan_dir: Path, directory: Path) -> Path:
     return directory
 
 
+@contextmanager
+def _cloud_and_edge(
+    cloud_dir: Path,
+    edge_dir: Path,
+    *,
+    edge: RuntimeOptions = OPTIONS,
+    cloud: RuntimeOptions = OPTIONS,
+) -> Iterator[tuple[CloudServer, EdgeServer]]:
+    """A cloud serving ``cloud_dir`` and an edge on ``edge_dir`` above it, both started."""
+    upper = CloudServer(cloud_dir, options=cloud)
+    upper.start()
+    server = EdgeServer(edge_dir, upstream=upper.address, options=edge)
+    try:
+        server.start()
+        yield upper, server
+    finally:
+        server.stop(0.5)
+        upper.stop(0.5)
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -66,19 +88,12 @@ def test_an_edge_with_only_plan_json_fetches_its_segment_and_answers_bit_exact(
     plan = load_plan(split.plan_dir)
     edge_dir = _bare(split.plan_dir, tmp_path / "edge")
     samples = split.sample(seed=51, count=3)
-    cloud = CloudServer(split.plan_dir, options=OPTIONS)
-    cloud.start()
-    edge = EdgeServer(edge_dir, upstream=cloud.address, options=OPTIONS)
-    try:
-        edge.start()
+    with _cloud_and_edge(split.plan_dir, edge_dir) as (_cloud, edge):
         with DeviceClient(split.plan_dir, edge.address, deadline_s=10.0) as device:
             results = [device.infer(feeds) for feeds in samples]
         store = edge.service.segments
         assert store is not None
         assert [report.file for report in store.fetched] == [plan.segments[1].file]
-    finally:
-        edge.stop(0.5)
-        cloud.stop(0.5)
     (edge_file,) = [p.name for p in edge_dir.iterdir() if p.name != PLAN_FILE]
     assert edge_file == plan.segments[1].file
     assert _sha256(edge_dir / edge_file) == plan.segments[1].sha256
@@ -95,20 +110,13 @@ def test_a_device_with_only_plan_json_fetches_through_an_edge_that_lacks_it_too(
     edge_dir = _bare(split.plan_dir, tmp_path / "edge")
     device_dir = _bare(split.plan_dir, tmp_path / "device")
     samples = split.sample(seed=52, count=3)
-    cloud = CloudServer(split.plan_dir, options=OPTIONS)
-    cloud.start()
-    edge = EdgeServer(edge_dir, upstream=cloud.address, options=OPTIONS)
-    try:
-        edge.start()
+    with _cloud_and_edge(split.plan_dir, edge_dir) as (_cloud, edge):
         with DeviceClient(device_dir, edge.address, deadline_s=10.0) as device:
             results = [device.infer(feeds) for feeds in samples]
         store = edge.service.segments
         assert store is not None
         # The edge fetched its own segment, then the device's (to serve it on).
         assert [r.file for r in store.fetched] == [s.file for s in plan.segments[1::-1]]
-    finally:
-        edge.stop(0.5)
-        cloud.stop(0.5)
     device_file = device_dir / plan.segments[0].file
     assert _sha256(device_file) == plan.segments[0].sha256
     for feeds, result in zip(samples, results, strict=True):
@@ -255,13 +263,9 @@ def test_a_budgeted_edge_stays_within_it_while_plans_alternate(tmp_path: Path, r
         save_plan_set(PlanSet((plan,)), directory)
         devices.append(directory)
     samples = split.sample(seed=53, count=6)
-    cloud = CloudServer(split.plan_dir, options=OPTIONS)
-    cloud.start()
     options = RuntimeOptions(workers=2, segment_budget=budget)
-    edge = EdgeServer(edge_dir, upstream=cloud.address, options=options)
     used = []
-    try:
-        edge.start()
+    with _cloud_and_edge(split.plan_dir, edge_dir, edge=options) as (_cloud, edge):
         store = edge.service.segments
         assert store is not None
         with (
@@ -272,9 +276,6 @@ def test_a_budgeted_edge_stays_within_it_while_plans_alternate(tmp_path: Path, r
             for number, feeds in enumerate(samples):
                 results.append((one if number % 2 == 0 else other).infer(feeds))
                 used.append(store.used_bytes)
-    finally:
-        edge.stop(0.5)
-        cloud.stop(0.5)
     assert max(used) <= budget
     files = [first.segments[1].file, second.segments[1].file]
     assert [r.file for r in store.fetched] == files * 3  # each switch fetched again
@@ -406,23 +407,20 @@ def test_segments_are_fetched_over_mutual_tls_with_the_token_and_only_with_them(
         tls_ca=str(tls_files["ca"]),
         token_file=str(token),
     )
-    cloud = CloudServer(split.plan_dir, options=RuntimeOptions(workers=1, security=server))
-    cloud.start()
     edge_dir = _bare(split.plan_dir, tmp_path / "edge")
-    edge = EdgeServer(
-        edge_dir, upstream=cloud.address, options=RuntimeOptions(workers=1, security=client)
-    )
-    try:
-        edge.start()  # its segment comes from the cloud over mutual TLS, with the token
+    # The edge's segment comes from the cloud over mutual TLS, with the token.
+    with _cloud_and_edge(
+        split.plan_dir,
+        edge_dir,
+        edge=RuntimeOptions(workers=1, security=client),
+        cloud=RuntimeOptions(workers=1, security=server),
+    ) as (cloud, _edge):
         untokened = dataclasses.replace(client, token_file=None)
         with (
             open_channel(cloud.address, untokened, channel_options()) as channel,
             pytest.raises(SegmentError, match="bearer token"),
         ):
             SegmentSource(channel, "cloud").fetch(plan.segments[0], tmp_path)
-    finally:
-        edge.stop(0.5)
-        cloud.stop(0.5)
     assert _sha256(edge_dir / plan.segments[1].file) == plan.segments[1].sha256
     assert not (tmp_path / plan.segments[0].file).exists()
 

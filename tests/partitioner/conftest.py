@@ -6,7 +6,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.codec import CodecStats
 from tierflow.partitioner.profile import CutProfile, MachineInfo, Profile, UnitProfile
@@ -119,3 +122,35 @@ class ZooExports:
 @pytest.fixture(scope="session")
 def zoo_exports(tmp_path_factory: pytest.TempPathFactory) -> ZooExports:
     return ZooExports(tmp_path_factory.mktemp("zoo"))
+
+
+def write_mlp(path: Path, dims: Sequence[int], *, batch: int = 1, scale: float = 1.0) -> Path:
+    """Save an MLP of Gemm+Relu layers, ``dims[0] -> dims[1] -> ...``, at ``path``.
+
+    Its weights are seed-0 normals times ``scale``; its input is ``x`` and its output the
+    last layer's ``h{n}``.
+    """
+    rng = np.random.default_rng(0)
+    layers = len(dims) - 1
+    weights = [
+        numpy_helper.from_array(
+            (rng.standard_normal((dims[i + 1], dims[i])) * scale).astype(np.float32), f"w{i}"
+        )
+        for i in range(layers)
+    ]
+    nodes, source = [], "x"
+    for i in range(layers):
+        nodes += [
+            helper.make_node("Gemm", [source, f"w{i}"], [f"g{i}"], transB=1),
+            helper.make_node("Relu", [f"g{i}"], [f"h{i}"]),
+        ]
+        source = f"h{i}"
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, dims[0]])],
+        [helper.make_tensor_value_info(source, TensorProto.FLOAT, [batch, dims[-1]])],
+        weights,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path

@@ -6,43 +6,20 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cli import main
 from tierflow.errors import UsageError
 from tierflow.partitioner.split import check_plan_dir, remove_old_plan
 from tierflow.plan import load_plan
 
+from .conftest import write_mlp
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: Any) -> Path:
     """A four-layer MLP: small enough to plan in seconds."""
-    rng = np.random.default_rng(0)
-    weights = [
-        numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32), f"w{i}")
-        for i in range(4)
-    ]
-    nodes = []
-    source = "x"
-    for i in range(4):
-        nodes += [
-            helper.make_node("Gemm", [source, f"w{i}"], [f"g{i}"], transB=1),
-            helper.make_node("Relu", [f"g{i}"], [f"h{i}"]),
-        ]
-        source = f"h{i}"
-    graph = helper.make_graph(
-        nodes,
-        "mlp",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32])],
-        [helper.make_tensor_value_info("h3", TensorProto.FLOAT, [1, 32])],
-        weights,
-    )
-    path = tmp_path_factory.mktemp("model") / "mlp.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return path
+    return write_mlp(tmp_path_factory.mktemp("model") / "mlp.onnx", [32] * 5)
 
 
 def test_an_existing_file_as_plan_dir_fails_at_once_with_one_line(

@@ -10,41 +10,19 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cli import main
 from tierflow.partitioner.split import run_segments, session
 from tierflow.plan import SegmentSpec, load_plan, load_plan_set
 
+from .conftest import write_mlp
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: Any) -> Path:
     """An MLP whose features shrink (1024 -> 256 -> 64 -> 10): where to cut depends on rate."""
-    rng = np.random.default_rng(0)
-    dims = [1024, 256, 64, 10]
-    weights = [
-        numpy_helper.from_array(
-            (rng.standard_normal((dims[i + 1], dims[i])) * 0.05).astype(np.float32), f"w{i}"
-        )
-        for i in range(3)
-    ]
-    nodes, source = [], "x"
-    for i in range(3):
-        nodes += [
-            helper.make_node("Gemm", [source, f"w{i}"], [f"g{i}"], transB=1),
-            helper.make_node("Relu", [f"g{i}"], [f"h{i}"]),
-        ]
-        source = f"h{i}"
-    graph = helper.make_graph(
-        nodes,
-        "mlp",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 1024])],
-        [helper.make_tensor_value_info("h2", TensorProto.FLOAT, [4, 10])],
-        weights,
-    )
     path = tmp_path_factory.mktemp("model") / "mlp.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return path
+    return write_mlp(path, [1024, 256, 64, 10], batch=4, scale=0.05)
 
 
 def test_plan_adaptive_writes_a_set_with_regions_and_shared_segments(
