@@ -15,6 +15,10 @@ codec per link. For request ``i``:
               + Σ_links used [ sender * enc_i + bytes_i * 8 / rate + RTT
                                + receiver * dec_i + reply_bytes * 8 / rate ]
 
+except that an edge that runs nothing (``a == b < last``) forwards the device's bytes as
+they came, as the runtime does: the device-edge codec crosses both links, encoded once on
+the device and decoded once on the cloud (no edge decode or encode).
+
 where ``dev``, ``edge`` and ``cloud`` are the tiers' slowdowns (1-thread sessions timed on
 this machine, times the slowdown: what ``SegmentRunner`` sleeps to emulate), ``T_*`` are
 the measured times of that request through those exact segment files, and ``enc_i``,
@@ -303,13 +307,17 @@ def compose(
     }
     sent: dict[str, float] = {}
     chosen: dict[str, str] = {}
+    # An edge that runs nothing forwards the device's bytes as they came ([Note: an edge
+    # that runs nothing] in tierflow/plan.py): the device-edge codec crosses both links,
+    # encoded on the device and decoded on the cloud; the edge spends nothing on it.
+    forwards = a == b < last
     for link, cut, sender, receiver, used in (
-        ("device-edge", a, dev, edge, a < last),
-        ("edge-cloud", b, edge, cloud, b < last),
+        ("device-edge", a, dev, 0.0 if forwards else edge, a < last),
+        ("edge-cloud", b, 0.0 if forwards else edge, cloud, b < last),
     ):
         if not used:
             continue
-        name = codec[link]
+        name = codec["device-edge" if forwards else link]
         sample = m.codecs[cut][name]
         spec = links[link]
         parts[f"{link} codec"] = sender * sample.encode_s + receiver * sample.decode_s
@@ -346,7 +354,8 @@ def best_plan(
         if not m.has(a, b) or (only is not None and not only(a, b)):
             continue
         de_options = codecs if a < m.last else codecs[:1]
-        ec_options = codecs if b < m.last else codecs[:1]
+        # An edge that runs nothing forwards the device-edge codec: one choice, not two.
+        ec_options = codecs if a < b < m.last else codecs[:1]
         for de in de_options:
             for ec in ec_options:
                 plan = compose(m, a, b, {"device-edge": de, "edge-cloud": ec}, links, slowdown)

@@ -17,8 +17,9 @@ Runtime with one intra-op thread, the codecs and zstd all compute on it), which 
 on this shared machine cannot inflate, median over the timed requests. A plan's latency
 follows the cost model's [Note: what crosses a link] in ``partitioner/cost.py``: each
 tier's compute times its slowdown, encode times the sender's and decode times the
-receiver's, a link its serialisation plus one RTT; an edge with no work decodes and
-re-encodes. Fidelity is measured end to end by the planner's ``FidelityProbe``.
+receiver's, a link its serialisation plus one RTT; an edge with no work forwards the
+device's bytes (one encode on the device, one decode on the cloud). Fidelity is
+measured end to end by the planner's ``FidelityProbe``.
 """
 
 from __future__ import annotations
@@ -148,6 +149,24 @@ class Parts:
                 "decode_ms": statistics.median(dec),
             }
         return self._codecs[key]
+
+    def adopt(
+        self,
+        *,
+        codecs: Mapping[tuple[int, str], Mapping[str, float]] | None = None,
+        segments: Mapping[tuple[int, int], float] | None = None,
+    ) -> None:
+        """Take figures measured elsewhere on the same held-out requests, in the same
+        CPU time: ``codecs[(cut, codec)]`` (``bytes``, ``encode_ms``, ``decode_ms``) and
+        ``segments[(start, end)]`` (ms here).
+
+        So a plan that is a baseline (the planner's JPEG upload is ``cloud-only-jpeg-qNN``
+        itself) composes from the very figures the baseline's row does, and the two rows
+        differ only where the plans do, not by two measurements' noise.
+        """
+        for key, figures in (codecs or {}).items():
+            self._codecs[key] = {k: float(figures[k]) for k in ("bytes", "encode_ms", "decode_ms")}
+        self._segments.update(segments or {})
 
     def fidelity(self, cuts: tuple[int, int], codec: Mapping[str, str]) -> float:
         """Top-1 agreement with the exact model over the held-out requests."""

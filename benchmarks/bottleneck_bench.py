@@ -23,7 +23,8 @@ bundled font and scikit-learn's photos, cropped to 224x224 and turned by 0-270 d
   on the cloud; ``tierflow-lowbit`` likewise with a low-bit codec at a cut; and
   ``tierflow-budget``, the planner's own choice under a fidelity budget with the image
   input declared (its search holds the JPEG/WebP/PNG uploads and every split), composed
-  as the cost model does (an edge with no work decodes and re-encodes). A link costs its
+  as the cost model does (an edge with no work forwards the device's bytes; a plan that
+  is an upload composes from that upload's own figures). A link costs its
   serialisation plus one RTT (request up, answer back). Device-edge rates of 1-50 Mbit/s.
 
 The verdict compares, at each rate, the split plan (bottleneck or low-bit) with the best
@@ -671,6 +672,12 @@ def main(argv: list[str] | None = None) -> int:
         images,
         timed=8 if args.quick else 16,
         repeats=repeats,
+    )
+    # The uploads' own figures (all held-out pages): the planner's upload, a baseline's
+    # plan, then composes exactly as that baseline's row.
+    parts.adopt(
+        codecs={(0, p["codec"]): p for p in inputs},
+        segments={(0, parts.last): cloud_ms},
     )
     lowbit = bench_splits.lowbit_points(
         parts, bench_splits.shrinking_cuts(graph), bench_splits.LOWBIT_CODECS

@@ -374,11 +374,10 @@ def verdict_lines(record: dict[str, Any]) -> list[str]:
                 f"faithful, {v['tierflow_speedup_vs_jpeg90']:.2f}x JPEG q90)"
                 for v in planned
             )
-            + ". Where it trails the fastest upload, the difference is in how they are "
-            "composed: the uploads' edge forwards the bytes as a router does, while a "
-            "tierflow edge with no work decodes and re-encodes them (as the cost model "
-            "charges, and the second JPEG pass costs fidelity), and the planner's JPEG "
-            "sweep stops at quality 10."
+            + ". Both are composed alike (an edge with no work forwards the bytes as a "
+            "router does, and a plan that is an upload takes that upload's own figures): "
+            "where the plan trails the fastest upload, the planner chose another codec on "
+            "its calibration sample's figures."
         )
     return lines
 

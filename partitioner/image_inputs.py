@@ -5,10 +5,11 @@ do the same: where the model inputs cross a link (the device runs nothing; an ed
 runs nothing either forwards them to the cloud as they came), input NAME may travel as
 ``jpeg:Q``, ``webp:Q`` or ``png`` ([Note: image codecs] in :mod:`tierflow.codec`;
 [Note: image inputs] in :mod:`tierflow.plan`). The planner measures each image codec's
-size and speed on the sample's image (:func:`measure_image_codecs`) and, like any lossy
-codec, its fidelity end to end; ``png`` is exact only for a tensor that really is
-normalised 8-bit pixels, so under the ``exact`` budget it is a candidate only when it
-reproduces every sample request bit for bit (:func:`png_is_exact`).
+size and speed on the sample's images (:func:`measure_image_codecs`, [Note: image codec
+figures]) and, like any lossy codec, its fidelity end to end; ``png`` is exact only for
+a tensor that really is normalised 8-bit pixels, so under the ``exact`` budget it is a
+candidate only when it reproduces every sample request bit for bit
+(:func:`png_is_exact`).
 
 The normalisation comes from ``--image-norm NAME=SPEC``, read by
 :func:`tierflow.image_norm.parse_norm` (shared with ``tierflow device``): a preset
@@ -17,6 +18,19 @@ The normalisation comes from ``--image-norm NAME=SPEC``, read by
 ``mean=M[,M,M];std=S[,S,S][;scale=255][;layout=NCHW|NHWC]``. Without ``--image-norm``
 an image input is ``unit``; the layout, when not given, is NCHW if dimension 1 holds 1
 or 3 channels, else NHWC if the last one does.
+
+[Note: image codec figures]
+Neighbouring JPEG qualities differ by a kilobyte or so and by a few percent of encode
+time, and the device's encode counts ten times over (an emulated device 10x slower), so
+the planner's choice among them rests on small differences. Figures from one request
+are at the mercy of that request (a flat page compresses alike at every quality) and
+of the moment: timed on the wall clock, a busy spell on a shared machine once made
+every JPEG upload of a CNN predict slower than an ``int4+zstd`` upload (176.8 ms) that
+the planner then chose, while those JPEG uploads measured 144-155 ms. So each codec is
+measured on up to ``IMAGE_SAMPLE_LIMIT`` sample requests spread over the sample, after
+one untimed call, and the figures are medians over them: bytes, and encode and decode
+time as this thread's CPU time (what ONNX Runtime's one-thread segments are timed in too,
+:func:`~tierflow.partitioner.profile.compute_clock`), which other jobs cannot inflate.
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ from tierflow.codec import (
     DEFAULT_MAX_TENSOR_BYTES,
     CodecSpec,
     CodecStats,
+    EncodedTensor,
     ImageNorm,
     decode,
     decoded_nbytes,
@@ -61,6 +76,13 @@ IMAGE_CANDIDATES: tuple[str, ...] = (
     "webp:90",
     "png",
 )
+
+#: How many sample requests the image codecs are measured on (spread over the sample).
+IMAGE_SAMPLE_LIMIT = 16
+
+# Codec times are the calling thread's CPU time: Pillow, zstd (no worker threads) and
+# numpy all compute on it. See [Note: image codec figures].
+_clock = time.thread_time
 
 
 def resolve_images(
@@ -113,53 +135,75 @@ def crossed_with(
     return crossed
 
 
+def measured_requests(count: int, limit: int = IMAGE_SAMPLE_LIMIT) -> list[int]:
+    """Which of ``count`` sample requests the image codecs are measured on: all of them up
+    to ``limit``, else ``limit`` spread evenly over the sample (a sample may come sorted)."""
+    if count <= limit:
+        return list(range(count))
+    return sorted({round(float(i)) for i in np.linspace(0, count - 1, limit)})
+
+
 def measure_image_codecs(
-    tensors: Mapping[str, np.ndarray],
+    requests: Sequence[Mapping[str, np.ndarray]],
     images: Mapping[str, ImageNorm],
     codecs: Sequence[str],
     *,
-    repeats: int = 3,
+    limit: int = IMAGE_SAMPLE_LIMIT,
 ) -> dict[str, CodecStats]:
     """Ratio, speed and error of each image codec on the tensors where the inputs cross.
 
-    ``tensors`` are those of cut 0 for one request (the sample's first): the image
-    inputs go as images, the rest raw, as on the wire.
+    ``requests`` hold the tensors of cut 0, one mapping per sample request: the image
+    inputs go as images, the rest raw, as on the wire. See [Note: image codec figures].
     """
-    raw_bytes = sum(np.asarray(a).nbytes for a in tensors.values())
-    mb = max(raw_bytes, 1) / 1e6
+    chosen = [requests[i] for i in measured_requests(len(requests), limit)]
+    if not chosen:
+        raise UsageError("cannot measure image codecs on no requests")
+    raw = [sum(np.asarray(a).nbytes for a in r.values()) for r in chosen]
+    mb = max(statistics.median(raw), 1) / 1e6
     result: dict[str, CodecStats] = {}
     for codec in codecs:
         spec = CodecSpec.parse(codec)
-        plain = spec.lossless_part()
-        encode_times, decode_times = [], []
-        sent = 0
+        _encoded(chosen[0], spec, images)  # warm-up: a codec's first call pays its set-up
+        encode_times, decode_times, sent = [], [], []
         error = 0.0
-        for _ in range(max(1, repeats)):
-            start = time.perf_counter()
-            encoded = [
-                encode(n, a, spec, image=images[n]) if n in images else encode(n, a, plain)
-                for n, a in tensors.items()
-            ]
-            encode_times.append(time.perf_counter() - start)
-            start = time.perf_counter()
+        for request in chosen:
+            start = _clock()
+            tensors = _encoded(request, spec, images)
+            encode_times.append(_clock() - start)
+            start = _clock()
             decoded = [
                 decode(t, max_bytes=max(decoded_nbytes(t), DEFAULT_MAX_TENSOR_BYTES))
-                for t in encoded
+                for t in tensors
             ]
-            decode_times.append(time.perf_counter() - start)
-            sent = sum(t.nbytes for t in encoded)
+            decode_times.append(_clock() - start)
+            sent.append(sum(t.nbytes for t in tensors))
             error = max(
-                float(np.max(np.abs(np.asarray(a, np.float64) - d))) if np.size(a) else 0.0
-                for a, d in zip(tensors.values(), decoded, strict=True)
+                error,
+                *(
+                    float(np.max(np.abs(np.asarray(a, np.float64) - d))) if np.size(a) else 0.0
+                    for a, d in zip(request.values(), decoded, strict=True)
+                ),
             )
         result[codec] = CodecStats(
             codec=codec,
-            ratio=max(raw_bytes, 1) / max(sent, 1),
+            ratio=max(statistics.median(raw), 1) / max(statistics.median(sent), 1),
             encode_s_per_mb=statistics.median(encode_times) / mb,
             decode_s_per_mb=statistics.median(decode_times) / mb,
             max_abs_error=error,
         )
     return result
+
+
+def _encoded(
+    request: Mapping[str, np.ndarray], spec: CodecSpec, images: Mapping[str, ImageNorm]
+) -> list[EncodedTensor]:
+    """One request's tensors as they go on the wire: image inputs as images, the rest
+    with the codec's lossless part."""
+    plain = spec.lossless_part()
+    return [
+        encode(n, a, spec, image=images[n]) if n in images else encode(n, a, plain)
+        for n, a in request.items()
+    ]
 
 
 def png_is_exact(

@@ -42,6 +42,7 @@ from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.image_inputs import (
     IMAGE_CANDIDATES,
     measure_image_codecs,
+    measured_requests,
     outside_pixels,
     png_is_exact,
 )
@@ -219,26 +220,30 @@ def _ensure_image_codecs(
     profiles: dict[str, Profile],
     codecs: Sequence[str],
     images: Mapping[str, ImageNorm],
-    feeds: Mapping[str, np.ndarray],
+    requests: Sequence[Mapping[str, np.ndarray]],
 ) -> list[str]:
-    """Measure the image codecs at cut 0 (the model inputs) on ``feeds``, one request.
+    """Measure the image codecs at cut 0 (the model inputs) on the sample's ``requests``.
 
-    They can carry nothing else: at the other cuts they are infinitely slow, so the
-    search never puts them there. Scaled by each profile's slowdown, as
-    :func:`ensure_codecs` does.
+    Medians over up to ``IMAGE_SAMPLE_LIMIT`` of them ([Note: image codec figures] in
+    :mod:`.image_inputs`). They can carry nothing else: at the other cuts they are
+    infinitely slow, so the search never puts them there. Scaled by each profile's
+    slowdown, as :func:`ensure_codecs` does.
     """
     wanted = [c for c in codecs if CodecSpec.parse(c).image]
     if not wanted:
         return []
-    tensors = {name: feeds[name] for name in graph.cuts[0].tensors}
-    measured = measure_image_codecs(tensors, images, wanted)
+    crossing = graph.cuts[0].tensors
+    chosen = [requests[i] for i in measured_requests(len(requests))]
+    measured = measure_image_codecs(
+        [{name: request[name] for name in crossing} for request in chosen], images, wanted
+    )
     nowhere = {c: CodecStats(c, 1.0, math.inf, math.inf, math.inf) for c in wanted}
     base: list[dict[str, CodecStats]] = [measured] + [dict(nowhere) for _ in graph.cuts[1:]]
     for tier, profile in profiles.items():
         profiles[tier] = with_codecs(profile, _scaled(base, profile.slowdown))
     notes = []
     for name, norm in images.items():
-        share = outside_pixels(feeds[name], norm)
+        share = max(outside_pixels(request[name], norm) for request in chosen)
         if share > 0.01:
             notes.append(
                 f"note: {100 * share:.0f}% of image input {name}'s values fall outside what "
@@ -311,8 +316,8 @@ def rank(
     codecs, notes = _keep_png(codecs, options, probe)
     profiles = dict(profiles)
     notes += ensure_codecs(graph, profiles, codecs)
-    feeds = probe.requests[0] if probe is not None else graph.representative_inputs()
-    notes += _ensure_image_codecs(graph, profiles, codecs, options.images, feeds)
+    requests = probe.requests if probe is not None else [graph.representative_inputs()]
+    notes += _ensure_image_codecs(graph, profiles, codecs, options.images, requests)
     points, exit_notes = exit_points(graph)
     notes += exit_notes
     problem = Problem(
@@ -360,7 +365,7 @@ def score_plan(
     codecs = tuple(dict.fromkeys(codec.values()))
     profiles = dict(profiles)
     ensure_codecs(graph, profiles, codecs)
-    _ensure_image_codecs(graph, profiles, codecs, options.images, feeds)
+    _ensure_image_codecs(graph, profiles, codecs, options.images, [feeds])
     problem = Problem(
         profiles=profiles,
         links=options.links,

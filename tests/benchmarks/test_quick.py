@@ -345,6 +345,45 @@ def test_compose_adds_compute_codec_and_link_costs() -> None:
     assert plan.p50_ms == pytest.approx(float(np.median(expected)) * 1e3)
 
 
+def test_compose_charges_an_edge_that_runs_nothing_no_codec_time() -> None:
+    """An edge that runs nothing forwards the device's bytes as they came ([Note: an edge
+    that runs nothing] in tierflow/plan.py): one encode on the device, one decode on the
+    cloud, the device-edge codec's bytes on both links, as the cost model charges."""
+    import numpy as np
+    from bench_measure import CodecSample, Measurements, best_plan, compose
+
+    from tierflow.links import LinkSpec
+
+    m = Measurements("m", last=3, requests=2, cuts=(0, 3))
+    m.prefix_s = {0: np.zeros(2), 3: np.array([0.5, 0.5])}
+    m.suffix_s = {0: np.array([0.01, 0.02]), 3: np.zeros(2)}
+    jpeg = CodecSample(np.array([1e-3, 1e-3]), np.array([2000.0, 4000.0]), np.array([5e-4, 5e-4]))
+    raw = CodecSample(np.zeros(2), np.array([60000.0, 60000.0]), np.zeros(2))
+    m.codecs = {0: {"jpeg:30": jpeg, "raw": raw}}
+    links = {"device-edge": LinkSpec(8e6, 0.010), "edge-cloud": LinkSpec(80e6, 0.020)}
+    slow = {"device": 10.0, "edge": 2.0, "cloud": 1.0}
+    # An older plan file may name another codec for edge-cloud: the edge forwards anyway.
+    plan = compose(m, 0, 0, {"device-edge": "jpeg:30", "edge-cloud": "raw"}, links, slow)
+    sent = np.array([2000.0, 4000.0]) * 8
+    expected = (
+        np.array([0.01, 0.02])  # the whole model on the cloud
+        + 10 * 1e-3  # encoded once, on the device
+        + 1 * 5e-4  # decoded once, on the cloud
+        + sent / 8e6
+        + sent / 80e6  # the same bytes on both links
+        + 0.010
+        + 0.020
+    )
+    assert np.allclose(plan.latency_s, expected)
+    assert plan.codec == {"device-edge": "jpeg:30", "edge-cloud": "jpeg:30"}
+    assert plan.bytes == {"device-edge": 3000.0, "edge-cloud": 3000.0}
+    assert plan.parts_ms["device-edge codec"] == pytest.approx(10.0)
+    assert plan.parts_ms["edge-cloud codec"] == pytest.approx(0.5)
+    best, compared = best_plan(m, links, slow, ("raw", "jpeg:30"))
+    assert best.cuts == (0, 0) and best.codec["device-edge"] == "jpeg:30"
+    assert compared == 3  # (0, 0) with either codec, and device-only
+
+
 def test_verdict_compares_only_baselines_of_equal_or_better_fidelity() -> None:
     """A faster lossy baseline is no failure of an exact plan; a faster exact one is, and a
     point whose tierflow plan is slower than an equally faithful baseline fails."""

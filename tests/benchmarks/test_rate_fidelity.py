@@ -163,6 +163,14 @@ def test_compose_adds_tiers_codecs_and_links_as_the_cost_model(tmp_path: Path) -
         figures["encode_ms"] * 10.0 + figures["decode_ms"]
     )
     assert forwarded["bytes"] == {"device-edge": figures["bytes"], "edge-cloud": figures["bytes"]}
+    # Figures measured elsewhere on the same requests (a baseline's) compose as they are.
+    parts.adopt(
+        codecs={(0, "zstd"): {"bytes": 300.0, "encode_ms": 0.5, "decode_ms": 0.25, "x": 9.0}},
+        segments={(0, last): 7.0},
+    )
+    upload = parts.compose((0, 0), {"device-edge": "zstd", "edge-cloud": "zstd"}, link)
+    assert upload["parts_ms"]["cloud"] == 7.0 and upload["parts_ms"]["codec"] == 5.25
+    assert upload["bytes"] == {"device-edge": 300.0, "edge-cloud": 300.0}
     # A device-only plan uses no link; an exact codec keeps every answer.
     alone = parts.compose((last, last), {}, link)
     assert alone["parts_ms"]["wire"] == 0.0 and alone["bytes"] == {}

@@ -10,9 +10,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import onnx
@@ -20,14 +21,20 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cli import main
-from tierflow.codec import EXACT_PLANNER_CODECS, CodecSpec, ImageNorm
+from tierflow.codec import EXACT_PLANNER_CODECS, CodecSpec, ImageNorm, encode
 from tierflow.errors import PlanError, UsageError
 from tierflow.image_norm import PRESETS, NormSpec, parse_norm
 from tierflow.links import LinkSpec
 from tierflow.partitioner.fidelity import FidelityBudget
 from tierflow.partitioner.fidelity_probe import plan_fidelity
 from tierflow.partitioner.graph import load_model
-from tierflow.partitioner.image_inputs import outside_pixels, png_is_exact, resolve_images
+from tierflow.partitioner.image_inputs import (
+    measure_image_codecs,
+    measured_requests,
+    outside_pixels,
+    png_is_exact,
+    resolve_images,
+)
 from tierflow.partitioner.planner import PlanOptions, codec_candidates, make_plan, score_plan
 from tierflow.partitioner.profile import profile_model, save_profile
 from tierflow.plan import Plan, load_plan
@@ -74,16 +81,16 @@ def _sample_photos() -> tuple[np.ndarray, ...]:
     )
 
 
-def photos(count: int, seed: int) -> dict[str, np.ndarray]:
+def photos(count: int, seed: int, side: int = SIDE) -> dict[str, np.ndarray]:
     """Random crops of the sample photos, normalised in float32 as the image codec decodes."""
     images = _sample_photos()
     rng = np.random.default_rng(seed)
     rows = []
     for _ in range(count):
         image = images[int(rng.integers(len(images)))]
-        top = int(rng.integers(0, image.shape[0] - SIDE))
-        left = int(rng.integers(0, image.shape[1] - SIDE))
-        crop = image[top : top + SIDE, left : left + SIDE].transpose(2, 0, 1).astype(np.float32)
+        top = int(rng.integers(0, image.shape[0] - side))
+        left = int(rng.integers(0, image.shape[1] - side))
+        crop = image[top : top + side, left : left + side].transpose(2, 0, 1).astype(np.float32)
         rows.append(((crop / np.float32(255.0) - MEAN) / STD)[np.newaxis])
     return {"x": np.stack(rows)}
 
@@ -144,6 +151,54 @@ def test_png_is_exact_only_for_pixels_normalised_as_declared() -> None:
     assert not png_is_exact(noisy, {"x": IMAGENET})
     other = ImageNorm(mean=(0.5,) * 3, std=(0.5,) * 3)
     assert not png_is_exact(requests, {"x": other})
+
+
+def test_image_codec_figures_are_medians_over_the_sample_not_its_first_request() -> None:
+    # A flat grey frame first: alone, it makes every JPEG quality look the same size.
+    side = 128
+    grey = ((np.float32(128 / 255) - MEAN) / STD)[np.newaxis].repeat(side, 2).repeat(side, 3)
+    requests = [{"x": grey}] + [{"x": row} for row in photos(8, 4, side)["x"]]
+    codecs = ["jpeg:10", "jpeg:90"]
+    stats = measure_image_codecs(requests, {"x": IMAGENET}, codecs)
+    first = measure_image_codecs(requests[:1], {"x": IMAGENET}, codecs)
+    raw = grey.nbytes
+    for codec in codecs:
+        sizes = [encode("x", r["x"], codec, image=IMAGENET).nbytes for r in requests]
+        assert stats[codec].ratio == pytest.approx(raw / float(np.median(sizes)))
+        assert stats[codec].encode_s_per_mb > 0 and stats[codec].decode_s_per_mb > 0
+    assert stats["jpeg:90"].ratio < stats["jpeg:10"].ratio / 1.5
+    assert first["jpeg:90"].ratio > stats["jpeg:90"].ratio * 2
+    # A long sample is measured on requests spread over it, first to last.
+    spread = measured_requests(160)
+    assert len(spread) == 16 and spread[0] == 0 and spread[-1] == 159
+    assert measured_requests(5) == [0, 1, 2, 3, 4]
+    with pytest.raises(UsageError, match="no requests"):
+        measure_image_codecs([], {"x": IMAGENET}, codecs)
+
+
+class _Stalling:
+    """A tensor whose every read first stalls its reader (it sleeps), as a thread does
+    that a busy machine has descheduled: time that passes without computing."""
+
+    def __init__(self, array: np.ndarray, stall_s: float) -> None:
+        self.array, self.stall_s = array, stall_s
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        time.sleep(self.stall_s)
+        return self.array if dtype is None else self.array.astype(dtype)
+
+
+def test_image_codec_times_are_computation_not_waiting() -> None:
+    # Timed on the wall clock, a stalled encode looked 30 ms slower to the planner, whose
+    # emulated device multiplies it tenfold ([Note: image codec figures]).
+    row = photos(1, 5, 128)["x"][0]
+    stalled = [{"x": cast(np.ndarray, _Stalling(row, 0.05))} for _ in range(3)]
+    plain = [{"x": row} for _ in range(3)]
+    mb = row.nbytes / 1e6
+    for codec, figures in measure_image_codecs(stalled, {"x": IMAGENET}, ["jpeg:50"]).items():
+        calm = measure_image_codecs(plain, {"x": IMAGENET}, [codec])[codec]
+        assert figures.encode_s_per_mb * mb < 0.025, "a stall counted as encode time"
+        assert figures.ratio == pytest.approx(calm.ratio)
 
 
 def test_image_codecs_join_the_candidates_only_for_image_inputs() -> None:
