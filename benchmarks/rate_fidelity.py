@@ -377,7 +377,8 @@ def verdict_lines(record: dict[str, Any]) -> list[str]:
             + ". Both are composed alike (an edge with no work forwards the bytes as a "
             "router does, and a plan that is an upload takes that upload's own figures): "
             "where the plan trails the fastest upload, the planner chose another codec on "
-            "its calibration sample's figures."
+            "its calibration pages: a lower quality that keeps every held-out answer may "
+            "miss the budget there (the planner is never shown the held-out pages)."
         )
     return lines
 
