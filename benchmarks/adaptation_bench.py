@@ -92,7 +92,8 @@ class Setup:
     window: int = 4
 
 
-def setups(quick: bool) -> list[Setup]:
+def setups(quick: bool, names: Sequence[str] = ()) -> list[Setup]:
+    """The benchmark's models (``names``: only those, by name)."""
     mobilenet = bench_models.BenchModel(
         "mobilenetv2-112",
         "mobilenet",
@@ -108,6 +109,14 @@ def setups(quick: bool) -> list[Setup]:
     chosen = [Setup(mobilenet, 0.2)]
     if not quick:
         chosen.append(Setup(resnet, 0.2))
+    if names:
+        unknown = set(names) - {setup.model.name for setup in chosen}
+        if unknown:
+            raise SystemExit(
+                f"unknown model(s) {sorted(unknown)}: expected one of "
+                f"{[setup.model.name for setup in chosen]}"
+            )
+        chosen = [setup for setup in chosen if setup.model.name in names]
     return chosen
 
 
@@ -278,6 +287,7 @@ def play(
                 "answered_by": result.answered_by,
                 "fallback": result.fallback,
                 "bytes_device_edge": result.bytes.get("device-edge", 0),
+                "link_queue_ms": result.links.get("device-edge", {}).get("queue_ms", 0.0),
                 "error": None if result.error is None else type(result.error).__name__,
             }
             record["outputs"] = result.outputs
@@ -445,6 +455,7 @@ def bench_case(
     }
     case["true_rate_regions"] = _pick(strategies["true-rate regions"])
     case["silent"] = stats.silent_stretch(adaptive.records)
+    case["gap"] = stats.gap_parts(adaptive.records, oracle_samples, planned_at, setup.period_s)
     case["verdicts"] = stats.verdicts(case)
     case["diagnosis"] = stats.diagnosis(case)
     return case
@@ -789,6 +800,13 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true", help="one model, shorter traces")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="only these models (mobilenetv2-112, resnet18-112); the default is all",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS, help="results folder")
     parser.add_argument("--doc", type=Path, default=DOC, help="the Markdown report to write")
     parser.add_argument(
@@ -816,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tierflow-adapt-logs-") as logs:
         models = [
             bench_setup(setup, trace_list, args.work_dir, Path(logs))
-            for setup in setups(args.quick)
+            for setup in setups(args.quick, args.models)
         ]
     results: dict[str, Any] = {
         "benchmark": "adaptation",

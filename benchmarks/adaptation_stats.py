@@ -143,6 +143,48 @@ def silent_stretch(records: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
     return best[1], best[0]
 
 
+def gap_parts(
+    records: Sequence[Mapping[str, Any]],
+    oracle_samples: Sequence[Sample],
+    planned_at: Callable[[float], str],
+    period_s: float,
+) -> dict[str, Any]:
+    """Where the adaptive run's time over the oracle's went, in ms per answered request.
+
+    Each request of ``records`` (the adaptive run: ``index``, ``sent_s``, ``ok``,
+    ``latency_ms``, ``plan``, ``link_queue_ms``) is compared with the oracle's request at
+    the same scheduled time (``index * period_s``); its excess is split into the time it
+    waited behind earlier uploads on the device-edge link (``backlog``), and the rest,
+    counted as ``choice`` when it ran on another plan than the set's regions give for the
+    true rate at ``sent_s`` (``planned_at``: estimate lag, the hold, detours off a
+    backlogged link) and as ``other`` when it ran on that plan (the regions against the
+    oracle, and noise).
+    The three parts add up to ``excess``, the mean difference over the compared requests.
+    """
+    by_index = {round(s.sent_s / period_s): s for s in oracle_samples}
+    parts = {"backlog": 0.0, "choice": 0.0, "other": 0.0}
+    compared = off_plan = 0
+    for record in records:
+        oracle_ = by_index.get(record["index"])
+        if not record["ok"] or oracle_ is None or oracle_.latency_ms is None:
+            continue
+        compared += 1
+        excess = record["latency_ms"] - oracle_.latency_ms
+        waited = float(record.get("link_queue_ms") or 0.0)
+        parts["backlog"] += waited
+        if record["plan"] != planned_at(record["sent_s"]):
+            off_plan += 1
+            parts["choice"] += excess - waited
+        else:
+            parts["other"] += excess - waited
+    if not compared:
+        return {"compared": 0}
+    out: dict[str, Any] = {k: v / compared for k, v in parts.items()}
+    out["excess"] = sum(out.values())
+    out.update(compared=compared, off_plan=off_plan)
+    return out
+
+
 def estimate_errors(
     points: Sequence[tuple[float, float, float, float]], settle_s: float = 1.0
 ) -> dict[str, Any]:
@@ -243,6 +285,16 @@ def diagnosis(case: Mapping[str, Any]) -> list[str]:
             f"{known:.1f} ms, {known / oracle_:.2f}x the oracle's mean (the cost model's "
             f"choice at each rate vs the measured best); the adaptive device's "
             f"{adaptive:.1f} ms is {adaptive / known:.2f}x that (estimation and switching)"
+        )
+    gap = case.get("gap", {})
+    if gap.get("compared"):
+        out.append(
+            f"gap per answered request ({gap['compared']} compared with the oracle's at the "
+            f"same time): {gap['excess']:+.1f} ms = {gap['backlog']:.1f} ms waiting behind "
+            f"earlier uploads on device-edge, {gap['choice']:+.1f} ms on the "
+            f"{gap['off_plan']} requests run on another plan than the regions give for the "
+            f"true rate (estimate lag, hold, detours), {gap['other']:+.1f} ms on the rest "
+            "(the regions against the oracle, and noise)"
         )
     start, length = case.get("silent", (0.0, 0.0))
     if length >= 1.0:

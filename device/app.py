@@ -27,8 +27,16 @@ from typing import Any, TypeVar
 import numpy as np
 
 from tierflow.cache import FeatureCache
-from tierflow.device.client import DEFAULT_DEADLINE_S, DEFAULT_WINDOW, DeviceClient, Result, Ticket
+from tierflow.device.client import (
+    DEFAULT_DEADLINE_S,
+    DEFAULT_RETRY_S,
+    DEFAULT_WINDOW,
+    DeviceClient,
+    Result,
+    Ticket,
+)
 from tierflow.device.preprocess import Preprocess, plan_preprocess, read_image
+from tierflow.device.probing import DEFAULT_IDLE_S
 from tierflow.device.sources import Frame
 from tierflow.errors import InputError, TierflowError
 from tierflow.options import RuntimeOptions
@@ -57,9 +65,18 @@ class Device:
         deadline_s: float = DEFAULT_DEADLINE_S,
         cache: FeatureCache | None = None,
         image_norm: str | None = None,
+        idle_probe_s: float | None = DEFAULT_IDLE_S,
+        retry_s: float = DEFAULT_RETRY_S,
     ) -> None:
         self.client = DeviceClient(
-            plan_dir, edge, options=options, window=window, deadline_s=deadline_s, cache=cache
+            plan_dir,
+            edge,
+            options=options,
+            window=window,
+            deadline_s=deadline_s,
+            cache=cache,
+            idle_probe_s=idle_probe_s,
+            retry_s=retry_s,
         )
         self.plan = self.client.plan
         self._plan_dir = plan_dir

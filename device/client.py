@@ -30,7 +30,7 @@ import numpy as np
 from tierflow.cache import CacheAnswer, FeatureCache, cache_key
 from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
 from tierflow.device.probing import DEFAULT_IDLE_S, IdleProber
-from tierflow.device.switching import LinkEstimator, PlanSelector, rate_ceiling
+from tierflow.device.switching import LinkEstimator, PlanSelector, backlog_s, rate_ceiling
 from tierflow.errors import (
     CacheError,
     DeadlineError,
@@ -400,7 +400,9 @@ class DeviceClient:
     of the last ``ANSWER_TIMES_KEPT`` answers' time after their upload lowers the
     estimate at once,
     so a sudden drop turns the next requests, not only those sent after the slow uploads
-    are answered.
+    are answered. And while uploads are still queued on that link, a request may run on a
+    plan that keeps off it ([Note: a backlog on the link] in
+    tierflow/device/switching.py); its result names that detour in ``switch``.
     """
 
     def __init__(
@@ -558,8 +560,9 @@ class DeviceClient:
             with self._estimates_lock:
                 self._bound_by_unanswered(now)
                 links = {link: e.estimate() for link, e in self.estimators.items()}
-                choice = self.selector.choose(now, links, fetch)
-                if choice.switched:
+                backlog = self._backlog(now, links["device-edge"].rate_bps)
+                choice = self.selector.choose(now, links, fetch, backlog)
+                if choice.reason:
                     logger.info("[device] switching plans: %s", choice.reason)
                 index, reason = choice.index, choice.reason or None
                 if self._probe_switch is not None:
@@ -636,10 +639,24 @@ class DeviceClient:
                 # The hold of a switch counts from what the probe saw, not from the next
                 # request; a switch made here is named by that request.
                 links = {link: e.estimate() for link, e in self.estimators.items()}
-                choice = self.selector.choose(now, links, fetch)
-                if choice.switched:
+                choice = self.selector.choose(
+                    now, links, fetch, self._backlog(now, links["device-edge"].rate_bps)
+                )
+                if choice.reason:
                     self._probe_switch = f"idle probe: {choice.reason}"
                     logger.info("[device] switching plans: %s", self._probe_switch)
+
+    def _backlog(self, now: float, rate_bps: float) -> float:
+        """Seconds the device-edge link still needs for the uploads not answered yet.
+
+        See [Note: a backlog on the link] in tierflow/device/switching.py; from what the
+        device handed to the link and when, at the estimated rate. Call with
+        ``_estimates_lock`` held.
+        """
+        queued = [
+            (sent.transfer.nbytes, sent.transfer.queued) for sent in self._unanswered.values()
+        ]
+        return backlog_s(now, queued, rate_bps)
 
     def _bound_by_unanswered(self, now: float) -> None:
         """Bound the device-edge estimate by the uploads still unanswered at ``now``.

@@ -80,6 +80,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="continue a stopped run: keep what it answered (OUT.npz.partial), run the rest",
     )
     add_device_runtime_arguments(parser)
+    add_adaptation_arguments(parser)
     parser.add_argument(
         "--cache",
         type=_cache_argument,
@@ -113,6 +114,44 @@ def add_device_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     add_optimization_argument(parser)
     add_providers_argument(parser)
     add_segment_budget_argument(parser)
+
+
+def add_adaptation_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a device keeps its link estimate fresh and tries a missing cloud again.
+
+    The defaults are ``DeviceClient``'s (``DEFAULT_IDLE_S``, ``DEFAULT_RETRY_S``), written
+    out here so that ``--help`` needs no runtime import.
+    """
+    parser.add_argument(
+        "--idle-probe",
+        type=_idle_probe,
+        default="1s",
+        metavar="DURATION|off",
+        help="with a plan set (plan --adaptive): probe the device-edge link once no request "
+        "has crossed it for this long, then at doubling intervals up to 30 s while it stays "
+        "idle; 'off': never probe",
+    )
+    parser.add_argument(
+        "--retry",
+        type=_positive_duration,
+        default="1s",
+        metavar="DURATION",
+        help="while the cloud is missing and the device uses plans without it, one request "
+        "this often tries the cloud again",
+    )
+
+
+def _positive_duration(text: str) -> float:
+    seconds = parse_duration(text)
+    if not seconds > 0:
+        raise UsageError(f"expected a positive duration like '500ms' or '2s', got {text!r}")
+    return seconds
+
+
+def _idle_probe(text: str) -> float | None:
+    if text.strip().lower() == "off":
+        return None
+    return _positive_duration(text)
 
 
 def _cache_argument(text: str) -> Any:
@@ -158,6 +197,8 @@ def _run(args: argparse.Namespace) -> int:
         window=args.window,
         deadline_s=args.deadline,
         cache=build_cache(args.cache),
+        idle_probe_s=args.idle_probe,
+        retry_s=args.retry,
     ) as client:
         known = {
             name: len(runner.inputs[name].shape)

@@ -29,7 +29,11 @@ import threading
 from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Any
 
-from tierflow.device.commands import add_device_runtime_arguments, add_plan_arguments
+from tierflow.device.commands import (
+    add_adaptation_arguments,
+    add_device_runtime_arguments,
+    add_plan_arguments,
+)
 from tierflow.errors import UsageError
 from tierflow.helptext import HelpFormatter, examples
 from tierflow.linkemu import add_link_arguments
@@ -100,6 +104,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="per-frame deadline",
     )
     add_device_runtime_arguments(parser)
+    add_adaptation_arguments(parser)
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -135,6 +140,8 @@ def _device(args: argparse.Namespace) -> int:
                 window=args.window,
                 deadline_s=args.deadline,
                 image_norm=args.image_norm,
+                idle_probe_s=args.idle_probe,
+                retry_s=args.retry,
             )
         )
         in_flight: collections.deque[tuple[Frame, Ticket]] = collections.deque()

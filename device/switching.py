@@ -49,6 +49,27 @@ grows. It is a censored observation, not a measurement: the estimator keeps it a
 transfers, so it can only lower the estimate, and once those transfers are answered
 their own measurement counts as any other. The device recomputes the bound before each
 choice from the requests then in flight, so a bound lasts only while its evidence does.
+
+[Note: a backlog on the link]
+The regions price one request on an idle link. When the link slows under a stream of
+requests, the uploads already handed to it stay queued (the adaptation benchmark's step
+to 2 Mbit/s left a few 147 KiB uploads, seconds of them, ahead of every later request),
+and a plan chosen for the new rate still waits behind them: a plan whose upload takes
+longer than the time between requests even adds to the queue with each one. The device
+knows what it handed to the link and when, so it estimates how long the link's sender
+needs to send what is still queued (:func:`backlog_s`: the requests not answered yet,
+played through a first-in first-out queue at the estimated rate, which [Note: censored
+rate evidence] already lowers when uploads are overdue). Every plan that sends over the
+device-edge link waits that long first; a plan that sends nothing does not. So while a
+backlog lasts, the selector compares the plan it would use, its predicted latency at the
+estimated links (:func:`predicted_s`, the cost model's figures in ``plan.json`` rescaled
+to the estimated rates) plus the backlog, with each plan that keeps off the link, and
+runs the request on the fastest of those when it is faster. That is a detour, not a
+switch: the plan the regions chose stays current, and the next request with no backlog
+(or one short enough) goes back to it, so the link drains while the device answers
+alone, and a plan too slow for the rate is interleaved with local answers instead of
+building an ever longer queue. Plans whose device files would have to be fetched first
+(over the backlogged link) are not detoured to.
 """
 
 from __future__ import annotations
@@ -59,7 +80,7 @@ from dataclasses import dataclass
 
 from tierflow.errors import UsageError
 from tierflow.links import LINKS, LinkSpec
-from tierflow.plan import PlanSet
+from tierflow.plan import Plan, PlanSet
 
 #: Decades of rate (or of RTT in ms) by which another region must be closer to switch.
 DEFAULT_MARGIN = 0.1
@@ -151,6 +172,47 @@ def rate_ceiling(
     return min(bounds, default=None)
 
 
+def backlog_s(now: float, queued: Iterable[tuple[int, float]], rate_bps: float) -> float:
+    """Seconds the link's sender still needs for what was handed to it, at ``rate_bps``.
+
+    ``queued``: (bytes, when the request was handed to the link) of each request not
+    answered by ``now``; they cross one after another, first in first out, at the
+    estimated rate ([Note: a backlog on the link]). 0 when all of it has crossed by now.
+    """
+    if not rate_bps > 0:
+        return 0.0
+    free = -math.inf
+    for nbytes, handed in sorted(queued, key=lambda item: item[1]):
+        free = max(free, handed) + max(nbytes, 0) * 8.0 / rate_bps
+    return max(free - now, 0.0)
+
+
+def predicted_s(plan: Plan, links: Mapping[str, LinkSpec]) -> float | None:
+    """The cost model's latency for ``plan`` at the rates of ``links`` (seconds).
+
+    ``plan.json`` records the prediction at the plan's own links and each link's time on
+    the wire there; the wire time scales inversely with the rate, the rest is kept (the
+    RTT too). None when the plan records no prediction (an old or hand-written plan).
+    """
+    latency = plan.estimate.get("latency_s")
+    if not isinstance(latency, (int, float)) or not math.isfinite(latency):
+        return None
+    costs = plan.estimate.get("links")
+    total = float(latency)
+    for name, cost in (costs if isinstance(costs, dict) else {}).items():
+        wire = cost.get("wire_s") if isinstance(cost, dict) else None
+        if name not in links or name not in plan.links or not isinstance(wire, (int, float)):
+            continue
+        if wire > 0 and links[name].rate_bps > 0:
+            total += wire * (plan.links[name].rate_bps / links[name].rate_bps - 1.0)
+    return total
+
+
+def _sends_on_device_edge(plan: Plan) -> bool:
+    """Whether a request on ``plan`` crosses the device-edge link (it leaves the device)."""
+    return any(segment.tier != "device" for segment in plan.segments)
+
+
 def _distance(point: Mapping[str, LinkSpec], links: Mapping[str, LinkSpec]) -> float:
     """How far two link conditions are apart, in decades (see the note)."""
     total = 0.0
@@ -166,11 +228,16 @@ def _distance(point: Mapping[str, LinkSpec], links: Mapping[str, LinkSpec]) -> f
 
 @dataclass(frozen=True)
 class Choice:
-    """The plan for the next request; ``reason`` says why it changed (empty if it did not)."""
+    """The plan for the next request; ``reason`` says why it changed (empty if it did not).
+
+    ``switched``: the selector's current plan changed. ``detour``: the request runs on a
+    plan that keeps off a backlogged link instead ([Note: a backlog on the link]).
+    """
 
     index: int
     switched: bool
     reason: str = ""
+    detour: bool = False
 
 
 class PlanSelector:
@@ -203,6 +270,8 @@ class PlanSelector:
         self.current = plans.default
         self._candidate: int | None = None
         self._since = 0.0
+        self._sends = [_sends_on_device_edge(plan) for plan in plans.plans]
+        self._detour: int | None = None  # the plan of the detour under way, if any
 
     def distances(self, links: Mapping[str, LinkSpec]) -> list[float]:
         """Per plan, how far ``links`` are from its region (inf for a plan without one)."""
@@ -216,14 +285,84 @@ class PlanSelector:
         """The plan the selector is waiting to switch to (its hold not over yet), if any."""
         return self._candidate
 
+    @property
+    def detour(self) -> int | None:
+        """The plan the last choice detoured to from a backlogged link, if it did."""
+        return self._detour
+
     def choose(
-        self, now: float, links: Mapping[str, LinkSpec], fetch_bytes: Sequence[int] = ()
+        self,
+        now: float,
+        links: Mapping[str, LinkSpec],
+        fetch_bytes: Sequence[int] = (),
+        backlog: float = 0.0,
     ) -> Choice:
         """The plan for a request sent at ``now`` over links estimated as ``links``.
 
         ``fetch_bytes[i]``: bytes the device must fetch before plan ``i`` can run (none
         if not given); they lengthen the hold before a switch to it (see the note).
+        ``backlog``: seconds the device-edge link still needs for what is queued on it
+        (:func:`backlog_s`); a request may then run on a plan that keeps off the link
+        ([Note: a backlog on the link]).
         """
+        choice = self._by_region(now, links, fetch_bytes)
+        detour = self._off_the_link(choice.index, links, fetch_bytes, backlog)
+        if detour is not None:
+            index, reason = detour
+            if index == self._detour:
+                reason = ""  # the same detour goes on: named at its first request
+            self._detour = index
+            return Choice(index, choice.switched, choice.reason or reason, detour=True)
+        if self._detour is not None and not choice.reason:
+            back = self._detour != choice.index
+            self._detour = None
+            if back:
+                reason = f"the device-edge backlog has drained: back to plan {choice.index}"
+                return Choice(choice.index, choice.switched, reason)
+        self._detour = None
+        return choice
+
+    def _off_the_link(
+        self,
+        index: int,
+        links: Mapping[str, LinkSpec],
+        fetch_bytes: Sequence[int],
+        backlog: float,
+    ) -> tuple[int, str] | None:
+        """A plan that keeps off the backlogged link and beats ``index`` waiting for it.
+
+        ([Note: a backlog on the link].) With the reason; None when there is none.
+        """
+        if not backlog > 0 or not self._sends[index]:
+            return None
+        plans = self.plans.plans
+        waiting = predicted_s(plans[index], links)
+        if waiting is None:
+            return None
+        waiting += backlog
+        best: tuple[float, int] | None = None
+        for other, plan in enumerate(plans):
+            if self._sends[other] or (other < len(fetch_bytes) and fetch_bytes[other] > 0):
+                continue
+            alone = predicted_s(plan, links)
+            if alone is not None and alone < waiting and (best is None or alone < best[0]):
+                best = (alone, other)
+        if best is None:
+            return None
+        alone, other = best
+        rate = links.get("device-edge")
+        reason = (
+            f"backlog: uploads queued on device-edge need {backlog * 1e3:.0f} ms more"
+            + (f" at {rate}" if rate is not None else "")
+            + f"; plan {index} would answer in {waiting * 1e3:.0f} ms behind them, plan "
+            f"{other} keeps off the link in {alone * 1e3:.0f} ms (until the queue drains)"
+        )
+        return other, reason
+
+    def _by_region(
+        self, now: float, links: Mapping[str, LinkSpec], fetch_bytes: Sequence[int]
+    ) -> Choice:
+        """The plan whose region fits ``links``, with hysteresis (see the note)."""
         distances = self.distances(links)
         best = min(range(len(distances)), key=lambda i: (distances[i], i))
         if best == self.current or not math.isfinite(distances[best]):

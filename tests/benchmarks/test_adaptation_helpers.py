@@ -177,3 +177,30 @@ def test_a_failed_goal_comes_with_its_computed_reasons() -> None:
     fine = _case(100.0, 100.0, 140.0, "bursty", 0)
     fine["verdicts"] = stats.verdicts(fine)
     assert stats.diagnosis(fine) == []
+
+
+def test_the_gap_to_the_oracle_splits_into_backlog_choice_and_the_rest() -> None:
+    oracle = [stats.Sample(i * 0.2, 100.0, "A") for i in range(4)]
+    records = [
+        # On the regions' plan, 10 ms slower than the oracle.
+        {"index": 0, "sent_s": 0.0, "ok": True, "latency_ms": 110.0, "plan": "A"},
+        # On the regions' plan but 300 ms behind earlier uploads (of 320 over).
+        {
+            "index": 1,
+            "sent_s": 0.2,
+            "ok": True,
+            "latency_ms": 420.0,
+            "plan": "A",
+            "link_queue_ms": 300.0,
+        },
+        # On another plan than the regions': 50 ms over.
+        {"index": 2, "sent_s": 0.4, "ok": True, "latency_ms": 150.0, "plan": "B"},
+        {"index": 3, "sent_s": 0.6, "ok": False, "latency_ms": None, "plan": "A"},
+    ]
+    gap = stats.gap_parts(records, oracle, lambda t: "A", 0.2)
+    assert gap["compared"] == 3 and gap["off_plan"] == 1
+    assert gap["backlog"] == pytest.approx(100.0)
+    assert gap["choice"] == pytest.approx(50.0 / 3)
+    assert gap["other"] == pytest.approx(30.0 / 3)
+    assert gap["excess"] == pytest.approx((10 + 320 + 50) / 3)
+    assert stats.gap_parts([], oracle, lambda t: "A", 0.2) == {"compared": 0}

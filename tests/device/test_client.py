@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -170,3 +171,55 @@ def test_tierflow_run_on_a_device_only_plan(
             np.testing.assert_allclose(out["y"][i], want, rtol=1e-5, atol=1e-6)
     lines = (tmp_path / "r.jsonl").read_text().splitlines()
     assert len(lines) == 4 and '"answered_by": "device"' in lines[0]
+
+
+def test_requests_queued_behind_a_backlog_are_answered_on_the_device(tmp_path: Path) -> None:
+    """[Note: a backlog on the link]: at 2 kbit/s each upload waits behind the last one,
+    so the device answers alone until the link has drained, then goes back to the edge."""
+    from tierflow.edge.server import EdgeServer
+    from tierflow.links import LinkSpec
+    from tierflow.options import RuntimeOptions
+    from tierflow.plan import PlanSet, save_plan_set
+
+    plan_dir = _chain_plan(tmp_path / "plan", ["device", "edge"])
+    split = load_plan(plan_dir)
+    slow = LinkSpec(2e3, 0.0)
+    # The cost model's figures: 50 ms with the edge (20 ms of it on the wire) at 2 kbit/s,
+    # 60 ms alone; the regions keep the edge's plan at this rate.
+    remote = dataclasses.replace(
+        split,
+        links={"device-edge": slow},
+        estimate={"latency_s": 0.05, "links": {"device-edge": {"wire_s": 0.02}}},
+    )
+    alone = tuple(SegmentSpec("device", s.file, s.inputs, s.outputs) for s in split.segments)
+    local = Plan(*_identity(split), alone, estimate={"latency_s": 0.06})
+    regions = (({"device-edge": slow},), ({"device-edge": LinkSpec(1.0, 0.0)},))
+    save_plan_set(PlanSet((remote, local), regions), plan_dir)
+    edge = EdgeServer(plan_dir, "127.0.0.1:0")
+    edge.start()
+    try:
+        options = RuntimeOptions(links={"device-edge": slow})
+        with DeviceClient(
+            plan_dir, edge.address, options=options, window=8, idle_probe_s=None
+        ) as device:
+            tickets = [device.submit(_x(i)) for i in range(4)]
+            first = [ticket.result() for ticket in tickets]
+            time.sleep(0.2)  # answered, nothing queued any more
+            later = device.infer(_x(4))
+    finally:
+        edge.stop(0.5)
+    results = [*first, later]
+    assert all(r.ok for r in results)
+    for i, result in enumerate(results):
+        np.testing.assert_allclose(result.outputs["y"], _chain_reference(_x(i)["x"], 2), rtol=1e-5)
+    # The first upload takes the link (over 0.1 s at 2 kbit/s); the next ones would wait
+    # behind it, 50 ms + its rest > 60 ms, so they run alone.
+    assert [r.plan for r in first] == [remote.plan_id] + [local.plan_id] * 3
+    assert first[0].answered_by == "edge" and first[1].answered_by == "device"
+    assert first[1].switch is not None and "backlog" in first[1].switch
+    assert first[2].switch is None and first[1].bytes["device-edge"] == 0
+    assert later.plan == remote.plan_id and "drained" in (later.switch or "")
+
+
+def _identity(plan: Plan) -> tuple[str, str, tuple[str, ...], tuple[str, ...]]:
+    return plan.model_file, plan.model_sha256, plan.inputs, plan.outputs

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
-from tierflow.device.switching import LinkEstimator, PlanSelector, rate_ceiling
+from tierflow.device.switching import (
+    LinkEstimator,
+    PlanSelector,
+    backlog_s,
+    predicted_s,
+    rate_ceiling,
+)
 from tierflow.errors import UsageError
 from tierflow.links import LinkSpec
 from tierflow.plan import Plan, PlanSet, SegmentSpec
@@ -209,3 +216,86 @@ def test_the_hold_counts_from_when_the_current_plan_stopped_fitting() -> None:
     selector.choose(0.3, _point(100e6))
     assert selector.candidate is None
     assert not selector.choose(0.6, _point(8e6)).switched  # the hold starts again
+
+
+# [Note: a backlog on the link] in tierflow/device/switching.py
+
+
+def test_the_backlog_is_what_a_fifo_link_still_has_to_send_at_the_estimated_rate() -> None:
+    # Two 250 kB uploads handed over at 0 s and 0.1 s, at 2 Mbit/s: 1 s each, one after
+    # the other, so the link is busy until 2 s.
+    queued = [(250_000, 0.1), (250_000, 0.0)]
+    assert backlog_s(0.5, queued, 2e6) == pytest.approx(1.5)
+    assert backlog_s(2.5, queued, 2e6) == 0.0
+    # An upload handed over after the link went idle starts then, not at the first's end.
+    assert backlog_s(3.0, [(250_000, 0.0), (25_000, 2.9)], 2e6) == pytest.approx(0.0)
+    assert backlog_s(2.95, [(250_000, 0.0), (25_000, 2.9)], 2e6) == pytest.approx(0.05)
+    assert backlog_s(0.5, [], 2e6) == 0.0
+    assert backlog_s(0.5, queued, 0.0) == 0.0  # no rate known: no claim
+
+
+def _priced(tier: str, latency_s: float, wire_s: float, rate: float = 20e6) -> Plan:
+    """A plan with the cost model's figures at ``rate`` device-edge (``wire_s`` of it)."""
+    links = {"device-edge": {"wire_s": wire_s}} if wire_s else {}
+    return replace(
+        _plan(tier),
+        links={"device-edge": LinkSpec(rate, 0.01), "edge-cloud": EC},
+        estimate={"latency_s": latency_s, "links": links},
+    )
+
+
+def _priced_set() -> PlanSet:
+    """Plan 0 runs alone in 300 ms; plan 1 sends 45 kB (18 ms at 20 Mbit/s) and takes 100 ms
+    at 20 Mbit/s, 262 ms at 2 Mbit/s; its region covers 2-200 Mbit/s, plan 0's 0.5 Mbit/s."""
+    local = _priced("device", 0.300, 0.0)
+    remote = _priced("edge", 0.100, 0.018)
+    regions = ((_point(0.5e6),), tuple(_point(r) for r in (2e6, 5e6, 20e6, 200e6)))
+    return PlanSet((local, remote), regions, default=1)
+
+
+def test_predictions_rescale_the_wire_time_to_the_estimated_rate() -> None:
+    plans = _priced_set()
+    assert predicted_s(plans.plans[1], _point(20e6)) == pytest.approx(0.100)
+    assert predicted_s(plans.plans[1], _point(2e6)) == pytest.approx(0.100 + 0.018 * 9)
+    assert predicted_s(plans.plans[0], _point(2e6)) == pytest.approx(0.300)
+    assert predicted_s(_plan("edge"), _point(2e6)) is None  # no figures recorded
+
+
+def test_a_backlog_detours_requests_to_a_plan_off_the_link_until_it_drains() -> None:
+    selector = PlanSelector(_priced_set())
+    slow = _point(2e6)  # plan 1: 262 ms on an idle link, plan 0: 300 ms
+    assert selector.choose(0.0, slow).index == 1
+    # 30 ms of queued uploads: 292 ms, still the faster ...
+    assert selector.choose(0.1, slow, backlog=0.030).index == 1
+    # ... 0.6 s are not: plan 1 would answer in 862 ms.
+    choice = selector.choose(0.2, slow, backlog=0.6)
+    assert choice.index == 0 and choice.detour and not choice.switched
+    assert "backlog" in choice.reason and "plan 0" in choice.reason
+    assert selector.current == 1 and selector.detour == 0  # not a switch: a detour
+    again = selector.choose(0.4, slow, backlog=0.4)
+    assert again.index == 0 and again.detour and again.reason == ""  # named once
+    back = selector.choose(0.8, slow, backlog=0.0)
+    assert back.index == 1 and not back.detour and "drained" in back.reason
+    assert selector.detour is None
+    assert selector.choose(1.0, slow).reason == ""
+
+
+def test_a_backlog_shorter_than_the_gain_keeps_the_plan() -> None:
+    selector = PlanSelector(_priced_set())
+    fast = _point(20e6)  # plan 1: 100 ms; 190 ms behind a backlog still beat 300 ms
+    assert selector.choose(0.0, fast, backlog=0.190).index == 1
+    choice = selector.choose(0.1, fast, backlog=0.210)  # 310 ms: now alone is faster
+    assert choice.index == 0 and choice.detour
+
+
+def test_no_detour_to_a_plan_that_needs_a_fetch_or_without_predictions() -> None:
+    selector = PlanSelector(_priced_set())
+    # Plan 0's files would come over the backlogged link itself.
+    assert selector.choose(0.0, _point(2e6), [1_000, 0], backlog=1.0).index == 1
+    unpriced = PlanSelector(_set())  # plans without the cost model's figures
+    assert unpriced.choose(0.0, _point(20e6), backlog=5.0).index == 1
+    # A plan already off the link has nothing to wait for.
+    local = PlanSelector(_priced_set())
+    local.choose(0.0, _point(0.1e6))
+    assert local.choose(0.2, _point(0.1e6)).index == 0
+    assert not local.choose(0.3, _point(0.1e6), backlog=5.0).detour
