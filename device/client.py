@@ -649,13 +649,20 @@ class DeviceClient:
     def _backlog(self, now: float, rate_bps: float) -> float:
         """Seconds the device-edge link still needs for the uploads not answered yet.
 
-        See [Note: a backlog on the link] in tierflow/device/switching.py; from what the
-        device handed to the link and when, at the estimated rate. Call with
-        ``_estimates_lock`` held.
+        See [Note: a backlog on the link] in tierflow/device/switching.py: from what the
+        device handed to the link, when, and whether it has begun to cross by ``now``, at
+        the estimated rate. Call with ``_estimates_lock`` held.
         """
-        queued = [
-            (sent.transfer.nbytes, sent.transfer.queued) for sent in self._unanswered.values()
-        ]
+        queued = []
+        for sent in self._unanswered.values():
+            began = sent.transfer.started  # with emulation, booked ahead: known once past
+            queued.append(
+                (
+                    sent.transfer.nbytes,
+                    sent.transfer.queued,
+                    began if began is not None and began <= now else None,
+                )
+            )
         return backlog_s(now, queued, rate_bps)
 
     def _bound_by_unanswered(self, now: float) -> None:

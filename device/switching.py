@@ -56,10 +56,12 @@ requests, the uploads already handed to it stay queued (the adaptation benchmark
 to 2 Mbit/s left a few 147 KiB uploads, seconds of them, ahead of every later request),
 and a plan chosen for the new rate still waits behind them: a plan whose upload takes
 longer than the time between requests even adds to the queue with each one. The device
-knows what it handed to the link and when, so it estimates how long the link's sender
-needs to send what is still queued (:func:`backlog_s`: the requests not answered yet,
-played through a first-in first-out queue at the estimated rate, which [Note: censored
-rate evidence] already lowers when uploads are overdue). Every plan that sends over the
+knows what it handed to the link, when, and whether it has begun to cross, so it
+estimates how long the link's sender needs to send what is still queued
+(:func:`backlog_s`): the requests not answered yet, played through a first-in first-out
+queue at the estimated rate (which [Note: censored rate evidence] already lowers when
+uploads are overdue), where an upload that has not begun to cross shows the link still
+busy with those before it, whatever the rate says. Every plan that sends over the
 device-edge link waits that long first; a plan that sends nothing does not. So while a
 backlog lasts, the selector compares the plan it would use, its predicted latency at the
 estimated links (:func:`predicted_s`, the cost model's figures in ``plan.json`` rescaled
@@ -172,18 +174,24 @@ def rate_ceiling(
     return min(bounds, default=None)
 
 
-def backlog_s(now: float, queued: Iterable[tuple[int, float]], rate_bps: float) -> float:
+def backlog_s(
+    now: float, queued: Iterable[tuple[int, float, float | None]], rate_bps: float
+) -> float:
     """Seconds the link's sender still needs for what was handed to it, at ``rate_bps``.
 
-    ``queued``: (bytes, when the request was handed to the link) of each request not
-    answered by ``now``; they cross one after another, first in first out, at the
-    estimated rate ([Note: a backlog on the link]). 0 when all of it has crossed by now.
+    ``queued``: (bytes, when the request was handed to the link, when it began to cross
+    or None if it has not by ``now``) of each request not answered by ``now``. They cross
+    one after another, first in first out, at the estimated rate, each from when it began
+    to (if it has), else from when the one before it is done and not before ``now``: one
+    that has not begun means the link is still busy with those before it ([Note: a
+    backlog on the link]). 0 when all of it has crossed by now.
     """
     if not rate_bps > 0:
         return 0.0
     free = -math.inf
-    for nbytes, handed in sorted(queued, key=lambda item: item[1]):
-        free = max(free, handed) + max(nbytes, 0) * 8.0 / rate_bps
+    for nbytes, handed, started in sorted(queued, key=lambda item: item[1]):
+        start = started if started is not None else max(free, handed, now)
+        free = start + max(nbytes, 0) * 8.0 / rate_bps
     return max(free - now, 0.0)
 
 

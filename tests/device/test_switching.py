@@ -224,14 +224,23 @@ def test_the_hold_counts_from_when_the_current_plan_stopped_fitting() -> None:
 def test_the_backlog_is_what_a_fifo_link_still_has_to_send_at_the_estimated_rate() -> None:
     # Two 250 kB uploads handed over at 0 s and 0.1 s, at 2 Mbit/s: 1 s each, one after
     # the other, so the link is busy until 2 s.
-    queued = [(250_000, 0.1), (250_000, 0.0)]
+    queued = [(250_000, 0.1, None), (250_000, 0.0, 0.0)]
     assert backlog_s(0.5, queued, 2e6) == pytest.approx(1.5)
-    assert backlog_s(2.5, queued, 2e6) == 0.0
+    assert backlog_s(2.5, [(250_000, 0.1, 1.0), (250_000, 0.0, 0.0)], 2e6) == 0.0
     # An upload handed over after the link went idle starts then, not at the first's end.
-    assert backlog_s(3.0, [(250_000, 0.0), (25_000, 2.9)], 2e6) == pytest.approx(0.0)
-    assert backlog_s(2.95, [(250_000, 0.0), (25_000, 2.9)], 2e6) == pytest.approx(0.05)
+    assert backlog_s(3.0, [(250_000, 0.0, 0.0), (25_000, 2.9, 2.9)], 2e6) == pytest.approx(0.0)
+    assert backlog_s(2.95, [(250_000, 0.0, 0.0), (25_000, 2.9, 2.9)], 2e6) == pytest.approx(0.05)
     assert backlog_s(0.5, [], 2e6) == 0.0
     assert backlog_s(0.5, queued, 0.0) == 0.0  # no rate known: no claim
+
+
+def test_an_upload_not_yet_crossing_shows_the_link_busy_whatever_the_rate() -> None:
+    # At 20 Mbit/s the first 250 kB would have crossed by 0.1 s; the second has not begun
+    # at 0.4 s, so the link is still busy: it needs at least its own 0.1 s from now.
+    queued = [(250_000, 0.0, 0.0), (250_000, 0.05, None)]
+    assert backlog_s(0.4, queued, 20e6) == pytest.approx(0.1)
+    # Once it has begun (at 0.35 s), it is done 0.1 s after that.
+    assert backlog_s(0.4, [(250_000, 0.0, 0.0), (250_000, 0.05, 0.35)], 20e6) == pytest.approx(0.05)
 
 
 def _priced(tier: str, latency_s: float, wire_s: float, rate: float = 20e6) -> Plan:
