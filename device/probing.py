@@ -28,9 +28,14 @@ after each probe, up to ``max_interval_s`` (30 s: about 2 KiB/s at most on a dev
 left idle for hours); the first request resets it. A device that keeps answering
 requests without the link (a device-only plan chosen for a slow link, or a device exit)
 is not idle: each such request is chosen on the estimate, so after an interval in which
-one came the next probe follows ``idle_s`` later, without backing off
-(:meth:`IdleProber.demand`); without that, a link that recovered while the device sat on
-a device-only plan would go unseen for up to ``max_interval_s``. A probe long after the last
+one came the next probe follows ``demand_s`` (0.25 s, at most ``idle_s``) later, without
+backing off (:meth:`IdleProber.demand`); without that, a link that recovered while the
+device sat on a device-only plan would go unseen for up to ``max_interval_s``, and even
+``idle_s`` apart every request meanwhile runs on the old estimate (the adaptation
+benchmark's device stayed on its device-only plan for 0.8 s after the 2 -> 200 Mbit/s
+step, at twice the latency). Such a probe takes the link for about ``PROBE_TIME_S`` (20
+ms) at the estimated rate, so it holds a link the requests do not use for under a tenth
+of the time. A probe long after the last
 observation replaces most of the estimate (its weight grows with the time since,
 ``LinkEstimator``), so a few probes suffice even far apart.
 A probe that fails (the edge is down) is skipped: the channel's own state tells the
@@ -55,6 +60,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds without a request before the first probe (and the first interval after it).
 DEFAULT_IDLE_S = 1.0
+#: Interval between probes while requests are answered without the link (seconds).
+DEFAULT_DEMAND_S = 0.25
 #: Longest interval between probes while the link stays idle (seconds).
 DEFAULT_MAX_INTERVAL_S = 30.0
 #: A probe's payload aims at this many seconds on the link at the estimated rate.
@@ -79,7 +86,8 @@ class IdleProber:
     """Probes the link on ``channel`` once it has been idle for ``idle_s`` seconds.
 
     Then again at intervals doubling from ``idle_s`` up to ``max_interval_s`` while it
-    stays idle ([Note: idle probes]).
+    stays idle, or every ``demand_s`` (at most ``idle_s``) while requests are answered
+    without it ([Note: idle probes]).
 
     ``busy`` says whether requests are in flight; :meth:`touch` is called for every
     request sent or answered, :meth:`demand` for every one answered on the device alone.
@@ -98,11 +106,15 @@ class IdleProber:
         shaper: LinkShaper | None = None,
         idle_s: float = DEFAULT_IDLE_S,
         max_interval_s: float = DEFAULT_MAX_INTERVAL_S,
+        demand_s: float = DEFAULT_DEMAND_S,
     ) -> None:
-        if not idle_s > 0:
-            raise UsageError(f"the idle time before a probe must be positive, got {idle_s!r}")
+        if not idle_s > 0 or not demand_s > 0:
+            raise UsageError(
+                f"the intervals before a probe must be positive, got {idle_s!r}, {demand_s!r}"
+            )
         self.idle_s = idle_s
         self.max_interval_s = max(max_interval_s, idle_s)
+        self.demand_s = min(demand_s, idle_s)
         self._streak = 0  # probes since the last request
         self.probes = 0  # rounds that measured the link
         self.failures = 0
@@ -147,11 +159,17 @@ class IdleProber:
     def _run(self) -> None:
         while True:
             active, probed = self._active_at, self._probed_at
-            wanted, self._demanded = self._demanded, False  # one answered alone meanwhile
+            wanted = self._demanded  # one answered alone since the last probe
             streak = 0 if active >= probed or wanted else self._streak
-            due = max(active, probed) + self.interval(streak)
-            if self._stop.wait(max(due - time.monotonic(), 0.0)):
+            due = max(active, probed) + (self.demand_s if wanted else self.interval(streak))
+            # Looks again every demand_s at most: a request answered alone meanwhile
+            # brings the probe forward.
+            woken = min(due, time.monotonic() + self.demand_s)
+            if self._stop.wait(max(woken - time.monotonic(), 0.0)):
                 return
+            if time.monotonic() < due:
+                continue
+            self._demanded = False
             if self._active_at != active:
                 continue  # a request came meanwhile
             if self._busy():
