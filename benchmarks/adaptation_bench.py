@@ -125,8 +125,9 @@ def trace_models(quick: bool) -> list[traces.StepModel | traces.BurstyModel]:
         return [
             traces.StepModel(before_s=3.0, low_s=6.0, after_s=3.0),
             traces.BurstyModel(duration_s=16.0),
+            replace(traces.LTE_FADING, duration_s=16.0),
         ]
-    return [traces.StepModel(), traces.BurstyModel()]
+    return [traces.StepModel(), traces.BurstyModel(), traces.LTE_FADING]
 
 
 # --------------------------------------------------------------------------- planning
@@ -850,7 +851,8 @@ def main(argv: list[str] | None = None) -> int:
         "models": models,
     }
     results["summary"] = summarise(results)
-    results["figures"] = {kind: f"adaptation_{kind}.png" for kind in ("step", "bursty")}
+    kinds = [t.to_dict()["kind"] for t in trace_list]
+    results["figures"] = {kind: f"adaptation_{kind}.png" for kind in kinds}
     results["seconds"] = time.perf_counter() - started
     results["load_average"] = {"start": list(load_before), "end": list(os.getloadavg())}
     (args.output / "adaptation.json").write_text(json.dumps(results, indent=1) + "\n")

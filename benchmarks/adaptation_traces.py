@@ -1,6 +1,6 @@
-"""The bandwidth traces of the adaptation benchmark: a step, and a bursty 4G-like uplink.
+"""The bandwidth traces of the adaptation benchmark: a step, and two bursty 4G-like uplinks.
 
-Both are :class:`~tierflow.linktrace.LinkTrace` objects, written as the CSV files that
+All are :class:`~tierflow.linktrace.LinkTrace` objects, written as the CSV files that
 ``--link-emulation trace=FILE.csv`` replays. Pure and deterministic: the same parameters
 and seed give the same trace, byte for byte.
 
@@ -17,6 +17,20 @@ to a poor state or climbs to a good one):
 - a hold's rate is its state's median times a log-normal factor ``exp(N(0, sigma))``
   (sigma 0.35), clipped to ``[floor, ceiling]`` Mbit/s;
 - the RTT is fixed (see :data:`TRACE_RTT_S`): the traces vary the rate only.
+
+The second bursty trace (:data:`LTE_FADING`, kind ``bursty-lte``) is the same model with
+harsher figures, taken from published LTE measurements (as recalled from the papers; no
+data is downloaded): its time-weighted median rate is the median LTE uplink throughput
+that 4GTest measured from its users' phones, 5.64 Mbit/s (Huang et al., "A Close
+Examination of Performance and Power Characteristics of 4G LTE Networks", MobiSys 2012;
+:func:`median_mbit` checks it, 5.6 over a long trace), and its rate swings by more than
+an order of magnitude within seconds, down to near-outages, as the cellular traces of
+Winstein et al. show ("Stochastic Forecasts Achieve High Throughput and Low Delay over
+Cellular Networks", NSDI 2013): four states, 40, 12, 3 and 0.4 Mbit/s (the fourth a
+fade well below the first trace's poorest state), holds of 0.3 s + Exp(mean 0.9 s),
+sigma 0.5, rates within 0.1-80 Mbit/s. Over a long trace its 10th and 90th percentiles
+are 0.4 and 35 Mbit/s and the rate is below 1 Mbit/s 18% of the time (the first trace:
+1.3 and 33 Mbit/s, 3%). The first trace is kept as it was.
 """
 
 from __future__ import annotations
@@ -72,7 +86,7 @@ class BurstyModel:
 
     duration_s: float = 36.0
     seed: int = 4
-    state_mbit: tuple[float, float, float] = (30.0, 8.0, 1.5)  # good, fair, poor
+    state_mbit: tuple[float, ...] = (30.0, 8.0, 1.5)  # good, fair, poor
     stay: float = 0.5
     min_hold_s: float = 0.6
     mean_hold_s: float = 1.4
@@ -81,6 +95,8 @@ class BurstyModel:
     ceiling_mbit: float = 100.0
     start_state: int = 1
     rtt_s: float = TRACE_RTT_S
+    kind: str = "bursty"
+    title: str = "bursty 4G-like"
 
     def holds(self) -> list[tuple[float, float, int]]:
         """``(start_s, rate_mbit, state)`` of every hold, in time order."""
@@ -107,18 +123,55 @@ class BurstyModel:
         return step_trace(points, source=self.describe())
 
     def describe(self) -> str:
-        good, fair, poor = self.state_mbit
+        states = "/".join(f"{rate:g}" for rate in self.state_mbit)
+        bounds = f", within {self.floor_mbit:g}-{self.ceiling_mbit:g} Mbit/s"
         return (
-            f"bursty 4G-like, seed {self.seed}: Markov-modulated log-normal, states "
-            f"{good:g}/{fair:g}/{poor:g} Mbit/s, stay {self.stay:g}, holds "
-            f"{self.min_hold_s:g} s + Exp(mean {self.mean_hold_s:g} s), sigma {self.sigma:g}, "
-            f"RTT {self.rtt_s * 1e3:g} ms"
+            f"{self.title}, seed {self.seed}: Markov-modulated log-normal, states "
+            f"{states} Mbit/s, stay {self.stay:g}, holds "
+            f"{self.min_hold_s:g} s + Exp(mean {self.mean_hold_s:g} s), sigma {self.sigma:g}"
+            f"{bounds}, RTT {self.rtt_s * 1e3:g} ms"
         )
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["state_mbit"] = list(self.state_mbit)
-        return dict(data, kind="bursty")
+        return data
+
+
+#: The second bursty trace, from published LTE figures (see the module docstring).
+LTE_FADING = BurstyModel(
+    state_mbit=(40.0, 12.0, 3.0, 0.4),
+    stay=0.5,
+    min_hold_s=0.3,
+    mean_hold_s=0.9,
+    sigma=0.5,
+    floor_mbit=0.1,
+    ceiling_mbit=80.0,
+    kind="bursty-lte",
+    title="LTE-grounded fading uplink",
+)
+
+
+def percentile_mbit(model: BurstyModel, q: float) -> float:
+    """The rate (Mbit/s) below which ``model``'s trace stays ``q`` (0-1) of its time."""
+    holds = model.holds()
+    ends = [start for start, _, _ in holds[1:]] + [model.duration_s]
+    spans = sorted(
+        (rate, max(min(end, model.duration_s) - start, 0.0))
+        for (start, rate, _), end in zip(holds, ends, strict=True)
+    )
+    total = sum(span for _, span in spans)
+    seen = 0.0
+    for rate, span in spans:
+        seen += span
+        if seen >= q * total:
+            return rate
+    return spans[-1][0]
+
+
+def median_mbit(model: BurstyModel) -> float:
+    """The time-weighted median rate of ``model``'s trace (Mbit/s)."""
+    return percentile_mbit(model, 0.5)
 
 
 def changes(trace: LinkTrace) -> list[float]:

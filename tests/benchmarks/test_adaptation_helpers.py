@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,22 @@ def test_the_bursty_trace_follows_its_stated_model() -> None:
         # exp(N(0, 0.35)) stays within a factor of 5 of the state's median (4.6 sigma).
         assert abs(math.log(rate / model.state_mbit[state])) < math.log(5)
     assert all(s.link.rtt_s == model.rtt_s for s in model.trace().steps)
+
+
+def test_the_lte_trace_has_the_published_median_and_deep_fades() -> None:
+    """Its figures: the 4GTest LTE uplink median (5.64 Mbit/s), swings over 10x, fades."""
+    lte = replace(traces.LTE_FADING, duration_s=20_000.0, seed=1)
+    assert traces.median_mbit(lte) == pytest.approx(5.64, rel=0.1)
+    low, high = traces.percentile_mbit(lte, 0.1), traces.percentile_mbit(lte, 0.9)
+    assert low < 1.0 and high / low > 10
+    # The first bursty trace is milder: it seldom falls under 1 Mbit/s.
+    first = replace(traces.BurstyModel(), duration_s=20_000.0, seed=1)
+    assert traces.percentile_mbit(first, 0.1) > 1.0
+    assert traces.median_mbit(first) == pytest.approx(8.0, rel=0.1)
+    states = {state for _, _, state in lte.holds()}
+    assert states == {0, 1, 2, 3}
+    assert traces.LTE_FADING.to_dict()["kind"] == "bursty-lte"
+    assert "40/12/3/0.4 Mbit/s" in traces.LTE_FADING.describe()
 
 
 def test_the_step_trace_and_how_long_its_rate_has_held() -> None:
@@ -139,7 +156,9 @@ def test_verdicts_are_computed_from_the_figures() -> None:
     assert [g["met"] for g in bad] == [False, True, True, False]
     assert "1.15" in bad[0]["detail"]
     step = stats.verdicts(_case(100.0, 100.0, 100.0, "step", 0))
-    assert len(step) == 3  # the 1.3x goal is for the bursty trace only
+    assert len(step) == 3  # the 1.3x goal is for the bursty traces only
+    lte = stats.verdicts(_case(105.0, 100.0, 120.0, "bursty-lte", 0))
+    assert [g["met"] for g in lte] == [True, False, True, True]
 
 
 def test_replay_prices_a_policy_by_the_static_runs() -> None:
