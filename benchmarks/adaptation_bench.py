@@ -1,7 +1,8 @@
 """Live adaptation benchmark: a plan set served by real tiers while the uplink drifts.
 
-    python benchmarks/adaptation_bench.py           # two models, two traces (~10 min)
-    python benchmarks/adaptation_bench.py --quick   # one model, shorter traces (~3 min)
+    python benchmarks/adaptation_bench.py           # two models, three traces (~16 min)
+    python benchmarks/adaptation_bench.py --quick   # one model, shorter traces (~4 min)
+    python benchmarks/adaptation_bench.py --models resnet18-112 --output /tmp/r --doc /tmp/r.md
 
 For each model, ``tierflow plan --adaptive`` (``make_plan_set``) plans a set over
 device-edge rates of 1-200 Mbit/s at the traces' RTT, from a profile of this machine
@@ -14,7 +15,9 @@ and their models are in ``adaptation_traces``). Each trace is played once per st
 
 - every plan of the set alone (``static A``, ``static B``, ...; ``adaptive=False``),
 - ``adaptive``: the device estimates the link from its transfers and switches plans
-  ([Note: switching plans on the device] in ``tierflow.device.client``),
+  ([Note: switching plans on the device] in ``tierflow.device.client``), and runs a
+  request on its device-only plan while uploads queued on the link would make it wait
+  longer ([Note: a backlog on the link] in ``tierflow.device.switching``),
 
 and the per-request ``oracle`` is computed from the static runs ([Note: the per-request
 oracle] in ``adaptation_stats``). Requests follow one schedule in every run: one every
@@ -425,9 +428,13 @@ def bench_case(
         "adaptive": _pick(strategies["adaptive"]),
         "oracle": _pick(strategies["oracle"]),
         "estimate_error": stats.estimate_errors(points, settle_s=1.0),
+        "estimate_misses": stats.estimate_misses(
+            points, max((r["bytes_device_edge"] for r in adaptive.records), default=0)
+        ),
         "lost": lost,
         "duplicated": len(ids) - len(set(ids)),
         "switches": sum(1 for r in adaptive.records if r["switch"]),
+        "detours": sum(1 for r in adaptive.records if "backlog" in (r["switch"] or "")),
         "timeline": {
             "estimates": [[round(t, 3), round(e)] for t, e, _, _ in points],
             "adaptive": [
@@ -667,7 +674,13 @@ def case_notes(case: Mapping[str, Any]) -> list[str]:
     else:
         tracking = "no moment when the rate had held 1 s"
     lines = [
-        f"Adaptive: {case['switches']} switches, {case['lost']} requests lost, "
+        f"Adaptive: {case['switches']} switches"
+        + (
+            f" ({case['detours']} of them onto the device-only plan off a backlogged link, or back)"
+            if case.get("detours")
+            else ""
+        )
+        + f", {case['lost']} requests lost, "
         f"{case['duplicated']} answered twice; {answers.get('bit_exact', 0)} answers equal "
         f"the unsplit model's bit for bit ({answers.get('differ', 0)} differ). Rate estimate "
         f"once the true rate had held 1 s: {tracking}.",

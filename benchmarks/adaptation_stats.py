@@ -208,6 +208,26 @@ def estimate_errors(
     }
 
 
+def estimate_misses(
+    points: Sequence[tuple[float, float, float, float]], upload_bytes: int, settle_s: float = 1.0
+) -> list[dict[str, float]]:
+    """Where the estimate was off by more than 20% once settled, per true rate.
+
+    ``points`` as :func:`estimate_errors` takes them; ``upload_bytes`` is the largest
+    upload the run sent. Each entry: the true rate (Mbit/s), how many samples missed
+    there, and how long one such upload takes at that rate (a passive estimate learns
+    from completed uploads, so none can be right sooner).
+    """
+    missed: dict[float, int] = {}
+    for _, estimate, true, held in points:
+        if held >= settle_s and abs(estimate / true - 1.0) > 0.2:
+            missed[true] = missed.get(true, 0) + 1
+    return [
+        {"true_mbit": true / 1e6, "samples": count, "upload_s": upload_bytes * 8.0 / true}
+        for true, count in sorted(missed.items())
+    ]
+
+
 def verdicts(case: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The issue's goals for one model x trace, each computed from ``case`` (never assumed).
 
@@ -297,6 +317,15 @@ def diagnosis(case: Mapping[str, Any]) -> list[str]:
             f"true rate (estimate lag, hold, detours), {gap['other']:+.1f} ms on the rest "
             "(the regions against the oracle, and noise)"
         )
+    estimate_goal = [g for g in case["verdicts"] if g["goal"].startswith("rate estimate")]
+    if estimate_goal and not estimate_goal[0]["met"]:
+        for miss in case.get("estimate_misses", []):
+            out.append(
+                f"estimate: {miss['samples']} samples off by more than 20% while the true "
+                f"rate was {miss['true_mbit']:.3g} Mbit/s, where one upload of the largest "
+                f"size this run sent takes {miss['upload_s']:.2f} s (a passive estimate "
+                "learns only from completed uploads)"
+            )
     start, length = case.get("silent", (0.0, 0.0))
     if length >= 1.0:
         out.append(

@@ -30,7 +30,10 @@ Cellular Networks", NSDI 2013): four states, 40, 12, 3 and 0.4 Mbit/s (the fourt
 fade well below the first trace's poorest state), holds of 0.3 s + Exp(mean 0.9 s),
 sigma 0.5, rates within 0.1-80 Mbit/s. Over a long trace its 10th and 90th percentiles
 are 0.4 and 35 Mbit/s and the rate is below 1 Mbit/s 18% of the time (the first trace:
-1.3 and 33 Mbit/s, 3%). The first trace is kept as it was.
+1.3 and 33 Mbit/s, 3%). The 36 s the benchmark plays (seed 4) are a short sample of it:
+median 12 Mbit/s, 10th and 90th percentiles 1.8 and 60 Mbit/s, one fade to 0.18 Mbit/s
+for 1.6 s (the first trace's 36 s: 8.6, 1.2 and 13 Mbit/s). The first trace is kept as
+it was.
 """
 
 from __future__ import annotations

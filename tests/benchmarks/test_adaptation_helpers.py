@@ -223,3 +223,19 @@ def test_the_gap_to_the_oracle_splits_into_backlog_choice_and_the_rest() -> None
     assert gap["other"] == pytest.approx(30.0 / 3)
     assert gap["excess"] == pytest.approx((10 + 320 + 50) / 3)
     assert stats.gap_parts([], oracle, lambda t: "A", 0.2) == {"compared": 0}
+
+
+def test_estimate_misses_say_where_and_how_long_an_upload_took_there() -> None:
+    points = [
+        (1.0, 2.7e5, 1.8e5, 1.2),  # 50% off at 0.18 Mbit/s, settled
+        (1.1, 2.7e5, 1.8e5, 1.3),
+        (1.2, 9e6, 1e7, 1.5),  # 10% off: fine
+        (1.3, 1e6, 1e7, 0.5),  # not settled yet: not counted
+    ]
+    misses = stats.estimate_misses(points, upload_bytes=45_000)
+    assert misses == [{"true_mbit": 0.18, "samples": 2, "upload_s": pytest.approx(2.0)}]
+    case = _case(100.0, 100.0, 100.0, "bursty-lte", 0)
+    case["estimate_error"] = {"points": 4, "p95": 0.5, "median": 0.1, "within_20pct": 0.5}
+    case["estimate_misses"] = misses
+    case["verdicts"] = stats.verdicts(case)
+    assert any("0.18 Mbit/s" in line and "2.00 s" in line for line in stats.diagnosis(case))
