@@ -245,6 +245,7 @@ def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, 
         "inputs": data.get("inputs"),
         "heldout_pages": data.get("heldout_pages"),
         "seconds": data.get("seconds"),
+        "planner": data.get("planner", {}),
     }
     return out, source
 

@@ -297,6 +297,8 @@ def fidelity_section(
         "(not the demo's); the `orientation` rows (below) are a real trained classifier.\n"
     )
     if bottleneck:
+        planner = bottleneck.get("planner", {})
+        measured = "; ".join(n for n in planner.get("notes", []) if n.startswith("fidelity"))
         out.append(
             f"The `{bottleneck.get('model')}` rows are folded in from "
             "`benchmarks/results/bottleneck.json` (`bottleneck_bench.py`'s last committed run, "
@@ -307,7 +309,11 @@ def fidelity_section(
             "`tierflow-bottleneck` is the fastest learned-bottleneck variant at each rate, "
             "`tierflow-lowbit` the fastest low-bit split that keeps at least 99% agreement, "
             "`tierflow-budget` the planner's own choice there, `cloud-only-webp-qNN` its WebP "
-            "uploads, and `cloud-only-compressed` its int8+zstd upload.\n"
+            "uploads, and `cloud-only-compressed` its int8+zstd upload. The planner chose "
+            f"under `{planner.get('budget')}` on {planner.get('calibration_pages')} "
+            "calibration pages, never the held-out ones the rows are judged on "
+            f"({measured or 'no lossy candidate measured'}): an upload that keeps every "
+            "held-out answer may have missed the budget there.\n"
         )
     strategies = [
         s
