@@ -58,6 +58,8 @@ IMAGE_BASELINES: dict[str, str] = {
 TIERFLOW = (
     "tierflow",
     "tierflow-budget",
+    "tierflow-budget-100",
+    "tierflow-budget-90",
     "tierflow-split",
     "tierflow-exits",
     "tierflow-bottleneck",
@@ -65,7 +67,14 @@ TIERFLOW = (
 )
 #: tierflow's rows the verdict judges (exits rows are measured on another workload;
 #: ``tierflow-split`` is planned for a smaller device than the baselines run on).
-VERDICT_STRATEGIES = ("tierflow", "tierflow-budget", "tierflow-bottleneck", "tierflow-lowbit")
+VERDICT_STRATEGIES = (
+    "tierflow",
+    "tierflow-budget",
+    "tierflow-budget-100",
+    "tierflow-budget-90",
+    "tierflow-bottleneck",
+    "tierflow-lowbit",
+)
 #: The folded ``tierflow-lowbit`` row is the fastest low-bit split of at least this fidelity.
 LOWBIT_FIDELITY = 0.99
 #: The issue's goal for a split plan on a trained model: this many times faster than
@@ -77,7 +86,14 @@ GOAL_MBIT = (1.0, 50.0)
 #: as candidates but do not meet it.
 LOW_BIT_QUANTS = ("int4", "int2")
 GOAL_KINDS = ("learned", "low-bit")
-GOAL_STRATEGIES = ("tierflow-budget", "tierflow-split", "tierflow-bottleneck", "tierflow-lowbit")
+GOAL_STRATEGIES = (
+    "tierflow-budget",
+    "tierflow-budget-100",
+    "tierflow-budget-90",
+    "tierflow-split",
+    "tierflow-bottleneck",
+    "tierflow-lowbit",
+)
 BOTTLENECK_JSON = Path(__file__).resolve().parent / "results" / "bottleneck.json"
 # Which of bottleneck.json's strategies become results.json rows, and under which name.
 _BOTTLENECK_STRATEGIES = {
@@ -85,6 +101,8 @@ _BOTTLENECK_STRATEGIES = {
     "cloud-only-png": "cloud-only-png",
     "cloud-only (int8+zstd)": "cloud-only-compressed",
     "tierflow-budget": "tierflow-budget",  # the planner's own choice under its budget
+    "tierflow-budget-100": "tierflow-budget-100",  # ... and under top1=100%
+    "tierflow-budget-90": "tierflow-budget-90",  # ... and under top1=90%
 }
 
 
@@ -179,9 +197,10 @@ def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, 
 
     Per rate: the fastest ``tierflow-bottleneck`` variant, the fastest low-bit split of
     at least ``LOWBIT_FIDELITY`` (``tierflow-lowbit``), the planner's ``tierflow-budget``
-    choice, JPEG at quality 90 and its quality sweep, WebP (``cloud-only-webp-qNN``), PNG
-    and the int8+zstd upload, each with the fidelity that run measured
-    on its held-out requests.
+    choice and its choices under other budgets (``tierflow-budget-100``, top1=100%;
+    ``tierflow-budget-90``, top1=90%), JPEG at quality 90 and its
+    quality sweep, WebP (``cloud-only-webp-qNN``), PNG and the int8+zstd upload, each with
+    the fidelity that run measured on its held-out requests.
     Returns the rows and what the report says about their source.
     """
     if not path.exists():
@@ -255,8 +274,9 @@ def verdict(rows: Sequence[Row]) -> list[Row]:
     as fast as every baseline of that fidelity or better?
 
     The levels are the fidelities of tierflow's rows at the point (``tierflow``, the exact
-    plan; ``tierflow-budget``, the plan under a fidelity budget; ``tierflow-bottleneck`` and
-    ``tierflow-lowbit``, folded from ``bottleneck_bench.py``).
+    plan; ``tierflow-budget``, the plan under a fidelity budget; ``tierflow-budget-100``,
+    ``tierflow-budget-90``, ``tierflow-bottleneck`` and ``tierflow-lowbit``, folded from
+    ``bottleneck_bench.py``).
     At level ``f`` tierflow's best plan is its fastest row of fidelity ``>= f``; a baseline
     of fidelity ``>= f`` that is faster beats it there. One entry per (model, bandwidth):
     ``holds`` when no level is beaten, ``beaten_by`` the baselines that beat some level,

@@ -299,6 +299,12 @@ def fidelity_section(
     if bottleneck:
         planner = bottleneck.get("planner", {})
         measured = "; ".join(n for n in planner.get("notes", []) if n.startswith("fidelity"))
+        budgets = "`, `".join(
+            f"{budget}` ({strategy}"
+            for strategy, budget in planner.get(
+                "budgets", {"tierflow-budget": planner.get("budget")}
+            ).items()
+        )
         out.append(
             f"The `{bottleneck.get('model')}` rows are folded in from "
             "`benchmarks/results/bottleneck.json` (`bottleneck_bench.py`'s last committed run, "
@@ -308,9 +314,11 @@ def fidelity_section(
             "latency composed by that script the same way (its own rates, 1-50 Mbit/s). "
             "`tierflow-bottleneck` is the fastest learned-bottleneck variant at each rate, "
             "`tierflow-lowbit` the fastest low-bit split that keeps at least 99% agreement, "
-            "`tierflow-budget` the planner's own choice there, `cloud-only-webp-qNN` its WebP "
-            "uploads, and `cloud-only-compressed` its int8+zstd upload. The planner chose "
-            f"under `{planner.get('budget')}` on {planner.get('calibration_pages')} "
+            "`tierflow-budget` the planner's own choice there, `tierflow-budget-100` its "
+            "choice keeping every calibration answer (top1=100%), `tierflow-budget-90` its "
+            "choice under a looser budget (top1=90%), `cloud-only-webp-qNN` its "
+            "WebP uploads, and `cloud-only-compressed` its int8+zstd upload. The planner chose "
+            f"under `{budgets}` on {planner.get('calibration_pages')} "
             "calibration pages, never the held-out ones the rows are judged on "
             f"({measured or 'no lossy candidate measured'}): an upload that keeps every "
             "held-out answer may have missed the budget there.\n"
@@ -320,6 +328,8 @@ def fidelity_section(
         for s in (
             "tierflow",
             "tierflow-budget",
+            "tierflow-budget-100",
+            "tierflow-budget-90",
             "tierflow-bottleneck",
             "tierflow-lowbit",
             "device-only",
@@ -356,10 +366,11 @@ def fidelity_section(
         "**Verdict** — at every point, is tierflow's best plan at each fidelity level never "
         "slower than any baseline of equal or better fidelity? The levels are the "
         "fidelities of tierflow's rows there (`tierflow`, exact; `tierflow-budget`; "
-        "`tierflow-bottleneck`; `tierflow-lowbit`); at level f tierflow's best plan is "
-        "its fastest row of "
-        "fidelity ≥ f, and every baseline (device-only, cloud-only, cloud-only-compressed, "
-        "single-split, the JPEG uploads at every quality, PNG) of fidelity ≥ f must be no "
+        "`tierflow-budget-100`; `tierflow-budget-90`; `tierflow-bottleneck`; "
+        "`tierflow-lowbit`); at level f "
+        "tierflow's best plan is its fastest row of fidelity ≥ f, and every baseline "
+        "(device-only, cloud-only, cloud-only-compressed, single-split, the JPEG uploads "
+        "at every quality, PNG) of fidelity ≥ f must be no "
         "faster. A faster baseline of *lower* fidelity than every tierflow plan it beats (a "
         "lossy upload against an exact plan) is a different trade-off, not a failure; such "
         "points are listed after the failures. Computed from the rows by "

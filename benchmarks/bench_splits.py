@@ -310,15 +310,18 @@ def planner_choices(
     return chosen, notes
 
 
-def planner_row(parts: Parts, best: Any, mbit: float, link: LinkSpec) -> dict[str, Any]:
-    """The ``tierflow-budget`` row: the planner's plan at ``mbit``, composed and measured here."""
+def planner_row(
+    parts: Parts, best: Any, mbit: float, link: LinkSpec, strategy: str = "tierflow-budget"
+) -> dict[str, Any]:
+    """A planner's row (``tierflow-budget``, or ``strategy`` for another budget): its plan
+    at ``mbit``, composed and measured here."""
     cuts = (int(best.cuts[0]), int(best.cuts[1]))
     codec = dict(best.codec)
     composed = parts.compose(cuts, codec, link)
     used = {name: c for name, c in codec.items()}
     return {
         "bandwidth_mbit": mbit,
-        "strategy": "tierflow-budget",
+        "strategy": strategy,
         "variant": f"cuts {cuts[0]},{cuts[1]} " + " ".join(f"{k}={v}" for k, v in used.items()),
         "p50_ms": composed["p50_ms"],
         "predicted_ms": best.latency_s * 1e3,

@@ -21,6 +21,13 @@ the plan is chosen, so they are measured by the same code on the same requests:
                            candidates, each lossy crossing measured end to end on the
                            planner's own sample (``planner.rank``, :func:`choose_within_budget`).
                            Its row's fidelity is measured on held-out requests.
+``tierflow-budget-100``    as ``tierflow-budget`` under top1=100% (every calibration answer
+                           kept): the plan tierflow offers at the highest fidelity level;
+                           orientation only, folded from ``bottleneck_bench.py``, whose
+                           ``tierflow-budget`` is planned under top1=98%.
+``tierflow-budget-90``     as ``tierflow-budget`` under top1=90% (orientation only, from
+                           ``bottleneck_bench.py``): the plan for a user who trades some
+                           answers for speed.
 ``tierflow-split``         as ``tierflow-budget`` under ``SPLIT_BUDGET`` (top1=100%: the
                            fidelity the JPEG upload it is compared with keeps on the
                            trained models), on a device that cannot hold the whole

@@ -489,6 +489,41 @@ def test_split_goal_counts_only_lossy_splits_of_trained_models_within_the_rates(
     assert split_goal(rows)["best"] is None and not split_goal(rows)["met"]
 
 
+def test_the_plan_at_top1_100_is_tierflows_plan_at_the_highest_level() -> None:
+    """tierflow-budget-100 (the planner keeping every calibration answer) is one of
+    tierflow's rows: at level 1.000 it, not the slow low-bit split, is tierflow's best plan,
+    and an upload of that fidelity must beat it to count; without it the same upload beats
+    the low-bit split there."""
+    from bench_fidelity import TIERFLOW, VERDICT_STRATEGIES, verdict
+
+    for name in ("tierflow-budget-100", "tierflow-budget-90"):
+        assert name in TIERFLOW and name in VERDICT_STRATEGIES
+
+    def row(strategy: str, ms: float, fidelity: float) -> dict[str, Any]:
+        return {
+            "model": "orientation",
+            "bandwidth_mbit": 5.0,
+            "strategy": strategy,
+            "p50_ms": ms,
+            "fidelity": fidelity,
+        }
+
+    rows = [
+        row("tierflow-budget", 70.0, 0.99),
+        row("tierflow-lowbit", 130.0, 1.0),
+        row("cloud-only-jpeg-q30", 80.0, 1.0),
+        row("cloud-only-jpeg-q5", 65.0, 0.95),  # faster, less faithful than every plan
+    ]
+    (without,) = verdict(rows)
+    assert not without["holds"]
+    assert [b["strategy"] for b in without["beaten_by"]] == ["cloud-only-jpeg-q30"]
+    (with_it,) = verdict([*rows, row("tierflow-budget-100", 80.0, 1.0)])
+    assert with_it["holds"]
+    assert with_it["levels"][0]["strategy"] == "tierflow-budget-100"
+    (slower,) = verdict([*rows, row("tierflow-budget-100", 85.0, 1.0)])
+    assert [b["strategy"] for b in slower["beaten_by"]] == ["cloud-only-jpeg-q30"]
+
+
 def test_bottleneck_fold_keeps_each_strategy_once_per_rate(tmp_path: Path) -> None:
     """bottleneck_bench.py's rows become one row per strategy and rate: the fastest
     bottleneck, the fastest low-bit split of at least 99% agreement, the planner's budgeted
@@ -520,6 +555,7 @@ def test_bottleneck_fold_keeps_each_strategy_once_per_rate(tmp_path: Path) -> No
             "jpeg:10 / jpeg:20",
             codec_used={"device-edge": "jpeg:10", "edge-cloud": "jpeg:20"},
         ),
+        row("tierflow-budget-100", 62.0, 1.0, "jpeg:30", codec_used={"device-edge": "jpeg:30"}),
         row("cloud-only-jpeg", 65.0, 1.0, "jpeg:90"),
         row("cloud-only-jpeg:10", 55.0, 1.0, "jpeg:10"),
         row("cloud-only-webp:50", 58.0, 1.0, "webp:50"),
@@ -534,10 +570,12 @@ def test_bottleneck_fold_keeps_each_strategy_once_per_rate(tmp_path: Path) -> No
         "tierflow-bottleneck",
         "tierflow-lowbit",
         "tierflow-budget",
+        "tierflow-budget-100",
         "cloud-only-jpeg",
         "cloud-only-jpeg-q10",
         "cloud-only-webp-q50",
     }
+    assert by_name["tierflow-budget-100"]["codec_used"] == {"device-edge": "jpeg:30"}
     assert by_name["tierflow-bottleneck"]["p50_ms"] == 80.0
     assert by_name["tierflow-lowbit"]["codec_used"]["device-edge"] == "int4+zstd"
     assert by_name["tierflow-budget"]["codec_used"]["edge-cloud"] == "jpeg:20"

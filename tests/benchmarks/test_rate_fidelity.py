@@ -257,3 +257,29 @@ def test_report_only_refreshes_the_bottleneck_points_and_verdict(tmp_path: Path)
     assert [p["pareto"] for p in points] == [True, False]  # more bytes, less faithful
     text = markdown(again)
     assert "Physics says no." in text and "0.80x the fastest JPEG as faithful" in text
+
+
+def test_held_out_pages_are_rendered_apart_from_the_calibration_pages() -> None:
+    """The bench's two seeds render different pages; a page in both sets is refused."""
+    import bottleneck_bench
+
+    from tierflow.zoo import samples
+
+    calibration, _ = samples.rotated_pages(3, size=32, seed=bottleneck_bench.CALIBRATION_SEED)
+    held, _ = samples.rotated_pages(3, size=32, seed=bottleneck_bench.HELDOUT_SEED)
+    bottleneck_bench.disjoint(calibration, held)
+    with pytest.raises(ValueError, match="found 1 in both"):
+        bottleneck_bench.disjoint(calibration, np.concatenate([held[:2], calibration[1:2]]))
+
+
+def test_the_committed_run_measures_fidelity_on_enough_held_out_pages() -> None:
+    """Fidelity to about +-1%: at least 256 held-out pages, the planner's calibration at
+    least as large as before, and a planner row at top1=100% beside the stated budget."""
+    import bottleneck_bench
+
+    calibration, held, timed = bottleneck_bench.PAGES_FULL
+    assert held >= 256 and calibration >= 160 and timed <= held
+    budgets = dict(bottleneck_bench.BUDGETS_FULL)
+    assert budgets["tierflow-budget-100"] == "top1=100%"
+    assert budgets["tierflow-budget-90"] == "top1=90%"
+    assert "tierflow-budget" in budgets
