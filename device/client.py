@@ -46,7 +46,7 @@ from tierflow.mux import Sent, StreamClient
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, load_plan_set
 from tierflow.rpc import tier_pb2
-from tierflow.segment_runner import SegmentRunner, TierRunner
+from tierflow.segment_runner import SegmentRunner, TierRunner, emulate_slower
 from tierflow.segments import SegmentSource, SegmentStore, tier_files
 from tierflow.wire import (
     MAX_DEADLINE_AHEAD_S,
@@ -814,7 +814,9 @@ class DeviceClient:
                 deadline_unix_s=time.time() + self.deadline_s,
             )
             codec = plan.link_codec("device-edge")
+            encoding = time.perf_counter()
             nbytes = put_tensors(request.tensors, outcome.tensors, codec, plan.images)
+            emulate_slower(self.options.slowdown, encoding)  # [Note: emulating a slower tier]
             device_ms = (time.perf_counter() - started) * 1e3
             sent = self.stream.submit(
                 request, deadline=time.monotonic() + self.deadline_s, nbytes=nbytes

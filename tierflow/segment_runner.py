@@ -23,6 +23,17 @@ is a probability distribution (values in [0, 1] summing to 1 within 1e-3) it is 
 is; otherwise it is treated as logits and a softmax is taken. A request leaves at the
 exit when the top probability of every row is at least the exit's threshold. An exit on
 the plan's last segment is never taken: the final outputs are there anyway.
+
+[Note: emulating a slower tier]
+A tier run with ``slowdown`` s > 1 stands for a machine s times slower than this one
+(``tierflow profile --slowdown`` makes its profile the same way: every measured time,
+compute and codec alike, times s). So it sleeps ``(s - 1)`` times the wall time of each
+piece of its own CPU work: every ONNX Runtime call (:meth:`SegmentRunner.run`) and every
+encoding or decoding of the tensors it sends or receives (the device's upload, a
+server's decode, forward and answer), through :func:`emulate_slower`. Sleeping after the
+compute only would make a slow device's zstd as fast as this machine's, and the planner,
+whose profile scales codec time, would rank compressed uploads against raw ones by
+codec costs the emulated tier never pays.
 """
 
 from __future__ import annotations
@@ -91,12 +102,20 @@ class InputSpec:
         return cls(str(data["name"]), str(data["dtype"]), tuple(data["shape"]))
 
 
+def emulate_slower(slowdown: float, started: float) -> None:
+    """Sleep ``(slowdown - 1)`` times the wall time since ``started`` (a ``perf_counter``
+    reading); nothing at ``slowdown`` 1. See [Note: emulating a slower tier]."""
+    if slowdown > 1.0:
+        time.sleep((slowdown - 1.0) * (time.perf_counter() - started))
+
+
 class SegmentRunner:
     """One segment file loaded into an ONNX Runtime session; safe to call from many threads.
 
     ``options.slowdown`` > 1 emulates a slower tier: after each run the caller sleeps
     ``(slowdown - 1)`` times the compute time, so the tier is slow end to end (latency and
-    throughput alike) just as the profile for that tier says.
+    throughput alike) just as the profile for that tier says
+    ([Note: emulating a slower tier]).
     """
 
     def __init__(self, path: str | Path, options: RuntimeOptions | None = None) -> None:
@@ -143,8 +162,7 @@ class SegmentRunner:
             if "INVALID_ARGUMENT" in text or "InvalidArgument" in type(exc).__name__:
                 raise InputError(f"segment {self.path.name} refused its inputs: {text}") from exc
             raise ModelError(f"segment {self.path.name} failed: {text}") from exc
-        if self.slowdown > 1.0:
-            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
+        emulate_slower(self.slowdown, start)
         return dict(zip(self.output_names, values, strict=True))
 
 

@@ -113,7 +113,7 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet
 from tierflow.providers import describe as describe_providers
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.segment_runner import Outcome, SegmentRunner, TierRunner
+from tierflow.segment_runner import Outcome, SegmentRunner, TierRunner, emulate_slower
 from tierflow.segments import SegmentSource, SegmentStore, serve_segment, tier_files
 
 if TYPE_CHECKING:
@@ -683,6 +683,7 @@ class TierService(tier_pb2_grpc.TierServicer):
             if relay and self.cache is None
             else {t.name: decode(t, max_bytes=limit, writable=False) for t in encoded}
         )
+        emulate_slower(self.options.slowdown, start)  # [Note: emulating a slower tier]
         codec_s = time.perf_counter() - start
 
         key: bytes | None = None
@@ -692,6 +693,7 @@ class TierService(tier_pb2_grpc.TierServicer):
                 start = time.perf_counter()
                 reply = self._answer(plan, answer.outputs, answer.exit)
                 reply.cache_hit = True
+                emulate_slower(self.options.slowdown, start)
                 timing.codec_ms = (codec_s + time.perf_counter() - start) * 1e3
                 reply.timings.append(timing)  # a copy: every field is set by now
                 return reply
@@ -701,6 +703,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         start = time.perf_counter()
         if outcome.final:
             reply = self._answer(plan, outcome.tensors, outcome.exit)
+            emulate_slower(self.options.slowdown, start)
             timing.codec_ms = (codec_s + time.perf_counter() - start) * 1e3
             reply.timings.append(timing)
             if key is not None:
@@ -721,6 +724,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         else:
             codec = plan.link_codec(self.up_link)
             nbytes = put_tensors(forward.tensors, outcome.tensors, codec, plan.images)
+        emulate_slower(self.options.slowdown, start)
         timing.codec_ms = (codec_s + time.perf_counter() - start) * 1e3
         local_deadline = None
         if deadline:

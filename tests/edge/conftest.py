@@ -195,8 +195,9 @@ def make_residual(directory: Path, codec: dict[str, str] | None = None) -> Split
     return _write_split(directory, nodes, inits, {"x": (1, 16)}, ["y", "p"], segments, codec or {})
 
 
-def make_wide(directory: Path, width: int = 65536) -> Split:
-    """x -> Relu | Neg | Sigmoid, each tier's tensor ``width`` float32s: large replies."""
+def make_wide(directory: Path, width: int = 65536, codec: str = "raw") -> Split:
+    """x -> Relu | Neg | Sigmoid, each tier's tensor ``width`` float32s: large replies;
+    ``codec`` on both links."""
     nodes = [
         helper.make_node("Relu", ["x"], ["h1"]),
         helper.make_node("Neg", ["h1"], ["h2"]),
@@ -207,8 +208,8 @@ def make_wide(directory: Path, width: int = 65536) -> Split:
         ("edge", [1], ["h1"], ["h2"], []),
         ("cloud", [2], ["h2"], ["y"], []),
     ]
-    codec = {"device-edge": "raw", "edge-cloud": "raw"}
-    return _write_split(directory, nodes, [], {"x": (1, width)}, ["y"], segments, codec)
+    codecs = {"device-edge": codec, "edge-cloud": codec}
+    return _write_split(directory, nodes, [], {"x": (1, width)}, ["y"], segments, codecs)
 
 
 def free_port() -> int:
