@@ -299,8 +299,8 @@ def fidelity_section(
     if bottleneck:
         planner = bottleneck.get("planner", {})
         measured = "; ".join(n for n in planner.get("notes", []) if n.startswith("fidelity"))
-        budgets = "`, `".join(
-            f"{budget}` ({strategy}"
+        budgets = ", ".join(
+            f"`{budget}` (`{strategy}`)"
             for strategy, budget in planner.get(
                 "budgets", {"tierflow-budget": planner.get("budget")}
             ).items()
@@ -318,7 +318,7 @@ def fidelity_section(
             "choice keeping every calibration answer (top1=100%), `tierflow-budget-90` its "
             "choice under a looser budget (top1=90%), `cloud-only-webp-qNN` its "
             "WebP uploads, and `cloud-only-compressed` its int8+zstd upload. The planner chose "
-            f"under `{budgets}` on {planner.get('calibration_pages')} "
+            f"under {budgets} on {planner.get('calibration_pages')} "
             "calibration pages, never the held-out ones the rows are judged on "
             f"({measured or 'no lossy candidate measured'}): an upload that keeps every "
             "held-out answer may have missed the budget there.\n"
