@@ -8,10 +8,13 @@ For each model, ``tierflow plan --adaptive`` (``make_plan_set``) plans a set ove
 device-edge rates of 1-200 Mbit/s at the traces' RTT, from a profile of this machine
 taken at the start of the run (not cached: the shared machine's load changes), scaled
 to the emulated tiers of ``bench_emulation`` (device 10x, edge 2x, cloud 1x slower than
-one core here). The cloud and the edge run as ``tierflow serve`` child processes
-(``ServeProcess``) serving every plan of the set; the device is a ``DeviceClient`` in
-this process whose device-edge link replays a trace (``tierflow.linktrace``; the traces
-and their models are in ``adaptation_traces``). Each trace is played once per strategy:
+one core here; an emulated tier sleeps ``slowdown - 1`` times each of its ONNX Runtime
+calls and each encoding or decoding it does, as its profile scales both: [Note: emulating
+a slower tier] in ``tierflow.segment_runner``). The cloud and the edge run as
+``tierflow serve`` child processes (``ServeProcess``) serving every plan of the set; the
+device is a ``DeviceClient`` in this process whose device-edge link replays a trace
+(``tierflow.linktrace``; the traces and their models are in ``adaptation_traces``).
+Each trace is played once per strategy:
 
 - every plan of the set alone (``static A``, ``static B``, ...; ``adaptive=False``),
 - ``adaptive``: the device estimates the link from its transfers and switches plans
