@@ -168,33 +168,40 @@ def input_codec_points(
     """Each input codec on the held-out requests: bytes, encode/decode ms, fidelity.
 
     Bytes and fidelity over every request; encode and decode times medians over the first
-    ``timed``.
+    ``timed``. The codecs take turns on each request (not one codec over all requests,
+    then the next), so a busy spell on this shared machine slows every codec alike rather
+    than one quality of the sweep.
     """
     from tierflow.codec import ImageNorm, decode, encode
 
     norm = ImageNorm(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
     session = _session(model_path.read_bytes())
-    points = []
-    for spec in (*(f"jpeg:{q}" for q in JPEG_QUALITIES), *OTHER_INPUT_CODECS):
-        image = norm if spec.startswith(("jpeg", "webp", "png")) else None
-        sizes, enc_ms, dec_ms, outputs = [], [], [], []
-        for index, row in enumerate(held):
-            tensor = row[None]
-            runs = repeats if index < timed else 1
+    specs = (*(f"jpeg:{q}" for q in JPEG_QUALITIES), *OTHER_INPUT_CODECS)
+    sizes: dict[str, list[int]] = {spec: [] for spec in specs}
+    enc_ms: dict[str, list[float]] = {spec: [] for spec in specs}
+    dec_ms: dict[str, list[float]] = {spec: [] for spec in specs}
+    outputs: dict[str, list[np.ndarray]] = {spec: [] for spec in specs}
+    for index, row in enumerate(held):
+        tensor = row[None]
+        runs = repeats if index < timed else 1
+        for spec in specs:
+            image = norm if spec.startswith(("jpeg", "webp", "png")) else None
             encoded, e_ms = _timed(runs, encode, "x", tensor, spec, image=image)
             decoded, d_ms = _timed(runs, decode, encoded)
-            sizes.append(encoded.nbytes)
+            sizes[spec].append(encoded.nbytes)
             if index < timed:
-                enc_ms.append(e_ms)
-                dec_ms.append(d_ms)
-            outputs.append(session.run(None, {"x": decoded})[0])
+                enc_ms[spec].append(e_ms)
+                dec_ms[spec].append(d_ms)
+            outputs[spec].append(session.run(None, {"x": decoded})[0])
+    points = []
+    for spec in specs:
         points.append(
             {
                 "codec": spec,
-                "bytes": float(np.mean(sizes)),
-                "encode_ms": statistics.median(enc_ms),
-                "decode_ms": statistics.median(dec_ms),
-                "fidelity": _agreement(exact, np.concatenate(outputs)),
+                "bytes": float(np.mean(sizes[spec])),
+                "encode_ms": statistics.median(enc_ms[spec]),
+                "decode_ms": statistics.median(dec_ms[spec]),
+                "fidelity": _agreement(exact, np.concatenate(outputs[spec])),
             }
         )
         logger.info("[bench] input %s: %s", spec, points[-1])

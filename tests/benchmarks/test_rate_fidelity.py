@@ -283,3 +283,27 @@ def test_the_committed_run_measures_fidelity_on_enough_held_out_pages() -> None:
     assert budgets["tierflow-budget-100"] == "top1=100%"
     assert budgets["tierflow-budget-90"] == "top1=90%"
     assert "tierflow-budget" in budgets
+
+
+def test_input_codecs_are_measured_on_every_page_and_timed_on_the_first() -> None:
+    """Every codec of the sweep gets bytes and fidelity over all pages (the exact model
+    agrees with itself through the near-lossless ones), times over the timed pages only."""
+    import bottleneck_bench
+
+    from tierflow.zoo import real
+
+    if not real.available(bottleneck_bench.MODEL):
+        pytest.skip("the orientation model's package is not installed (tierflow[models])")
+    held, _ = bottleneck_bench._pages(3, seed=bottleneck_bench.HELDOUT_SEED)
+    path = real.model_path(bottleneck_bench.MODEL)
+    session = bottleneck_bench._session(path.read_bytes())
+    exact = np.concatenate([session.run(None, {"x": row[None]})[0] for row in held])
+    points = bottleneck_bench.input_codec_points(path, held, exact, repeats=1, timed=1)
+    by_codec = {p["codec"]: p for p in points}
+    assert set(by_codec) == {
+        *(f"jpeg:{q}" for q in bottleneck_bench.JPEG_QUALITIES),
+        *bottleneck_bench.OTHER_INPUT_CODECS,
+    }
+    assert by_codec["zstd"]["fidelity"] == 1.0 and by_codec["png"]["fidelity"] == 1.0
+    assert by_codec["jpeg:5"]["bytes"] < by_codec["jpeg:95"]["bytes"] < by_codec["zstd"]["bytes"]
+    assert all(p["encode_ms"] > 0 and p["decode_ms"] > 0 for p in points)
