@@ -60,10 +60,10 @@ EMULATION: dict[str, tuple[int, float]] = {
     "edge": (1, 2.0),
     "cloud": (1, 1.0),
 }
-# A phone-class device (20x slower than one core here), an edge server at the cellular
-# base station (2x), a cloud core; an LTE uplink to that edge (5 Mbit/s, 10 ms round
-# trip), a metro/WAN link from there to the cloud.
-DEFAULT_LINKS: dict[str, str] = {"device-edge": "5mbit,10ms", "edge-cloud": "200mbit,20ms"}
+# A phone-class device (20x slower than one core here), an edge box on the same site
+# (2x), a cloud core; Wi-Fi to that edge (20 Mbit/s up, 4 ms round trip), a metro/WAN
+# link from there to the cloud.
+DEFAULT_LINKS: dict[str, str] = {"device-edge": "20mbit,4ms", "edge-cloud": "200mbit,20ms"}
 SERVER_START_TIMEOUT_S = 60.0
 # The camera frame is pixel / 255 on three channels; frames for the planner's sample.
 FRAME_NORM = ImageNorm(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
@@ -137,7 +137,7 @@ def register(subparsers: Any) -> None:
         default=[],
         metavar="NAME=RATE[,RTT]",
         help="emulated link, repeatable; a rate alone keeps that link's RTT "
-        "(default: device-edge=5mbit,10ms, edge-cloud=200mbit,20ms)",
+        "(default: device-edge=20mbit,4ms, edge-cloud=200mbit,20ms)",
     )
     parser.add_argument(
         "--window",

@@ -814,9 +814,10 @@ class DeviceClient:
                 deadline_unix_s=time.time() + self.deadline_s,
             )
             codec = plan.link_codec("device-edge")
-            encoding = time.perf_counter()
+            encoding = time.thread_time()
             nbytes = put_tensors(request.tensors, outcome.tensors, codec, plan.images)
-            emulate_slower(self.options.slowdown, encoding)  # [Note: emulating a slower tier]
+            # [Note: emulating a slower tier]
+            emulate_slower(self.options.slowdown, encoding, time.thread_time)
             device_ms = (time.perf_counter() - started) * 1e3
             sent = self.stream.submit(
                 request, deadline=time.monotonic() + self.deadline_s, nbytes=nbytes

@@ -33,14 +33,18 @@ encoding or decoding of the tensors it sends or receives (the device's upload, a
 server's decode, forward and answer), through :func:`emulate_slower`. Sleeping after the
 compute only would make a slow device's zstd as fast as this machine's, and the planner,
 whose profile scales codec time, would rank compressed uploads against raw ones by
-codec costs the emulated tier never pays.
+codec costs the emulated tier never pays. Codec work is timed in the thread's CPU time
+(as the profile measures it, ``tierflow.codec.measure``), not wall time: an encode on a
+device with many requests in flight, or on a machine shared with other jobs, waits for
+the GIL or for a core, and that wait is not the tier's work; multiplied by ``s - 1`` it
+would be charged 19 times over on a 20x device.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,11 +106,17 @@ class InputSpec:
         return cls(str(data["name"]), str(data["dtype"]), tuple(data["shape"]))
 
 
-def emulate_slower(slowdown: float, started: float) -> None:
-    """Sleep ``(slowdown - 1)`` times the wall time since ``started`` (a ``perf_counter``
-    reading); nothing at ``slowdown`` 1. See [Note: emulating a slower tier]."""
+def emulate_slower(
+    slowdown: float, started: float, clock: Callable[[], float] = time.perf_counter
+) -> None:
+    """Sleep ``(slowdown - 1)`` times ``clock() - started``; nothing at ``slowdown`` 1.
+
+    The clock is wall time for ONNX Runtime calls (their work may run on its own threads)
+    and this thread's CPU time for codec work, :func:`time.thread_time` (see
+    [Note: emulating a slower tier]).
+    """
     if slowdown > 1.0:
-        time.sleep((slowdown - 1.0) * (time.perf_counter() - started))
+        time.sleep((slowdown - 1.0) * (clock() - started))
 
 
 class SegmentRunner:

@@ -673,7 +673,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         if deadline and time.time() > deadline:
             raise DeadlineError(f"the request's deadline passed before the {self.tier} ran it")
 
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         encoded = self._checked(request, runner)
         # [Note: an edge that runs nothing] in tierflow/plan.py: it forwards what came.
         relay = self.tier == "edge" and plan.edge_forwards
@@ -683,27 +683,28 @@ class TierService(tier_pb2_grpc.TierServicer):
             if relay and self.cache is None
             else {t.name: decode(t, max_bytes=limit, writable=False) for t in encoded}
         )
-        emulate_slower(self.options.slowdown, start)  # [Note: emulating a slower tier]
+        # [Note: emulating a slower tier]
+        emulate_slower(self.options.slowdown, cpu, time.thread_time)
         codec_s = time.perf_counter() - start
 
         key: bytes | None = None
         if self.cache is not None:
             answer, key = self._lookup(plan, request.segment, features)
             if answer is not None:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 reply = self._answer(plan, answer.outputs, answer.exit)
                 reply.cache_hit = True
-                emulate_slower(self.options.slowdown, start)
+                emulate_slower(self.options.slowdown, cpu, time.thread_time)
                 timing.codec_ms = (codec_s + time.perf_counter() - start) * 1e3
                 reply.timings.append(timing)  # a copy: every field is set by now
                 return reply
 
         outcome = Outcome({}, False, next_segment=runner.start) if relay else runner.run(features)
         timing.compute_ms = outcome.compute_s * 1e3
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         if outcome.final:
             reply = self._answer(plan, outcome.tensors, outcome.exit)
-            emulate_slower(self.options.slowdown, start)
+            emulate_slower(self.options.slowdown, cpu, time.thread_time)
             timing.codec_ms = (codec_s + time.perf_counter() - start) * 1e3
             reply.timings.append(timing)
             if key is not None:
@@ -724,7 +725,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         else:
             codec = plan.link_codec(self.up_link)
             nbytes = put_tensors(forward.tensors, outcome.tensors, codec, plan.images)
-        emulate_slower(self.options.slowdown, start)
+        emulate_slower(self.options.slowdown, cpu, time.thread_time)
         timing.codec_ms = (codec_s + time.perf_counter() - start) * 1e3
         local_deadline = None
         if deadline:

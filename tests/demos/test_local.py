@@ -95,7 +95,7 @@ def test_demo_runs_every_strategy_and_stops_its_processes(
     assert "cached in" in steps  # the run's model was built once by the fixture, then reused
     assert "[6/6] results" in steps
     report = json.loads(done.stdout)
-    assert report["links"] == {"device-edge": "5mbit,10ms", "edge-cloud": "200mbit,20ms"}
+    assert report["links"] == {"device-edge": "20mbit,4ms", "edge-cloud": "200mbit,20ms"}
     rows = {row["strategy"]: row for row in report["strategies"]}
     assert list(rows) == [
         "tierflow",
