@@ -816,7 +816,7 @@ class DeviceClient:
             codec = plan.link_codec("device-edge")
             encoding = time.thread_time()
             nbytes = put_tensors(request.tensors, outcome.tensors, codec, plan.images)
-            # [Note: emulating a slower tier]
+            # See [Note: emulating a slower tier] in tierflow/segment_runner.py.
             emulate_slower(self.options.slowdown, encoding, time.thread_time)
             device_ms = (time.perf_counter() - started) * 1e3
             sent = self.stream.submit(

@@ -683,7 +683,7 @@ class TierService(tier_pb2_grpc.TierServicer):
             if relay and self.cache is None
             else {t.name: decode(t, max_bytes=limit, writable=False) for t in encoded}
         )
-        # [Note: emulating a slower tier]
+        # See [Note: emulating a slower tier] in tierflow/segment_runner.py.
         emulate_slower(self.options.slowdown, cpu, time.thread_time)
         codec_s = time.perf_counter() - start
 
