@@ -227,6 +227,11 @@ class _StreamReplies:
                     return
                 reply = self._queue.popleft()
 
+    def written(self) -> bool:
+        """Whether every reply put so far has been written (or the stream has ended)."""
+        with self._lock:
+            return self._closed or not (self._writing or self._queue)
+
     def close(self) -> None:
         """Wait until the queued replies are written or the stream ended; stop the writer."""
         with self._lock:
@@ -357,13 +362,18 @@ class TierService(tier_pb2_grpc.TierServicer):
         Returns whether every request in flight was answered. Requests that arrive from
         now on are answered at once with UNAVAILABLE ("stopping"), so that a device
         learns to go elsewhere instead of waiting for a tier that will not answer.
+        A request counts as answered once its reply is written to its stream, not when
+        it is handed to the stream's writer thread: cancelling the streams in between
+        would lose the reply.
         """
         self._stopping.set()
         ends = time.monotonic() + max(timeout, 0.0)
         while True:
             with self._count_lock:
-                if self._in_flight <= 0:
-                    return True
+                answered = self._in_flight <= 0
+                streams = list(self._streams)
+            if answered and all(replies.written() for replies in streams):
+                return True
             if time.monotonic() >= ends:
                 return False
             time.sleep(0.01)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ import numpy as np
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.segment_runner import TierRunner
+from tierflow.service import TierService, _StreamReplies
 from tierflow.wire import grpc_options, put_tensors
 
 
@@ -113,3 +115,37 @@ def test_sigterm_after_garbage_exits_within_grace_plus_one_second(tmp_path: Path
             os.kill(cloud.process.pid, signal.SIGCONT)
             idle_requests.put(None)
             channel.close()
+
+
+class _OpenStream:
+    """What a stream's replies ask of its gRPC context: the stream stays open."""
+
+    def is_active(self) -> bool:
+        return True
+
+
+def test_drain_waits_for_a_reply_handed_to_the_stream_writer(tmp_path: Path, rt: Any) -> None:
+    """A reply made by another thread is answered only once written, not once handed over."""
+    split = rt.cnn(tmp_path / "plan")
+    service = TierService("cloud", load_plan(split.plan_dir), split.plan_dir)
+    release = threading.Event()
+    written: list[str] = []
+
+    def slow_write(reply: tier_pb2.Reply) -> None:
+        release.wait(5)
+        written.append(reply.id)
+
+    replies = _StreamReplies(slow_write, "test-replies", _OpenStream())  # type: ignore[arg-type]
+    service._watch(replies)
+    try:
+        worker = threading.Thread(target=replies.put, args=(tier_pb2.Reply(id="r"), 0))
+        worker.start()  # not the stream's own thread: handed to the writer thread
+        worker.join()
+        assert service.in_flight == 0
+        assert not service.drain(0.2)  # the reply is not written yet
+        release.set()
+        assert service.drain(2.0)
+        assert written == ["r"]
+    finally:
+        release.set()
+        service.close()
