@@ -770,7 +770,7 @@ def refold(out: Path, fold_from: Path | None = None) -> int:
     kept = old[old.index("## Overheads and limits") :]
     for mark in ("<!-- rate-fidelity:start", "## Rate against fidelity"):
         if mark in kept:  # markdown() appends rate_fidelity.py's anew
-            kept = kept[: kept.index(mark)]
+            kept = kept[: kept.index(mark)].rstrip("\n") + "\n"
             break
     sections = bench_sections.fidelity_section(rows, data["verdict"], source, data["split_goal"])
     sections += bench_sections.jpeg_sweep_section(rows)
