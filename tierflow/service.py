@@ -239,6 +239,7 @@ class _StreamReplies:
                 self._lock.wait(0.5)
             self._closed = True
             self._queue.clear()
+            self._handed = False  # what was handed to the writer is dropped with the rest
             self._lock.notify_all()
 
 

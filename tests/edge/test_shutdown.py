@@ -124,6 +124,13 @@ class _OpenStream:
         return True
 
 
+class _EndedStream:
+    """A stream whose client has gone away."""
+
+    def is_active(self) -> bool:
+        return False
+
+
 def test_drain_waits_for_a_reply_handed_to_the_stream_writer(tmp_path: Path, rt: Any) -> None:
     """A reply made by another thread is answered only once written, not once handed over."""
     split = rt.cnn(tmp_path / "plan")
@@ -149,3 +156,21 @@ def test_drain_waits_for_a_reply_handed_to_the_stream_writer(tmp_path: Path, rt:
     finally:
         release.set()
         service.close()
+
+
+def test_a_stream_closed_with_a_reply_handed_to_its_writer_drops_it_quietly() -> None:
+    """The writer thread finds the reply gone with the stream, and ends without an error."""
+    for _ in range(20):
+        replies = _StreamReplies(
+            lambda reply: None,
+            "test-replies",
+            _EndedStream(),  # type: ignore[arg-type]
+        )
+        worker = threading.Thread(target=replies.put, args=(tier_pb2.Reply(id="r"), 0))
+        worker.start()
+        worker.join()
+        replies.close()  # the client is gone: nothing waits for the writer
+        assert replies._writer is not None
+        replies._writer.join(2)
+        assert not replies._writer.is_alive()
+        assert replies.written()
