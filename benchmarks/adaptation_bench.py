@@ -432,7 +432,9 @@ def bench_case(
         "oracle": _pick(strategies["oracle"]),
         "estimate_error": stats.estimate_errors(points, settle_s=1.0),
         "estimate_misses": stats.estimate_misses(
-            points, max((r["bytes_device_edge"] for r in adaptive.records), default=0)
+            points,
+            max((r["bytes_device_edge"] for r in adaptive.records), default=0),
+            holds=holds(trace, duration),
         ),
         "lost": lost,
         "duplicated": len(ids) - len(set(ids)),
@@ -458,6 +460,15 @@ def bench_case(
         distances = selector.distances(links)
         return planned.plan_ids[min(range(len(distances)), key=lambda i: (distances[i], i))]
 
+    def estimated_at(t: float) -> str | None:
+        """The plan the set's regions give for the device's estimate at ``t`` (sampled)."""
+        before = [rate for at, rate in adaptive.estimates if at <= t]
+        if not before:
+            return None
+        estimate = LinkSpec(before[-1], trace.at(t).rtt_s)
+        distances = selector.distances({"device-edge": estimate, "edge-cloud": emu.EDGE_CLOUD})
+        return planned.plan_ids[min(range(len(distances)), key=lambda i: (distances[i], i))]
+
     known = stats.replay(runs, planned_at, setup.period_s, duration)
     strategies["true-rate regions"] = {
         "label": "the set's regions at the true rate (no estimation; priced like the oracle)",
@@ -466,10 +477,20 @@ def bench_case(
     }
     case["true_rate_regions"] = _pick(strategies["true-rate regions"])
     case["silent"] = stats.silent_stretch(adaptive.records)
-    case["gap"] = stats.gap_parts(adaptive.records, oracle_samples, planned_at, setup.period_s)
+    case["gap"] = stats.gap_parts(
+        adaptive.records, oracle_samples, planned_at, setup.period_s, estimated_at
+    )
     case["verdicts"] = stats.verdicts(case)
     case["diagnosis"] = stats.diagnosis(case)
     return case
+
+
+def holds(trace: LinkTrace, duration_s: float) -> list[tuple[float, float, float]]:
+    """The trace's spans of one rate within ``duration_s``: (start, end, rate in bits/s)."""
+    starts = [0.0, *traces.changes(trace)]
+    ends = [*starts[1:], duration_s]
+    spans = zip(starts, ends, strict=True)
+    return [(a, min(b, duration_s), trace.at(a).rate_bps) for a, b in spans]
 
 
 def _strategy(run: Run, label: str, letters: Mapping[str, str]) -> dict[str, Any]:

@@ -148,6 +148,7 @@ def gap_parts(
     oracle_samples: Sequence[Sample],
     planned_at: Callable[[float], str],
     period_s: float,
+    estimated_at: Callable[[float], str | None] | None = None,
 ) -> dict[str, Any]:
     """Where the adaptive run's time over the oracle's went, in ms per answered request.
 
@@ -160,9 +161,15 @@ def gap_parts(
     backlogged link) and as ``other`` when it ran on that plan (the regions against the
     oracle, and noise).
     The three parts add up to ``excess``, the mean difference over the compared requests.
+    With ``estimated_at`` (the plan the regions give for the device's own estimate at a
+    time), ``choice`` splits further: ``lag``, the requests on the plan the estimate
+    gave (the estimate was off), and ``held``, those on another (the hold kept the
+    previous plan, or a detour left the link).
     """
     by_index = {round(s.sent_s / period_s): s for s in oracle_samples}
     parts = {"backlog": 0.0, "choice": 0.0, "other": 0.0}
+    split = {"lag": 0.0, "held": 0.0}
+    counts = {"lag": 0, "held": 0}
     compared = off_plan = 0
     for record in records:
         oracle_ = by_index.get(record["index"])
@@ -175,6 +182,10 @@ def gap_parts(
         if record["plan"] != planned_at(record["sent_s"]):
             off_plan += 1
             parts["choice"] += excess - waited
+            if estimated_at is not None:
+                why = "lag" if record["plan"] == estimated_at(record["sent_s"]) else "held"
+                split[why] += excess - waited
+                counts[why] += 1
         else:
             parts["other"] += excess - waited
     if not compared:
@@ -182,6 +193,9 @@ def gap_parts(
     out: dict[str, Any] = {k: v / compared for k, v in parts.items()}
     out["excess"] = sum(out.values())
     out.update(compared=compared, off_plan=off_plan)
+    if estimated_at is not None:
+        out.update({f"choice_{k}": v / compared for k, v in split.items()})
+        out.update({f"off_{k}": v for k, v in counts.items()})
     return out
 
 
@@ -209,23 +223,31 @@ def estimate_errors(
 
 
 def estimate_misses(
-    points: Sequence[tuple[float, float, float, float]], upload_bytes: int, settle_s: float = 1.0
+    points: Sequence[tuple[float, float, float, float]],
+    upload_bytes: int,
+    settle_s: float = 1.0,
+    holds: Sequence[tuple[float, float, float]] = (),
 ) -> list[dict[str, float]]:
     """Where the estimate was off by more than 20% once settled, per true rate.
 
     ``points`` as :func:`estimate_errors` takes them; ``upload_bytes`` is the largest
-    upload the run sent. Each entry: the true rate (Mbit/s), how many samples missed
-    there, and how long one such upload takes at that rate (a passive estimate learns
-    from completed uploads, so none can be right sooner).
+    upload the run sent; ``holds`` are the trace's (start, end, rate) spans. Each entry:
+    the true rate (Mbit/s), how many samples missed there, how long one such upload takes
+    at that rate (a passive estimate learns from completed uploads, so none can be right
+    sooner), and, with ``holds``, how long the rate held there (the longest such span).
     """
     missed: dict[float, int] = {}
     for _, estimate, true, held in points:
         if held >= settle_s and abs(estimate / true - 1.0) > 0.2:
             missed[true] = missed.get(true, 0) + 1
-    return [
-        {"true_mbit": true / 1e6, "samples": count, "upload_s": upload_bytes * 8.0 / true}
-        for true, count in sorted(missed.items())
-    ]
+    out: list[dict[str, float]] = []
+    for true, count in sorted(missed.items()):
+        miss = {"true_mbit": true / 1e6, "samples": count, "upload_s": upload_bytes * 8.0 / true}
+        spans = [end - start for start, end, rate in holds if rate == true]
+        if spans:
+            miss["held_s"] = max(spans)
+        out.append(miss)
+    return out
 
 
 def verdicts(case: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -309,23 +331,26 @@ def diagnosis(case: Mapping[str, Any]) -> list[str]:
         )
     gap = case.get("gap", {})
     if gap.get("compared"):
+        why = "(estimate lag, hold, detours)"
+        if "choice_lag" in gap:
+            why = (
+                f"({gap['choice_lag']:+.1f} ms on {gap['off_lag']} run on the plan the "
+                f"device's estimate then gave, which lagged the change; "
+                f"{gap['choice_held']:+.1f} ms on {gap['off_held']} run on another: held on "
+                "the previous plan, or detoured off a backlog)"
+            )
         out.append(
             f"gap per answered request ({gap['compared']} compared with the oracle's at the "
             f"same time): {gap['excess']:+.1f} ms = {gap['backlog']:.1f} ms waiting behind "
             f"earlier uploads on device-edge, {gap['choice']:+.1f} ms on the "
             f"{gap['off_plan']} requests run on another plan than the regions give for the "
-            f"true rate (estimate lag, hold, detours), {gap['other']:+.1f} ms on the rest "
+            f"true rate {why}, {gap['other']:+.1f} ms on the rest "
             "(the regions against the oracle, and noise)"
         )
     estimate_goal = [g for g in case["verdicts"] if g["goal"].startswith("rate estimate")]
     if estimate_goal and not estimate_goal[0]["met"]:
         for miss in case.get("estimate_misses", []):
-            out.append(
-                f"estimate: {miss['samples']} samples off by more than 20% while the true "
-                f"rate was {miss['true_mbit']:.3g} Mbit/s, where one upload of the largest "
-                f"size this run sent takes {miss['upload_s']:.2f} s (a passive estimate "
-                "learns only from completed uploads)"
-            )
+            out.append(_estimate_miss(miss))
     start, length = case.get("silent", (0.0, 0.0))
     if length >= 1.0:
         out.append(
@@ -334,6 +359,41 @@ def diagnosis(case: Mapping[str, Any]) -> list[str]:
             "answers alone) kept the estimate fresh meanwhile"
         )
     return out
+
+
+def _estimate_miss(miss: Mapping[str, float]) -> str:
+    """Why the estimate missed at one true rate, from what the run measured there."""
+    line = (
+        f"estimate: {miss['samples']} samples off by more than 20% while the true rate was "
+        f"{miss['true_mbit']:.3g} Mbit/s, where one upload of the largest size this run "
+        f"sent takes {miss['upload_s']:.2f} s"
+    )
+    held = miss.get("held_s")
+    if held is None:
+        return line + " (a passive estimate learns only from completed uploads)"
+    # An upload still out bounds the rate by its bytes over its time out ([Note: censored
+    # rate evidence] in tierflow.device.switching): within 20% of the truth only once it
+    # has been out 1/1.2 of its whole time.
+    bounded = miss["upload_s"] / 1.2
+    line += f" and the rate held {held:.2f} s"
+    if miss["upload_s"] < held:
+        return line + (
+            ": an upload begun as it changed completes within it, so the estimate lagged "
+            "what the device could know"
+        )
+    if bounded < held:
+        return line + (
+            ": an upload begun as it changed is still out when it ends, but bounds the rate "
+            f"within 20% after {bounded:.2f} s out (plus an answer's time), within it"
+        )
+    return line + (
+        ": no upload begun at that rate completed while it lasted, and one still out "
+        f"bounds the rate within 20% only after {bounded:.2f} s out (5/6 of its time, "
+        "plus an answer's), "
+        "longer than the rate held; one begun before averages the faster rate in. A "
+        "passive estimate, which learns from what has crossed, cannot be within 20% "
+        "there; only a smaller transfer could (a probe would wait behind the upload)"
+    )
 
 
 def _goal(name: str, met: bool, detail: str, value: float) -> dict[str, Any]:

@@ -14,7 +14,8 @@ therefore measures how far the estimate is from each plan's region, in decades o
 off the current plan only when another plan's region is closer by more than ``margin``
 (0.1 decade: about 26% in rate) and has stayed the better one for ``hold_s`` seconds.
 The estimate itself is an exponentially weighted mean over time (half-life
-``half_life_s``), so one odd transfer moves it a little and a lasting change fully.
+``half_life_s``), so one odd transfer moves it a little and a lasting change fully
+(sooner after a clear one: [Note: a change detector in the estimate]).
 The hold guards a border; when the estimate lies ``far`` (a decade) or more outside
 the current plan's whole region, the link has changed tenfold past anything that plan
 was chosen for, there is no border near to flap across, and every request held back
@@ -26,6 +27,9 @@ meanwhile: an estimate falling a hundredfold crosses several regions on its way 
 (the bounds of [Note: censored rate evidence] fall as the slow uploads wait), and a hold
 restarted at each would keep the device on the plan that fits worst of all.
 
+The hold also shortens with what staying costs ([Note: a hold priced by the cost
+model]).
+
 A switch may cost a fetch: a plan whose device segments are not held locally needs them
 from the edge first ([Note: segments on demand] in tierflow/segments.py). The caller
 passes, per plan, the bytes it would fetch (``plan.json`` records each segment's size),
@@ -33,6 +37,36 @@ and the other plan must then stay the better one for ``hold_s`` plus the time th
 takes at the estimated device-edge rate. Meanwhile the device fetches those segments in
 the background (the selector's :attr:`~PlanSelector.candidate` names the plan), so a
 lasting change switches once they are here, and a brief one costs no switch at all.
+
+[Note: a hold priced by the cost model]
+A hold is time on a plan the estimate already says is worse; every request sent
+meanwhile pays the difference. So the selector prices the wait with the cost model's
+figures in ``plan.json`` (:func:`predicted_s` at the estimated links): at each choice
+during a hold it adds up the current plan's predicted excess over the candidate's, as a
+fraction of the candidate's latency, times the time since the previous choice (the
+smaller of the two excesses seen at either end, so one odd estimate adds nothing). Once
+that loss reaches ``costly`` times ``hold_s`` (0.05 x 0.5 s), the hold ends at
+``far_hold_s`` (the estimate still confirmed by two choices). A plan predicted at most
+5% slower keeps the full hold; 10% slower, half of it; from 25%, the short hold. In the
+adaptation benchmark's MobileNetV2 runs on the bursty traces, over half the requests
+sent on another plan than the true rate's (30 of 52 and 30 of 61) were held there after
+the estimate had moved into the right region, or sat on the device-only plan while it
+climbed out of that plan's, at a median 1.2x the oracle's latency and up to 2.1x (a
+fade to 1.3 Mbit/s found the device uploading 23 KiB per request for 0.6 s). This does
+not make the selector flap: flapping needs each of two plans to look the slower one on
+its side of the margin, and the cost model prices both sides alike, so near where
+their predictions cross the excess is small and the hold full; where one plan is much
+slower, it is so on both sides of the border, and only a switch away from it is quick.
+A plan without the cost model's figures keeps the full hold.
+
+[Note: a change detector in the estimate]
+The estimate's half-life smooths noisy transfers, but after a real change of rate it
+takes several transfers to follow: each moves it halfway in log space (one every 0.2 s
+in the adaptation benchmark), so a fivefold drop is still 50% off after two. Two
+transfers in a row that are both more than ``jump`` (2x) off the estimate, the same
+way, are taken as a change, not noise, and the second replaces the estimate: one odd
+transfer still moves it only its half-life's share, and noise that scatters both ways
+never restarts it.
 
 [Note: censored rate evidence]
 The estimate learns from transfers only once they are answered. When the link slows a
@@ -92,9 +126,15 @@ DEFAULT_HOLD_S = 0.5
 DEFAULT_FAR = 1.0
 #: The hold, in seconds, when the estimate is that far from the current plan's region.
 DEFAULT_FAR_HOLD_S = 0.1
+#: The predicted excess of the current plan (a fraction of the candidate's latency) held
+#: for ``hold_s`` that ends a hold ([Note: a hold priced by the cost model]).
+DEFAULT_COSTLY = 0.05
 #: Half-life of a link estimate's memory, in seconds: short enough that a 100x step in
 #: rate is tracked within 20% after 1 s (in log space, 100 ** 0.5 ** 5 < 1.2).
 DEFAULT_HALF_LIFE_S = 0.2
+#: Two transfers in a row this many times off the estimate, the same way, are a change of
+#: rate ([Note: a change detector in the estimate]).
+DEFAULT_JUMP = 2.0
 
 
 class LinkEstimator:
@@ -103,13 +143,24 @@ class LinkEstimator:
     :meth:`observe` a transfer of ``nbytes`` that took ``seconds`` on the wire (transfer
     time only: queueing at either end would make the link look slower than it is).
     Rates are averaged in log space: a transfer 100x slower than the rest moves the
-    estimate as much as one 100x faster would, and neither swamps it.
+    estimate as much as one 100x faster would, and neither swamps it. Two in a row
+    ``jump`` times off the same way restart it ([Note: a change detector in the
+    estimate]; None: never).
     """
 
-    def __init__(self, prior: LinkSpec, half_life_s: float = DEFAULT_HALF_LIFE_S) -> None:
+    def __init__(
+        self,
+        prior: LinkSpec,
+        half_life_s: float = DEFAULT_HALF_LIFE_S,
+        jump: float | None = DEFAULT_JUMP,
+    ) -> None:
         if not half_life_s > 0:
             raise UsageError(f"an estimate's half-life must be positive, got {half_life_s!r}")
+        if jump is not None and not jump > 1:
+            raise UsageError(f"a change detector's factor must exceed 1, got {jump!r}")
         self.half_life_s = half_life_s
+        self.jump = jump
+        self._off = 0  # -1 / +1: the last transfer was ``jump`` times below / above, else 0
         self._log_rate = math.log(prior.rate_bps)
         self._rtt_s = prior.rtt_s
         self._at: float | None = None
@@ -128,7 +179,14 @@ class LinkEstimator:
             return
         # At least a tenth of full weight: a burst of transfers at one instant still counts.
         weight = max(self._weight(self._at, now), 0.1)
-        self._log_rate += weight * (math.log(nbytes * 8.0 / seconds) - self._log_rate)
+        residual = math.log(nbytes * 8.0 / seconds) - self._log_rate
+        off = 0
+        if self.jump is not None and abs(residual) > math.log(self.jump):
+            off = 1 if residual > 0 else -1
+        if off and off == self._off:  # the second in a row: the link changed, not noise
+            weight = 1.0
+        self._off = off
+        self._log_rate += weight * residual
         self._at = now
 
     def observe_rtt(self, now: float, rtt_s: float) -> None:
@@ -251,6 +309,8 @@ class Choice:
 class PlanSelector:
     """Picks a plan of ``plans`` for estimated links ([Note: switching with hysteresis]).
 
+    ``costly``: see [Note: a hold priced by the cost model] (None: holds ignore the cost).
+
     Starts on the set's default plan. Not thread-safe: one caller (the device's sender).
     """
 
@@ -262,6 +322,7 @@ class PlanSelector:
         hold_s: float = DEFAULT_HOLD_S,
         far: float = DEFAULT_FAR,
         far_hold_s: float = DEFAULT_FAR_HOLD_S,
+        costly: float | None = DEFAULT_COSTLY,
     ) -> None:
         if not margin >= 0 or not hold_s >= 0:
             raise UsageError(f"margin and hold must not be negative, got {margin}, {hold_s}")
@@ -275,9 +336,17 @@ class PlanSelector:
         self.hold_s = hold_s
         self.far = far
         self.far_hold_s = min(far_hold_s, hold_s)
+        if costly is not None and not costly > 0:
+            raise UsageError(f"'costly' must be positive (or None), got {costly!r}")
+        self.costly = costly
         self.current = plans.default
         self._candidate: int | None = None
         self._since = 0.0
+        # [Note: a hold priced by the cost model]: the predicted loss of staying since
+        # _since (seconds times a fraction), and the excess last seen, at _seen.
+        self._loss = 0.0
+        self._excess_seen = 0.0
+        self._seen = 0.0
         self._sends = [_sends_on_device_edge(plan) for plan in plans.plans]
         self._detour: int | None = None  # the plan of the detour under way, if any
 
@@ -367,6 +436,15 @@ class PlanSelector:
         )
         return other, reason
 
+    def _excess(self, best: int, links: Mapping[str, LinkSpec]) -> float:
+        """How much slower the cost model predicts the current plan than ``best`` at
+        ``links``, as a fraction of ``best``'s latency (0 when it cannot tell)."""
+        plans = self.plans.plans
+        stay, move = predicted_s(plans[self.current], links), predicted_s(plans[best], links)
+        if stay is None or move is None or not move > 0:
+            return 0.0
+        return max(stay / move - 1.0, 0.0)
+
     def _by_region(
         self, now: float, links: Mapping[str, LinkSpec], fetch_bytes: Sequence[int]
     ) -> Choice:
@@ -379,13 +457,18 @@ class PlanSelector:
         if distances[self.current] - distances[best] <= self.margin:
             self._candidate = None  # not clearly better: stay
             return Choice(self.current, False)
+        excess = self._excess(best, links)
         if self._candidate is None:  # the current plan stops being the clear choice now
-            self._since = now
+            self._since, self._loss = now, 0.0
+        else:  # at the smaller of the excesses seen at both ends
+            self._loss += min(self._excess_seen, excess) * max(now - self._seen, 0.0)
+        self._excess_seen, self._seen = excess, now
         self._candidate = best
         fetch_s = 0.0
         if best < len(fetch_bytes) and fetch_bytes[best] > 0 and "device-edge" in links:
             fetch_s = fetch_bytes[best] * 8.0 / links["device-edge"].rate_bps
-        hold = self.far_hold_s if distances[self.current] >= self.far else self.hold_s
+        costly = self.costly is not None and self._loss >= self.costly * self.hold_s
+        hold = self.far_hold_s if distances[self.current] >= self.far or costly else self.hold_s
         if now - self._since < hold + fetch_s:
             return Choice(self.current, False)
         before, self.current, self._candidate = self.current, best, None

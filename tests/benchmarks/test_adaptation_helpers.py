@@ -223,6 +223,16 @@ def test_the_gap_to_the_oracle_splits_into_backlog_choice_and_the_rest() -> None
     assert gap["other"] == pytest.approx(30.0 / 3)
     assert gap["excess"] == pytest.approx((10 + 320 + 50) / 3)
     assert stats.gap_parts([], oracle, lambda t: "A", 0.2) == {"compared": 0}
+    # Off the regions' plan: on the plan the device's estimate gave (it lagged), or not.
+    records[0]["plan"] = "B"  # 10 ms over, on plan B while the estimate gave plan B
+    split = stats.gap_parts(records, oracle, lambda t: "A", 0.2, lambda t: "B" if t < 0.1 else "A")
+    assert split["off_lag"] == 1 and split["choice_lag"] == pytest.approx(10.0 / 3)
+    assert split["off_held"] == 1 and split["choice_held"] == pytest.approx(50.0 / 3)
+    assert split["choice"] == pytest.approx(split["choice_lag"] + split["choice_held"])
+    case = {**_case(150.0, 100.0, 120.0, "bursty", 0), "gap": split}
+    case["verdicts"] = stats.verdicts(case)
+    why = stats.diagnosis(case)
+    assert any("on 1 run on the plan the device's estimate then gave" in line for line in why)
 
 
 def test_estimate_misses_say_where_and_how_long_an_upload_took_there() -> None:
@@ -239,3 +249,23 @@ def test_estimate_misses_say_where_and_how_long_an_upload_took_there() -> None:
     case["estimate_misses"] = misses
     case["verdicts"] = stats.verdicts(case)
     assert any("0.18 Mbit/s" in line and "2.00 s" in line for line in stats.diagnosis(case))
+
+
+def test_an_estimate_miss_says_whether_any_passive_estimate_could_have_been_right() -> None:
+    points = [(2.8 + i * 0.05, 1.4e6, 0.179e6, 1.1 + i * 0.05) for i in range(10)]
+    holds = [(0.0, 1.7, 8e6), (1.7, 3.34, 0.179e6), (3.34, 5.0, 6e6)]
+    (miss,) = stats.estimate_misses(points, upload_bytes=46_900, holds=holds)
+    assert miss["upload_s"] == pytest.approx(2.096, abs=1e-3)
+    assert miss["held_s"] == pytest.approx(1.64)
+    case = _case(100.0, 100.0, 100.0, "bursty-lte", 0)
+    case["estimate_error"] = {"points": 10, "p95": 0.5, "median": 0.5, "within_20pct": 0.0}
+    case["estimate_misses"] = [miss]
+    case["verdicts"] = stats.verdicts(case)
+    (line,) = [line for line in stats.diagnosis(case) if line.startswith("estimate")]
+    # The upload needs 2.10 s there and bounds the rate within 20% after 1.75 s out: both
+    # longer than the 1.64 s the rate held.
+    assert "held 1.64 s" in line and "1.75 s out" in line and "cannot be within 20%" in line
+    longer = [(0.0, 1.7, 8e6), (1.7, 5.0, 0.179e6)]  # held 3.3 s: an upload completes in it
+    (miss,) = stats.estimate_misses(points, upload_bytes=46_900, holds=longer)
+    case["estimate_misses"] = [miss]
+    assert any("lagged what the device could know" in line for line in stats.diagnosis(case))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
@@ -308,3 +310,143 @@ def test_no_detour_to_a_plan_that_needs_a_fetch_or_without_predictions() -> None
     local.choose(0.0, _point(0.1e6))
     assert local.choose(0.2, _point(0.1e6)).index == 0
     assert not local.choose(0.3, _point(0.1e6), backlog=5.0).detour
+
+
+# [Note: a change detector in the estimate]
+
+
+def test_two_transfers_off_the_same_way_restart_the_estimate() -> None:
+    def settled(jump: float | None) -> LinkEstimator:
+        estimator = LinkEstimator(LinkSpec(20e6, 0.03), jump=jump)
+        for i in range(10):  # 20 Mbit/s: 50 kB take 20 ms
+            estimator.observe(i * 0.2, 50_000, 0.02)
+        return estimator
+
+    detecting, plain = settled(2.0), settled(None)
+    for estimator in (detecting, plain):  # then 4 Mbit/s: 50 kB take 0.1 s
+        estimator.observe(2.0, 50_000, 0.1)
+    # The first moves both halfway in log space (one half-life after the last) ...
+    assert detecting.estimate().rate_bps == pytest.approx(math.sqrt(20e6 * 4e6))
+    assert plain.estimate().rate_bps == pytest.approx(math.sqrt(20e6 * 4e6))
+    for estimator in (detecting, plain):
+        estimator.observe(2.2, 50_000, 0.1)
+    # ... the second, still more than 2x off the same way, is taken as the new rate.
+    assert detecting.estimate().rate_bps == pytest.approx(4e6)
+    assert plain.estimate().rate_bps > 1.45 * 4e6  # without: still 50% off
+    with pytest.raises(UsageError):
+        LinkEstimator(LinkSpec(1e6), jump=1.0)
+
+
+def test_noise_scattering_both_ways_and_one_odd_transfer_do_not_restart_it() -> None:
+    estimator = LinkEstimator(LinkSpec(20e6, 0.03), jump=2.0)
+    estimator.observe(0.0, 50_000, 0.02)  # 20 Mbit/s
+    for i in range(1, 40):  # then 3x below, 3x above, in turn
+        seconds = 0.02 * 3 if i % 2 else 0.02 / 3
+        estimator.observe(i * 0.2, 50_000, seconds)
+        assert 8e6 < estimator.estimate().rate_bps < 50e6
+    # One stall, 100x slower, then the old rate again: as without the detector.
+    estimates = []
+    for jump in (2.0, None):
+        steady = LinkEstimator(LinkSpec(20e6, 0.03), jump=jump)
+        for i in range(10):
+            steady.observe(i * 0.2, 50_000, 0.02)
+        steady.observe(2.0, 50_000, 2.0)
+        steady.observe(2.2, 50_000, 0.02)
+        estimates.append(steady.estimate().rate_bps)
+    assert estimates[0] == pytest.approx(estimates[1]) and estimates[0] > 5e6
+
+
+# [Note: a hold priced by the cost model]
+
+
+def _costed_set(remote_s: float) -> PlanSet:
+    """Plan 0 runs alone in 300 ms; plan 1 is predicted ``remote_s`` at 0.7 Mbit/s (it sends
+    2.5 kB: 1 ms at 20 Mbit/s); their regions are 0.5-1 and 2-200 Mbit/s."""
+    local = _priced("device", 0.300, 0.0)
+    remote = _priced("edge", remote_s - 0.001 * (20 / 0.7 - 1), 0.001)
+    regions = (
+        tuple(_point(r) for r in (0.5e6, 1e6)),
+        tuple(_point(r) for r in (2e6, 5e6, 20e6, 200e6)),
+    )
+    return PlanSet((local, remote), regions, default=1)
+
+
+def _switched_at(selector: PlanSelector, rates: Sequence[float], every: float = 0.05) -> float:
+    """When ``selector`` leaves its plan, choosing every ``every`` s on these estimates."""
+    for i, rate in enumerate(rates):
+        if selector.choose(i * every, _point(rate)).switched:
+            return round(i * every, 3)
+    return math.inf
+
+
+def test_the_hold_ends_sooner_the_more_the_current_plan_is_predicted_to_lose() -> None:
+    slow = [0.7e6] * 20  # 0.46 decade below plan 1's region: not far, the full hold is 0.5 s
+    assert predicted_s(_costed_set(0.6).plans[1], _point(0.7e6)) == pytest.approx(0.6)
+
+    def hold(remote_s: float, costly: float | None = 0.05) -> float:
+        return _switched_at(PlanSelector(_costed_set(remote_s), costly=costly), slow)
+
+    assert hold(0.600) == 0.1  # 100% slower: the short hold (two choices)
+    assert hold(0.336) == 0.25  # 12% slower: 0.025 / 0.12 = 0.21 s, at the next choice
+    assert hold(0.309) == 0.5  # 3% slower: the full hold
+    assert hold(0.280) == 0.5  # faster, by the cost model: the regions still decide
+    assert hold(0.600, costly=None) == 0.5  # not priced: the full hold
+    unpriced = replace(_costed_set(0.6), plans=(_plan("device"), _plan("edge")))
+    assert _switched_at(PlanSelector(unpriced), slow) == 0.5  # plans without predictions
+    with pytest.raises(UsageError):
+        PlanSelector(_set(), costly=0.0)
+
+
+def test_one_odd_estimate_adds_only_the_smaller_excess_to_the_loss() -> None:
+    steady = [0.7e6] * 20  # plan 1 12% slower than plan 0
+    odd = [0.7e6, 0.25e6, *steady]  # 0.25 Mbit/s once: plan 1 5x slower, 0.9 decade off
+    assert _switched_at(PlanSelector(_costed_set(0.336)), odd) == 0.25
+    assert _switched_at(PlanSelector(_costed_set(0.336)), steady) == 0.25
+
+
+def _replay(
+    trace: Sequence[tuple[float, float]],
+    until: float,
+    costly: float | None = 0.05,
+    jump: float | None = 2.0,
+) -> list[int]:
+    """The plan of a request every 0.1 s on a link whose rate steps as ``trace`` says.
+
+    Plan 1 sends 45 kB, seen by the estimate 20 ms after it crosses; a request on plan 0
+    sends nothing, and a 4 KiB probe 0.25 s later takes its place (as the device's idle
+    probes do). Deterministic: the time is an argument throughout.
+    """
+    estimator = LinkEstimator(LinkSpec(20e6, 0.01), jump=jump)
+    selector = PlanSelector(_priced_set(), costly=costly)
+
+    def rate(t: float) -> float:
+        return [r for at, r in trace if at <= t][-1]
+
+    seen: list[tuple[float, int, float]] = []  # when the estimate learns: (time, bytes, s)
+    used = []
+    for i in range(round(until / 0.1)):
+        now = i * 0.1
+        for item in sorted(s for s in seen if s[0] <= now):
+            estimator.observe(*item)
+            seen.remove(item)
+        index = selector.choose(now, {**_point(1e6), "device-edge": estimator.estimate()}).index
+        used.append(index)
+        nbytes = 45_000 if index == 1 else 4096
+        start = now if index == 1 else now + 0.25
+        seconds = nbytes * 8 / rate(start)
+        seen.append((start + seconds + 0.02, nbytes, seconds))
+    return used
+
+
+def test_a_replayed_drop_and_recovery_switches_once_each_way_and_sooner_when_priced() -> None:
+    trace = [(0.0, 20e6), (1.0, 0.4e6), (3.0, 20e6)]
+    priced = _replay(trace, 5.0)
+    plain = _replay(trace, 5.0, costly=None, jump=None)
+    for used in (priced, plain):
+        runs = [used[0]] + [b for a, b in itertools.pairwise(used) if a != b]
+        assert runs == [1, 0, 1]  # both ways, no flapping
+    # The first 45 kB at 0.4 Mbit/s is seen at 1.92 s; plan 1 is then predicted 3x slower
+    # than plan 0 (982 against 300 ms), so the priced hold leaves it after two choices.
+    assert priced.index(0) == 21 and plain.index(0) == 25
+    # Back up, plan 0 is predicted 3x slower; the probes' 4 KiB at 20 Mbit/s are 50x off.
+    assert priced.index(1, 21) == 33 and plain.index(1, 25) == 36
