@@ -1,6 +1,6 @@
 """Live adaptation benchmark: a plan set served by real tiers while the uplink drifts.
 
-    python benchmarks/adaptation_bench.py           # two models, three traces (~16 min)
+    python benchmarks/adaptation_bench.py           # three models, three traces (~23 min)
     python benchmarks/adaptation_bench.py --quick   # one model, shorter traces (~4 min)
     python benchmarks/adaptation_bench.py --models resnet18-112 --output /tmp/r --doc /tmp/r.md
 
@@ -112,9 +112,17 @@ def setups(quick: bool, names: Sequence[str] = ()) -> list[Setup]:
         "ResNet-18, 112x112, 1000 classes (seeded weights)",
         {"size": 112, "width": 1.0, "num_classes": 1000},
     )
+    # A chain of wide convolutions: the most compute per byte of the three, so the device
+    # alone is slowest against sending, as on a weak device with a heavy model.
+    vgg = bench_models.BenchModel(
+        "vgg-like-112",
+        "chain",
+        "VGG-like chain CNN (8 conv), 112x112, width 0.5, 1000 classes (seeded weights)",
+        {"size": 112, "width": 0.5, "num_classes": 1000},
+    )
     chosen = [Setup(mobilenet, 0.2)]
     if not quick:
-        chosen.append(Setup(resnet, 0.2))
+        chosen += [Setup(resnet, 0.2), Setup(vgg, 0.2)]
     if names:
         unknown = set(names) - {setup.model.name for setup in chosen}
         if unknown:
@@ -843,7 +851,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=[],
         metavar="NAME",
-        help="only these models (mobilenetv2-112, resnet18-112); the default is all",
+        help="only these models (mobilenetv2-112, resnet18-112, vgg-like-112); the default is all",
     )
     parser.add_argument("--output", type=Path, default=RESULTS, help="results folder")
     parser.add_argument("--doc", type=Path, default=DOC, help="the Markdown report to write")
