@@ -48,11 +48,15 @@ smaller of the two excesses seen at either end, so one odd estimate adds nothing
 that loss reaches ``costly`` times ``hold_s`` (0.05 x 0.5 s), the hold ends at
 ``far_hold_s`` (the estimate still confirmed by two choices). A plan predicted at most
 5% slower keeps the full hold; 10% slower, half of it; from 25%, the short hold. In the
-adaptation benchmark's MobileNetV2 runs on the bursty traces, over half the requests
+adaptation benchmark's MobileNetV2 runs on the bursty traces (before this pricing, in
+commit 0ddb8a8's results), over half the requests
 sent on another plan than the true rate's (30 of 52 and 30 of 61) were held there after
 the estimate had moved into the right region, or sat on the device-only plan while it
 climbed out of that plan's, at a median 1.2x the oracle's latency and up to 2.1x (a
-fade to 1.3 Mbit/s found the device uploading 23 KiB per request for 0.6 s). This does
+fade to 1.3 Mbit/s found the device uploading 23 KiB per request for 0.6 s). Priced, the
+requests on another plan than the device's own estimate gave fell from 37 and 38 (+8.2
+and +8.1 ms per answered request over the oracle) to 25 and 26 (+2.9 and +2.1 ms) in the
+next full run (``benchmarks/ADAPTATION.md``, "gap per answered request"). This does
 not make the selector flap: flapping needs each of two plans to look the slower one on
 its side of the margin, and the cost model prices both sides alike, so near where
 their predictions cross the excess is small and the hold full; where one plan is much
