@@ -91,10 +91,18 @@ class LinkTrace:
         """The trace as a file :func:`parse_trace` reads back."""
         lines = ["seconds,rate,rtt"]
         lines += [
-            f"{step.start_s:g},{step.link.rate_bps:.17g}bit,{format_duration(step.link.rtt_s)}"
+            f"{_number(step.start_s)},{_number(step.link.rate_bps)}bit,"
+            f"{format_duration(step.link.rtt_s)}"
             for step in self.steps
         ]
         return "\n".join(lines) + "\n"
+
+
+def _number(value: float) -> str:
+    """``value`` as written for people (``3``, ``2e+06``) where that reads back exactly,
+    else in full (the shortest form that does)."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
 
 
 def parse_trace(text: str, source: str = "trace") -> LinkTrace:

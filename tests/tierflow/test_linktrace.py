@@ -10,7 +10,7 @@ import pytest
 from tierflow.errors import UsageError
 from tierflow.linkemu import LinkShaper, ShapedQueue, resolve_links
 from tierflow.links import LinkSpec
-from tierflow.linktrace import LinkTrace, load_trace, parse_trace, step_trace
+from tierflow.linktrace import LinkTrace, TraceStep, load_trace, parse_trace, step_trace
 from tierflow.plan import Plan, SegmentSpec
 
 MB = 1_000_000
@@ -27,6 +27,18 @@ def test_a_trace_file_reads_steps_with_units_header_and_comments() -> None:
     assert trace.at(3) == LinkSpec(16e6, 0.03)
     assert trace.at(100) == LinkSpec(1e9, 0.0)
     assert parse_trace(trace.to_csv()) == LinkTrace(trace.steps, source="trace")
+
+
+def test_a_trace_written_to_csv_reads_back_exactly_and_briefly() -> None:
+    odd = LinkTrace(
+        (
+            TraceStep(0.0, LinkSpec(2e6, 0.03)),
+            TraceStep(1.23456789, LinkSpec(65462999.999999993, 0.03)),
+        )
+    )
+    text = odd.to_csv()
+    assert text.splitlines()[1] == "0,2e+06bit,30ms"
+    assert parse_trace(text).steps == odd.steps
 
 
 @pytest.mark.parametrize(
