@@ -363,6 +363,18 @@ SPLITS = ("tierflow-bottleneck", "tierflow-lowbit")
 FAITHFUL = 0.99
 
 
+def _rival(
+    row: dict[str, Any], candidates: list[dict[str, Any]]
+) -> tuple[dict[str, Any] | None, float]:
+    """The fastest of ``candidates`` at least as faithful as ``row``, and how many times
+    slower than ``row`` it is (None and infinity when none is that faithful)."""
+    rivals = [c for c in candidates if c["fidelity"] >= row["fidelity"]]
+    if not rivals:
+        return None, float("inf")
+    rival = min(rivals, key=lambda c: c["p50_ms"])
+    return rival, rival["p50_ms"] / row["p50_ms"]
+
+
 def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per rate: the split plan with the best speedup over the fastest JPEG as faithful.
 
@@ -381,9 +393,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         q90 = next(r for r in here if r["strategy"] == "cloud-only-jpeg")
         best: dict[str, Any] | None = None
         for b in splits:
-            rivals = [j for j in jpegs if j["fidelity"] >= b["fidelity"]]
-            rival = min(rivals, key=lambda j: j["p50_ms"]) if rivals else None
-            ratio = rival["p50_ms"] / b["p50_ms"] if rival else float("inf")
+            rival, ratio = _rival(b, jpegs)
             if best is None or ratio > best["speedup_vs_jpeg_same_fidelity"]:
                 best = {
                     "bandwidth_mbit": mbit,
@@ -403,25 +413,21 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         faithful = [b for b in splits if b["fidelity"] >= FAITHFUL]
         if faithful:
             b = min(faithful, key=lambda r: r["p50_ms"])
-            rivals = [j for j in jpegs if j["fidelity"] >= b["fidelity"]]
-            rival = min(rivals, key=lambda j: j["p50_ms"]) if rivals else None
+            rival, ratio = _rival(b, jpegs)
             best.update(
                 {
                     "faithful_split": b["variant"],
                     "faithful_split_ms": b["p50_ms"],
                     "faithful_split_fidelity": b["fidelity"],
                     "faithful_jpeg_same_fidelity": rival["codec"] if rival else None,
-                    "faithful_speedup_vs_jpeg_same_fidelity": (
-                        rival["p50_ms"] / b["p50_ms"] if rival else float("inf")
-                    ),
+                    "faithful_speedup_vs_jpeg_same_fidelity": ratio,
                     "faithful_speedup_vs_jpeg90": q90["p50_ms"] / b["p50_ms"],
                 }
             )
         ours = [r for r in here if r["strategy"] == "tierflow-budget"]
         if ours:
             plan = ours[0]
-            rivals = [u for u in uploads if u["fidelity"] >= plan["fidelity"]]
-            rival = min(rivals, key=lambda u: u["p50_ms"]) if rivals else None
+            rival, ratio = _rival(plan, uploads)
             best.update(
                 {
                     "tierflow_plan": plan["variant"],
@@ -429,9 +435,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "tierflow_fidelity": plan["fidelity"],
                     "fastest_upload_as_faithful": rival["codec"] if rival else None,
                     "fastest_upload_ms": rival["p50_ms"] if rival else None,
-                    "tierflow_speedup_vs_fastest_upload": (
-                        rival["p50_ms"] / plan["p50_ms"] if rival else float("inf")
-                    ),
+                    "tierflow_speedup_vs_fastest_upload": ratio,
                     "tierflow_speedup_vs_jpeg90": q90["p50_ms"] / plan["p50_ms"],
                 }
             )
