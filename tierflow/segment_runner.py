@@ -27,7 +27,7 @@ the plan's last segment is never taken: the final outputs are there anyway.
 [Note: emulating a slower tier]
 A tier run with ``slowdown`` s > 1 stands for a machine s times slower than this one
 (``tierflow profile --slowdown`` makes its profile the same way: every measured time,
-compute and codec alike, times s). So it sleeps ``(s - 1)`` times the wall time of each
+compute and codec alike, times s). So it sleeps ``(s - 1)`` times the time of each
 piece of its own CPU work: every ONNX Runtime call (:meth:`SegmentRunner.run`) and every
 encoding or decoding of the tensors it sends or receives (the device's upload, a
 server's decode, forward and answer), through :func:`emulate_slower`. Sleeping after the
@@ -37,7 +37,17 @@ codec costs the emulated tier never pays. Codec work is timed in the thread's CP
 (as the profile measures it, ``tierflow.codec.measure``), not wall time: an encode on a
 device with many requests in flight, or on a machine shared with other jobs, waits for
 the GIL or for a core, and that wait is not the tier's work; multiplied by ``s - 1`` it
-would be charged 19 times over on a 20x device.
+would be charged 19 times over on a 20x device. ONNX Runtime calls are timed the same
+way when the session has one intra-op thread (``--threads 1``, as every emulated tier of
+the benchmarks and the demo runs): its work then runs on the calling thread, whose CPU
+time is the call's compute. In wall time the call also counts the wait to take the GIL
+back when it returns, up to Python's switch interval (5 ms) whenever another thread of
+the process is busy: measured on MobileNetV2 at 112x112, 12.6 ms alone and 18.0 ms
+beside one busy thread in wall time, 12.6 and 12.9 ms in CPU time. On a 10x device that
+wait became 25 ms more per device-only request in the adaptation benchmark's adaptive
+runs, whose device process has more threads awake (probes, the estimate sampler) than a
+static run's. With more threads, ONNX Runtime's own threads do part of the work, which
+the calling thread's CPU time does not see, so the call is timed in wall time.
 """
 
 from __future__ import annotations
@@ -111,9 +121,9 @@ def emulate_slower(
 ) -> None:
     """Sleep ``(slowdown - 1)`` times ``clock() - started``; nothing at ``slowdown`` 1.
 
-    The clock is wall time for ONNX Runtime calls (their work may run on its own threads)
-    and this thread's CPU time for codec work, :func:`time.thread_time` (see
-    [Note: emulating a slower tier]).
+    The clock is this thread's CPU time, :func:`time.thread_time`, for codec work and for
+    ONNX Runtime calls on one thread; wall time for ONNX Runtime calls whose work may run
+    on its own threads (see [Note: emulating a slower tier]).
     """
     if slowdown > 1.0:
         time.sleep((slowdown - 1.0) * (clock() - started))
@@ -132,6 +142,8 @@ class SegmentRunner:
         options = options or RuntimeOptions()
         self.path = Path(path)
         self.slowdown = options.slowdown
+        # What a run's compute is timed by ([Note: emulating a slower tier]).
+        self._clock = time.thread_time if options.threads == 1 else time.perf_counter
         self.session = open_session(
             self.path,
             threads=options.threads,
@@ -164,7 +176,7 @@ class SegmentRunner:
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the segment; inputs are checked first, runtime failures become ModelError."""
         self.check_inputs(feeds)
-        start = time.perf_counter()
+        start = self._clock()
         try:
             values = self.session.run(self.output_names, dict(feeds))
         except Exception as exc:
@@ -172,7 +184,7 @@ class SegmentRunner:
             if "INVALID_ARGUMENT" in text or "InvalidArgument" in type(exc).__name__:
                 raise InputError(f"segment {self.path.name} refused its inputs: {text}") from exc
             raise ModelError(f"segment {self.path.name} failed: {text}") from exc
-        emulate_slower(self.slowdown, start)
+        emulate_slower(self.slowdown, start, self._clock)
         return dict(zip(self.output_names, values, strict=True))
 
 

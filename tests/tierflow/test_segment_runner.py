@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -64,6 +65,39 @@ def test_slowdown_stretches_the_compute_time(tmp_path: Path) -> None:
 
     median_s(fast), median_s(slow)  # warm up
     assert median_s(slow) > 5 * median_s(fast)
+
+
+def test_a_slowed_single_thread_run_is_charged_its_cpu_time_not_waits_for_the_gil(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beside a busy Python thread, a run waits for the GIL as it returns; a 20x tier
+    sleeps 19 times the run's compute, not that wait ([Note: emulating a slower tier])."""
+    path = _gemm(tmp_path / "s.onnx", "x", "y", 512, 512, 0)
+    feeds = {"x": np.ones((64, 512), np.float32)}
+    runner = SegmentRunner(path, RuntimeOptions(threads=1, slowdown=20.0))
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    worker = threading.Thread(target=busy)
+    worker.start()
+    try:
+        overcharged = []
+        for _ in range(10):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            runner.run(feeds)
+            wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+            charged = slept[-1] / 19
+            assert charged <= cpu + 1e-4
+            overcharged.append(wall - cpu)
+    finally:
+        stop.set()
+        worker.join()
+    assert max(overcharged) > 1e-3  # the run did wait for the GIL, at least once
 
 
 def test_exit_confidence_reads_logits_and_probabilities() -> None:
