@@ -312,7 +312,8 @@ def test_no_detour_to_a_plan_that_needs_a_fetch_or_without_predictions() -> None
     assert not local.choose(0.3, _point(0.1e6), backlog=5.0).detour
 
 
-# [Note: a change detector in the estimate]
+# The estimate's change detector: see [Note: a change detector in the estimate] in
+# device/switching.py.
 
 
 def test_two_transfers_off_the_same_way_restart_the_estimate() -> None:
@@ -356,7 +357,7 @@ def test_noise_scattering_both_ways_and_one_odd_transfer_do_not_restart_it() -> 
     assert estimates[0] == pytest.approx(estimates[1]) and estimates[0] > 5e6
 
 
-# [Note: a hold priced by the cost model]
+# The priced hold: see [Note: a hold priced by the cost model] in device/switching.py.
 
 
 def _costed_set(remote_s: float) -> PlanSet:
