@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import bench_fidelity
 import numpy as np
 
 Row = dict[str, Any]
@@ -326,12 +327,7 @@ def fidelity_section(
     strategies = [
         s
         for s in (
-            "tierflow",
-            "tierflow-budget",
-            "tierflow-budget-100",
-            "tierflow-budget-90",
-            "tierflow-bottleneck",
-            "tierflow-lowbit",
+            *bench_fidelity.VERDICT_STRATEGIES,  # the rows the verdict judges, then the rest
             "device-only",
             "cloud-only",
             "cloud-only-compressed",
