@@ -384,19 +384,26 @@ def test_compose_charges_an_edge_that_runs_nothing_no_codec_time() -> None:
     assert compared == 3  # (0, 0) with either codec, and device-only
 
 
+def _row(
+    strategy: str, ms: float, fidelity: float, model: str = "orientation", mbit: float = 5.0
+) -> dict[str, Any]:
+    """A results.json row as the verdict reads it."""
+    return {
+        "model": model,
+        "bandwidth_mbit": mbit,
+        "strategy": strategy,
+        "p50_ms": ms,
+        "fidelity": fidelity,
+    }
+
+
 def test_verdict_compares_only_baselines_of_equal_or_better_fidelity() -> None:
     """A faster lossy baseline is no failure of an exact plan; a faster exact one is, and a
     point whose tierflow plan is slower than an equally faithful baseline fails."""
     from bench_fidelity import verdict
 
     def row(model: str, strategy: str, ms: float, fidelity: float) -> dict[str, Any]:
-        return {
-            "model": model,
-            "bandwidth_mbit": 10.0,
-            "strategy": strategy,
-            "p50_ms": ms,
-            "fidelity": fidelity,
-        }
+        return _row(strategy, ms, fidelity, model, mbit=10.0)
 
     rows = [
         row("a", "tierflow", 50.0, 1.0),
@@ -423,13 +430,7 @@ def test_verdict_judges_each_fidelity_level_of_tierflow() -> None:
     from bench_fidelity import verdict
 
     def row(model: str, strategy: str, ms: float, fidelity: float) -> dict[str, Any]:
-        return {
-            "model": model,
-            "bandwidth_mbit": 5.0,
-            "strategy": strategy,
-            "p50_ms": ms,
-            "fidelity": fidelity,
-        }
+        return _row(strategy, ms, fidelity, model)
 
     rows = [
         row("d", "tierflow", 50.0, 1.0),
@@ -499,28 +500,19 @@ def test_the_plan_at_top1_100_is_tierflows_plan_at_the_highest_level() -> None:
     for name in ("tierflow-budget-100", "tierflow-budget-90"):
         assert name in TIERFLOW and name in VERDICT_STRATEGIES
 
-    def row(strategy: str, ms: float, fidelity: float) -> dict[str, Any]:
-        return {
-            "model": "orientation",
-            "bandwidth_mbit": 5.0,
-            "strategy": strategy,
-            "p50_ms": ms,
-            "fidelity": fidelity,
-        }
-
     rows = [
-        row("tierflow-budget", 70.0, 0.99),
-        row("tierflow-lowbit", 130.0, 1.0),
-        row("cloud-only-jpeg-q30", 80.0, 1.0),
-        row("cloud-only-jpeg-q5", 65.0, 0.95),  # faster, less faithful than every plan
+        _row("tierflow-budget", 70.0, 0.99),
+        _row("tierflow-lowbit", 130.0, 1.0),
+        _row("cloud-only-jpeg-q30", 80.0, 1.0),
+        _row("cloud-only-jpeg-q5", 65.0, 0.95),  # faster, less faithful than every plan
     ]
     (without,) = verdict(rows)
     assert not without["holds"]
     assert [b["strategy"] for b in without["beaten_by"]] == ["cloud-only-jpeg-q30"]
-    (with_it,) = verdict([*rows, row("tierflow-budget-100", 80.0, 1.0)])
+    (with_it,) = verdict([*rows, _row("tierflow-budget-100", 80.0, 1.0)])
     assert with_it["holds"]
     assert with_it["levels"][0]["strategy"] == "tierflow-budget-100"
-    (slower,) = verdict([*rows, row("tierflow-budget-100", 85.0, 1.0)])
+    (slower,) = verdict([*rows, _row("tierflow-budget-100", 85.0, 1.0)])
     assert [b["strategy"] for b in slower["beaten_by"]] == ["cloud-only-jpeg-q30"]
 
 
@@ -531,16 +523,7 @@ def test_bottleneck_fold_keeps_each_strategy_once_per_rate(tmp_path: Path) -> No
     from bench_fidelity import bottleneck_rows
 
     def row(strategy: str, ms: float, fidelity: float, codec: str, **extra: Any) -> dict[str, Any]:
-        return {
-            "model": "orientation",
-            "bandwidth_mbit": 5.0,
-            "strategy": strategy,
-            "p50_ms": ms,
-            "fidelity": fidelity,
-            "codec": codec,
-            "cuts": [0, 0],
-            **extra,
-        }
+        return {**_row(strategy, ms, fidelity), "codec": codec, "cuts": [0, 0], **extra}
 
     rows = [
         row("tierflow-bottleneck", 90.0, 0.98, "zstd (uint8 codes)", cuts=[9, 9]),
