@@ -398,11 +398,12 @@ class DeviceClient:
     ([Note: censored rate evidence] in tierflow/device/switching.py): one unanswered for
     longer than its upload at the estimated rate plus ``ANSWER_MARGIN`` times the slowest
     of the last ``ANSWER_TIMES_KEPT`` answers' time after their upload lowers the
-    estimate at once,
-    so a sudden drop turns the next requests, not only those sent after the slow uploads
-    are answered. And while uploads are still queued on that link, a request may run on a
-    plan that keeps off it ([Note: a backlog on the link] in
-    tierflow/device/switching.py); its result names that detour in ``switch``.
+    estimate at once, so a sudden drop turns the next requests, not only those sent after
+    the slow uploads are answered (at the first choice, when the bound alone shows the
+    current plan costly: [Note: a bound needs no second look] there). And while uploads
+    are still queued on that link, a request may run on a plan that keeps off it
+    ([Note: a backlog on the link] in tierflow/device/switching.py); its result names
+    that detour in ``switch``.
     """
 
     def __init__(
@@ -561,7 +562,8 @@ class DeviceClient:
                 self._bound_by_unanswered(now)
                 links = {link: e.estimate() for link, e in self.estimators.items()}
                 backlog = self._backlog(now, links["device-edge"].rate_bps)
-                choice = self.selector.choose(now, links, fetch, backlog)
+                bounded = self.estimators["device-edge"].bounded
+                choice = self.selector.choose(now, links, fetch, backlog, bounded)
                 if choice.reason:
                     logger.info("[device] switching plans: %s", choice.reason)
                 index, reason = choice.index, choice.reason or None
@@ -640,7 +642,11 @@ class DeviceClient:
                 # request; a switch made here is named by that request.
                 links = {link: e.estimate() for link, e in self.estimators.items()}
                 choice = self.selector.choose(
-                    now, links, fetch, self._backlog(now, links["device-edge"].rate_bps)
+                    now,
+                    links,
+                    fetch,
+                    self._backlog(now, links["device-edge"].rate_bps),
+                    estimator.bounded,
                 )
                 if choice.reason:
                     self._probe_switch = f"idle probe: {choice.reason}"

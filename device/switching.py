@@ -28,7 +28,7 @@ meanwhile: an estimate falling a hundredfold crosses several regions on its way 
 restarted at each would keep the device on the plan that fits worst of all.
 
 The hold also shortens with what staying costs ([Note: a hold priced by the cost
-model]).
+model]), and a censored bound ends it at once ([Note: a bound needs no second look]).
 
 A switch may cost a fetch: a plan whose device segments are not held locally needs them
 from the edge first ([Note: segments on demand] in tierflow/segments.py). The caller
@@ -62,6 +62,24 @@ its side of the margin, and the cost model prices both sides alike, so near wher
 their predictions cross the excess is small and the hold full; where one plan is much
 slower, it is so on both sides of the border, and only a switch away from it is quick.
 A plan without the cost model's figures keeps the full hold.
+
+[Note: a bound needs no second look]
+The short hold still waits for a second choice, because one estimate from transfers may
+be an odd one that the next transfers take back. A censored bound is not
+([Note: censored rate evidence]): an upload still unanswered has shown that the link is
+slower than the bound, and only its answer can lift the bound. And when the current
+plan sends more bytes over device-edge than the candidate, it loses more than the
+candidate at every rate below the bound, so the excess priced at the bound is the least
+that staying costs. So when the device-edge estimate is a bound (``bounded``), the
+current plan sends more over that link, and the excess there is one the priced hold
+would act on within the short hold (``excess * far_hold_s`` reaches ``costly * hold_s``:
+25% with the defaults), the selector switches at the first choice. In the adaptation
+benchmark's MobileNetV2 step from 200 to 2 Mbit/s (commit 7fb389a's results), the
+request after the step's first waited 0.2 s later on the raw 147 KiB plan although the
+bound already put the link at 11.5 Mbit/s, where that plan is predicted 60% slower; it
+took 1066 ms, where the device-only plan takes about 130. If the bound was wrong (a tier
+slower than its recent answers, not the link), the upload's answer lifts it and the
+plans' regions bring the device back after the full hold.
 
 [Note: a change detector in the estimate]
 The estimate's half-life smooths noisy transfers, but after a real change of rate it
@@ -211,6 +229,11 @@ class LinkEstimator:
         """The estimate from completed transfers alone, without any bound."""
         return LinkSpec(math.exp(self._log_rate), self._rtt_s)
 
+    @property
+    def bounded(self) -> bool:
+        """Whether :meth:`estimate` is the bound, below the mean of completed transfers."""
+        return self._ceiling_bps is not None and self._ceiling_bps < self.measured().rate_bps
+
     def estimate(self) -> LinkSpec:
         measured = self.measured()
         if self._ceiling_bps is None or self._ceiling_bps >= measured.rate_bps:
@@ -276,6 +299,22 @@ def predicted_s(plan: Plan, links: Mapping[str, LinkSpec]) -> float | None:
         if wire > 0 and links[name].rate_bps > 0:
             total += wire * (plan.links[name].rate_bps / links[name].rate_bps - 1.0)
     return total
+
+
+def _device_edge_bits(plan: Plan) -> float | None:
+    """The bits ``plan`` sends over device-edge by the cost model's figures (None: not
+    recorded): its wire time there at the plan's own rate."""
+    costs = plan.estimate.get("links")
+    if not isinstance(costs, dict):
+        return None
+    cost = costs.get("device-edge")
+    wire = cost.get("wire_s") if isinstance(cost, dict) else 0.0  # no cost: sends nothing
+    if not isinstance(wire, (int, float)):
+        return None
+    if wire <= 0:
+        return 0.0
+    link = plan.links.get("device-edge")
+    return float(wire) * link.rate_bps if link is not None else None
 
 
 def _sends_on_device_edge(plan: Plan) -> bool:
@@ -377,6 +416,7 @@ class PlanSelector:
         links: Mapping[str, LinkSpec],
         fetch_bytes: Sequence[int] = (),
         backlog: float = 0.0,
+        bounded: bool = False,
     ) -> Choice:
         """The plan for a request sent at ``now`` over links estimated as ``links``.
 
@@ -385,8 +425,10 @@ class PlanSelector:
         ``backlog``: seconds the device-edge link still needs for what is queued on it
         (:func:`backlog_s`); a request may then run on a plan that keeps off the link
         ([Note: a backlog on the link]).
+        ``bounded``: the device-edge estimate is a censored bound ([Note: a bound needs no
+        second look]).
         """
-        choice = self._by_region(now, links, fetch_bytes)
+        choice = self._by_region(now, links, fetch_bytes, bounded)
         detour = self._off_the_link(choice.index, links, fetch_bytes, backlog)
         if detour is not None:
             index, reason = detour
@@ -449,8 +491,19 @@ class PlanSelector:
             return 0.0
         return max(stay / move - 1.0, 0.0)
 
+    def _sends_more(self, best: int) -> bool:
+        """Whether the current plan sends more over device-edge than ``best`` (by the
+        cost model's figures; False when either records none)."""
+        plans = self.plans.plans
+        stay, move = _device_edge_bits(plans[self.current]), _device_edge_bits(plans[best])
+        return stay is not None and move is not None and stay > move
+
     def _by_region(
-        self, now: float, links: Mapping[str, LinkSpec], fetch_bytes: Sequence[int]
+        self,
+        now: float,
+        links: Mapping[str, LinkSpec],
+        fetch_bytes: Sequence[int],
+        bounded: bool,
     ) -> Choice:
         """The plan whose region fits ``links``, with hysteresis (see the note)."""
         distances = self.distances(links)
@@ -473,6 +526,13 @@ class PlanSelector:
             fetch_s = fetch_bytes[best] * 8.0 / links["device-edge"].rate_bps
         costly = self.costly is not None and self._loss >= self.costly * self.hold_s
         hold = self.far_hold_s if distances[self.current] >= self.far or costly else self.hold_s
+        if (  # [Note: a bound needs no second look]
+            bounded
+            and self.costly is not None
+            and excess * self.far_hold_s >= self.costly * self.hold_s
+            and self._sends_more(best)
+        ):
+            hold = 0.0
         if now - self._since < hold + fetch_s:
             return Choice(self.current, False)
         before, self.current, self._candidate = self.current, best, None

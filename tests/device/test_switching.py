@@ -372,10 +372,13 @@ def _costed_set(remote_s: float) -> PlanSet:
     return PlanSet((local, remote), regions, default=1)
 
 
-def _switched_at(selector: PlanSelector, rates: Sequence[float], every: float = 0.05) -> float:
-    """When ``selector`` leaves its plan, choosing every ``every`` s on these estimates."""
+def _switched_at(
+    selector: PlanSelector, rates: Sequence[float], every: float = 0.05, bounded: bool = False
+) -> float:
+    """When ``selector`` leaves its plan, choosing every ``every`` s on these estimates
+    (censored bounds if ``bounded``)."""
     for i, rate in enumerate(rates):
-        if selector.choose(i * every, _point(rate)).switched:
+        if selector.choose(i * every, _point(rate), bounded=bounded).switched:
             return round(i * every, 3)
     return math.inf
 
@@ -396,6 +399,35 @@ def test_the_hold_ends_sooner_the_more_the_current_plan_is_predicted_to_lose() -
     assert _switched_at(PlanSelector(unpriced), slow) == 0.5  # plans without predictions
     with pytest.raises(UsageError):
         PlanSelector(_set(), costly=0.0)
+
+
+def test_a_bound_that_shows_the_current_plan_costly_switches_at_the_first_choice() -> None:
+    """[Note: a bound needs no second look] in device/switching.py."""
+    slow = [0.7e6] * 20  # plan 1 (sends 2.5 kB) is current; plan 0 sends nothing
+
+    def hold(remote_s: float, bounded: bool, costly: float | None = 0.05) -> float:
+        selector = PlanSelector(_costed_set(remote_s), costly=costly)
+        return _switched_at(selector, slow, bounded=bounded)
+
+    assert hold(0.600, bounded=True) == 0.0  # 100% slower at the bound: no second look
+    assert hold(0.600, bounded=False) == 0.1  # an estimate from transfers: two choices
+    assert hold(0.336, bounded=True) == 0.25  # 12% slower: priced as before
+    assert hold(0.600, bounded=True, costly=None) == 0.5  # not priced: the full hold
+    # A bound never speeds a switch to a plan that sends more over the link: below the
+    # bound, that plan loses more, so the excess at the bound is not the least it costs.
+    to_remote = replace(_costed_set(0.1), default=0)  # plan 0 is 3x slower at 50 Mbit/s
+    assert _switched_at(PlanSelector(to_remote), [50e6] * 20, bounded=True) == 0.1
+
+
+def test_the_estimate_says_whether_it_is_a_bound() -> None:
+    estimator = LinkEstimator(LinkSpec(20e6, 0.01))
+    assert not estimator.bounded
+    estimator.bound(2e6)
+    assert estimator.bounded and estimator.estimate().rate_bps == 2e6
+    estimator.bound(50e6)  # above the mean of completed transfers: no bound in effect
+    assert not estimator.bounded and estimator.estimate().rate_bps == pytest.approx(20e6)
+    estimator.bound(None)
+    assert not estimator.bounded
 
 
 def test_one_odd_estimate_adds_only_the_smaller_excess_to_the_loss() -> None:
