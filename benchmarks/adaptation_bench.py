@@ -818,6 +818,13 @@ def summarise(results: Mapping[str, Any]) -> str:
                 f"- {model['model']['name']}, {case['kind']} trace: adaptive / oracle mean "
                 f"{ratio:.2f}, best static / adaptive mean {speed:.2f}x; {status}."
             )
+    met = stats.meeting_all(results["models"])
+    parts.append(
+        f"- every goal met on both the step and the bursty trace: {len(met)} of "
+        f"{len(results['models'])} models"
+        + (f" ({', '.join(met)})" if met else "")
+        + "; the issue asks for at least two models on a step trace and a bursty trace."
+    )
     return "\n".join(parts)
 
 

@@ -159,6 +159,27 @@ def test_verdicts_are_computed_from_the_figures() -> None:
     assert len(step) == 3  # the 1.3x goal is for the bursty traces only
     lte = stats.verdicts(_case(105.0, 100.0, 120.0, "bursty-lte", 0))
     assert [g["met"] for g in lte] == [True, False, True, True]
+    # The oracle itself is only 1.20x faster than the best static plan there: said so.
+    reach = "the oracle's own: 1.20x, so no choice among these plans reaches 1.3x"
+    assert reach in lte[1]["detail"]
+    assert "no choice" not in good[1]["detail"]  # 1.40x: within reach
+
+
+def test_the_models_meeting_every_goal_on_the_step_and_bursty_traces_are_named() -> None:
+    def model(name: str, **means: float) -> dict:
+        cases = []
+        for kind, adaptive in means.items():
+            case = _case(adaptive, 100.0, 140.0, kind.replace("_", "-"), 0)
+            cases.append({**case, "verdicts": stats.verdicts(case)})
+        return {"model": {"name": name}, "cases": cases}
+
+    models = [
+        model("a", step=105.0, bursty=100.0, bursty_lte=130.0),  # lte missed: not asked
+        model("b", step=115.0, bursty=100.0),  # step 15% off the oracle
+        model("c", step=100.0),  # no bursty run
+    ]
+    assert stats.meeting_all(models) == ["a"]
+    assert stats.meeting_all(models, kinds=("step",)) == ["a", "c"]
 
 
 def test_replay_prices_a_policy_by_the_static_runs() -> None:
