@@ -5,7 +5,9 @@ declared preprocessing (:mod:`tierflow.device.preprocess`), so that an app hands
 frames (8-bit pictures, or image file paths) and gets one
 :class:`~tierflow.device.client.Result` per frame::
 
-    with Device("plan/", "edge:50051") as device:
+    from tierflow.device import Device, DeviceClient
+
+    with Device(DeviceClient("plan/", "edge:50051", window=32)) as device:
         result = device.infer(frame)                  # one frame, start to end
         for result in device.stream(camera_frames):   # many, pipelined, in order
             ...
@@ -26,20 +28,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tierflow.cache import FeatureCache
-from tierflow.device.client import (
-    DEFAULT_DEADLINE_S,
-    DEFAULT_RETRY_S,
-    DEFAULT_WINDOW,
-    DeviceClient,
-    Result,
-    Ticket,
-)
+from tierflow.device.client import DeviceClient, Result, Ticket
 from tierflow.device.preprocess import Preprocess, plan_preprocess, read_image
-from tierflow.device.probing import DEFAULT_IDLE_S
 from tierflow.device.sources import Frame
 from tierflow.errors import InputError, TierflowError
-from tierflow.options import RuntimeOptions
 
 #: What :meth:`Device.infer` and :meth:`Device.stream` take: a picture (uint8 H x W [x C],
 #: RGB), an image file, a source :class:`Frame`, or the model inputs by name.
@@ -50,36 +42,15 @@ T = TypeVar("T")
 class Device:
     """The device's part of a plan: preprocess frames, run them, send the rest on.
 
-    Arguments are :class:`DeviceClient`'s, plus ``image_norm`` (``--image-norm``'s forms),
-    used when the plan records no normalisation for its image input. Use as a context
-    manager, or call :meth:`close`.
+    ``client`` runs the plan (its arguments say how: window, deadline, cache, ...); the
+    Device owns it from now on and closes it in :meth:`close`. ``image_norm``
+    (``--image-norm``'s forms) is used when the plan records no normalisation for its
+    image input. Use as a context manager, or call :meth:`close`.
     """
 
-    def __init__(
-        self,
-        plan_dir: str | Path,
-        edge: str | None = None,
-        *,
-        options: RuntimeOptions | None = None,
-        window: int = DEFAULT_WINDOW,
-        deadline_s: float = DEFAULT_DEADLINE_S,
-        cache: FeatureCache | None = None,
-        image_norm: str | None = None,
-        idle_probe_s: float | None = DEFAULT_IDLE_S,
-        retry_s: float = DEFAULT_RETRY_S,
-    ) -> None:
-        self.client = DeviceClient(
-            plan_dir,
-            edge,
-            options=options,
-            window=window,
-            deadline_s=deadline_s,
-            cache=cache,
-            idle_probe_s=idle_probe_s,
-            retry_s=retry_s,
-        )
-        self.plan = self.client.plan
-        self._plan_dir = plan_dir
+    def __init__(self, client: DeviceClient, *, image_norm: str | None = None) -> None:
+        self.client = client
+        self.plan = client.plan
         self._image_norm = image_norm
         self._preprocess: Preprocess | None = None
 
@@ -96,7 +67,7 @@ class Device:
     def preprocess(self) -> Preprocess:
         """The preprocessing of the plan's image input (found on first use)."""
         if self._preprocess is None:
-            self._preprocess = plan_preprocess(self.plan, self._plan_dir, self._image_norm)
+            self._preprocess = plan_preprocess(self.plan, self.client.plan_dir, self._image_norm)
         return self._preprocess
 
     def inputs(self, frame: FrameLike) -> dict[str, np.ndarray]:

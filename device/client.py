@@ -439,7 +439,7 @@ class DeviceClient:
         self.cache = cache
         self.codec = self.plan.link_codec("device-edge")
         self.local_only = _runs_on_device_only(self.plan)
-        self._plan_dir = plan_dir
+        self.plan_dir = plan_dir
         self.fallback_plan = None if self.local_only else _device_only(plans.plans)
         self.stream: StreamClient | None = None
         self._ids = itertools.count()
@@ -695,7 +695,7 @@ class DeviceClient:
             runner = self._runners.get(index)
             if runner is None:
                 plan = self.plans.plans[index]
-                runner = TierRunner(plan, self._plan_dir, "device", self.options, self._sessions)
+                runner = TierRunner(plan, self.plan_dir, "device", self.options, self._sessions)
                 self._runners[index] = runner
             return runner
 
@@ -703,7 +703,7 @@ class DeviceClient:
         """A segment file left the store: drop the sessions on it and the runners using it."""
         uses = functools.partial(_uses, file)
         with self._runners_lock:
-            self._sessions.pop(Path(self._plan_dir) / file, None)
+            self._sessions.pop(Path(self.plan_dir) / file, None)
             for index, runner in list(self._runners.items()):
                 if uses(runner):
                     del self._runners[index]

@@ -122,6 +122,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _device(args: argparse.Namespace) -> int:
     from tierflow.device.app import Device
+    from tierflow.device.client import DeviceClient
     from tierflow.device.sources import open_source, source_kind
 
     source_kind(args.source)  # a bad --source fails before the plan loads
@@ -134,14 +135,16 @@ def _device(args: argparse.Namespace) -> int:
             results = stack.enter_context(open(args.results, "w"))
         device = stack.enter_context(
             Device(
-                args.plan,
-                args.edge,
-                options=RuntimeOptions.from_args(args, plan),
-                window=args.window,
-                deadline_s=args.deadline,
+                DeviceClient(
+                    args.plan,
+                    args.edge,
+                    options=RuntimeOptions.from_args(args, plan),
+                    window=args.window,
+                    deadline_s=args.deadline,
+                    idle_probe_s=args.idle_probe,
+                    retry_s=args.retry,
+                ),
                 image_norm=args.image_norm,
-                idle_probe_s=args.idle_probe,
-                retry_s=args.retry,
             )
         )
         in_flight: collections.deque[tuple[Frame, Ticket]] = collections.deque()

@@ -11,10 +11,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cli import build_parser
 from tierflow.device.app import Device
-from tierflow.device.client import DEFAULT_RETRY_S
+from tierflow.device.client import DEFAULT_RETRY_S, DeviceClient
 from tierflow.device.probing import DEFAULT_IDLE_S
 from tierflow.errors import UsageError
-from tierflow.plan import Plan, SegmentSpec, save_plan
+from tierflow.links import LinkSpec
+from tierflow.plan import Plan, PlanSet, SegmentSpec, save_plan, save_plan_set
 
 COMMANDS = {
     "run": ["run", "--plan", "p", "--input", "in.npz"],
@@ -35,20 +36,43 @@ def test_idle_probe_and_retry_default_to_the_clients_and_can_be_set(command: str
             parser.parse_args([*COMMANDS[command], *wrong])
 
 
+def _matmul_segments(directory: Path) -> tuple[SegmentSpec, SegmentSpec]:
+    """Two tiny segments x -> h -> y, written into ``directory``."""
+    specs = []
+    for name, (src, dst) in {"s0.onnx": ("x", "h"), "s1.onnx": ("h", "y")}.items():
+        weights = numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", [src, "w"], [dst])],
+            "g",
+            [helper.make_tensor_value_info(src, TensorProto.FLOAT, [1, 4])],
+            [helper.make_tensor_value_info(dst, TensorProto.FLOAT, [1, 4])],
+            [weights],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        onnx.save(model, directory / name)
+        specs.append(SegmentSpec("device", name, (src,), (dst,)))
+    return specs[0], specs[1]
+
+
+def _plan(segments: tuple[SegmentSpec, ...]) -> Plan:
+    return Plan("m.onnx", "0" * 64, ("x",), ("y",), segments)
+
+
 def test_the_device_hands_the_retry_interval_to_its_client(tmp_path: Path) -> None:
-    weights = numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])],
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
-        [weights],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    onnx.save(model, tmp_path / "s0.onnx")
-    plan = Plan(
-        "m.onnx", "0" * 64, ("x",), ("y",), (SegmentSpec("device", "s0.onnx", ("x",), ("y",)),)
-    )
-    save_plan(plan, tmp_path)
-    with Device(tmp_path, retry_s=2.5, idle_probe_s=None) as device:
+    first, second = _matmul_segments(tmp_path)
+    save_plan(_plan((first, second)), tmp_path)
+    with Device(DeviceClient(tmp_path, retry_s=2.5, idle_probe_s=None)) as device:
         assert device.client.retry_s == 2.5 and device.client.prober is None
+
+
+def test_a_device_keeps_its_plan_when_its_client_is_not_adaptive(tmp_path: Path) -> None:
+    first, second = _matmul_segments(tmp_path)
+    with_edge = _plan((first, SegmentSpec("edge", second.file, second.inputs, second.outputs)))
+    alone = _plan((first, second))
+    regions = (({"device-edge": LinkSpec(200e6, 0.02)},), ({"device-edge": LinkSpec(2e6, 0.02)},))
+    save_plan_set(PlanSet((with_edge, alone), regions), tmp_path)
+    edge = "127.0.0.1:9"  # never dialled: no request is sent
+    with Device(DeviceClient(tmp_path, edge, idle_probe_s=None)) as device:
+        assert device.client.selector is not None  # a set with regions switches
+    with Device(DeviceClient(tmp_path, edge, adaptive=False, idle_probe_s=None)) as device:
+        assert device.client.selector is None and device.plan == with_edge

@@ -26,6 +26,7 @@ import pytest
 from tierflow.cli import main
 from tierflow.codec import ImageNorm
 from tierflow.device import Device
+from tierflow.device.client import DeviceClient
 from tierflow.device.preprocess import Preprocess, plan_preprocess, read_image
 from tierflow.device.sources import stdin_frames
 from tierflow.errors import InputError, UsageError
@@ -204,7 +205,10 @@ def test_device_api_infer_and_stream(rt: Any, tmp_path: Path) -> None:
     paths = _pictures(tmp_path / "frames", 4, seed=4)
     broken = tmp_path / "frames" / "broken.jpg"
     broken.write_bytes(b"\xff\xd8 not really")
-    with rt.tiers(split.plan_dir) as (edge, _, _), Device(split.plan_dir, edge) as device:
+    with (
+        rt.tiers(split.plan_dir) as (edge, _, _),
+        Device(DeviceClient(split.plan_dir, edge)) as device,
+    ):
         preprocess = device.preprocess
         pixels = read_image(paths[1])
         one = device.infer(pixels)
