@@ -13,6 +13,7 @@ import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -21,11 +22,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cloud.server import CloudServer
 from tierflow.edge.server import EdgeServer
-from tierflow.links import LinkSpec
 from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec, save_plan
 from tierflow.processes import ServeProcess
-from tierflow.sessions import DEFAULT_OPTIMIZATION, open_session
+from tierflow.sessions import open_session
 
 
 @dataclass(frozen=True)
@@ -220,14 +220,14 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_tiers(
-    plan_dir: Path,
-    *,
-    links: dict[str, LinkSpec] | None = None,
-    cache: object | None = None,
-    optimization: str = DEFAULT_OPTIMIZATION,
+    plan_dir: Path, *, cache: object | None = None, **settings: Any
 ) -> Iterator[tuple[str, EdgeServer, CloudServer]]:
-    """A cloud and an edge server in this process on free ports; stopped afterwards."""
-    options = RuntimeOptions(workers=2, links=links or {}, optimization=optimization)
+    """A cloud and an edge server in this process on free ports; stopped afterwards.
+
+    ``settings`` are :class:`RuntimeOptions` fields, the same for both tiers (``links``,
+    ``optimization``, ``slowdown``, ``security``, ...); ``workers`` is 2 unless given.
+    """
+    options = RuntimeOptions(**{"workers": 2, **settings})
     cloud = CloudServer(plan_dir, "127.0.0.1:0", cache=cache, options=options)  # type: ignore[arg-type]
     cloud.start()
     edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, options=options)

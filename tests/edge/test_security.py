@@ -15,7 +15,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.edge.probe import probe
-from tierflow.edge.server import EdgeServer
 from tierflow.errors import TransportError, UsageError
 from tierflow.mux import channel_options
 from tierflow.options import RuntimeOptions
@@ -39,19 +38,6 @@ def client_security(tls: dict[str, Path], who: str = "client") -> Security:
     )
 
 
-def serve(plan_dir: Path, security: Security) -> tuple[CloudServer, EdgeServer]:
-    options = RuntimeOptions(workers=1, security=security)
-    cloud = CloudServer(plan_dir, "127.0.0.1:0", options=options)
-    cloud.start()
-    edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, options=options)
-    try:
-        edge.start()
-    except BaseException:
-        cloud.stop(0)
-        raise
-    return cloud, edge
-
-
 def first_result(plan_dir: Path, edge: str, security: Security | None, feeds: Any) -> Any:
     options = RuntimeOptions(security=security or Security())
     with DeviceClient(plan_dir, edge, options=options, deadline_s=5.0) as client:
@@ -63,10 +49,10 @@ def test_mutual_tls_serves_only_clients_with_a_certificate_of_its_ca(
 ) -> None:
     split = rt.cnn(tmp_path / "plan")
     feeds = split.sample(1)[0]
-    cloud, edge = serve(split.plan_dir, server_security(tls_files))
-    try:
+    mutual_tls = server_security(tls_files)
+    with rt.tiers(split.plan_dir, workers=1, security=mutual_tls) as (edge, _, cloud):
         # Device -> edge -> cloud, every hop mutual TLS: the same answer as the unsplit model.
-        good = first_result(split.plan_dir, edge.address, client_security(tls_files), feeds)
+        good = first_result(split.plan_dir, edge, client_security(tls_files), feeds)
         assert good.ok, good.error
         expected = split.reference(feeds)
         for name, array in expected.items():
@@ -78,13 +64,13 @@ def test_mutual_tls_serves_only_clients_with_a_certificate_of_its_ca(
             "another CA's certificate": client_security(tls_files, "rogue"),
         }
         for what, security in refused.items():
-            result = first_result(split.plan_dir, edge.address, security, feeds)
+            result = first_result(split.plan_dir, edge, security, feeds)
             assert isinstance(result.error, TransportError), what
         # The cloud refuses a plaintext client too, and so do probe and health.
         with pytest.raises(TransportError):
             probe(cloud.address, pings=1, transfers=1, payload_bytes=1, connect_timeout=1.0)
         ok = probe(
-            edge.address,
+            edge,
             pings=1,
             transfers=1,
             payload_bytes=1024,
@@ -107,9 +93,6 @@ def test_mutual_tls_serves_only_clients_with_a_certificate_of_its_ca(
                 )
         finally:
             channel.close()
-    finally:
-        edge.stop(0)
-        cloud.stop(0)
 
 
 def test_a_token_is_required_on_every_call_but_health(
@@ -121,15 +104,15 @@ def test_a_token_is_required_on_every_call_but_health(
     token.write_text("s3cret-token\n")
     wrong = tmp_path / "wrong"
     wrong.write_text("s3cret-tokem\n")
-    cloud, edge = serve(split.plan_dir, Security(token_file=str(token)))
-    try:
-        good = first_result(split.plan_dir, edge.address, Security(token_file=str(token)), feeds)
+    tokens = Security(token_file=str(token))
+    with rt.tiers(split.plan_dir, workers=1, security=tokens) as (edge, _, _):
+        good = first_result(split.plan_dir, edge, Security(token_file=str(token)), feeds)
         assert good.ok, good.error  # the edge passes its token on to the cloud too
         for security in (None, Security(token_file=str(wrong))):
-            bad = first_result(split.plan_dir, edge.address, security, feeds)
+            bad = first_result(split.plan_dir, edge, security, feeds)
             assert isinstance(bad.error, TransportError)
             assert "UNAUTHENTICATED" in str(bad.error)
-        channel = grpc.insecure_channel(edge.address)
+        channel = grpc.insecure_channel(edge)
         try:
             health = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=5
@@ -137,9 +120,6 @@ def test_a_token_is_required_on_every_call_but_health(
             assert health.status == health_pb2.HealthCheckResponse.SERVING
         finally:
             channel.close()
-    finally:
-        edge.stop(0)
-        cloud.stop(0)
 
 
 def test_security_settings_are_checked(tmp_path: Path, tls_files: dict[str, Path]) -> None:
