@@ -20,6 +20,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from tierflow.cache import FeatureCache
 from tierflow.cloud.server import CloudServer
 from tierflow.edge.server import EdgeServer
 from tierflow.options import RuntimeOptions
@@ -187,7 +188,7 @@ def make_residual(directory: Path, codec: dict[str, str] | None = None) -> Split
         helper.make_node("Gemm", ["v", "wd"], ["y"], transB=1),
         helper.make_node("Softmax", ["y"], ["p"], axis=1),
     ]
-    segments = [
+    segments: list[tuple[str, list[int], list[str], list[str], list[ExitSpec]]] = [
         ("device", [0, 1], ["x"], ["a", "h"], []),
         ("edge", [2, 3, 4], ["h", "a"], ["t"], []),
         ("cloud", [5, 6, 7, 8], ["t", "a"], ["y", "p"], []),
@@ -203,7 +204,7 @@ def make_wide(directory: Path, width: int = 65536, codec: str = "raw") -> Split:
         helper.make_node("Neg", ["h1"], ["h2"]),
         helper.make_node("Sigmoid", ["h2"], ["y"]),
     ]
-    segments = [
+    segments: list[tuple[str, list[int], list[str], list[str], list[ExitSpec]]] = [
         ("device", [0], ["x"], ["h1"], []),
         ("edge", [1], ["h1"], ["h2"], []),
         ("cloud", [2], ["h2"], ["y"], []),
@@ -220,7 +221,7 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_tiers(
-    plan_dir: Path, *, cache: object | None = None, **settings: Any
+    plan_dir: Path, *, cache: FeatureCache | None = None, **settings: Any
 ) -> Iterator[tuple[str, EdgeServer, CloudServer]]:
     """A cloud and an edge server in this process on free ports; stopped afterwards.
 
@@ -228,7 +229,7 @@ def running_tiers(
     ``optimization``, ``slowdown``, ``security``, ...); ``workers`` is 2 unless given.
     """
     options = RuntimeOptions(**{"workers": 2, **settings})
-    cloud = CloudServer(plan_dir, "127.0.0.1:0", cache=cache, options=options)  # type: ignore[arg-type]
+    cloud = CloudServer(plan_dir, "127.0.0.1:0", cache=cache, options=options)
     cloud.start()
     edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, options=options)
     try:
