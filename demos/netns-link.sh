@@ -6,7 +6,7 @@
 #   sudo bash demos/netns-link.sh up [DE_RATE DE_RTT EC_RATE EC_RTT]   # 20mbit 10ms 200mbit 20ms
 #   sudo bash demos/netns-link.sh set device-edge 2mbit 30ms           # change a link now
 #   sudo bash demos/netns-link.sh replay device-edge uplink.csv        # SECONDS,RATE,RTT lines
-#   sudo bash demos/netns-link.sh run [MODEL.onnx IN.npz]              # plan, serve, run
+#   sudo bash demos/netns-link.sh run [MODEL.onnx IN.npz]   # up, plan, serve, run, down
 #   sudo bash demos/netns-link.sh down
 #
 # Addresses (10.77.0.0/16, only inside the namespaces this script makes):
@@ -110,23 +110,45 @@ replay() {  # LINK FILE.csv
         done
 }
 
+# Wait until HOST:PORT accepts connections from the device's namespace (at most 60 s).
+wait_for() {  # HOST PORT
+    local i
+    for i in $(seq 600); do
+        if ip netns exec $DEVICE bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null; then
+            return 0
+        fi
+        sleep 0.1
+    done
+    echo "nothing serves on $1:$2 after 60 s" >&2
+    return 1
+}
+
+# The emulated tiers of `tierflow demo`: a device 20x slower than this machine, an edge
+# 2x; the plan is made for them and for the links `up` shapes by default.
+DEVICE_SLOWDOWN=20 EDGE_SLOWDOWN=2
+WORK=
+
 run() {  # [MODEL.onnx IN.npz]
-    local work model=${1:-} input=${2:-}
-    work=$(mktemp -d)
-    trap 'down; rm -rf "$work"' EXIT
+    local model=${1:-} input=${2:-}
+    WORK=$(mktemp -d)
+    trap 'down; rm -rf "$WORK"' EXIT
     if [ -z "$model" ]; then
         cache=${TIERFLOW_CACHE:-$HOME/.cache/tierflow}/demo
         python -c 'from tierflow.zoo.digits import build_demo_model; build_demo_model()'
         model=$cache/model.onnx input=$cache/heldout.npz
     fi
-    tierflow plan "$model" -o "$work/plan" --link device-edge=20mbit,10ms --link edge-cloud=200mbit,20ms
-    ip netns exec $CLOUD tierflow serve cloud --plan "$work/plan" --listen 10.77.2.2:50052 &
-    ip netns exec $EDGE tierflow serve edge --plan "$work/plan" --listen 10.77.1.2:50051 \
-        --upstream 10.77.2.2:50052 &
-    sleep 3  # both print a line once they are serving
+    tierflow plan "$model" -o "$WORK/plan" --link device-edge=20mbit,10ms \
+        --link edge-cloud=200mbit,20ms --emulate device=$DEVICE_SLOWDOWN --emulate edge=$EDGE_SLOWDOWN
+    # Plaintext on the namespaces' private addresses (--insecure); see netns-link.md for TLS.
+    ip netns exec $CLOUD tierflow serve cloud --plan "$WORK/plan" --listen 10.77.2.2:50052 \
+        --insecure &
+    ip netns exec $EDGE tierflow serve edge --plan "$WORK/plan" --listen 10.77.1.2:50051 \
+        --upstream 10.77.2.2:50052 --insecure --slowdown $EDGE_SLOWDOWN &
+    wait_for 10.77.1.2 50051
     # No --link-emulation: the kernel shapes these links.
-    ip netns exec $DEVICE tierflow run --plan "$work/plan" --edge 10.77.1.2:50051 \
-        --input "$input" --output "$work/out.npz" --report "$work/report.jsonl"
+    ip netns exec $DEVICE tierflow run --plan "$WORK/plan" --edge 10.77.1.2:50051 \
+        --slowdown $DEVICE_SLOWDOWN --input "$input" --output "$WORK/out.npz" \
+        --report "$WORK/report.jsonl"
 }
 
 case ${1:-} in
@@ -134,6 +156,15 @@ case ${1:-} in
     down) down ;;
     set) shape "$2" "$3" "$4" change ;;
     replay) replay "$2" "$3" ;;
-    run) shift; up; run "$@" ;;
+    run)
+        shift
+        if ip netns list | grep -q "^$DEVICE\b"; then
+            echo "the namespaces are up already: 'run' makes its own (20mbit 10ms, 200mbit 20ms)" \
+                "and removes them; run 'down' first, or serve by hand (netns-link.md)" >&2
+            exit 2
+        fi
+        up
+        run "$@"
+        ;;
     *) sed -n '2,13p' "$0" >&2; exit 2 ;;
 esac
