@@ -391,6 +391,7 @@ class PlanSelector:
         self._excess_seen = 0.0
         self._seen = 0.0
         self._sends = [_sends_on_device_edge(plan) for plan in plans.plans]
+        self._bits = [_device_edge_bits(plan) for plan in plans.plans]
         self._detour: int | None = None  # the plan of the detour under way, if any
 
     def distances(self, links: Mapping[str, LinkSpec]) -> list[float]:
@@ -494,8 +495,7 @@ class PlanSelector:
     def _sends_more(self, best: int) -> bool:
         """Whether the current plan sends more over device-edge than ``best`` (by the
         cost model's figures; False when either records none)."""
-        plans = self.plans.plans
-        stay, move = _device_edge_bits(plans[self.current]), _device_edge_bits(plans[best])
+        stay, move = self._bits[self.current], self._bits[best]
         return stay is not None and move is not None and stay > move
 
     def _by_region(
