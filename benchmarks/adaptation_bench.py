@@ -10,10 +10,10 @@ taken at the start of the run (not cached: the shared machine's load changes), s
 to the emulated tiers of ``bench_emulation`` (device 10x, edge 2x, cloud 1x slower than
 one core here; an emulated tier sleeps ``slowdown - 1`` times each of its ONNX Runtime
 calls and each encoding or decoding it does, as its profile scales both: [Note: emulating
-a slower tier] in ``tierflow.segment_runner``). The cloud and the edge run as
+a slower tier] in ``tierflow.runtime.segment_runner``). The cloud and the edge run as
 ``tierflow serve`` child processes (``ServeProcess``) serving every plan of the set; the
 device is a ``DeviceClient`` in this process whose device-edge link replays a trace
-(``tierflow.linktrace``; the traces and their models are in ``adaptation_traces``).
+(``tierflow.link.trace``; the traces and their models are in ``adaptation_traces``).
 Each trace is played once per strategy:
 
 - every plan of the set alone (``static A``, ``static B``, ...; ``adaptive=False``),
@@ -68,11 +68,11 @@ import adaptation_traces as traces  # noqa: E402
 import bench_emulation as emu  # noqa: E402
 import bench_models  # noqa: E402
 
+from tierflow.cli.table import format_table  # noqa: E402
 from tierflow.device.switching import PlanSelector  # noqa: E402
-from tierflow.links import TIERS, LinkSpec  # noqa: E402
-from tierflow.linktrace import LinkTrace  # noqa: E402
+from tierflow.link.spec import TIERS, LinkSpec  # noqa: E402
+from tierflow.link.trace import LinkTrace  # noqa: E402
 from tierflow.plan import PlanSet  # noqa: E402
-from tierflow.table import format_table  # noqa: E402
 
 logger = logging.getLogger("benchmarks.adaptation")
 
@@ -348,7 +348,7 @@ def check_answers(
     run: Run, model_path: Path, requests: Sequence[Mapping[str, np.ndarray]]
 ) -> dict[str, int]:
     """Compare every answer with the unsplit model's, bit for bit; drops the outputs."""
-    from tierflow.sessions import open_session
+    from tierflow.runtime.sessions import open_session
 
     session = open_session(model_path, threads=1)
     names = [o.name for o in session.get_outputs()]
@@ -529,7 +529,7 @@ def bench_setup(
 ) -> dict[str, Any]:
     """Plan ``setup``'s model, serve the set on real tiers and play every trace."""
     from tierflow.partitioner.graph import load_model
-    from tierflow.processes import ServeProcess
+    from tierflow.runtime.processes import ServeProcess
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tierflow-adapt-") as folder:

@@ -1,6 +1,6 @@
 """The bandwidth traces of the adaptation benchmark: a step, and two bursty 4G-like uplinks.
 
-All are :class:`~tierflow.linktrace.LinkTrace` objects, written as the CSV files that
+All are :class:`~tierflow.link.trace.LinkTrace` objects, written as the CSV files that
 ``--link-emulation trace=FILE.csv`` replays. Pure and deterministic: the same parameters
 and seed give the same trace, byte for byte.
 
@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.links import LinkSpec
-from tierflow.linktrace import LinkTrace, step_trace
+from tierflow.link.spec import LinkSpec
+from tierflow.link.trace import LinkTrace, step_trace
 
 #: Round trip of the device-edge link in both traces (a 4G-class access link).
 TRACE_RTT_S = 0.030

@@ -3,7 +3,7 @@
 All three tiers run on this one machine, one ONNX Runtime thread each; a tier ``slowdown``
 times slower than this machine is emulated the way ``tierflow profile --slowdown`` and
 the runtime's ``SegmentRunner`` do it: what was measured here, times ``slowdown``.
-Links are emulated by the link model of :mod:`tierflow.links` (serialisation at the
+Links are emulated by the link model of :mod:`tierflow.link.spec` (serialisation at the
 rate plus RTT/2 each way), the same model the runtime's link shaper enforces.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Exits and caches make latency depend on the request (an easy one leaves early, a repeat
 is answered from the cache), so this is measured per request by walking the plan the way
-the runtime does ([Note: a request at a tier] in ``tierflow.service``), in-process:
+the runtime does ([Note: a request at a tier] in ``tierflow.runtime.service``), in-process:
 
 * the model is cut at the plan's cuts *and* at every exit's cut, and each piece runs in
   its own ONNX Runtime session (1 thread, times the tier's slowdown);
@@ -13,7 +13,7 @@ the runtime does ([Note: a request at a tier] in ``tierflow.service``), in-proce
   codecs reach the later pieces and the exits as they would in the runtime) and costs
   the link model's bytes × 8 / rate + RTT/2; the answer costs the same on the way back;
 * the first tier after the device keeps the runtime's exact cache
-  (``tierflow.cache_memory.MemoryCache``, keyed by ``cache.cache_key`` on the
+  (``tierflow.cache.memory.MemoryCache``, keyed by ``cache.cache_key`` on the
   decoded features): a hit is answered there. Lookups are timed; stores are not (the
   edge stores the cloud's answers after passing them on, off the request's path).
 
@@ -36,12 +36,12 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from tierflow import codec as codec_lib
-from tierflow.cache import CacheAnswer, cache_key
-from tierflow.cache_memory import MemoryCache
-from tierflow.links import LinkSpec
-from tierflow.segment_runner import exit_confidence
-from tierflow.sessions import open_session
+from tierflow.cache.base import CacheAnswer, cache_key
+from tierflow.cache.memory import MemoryCache
+from tierflow.codec import base as codec_lib
+from tierflow.link.spec import LinkSpec
+from tierflow.runtime.segment_runner import exit_confidence
+from tierflow.runtime.sessions import open_session
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ and ``bit_exact`` says whether every output also matched bit for bit.
 
 The image baselines (``cloud-only-jpeg`` at quality 90, its quality sweep
 ``cloud-only-jpeg-qNN``, ``cloud-only-png``) send the model's input as an 8-bit image
-(:mod:`tierflow.codec_image`, with the input's :class:`~tierflow.codec.ImageNorm`); their
+(:mod:`tierflow.codec.image`, with the input's :class:`~tierflow.codec.base.ImageNorm`); their
 codec times and bytes are measured per request on the benchmark's requests as every
 other codec's are (``bench_measure.measure_codecs``). A JPEG row carries its ``quality``.
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.codec import ImageNorm
+from tierflow.codec.base import ImageNorm
 
 logger = logging.getLogger(__name__)
 
@@ -356,7 +356,7 @@ def codec_kind(row: Row) -> str:
     """What a split row's feature codec is, for the split goal: ``learned`` (a grafted
     bottleneck), ``low-bit`` (4 bits or fewer a value: ``LOW_BIT_QUANTS``), else ``lossy``
     (fp16, int8, ...) or ``exact``."""
-    from tierflow.codec import CodecSpec
+    from tierflow.codec.base import CodecSpec
 
     if row["strategy"] == "tierflow-bottleneck":
         return "learned"
@@ -379,7 +379,7 @@ def split_goal(rows: Sequence[Row]) -> Row:
     there is none), the best other lossy one (``best_other_lossy``), every candidate point
     (each with its ``codec_kind``), and ``met``.
     """
-    from tierflow.codec import CodecSpec
+    from tierflow.codec.base import CodecSpec
 
     candidates: list[Row] = []
     for row in rows:

@@ -40,9 +40,9 @@ from typing import Any, TypeVar
 import numpy as np
 import onnxruntime as ort
 
-from tierflow import codec as codec_lib
-from tierflow.links import LinkSpec
-from tierflow.sessions import open_session
+from tierflow.codec import base as codec_lib
+from tierflow.link.spec import LinkSpec
+from tierflow.runtime.sessions import open_session
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.codec import ImageNorm
-from tierflow.codec_image import from_pixels
+from tierflow.codec.base import ImageNorm
+from tierflow.codec.image import from_pixels
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ def camera_frames(split: str, indices: list[int]) -> list[np.ndarray]:
 def smooth_images(count: int, channels: int, size: int, seed: int) -> np.ndarray:
     """``count`` smooth 8-bit images [count, 1, C, H, W], normalised by ``IMAGE_NORM``
     (with 3 channels; else the same mean and std per channel) as a camera client would:
-    ``tierflow.codec_image.from_pixels``, in float32, so PNG carries them bit for bit."""
+    ``tierflow.codec.image.from_pixels``, in float32, so PNG carries them bit for bit."""
     rng = np.random.default_rng(seed)
     coarse_size = max(2, size // 16)
     coarse = rng.random((count, channels, coarse_size, coarse_size))

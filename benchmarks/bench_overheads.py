@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.codec import PLANNER_CODECS
+from tierflow.codec.base import PLANNER_CODECS
 
 logger = logging.getLogger(__name__)
 

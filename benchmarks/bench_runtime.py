@@ -24,7 +24,7 @@ import numpy as np
 from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
-from tierflow.links import LINKS, LinkSpec
+from tierflow.link.spec import LINKS, LinkSpec
 from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec, save_plan
 
@@ -203,7 +203,7 @@ def run_exit_plan(
     cache_bytes: int,
 ) -> dict[str, Any]:
     """Serve an exit plan with a feature cache on the edge; time ``requests`` one by one."""
-    from tierflow.cache_memory import MemoryCache
+    from tierflow.cache.memory import MemoryCache
 
     with serving(plan_dir, links, slowdown, cache=MemoryCache(cache_bytes)) as client:
         results = [client.infer(inputs) for inputs in requests]

@@ -25,7 +25,7 @@ does for emulated tiers.
 
 Plans are then **measured independently of those profiles**: the actual segment files
 (cut out by the partitioner's `extract_segment`, which `split_model` writes into plan
-directories) run in ONNX Runtime sessions configured as the runtime's (`tierflow.sessions`,
+directories) run in ONNX Runtime sessions configured as the runtime's (`tierflow.runtime.sessions`,
 1 intra-op thread) on every request, and each request's real crossing tensors are encoded
 and decoded with every codec. A plan's latency for one request is composed from that
 request's measured stage times — the calling thread's CPU time, which is what a dedicated
@@ -279,7 +279,7 @@ def fidelity_section(
         "`tierflow` plans among the exact codecs only (the planner's default `--fidelity "
         "exact`), and its best-measured-plan regret is against the best measured plan with "
         "exact codecs. `cloud-only-jpeg` (quality 90) and `cloud-only-png` send the input as "
-        "an 8-bit image (`tierflow.codec_image`, the input's `ImageNorm`), with their encode "
+        "an 8-bit image (`tierflow.codec.image`, the input's `ImageNorm`), with their encode "
         "and decode times and bytes measured per request like every other codec; they exist "
         "for the image-input models only (the suite's CNNs and `digits-camera`; the demo's "
         "32x32 digits are not 8-bit pictures and the transformer takes tokens). "

@@ -33,7 +33,7 @@ from typing import Any
 import bench_emulation as emu
 import numpy as np
 
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 
 logger = logging.getLogger("benchmarks.splits")
 
@@ -102,7 +102,7 @@ class Parts:
             return 0.0
         if (start, end) not in self._segments:
             from tierflow.partitioner.split import extract_segment
-            from tierflow.sessions import open_session
+            from tierflow.runtime.sessions import open_session
 
             session = open_session(extract_segment(self.graph, start, end).SerializeToString())
             names = [i.name for i in session.get_inputs()]
@@ -119,7 +119,7 @@ class Parts:
         """Mean bytes, median encode and decode CPU ms here of cut ``cut``'s tensors."""
         key = (cut, codec)
         if key not in self._codecs:
-            from tierflow.codec import CodecSpec, decode, encode
+            from tierflow.codec.base import CodecSpec, decode, encode
 
             spec = CodecSpec.parse(codec)
             plain = spec.lossless_part() if spec.image else spec

@@ -60,7 +60,7 @@ if str(HERE) not in sys.path:
 import bench_emulation as emu  # noqa: E402
 import bench_splits  # noqa: E402
 
-from tierflow.links import LinkSpec  # noqa: E402
+from tierflow.link.spec import LinkSpec  # noqa: E402
 
 logger = logging.getLogger("benchmarks.bottleneck")
 
@@ -115,8 +115,8 @@ OUTPUT_DISTILLATION = False
 
 
 def _session(model: Any) -> Any:
-    """The tiers' session: one intra-op thread, 'extended' (tierflow.sessions)."""
-    from tierflow.sessions import open_session
+    """The tiers' session: one intra-op thread, 'extended' (tierflow.runtime.sessions)."""
+    from tierflow.runtime.sessions import open_session
 
     return open_session(model if isinstance(model, bytes) else model.SerializeToString())
 
@@ -172,7 +172,7 @@ def input_codec_points(
     then the next), so a busy spell on this shared machine slows every codec alike rather
     than one quality of the sweep.
     """
-    from tierflow.codec import ImageNorm, decode, encode
+    from tierflow.codec.base import ImageNorm, decode, encode
 
     norm = ImageNorm(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
     session = _session(model_path.read_bytes())
@@ -732,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("[bench] bottlenecks done, %.0f s", time.perf_counter() - started)
     rows = latency_rows(inputs, bottlenecks, cloud_ms, held_count)
 
-    from tierflow.codec import ImageNorm
+    from tierflow.codec.base import ImageNorm
     from tierflow.partitioner.graph import load_model
 
     graph = load_model(model_path)

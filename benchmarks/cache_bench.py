@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 
 # One BLAS thread, as a cloud server sharing its cores should run (see [Note: search
-# cost] in tierflow.cache_approx); set before numpy loads BLAS.
+# cost] in tierflow.cache.approx); set before numpy loads BLAS.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -48,16 +48,16 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from tierflow.cache import CacheAnswer, FeatureCache, cache_key
-from tierflow.cache_approx import (
+from tierflow.cache.approx import (
     ApproxCache,
     calibrate_threshold,
     nearest,
     signature,
 )
-from tierflow.cache_memory import MemoryCache
-from tierflow.sessions import open_session
-from tierflow.table import format_table
+from tierflow.cache.base import CacheAnswer, FeatureCache, cache_key
+from tierflow.cache.memory import MemoryCache
+from tierflow.cli.table import format_table
+from tierflow.runtime.sessions import open_session
 from tierflow.units import format_size
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cache.json"

@@ -71,18 +71,18 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from tierflow.cli.table import format_table
 from tierflow.device.client import DeviceClient, Result, Ticket
 from tierflow.errors import DeadlineError, RemoteError
-from tierflow.mux import channel_options
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, SegmentSpec, load_plan, save_plan
-from tierflow.processes import ServeProcess
 from tierflow.rpc import tier_pb2
-from tierflow.security import Security
-from tierflow.segment_runner import TierRunner
-from tierflow.sessions import open_session
-from tierflow.table import format_table
-from tierflow.wire import put_tensors
+from tierflow.runtime.processes import ServeProcess
+from tierflow.runtime.segment_runner import TierRunner
+from tierflow.runtime.sessions import open_session
+from tierflow.transport.security import Security
+from tierflow.transport.stream_client import channel_options
+from tierflow.transport.wire import put_tensors
 
 RESULTS = Path(__file__).resolve().parent / "results" / "chaos.json"
 INPUTS = 64  # distinct inputs, each with its reference answer; request i uses i % INPUTS
@@ -304,7 +304,7 @@ def log_findings(logs: Path, prefix: str) -> dict[str, Any]:
                 if len(quoted) < 10:
                     quoted.append(f"{path.name}:{number + 1}: {line.strip()}")
                 continue
-            parts = line.split(" ", 3)  # date time LEVEL name: message (tierflow.cli)
+            parts = line.split(" ", 3)  # date time LEVEL name: message (tierflow.cli.main)
             level = parts[2] if len(parts) > 3 and parts[2] in _LEVELS else None
             if level is None:
                 continue
@@ -409,7 +409,7 @@ def faults(plan_dir: Path, reference: Reference, work: Path, args: argparse.Name
         f"&hmac_key_file={key}"
     )
     dropped = _DroppedReplies()
-    mux_logger = logging.getLogger("tierflow.mux")
+    mux_logger = logging.getLogger("tierflow.transport.stream_client")
     mux_logger.addHandler(dropped)
     mux_logger.setLevel(logging.DEBUG)
     mux_logger.propagate = False  # counted here; its warnings would flood the output
@@ -1155,7 +1155,8 @@ def markdown(results: dict[str, Any]) -> list[str]:
             f"{f['duplicated']} | {f['dropped_extra_replies']} | {len(crashes)} |\n",
             f"Failed requests by error: {f['errors_by_code'] or 'none'}. A request in flight on "
             "a tier that is killed may have reached it, so it is failed with a typed error, "
-            "never sent twice ([Note: retries and failing fast] in `tierflow/mux.py`); while "
+            "never sent twice ([Note: retries and failing fast] in "
+            "`tierflow/transport/stream_client.py`); while "
             "a killed edge restarts, the device fails requests at once (`known down`), and "
             "while a killed cloud restarts the edge answers UPSTREAM_UNAVAILABLE, so most "
             "failures are requests offered at the steady rate during a restart, which takes "

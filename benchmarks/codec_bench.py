@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from tierflow.codec import CodecSpec, CodecStats, measure
-from tierflow.table import format_table
+from tierflow.cli.table import format_table
+from tierflow.codec.base import CodecSpec, CodecStats, measure
 
 SCHEMES: tuple[str, ...] = (
     "raw",

@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from tierflow.codec import LOW_BIT_CODECS, decode, encode
+from tierflow.cli.table import format_table
+from tierflow.codec.base import LOW_BIT_CODECS, decode, encode
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import extract_segment
-from tierflow.sessions import open_session
-from tierflow.table import format_table
+from tierflow.runtime.sessions import open_session
 from tierflow.zoo.digits import build_demo_model
 
 CODECS: tuple[str, ...] = (

@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from tierflow.mux import channel_options
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.transport.stream_client import channel_options
+from tierflow.transport.wire import grpc_options
 from tierflow.tuning import tune_for_latency
-from tierflow.wire import grpc_options
 
 
 class Relay(tier_pb2_grpc.TierServicer):

@@ -7,7 +7,7 @@ JPEG quality sweep, WebP, PNG, and the tensor codecs (``int8+zstd`` and friends)
 same normalised tensor — it reports bytes per request, the error against the exact
 tensor (largest and mean, in pixel levels: normalised error x std x 255) and the encode
 and decode time (medians, one core). A second table is the measurement behind the
-choice of JPEG library ([Note: image codecs] in tierflow/codec_image.py): simplejpeg
+choice of JPEG library ([Note: image codecs] in tierflow/codec/image.py): simplejpeg
 against Pillow, both libjpeg-turbo, at quality 90.
 
 Writes ``benchmarks/results/image_codec.json``.
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.codec import ImageNorm, decode, encode
+from tierflow.codec.base import ImageNorm, decode, encode
 from tierflow.partitioner.report import format_table
 
 RESULTS = Path(__file__).resolve().parent / "results" / "image_codec.json"

@@ -52,8 +52,9 @@ from typing import Any
 
 import numpy as np
 
-from tierflow import codec as codec_lib
-from tierflow.links import LINKS, TIERS, LinkSpec
+from tierflow.cli.table import format_table
+from tierflow.codec import base as codec_lib
+from tierflow.link.spec import LINKS, TIERS, LinkSpec
 from tierflow.partitioner.cost import Estimate, Problem, build_tables
 from tierflow.partitioner.graph import ModelGraph, load_model
 from tierflow.partitioner.planner import DEFAULT_EMULATION, codec_candidates
@@ -66,7 +67,6 @@ from tierflow.partitioner.profile import (
 )
 from tierflow.partitioner.search import search
 from tierflow.partitioner.split import extract_segment, split_model
-from tierflow.table import format_table
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planning.json"
 

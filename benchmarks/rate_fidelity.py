@@ -84,7 +84,7 @@ IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 
 def feature_codecs() -> tuple[str, ...]:
     """The planner's exact and lossy codecs, then the low-bit ones it does not try itself."""
-    from tierflow.codec_spec import EXACT_PLANNER_CODECS, LOSSY_PLANNER_CODECS, LOW_BIT_CODECS
+    from tierflow.codec.spec import EXACT_PLANNER_CODECS, LOSSY_PLANNER_CODECS, LOW_BIT_CODECS
 
     known = EXACT_PLANNER_CODECS + LOSSY_PLANNER_CODECS
     return known + tuple(c for c in LOW_BIT_CODECS if c not in known)
@@ -104,7 +104,7 @@ class Subject:
 
 def orientation(count: int) -> Subject:
     """The page orientation classifier on ``count`` held-out turned pages."""
-    from tierflow.codec import ImageNorm
+    from tierflow.codec.base import ImageNorm
     from tierflow.partitioner.fidelity_probe import sample_requests
     from tierflow.partitioner.graph import load_model
     from tierflow.zoo import real, samples
@@ -135,7 +135,7 @@ def camera_model_path() -> Path:
 
 def digits_camera(count: int) -> Subject:
     """The demo's digits classifier on ``count`` 224x224 frames of the held-out digits."""
-    from tierflow.codec import ImageNorm
+    from tierflow.codec.base import ImageNorm
     from tierflow.partitioner.fidelity_probe import sample_requests
     from tierflow.partitioner.graph import load_model
     from tierflow.zoo.digits_camera import FRAME_INPUT, digit_frames, frame_tensor
@@ -177,7 +177,7 @@ def sent_bytes(
     As the runtime sends them (:func:`tierflow.partitioner.image_inputs.crossed_with`):
     with an image codec the image inputs travel as images and anything else losslessly.
     """
-    from tierflow.codec import CodecSpec, decode, encode
+    from tierflow.codec.base import CodecSpec, decode, encode
 
     spec = CodecSpec.parse(codec)
     plain = spec.lossless_part() if spec.image else spec
@@ -195,7 +195,7 @@ def prefix_ms(subject: Subject, cut: int, requests: int = 5, repeats: int = 3) -
     from bench_splits import cpu_ms
 
     from tierflow.partitioner.split import extract_segment
-    from tierflow.sessions import open_session
+    from tierflow.runtime.sessions import open_session
 
     if cut == 0:
         return 0.0
@@ -210,7 +210,7 @@ def prefix_ms(subject: Subject, cut: int, requests: int = 5, repeats: int = 3) -
 
 def measure(subject: Subject, cuts: Sequence[int]) -> list[dict[str, Any]]:
     """Every codec at every cut (and the image codecs at the input): bytes and fidelity."""
-    from tierflow.codec import CodecSpec
+    from tierflow.codec.base import CodecSpec
     from tierflow.partitioner.fidelity import FidelityBudget
     from tierflow.partitioner.fidelity_probe import FidelityProbe
 

@@ -52,8 +52,8 @@ import bench_report  # noqa: E402
 import bench_sections  # noqa: E402
 import strategies  # noqa: E402
 
-from tierflow.codec import EXACT_PLANNER_CODECS  # noqa: E402
-from tierflow.links import TIERS  # noqa: E402
+from tierflow.codec.base import EXACT_PLANNER_CODECS  # noqa: E402
+from tierflow.link.spec import TIERS  # noqa: E402
 
 logger = logging.getLogger("benchmarks.run")
 # The benchmark's own modules, whose progress lines are shown (the tiers' are not).

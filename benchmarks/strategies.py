@@ -52,8 +52,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tierflow.codec import EXACT_PLANNER_CODECS
-from tierflow.links import LinkSpec
+from tierflow.codec.base import EXACT_PLANNER_CODECS
+from tierflow.link.spec import LinkSpec
 from tierflow.partitioner.cost import (
     CostTables,
     Estimate,

@@ -60,12 +60,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from tierflow.cli.table import format_table
 from tierflow.device.client import DeviceClient, Result
-from tierflow.mux import channel_options
 from tierflow.plan import Plan, SegmentSpec, save_plan
-from tierflow.processes import ServeProcess
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.table import format_table
+from tierflow.runtime.processes import ServeProcess
+from tierflow.transport.stream_client import channel_options
 from tierflow.tuning import tune_for_latency
 
 RESULTS = Path(__file__).resolve().parent / "results" / "transport.json"

@@ -58,9 +58,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tierflow.cache import CacheAnswer, CacheStats, FeatureCache, answer_nbytes
-from tierflow.cache_config import CacheSpec, build_cache, redact
-from tierflow.cache_memory import Clock, check_budget
+from tierflow.cache.base import CacheAnswer, CacheStats, FeatureCache, answer_nbytes
+from tierflow.cache.config import CacheSpec, build_cache, redact
+from tierflow.cache.memory import Clock, check_budget
 from tierflow.errors import CacheError
 
 if TYPE_CHECKING:
@@ -473,7 +473,7 @@ def build_server_cache(spec: CacheSpec, *, clock: Clock | None = None) -> Featur
 
     An unreachable Redis is not an error: the cache starts without it and uses it once
     it answers (see [Note: redis circuit breaker]). ``clock`` is for the in-process
-    caches (:func:`tierflow.cache_config.build_cache`).
+    caches (:func:`tierflow.cache.config.build_cache`).
     """
     if spec.kind != "redis":
         return build_cache(spec, clock=clock)

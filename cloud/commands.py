@@ -1,7 +1,7 @@
 """``tierflow serve cloud``: finish the model and answer, until SIGTERM or SIGINT.
 
-The options every server takes are in ``tierflow.server``; ``--cache`` (which the edge's
-server takes too) builds an in-process cache (``tierflow.cache_config``) or the Redis
+The options every server takes are in ``tierflow.runtime.server``; ``--cache`` (which the edge's
+server takes too) builds an in-process cache (``tierflow.cache.config``) or the Redis
 cache replicas share (``cache_redis`` beside this module).
 """
 
@@ -10,15 +10,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tierflow.helptext import examples
+from tierflow.cli.helptext import examples
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
-from tierflow.server import add_serve_parser, serve_until_stopped
+from tierflow.runtime.server import add_serve_parser, serve_until_stopped
 
 
 def _cache_argument(text: str) -> Any:
     # The cache modules are imported only when the option is given.
-    from tierflow.cache_config import cache_spec_argument
+    from tierflow.cache.config import cache_spec_argument
 
     return cache_spec_argument(text)
 

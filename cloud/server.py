@@ -1,8 +1,8 @@
 """The cloud server: finishes the model (with early exits) and answers, using its caches.
 
 The cloud is the last tier: it never forwards. Requests go through
-``tierflow.service`` ([Note: a request at a tier]); a feature cache (the interface in
-``tierflow.cache``; in-process ones in the core, Redis in ``cache_redis`` beside this) is
+``tierflow.runtime.service`` ([Note: a request at a tier]); a feature cache (the interface in
+``tierflow.cache.base``; in-process ones in the core, Redis in ``cache_redis`` beside this) is
 consulted before any segment runs. ``tierflow serve cloud`` (``tierflow.cloud.commands``)
 runs one of these until it is stopped.
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tierflow.cache import FeatureCache
+from tierflow.cache.base import FeatureCache
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
-from tierflow.server import TierServer
-from tierflow.service import TierService
+from tierflow.runtime.server import TierServer
+from tierflow.runtime.service import TierService
 
 
 class CloudServer(TierServer):

@@ -22,7 +22,7 @@ What it does, in order (each step prints what it measured):
    run for every strategy. With --json that table is one JSON object on stdout and
    the steps go to stderr.
 
-Every process it starts (``tierflow.processes.ServeProcess``) is stopped on the way out,
+Every process it starts (``tierflow.runtime.processes.ServeProcess``) is stopped on the way out,
 also on errors and Ctrl-C.
 """
 
@@ -44,11 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.codec import ImageNorm
+from tierflow.cli.helptext import HelpFormatter, examples
+from tierflow.codec.base import ImageNorm
 from tierflow.errors import UsageError
-from tierflow.helptext import HelpFormatter, examples
-from tierflow.links import LINKS, TIERS, LinkSpec
-from tierflow.processes import ServeProcess
+from tierflow.link.spec import LINKS, TIERS, LinkSpec
+from tierflow.runtime.processes import ServeProcess
 from tierflow.tuning import tune_for_latency
 
 logger = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ def register(subparsers: Any) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from tierflow.links import parse_link_option
+    from tierflow.link.spec import parse_link_option
 
     links = {name: LinkSpec.parse(text) for name, text in DEFAULT_LINKS.items()}
     for text in args.link:
@@ -311,7 +311,7 @@ def _demo(
 
 def _top1(model_path: Path, frames: np.ndarray) -> np.ndarray:
     """The exact model's top-1 class for each frame, in ONNX Runtime, in batches."""
-    from tierflow.sessions import open_session
+    from tierflow.runtime.sessions import open_session
     from tierflow.zoo.digits_camera import FRAME_INPUT, frame_tensor
 
     session = open_session(model_path)
@@ -455,7 +455,7 @@ def _live(run: StrategyRun, done: int, total: int) -> None:
 
 
 def _results_table(runs: Sequence[StrategyRun]) -> str:
-    from tierflow.table import format_table
+    from tierflow.cli.table import format_table
 
     headers = [
         "strategy",

@@ -7,7 +7,7 @@ device-edge codec and sends it on one long-lived stream to the edge, with up to
 Each request ends as one :class:`Result`: the outputs, or a typed error
 (``TransportError``, ``DeadlineError`` or ``RemoteError``) — never a hang: a request not
 answered within ``deadline_s`` fails with a ``DeadlineError``, and a tier that goes away
-fails every request in flight at once (see ``tierflow.mux``).
+fails every request in flight at once (see ``tierflow.transport.stream_client``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.cache import CacheAnswer, FeatureCache, cache_key
-from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
+from tierflow.cache.base import CacheAnswer, FeatureCache, cache_key
+from tierflow.codec.base import DEFAULT_MAX_TENSOR_BYTES
 from tierflow.device.probing import DEFAULT_IDLE_S, IdleProber
 from tierflow.device.switching import LinkEstimator, PlanSelector, backlog_s, rate_ceiling
 from tierflow.errors import (
@@ -40,15 +40,15 @@ from tierflow.errors import (
     TransportError,
     UsageError,
 )
-from tierflow.linkemu import LinkShaper
-from tierflow.links import LINKS, TIERS, LinkSpec
-from tierflow.mux import Sent, StreamClient
+from tierflow.link.emulation import LinkShaper
+from tierflow.link.spec import LINKS, TIERS, LinkSpec
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, load_plan_set
 from tierflow.rpc import tier_pb2
-from tierflow.segment_runner import SegmentRunner, TierRunner, emulate_slower
-from tierflow.segments import SegmentSource, SegmentStore, tier_files
-from tierflow.wire import (
+from tierflow.runtime.segment_runner import SegmentRunner, TierRunner, emulate_slower
+from tierflow.runtime.segment_store import SegmentSource, SegmentStore, tier_files
+from tierflow.transport.stream_client import Sent, StreamClient
+from tierflow.transport.wire import (
     MAX_DEADLINE_AHEAD_S,
     decode_tensors,
     error_from_proto,
@@ -341,7 +341,7 @@ class DeviceClient:
     ``device-edge`` matters here), limits, and the TLS and token setting of the channel
     to the edge. ``window`` requests are in flight at most; each fails with a
     ``DeadlineError`` if not answered within ``deadline_s``. ``cache`` (any
-    :class:`~tierflow.cache.FeatureCache`, e.g. from ``run --cache``) is looked up with
+    :class:`~tierflow.cache.base.FeatureCache`, e.g. from ``run --cache``) is looked up with
     the model inputs before anything runs: a hit is answered here, with no compute and
     nothing sent (``answered_by`` "device", ``cache_hit``); every answer is stored when
     its result is read. When the plan directory also holds a device-only plan, requests
@@ -363,7 +363,7 @@ class DeviceClient:
 
     [Note: losing a tier]
     When the cloud is gone, the edge answers what it can ([Note: answering without the
-    next tier] in tierflow/service.py): from its early exit, marked ``fallback`` with the
+    next tier] in tierflow/runtime/service.py): from its early exit, marked ``fallback`` with the
     reason, or with an ``UPSTREAM_UNAVAILABLE`` error. The device takes either as
     news that the cloud is missing. The request that met the error is finished with a
     plan of the set that does not need the cloud: run here if it is the device-only
@@ -822,7 +822,7 @@ class DeviceClient:
             codec = plan.link_codec("device-edge")
             encoding = time.thread_time()
             nbytes = put_tensors(request.tensors, outcome.tensors, codec, plan.images)
-            # See [Note: emulating a slower tier] in tierflow/segment_runner.py.
+            # See [Note: emulating a slower tier] in tierflow/runtime/segment_runner.py.
             emulate_slower(self.options.slowdown, encoding, time.thread_time)
             device_ms = (time.perf_counter() - started) * 1e3
             sent = self.stream.submit(

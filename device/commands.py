@@ -19,17 +19,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tierflow.cli.helptext import HelpFormatter, examples
+from tierflow.cli.table import format_table
 from tierflow.errors import UsageError
-from tierflow.helptext import HelpFormatter, examples
-from tierflow.linkemu import add_link_arguments
-from tierflow.links import LINKS, TIERS
+from tierflow.link.emulation import add_link_arguments
+from tierflow.link.spec import LINKS, TIERS
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
-from tierflow.providers import add_providers_argument
-from tierflow.security import add_security_arguments
-from tierflow.segments import add_segment_budget_argument
-from tierflow.sessions import add_optimization_argument
-from tierflow.table import format_table
+from tierflow.runtime.providers import add_providers_argument
+from tierflow.runtime.segment_store import add_segment_budget_argument
+from tierflow.runtime.sessions import add_optimization_argument
+from tierflow.transport.security import add_security_arguments
 from tierflow.units import format_duration, format_rate, format_size, parse_duration
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ def _idle_probe(text: str) -> float | None:
 
 def _cache_argument(text: str) -> Any:
     # The cache modules are imported only when the option is given.
-    from tierflow.cache_config import cache_spec_argument
+    from tierflow.cache.config import cache_spec_argument
 
     spec = cache_spec_argument(text)
     if spec.kind == "redis":
@@ -167,7 +167,7 @@ def _cache_argument(text: str) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tierflow.cache_config import build_cache
+    from tierflow.cache.config import build_cache
     from tierflow.device.client import DeviceClient
     from tierflow.device.npz import load_requests, output_row, write_outputs
     from tierflow.device.progress import PartialWriter, partial_path, read_partial

@@ -22,7 +22,7 @@ from tierflow.device.client import Result
 from tierflow.errors import UsageError
 from tierflow.npz import read_requests
 from tierflow.plan import Plan
-from tierflow.sessions import open_session
+from tierflow.runtime.sessions import open_session
 
 
 def input_ranks(
@@ -32,7 +32,7 @@ def input_ranks(
 
     ``known`` ranks (from sessions the caller already holds) spare loading a segment. An
     input read first by a segment file this device does not hold (it runs no segment, and
-    fetches only its own: [Note: segments on demand] in ``tierflow.segments``) is left
+    fetches only its own: [Note: segments on demand] in ``tierflow.runtime.segment_store``) is left
     out: its rank is unknown, and its rows are taken as they are.
     """
     ranks: dict[str, int] = dict(known or {})

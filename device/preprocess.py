@@ -8,7 +8,7 @@ in three steps, always the same ones, so that a result can be reproduced from th
    input's channel count asks;
 2. **normalise**: ``x = (pixel / scale - mean) / std`` per channel, in float32, with the
    plan's own normalisation of that input when the plan records one (``plan.json``
-   ``image_inputs``, :class:`tierflow.codec.ImageNorm`), else the one given
+   ``image_inputs``, :class:`tierflow.codec.base.ImageNorm`), else the one given
    (``--image-norm``, the forms ``tierflow plan`` takes), else ``unit`` (pixel / 255);
 3. **layout**: channels where the normalisation's layout puts them (NCHW or NHWC), with
    the leading batch axis of 1.
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tierflow.codec import ImageNorm
+from tierflow.codec.base import ImageNorm
 from tierflow.errors import InputError, UsageError
 from tierflow.extras import import_extra
 from tierflow.image_norm import NormSpec, parse_norm
 from tierflow.plan import Plan
-from tierflow.sessions import open_session
+from tierflow.runtime.sessions import open_session
 
 
 @dataclass(frozen=True)

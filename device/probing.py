@@ -13,10 +13,10 @@ A probe round opens a short ``Probe`` stream and sends two empty messages (the r
 trip: the faster of the two) and then one payload of ``probe_bytes`` (the estimate's
 rate times :data:`PROBE_TIME_S`, within :data:`MIN_PROBE_BYTES` and
 :data:`MAX_PROBE_BYTES`), asking nothing back: a tier sends a probe no more than it was
-sent (``tierflow.service``, [Note: probe credit]), and these answers are a few bytes.
+sent (``tierflow.runtime.service``, [Note: probe credit]), and these answers are a few bytes.
 The payload's transfer time is measured as a request's is ([Note: honest link figures]
-in ``tierflow.linkemu``): on an emulated link it is booked on the same
-:class:`~tierflow.linkemu.LinkShaper` as the requests (a request arriving meanwhile
+in ``tierflow.link.emulation``): on an emulated link it is booked on the same
+:class:`~tierflow.link.emulation.LinkShaper` as the requests (a request arriving meanwhile
 waits behind it, and counts that as queueing, as behind any message) and its transfer
 is the emulated serialisation; on a real link it is the payload's round trip less the
 empty one's. Bytes over that time feed the device-edge
@@ -39,7 +39,7 @@ of the time. A probe long after the last
 observation replaces most of the estimate (its weight grows with the time since,
 ``LinkEstimator``), so a few probes suffice even far apart.
 A probe that fails (the edge is down) is skipped: the channel's own state tells the
-device that ([Note: retries and failing fast] in ``tierflow.mux``).
+device that ([Note: retries and failing fast] in ``tierflow.transport.stream_client``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from tierflow.errors import TransportError, UsageError
-from tierflow.linkemu import LinkShaper
+from tierflow.link.emulation import LinkShaper
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -29,17 +29,17 @@ import threading
 from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Any
 
+from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.device.commands import (
     add_adaptation_arguments,
     add_device_runtime_arguments,
     add_plan_arguments,
 )
 from tierflow.errors import UsageError
-from tierflow.helptext import HelpFormatter, examples
-from tierflow.linkemu import add_link_arguments
+from tierflow.link.emulation import add_link_arguments
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
-from tierflow.security import add_security_arguments
+from tierflow.transport.security import add_security_arguments
 from tierflow.units import parse_duration
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
     from tierflow.device.client import Result, Ticket
     from tierflow.device.sources import Frame
-    from tierflow.metrics import TierMetrics
+    from tierflow.runtime.metrics import TierMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -182,12 +182,12 @@ def _device(args: argparse.Namespace) -> int:
 
 
 def _start_metrics(args: argparse.Namespace, in_flight: Callable[[], int]) -> TierMetrics | None:
-    """The device's Prometheus metrics (``tierflow.metrics``), when ``--metrics-port``."""
+    """The device's Prometheus metrics (``tierflow.runtime.metrics``), when ``--metrics-port``."""
     if args.metrics_port is None:
         return None
     if not 0 <= args.metrics_port <= 65535:
         raise UsageError(f"--metrics-port must be a port number, got {args.metrics_port}")
-    from tierflow.metrics import TierMetrics
+    from tierflow.runtime.metrics import TierMetrics
 
     metrics = TierMetrics("device", in_flight)
     port = metrics.start(args.metrics_host, args.metrics_port)

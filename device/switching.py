@@ -31,7 +31,7 @@ The hold also shortens with what staying costs ([Note: a hold priced by the cost
 model]), and a censored bound ends it at once ([Note: a bound needs no second look]).
 
 A switch may cost a fetch: a plan whose device segments are not held locally needs them
-from the edge first ([Note: segments on demand] in tierflow/segments.py). The caller
+from the edge first ([Note: segments on demand] in tierflow/runtime/segment_store.py). The caller
 passes, per plan, the bytes it would fetch (``plan.json`` records each segment's size),
 and the other plan must then stay the better one for ``hold_s`` plus the time that fetch
 takes at the estimated device-edge rate. Meanwhile the device fetches those segments in
@@ -137,7 +137,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tierflow.errors import UsageError
-from tierflow.links import LINKS, LinkSpec
+from tierflow.link.spec import LINKS, LinkSpec
 from tierflow.plan import Plan, PlanSet
 
 #: Decades of rate (or of RTT in ms) by which another region must be closer to switch.

@@ -1,7 +1,7 @@
 """``tierflow serve edge`` and ``tierflow probe``.
 
 The server runs until SIGTERM or SIGINT and then stops gracefully; the options it shares
-with ``tierflow serve cloud`` are in ``tierflow.server``, and ``--cache`` is the cloud's
+with ``tierflow serve cloud`` are in ``tierflow.runtime.server``, and ``--cache`` is the cloud's
 (``tierflow.cloud.commands``: the shared Redis cache lives there). ``probe`` measures the
 link to a running tier and prints it the way ``tierflow plan --link`` takes it.
 """
@@ -12,13 +12,13 @@ import argparse
 import json
 import logging
 
+from tierflow.cli.helptext import HelpFormatter, examples
+from tierflow.cli.table import format_table
 from tierflow.cloud.commands import add_cache_argument
-from tierflow.helptext import HelpFormatter, examples
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
-from tierflow.security import Security, add_security_arguments
-from tierflow.server import add_serve_parser, serve_until_stopped
-from tierflow.table import format_table
+from tierflow.runtime.server import add_serve_parser, serve_until_stopped
+from tierflow.transport.security import Security, add_security_arguments
 from tierflow.units import format_duration, format_rate, parse_size
 
 logger = logging.getLogger(__name__)

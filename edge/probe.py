@@ -27,10 +27,10 @@ from typing import Any
 import grpc
 
 from tierflow.errors import TransportError, UsageError
-from tierflow.links import LinkSpec, check_link
-from tierflow.mux import channel_options
+from tierflow.link.spec import LinkSpec, check_link
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.security import Security, open_channel
+from tierflow.transport.security import Security, open_channel
+from tierflow.transport.stream_client import channel_options
 from tierflow.units import format_duration, format_rate
 
 logger = logging.getLogger(__name__)

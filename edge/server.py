@@ -1,8 +1,9 @@
 """The edge server: serves devices, runs the middle segment(s), may exit early, forwards up.
 
-The edge keeps one long-lived stream to the cloud (``tierflow.mux.StreamClient``) and
-multiplexes every device's requests over it; what happens to a request is in
-``tierflow.service`` ([Note: a request at a tier]). ``tierflow serve edge``
+The edge keeps one long-lived stream to the cloud
+(``tierflow.transport.stream_client.StreamClient``) and multiplexes every device's requests
+over it; what happens to a request is in
+``tierflow.runtime.service`` ([Note: a request at a tier]). ``tierflow serve edge``
 (``tierflow.edge.commands``) runs one of these until it is stopped.
 """
 
@@ -10,11 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tierflow.cache import FeatureCache
+from tierflow.cache.base import FeatureCache
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
-from tierflow.server import TierServer
-from tierflow.service import TierService
+from tierflow.runtime.server import TierServer
+from tierflow.runtime.service import TierService
 
 
 class EdgeServer(TierServer):

@@ -9,7 +9,7 @@ map: with the planner's full set, measuring dominates ``tierflow plan``. Two sta
 be judged from one pass over the features, without encoding anything:
 
 * ``drop+X`` where no channel of any float tensor is constant (what
-  :func:`~tierflow.codec_stages.drop_constant_channels` would drop): its payload is
+  :func:`~tierflow.codec.stages.drop_constant_channels` would drop): its payload is
   ``X``'s, plus a channel mask and a pass over the data, so it cannot beat ``X``.
 * ``sparse+X`` where the share ``z`` of zero elements (all bits zero) of the float tensors
   is at most ``1 / (8 * b)``, ``b`` the bytes ``X``'s quantiser stores per element (4 for
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierflow.codec import CodecSpec, CodecStats
-from tierflow.codec_schemes import QUANTISER_SCHEMES, wire_dtype
-from tierflow.codec_stages import drop_constant_channels
+from tierflow.codec.base import CodecSpec, CodecStats
+from tierflow.codec.schemes import QUANTISER_SCHEMES, wire_dtype
+from tierflow.codec.stages import drop_constant_channels
 
 _FLOATS = ("float16", "float32", "float64")
 

@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tierflow.codec import CodecSpec
+from tierflow.cli.helptext import HelpFormatter, examples
+from tierflow.codec.base import CodecSpec
 from tierflow.errors import UsageError
-from tierflow.helptext import HelpFormatter, examples
-from tierflow.links import (
+from tierflow.link.spec import (
     LINKS,
     LinkSpec,
     check_link,
@@ -25,7 +25,7 @@ from tierflow.links import (
     parse_link_option,
     rtt_given,
 )
-from tierflow.providers import add_providers_argument
+from tierflow.runtime.providers import add_providers_argument
 from tierflow.units import format_duration, format_size, parse_size
 
 DEFAULT_THREADS = 1

@@ -67,7 +67,7 @@ from typing import Any
 import numpy as np
 
 from tierflow.errors import PlanError, UsageError
-from tierflow.links import LINKS, TIERS, LinkSpec
+from tierflow.link.spec import LINKS, TIERS, LinkSpec
 from tierflow.partitioner.profile_data import Profile
 
 OBJECTIVES: tuple[str, ...] = ("latency", "throughput")

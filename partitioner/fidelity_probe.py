@@ -6,7 +6,7 @@ runs each sample request as the tiers would — the device's segment, the crossi
 tensors encoded and decoded with the device-edge codec, the edge's segment, the
 edge-cloud codec, the cloud's segment — and compares the outputs with the exact
 model's (:func:`tierflow.partitioner.fidelity.score`). The codec is the runtime's own
-(:func:`tierflow.codec.encode` / :func:`~tierflow.codec.decode`), so what is measured is
+(:func:`tierflow.codec.base.encode` / :func:`~tierflow.codec.base.decode`), so what is measured is
 what the tiers will do. Segments and the reference run at the same ONNX Runtime
 optimisation level (``disabled`` by default, as :func:`~.split.verify_split`), so a plan
 with lossless codecs scores bit for bit.
@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from tierflow import npz
-from tierflow.codec import ImageNorm
+from tierflow.codec.base import ImageNorm
 from tierflow.errors import InputError, ModelError, PlanError
-from tierflow.links import TIERS, link_between
+from tierflow.link.spec import TIERS, link_between
 from tierflow.partitioner.fidelity import FidelityBudget, FidelityScore, score
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.image_inputs import crossed_with

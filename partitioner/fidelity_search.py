@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tierflow.codec import CodecSpec
-from tierflow.links import LINKS
+from tierflow.codec.base import CodecSpec
+from tierflow.link.spec import LINKS
 from tierflow.partitioner.cost import CostTables, Estimate, Problem, edge_forwards
 from tierflow.partitioner.fidelity import FidelityBudget
 from tierflow.partitioner.fidelity_probe import FidelityProbe, Measurement

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tierflow.errors import UsageError
-from tierflow.links import LINKS, LinkSpec, check_link
+from tierflow.link.spec import LINKS, LinkSpec, check_link
 from tierflow.partitioner.cost import CostTables, Estimate, with_links
 from tierflow.partitioner.search import search
 from tierflow.units import parse_duration, parse_rate

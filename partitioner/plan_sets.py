@@ -12,7 +12,7 @@ the device-only part of two plans that cut the device at the same place is one f
 tier started without the files fetches and checks them, and the device prices a switch
 to a plan whose files it lacks by the time that fetch takes ([Note: switching with
 hysteresis] in ``tierflow/device/switching.py``; [Note: segments on demand] in
-``tierflow/segments.py``). The choice of plans itself stays pure and knows no files.
+``tierflow/runtime/segment_store.py``). The choice of plans itself stays pure and knows no files.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tierflow.errors import PlanError, UsageError
-from tierflow.links import LINKS, TIERS
+from tierflow.link.spec import LINKS, TIERS
 from tierflow.partitioner.cost import Problem, build_tables
 from tierflow.partitioner.exits.plan import exit_points, split_with_exits
 from tierflow.partitioner.fidelity import FidelityScore

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.codec import PLANNER_CODECS, CodecSpec, CodecStats, ImageNorm
+from tierflow.codec.base import PLANNER_CODECS, CodecSpec, CodecStats, ImageNorm
 from tierflow.errors import PlanError, UsageError
-from tierflow.links import LINKS, TIERS, LinkSpec
+from tierflow.link.spec import LINKS, TIERS, LinkSpec
 from tierflow.partitioner.cost import Estimate, Problem, build_tables, estimate
 from tierflow.partitioner.exits.plan import exit_points, split_with_exits
 from tierflow.partitioner.fidelity import (

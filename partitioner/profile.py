@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tierflow import codec as codec_lib
-from tierflow.codec import PLANNER_CODECS, CodecStats
+from tierflow.codec import base as codec_lib
+from tierflow.codec.base import PLANNER_CODECS, CodecStats
 from tierflow.errors import ModelError, ProfileError
 from tierflow.partitioner.codec_pruning import CutTraits, pruned_by, skipped_stats, widest_float
 from tierflow.partitioner.profile_data import (
@@ -63,7 +63,7 @@ from tierflow.partitioner.profile_data import (
     load_profile,
     save_profile,
 )
-from tierflow.providers import CPU
+from tierflow.runtime.providers import CPU
 
 if TYPE_CHECKING:
     import onnx
@@ -139,9 +139,9 @@ def make_session(
     """An ONNX Runtime session exactly as the tiers run one (same options, level, providers).
 
     Profiling with other session options than the runtimes would time a different
-    program: see [Note: optimization level and exactness] in tierflow/sessions.py.
+    program: see [Note: optimization level and exactness] in tierflow/runtime/sessions.py.
     """
-    from tierflow.sessions import open_session
+    from tierflow.runtime.sessions import open_session
 
     return open_session(
         model.SerializeToString(), threads=threads, providers=providers, what="a segment"

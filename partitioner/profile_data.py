@@ -20,10 +20,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tierflow.codec import CodecStats
+from tierflow.codec.base import CodecStats
 from tierflow.errors import ProfileError, TierflowError
-from tierflow.providers import CPU
-from tierflow.providers import describe as describe_providers
+from tierflow.runtime.providers import CPU
+from tierflow.runtime.providers import describe as describe_providers
 
 if TYPE_CHECKING:
     from tierflow.partitioner.graph import ModelGraph

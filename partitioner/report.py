@@ -12,11 +12,11 @@ import time
 from collections.abc import Mapping
 from typing import TextIO
 
-from tierflow.links import LINKS, TIERS
+from tierflow.cli.table import format_table
+from tierflow.link.spec import LINKS, TIERS
 from tierflow.partitioner.cost import Estimate
 from tierflow.partitioner.grid import GridChoice
 from tierflow.partitioner.search import SearchResult
-from tierflow.table import format_table
 from tierflow.units import format_size
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from tierflow.errors import PlanError
-from tierflow.links import TIERS
+from tierflow.link.spec import TIERS
 from tierflow.partitioner.cost import (
     CostTables,
     Estimate,

@@ -307,7 +307,7 @@ def _measure(
     Returns the dtype and shape each one actually had. Graph optimizations are off so
     every intermediate exists as the graph names it.
     """
-    from tierflow.sessions import open_session
+    from tierflow.runtime.sessions import open_session
 
     graph = model.graph
     declared = {v.name for v in graph.output}

@@ -24,13 +24,13 @@ import onnx
 import onnx.checker
 import onnx.helper
 
-from tierflow.codec import ImageNorm
+from tierflow.codec.base import ImageNorm
 from tierflow.errors import ModelError, PlanError, UsageError
-from tierflow.links import LINKS, TIERS, LinkSpec
+from tierflow.link.spec import LINKS, TIERS, LinkSpec
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.tensors import first_line
 from tierflow.plan import PLAN_FILE, Plan, SegmentSpec, save_plan
-from tierflow.sessions import open_session
+from tierflow.runtime.sessions import open_session
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ def write_segments(segments: Iterable[Segment], plan_dir: str | Path) -> None:
 
 # Segment files as split_model names them (``00-device.onnx``), as plan sets name them
 # (``seg-<hash>.onnx``, see tierflow.partitioner.plan_sets), their external data, and
-# what a tier fetching them left unfinished (``.part``, see tierflow.segments).
+# what a tier fetching them left unfinished (``.part``, see tierflow.runtime.segment_store).
 _SEGMENT_FILE = re.compile(
     r"(?:\d{2}-(?:device|edge|cloud)|seg-[0-9a-f]{12})\.onnx(?:\.data)?(?:\.part)?"
 )

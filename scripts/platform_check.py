@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from tierflow.errors import TransportError
-from tierflow.processes import ServeProcess
+from tierflow.runtime.processes import ServeProcess
 
 INPUT_SHAPE = (1, 3, 16, 16)
 REQUESTS = 8
@@ -80,8 +80,8 @@ def prepare(work: Path) -> dict[str, Any]:
 
     from tierflow.partitioner.graph import load_model
     from tierflow.partitioner.split import save_split_plan, split_model
-    from tierflow.segment_runner import SegmentRunner
-    from tierflow.sessions import open_session
+    from tierflow.runtime.segment_runner import SegmentRunner
+    from tierflow.runtime.sessions import open_session
 
     work.mkdir(parents=True, exist_ok=True)
     model_path = work / "model.onnx"
@@ -98,7 +98,7 @@ def prepare(work: Path) -> dict[str, Any]:
     x = rng.standard_normal((REQUESTS, *INPUT_SHAPE)).astype(np.float32)
     np.savez(work / "in.npz", x=x)
     # The unsplit model at the tiers' optimisation level and thread count (see
-    # [Note: optimization level and exactness] in tierflow/sessions.py).
+    # [Note: optimization level and exactness] in tierflow/runtime/sessions.py).
     whole = open_session(model_path)
     reference = np.stack([whole.run(["y"], {"x": row})[0] for row in x])
     np.save(work / "reference.npy", reference)
@@ -117,7 +117,8 @@ def import_seconds(prefix: list[str], cwd: Path) -> float:
     """Seconds a fresh interpreter takes to import the edge and cloud runtimes."""
     code = (
         "import time; t = time.perf_counter(); "
-        "import tierflow.cli, tierflow.server, tierflow.service, tierflow.edge.commands; "
+        "import tierflow.cli.main, tierflow.runtime.server, tierflow.runtime.service; "
+        "import tierflow.edge.commands; "
         "import onnxruntime, grpc, numpy, zstandard; "
         "print(time.perf_counter() - t)"
     )

@@ -50,7 +50,7 @@ def test_every_tier_folder_is_linked_into_the_namespace_mypy_reads() -> None:
         assert link.is_symlink(), link
         assert not os.path.isabs(os.readlink(link)), "links must work from any clone"
         assert link.resolve() == (ROOT / tiers[name]).resolve()
-    assert set(tiers) == {"device", "edge", "cloud", "partitioner", "demos"}
+    assert set(tiers) == {"device", "edge", "cloud", "partitioner", "demos", "zoo"}
 
 
 def test_mypy_checks_every_tier_and_ignores_only_named_third_party_modules() -> None:

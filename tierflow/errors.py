@@ -60,7 +60,7 @@ class PlanError(TierflowError):
 
 
 class SegmentError(PlanError):
-    """A segment file cannot be had as the plan describes it (``tierflow.segments``)."""
+    """A segment file cannot be had as the plan describes it (``runtime.segment_store``)."""
 
 
 class InputError(TierflowError):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tierflow.codec import ImageNorm
+from tierflow.codec.base import ImageNorm
 from tierflow.errors import UsageError
 
 __all__ = ["PRESETS", "NormSpec", "parse_norm"]

@@ -15,17 +15,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from tierflow.admission import DEFAULT_MAX_STREAMS, DEFAULT_MAX_STREAMS_PER_PEER
-from tierflow.codec import DEFAULT_MAX_TENSOR_BYTES
+from tierflow.codec.base import DEFAULT_MAX_TENSOR_BYTES
 from tierflow.errors import UsageError
-from tierflow.linkemu import resolve_links
-from tierflow.links import LinkSpec
-from tierflow.linktrace import LinkTrace
+from tierflow.link.emulation import resolve_links
+from tierflow.link.spec import LinkSpec
+from tierflow.link.trace import LinkTrace
 from tierflow.plan import Plan
-from tierflow.providers import CPU
-from tierflow.security import Security
-from tierflow.sessions import DEFAULT_OPTIMIZATION, check_optimization
-from tierflow.wire import DEFAULT_MESSAGE_BYTES
+from tierflow.runtime.admission import DEFAULT_MAX_STREAMS, DEFAULT_MAX_STREAMS_PER_PEER
+from tierflow.runtime.providers import CPU
+from tierflow.runtime.sessions import DEFAULT_OPTIMIZATION, check_optimization
+from tierflow.transport.security import Security
+from tierflow.transport.wire import DEFAULT_MESSAGE_BYTES
 
 #: Requests a tier accepts in flight (all streams together) before answering OVERLOADED.
 DEFAULT_MAX_IN_FLIGHT = 1024
@@ -40,19 +40,19 @@ class RuntimeOptions:
     ``threads``: ONNX Runtime intra-op threads per request (0: one per core).
     ``slowdown``: run this many times slower than this machine (emulation; >= 1).
     ``optimization``: ONNX Runtime level ([Note: optimization level and exactness] in
-    ``tierflow.sessions``). ``workers``: requests a server runs at once (None: one per
-    core). ``links``: the links to emulate by name, fixed or traced (``tierflow.linkemu``),
+    ``tierflow.runtime.sessions``). ``workers``: requests a server runs at once (None: one per
+    core). ``links``: the links to emulate by name, fixed or traced (``tierflow.link.emulation``),
     read-only.
     ``max_tensor_bytes`` / ``max_message_bytes``: the largest decoded tensor and gRPC
     message accepted. ``max_in_flight``: requests a server holds before answering
     OVERLOADED. ``max_streams`` / ``max_streams_per_peer``: streams a server serves at
-    once in all and from one host ([Note: stream admission] in ``tierflow.admission``).
+    once in all and from one host ([Note: stream admission] in ``tierflow.runtime.admission``).
     ``reply_timeout``: seconds a reply may wait for a client that does not read before
-    its stream is cancelled ([Note: slow readers] in ``tierflow.service``).
-    ``security``: TLS and tokens (``tierflow.security``). ``providers``: ONNX
-    Runtime execution providers in order of preference (``tierflow.providers``).
+    its stream is cancelled ([Note: slow readers] in ``tierflow.runtime.service``).
+    ``security``: TLS and tokens (``tierflow.transport.security``). ``providers``: ONNX
+    Runtime execution providers in order of preference (``tierflow.runtime.providers``).
     ``segment_budget``: bytes of segment files the tier keeps (None: no bound; see
-    [Note: segments on demand] in ``tierflow.segments``).
+    [Note: segments on demand] in ``tierflow.runtime.segment_store``).
     """
 
     threads: int = 1

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tierflow.codec import CodecSpec, ImageNorm
+from tierflow.codec.base import CodecSpec, ImageNorm
 from tierflow.errors import PlanError, UsageError
-from tierflow.links import LINKS, TIERS, LinkSpec
+from tierflow.link.spec import LINKS, TIERS, LinkSpec
 
 PLAN_FORMAT = "tierflow.plan/1"
 #: A plan set (``tierflow plan --adaptive``): several plans, each with its rate region.
@@ -86,7 +86,7 @@ class SegmentSpec:
     ``sha256`` and ``size`` describe the file's bytes (``plan.json`` keys ``"sha256"`` and
     ``"bytes"``): a tier that fetches the file checks it against them, and the device
     weighs the fetch when it switches plans ([Note: segments on demand] in
-    ``tierflow.segments``). :func:`save_plan` records them; plans written before have
+    ``tierflow.runtime.segment_store``). :func:`save_plan` records them; plans written before have
     none (None). They describe the file, not what it computes, so they take no part in
     equality or in the plan's id.
     """
@@ -169,7 +169,7 @@ class Plan:
     """A validated plan: segments in execution order and the links between tiers.
 
     ``codec`` maps each link name to the codec spec used on it (see
-    :mod:`tierflow.codec`); ``estimate`` is the cost model's prediction (free-form,
+    :mod:`tierflow.codec.base`); ``estimate`` is the cost model's prediction (free-form,
     at least ``latency_s``); ``cuts`` the cut positions the planner chose; ``fidelity``
     the chosen plan measured against the exact model (``budget``, ``metric``, ``value``,
     ``samples``, ``bitwise_equal``; see ``tierflow.partitioner.fidelity``), empty in
@@ -439,7 +439,7 @@ def load_plan_set(plan_dir: str | Path, *, require_segments: bool = True) -> Pla
     """Read and validate a plan directory as a :class:`PlanSet` (one plan: a set of one).
 
     With ``require_segments`` False a segment file may be missing (a tier that fetches
-    its segments, ``tierflow.segments``); one that is there is still checked.
+    its segments, ``tierflow.runtime.segment_store``); one that is there is still checked.
     """
     directory = Path(plan_dir)
     plans = PlanSet.from_dict(read_plan_json(directory / PLAN_FILE))

@@ -14,8 +14,8 @@ import argparse
 import json
 from typing import Any
 
+from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.errors import UsageError
-from tierflow.helptext import HelpFormatter, examples
 
 
 def _percent(text: str) -> float:

@@ -184,7 +184,7 @@ def simulate_exits(
     when it ran to the end), the class answered, and every fetched output (the model's
     own outputs and the exits'). ``exits`` defaults to those recorded in the model; pass
     modified thresholds to try others. For benchmarks and tests: the runtime applies the
-    same rule per request ([Note: exit confidence] in ``tierflow.segment_runner``).
+    same rule per request ([Note: exit confidence] in ``tierflow.runtime.segment_runner``).
     """
     proto = model if isinstance(model, onnx.ModelProto) else load_proto(model)
     chosen = list(read_exits(proto) if exits is None else exits)

@@ -12,8 +12,8 @@ import json
 import logging
 from typing import Any
 
+from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.errors import UsageError
-from tierflow.helptext import HelpFormatter, examples
 
 logger = logging.getLogger(__name__)
 

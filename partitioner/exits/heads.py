@@ -51,7 +51,7 @@ def run_model(
     Intermediate tensors are added as graph outputs for the run. Rows go in batches of 64
     when every input's leading dimension is dynamic, else in batches of that dimension.
     """
-    from tierflow.sessions import open_session
+    from tierflow.runtime.sessions import open_session
 
     proto = onnx.ModelProto()
     proto.CopyFrom(model)

@@ -17,9 +17,9 @@ from typing import Any
 import onnx
 from onnx import helper
 
+from tierflow.cli.table import format_table
 from tierflow.errors import ModelError
 from tierflow.plan import ExitSpec
-from tierflow.table import format_table
 
 METADATA_KEY = "tierflow.exits"
 SUMMARY_KEY = "tierflow.exits.summary"

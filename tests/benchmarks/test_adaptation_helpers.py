@@ -17,7 +17,7 @@ if str(BENCHMARKS) not in sys.path:
 import adaptation_stats as stats  # noqa: E402
 import adaptation_traces as traces  # noqa: E402
 
-from tierflow.linktrace import parse_trace  # noqa: E402
+from tierflow.link.trace import parse_trace  # noqa: E402
 
 
 def test_the_bursty_trace_is_the_same_for_a_seed_and_differs_across_seeds() -> None:

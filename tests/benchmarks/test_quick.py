@@ -113,7 +113,7 @@ def test_every_row_has_a_measured_fidelity(
     quick_run: tuple[Path, list[dict[str, Any]]],
 ) -> None:
     """Fidelity is a share in [0, 1] on every row; tierflow's exact plans are bit-exact."""
-    from tierflow.codec import EXACT_PLANNER_CODECS
+    from tierflow.codec.base import EXACT_PLANNER_CODECS
 
     _, rows = quick_run
     for row in rows:
@@ -221,7 +221,7 @@ def test_no_strategy_beats_the_best_measured_plan(
 ) -> None:
     """The measured best is the minimum over plans with exact codecs, which include every
     exact strategy's plan (lossy baselines may beat it: they are not the same answer)."""
-    from tierflow.codec import EXACT_PLANNER_CODECS
+    from tierflow.codec.base import EXACT_PLANNER_CODECS
 
     _, rows = quick_run
     for row in rows:
@@ -314,7 +314,7 @@ def test_compose_adds_compute_codec_and_link_costs() -> None:
     import numpy as np
     from bench_measure import CodecSample, Measurements, compose
 
-    from tierflow.links import LinkSpec
+    from tierflow.link.spec import LinkSpec
 
     m = Measurements("m", last=3, requests=2, cuts=(0, 1, 3))
     m.prefix_s = {0: np.zeros(2), 1: np.array([0.001, 0.002]), 3: np.array([0.01, 0.01])}
@@ -352,7 +352,7 @@ def test_compose_charges_an_edge_that_runs_nothing_no_codec_time() -> None:
     import numpy as np
     from bench_measure import CodecSample, Measurements, best_plan, compose
 
-    from tierflow.links import LinkSpec
+    from tierflow.link.spec import LinkSpec
 
     m = Measurements("m", last=3, requests=2, cuts=(0, 3))
     m.prefix_s = {0: np.zeros(2), 3: np.array([0.5, 0.5])}

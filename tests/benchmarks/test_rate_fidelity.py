@@ -38,7 +38,7 @@ def test_pareto_fronts_with_and_without_device_compute() -> None:
 def test_sent_bytes_counts_the_image_as_an_image_and_exact_codecs_round_trip() -> None:
     from rate_fidelity import IMAGENET, sent_bytes
 
-    from tierflow.codec import ImageNorm
+    from tierflow.codec.base import ImageNorm
 
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, size=(1, 3, 32, 32)).astype(np.float32)
@@ -135,7 +135,7 @@ def test_compose_adds_tiers_codecs_and_links_as_the_cost_model(tmp_path: Path) -
     import bench_emulation as emu
     from bench_splits import Parts, lowbit_row
 
-    from tierflow.links import LinkSpec
+    from tierflow.link.spec import LinkSpec
     from tierflow.partitioner.graph import load_model
 
     _chain_model(tmp_path / "m.onnx")

@@ -13,8 +13,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 
-from tierflow.codec import CodecStats  # noqa: E402
-from tierflow.links import LinkSpec  # noqa: E402
+from tierflow.codec.base import CodecStats  # noqa: E402
+from tierflow.link.spec import LinkSpec  # noqa: E402
 from tierflow.partitioner.cost import Problem, build_tables  # noqa: E402
 from tierflow.partitioner.profile import CutProfile, MachineInfo, Profile, UnitProfile  # noqa: E402
 from tierflow.partitioner.search import search  # noqa: E402

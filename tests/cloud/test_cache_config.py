@@ -7,15 +7,15 @@ import argparse
 import numpy as np
 import pytest
 
-from tierflow.cache import CacheAnswer, cache_key
-from tierflow.cache_approx import ApproxCache
-from tierflow.cache_config import (
+from tierflow.cache.approx import ApproxCache
+from tierflow.cache.base import CacheAnswer, cache_key
+from tierflow.cache.config import (
     CacheSpec,
     build_cache,
     cache_spec_argument,
     parse_cache_spec,
 )
-from tierflow.cache_memory import MemoryCache
+from tierflow.cache.memory import MemoryCache
 from tierflow.cloud.cache_redis import RedisCache, build_server_cache
 from tierflow.errors import CacheError, UsageError
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierflow.cache import CacheAnswer, cache_key
+from tierflow.cache.base import CacheAnswer, cache_key
 from tierflow.cloud.cache_redis import RedisCache, decode_answer, encode_answer
 from tierflow.errors import CacheError
 

@@ -14,7 +14,7 @@ from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
 from tierflow.plan import Plan, SegmentSpec, save_plan
-from tierflow.segment_runner import SegmentRunner
+from tierflow.runtime.segment_runner import SegmentRunner
 
 
 def _cloud_only_plan(directory: Path) -> Path:

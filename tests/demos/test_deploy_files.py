@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tierflow.cli import build_parser
-from tierflow.config import apply_config
+from tierflow.cli.config import apply_config
+from tierflow.cli.main import build_parser
 
 DEMOS = Path(__file__).resolve().parents[2] / "demos"
 

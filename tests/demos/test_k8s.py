@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from tierflow.cli import build_parser
-from tierflow.config import apply_config
+from tierflow.cli.config import apply_config
+from tierflow.cli.main import build_parser
 
 yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")

@@ -14,10 +14,10 @@ import pytest
 from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
-from tierflow.links import LINKS
+from tierflow.link.spec import LINKS
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan
-from tierflow.sessions import open_session
+from tierflow.runtime.sessions import open_session
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from tierflow.device.npz import load_requests, save_outputs
 from tierflow.errors import DeadlineError, InputError, TransportError, UsageError
 from tierflow.plan import Plan, SegmentSpec, load_plan, save_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.wire import GRPC_OPTIONS
+from tierflow.transport.wire import GRPC_OPTIONS
 
 
 def _chain_plan(directory: Path, tiers: list[str]) -> Path:
@@ -148,7 +148,7 @@ def test_npz_requests_gain_and_outputs_lose_the_batch_axis(tmp_path: Path) -> No
 def test_tierflow_run_on_a_device_only_plan(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tierflow.cli import main
+    from tierflow.cli.main import main
 
     plan_dir = _chain_plan(tmp_path / "plan", ["device", "device"])
     inputs = np.random.default_rng(2).standard_normal((4, 4)).astype(np.float32)
@@ -177,7 +177,7 @@ def test_requests_queued_behind_a_backlog_are_answered_on_the_device(tmp_path: P
     """[Note: a backlog on the link]: at 2 kbit/s each upload waits behind the last one,
     so the device answers alone until the link has drained, then goes back to the edge."""
     from tierflow.edge.server import EdgeServer
-    from tierflow.links import LinkSpec
+    from tierflow.link.spec import LinkSpec
     from tierflow.options import RuntimeOptions
     from tierflow.plan import PlanSet, save_plan_set
 

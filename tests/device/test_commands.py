@@ -9,12 +9,12 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tierflow.cli import build_parser
+from tierflow.cli.main import build_parser
 from tierflow.device.app import Device
 from tierflow.device.client import DEFAULT_RETRY_S, DeviceClient
 from tierflow.device.probing import DEFAULT_IDLE_S
 from tierflow.errors import UsageError
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 from tierflow.plan import Plan, PlanSet, SegmentSpec, save_plan, save_plan_set
 
 COMMANDS = {

@@ -17,7 +17,7 @@ from tierflow.device.switching import (
     rate_ceiling,
 )
 from tierflow.errors import UsageError
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 from tierflow.plan import Plan, PlanSet, SegmentSpec
 
 EC = LinkSpec(1e9, 0.03)

@@ -20,13 +20,13 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tierflow.cache import FeatureCache
+from tierflow.cache.base import FeatureCache
 from tierflow.cloud.server import CloudServer
 from tierflow.edge.server import EdgeServer
 from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec, save_plan
-from tierflow.processes import ServeProcess
-from tierflow.sessions import open_session
+from tierflow.runtime.processes import ServeProcess
+from tierflow.runtime.sessions import open_session
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Split:
     def reference(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The unsplit model's outputs, run at the tiers' optimization level.
 
-        See [Note: optimization level and exactness] in tierflow/sessions.py.
+        See [Note: optimization level and exactness] in tierflow/runtime/sessions.py.
         """
         session = open_session(self.model_path)
         names = [o.name for o in session.get_outputs()]
@@ -244,7 +244,7 @@ def running_tiers(
 def server_processes() -> Iterator[Callable[..., ServeProcess]]:
     """Start servers with the yielded function; every one is killed afterwards.
 
-    Each is ``tierflow serve`` with a short ``--grace`` (``tierflow.processes``).
+    Each is ``tierflow serve`` with a short ``--grace`` (``tierflow.runtime.processes``).
     """
     started: list[ServeProcess] = []
 

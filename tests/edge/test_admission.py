@@ -16,12 +16,12 @@ import pytest
 from tierflow.cloud.server import CloudServer
 from tierflow.edge.server import EdgeServer
 from tierflow.errors import RemoteError
-from tierflow.mux import StreamClient
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.segment_runner import TierRunner
-from tierflow.wire import decode_tensors, grpc_options, put_tensors
+from tierflow.runtime.segment_runner import TierRunner
+from tierflow.transport.stream_client import StreamClient
+from tierflow.transport.wire import decode_tensors, grpc_options, put_tensors
 
 
 def _device_request(plan_dir: Path, feeds: dict[str, np.ndarray]) -> tier_pb2.Request:

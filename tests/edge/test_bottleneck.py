@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tierflow.cli import main
+from tierflow.cli.main import main
 from tierflow.device.client import DeviceClient
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
-from tierflow.segment_runner import SegmentRunner
+from tierflow.runtime.segment_runner import SegmentRunner
 
 pytest.importorskip("torch")
 

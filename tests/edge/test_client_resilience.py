@@ -84,7 +84,7 @@ def test_a_300ms_round_trip_link_answers_from_the_first_request(
     """A 100 ms connect timeout failed the first requests of every run on such a link."""
     split = rt.cnn(tmp_path / "plan")
     feeds = split.sample(3, count=4)
-    caplog.set_level(logging.INFO, logger="tierflow.mux")
+    caplog.set_level(logging.INFO, logger="tierflow.transport.stream_client")
     with (
         rt.tiers(split.plan_dir) as (edge, _, _),
         delayed_link(edge, 0.15) as far_edge,

@@ -1,6 +1,6 @@
 """Losing the cloud mid-stream: the edge answers what it can, the device finishes the rest.
 
-See [Note: answering without the next tier] in tierflow/service.py and [Note: losing a
+See [Note: answering without the next tier] in tierflow/runtime/service.py and [Note: losing a
 tier] in tierflow/device/client.py.
 """
 
@@ -22,7 +22,7 @@ from tierflow.errors import RemoteError
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan_set
 from tierflow.rpc import tier_pb2
-from tierflow.sessions import open_session
+from tierflow.runtime.sessions import open_session
 
 OPTIONS = RuntimeOptions(workers=2)
 
@@ -186,7 +186,7 @@ def test_without_a_plan_that_skips_the_cloud_requests_fail_typed(tmp_path: Path,
 
 def test_fallback_answers_count_as_their_own_outcome_in_the_metrics() -> None:
     pytest.importorskip("prometheus_client", reason="the metrics extra")
-    from tierflow.metrics import TierMetrics
+    from tierflow.runtime.metrics import TierMetrics
 
     metrics = TierMetrics("edge", lambda: 0.0)
     reply = tier_pb2.Reply(answered_by="edge", exit="exit_edge", fallback="the cloud is gone")

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.cache_config import build_cache, parse_cache_spec
+from tierflow.cache.config import build_cache, parse_cache_spec
 from tierflow.device.client import DeviceClient
 
 

@@ -18,7 +18,7 @@ from tierflow.edge.server import EdgeServer
 from tierflow.errors import TransportError
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan, save_plan_set
-from tierflow.sessions import open_session
+from tierflow.runtime.sessions import open_session
 
 
 def _with_device_only_plan(split: Any) -> Plan:

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tierflow.cli import main
-from tierflow.codec import ImageNorm
+from tierflow.cli.main import main
+from tierflow.codec.base import ImageNorm
 from tierflow.device import Device
 from tierflow.device.client import DeviceClient
 from tierflow.device.preprocess import Preprocess, plan_preprocess, read_image

@@ -4,7 +4,7 @@ The model is an MLP whose first input element is a large constant it ignores, so
 the input flips answers while fp16 does not; the device is made slow and the links
 narrow, so sending the input compressed is what the planner wants. Both sides run at
 the tiers' ONNX Runtime optimisation level (see [Note: optimization level and
-exactness] in tierflow/segment_runner.py).
+exactness] in tierflow/runtime/segment_runner.py).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tierflow.codec import CodecSpec
+from tierflow.codec.base import CodecSpec
 from tierflow.device.client import DeviceClient
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 from tierflow.partitioner.fidelity import FidelityBudget
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.planner import PlanOptions, make_plan
 from tierflow.partitioner.profile import profile_model
-from tierflow.sessions import open_session
+from tierflow.runtime.sessions import open_session
 
 WIDTH = 1024
 LINKS = {"device-edge": LinkSpec.parse("1mbit,1ms"), "edge-cloud": LinkSpec.parse("1mbit,1ms")}

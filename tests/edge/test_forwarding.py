@@ -5,7 +5,7 @@ and the device run no segment) serves a small CNN through three tiers: a lossy c
 applied once (the outputs are the model's on the once-decoded input, bit for bit), the
 cloud receives the device's bytes, and an exact codec stays bit-exact. References run
 at the tiers' optimisation level and thread count (see [Note: optimization level and
-exactness] in tierflow/segment_runner.py).
+exactness] in tierflow/runtime/segment_runner.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import numpy as np
 import onnx
 import pytest
 
-from tierflow.cache_memory import MemoryCache
+from tierflow.cache.memory import MemoryCache
 from tierflow.cloud.server import CloudServer
-from tierflow.codec import ImageNorm, decode, encode
+from tierflow.codec.base import ImageNorm, decode, encode
 from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
 from tierflow.options import RuntimeOptions
@@ -31,8 +31,8 @@ from tierflow.partitioner.fidelity_probe import plan_fidelity, run_plan_dir
 from tierflow.partitioner.split import session
 from tierflow.plan import Plan, SegmentSpec, load_plan, save_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.sessions import open_session
-from tierflow.wire import grpc_options, to_proto
+from tierflow.runtime.sessions import open_session
+from tierflow.transport.wire import grpc_options, to_proto
 
 UNIT = ImageNorm(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
 

@@ -15,14 +15,14 @@ import pytest
 
 from tierflow.edge.server import EdgeServer
 from tierflow.errors import InputError
-from tierflow.mux import StreamClient
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.segment_runner import TierRunner
-from tierflow.server import TierServer
-from tierflow.service import TierService
-from tierflow.wire import encode_tensors, grpc_options, put_tensors
+from tierflow.runtime.segment_runner import TierRunner
+from tierflow.runtime.server import TierServer
+from tierflow.runtime.service import TierService
+from tierflow.transport.stream_client import StreamClient
+from tierflow.transport.wire import encode_tensors, grpc_options, put_tensors
 
 
 def _code(reply: tier_pb2.Reply) -> str:

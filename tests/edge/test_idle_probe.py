@@ -15,8 +15,8 @@ import pytest
 
 from tierflow.device.client import DeviceClient
 from tierflow.device.probing import MAX_PROBE_BYTES, MIN_PROBE_BYTES, IdleProber, probe_size
-from tierflow.links import LinkSpec
-from tierflow.linktrace import LinkTrace, TraceStep
+from tierflow.link.spec import LinkSpec
+from tierflow.link.trace import LinkTrace, TraceStep
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan_set
 

@@ -4,7 +4,7 @@ A CNN reads 32x32 crops of scikit-learn's sample photos, normalised as ImageNet 
 expect. The partitioner plans it with ``--image-input``; the device encodes the input as
 an image, the edge decodes it back into the model's tensor. References run at the tiers'
 optimisation level and thread count (see [Note: optimization level and exactness] in
-tierflow/segment_runner.py).
+tierflow/runtime/segment_runner.py).
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tierflow.codec import ImageNorm, decode, encode
+from tierflow.codec.base import ImageNorm, decode, encode
 from tierflow.device.client import DeviceClient
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 from tierflow.partitioner.fidelity import FidelityBudget
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.planner import PlanOptions, make_plan
 from tierflow.partitioner.profile import profile_model
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.sessions import open_session
-from tierflow.wire import grpc_options, to_proto
+from tierflow.runtime.sessions import open_session
+from tierflow.transport.wire import grpc_options, to_proto
 
 SIDE = 32
 IMAGENET = ImageNorm(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))

@@ -1,6 +1,6 @@
 """Link figures in the report: waiting is apart from transfer, and failures send 0 bytes.
 
-See [Note: honest link figures] in tierflow/linkemu.py.
+See [Note: honest link figures] in tierflow/link/emulation.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from tierflow.device.client import DeviceClient, Result
 from tierflow.edge.server import EdgeServer
 from tierflow.errors import TransportError
-from tierflow.links import LINKS, LinkSpec
+from tierflow.link.spec import LINKS, LinkSpec
 from tierflow.options import RuntimeOptions
 
 RATE_BPS = 5e6

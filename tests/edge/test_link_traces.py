@@ -13,7 +13,7 @@ import numpy as np
 def test_a_trace_that_steps_the_rate_mid_stream_changes_transfer_time(
     tmp_path: Path, rt: Any
 ) -> None:
-    from tierflow.cli import main
+    from tierflow.cli.main import main
 
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     samples = split.sample(seed=11, count=40)

@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tierflow.codec import EXACT_PLANNER_CODECS, PLANNER_CODECS, CodecSpec
+from tierflow.codec.base import EXACT_PLANNER_CODECS, PLANNER_CODECS, CodecSpec
 from tierflow.device.client import DeviceClient
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 from tierflow.partitioner.codec_pruning import CutTraits
 from tierflow.partitioner.cost import Problem, build_tables, estimate
 from tierflow.partitioner.fidelity import FidelityBudget
@@ -39,7 +39,7 @@ from tierflow.partitioner.fidelity_probe import FidelityProbe, sample_requests
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.planner import PlanOptions, make_plan, rank, write_plan
 from tierflow.partitioner.profile import Profile, capture_features, profile_model
-from tierflow.sessions import open_session
+from tierflow.runtime.sessions import open_session
 
 SLOW = {"device-edge": LinkSpec.parse("1mbit,5ms"), "edge-cloud": LinkSpec.parse("1mbit,5ms")}
 FAST = {"device-edge": LinkSpec.parse("1gbit,1ms"), "edge-cloud": LinkSpec.parse("1gbit,1ms")}

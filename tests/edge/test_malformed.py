@@ -15,9 +15,9 @@ import zstandard
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.server import TierServer
-from tierflow.service import TierService
-from tierflow.wire import encode_tensors, grpc_options
+from tierflow.runtime.server import TierServer
+from tierflow.runtime.service import TierService
+from tierflow.transport.wire import encode_tensors, grpc_options
 
 CLOUD_SEGMENT = 2  # the cnn's cloud segment reads h2: float32[1x8x8x8]
 

@@ -120,7 +120,7 @@ def test_metrics_port_without_the_extra_is_one_line(tmp_path: Path, rt: Any) -> 
         "        if name.startswith('prometheus_client'):\n"
         "            raise ModuleNotFoundError(name, name=name)\n"
         "sys.meta_path.insert(0, B())\n"
-        "from tierflow.cli import main\n"
+        "from tierflow.cli.main import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     done = subprocess.run(

@@ -17,7 +17,7 @@ from tierflow.options import RuntimeOptions
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import save_split_plan, split_model
 from tierflow.plan import Plan
-from tierflow.segment_runner import SegmentRunner
+from tierflow.runtime.segment_runner import SegmentRunner
 
 
 def _torch_resnet(path: Path) -> Path:

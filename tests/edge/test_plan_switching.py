@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import onnx.utils
 
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan_set
-from tierflow.segment_runner import SegmentRunner, TierRunner
-from tierflow.sessions import open_session
+from tierflow.runtime.segment_runner import SegmentRunner, TierRunner
+from tierflow.runtime.sessions import open_session
 
 
 def _plan_set(split: Any) -> tuple[Plan, Plan]:
@@ -63,7 +63,7 @@ def _plan_set(split: Any) -> tuple[Plan, Plan]:
 def test_a_rate_drop_and_recovery_switches_plans_both_ways_losing_nothing(
     tmp_path: Path, rt: Any
 ) -> None:
-    from tierflow.cli import main
+    from tierflow.cli.main import main
 
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     fast, slow = _plan_set(split)

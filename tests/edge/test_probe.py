@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tierflow.cli import main
+from tierflow.cli.main import main
 from tierflow.edge.probe import ProbeResult, probe
 from tierflow.errors import TransportError
 

@@ -1,8 +1,8 @@
 """Three cloud replicas behind one edge, balanced round robin, sharing one Redis cache.
 
 The edge's ``--upstream`` is a gRPC target list (``ipv4:H:P1,H:P2,H:P3``); see
-[Note: replicas] in ``tierflow.mux``. One replica is killed (SIGKILL) while a device
-stream runs: every request gets exactly one answer (its outputs bit-exact, or a typed
+[Note: replicas] in ``tierflow.transport.stream_client``. One replica is killed (SIGKILL)
+while a device stream runs: every request gets exactly one answer (its outputs bit-exact, or a typed
 error), later requests all succeed on the two left, and each replica's metrics show it
 served its share. A request answered before by the dead replica is then a cache hit on
 another one: the cache is shared.
@@ -23,7 +23,7 @@ from tierflow.device.client import DeviceClient, Result
 from tierflow.edge.server import EdgeServer
 from tierflow.errors import RemoteError, TransportError, UsageError
 from tierflow.options import RuntimeOptions
-from tierflow.security import Security
+from tierflow.transport.security import Security
 
 
 def _scrape_needs() -> Any:

@@ -1,5 +1,5 @@
 """Both ways a tier writes replies give the same answers ([Note: replies written where
-they are made] in tierflow/service.py): grpc's non-blocking handler form, and the
+they are made] in tierflow/runtime/service.py): grpc's non-blocking handler form, and the
 reader-thread-and-queue fallback for a grpc that does not offer it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tierflow.device.client import DeviceClient
-from tierflow.service import TierService
+from tierflow.runtime.service import TierService
 
 
 def _run_exactly(rt: Any, tmp_path: Path) -> set[str]:

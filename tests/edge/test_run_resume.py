@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.cli import main
+from tierflow.cli.main import main
 from tierflow.device.progress import PartialWriter, partial_path, read_partial
 from tierflow.edge.server import EdgeServer
 from tierflow.options import RuntimeOptions

@@ -16,11 +16,11 @@ from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.edge.probe import probe
 from tierflow.errors import TransportError, UsageError
-from tierflow.mux import channel_options
 from tierflow.options import RuntimeOptions
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.security import Security, open_channel
-from tierflow.service import PROBE_ALLOWANCE
+from tierflow.runtime.service import PROBE_ALLOWANCE
+from tierflow.transport.security import Security, open_channel
+from tierflow.transport.stream_client import channel_options
 
 
 def server_security(tls: dict[str, Path], **extra: Any) -> Security:
@@ -188,7 +188,7 @@ def test_a_second_server_on_a_port_in_use_fails_with_one_line(tmp_path: Path, rt
 def test_the_command_line_serves_and_probes_over_mutual_tls(
     tmp_path: Path, rt: Any, tls_files: dict[str, Path], capsys: Any
 ) -> None:
-    from tierflow.cli import main
+    from tierflow.cli.main import main
 
     split = rt.cnn(tmp_path / "plan")
     server_flags = ["--tls-cert", str(tls_files["server_cert"])]

@@ -1,6 +1,6 @@
 """Segments on demand: tiers started with only plan.json fetch, check and bound their segments.
 
-See [Note: segments on demand] in tierflow/segments.py.
+See [Note: segments on demand] in tierflow/runtime/segment_store.py.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
 from tierflow.errors import SegmentError, TransportError
-from tierflow.links import LinkSpec
-from tierflow.mux import channel_options
+from tierflow.link.spec import LinkSpec
 from tierflow.options import RuntimeOptions
 from tierflow.plan import (
     PLAN_FILE,
@@ -37,8 +36,9 @@ from tierflow.plan import (
     load_plan_set,
     save_plan_set,
 )
-from tierflow.security import Security, open_channel
-from tierflow.segments import PART_SUFFIX, SegmentSource, SegmentStore
+from tierflow.runtime.segment_store import PART_SUFFIX, SegmentSource, SegmentStore
+from tierflow.transport.security import Security, open_channel
+from tierflow.transport.stream_client import channel_options
 
 OPTIONS = RuntimeOptions(workers=2)
 
@@ -367,7 +367,7 @@ def test_serve_and_run_started_with_only_plan_json_answer_bit_exact(
     tmp_path: Path, rt: Any
 ) -> None:
     """The commands, as processes: ``serve edge --segment-budget`` and ``run`` on bare dirs."""
-    from tierflow.cli import main
+    from tierflow.cli.main import main
 
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     plan = load_plan(split.plan_dir)
@@ -477,7 +477,7 @@ def test_a_device_whose_edge_is_gone_cannot_fetch_and_says_so(tmp_path: Path, rt
 def test_run_on_a_bare_plan_dir_where_the_device_runs_nothing_fetches_nothing(
     tmp_path: Path, rt: Any
 ) -> None:
-    from tierflow.cli import main
+    from tierflow.cli.main import main
 
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     split_plan = load_plan(split.plan_dir)
@@ -505,7 +505,7 @@ def test_a_budgeted_device_fetches_again_what_a_switch_back_needs(
     tmp_path: Path, rt: Any, caplog: Any
 ) -> None:
     """A rate drop and recovery switch plans whose device files cannot both be held."""
-    from tierflow.cli import main
+    from tierflow.cli.main import main
 
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     fast = load_plan(split.plan_dir)
@@ -527,7 +527,7 @@ def test_a_budgeted_device_fetches_again_what_a_switch_back_needs(
     np.savez(tmp_path / "in.npz", x=np.concatenate([s["x"] for s in samples]))
     trace = tmp_path / "trace.csv"
     trace.write_text("seconds,rate,rtt\n0,200mbit,20ms\n0.4,2mbit,20ms\n1.4,200mbit,20ms\n")
-    caplog.set_level("INFO", logger="tierflow.segments")
+    caplog.set_level("INFO", logger="tierflow.runtime.segment_store")
     with rt.tiers(split.plan_dir) as (edge, _, _):
         args = ["run", "--plan", str(device_dir), "--edge", edge, "--window", "1"]
         args += ["--input", str(tmp_path / "in.npz"), "--output", str(tmp_path / "out.npz")]

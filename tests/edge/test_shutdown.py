@@ -16,9 +16,9 @@ import numpy as np
 
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.segment_runner import TierRunner
-from tierflow.service import TierService, _StreamReplies
-from tierflow.wire import grpc_options, put_tensors
+from tierflow.runtime.segment_runner import TierRunner
+from tierflow.runtime.service import TierService, _StreamReplies
+from tierflow.transport.wire import grpc_options, put_tensors
 
 
 def _edge_request(plan_dir: Path, request_id: str) -> tier_pb2.Request:

@@ -1,6 +1,6 @@
 """An emulated slower tier is slower at its codec work too, as its profile says.
 
-See [Note: emulating a slower tier] in tierflow/segment_runner.py.
+See [Note: emulating a slower tier] in tierflow/runtime/segment_runner.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A client that sends requests but never reads its replies costs nobody else anything.
 
-See [Note: slow readers] in tierflow/service.py: the edge's thread that receives the
+See [Note: slow readers] in tierflow/runtime/service.py: the edge's thread that receives the
 cloud's replies never waits for one device, and the stream that does not read is
 cancelled once a reply has waited ``reply_timeout`` for it.
 """
@@ -20,13 +20,13 @@ import pytest
 
 from tierflow.cloud.server import CloudServer
 from tierflow.edge.server import EdgeServer
-from tierflow.links import LinkSpec
-from tierflow.mux import StreamClient
+from tierflow.link.spec import LinkSpec
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.segment_runner import TierRunner
-from tierflow.wire import decode_tensors, grpc_options, put_tensors
+from tierflow.runtime.segment_runner import TierRunner
+from tierflow.transport.stream_client import StreamClient
+from tierflow.transport.wire import decode_tensors, grpc_options, put_tensors
 
 REPLY_TIMEOUT_S = 1.0
 

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tierflow.cache_memory import MemoryCache
+from tierflow.cache.memory import MemoryCache
 from tierflow.device.client import DeviceClient
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 from tierflow.options import RuntimeOptions
 
 

@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tierflow.codec import CodecStats
+from tierflow.codec.base import CodecStats
 from tierflow.partitioner.profile import CutProfile, MachineInfo, Profile, UnitProfile
 
 # codec -> (ratio, encode s/MB, decode s/MB)

@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tierflow.cli import main
+from tierflow.cli.main import main
 from tierflow.errors import ModelError
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import split_model, verify_split

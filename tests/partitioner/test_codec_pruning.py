@@ -9,8 +9,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from tierflow.codec import EXACT_PLANNER_CODECS, measure
-from tierflow.links import LinkSpec
+from tierflow.codec.base import EXACT_PLANNER_CODECS, measure
+from tierflow.link.spec import LinkSpec
 from tierflow.partitioner.codec_pruning import CutTraits, pruned_by
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.planner import PlanOptions, rank

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tierflow.cli import main
+from tierflow.cli.main import main
 from tierflow.plan import load_plan
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tierflow.errors import PlanError, ProfileError
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 from tierflow.partitioner.cost import Problem, build_tables, estimate
 from tierflow.partitioner.profile import Profile
 from tierflow.partitioner.search import search

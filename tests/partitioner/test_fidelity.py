@@ -20,10 +20,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tierflow.cli import main
-from tierflow.codec import EXACT_PLANNER_CODECS, CodecSpec
+from tierflow.cli.main import main
+from tierflow.codec.base import EXACT_PLANNER_CODECS, CodecSpec
 from tierflow.errors import PlanError, UsageError
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 from tierflow.partitioner.cost import Problem, build_tables, estimate
 from tierflow.partitioner.fidelity import (
     FidelityBudget,

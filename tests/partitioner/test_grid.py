@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tierflow.errors import UsageError
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 from tierflow.partitioner.cost import Problem, build_tables, with_links
 from tierflow.partitioner.grid import RateGrid, grid_search, plan_key
 from tierflow.partitioner.search import search

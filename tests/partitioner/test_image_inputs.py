@@ -20,11 +20,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tierflow.cli import main
-from tierflow.codec import EXACT_PLANNER_CODECS, CodecSpec, ImageNorm, encode
+from tierflow.cli.main import main
+from tierflow.codec.base import EXACT_PLANNER_CODECS, CodecSpec, ImageNorm, encode
 from tierflow.errors import PlanError, UsageError
 from tierflow.image_norm import PRESETS, NormSpec, parse_norm
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 from tierflow.partitioner.fidelity import FidelityBudget
 from tierflow.partitioner.fidelity_probe import plan_fidelity
 from tierflow.partitioner.graph import load_model

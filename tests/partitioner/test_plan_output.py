@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tierflow.cli import main
+from tierflow.cli.main import main
 from tierflow.errors import UsageError
 from tierflow.partitioner.split import check_plan_dir, remove_old_plan
 from tierflow.plan import load_plan

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
-from tierflow.cli import main
+from tierflow.cli.main import main
 from tierflow.partitioner.split import run_segments, session
 from tierflow.plan import SegmentSpec, load_plan, load_plan_set
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 from tierflow.partitioner.graph import ModelGraph, load_model
 from tierflow.partitioner.planner import PlanOptions, complete_profiles, make_plan
 from tierflow.partitioner.profile import Profile, profile_model

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tierflow.codec import PLANNER_CODECS
+from tierflow.codec.base import PLANNER_CODECS
 from tierflow.errors import ProfileError
 from tierflow.partitioner.graph import ModelGraph, load_model
 from tierflow.partitioner.profile import (

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierflow.errors import PlanError
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 from tierflow.partitioner.cost import Problem, build_tables, estimate
 from tierflow.partitioner.profile import Profile
 from tierflow.partitioner.search import Admission, search

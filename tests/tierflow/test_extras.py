@@ -30,7 +30,7 @@ class Blocker(MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, Blocker())
-from tierflow.cli import main
+from tierflow.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -3,9 +3,9 @@
 Read from the source with :mod:`ast` (every ``import``, also those inside functions), so
 a lazy import cannot hide a dependency. The core is ``tierflow/``; the runtime tiers are
 ``device/``, ``edge/`` and ``cloud/``, which must run on a Raspberry Pi without the
-offline planner, torch or onnx (``tierflow.zoo``, models built with torch, sits in the core
-folder but no tier loads it). The CLI names its command modules as strings
-(``tierflow.cli.COMMAND_MODULES``), so wiring commands is no import of a tier.
+offline planner, torch or onnx (``zoo/``, ``tierflow.zoo``, holds the models built with
+torch, beside the demos and benchmarks that use them; no tier loads it). The CLI names its command modules as strings
+(``tierflow.cli.main.COMMAND_MODULES``), so wiring commands is no import of a tier.
 """
 
 from __future__ import annotations
@@ -23,12 +23,20 @@ PACKAGES = {
     "cloud": "tierflow.cloud",
     "partitioner": "tierflow.partitioner",
     "demos": "tierflow.demos",
+    "zoo": "tierflow.zoo",
 }
 TIERS = ("tierflow.device", "tierflow.edge", "tierflow.cloud")
-ABOVE_CORE = (*TIERS, "tierflow.partitioner", "tierflow.demos")
+ABOVE_CORE = (*TIERS, "tierflow.partitioner", "tierflow.demos", "tierflow.zoo")
 # What no module a runtime tier loads may import: the offline planner, the demos, and the
 # libraries only planning and training need (onnxruntime is not onnx).
-NOT_AT_RUNTIME = ("tierflow.partitioner", "tierflow.demos", "torch", "onnx", "sklearn")
+NOT_AT_RUNTIME = (
+    "tierflow.partitioner",
+    "tierflow.demos",
+    "tierflow.zoo",
+    "torch",
+    "onnx",
+    "sklearn",
+)
 # The tiers each runtime tier may use besides the core: the edge's --cache is the cloud's
 # option, which can build the Redis cache the cloud owns (``serve edge --cache redis://``).
 TIER_USES = {
@@ -79,10 +87,10 @@ def _in_core(module: str) -> bool:
 def test_the_import_graph_is_read_from_the_source() -> None:
     graph = _imports()
     # Known edges, so that a parser finding nothing cannot pass the checks below.
-    assert "tierflow.service" in graph["tierflow.edge.server"]
-    assert "tierflow.cache.FeatureCache" in graph["tierflow.service"]
+    assert "tierflow.runtime.service" in graph["tierflow.edge.server"]
+    assert "tierflow.cache.base.FeatureCache" in graph["tierflow.runtime.service"]
     assert "tierflow.device.client.DeviceClient" in graph["tierflow.demos.local"]
-    assert "onnxruntime" in graph["tierflow.sessions"]
+    assert "onnxruntime" in graph["tierflow.runtime.sessions"]
     assert not _in_core("tierflow.cloud.server") and _in_core("tierflow.rpc.tier_pb2")
 
 
@@ -115,7 +123,7 @@ def _loaded_by_tiers(graph: dict[str, set[str]]) -> set[str]:
 def test_runtime_tiers_load_no_planner_torch_or_onnx() -> None:
     graph = _imports()
     loaded = _loaded_by_tiers(graph)
-    assert "tierflow.service" in loaded and "tierflow.cache_memory" in loaded
+    assert "tierflow.runtime.service" in loaded and "tierflow.cache.memory" in loaded
     wrong = {
         module: sorted(name for name in graph[module] if _within(name, NOT_AT_RUNTIME))
         for module in loaded

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from tierflow.cli import build_parser
+from tierflow.cli.main import build_parser
 from tierflow.errors import UsageError
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 from tierflow.options import DEFAULT_MAX_IN_FLIGHT, RuntimeOptions
 from tierflow.plan import Plan, SegmentSpec
-from tierflow.security import Security
+from tierflow.transport.security import Security
 
 PLAN = Plan(
     model_file="m.onnx",

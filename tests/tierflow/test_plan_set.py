@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tierflow.errors import PlanError
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 from tierflow.plan import (
     PLAN_SET_FORMAT,
     Plan,

@@ -1,4 +1,4 @@
-"""Tests for the core schema modules: tierflow.units, tierflow.links and tierflow.plan."""
+"""Tests for the core schema modules: tierflow.units, tierflow.link.spec and tierflow.plan."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierflow.codec import CodecSpec
+from tierflow.codec.base import CodecSpec
 from tierflow.errors import PlanError, UsageError
-from tierflow.links import (
+from tierflow.link.spec import (
     LINKS,
     TIERS,
     LinkSpec,

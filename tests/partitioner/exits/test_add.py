@@ -13,7 +13,7 @@ import torch
 from onnx import helper
 from torch import nn
 
-from tierflow.cli import main
+from tierflow.cli.main import main
 from tierflow.errors import InputError, ModelError, PlanError, UsageError
 from tierflow.partitioner.exits.add import add_exits, simulate_exits
 from tierflow.partitioner.exits.calibration import NEVER, calibrate, lowest_threshold
@@ -31,7 +31,7 @@ from tierflow.partitioner.exits.points import exit_candidates
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import split_model, write_segments
 from tierflow.plan import Plan, SegmentSpec
-from tierflow.segment_runner import TierRunner
+from tierflow.runtime.segment_runner import TierRunner
 from tierflow.zoo.models import export_onnx
 
 # The calibration target in these tests and how far a fresh split may exceed it: the

@@ -14,12 +14,12 @@ import torch
 from onnx import helper
 from torch import nn
 
-from tierflow.cli import main
+from tierflow.cli.main import main
 from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
 from tierflow.errors import PlanError
-from tierflow.links import LinkSpec
+from tierflow.link.spec import LinkSpec
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.cost import ExitPoint, Problem, build_tables, estimate
 from tierflow.partitioner.exits.add import add_exits
@@ -31,7 +31,7 @@ from tierflow.partitioner.profile import load_profile, profile_model, save_profi
 from tierflow.partitioner.report import exits_cell, plan_table
 from tierflow.partitioner.search import search
 from tierflow.plan import load_plan, save_plan
-from tierflow.sessions import open_session
+from tierflow.runtime.sessions import open_session
 from tierflow.zoo.models import export_onnx
 
 from ..conftest import MakeProfile

@@ -1,0 +1,152 @@
+"""Segment runner: input checks, error translation, slowdown, exit confidence, forwarding sets."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tierflow.errors import InputError, ModelError
+from tierflow.options import RuntimeOptions
+from tierflow.plan import ExitSpec, Plan, SegmentSpec
+from tierflow.runtime.segment_runner import SegmentRunner, TierRunner, exit_confidence
+
+
+def _gemm(path: Path, x: str, y: str, n_in: int, n_out: int, seed: int) -> Path:
+    """y = x @ W.T for float32 x of shape [batch, n_in] (batch symbolic)."""
+    weights = np.random.default_rng(seed).standard_normal((n_out, n_in)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", [x, f"w_{y}"], [y], transB=1)],
+        path.stem,
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["batch", n_in])],
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, ["batch", n_out])],
+        [numpy_helper.from_array(weights, f"w_{y}")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_inputs_are_checked_with_expected_and_found(tmp_path: Path) -> None:
+    runner = SegmentRunner(_gemm(tmp_path / "s.onnx", "x", "y", 4, 3, 0))
+    out = runner.run({"x": np.ones((2, 4), np.float32)})
+    weights = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    np.testing.assert_allclose(out["y"], np.ones((2, 4), np.float32) @ weights.T, rtol=1e-5)
+    with pytest.raises(InputError, match=r"expected float32\[\?x4\], found float64\[2x4\]"):
+        runner.run({"x": np.ones((2, 4))})
+    with pytest.raises(InputError, match=r"found float32\[2x5\]"):
+        runner.run({"x": np.ones((2, 5), np.float32)})
+    with pytest.raises(InputError, match="missing"):
+        runner.run({"z": np.ones((2, 4), np.float32)})
+
+
+def test_a_file_that_is_not_onnx_is_a_model_error(tmp_path: Path) -> None:
+    (tmp_path / "bad.onnx").write_bytes(b"not onnx")
+    with pytest.raises(ModelError, match="cannot load segment"):
+        SegmentRunner(tmp_path / "bad.onnx")
+
+
+def test_slowdown_stretches_the_compute_time(tmp_path: Path) -> None:
+    path = _gemm(tmp_path / "s.onnx", "x", "y", 256, 256, 0)
+    feeds = {"x": np.ones((64, 256), np.float32)}
+    fast, slow = SegmentRunner(path), SegmentRunner(path, RuntimeOptions(slowdown=20.0))
+
+    def median_s(runner: SegmentRunner) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            runner.run(feeds)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[2]
+
+    median_s(fast), median_s(slow)  # warm up
+    assert median_s(slow) > 5 * median_s(fast)
+
+
+def test_a_slowed_single_thread_run_is_charged_its_cpu_time_not_waits_for_the_gil(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beside a busy Python thread, a run may wait for the GIL as it returns; a 20x tier
+    sleeps 19 times the run's compute, not that wait ([Note: emulating a slower tier]).
+
+    The wait is not certain (the busy thread must hold the GIL as the run returns), so the
+    test asserts the charge on every run and makes the wait likely: runs of a few
+    milliseconds, and a switch interval of 20 ms that the busy thread may hold the GIL for.
+    Timed in wall time, the charge exceeds the run's CPU time whenever a wait happens.
+    """
+    path = _gemm(tmp_path / "s.onnx", "x", "y", 1024, 1024, 0)
+    feeds = {"x": np.ones((128, 1024), np.float32)}
+    runner = SegmentRunner(path, RuntimeOptions(threads=1, slowdown=20.0))
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.02)
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    worker = threading.Thread(target=busy)
+    worker.start()
+    try:
+        for _ in range(10):
+            cpu = time.thread_time()
+            runner.run(feeds)
+            cpu = time.thread_time() - cpu
+            assert slept[-1] / 19 <= cpu + 1e-4
+    finally:
+        stop.set()
+        worker.join()
+        sys.setswitchinterval(interval)
+
+
+def test_exit_confidence_reads_logits_and_probabilities() -> None:
+    assert exit_confidence(np.array([[0.1, 0.9]])) == pytest.approx(0.9)
+    assert exit_confidence(np.array([[0.0, np.log(3.0)]])) == pytest.approx(0.75)
+    assert exit_confidence(np.array([[0.2, 0.8], [0.6, 0.4]])) == pytest.approx(0.6)
+    assert exit_confidence(np.array([[np.nan, 1.0]])) == 0.0
+
+
+def test_a_tier_runs_its_segments_and_forwards_what_later_ones_need(tmp_path: Path) -> None:
+    _gemm(tmp_path / "a.onnx", "x", "h", 4, 4, 1)
+    _gemm(tmp_path / "b.onnx", "h", "e", 4, 2, 2)
+    _gemm(tmp_path / "c.onnx", "h", "y", 4, 3, 3)
+    plan = Plan(
+        model_file="m.onnx",
+        model_sha256="0" * 64,
+        inputs=("x",),
+        outputs=("y",),
+        segments=(
+            SegmentSpec("device", "a.onnx", ("x",), ("h",)),
+            SegmentSpec("edge", "b.onnx", ("h",), ("e",), (ExitSpec("e", 0.999),)),
+            SegmentSpec("cloud", "c.onnx", ("h",), ("y",)),
+        ),
+    )
+    edge = TierRunner(plan, tmp_path, "edge")
+    assert (edge.start, edge.end, edge.needs) == (1, 2, ("h",))
+    feeds = {"h": np.full((1, 4), 0.01, np.float32)}
+    outcome = edge.run(feeds)
+    assert not outcome.final and outcome.next_segment == 2
+    assert list(outcome.tensors) == ["h"] and outcome.exits_checked == ["e"]
+    with pytest.raises(InputError, match="names segment 2"):
+        edge.check_names({"h"}, segment=2)
+    sure = Plan(
+        **{
+            **plan.__dict__,
+            "segments": (
+                plan.segments[0],
+                SegmentSpec("edge", "b.onnx", ("h",), ("e",), (ExitSpec("e", 0.0),)),
+                plan.segments[2],
+            ),
+        }
+    )
+    outcome = TierRunner(sure, tmp_path, "edge").run(feeds)
+    assert outcome.final and outcome.exit == "e" and list(outcome.tensors) == ["e"]
+    cloud = TierRunner(plan, tmp_path, "cloud")
+    assert cloud.run(feeds).final

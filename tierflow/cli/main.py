@@ -1,0 +1,99 @@
+"""The ``tierflow`` command: one entry point with subcommands.
+
+Each subcommand lives with the code it drives and contributes a ``register(subparsers)``
+function; this module only wires them together, configures logging, and turns every
+:class:`~tierflow.errors.TierflowError` into one line on stderr and exit status 2; a
+missing optional module becomes one such line naming the extra to install (a command
+may name the extra it needs with ``set_defaults(extra=...)``).
+Subcommand modules import heavy libraries (onnx, torch) inside their handlers, so
+``tierflow serve edge`` never imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from tierflow import __version__
+from tierflow.cli.config import add_config_option, apply_config, check_config_used
+from tierflow.cli.helptext import HelpFormatter, examples
+from tierflow.errors import TierflowError
+from tierflow.extras import missing_extra
+
+# Modules that define ``register(subparsers)``, in the order their commands are listed.
+COMMAND_MODULES: tuple[str, ...] = (
+    "tierflow.partitioner.commands",  # profile, plan
+    "tierflow.edge.commands",  # serve edge, probe
+    "tierflow.cloud.commands",  # serve cloud
+    "tierflow.device.commands",  # run
+    "tierflow.device.process",  # device
+    "tierflow.partitioner.exits.commands",  # exits add, exits show
+    "tierflow.partitioner.bottleneck.commands",  # bottleneck add, bottleneck show
+    "tierflow.demos.local",  # demo
+)
+
+# Commands that also read their options from ``--config FILE.toml`` (see tierflow/cli/config.py).
+CONFIG_COMMANDS: tuple[str, ...] = ("serve edge", "serve cloud", "run", "device")
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierflow",
+        description="Run one neural network across a device, an edge server and the cloud. "
+        "`tierflow COMMAND --help` describes each command.",
+        epilog=examples(
+            "tierflow demo                       # everything on this machine, no arguments",
+            "tierflow profile model.onnx -o pi4.json --threads 1 --slowdown 8",
+            "tierflow plan model.onnx -o plan/ --profile device=pi4.json "
+            "--link device-edge=20mbit,10ms",
+            "tierflow serve cloud --plan plan/ --listen 127.0.0.1:50052",
+            "tierflow serve edge --plan plan/ --listen 127.0.0.1:50051 --upstream 127.0.0.1:50052",
+            "tierflow run --plan plan/ --edge 127.0.0.1:50051 --input in.npz --output out.npz",
+        ),
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"tierflow {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    add_config_option(parser, CONFIG_COMMANDS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        config = apply_config(parser, argv)
+    except TierflowError as exc:
+        print(f"tierflow: error: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        check_config_used(args, config)
+        result = args.handler(args)
+    except TierflowError as exc:
+        print(f"tierflow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # an extra is not installed: say which, no traceback
+        missing = missing_extra(exc, getattr(args, "extra", None))
+        if missing is None:
+            raise
+        print(f"tierflow {args.command}: error: {missing}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tierflow {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Which streams a tier takes: at most so many open at once, from each peer and in all.
+
+[Note: stream admission]
+A tier serves every open stream (``Infer`` or ``Probe``) on a gRPC thread of its own that
+mostly waits for the stream's next message; the work itself runs on the service's worker
+pool (``tierflow.runtime.service``). An idle or slow stream so costs a parked thread, never a
+worker. :class:`~tierflow.runtime.server.TierServer` sizes gRPC's thread pool for the caps below
+plus a few spare threads for health checks, and tells gRPC to refuse any call beyond
+that at once (``maximum_concurrent_rpcs``): no call ever waits in gRPC's queue behind
+idle streams, which is how 64 idle streams used to stall every device.
+
+A client that sends requests but stops reading its replies holds only its own
+stream's threads, and only until a reply has waited ``reply_timeout`` for it: then its
+stream is cancelled ([Note: slow readers] in ``tierflow.runtime.service``).
+
+A stream beyond ``max_streams_per_peer`` from one peer, or beyond ``max_streams`` in all,
+ends at once with gRPC status RESOURCE_EXHAUSTED and a message starting ``OVERLOADED:``;
+the client (``tierflow.transport.stream_client``) fails that stream's requests with a
+:class:`~tierflow.errors.RemoteError` of code ``OVERLOADED`` and does not send them
+again by itself. A peer is a host: the address without its port (every device on one
+machine, or behind one NAT, shares a peer's cap), a unix socket path, or the peer
+string gRPC gives for anything else.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+#: Streams a tier serves at once, all peers together.
+DEFAULT_MAX_STREAMS = 1024
+#: Streams a tier serves at once from one peer (host).
+DEFAULT_MAX_STREAMS_PER_PEER = 256
+#: Marks the refusal's message, so that clients can tell it from other RESOURCE_EXHAUSTED.
+OVERLOADED = "OVERLOADED"
+
+
+def peer_host(peer: str) -> str:
+    """The host part of a gRPC peer string (``ipv4:10.0.0.5:40512`` -> ``10.0.0.5``)."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and rest:
+        host, sep, port = rest.rpartition(":")
+        if sep and port.isdigit():
+            return host
+    return peer
+
+
+class StreamAdmission:
+    """Counts a tier's open streams per peer and in all ([Note: stream admission]).
+
+    :meth:`admit` either takes a place and returns None, or returns why not; each place
+    taken is given back once with :meth:`release`. Thread-safe.
+    """
+
+    def __init__(self, tier: str, max_streams: int, max_per_peer: int) -> None:
+        if max_streams < 1 or max_per_peer < 1:
+            raise ValueError(f"stream caps must be >= 1, got {max_streams} and {max_per_peer}")
+        self.tier = tier
+        self.max_streams = max_streams
+        self.max_per_peer = max_per_peer
+        self._lock = threading.Lock()
+        self._open: Counter[str] = Counter()
+        self._total = 0
+
+    @property
+    def open_streams(self) -> int:
+        return self._total
+
+    def admit(self, peer: str) -> str | None:
+        """Take a place for a stream from ``peer`` (a host), or say why there is none."""
+        with self._lock:
+            if self._open[peer] >= self.max_per_peer:
+                return (
+                    f"{OVERLOADED}: the {self.tier} serves {self._open[peer]} streams from "
+                    f"{peer} already (at most {self.max_per_peer} per peer)"
+                )
+            if self._total >= self.max_streams:
+                return (
+                    f"{OVERLOADED}: the {self.tier} serves {self._total} streams already "
+                    f"(at most {self.max_streams})"
+                )
+            self._open[peer] += 1
+            self._total += 1
+            return None
+
+    def release(self, peer: str) -> None:
+        """Give back a place :meth:`admit` took for ``peer``."""
+        with self._lock:
+            assert self._open[peer] > 0, f"no stream from {peer} to release"
+            self._open[peer] -= 1
+            if not self._open[peer]:
+                del self._open[peer]
+            self._total -= 1

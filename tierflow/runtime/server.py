@@ -1,0 +1,313 @@
+"""A tier's gRPC server: the ``Tier`` service, the standard health service, clean shutdown.
+
+Follows grpc's own examples (``examples/python/health_checking`` and the graceful
+shutdown example): the server starts with health NOT_SERVING, loads the model, then
+reports SERVING; on SIGTERM or SIGINT it stops as [Note: stopping a tier] says.
+Message-size limits are set explicitly on the server (``tierflow.transport.wire.grpc_options``),
+the same as on every channel.
+
+The edge and the cloud each own their server class and their ``tierflow serve TIER``
+command (``tierflow.edge`` and ``tierflow.cloud``); what they share, the options every
+server takes and the run until a signal, is here.
+
+[Note: stopping a tier]
+At once: health reports NOT_SERVING, no new stream is accepted, and every new request on
+an open stream is answered UNAVAILABLE ("stopping"), so devices go elsewhere. Requests
+already in flight get up to ``grace`` seconds to be answered; then the streams still
+open (idle devices keep theirs open) are cancelled and the tier releases its model and
+its stream to the next tier. The CLI process always exits within ``grace`` + 1 s: if
+anything still holds it then (a segment still running, a stuck writer), it exits anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from types import FrameType
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tierflow.cli.helptext import HelpFormatter, examples
+from tierflow.errors import UsageError
+from tierflow.link.emulation import add_link_arguments
+from tierflow.options import DEFAULT_REPLY_TIMEOUT_S
+from tierflow.runtime.admission import DEFAULT_MAX_STREAMS, DEFAULT_MAX_STREAMS_PER_PEER
+from tierflow.runtime.providers import add_providers_argument
+from tierflow.runtime.segment_store import add_segment_budget_argument
+from tierflow.runtime.service import TierService
+from tierflow.runtime.sessions import add_optimization_argument
+from tierflow.transport.security import add_security_arguments, bind, server_options
+from tierflow.transport.wire import add_tier_servicer, grpc_options
+from tierflow.tuning import tune_for_latency
+from tierflow.units import parse_size
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "tierflow.rpc.Tier"
+# gRPC threads beyond the stream caps, for health checks ([Note: stream admission]).
+_SPARE_THREADS = 16
+# How long stopping waits for cancelled streams to end, and how long after the grace
+# period a stopping CLI process exits in any case ([Note: stopping a tier]).
+_CANCEL_WAIT_S = 0.5
+_EXIT_MARGIN_S = 0.9
+
+
+class TierServer:
+    """Serves one :class:`TierService` on ``listen`` (``HOST:PORT``; port 0 picks one).
+
+    The service's ``options.security`` says whether the port is TLS and which clients it
+    serves ([Note: tier security] in ``tierflow.transport.security``); by default plaintext on
+    loopback.
+    """
+
+    def __init__(self, service: TierService, listen: str) -> None:
+        self.service = service
+        self.listen = listen
+        self.security = service.options.security
+        self.port = 0
+        self.health = health.HealthServicer()
+        # One thread per call gRPC admits, so that no call waits behind idle streams
+        # ([Note: stream admission] in tierflow.runtime.admission); threads start as needed.
+        calls = service.options.max_streams + _SPARE_THREADS
+        self._server = grpc.server(
+            ThreadPoolExecutor(max_workers=calls, thread_name_prefix=f"{service.tier}-grpc"),
+            options=[*grpc_options(service.options.max_message_bytes), *server_options()],
+            maximum_concurrent_rpcs=calls,
+            interceptors=self.security.interceptors(service.tier),
+        )
+        add_tier_servicer(service, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self._stopped = threading.Event()
+
+    @property
+    def address(self) -> str:
+        host = self.listen.rpartition(":")[0] or "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    def start(self) -> int:
+        """Listen, load the model, then report SERVING; return the port."""
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = bind(self._server, self.listen, self.security, self.service.tier)
+        self._server.start()
+        try:
+            self.service.load()
+        except BaseException:
+            self._server.stop(None)
+            raise
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("[%s] serving on %s", self.service.tier, self.address)
+        return self.port
+
+    def stop(self, grace: float | None = 2.0) -> None:
+        """Stop as [Note: stopping a tier] says: drain within ``grace`` s, then release all.
+
+        Returns within ``grace`` + about 0.7 s, whatever the streams do.
+        """
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        grace = max(grace or 0.0, 0.0)
+        self.health.enter_graceful_shutdown()
+        self._server.stop(grace)  # no new streams from now on
+        if not self.service.drain(grace):
+            logger.warning(
+                "[%s] requests still in flight after %.3g s; cancelling them",
+                self.service.tier,
+                grace,
+            )
+        if not self._server.stop(0).wait(_CANCEL_WAIT_S):  # the streams left open
+            logger.warning("[%s] streams did not end when cancelled", self.service.tier)
+        self.service.close(timeout=0.2)
+        logger.info("[%s] stopped", self.service.tier)
+
+    def serve_until_signal(self, grace: float = 5.0) -> None:
+        """Block until SIGTERM or SIGINT, then stop gracefully (for the CLI)."""
+        stop = threading.Event()
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            logger.info(
+                "[%s] %s received, shutting down", self.service.tier, signal.Signals(signum).name
+            )
+            stop.set()
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            while not stop.wait(1.0):
+                pass
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            _exit_after(grace + _EXIT_MARGIN_S, self.service.tier)
+            self.stop(grace)
+
+
+def _exit_after(seconds: float, tier: str) -> None:
+    """End the process in ``seconds`` if it is still running then ([Note: stopping a tier])."""
+
+    def exit_now() -> None:
+        logger.warning("[%s] still not stopped after %.3g s; exiting now", tier, seconds)
+        logging.shutdown()
+        os._exit(0)
+
+    timer = threading.Timer(seconds, exit_now)
+    timer.daemon = True
+    timer.start()
+
+
+# The ``serve`` command of each top-level parser, and its TIER subcommands.
+_SERVE_TIERS: weakref.WeakKeyDictionary[
+    argparse.ArgumentParser, argparse._SubParsersAction[argparse.ArgumentParser]
+] = weakref.WeakKeyDictionary()
+
+
+def add_serve_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    tier: str,
+    help: str,
+    *,
+    description: str,
+    epilog: str,
+) -> argparse.ArgumentParser:
+    """``tierflow serve TIER``: one tier's subcommand, with the options every server takes.
+
+    The first tier to call this creates the ``serve`` command; the tier's own options
+    (``--upstream``, ``--cache``) and its handler are for the caller to add.
+    """
+    serve = subparsers.choices.get("serve")
+    if serve is None:
+        serve = subparsers.add_parser(
+            "serve",
+            help="run the edge or the cloud tier of a plan",
+            description="Serve one tier of a plan over gRPC until SIGTERM or SIGINT: the "
+            "edge takes devices' streams and forwards to the cloud, the cloud answers. Each "
+            "prints one line saying where it serves once its segment is loaded.",
+            epilog=examples(
+                "tierflow serve cloud --plan plan/ --listen 127.0.0.1:50052",
+                "tierflow serve edge --plan plan/ --listen 127.0.0.1:50051 "
+                "--upstream 127.0.0.1:50052",
+            ),
+            formatter_class=HelpFormatter,
+        )
+        _SERVE_TIERS[serve] = serve.add_subparsers(dest="tier", metavar="TIER", required=True)
+    parser = _SERVE_TIERS[serve].add_parser(
+        tier, help=help, description=description, epilog=epilog, formatter_class=HelpFormatter
+    )
+    _add_server_arguments(parser)
+    return parser
+
+
+def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--plan", required=True, metavar="PLAN_DIR", help="the plan directory `tierflow plan` wrote"
+    )
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="address to serve on (port 0: one the OS picks, printed when serving)",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads per request")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="requests run at once (the pipeline's depth on this tier)",
+    )
+    parser.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="emulate a tier this many times slower than this machine",
+    )
+    add_optimization_argument(parser)
+    add_providers_argument(parser)
+    parser.add_argument(
+        "--max-tensor-bytes",
+        type=parse_size,
+        default="1GiB",
+        metavar="SIZE",
+        help="largest decoded tensor accepted",
+    )
+    parser.add_argument(
+        "--max-streams",
+        type=int,
+        default=DEFAULT_MAX_STREAMS,
+        metavar="N",
+        help="streams served at once, all peers together; more are refused OVERLOADED",
+    )
+    parser.add_argument(
+        "--max-streams-per-peer",
+        type=int,
+        default=DEFAULT_MAX_STREAMS_PER_PEER,
+        metavar="N",
+        help="streams served at once from one host; more are refused OVERLOADED",
+    )
+    parser.add_argument(
+        "--reply-timeout",
+        type=float,
+        default=DEFAULT_REPLY_TIMEOUT_S,
+        metavar="S",
+        help="seconds a reply waits for a client that does not read it before its stream "
+        "is cancelled",
+    )
+    parser.add_argument(
+        "--grace", type=float, default=5.0, help="seconds open streams get to finish on shutdown"
+    )
+    add_segment_budget_argument(parser)
+    add_link_arguments(parser)
+    add_security_arguments(parser, server=True)
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="N",
+        help="serve Prometheus metrics on http://HOST:N/metrics, HOST as in --listen "
+        "(0 picks a port; needs pip install 'tierflow[metrics]')",
+    )
+
+
+def serve_until_stopped(server: TierServer, grace: float, metrics_port: int | None = None) -> int:
+    """Start ``server``, say where it serves, and run until SIGTERM or SIGINT (the CLI).
+
+    With ``metrics_port`` the tier also serves Prometheus metrics (``tierflow.runtime.metrics``)
+    on the host it listens on, and says where on a second line.
+    """
+    tune_for_latency()
+    service = server.service
+    metrics = None
+    if metrics_port is not None:
+        from tierflow.runtime.metrics import TierMetrics
+
+        if not 0 <= metrics_port <= 65535:
+            raise UsageError(f"--metrics-port must be a port number, got {metrics_port}")
+        metrics = TierMetrics(
+            service.tier, lambda: service.in_flight, segments=lambda: service.segments
+        )
+        service.metrics = metrics
+    server.start()
+    try:
+        # One line on stdout, so that scripts (and tests) can learn a port picked by the OS.
+        print(
+            f"tierflow {service.tier} serving plan {service.plan_id} on {server.address}",
+            flush=True,
+        )
+        if metrics is not None:
+            host = server.address.rpartition(":")[0]
+            try:
+                port = metrics.start(host.strip("[]"), metrics_port or 0)
+            except BaseException:
+                server.stop(0)
+                raise
+            print(f"tierflow {service.tier} metrics on http://{host}:{port}/metrics", flush=True)
+        server.serve_until_signal(grace=grace)
+    finally:
+        if metrics is not None:
+            metrics.stop()
+    return 0

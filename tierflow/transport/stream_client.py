@@ -1,0 +1,427 @@
+"""The client end of one long-lived ``Infer`` stream, with many requests in flight.
+
+The device talks to the edge, and the edge to the cloud, through a :class:`StreamClient`:
+one channel and one bidirectional stream, requests written as they come, replies matched
+back to their requests by id. See [Note: one reply per request] for the guarantee it
+gives its callers.
+
+[Note: one reply per request]
+Every :meth:`StreamClient.submit` returns a future that is resolved exactly once: with
+the peer's ``Reply``; with a :class:`~tierflow.errors.TransportError` as soon as the
+stream breaks (the peer died, the connection dropped, the peer refused the stream: a
+:class:`~tierflow.errors.RemoteError` of code ``OVERLOADED`` when it serves too many
+streams, see [Note: stream admission] in ``tierflow.runtime.admission``); or
+with a :class:`~tierflow.errors.DeadlineError` when the request's deadline passes first
+(within a few milliseconds: deadlines are swept in batches).
+A broken stream is not reused: the next submit opens a new one on the same channel,
+which reconnects by itself (with a short backoff, see :func:`channel_options`). Request ids
+on the wire are assigned here, so callers' ids can never collide on a shared stream.
+See [Note: retries and failing fast] for what happens while the peer is down.
+
+[Note: retries and failing fast]
+A request that cannot have reached the peer (its stream broke UNAVAILABLE before any
+reply came, and the channel was not connected at any time since the stream opened) is
+sent again on a new stream, with the same wire id, after 0.1, 0.3 and 0.9 s, within its
+deadline; after that it fails. One that may have reached the peer is never sent again,
+and a reply is only ever delivered once (the first one for an id). While the peer is
+known to be down (the channel's last connection attempt failed and it has not been
+connected since), :meth:`StreamClient.submit` fails at once instead of queueing, and
+:meth:`StreamClient.known_down` tells callers so before they do any work.
+
+[Note: replicas]
+The peer's address may be a gRPC target list, ``ipv4:H1:P1,H2:P2`` (or a ``dns:`` name
+with several addresses, a Kubernetes headless Service). The channel balances round robin
+(gRPC's own ``round_robin`` policy), but it balances *calls*, and a stream is one call: it
+stays on the replica it was opened on. So a client of a list keeps one stream per listed
+address (:data:`DNS_STREAMS` for a ``dns:`` name), opens them in turn as requests come, and
+sends its requests over them in turn; the channel connects to every replica as soon as
+the client is made, so that the first streams already find them all ready. When a replica
+dies, its stream breaks and its requests in flight fail as above (typed errors; those that
+never reached it are sent again); the stream opened next in its place goes to a live
+replica, since round robin picks only among connected ones. A replica that comes back
+gets streams again as others break, not at once.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import grpc
+
+from tierflow.errors import DeadlineError, InputError, RemoteError, TransportError
+from tierflow.link.emulation import LinkShaper, ShapedQueue, Transfer
+from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.transport.security import Security, open_channel
+from tierflow.transport.wire import DEFAULT_MESSAGE_BYTES, grpc_options
+
+logger = logging.getLogger(__name__)
+
+# [Note: closing a watched channel]
+# ``channel.subscribe`` starts a grpc thread that watches the channel's state. After
+# ``unsubscribe`` it stops at its next wake-up (at most 0.2 s later), but if the channel
+# changes state in that window and is closed meanwhile, the thread calls into the closed
+# channel and dies with "Channel closed!" (a traceback on stderr; seen under load in the
+# test suite). So a subscribed channel is closed from a small daemon thread once the
+# watcher has stopped (bounded by _WATCHER_STOP_S); the caller does not wait.
+_WATCHER_STOP_S = 1.0
+
+# What a request's ids, shapes, names and timings may add around its tensor bytes.
+_FRAMING_MARGIN = 64 * 1024
+# How late past a deadline a request may be failed. Deadlines of answered requests stay
+# queued until they pass, so sweeping at every single one would wake a thread for every
+# request once a stream has run for a deadline's length; sweeping them in batches does not.
+_SWEEP_SLACK_S = 0.005
+# Longest the deadline thread sleeps at once (it sleeps again if nothing is due).
+_MAX_SWEEP_WAIT_S = 60.0
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> list[tuple[str, int | str]]:
+    """GRPC_OPTIONS plus a short reconnect backoff and round-robin balancing.
+
+    A restarted tier is found again fast. grpc also takes ``min_reconnect_backoff_ms`` as
+    the shortest time a connection attempt may take, so it is left at grpc's 20 s: at
+    100 ms, every attempt over a link with a 300 ms round trip timed out before the TLS and
+    HTTP/2 handshakes could finish. Round robin only matters for a target with several
+    addresses ([Note: replicas]); with one it is the same as grpc's default.
+    """
+    return [
+        *grpc_options(max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+        ("grpc.service_config", _ROUND_ROBIN),
+    ]
+
+
+def stream_count(address: str) -> int:
+    """How many streams a client keeps to ``address`` ([Note: replicas])."""
+    scheme, _, rest = address.partition(":")
+    if scheme in ("ipv4", "ipv6"):
+        return max(1, len([part for part in rest.split(",") if part.strip()]))
+    if scheme == "dns":
+        return DNS_STREAMS
+    return 1
+
+
+_ROUND_ROBIN = '{"loadBalancingConfig": [{"round_robin": {}}]}'
+#: Streams a client keeps to a ``dns:`` target, whose addresses it cannot count.
+DNS_STREAMS = 4
+
+# When a request that never reached the peer is sent again ([Note: retries and failing fast]).
+_RETRY_DELAYS_S = (0.1, 0.3, 0.9)
+
+
+@dataclass
+class Sent:
+    """A submitted request: its future reply and its transfer on the link.
+
+    ``request``, ``size``, ``deadline`` and ``attempts`` are kept to send it again
+    ([Note: retries and failing fast]).
+    """
+
+    future: Future[tier_pb2.Reply]
+    transfer: Transfer
+    wire_id: str
+    request: tier_pb2.Request | None = None
+    size: int = 0
+    deadline: float | None = None
+    attempts: int = 1
+
+
+class _Stream:
+    """One ``Infer`` call and the requests waiting for replies on it."""
+
+    def __init__(self, client: StreamClient) -> None:
+        self.client = client
+        self.queue: ShapedQueue[tier_pb2.Request] = ShapedQueue(client.shaper)
+        self.pending: dict[str, Sent] = {}
+        self.alive = True
+        self.replied = False
+        # Made under client.lock: whether anything sent on it may have reached the peer.
+        self.connected_at_start = client._connected
+        self.connections_at_start = client._connections
+        self.call = client.stub.Infer(self.queue.drain())
+        self.reader = threading.Thread(target=self._read, name=f"{client.me}-reader", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        client = self.client
+        error: TransportError
+        unavailable = False
+        try:
+            for reply in self.call:
+                with client.lock:
+                    self.replied = True
+                    sent = self.pending.pop(reply.id, None)
+                if sent is None:
+                    logger.debug("[%s] reply for %s came after its deadline", client.me, reply.id)
+                    continue
+                sent.future.set_result(reply)
+            error = TransportError(f"the {client.peer} at {client.address} ended the stream")
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            name = code.name if code is not None else "UNKNOWN"
+            unavailable = code == grpc.StatusCode.UNAVAILABLE
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # [Note: stream admission]
+                error = RemoteError(
+                    f"the {client.peer} at {client.address} refused the stream: {details}",
+                    code="OVERLOADED",
+                    tier=client.peer,
+                )
+            else:
+                error = TransportError(
+                    f"the {client.peer} at {client.address} went away: {name}: {details}"
+                )
+        except Exception as exc:  # a bug here must not leave requests hanging
+            logger.exception("[%s] stream reader failed", client.me)
+            error = TransportError(f"the stream to the {client.peer} failed: {exc}")
+        with client.lock:
+            self.alive = False
+            failed = list(self.pending.values())
+            self.pending.clear()
+            client.streams = [None if s is self else s for s in client.streams]
+            reached = (
+                not unavailable
+                or self.replied
+                or self.connected_at_start
+                or client._connections != self.connections_at_start
+            )
+        self.queue.close()
+        if not reached:  # nothing got out: no bytes to report ([Note: honest link figures])
+            for sent in failed:
+                sent.transfer.unreached = True
+        retry = [] if reached else [s for s in failed if s.attempts <= len(_RETRY_DELAYS_S)]
+        failed = [s for s in failed if s not in retry]
+        if failed:
+            logger.warning(
+                "[%s] %s; failing %d request(s) in flight", client.me, error, len(failed)
+            )
+        for sent in failed:
+            sent.future.set_exception(error)
+        if retry:
+            logger.info(
+                "[%s] %d request(s) never reached the %s (%s); sending them again",
+                client.me,
+                len(retry),
+                client.peer,
+                error,
+            )
+            client._send_again(retry, error)
+
+
+def close_when_unwatched(channel: grpc.Channel) -> None:
+    """Close ``channel`` once grpc's connectivity watcher has stopped, without waiting here.
+
+    See [Note: closing a watched channel].
+    """
+    state = getattr(channel, "_connectivity_state", None)
+    if state is None or not getattr(state, "polling", False):
+        channel.close()
+        return
+
+    def close() -> None:
+        ends = time.monotonic() + _WATCHER_STOP_S
+        while getattr(state, "polling", False) and time.monotonic() < ends:
+            time.sleep(0.01)
+        channel.close()
+
+    threading.Thread(target=close, name="tierflow-channel-close", daemon=True).start()
+
+
+class StreamClient:
+    """Requests to the next tier over one long-lived stream ([Note: one reply per request]).
+
+    ``me`` and ``peer`` name the tiers for messages ("device" -> "edge"); ``shaper``
+    emulates the outgoing link (None: not shaped); ``security`` is the channel's TLS and
+    token setting (``tierflow.transport.security``). ``address`` may list replicas
+    ([Note: replicas]). Thread-safe.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        me: str,
+        peer: str,
+        shaper: LinkShaper | None = None,
+        max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+        security: Security | None = None,
+    ) -> None:
+        self.address = address
+        self.me = me
+        self.peer = peer
+        self.shaper = shaper
+        self.max_message_bytes = max_message_bytes
+        self.channel = open_channel(address, security, channel_options(max_message_bytes))
+        self.stub = tier_pb2_grpc.TierStub(self.channel)
+        self.lock = threading.Lock()
+        # One slot per stream kept ([Note: replicas]); None: not open (or broken).
+        self.streams: list[_Stream | None] = [None] * stream_count(address)
+        self._turn = itertools.count()
+        self._ids = itertools.count()
+        self._prefix = f"{me[0]}{id(self):x}-"
+        # (deadline, wire id, attempt, stream): a request sent again has a second entry.
+        self._deadlines: list[tuple[float, str, int, _Stream]] = []
+        self._wake = threading.Condition(self.lock)
+        self._closed = False
+        self._down = False  # see known_down
+        self._connected = False
+        self._connections = 0  # times the channel became READY
+        # With replicas, connect to all of them now, before the first streams are opened.
+        self.channel.subscribe(self._on_state, try_to_connect=len(self.streams) > 1)
+        self._sweeper = threading.Thread(target=self._sweep, name=f"{me}-deadlines", daemon=True)
+        self._sweeper.start()
+
+    def _on_state(self, state: grpc.ChannelConnectivity) -> None:
+        with self.lock:
+            self._connected = state == grpc.ChannelConnectivity.READY
+            if self._connected:
+                self._connections += 1
+                self._down = False
+            elif state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                self._down = True
+            elif state == grpc.ChannelConnectivity.IDLE:
+                self._down = False  # nothing is trying to connect: the next call will
+
+    def known_down(self) -> bool:
+        """Whether the peer is known to be down ([Note: retries and failing fast])."""
+        return self._down
+
+    def submit(
+        self,
+        request: tier_pb2.Request,
+        *,
+        deadline: float | None = None,
+        nbytes: int | None = None,
+    ) -> Sent:
+        """Send ``request`` (its id is replaced); ``deadline`` is on ``time.monotonic``.
+
+        ``nbytes``, the encoded tensor bytes, is what the link carries and is charged for
+        (``ByteSize()`` when not given; it costs about 0.2 ms per MB, so callers that
+        know the figure pass it). Framing adds little: the receiver enforces the exact
+        message limit in any case.
+        """
+        if deadline is not None and not math.isfinite(deadline):
+            raise InputError(f"a deadline must be a finite time, found {deadline!r}")
+        size = request.ByteSize() if nbytes is None else nbytes
+        framed = size if nbytes is None else size + _FRAMING_MARGIN
+        if framed > self.max_message_bytes:
+            raise InputError(
+                f"a request of {size} bytes exceeds the message limit of "
+                f"{self.max_message_bytes} bytes to the {self.peer}"
+            )
+        wire_id = self._prefix + str(next(self._ids))
+        request.id = wire_id
+        future: Future[tier_pb2.Reply] = Future()
+        with self.lock:
+            if self._closed:
+                raise TransportError(f"the stream to the {self.peer} is closed")
+            if self._down:
+                raise TransportError(
+                    f"the {self.peer} at {self.address} is down (its last connection "
+                    "attempt failed); not sending"
+                )
+            stream = self._live_stream()
+            sent = Sent(future, stream.queue.put(request, size), wire_id, request, size, deadline)
+            self._track(stream, sent)
+        return sent
+
+    def _live_stream(self) -> _Stream:
+        """The stream to send on, opened if need be; call with the lock held.
+
+        With several streams, each call takes the next in turn ([Note: replicas]).
+        """
+        slot = next(self._turn) % len(self.streams)
+        stream = self.streams[slot]
+        if stream is None or not stream.alive:
+            stream = self.streams[slot] = _Stream(self)
+        return stream
+
+    def _track(self, stream: _Stream, sent: Sent) -> None:
+        """Wait for ``sent``'s reply on ``stream``, within its deadline; lock held."""
+        stream.pending[sent.wire_id] = sent
+        if sent.deadline is not None:
+            entry = (sent.deadline, sent.wire_id, sent.attempts, stream)
+            heapq.heappush(self._deadlines, entry)
+            if self._deadlines[0][1] == sent.wire_id:
+                self._wake.notify()
+
+    def _send_again(self, sents: list[Sent], error: TransportError) -> None:
+        """Send requests that never reached the peer again after a backoff (reader thread)."""
+        time.sleep(_RETRY_DELAYS_S[min(s.attempts for s in sents) - 1])
+        for sent in sents:
+            late = sent.deadline is not None and time.monotonic() >= sent.deadline
+            with self.lock:
+                closed = self._closed
+                if not closed and not late and sent.request is not None:
+                    sent.attempts += 1
+                    stream = self._live_stream()
+                    sent.transfer = stream.queue.put(sent.request, sent.size)
+                    self._track(stream, sent)
+                    continue
+            if late:
+                sent.future.set_exception(
+                    DeadlineError(
+                        f"no reply from the {self.peer} at {self.address} within the "
+                        f"request's deadline ({error})"
+                    )
+                )
+            else:
+                sent.future.set_exception(error)
+
+    def _sweep(self) -> None:
+        """Fail requests whose deadline passed; runs until :meth:`close`."""
+        with self.lock:
+            while not self._closed:
+                now = time.monotonic()
+                expired: list[Sent] = []
+                while self._deadlines and self._deadlines[0][0] <= now:
+                    _, wire_id, _, stream = heapq.heappop(self._deadlines)
+                    sent = stream.pending.pop(wire_id, None)
+                    if sent is not None:
+                        expired.append(sent)
+                if expired:
+                    self.lock.release()
+                    try:
+                        for sent in expired:
+                            sent.future.set_exception(
+                                DeadlineError(
+                                    f"no reply from the {self.peer} at {self.address} "
+                                    "within the request's deadline"
+                                )
+                            )
+                    finally:
+                        self.lock.acquire()
+                    continue
+                timeout = _MAX_SWEEP_WAIT_S  # bounded: a far deadline is no timer overflow
+                if self._deadlines:
+                    timeout = min(self._deadlines[0][0] - now + _SWEEP_SLACK_S, timeout)
+                self._wake.wait(timeout)
+
+    def in_flight(self) -> int:
+        with self.lock:
+            return sum(len(s.pending) for s in self.streams if s is not None)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Finish the streams (waiting up to ``timeout`` for replies), then close the channel."""
+        with self.lock:
+            self._closed = True
+            streams = [s for s in self.streams if s is not None]
+            self._wake.notify()
+        for stream in streams:
+            stream.queue.close()
+        end = time.monotonic() + timeout
+        for stream in streams:
+            stream.reader.join(max(0.0, end - time.monotonic()))
+        for stream in streams:
+            stream.call.cancel()
+            stream.reader.join(1.0)
+        self.channel.unsubscribe(self._on_state)
+        close_when_unwatched(self.channel)
