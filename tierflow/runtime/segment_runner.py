@@ -218,7 +218,7 @@ class Outcome:
     exits_checked: list[str] = field(default_factory=list)
     #: The last exit checked and not taken, with its scores: the best answer a tier has
     #: when the next tier is gone ([Note: answering without the next tier] in
-    #: tierflow/runtime/service.py). None when no exit was checked, or one was taken.
+    #: tierflow/edge/forwarding.py). None when no exit was checked, or one was taken.
     unconfident: tuple[str, np.ndarray] | None = None
 
 
