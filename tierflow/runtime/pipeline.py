@@ -51,7 +51,7 @@ from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.segment_runner import SegmentRunner, TierRunner, emulate_slower
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, tier_files
-from tierflow.transport.wire import from_proto, put_tensors
+from tierflow.transport.wire import put_tensors, received
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ class Pipeline:
             on_evict=self._evicted,
         )
         self._index = {plan.plan_id: i for i, plan in enumerate(plans.plans)}
+        self._files = [tier_files(plans, i, tier) for i in range(len(plans.plans))]
         self._runners: dict[int, TierRunner] = {}  # by plan index, opened on first use
         self._sessions: dict[Path, SegmentRunner] = {}  # by segment file, shared by plans
         self._lock = threading.Lock()
@@ -145,7 +146,7 @@ class Pipeline:
 
     def holding(self, index: int) -> contextlib.AbstractContextManager[None]:
         """Hold (fetching if need be) the files of plan ``index`` that this tier runs."""
-        return self.segments.holding(tier_files(self.plans, index, self.tier))
+        return self.segments.holding(self._files[index])
 
     def runner(self, index: int) -> TierRunner:
         """Plan ``index``'s runner on this tier, opened on first use (its files fetched first)."""
@@ -201,20 +202,20 @@ class Pipeline:
                 f"the request carries {len(tensors)}"
             )
         limit = self.options.max_tensor_bytes
-        encoded = [from_proto(message, max_bytes=limit) for message in tensors]
-        names = [t.name for t in encoded]
-        if len(set(names)) != len(names):
+        encoded = [received(message, max_bytes=limit) for message in tensors]
+        names = {t.name for t, _ in encoded}
+        if len(names) != len(encoded):
             raise CodecError(f"tensor names repeat in one request: {sorted(names)}")
-        runner.check_names(set(names), segment=segment)
+        runner.check_names(names, segment=segment)
         specs = runner.input_specs()
-        for tensor in encoded:
+        for tensor, _ in encoded:
             spec = specs.get(tensor.name)
             if spec is not None:
                 spec.check(tensor.dtype, tensor.shape, f"the {self.tier}'s")
         features: dict[str, np.ndarray] = {}
         if not (self.forwards_as_is(index) and self.cache is None):
             # Read-only views: ONNX Runtime only reads them.
-            features = {t.name: decode(t, max_bytes=limit, writable=False) for t in encoded}
+            features = {t.name: decode(t, checked=c, writable=False) for t, c in encoded}
         emulate_slower(self.options.slowdown, cpu, time.thread_time)
         return features, time.perf_counter() - start
 
@@ -247,12 +248,13 @@ class Pipeline:
         key: bytes | None = None,
         deadline_unix_s: float = 0.0,
         as_received: Sequence[tier_pb2.Tensor] = (),
+        checked: bool = False,
     ) -> Answered | Onward:
         """Steps 2-3 of [Note: one request path] for features entering at ``segment``.
 
         ``key``: where the cache keeps this request's answer (from :meth:`cached`).
         ``as_received``: the request's encoded tensors, forwarded unchanged by a tier that
-        runs nothing for the plan.
+        runs nothing for the plan. ``checked``: :meth:`decode` checked the features.
         """
         plan = self.plans.plans[index]
         if self.forwards_as_is(index):
@@ -262,7 +264,7 @@ class Pipeline:
             forward.tensors.extend(as_received)
             nbytes = sum(len(t.data) + len(t.params) for t in as_received)
             return Onward(forward, nbytes, key=key, features=features)
-        outcome = runner.run(features)
+        outcome = runner.run(features, checked=checked)
         if outcome.final:
             if key is not None:
                 self.store(key, features, outcome.tensors, outcome.exit)
