@@ -29,6 +29,7 @@ from tierflow.plan import load_plan_set
 from tierflow.runtime.providers import add_providers_argument
 from tierflow.runtime.segment_store import add_segment_budget_argument
 from tierflow.runtime.sessions import add_optimization_argument
+from tierflow.runtime.state import add_state_arguments
 from tierflow.transport.security import add_security_arguments
 from tierflow.units import format_duration, format_rate, format_size, parse_duration
 
@@ -114,6 +115,7 @@ def add_device_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     add_optimization_argument(parser)
     add_providers_argument(parser)
     add_segment_budget_argument(parser)
+    add_state_arguments(parser)
 
 
 def add_adaptation_arguments(parser: argparse.ArgumentParser) -> None:
