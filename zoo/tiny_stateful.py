@@ -106,27 +106,36 @@ def tiny_decoder(
     return _save(graph, path)
 
 
-def streaming_model(path: str | Path, *, features: int = 6, hidden: int = 8, seed: int = 0) -> Path:
+def streaming_model(
+    path: str | Path,
+    *,
+    features: int = 6,
+    hidden: int = 8,
+    seed: int = 0,
+    names: tuple[str, str] = ("state", "stateN"),
+) -> Path:
     """Write a chunk model: ``audio`` [1, F] and ``state`` [1, H] in; ``out``, ``stateN`` out.
 
-    ``state`` is read twice, at the start and near the end; ``stateN`` is made last.
+    ``state`` is read twice, at the start and near the end; ``stateN`` is made after the
+    second read. ``names`` renames the pair (to names no convention knows, say).
     """
     b = _Builder(seed)
+    state, new = names
     inputs = [
         helper.make_tensor_value_info("audio", TensorProto.FLOAT, [1, features]),
-        helper.make_tensor_value_info("state", TensorProto.FLOAT, [1, hidden]),
+        helper.make_tensor_value_info(state, TensorProto.FLOAT, [1, hidden]),
     ]
     outputs = [
         helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, hidden]),
-        helper.make_tensor_value_info("stateN", TensorProto.FLOAT, [1, hidden]),
+        helper.make_tensor_value_info(new, TensorProto.FLOAT, [1, hidden]),
     ]
     a = b.op("Relu", [b.op("MatMul", ["audio", b.weight("w_in", (features, hidden))])])
-    mixed = b.op("Add", [a, b.op("MatMul", ["state", b.weight("u1", (hidden, hidden))])])
+    mixed = b.op("Add", [a, b.op("MatMul", [state, b.weight("u1", (hidden, hidden))])])
     x = mixed
     for i in range(3):
         x = b.op("Tanh", [b.op("MatMul", [x, b.weight(f"w{i}", (hidden, hidden))])])
-    recurrent = b.op("MatMul", ["state", b.weight("u2", (hidden, hidden))])
-    new_state = b.op("Tanh", [b.op("Add", [x, recurrent])], "stateN")
+    recurrent = b.op("MatMul", [state, b.weight("u2", (hidden, hidden))])
+    new_state = b.op("Tanh", [b.op("Add", [x, recurrent])], new)
     y = new_state
     for i in range(2):
         y = b.op("Relu", [b.op("MatMul", [y, b.weight(f"v{i}", (hidden, hidden))])])
