@@ -31,13 +31,18 @@ from tierflow.partitioner.extract import SegmentExtractor
 from tierflow.partitioner.graph import ModelGraph, load_model
 from tierflow.partitioner.loading import drop_initializer_inputs, read_model, sort_nodes
 from tierflow.partitioner.split import Segment, segment_names
-from tierflow.partitioner.stateful import graph_states, value_sig
+from tierflow.partitioner.stateful import graph_states, rebind_state_shapes, value_sig
 from tierflow.partitioner.tensors import first_line
 from tierflow.plan import SegmentSpec
 from tierflow.state_pairs import find_decoder
 from tierflow.state_spec import DecoderSpec, StateSpec
 
 logger = logging.getLogger(__name__)
+
+#: Tensors a decoder cut may carry: the hidden state, the companions, and the small shape
+#: tensors an exporter computes once and every block reads (sizes of seq and past, which
+#: stay values in a graph that runs at any length: [Note: decoder analysis points]).
+DECODER_MAX_CUT_TENSORS = 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,19 +120,26 @@ def load_decoder(
     path = Path(path)
     source = read_source(path)
     states = graph_states(source, given, where=str(path))
+    rebind_state_shapes(source, states, where=str(path))
     decoder = decoder_of(source, states, settings, where=str(path))
     if decoder is None:
         raise ModelError(f"{path} has no growing state pair: it is no decoder")
     inputs = [value_sig(v) for v in source.graph.input]
     prefill_point, decode_point = analysis_points(settings)
     prefill = load_model(
-        path, sample=point_sample(inputs, decoder, states, prefill_point), state=given
+        path,
+        sample=point_sample(inputs, decoder, states, prefill_point),
+        state=given,
+        fold=False,
+        max_cut_tensors=DECODER_MAX_CUT_TENSORS,
     )
     decode = load_model(
         path,
         sample=point_sample(inputs, decoder, states, decode_point, seed=1),
         state=given,
         positions=[c.position for c in prefill.cuts],
+        fold=False,
+        max_cut_tensors=DECODER_MAX_CUT_TENSORS,
     )
     logger.info(
         "[plan] %s is a decoder: %d state pairs, %d cuts, analysed at %s and %s",

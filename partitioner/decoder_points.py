@@ -16,14 +16,17 @@ past + seq - 1, cache inputs standard normal with ``past`` rows; every other sym
 dimension is 1 (one sequence at a time).
 
 The segments written to the plan must run at any length, so they are cut from the model
-as shipped, not from the analysed copies (whose Shape nodes were folded to constants of
-one point). Their inputs and outputs that are model inputs, outputs or state keep the
-model's declared shapes; a tensor crossing a cut gets its shape from comparing the two
-points: a dimension equal at both is fixed, one that differs is symbolic (named ``seq``,
-``past`` or ``past_seq`` where its sizes say so). For that the points must tell the
-lengths apart: ``seq`` differs (prefill seq >= 2 against 1), ``past`` differs (0 against
->= 1) and ``past + seq`` differs (so the decode point's past is moved by one when
-``past + 1`` would equal the prompt's length).
+as shipped, and the analysed copies keep its Shape and Size nodes (other models' are
+folded to constants, [Note: cut sets]): a size computed from the tokens once and read by
+every block then crosses a cut as the small int64 tensor it is, and a segment never
+reads a tensor it was not given (up to 8 tensors cross a decoder cut, against 3
+elsewhere). The segments' inputs and outputs that are model inputs, outputs or state
+keep the model's declared shapes; a tensor crossing a cut gets its shape from comparing
+the two points: a dimension equal at both is fixed, one that differs is symbolic (named
+``seq``, ``past`` or ``past_seq`` where its sizes say so). For that the points must tell
+the lengths apart: ``seq`` differs (prefill seq >= 2 against 1), ``past`` differs (0
+against >= 1) and ``past + seq`` differs (so the decode point's past is moved by one
+when ``past + 1`` would equal the prompt's length).
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ from tierflow.partitioner.stateful import (
     Span,
     forbidden_positions,
     graph_states,
+    rebind_state_shapes,
     state_spans,
     states_within,
 )
@@ -199,6 +200,7 @@ def load_model(
     max_cut_tensors: int = DEFAULT_MAX_CUT_TENSORS,
     state: Sequence[tuple[str, str]] = (),
     positions: Sequence[int] | None = None,
+    fold: bool = True,
 ) -> ModelGraph:
     """Load an ONNX model as users have it and analyse it for cutting.
 
@@ -213,6 +215,9 @@ def load_model(
     State pairs are found by name, after the ``state`` patterns (``--state IN=OUT``), and
     no cut separates one ([Note: state pairs in the cut search] in :mod:`.stateful`).
     ``positions`` fixes the cuts instead of searching them (each must be a candidate).
+    ``fold`` False keeps Shape and Size nodes as they are: the graph is analysed at fixed
+    shapes but its segments will run at others (a decoder: [Note: decoder analysis
+    points] in :mod:`.decoder_points`), so what they compute must cross like any value.
     """
     path = Path(path)
     if max_cut_tensors < 1:
@@ -225,6 +230,7 @@ def load_model(
         raise ModelError(f"invalid ONNX graph in {path}: {first_line(exc)}") from exc
 
     states = graph_states(model, state, where=str(path))
+    rebind_state_shapes(model, states, where=str(path))
     input_values = drop_initializer_inputs(model)
     first = sample_request(input_values, sample, path) if sample is not None else None
     input_shapes = fix_input_shapes(input_values, path, shapes or {}, first)
@@ -247,7 +253,7 @@ def load_model(
     static = {k: v for k, v in infos.items() if v is not None}
     # The inputs' shapes were fixed above; inference may not take a 0 (an empty KV cache).
     static.update({i.name: i for i in inputs})
-    folded = fold_shapes(model, static)
+    folded = fold_shapes(model, static) if fold else 0
     output_names = [v.name for v in graph.output]
     for name in (*output_names, *(i.name for i in inputs)):
         if name not in static:

@@ -22,19 +22,32 @@ whose node range holds its span). A decoder's ``past_key_values.N`` pairs each s
 a few nodes of block N (the Concat that makes ``present.N`` and the attention that reads
 it), so cuts between blocks stay; a recurrent state read at a model's start and replaced
 at its end forbids every cut between.
+
+A node that reads only a state's *shape* binds the pair as well, and exporters read
+shapes from whichever input has the dimension: torch.export takes the batch size from
+one of the caches (``Shape(past_key_values.1.value, end=1)`` at the graph's start),
+which would tie that block to the start and forbid every cut before it. So
+:func:`rebind_state_shapes` points such a Shape node at a travelling input that declares
+the same dimensions on the same axes (the token ids share the batch), before the graph is
+analysed or split: the same value, from a tensor every request carries. A Shape node
+reading an axis no travelling input shares (the cache length) stays, and binds.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 
 import onnx
+import onnx.helper
 
 from tierflow.errors import ModelError
 from tierflow.partitioner.shapes import declared_dims
 from tierflow.partitioner.tensors import np_dtype_name
 from tierflow.state_pairs import TensorSig, find_state_pairs
 from tierflow.state_spec import StateSpec
+
+logger = logging.getLogger(__name__)
 
 #: A pair's span: the first and last node index it needs on one tier.
 Span = tuple[int, int]
@@ -66,6 +79,44 @@ def graph_states(
     inputs = [value_sig(v) for v in graph.input if v.name not in weights]
     outputs = [value_sig(v) for v in graph.output]
     return find_state_pairs(inputs, outputs, given, where=where)
+
+
+def rebind_state_shapes(
+    model: onnx.ModelProto, states: Sequence[StateSpec], *, where: str = "the model"
+) -> int:
+    """Point Shape nodes that read a state's shared dimensions at a travelling input.
+
+    Changes ``model`` in place (one node for one, so node positions stay); returns how many
+    nodes it changed. See the note above.
+    """
+    graph = model.graph
+    weights = {t.name for t in graph.initializer}
+    declared = {v.name: _declared(v) for v in graph.input if v.name not in weights}
+    kept = {s.input for s in states}
+    travelling = [(n, d) for n, d in declared.items() if n not in kept and d is not None]
+    changed = 0
+    for node in graph.node:
+        if node.op_type != "Shape" or node.domain not in ("", "ai.onnx") or not node.input:
+            continue
+        source = declared.get(node.input[0])
+        if node.input[0] not in kept or source is None:
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        rank = len(source)
+        start, end = (int(attrs.get("start", 0)), int(attrs.get("end", rank)))
+        axes = range(*slice(start, end).indices(rank))
+        for name, dims in travelling:
+            if all(
+                a < len(dims) and dims[a] is not None and dims[a] == source[a] for a in axes
+            ) and (axes or rank == len(dims)):
+                node.input[0] = name
+                changed += 1
+                break
+    if changed:
+        logger.info(
+            "[graph] %s: %d Shape node(s) read a state's shared dims elsewhere", where, changed
+        )
+    return changed
 
 
 def state_spans(

@@ -51,9 +51,20 @@ class _Builder:
 
 
 def tiny_decoder(
-    path: str | Path, *, blocks: int = 3, width: int = 8, vocab: int = 16, seed: int = 0
+    path: str | Path,
+    *,
+    blocks: int = 3,
+    width: int = 8,
+    vocab: int = 16,
+    seed: int = 0,
+    batch_from_last_cache: bool = False,
 ) -> Path:
-    """Write a ``blocks``-block decoder with vocabulary ``vocab`` to ``path``."""
+    """Write a ``blocks``-block decoder with vocabulary ``vocab`` to ``path``.
+
+    ``batch_from_last_cache`` reads the batch size for a reshape of the embeddings from the
+    last block's cache, as torch.export's ONNX graphs do ([Note: state pairs in the cut
+    search] in :mod:`tierflow.partitioner.stateful`).
+    """
     b = _Builder(seed)
     past_shape: list[int | str] = ["batch", 1, "past", width]
     present_shape: list[int | str] = ["batch", 1, "past_seq", width]
@@ -70,6 +81,10 @@ def tiny_decoder(
     b.const("masked", np.array(-1e9, dtype=np.float32))
     b.const("scale", np.array(1.0 / np.sqrt(width), dtype=np.float32))
     x = b.op("Gather", [b.weight("embed", (vocab, width), 2.0), "input_ids"], "embedded")
+    if batch_from_last_cache:
+        batch = b.op("Shape", [f"past_key_values.{blocks - 1}.value"], start=0, end=1)
+        rest = b.const("rest", np.array([-1, width], dtype=np.int64))
+        x = b.op("Reshape", [x, b.op("Concat", [batch, rest], axis=0)])
     for i in range(blocks):
         for kind, shape in (("key", past_shape), ("value", past_shape)):
             inputs.append(
