@@ -31,8 +31,8 @@ from tierflow.transport.wire import DEFAULT_MESSAGE_BYTES
 DEFAULT_MAX_IN_FLIGHT = 1024
 #: Seconds a reply may wait for its client to read before the stream is cancelled.
 DEFAULT_REPLY_TIMEOUT_S = 5.0
-#: Seconds a tier keeps a session's state without a request ([Note: session state on a
-#: tier] in tierflow/runtime/state.py).
+#: Seconds a tier keeps a session's state without a request (see
+#: [Note: session state on a tier] in tierflow/runtime/state.py).
 DEFAULT_STATE_IDLE_S = 600.0
 
 

@@ -38,6 +38,7 @@ from tierflow.errors import UsageError
 from tierflow.link.emulation import add_link_arguments
 from tierflow.options import DEFAULT_REPLY_TIMEOUT_S
 from tierflow.runtime.admission import DEFAULT_MAX_STREAMS, DEFAULT_MAX_STREAMS_PER_PEER
+from tierflow.runtime.limits import receive_limit
 from tierflow.runtime.providers import add_providers_argument
 from tierflow.runtime.segment_store import add_segment_budget_argument
 from tierflow.runtime.service import TierService
@@ -76,9 +77,17 @@ class TierServer:
         # One thread per call gRPC admits, so that no call waits behind idle streams
         # ([Note: stream admission] in tierflow.runtime.admission); threads start as needed.
         calls = service.options.max_streams + _SPARE_THREADS
+        #: The largest message gRPC takes here ([Note: a tier's largest request]).
+        self.receive_limit = receive_limit(
+            service.plans.plans, service.tier, service.options.max_message_bytes
+        )
+        options = [
+            (key, self.receive_limit if key == "grpc.max_receive_message_length" else value)
+            for key, value in grpc_options(service.options.max_message_bytes)
+        ]
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=calls, thread_name_prefix=f"{service.tier}-grpc"),
-            options=[*grpc_options(service.options.max_message_bytes), *server_options()],
+            options=[*options, *server_options()],
             maximum_concurrent_rpcs=calls,
             interceptors=self.security.interceptors(service.tier),
         )
