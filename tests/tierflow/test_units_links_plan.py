@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierflow.codec.base import CodecSpec
-from tierflow.errors import PlanError, UsageError
+from tierflow.errors import PlanError, UsageError, shown
 from tierflow.link.spec import (
     LINKS,
     TIERS,
@@ -93,8 +93,8 @@ def test_parse_duration_refuses_malformed_text(text: str) -> None:
         ("1.5GB", 1_500_000_000),
         ("512k", 512 * 1024),
         ("512kB", 512_000),
-        ("100", 100),
         ("100B", 100),
+        ("100b", 100),
         ("2m", 2 * 2**20),
     ],
 )
@@ -102,10 +102,34 @@ def test_parse_size(text: str, nbytes: int) -> None:
     assert parse_size(text) == nbytes
 
 
-@pytest.mark.parametrize("text", ["0", "0.1", "64Mo", "big", "1e400", "1e400GiB"])
+@pytest.mark.parametrize("text", ["0B", "0.1B", "64Mo", "big", "1e400", "1e400GiB"])
 def test_parse_size_refuses_malformed_text(text: str) -> None:
     with pytest.raises(UsageError, match="size"):
         parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["64", "0", "1.5", " 100 "])
+def test_a_size_without_a_unit_is_refused_with_the_units_to_write(text: str) -> None:
+    """``--memory device=64`` was 64 bytes, and an edge-only plan.
+
+    See [Note: sizes carry a unit] in ``tierflow.units``.
+    """
+    number = text.strip()
+    with pytest.raises(UsageError, match="a size needs a unit") as caught:
+        parse_size(text)
+    assert f"'{number}MiB'" in str(caught.value) and f"'{number}B'" in str(caught.value)
+
+
+def test_errors_quote_a_long_value_clipped() -> None:
+    """A 10 KB value is quoted by its start and its length, on one short line."""
+    junk = "x" * 10_000
+    for parse in (parse_size, parse_rate, parse_duration):
+        with pytest.raises(UsageError) as caught:
+            parse(junk)
+        message = str(caught.value)
+        assert len(message) < 300 and "(10,000 characters)" in message and "\n" not in message
+    assert shown("short") == "'short'"
+    assert shown("y" * 61).startswith("'yyy") and shown("y" * 61).endswith("(61 characters)")
 
 
 @settings(max_examples=200, deadline=None)
