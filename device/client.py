@@ -47,18 +47,13 @@ from tierflow.plan import Plan, PlanSet, load_plan_set
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.segment_runner import SegmentRunner, TierRunner, emulate_slower
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, tier_files
+from tierflow.transport.deadline import DEFAULT_DEADLINE_S, Deadline
 from tierflow.transport.stream_client import Sent, StreamClient
-from tierflow.transport.wire import (
-    MAX_DEADLINE_AHEAD_S,
-    decode_tensors,
-    error_from_proto,
-    put_tensors,
-)
+from tierflow.transport.wire import decode_tensors, error_from_proto, put_tensors
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_WINDOW = 16
-DEFAULT_DEADLINE_S = 30.0
 #: A link's assumed rate before any transfer, when the plan names none (bits/s).
 DEFAULT_PRIOR_BPS = 100e6
 #: While the cloud is missing, one request in this many seconds tries it again.
@@ -413,7 +408,7 @@ class DeviceClient:
         *,
         options: RuntimeOptions | None = None,
         window: int = DEFAULT_WINDOW,
-        deadline_s: float = DEFAULT_DEADLINE_S,
+        deadline_s: Deadline | float = DEFAULT_DEADLINE_S,
         cache: FeatureCache | None = None,
         adaptive: bool = True,
         idle_probe_s: float | None = DEFAULT_IDLE_S,
@@ -421,11 +416,8 @@ class DeviceClient:
     ) -> None:
         if window < 1:
             raise UsageError(f"the window must be at least 1 request, got {window}")
-        if not 0 < deadline_s <= MAX_DEADLINE_AHEAD_S:
-            raise UsageError(
-                f"the deadline must be positive and at most {MAX_DEADLINE_AHEAD_S:.0f} s, "
-                f"got {deadline_s}"
-            )
+        # Checked when made: [Note: one deadline] in tierflow.transport.deadline.
+        self.deadline = Deadline.of(deadline_s)
         self.options = options = options or RuntimeOptions()
         self.plans = plans = load_plan_set(plan_dir, require_segments=False)
         self.plan = plans.default_plan
@@ -434,7 +426,7 @@ class DeviceClient:
         self._runners: dict[int, TierRunner] = {}
         self._runners_lock = threading.Lock()
         self.window = window
-        self.deadline_s = deadline_s
+        self.deadline_s = self.deadline.seconds
         self.max_tensor_bytes = options.max_tensor_bytes
         self.cache = cache
         self.codec = self.plan.link_codec("device-edge")
@@ -817,7 +809,7 @@ class DeviceClient:
             request = tier_pb2.Request(
                 plan_id=plan.plan_id,
                 segment=outcome.next_segment,
-                deadline_unix_s=time.time() + self.deadline_s,
+                deadline_unix_s=self.deadline.expires_unix_s(time.time()),
             )
             codec = plan.link_codec("device-edge")
             encoding = time.thread_time()
@@ -826,7 +818,7 @@ class DeviceClient:
             emulate_slower(self.options.slowdown, encoding, time.thread_time)
             device_ms = (time.perf_counter() - started) * 1e3
             sent = self.stream.submit(
-                request, deadline=time.monotonic() + self.deadline_s, nbytes=nbytes
+                request, deadline=self.deadline.expires_monotonic(time.monotonic()), nbytes=nbytes
             )
         except TransportError as exc:
             result = self._fall_back(request_id, started, arrays, outcome.unconfident, exc)

@@ -16,12 +16,12 @@ from tierflow.errors import PlanError, UsageError, shown
 from tierflow.link.spec import (
     LINKS,
     TIERS,
+    LinkOption,
     LinkSpec,
+    apply_links,
     check_link,
     check_tier,
     downstream_link,
-    parse_link_option,
-    rtt_given,
     upstream_link,
 )
 from tierflow.plan import PLAN_FILE, PLAN_FORMAT, ExitSpec, Plan, SegmentSpec, load_plan, save_plan
@@ -198,20 +198,28 @@ def test_link_spec_refuses_nan() -> None:
         LinkSpec(1e6, float("nan"))
 
 
-def test_parse_link_option() -> None:
-    assert parse_link_option("device-edge=20mbit,5ms") == ("device-edge", LinkSpec(20e6, 0.005))
-    # A rate alone keeps the link's RTT from the defaults given, not a silent 0 ms.
+def test_a_link_option_records_whether_an_rtt_was_given() -> None:
+    given = LinkOption.parse("device-edge=20mbit,5ms")
+    assert given == LinkOption("device-edge", 20e6, 0.005) and given.rtt_given
+    assert given.spec() == LinkSpec(20e6, 0.005)
+    rate_only = LinkOption.parse("device-edge=20MB/s")
+    assert rate_only == LinkOption("device-edge", 160e6, None) and not rate_only.rtt_given
+    # A rate alone keeps the link's RTT from the links given, not a silent 0 ms.
     defaults = {"device-edge": LinkSpec(1e6, 0.01), "edge-cloud": LinkSpec(1e9, 0.03)}
-    assert parse_link_option("device-edge=20MB/s", defaults) == (
-        "device-edge",
-        LinkSpec(160e6, 0.01),
-    )
-    assert parse_link_option("edge-cloud=1gbit,0ms", defaults)[1].rtt_s == 0.0
-    assert not rtt_given("device-edge=20mbit") and rtt_given("device-edge=20mbit,1ms")
-    assert parse_link_option(" edge-cloud =1gbit")[0] == "edge-cloud"
-    for text in ("device-edge", "device-edge=", "=20mbit", "phone-edge=20mbit"):
+    assert rate_only.spec(defaults) == LinkSpec(160e6, 0.01)
+    assert LinkOption.parse("edge-cloud=1gbit,0ms").spec(defaults).rtt_s == 0.0
+    assert LinkOption.parse(" edge-cloud =1gbit").name == "edge-cloud"
+    assert str(rate_only) == "device-edge=160mbit" and str(given) == "device-edge=20mbit,5ms"
+    assert LinkOption.parse(str(given)) == given
+    # Later values win, and a rate-only value keeps the RTT the link has by then.
+    options = [LinkOption.parse("device-edge=1mbit,40ms"), LinkOption.parse("device-edge=2mbit")]
+    assert apply_links(defaults, options)["device-edge"] == LinkSpec(2e6, 0.04)
+    assert apply_links(defaults, options)["edge-cloud"] == defaults["edge-cloud"]
+    for text in ("device-edge", "device-edge=", "=20mbit", "phone-edge=20mbit", "device-edge=,5ms"):
         with pytest.raises(UsageError):
-            parse_link_option(text)
+            LinkOption.parse(text)
+    with pytest.raises(UsageError, match="malformed --emulate-link 'x'"):
+        LinkOption.parse("x", option="--emulate-link")
 
 
 # --------------------------------------------------------------------------- plan
