@@ -33,12 +33,15 @@ from tierflow.runtime.sessions import (
 )
 from tierflow.transport.security import Security, add_security_arguments
 from tierflow.transport.wire import DEFAULT_MESSAGE_BYTES
-from tierflow.units import format_size, parse_size
+from tierflow.units import format_duration, format_size, parse_duration, parse_size
 
 #: Requests a tier accepts in flight (all streams together) before answering OVERLOADED.
 DEFAULT_MAX_IN_FLIGHT = 1024
 #: Seconds a reply may wait for its client to read before the stream is cancelled.
 DEFAULT_REPLY_TIMEOUT_S = 5.0
+#: Seconds a tier keeps a session's state without a request
+#: ([Note: session state on a tier] in tierflow/runtime/state.py).
+DEFAULT_STATE_IDLE_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -56,9 +59,12 @@ class RuntimeOptions:
     OVERLOADED. ``max_streams`` / ``max_streams_per_peer``: streams a server serves at
     once in all and from one host ([Note: stream admission] in ``tierflow.runtime.admission``).
     ``reply_timeout``: seconds a reply may wait for a client that does not read before
-    its stream is cancelled ([Note: slow readers] in ``tierflow.runtime.service``).
+    its stream is cancelled ([Note: slow readers] in ``tierflow.runtime.replies``).
     ``security``: TLS and tokens (``tierflow.transport.security``). ``providers``: ONNX
     Runtime execution providers in order of preference (``tierflow.runtime.providers``).
+    ``state_budget``: bytes of session state the tier keeps, all sessions together (None:
+    no bound), and ``state_idle_s`` how long a session's state is kept without a request
+    ([Note: session state on a tier] in ``tierflow.runtime.state``).
     ``segment_budget``: bytes of segment files the tier keeps (None: no bound; see
     [Note: segments on demand] in ``tierflow.runtime.segment_store``).
     """
@@ -77,6 +83,8 @@ class RuntimeOptions:
     security: Security = field(default_factory=Security)
     providers: tuple[str, ...] = (CPU,)
     segment_budget: int | None = None
+    state_budget: int | None = None
+    state_idle_s: float = DEFAULT_STATE_IDLE_S
 
     def __post_init__(self) -> None:
         if self.threads < 0:
@@ -96,6 +104,10 @@ class RuntimeOptions:
             raise UsageError("providers must name at least one execution provider")
         if self.segment_budget is not None and self.segment_budget < 0:
             raise UsageError(f"segment_budget must be >= 0, got {self.segment_budget}")
+        if self.state_budget is not None and self.state_budget < 0:
+            raise UsageError(f"state_budget must be >= 0, got {self.state_budget}")
+        if not 0 < self.state_idle_s < float("inf"):
+            raise UsageError(f"state_idle_s must be a positive number, got {self.state_idle_s}")
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
         object.__setattr__(self, "providers", tuple(self.providers))
 
@@ -122,6 +134,8 @@ class RuntimeOptions:
             security=Security.from_args(args),
             providers=args.providers,
             segment_budget=args.segment_budget,
+            state_budget=args.state_budget,
+            state_idle_s=args.state_idle,
         )
 
 
@@ -186,5 +200,21 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, *, server: bool) -> N
             "stream is cancelled",
         )
     add_segment_budget_argument(parser)
+    parser.add_argument(
+        "--state-budget",
+        type=parse_size,
+        default=defaults.state_budget,
+        metavar="SIZE",
+        help="keep at most SIZE of session state (KV caches, recurrent states) on this tier, "
+        "least recently used sessions evicted; an evicted session is replayed by its device "
+        "(default: no bound)",
+    )
+    parser.add_argument(
+        "--state-idle",
+        type=parse_duration,
+        default=format_duration(defaults.state_idle_s),
+        metavar="DURATION",
+        help="drop a session's state after this long without a request (e.g. 10m, 90s)",
+    )
     add_link_arguments(parser)
     add_security_arguments(parser, server=server)

@@ -78,7 +78,7 @@ def test_serve_and_run_build_the_options_from_their_flags() -> None:
 
 
 def test_runtime_flags_default_to_runtime_options() -> None:
-    """``serve``, ``run`` and ``device`` with no flags make ``RuntimeOptions()`` exactly.
+    """``serve``, ``run``, ``device`` and ``generate`` with no flags make ``RuntimeOptions()``.
 
     Their defaults are read from the dataclass, not written again in each command (so
     ``--help`` shows what a library user gets): ``--workers`` is None (one per core)
@@ -90,6 +90,7 @@ def test_runtime_flags_default_to_runtime_options() -> None:
         ["serve", "cloud", "--plan", "p"],
         ["run", "--plan", "p", "--input", "in.npz"],
         ["device", "--plan", "p", "--source", "-"],
+        ["generate", "--plan", "p", "--prompt-ids", "1,2"],
     ):
         assert RuntimeOptions.from_args(parser.parse_args(argv), PLAN) == RuntimeOptions(), argv
     serve = parser.parse_args(["serve", "edge", "--plan", "p"])

@@ -51,6 +51,8 @@ def test_run_and_device_take_a_typed_deadline_with_the_one_default(
     run = parser.parse_args(["run", "--plan", "p", "--input", "i"])
     device = parser.parse_args(["device", "--plan", "p", "--source", "-", "--deadline", "2s"])
     assert run.deadline == DEFAULT_DEADLINE and device.deadline == Deadline(2.0)
+    generate = parser.parse_args(["generate", "--plan", "p", "--prompt-ids", "1"])
+    assert generate.deadline == DEFAULT_DEADLINE
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     assert "(default: 30s)" in " ".join(capsys.readouterr().out.split())
