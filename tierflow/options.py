@@ -214,7 +214,7 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, *, server: bool) -> N
         type=parse_duration,
         default=format_duration(defaults.state_idle_s),
         metavar="DURATION",
-        help="drop a session's state after this long without a request (e.g. 10m, 90s)",
+        help="drop a session's state after this long without a request (e.g. 90s, 3600s)",
     )
     add_link_arguments(parser)
     add_security_arguments(parser, server=server)
