@@ -659,7 +659,8 @@ def save_plan(plan: Plan, plan_dir: str | Path) -> Path:
     directory = Path(plan_dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / PLAN_FILE
-    path.write_text(json.dumps(with_digests(plan, directory).to_dict(), indent=2) + "\n")
+    recorded = with_tensors(with_digests(plan, directory), directory)
+    path.write_text(json.dumps(recorded.to_dict(), indent=2) + "\n")
     return path
 
 
@@ -673,12 +674,50 @@ def save_plan_set(plans: PlanSet, plan_dir: str | Path) -> Path:
     path = directory / PLAN_FILE
     digests: dict[str, tuple[str, int]] = {}
     recorded = PlanSet(
-        tuple(with_digests(plan, directory, digests) for plan in plans.plans),
+        tuple(
+            with_tensors(with_digests(plan, directory, digests), directory) for plan in plans.plans
+        ),
         plans.regions,
         plans.default,
     )
     path.write_text(json.dumps(recorded.to_dict(), indent=2) + "\n")
     return path
+
+
+def with_tensors(plan: Plan, directory: Path) -> Plan:
+    """``plan`` with the dtype and declared shape of every tensor its requests carry.
+
+    Read from the segment files in ``directory`` when the plan records none yet (a plan
+    the planner wrote has them from its graph); a plan whose files are not all there is
+    returned as it is. See [Note: a tier's largest request] in tierflow/runtime/limits.py.
+    """
+    if plan.tensors or not all((directory / s.file).is_file() for s in plan.segments):
+        return plan
+    import onnxruntime as ort
+
+    from tierflow.state_pairs import ort_sig
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    found: dict[str, TensorShape] = {}
+    for spec in plan.segments:
+        kept = set(spec.state_inputs) | set(spec.state_outputs)
+        try:
+            session = ort.InferenceSession(
+                str(directory / spec.file), options, providers=["CPUExecutionProvider"]
+            )
+        except Exception:  # a file ONNX Runtime cannot load is reported when it is run
+            return plan
+        for arg in [*session.get_inputs(), *session.get_outputs()]:
+            sig = ort_sig(arg)
+            if sig.name in kept or sig.name in found or sig.shape is None:
+                continue
+            dims = tuple(d if isinstance(d, int) and d >= 0 else None for d in sig.shape)
+            try:
+                found[sig.name] = TensorShape(str(np.dtype(sig.dtype)), dims)
+            except TypeError:
+                continue  # a type numpy has no name for (strings, maps): no bound for it
+    return replace(plan, tensors=found)
 
 
 def file_digest(path: Path) -> tuple[str, int]:
