@@ -31,7 +31,6 @@ import logging
 import os
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from tierflow.errors import ModelError
+from tierflow.zoo.exporting import quiet_onnx_export
 
 logger = logging.getLogger(__name__)
 
@@ -510,11 +510,7 @@ def _export(model: Any, path: Path) -> None:
     example = torch.zeros(1, 1, IMAGE_SIZE, IMAGE_SIZE)
     batch = torch.export.Dim("batch", min=1, max=4096)
     try:
-        with warnings.catch_warnings():
-            # torch's exporter trips over its own pytree deprecation; harmless.
-            warnings.filterwarnings(
-                "ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning
-            )
+        with quiet_onnx_export():
             torch.onnx.export(
                 model,
                 (example,),
