@@ -48,7 +48,7 @@ class RuntimeOptions:
     OVERLOADED. ``max_streams`` / ``max_streams_per_peer``: streams a server serves at
     once in all and from one host ([Note: stream admission] in ``tierflow.runtime.admission``).
     ``reply_timeout``: seconds a reply may wait for a client that does not read before
-    its stream is cancelled ([Note: slow readers] in ``tierflow.runtime.service``).
+    its stream is cancelled ([Note: slow readers] in ``tierflow.runtime.replies``).
     ``security``: TLS and tokens (``tierflow.transport.security``). ``providers``: ONNX
     Runtime execution providers in order of preference (``tierflow.runtime.providers``).
     ``segment_budget``: bytes of segment files the tier keeps (None: no bound; see

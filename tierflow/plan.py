@@ -19,6 +19,23 @@ from typing import Any
 from tierflow.codec.base import CodecSpec, ImageNorm
 from tierflow.errors import PlanError, UsageError
 from tierflow.link.spec import LINKS, TIERS, LinkSpec
+from tierflow.state_spec import DecoderSpec, StateSpec
+
+__all__ = [
+    "PLAN_FILE",
+    "PLAN_FORMAT",
+    "PLAN_SET_FORMAT",
+    "DecoderSpec",
+    "ExitSpec",
+    "Plan",
+    "PlanSet",
+    "SegmentSpec",
+    "StateSpec",
+    "load_plan",
+    "load_plan_set",
+    "save_plan",
+    "save_plan_set",
+]
 
 PLAN_FORMAT = "tierflow.plan/1"
 #: A plan set (``tierflow plan --adaptive``): several plans, each with its rate region.
@@ -89,6 +106,11 @@ class SegmentSpec:
     ``tierflow.runtime.segment_store``). :func:`save_plan` records them; plans written before have
     none (None). They describe the file, not what it computes, so they take no part in
     equality or in the plan's id.
+
+    ``state`` lists the state pairs the segment owns (:class:`StateSpec`): each pair's
+    input is among ``inputs`` and its output among ``outputs``, but the tier running the
+    segment feeds the input from its session store and keeps the output there; neither
+    crosses a link ([Note: state pairs] in :mod:`tierflow.state_pairs`).
     """
 
     tier: str
@@ -96,6 +118,7 @@ class SegmentSpec:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     exits: tuple[ExitSpec, ...] = ()
+    state: tuple[StateSpec, ...] = ()
     sha256: str | None = field(default=None, compare=False)
     size: int | None = field(default=None, compare=False)
 
@@ -117,7 +140,25 @@ class SegmentSpec:
         }
         if self.exits:
             data["exits"] = [e.to_dict() for e in self.exits]
+        if self.state:
+            data["state"] = [s.to_dict() for s in self.state]
         return data
+
+    @property
+    def state_inputs(self) -> tuple[str, ...]:
+        """The inputs the tier feeds from its session store, not from the request."""
+        return tuple(s.input for s in self.state)
+
+    @property
+    def state_outputs(self) -> tuple[str, ...]:
+        """The outputs the tier keeps for the session's next request and sends nowhere."""
+        return tuple(s.output for s in self.state)
+
+    @property
+    def sent_outputs(self) -> tuple[str, ...]:
+        """The outputs that leave the segment: its outputs minus its state outputs."""
+        kept = set(self.state_outputs)
+        return tuple(name for name in self.outputs if name not in kept)
 
     @classmethod
     def from_dict(cls, data: Any) -> SegmentSpec:
@@ -140,6 +181,9 @@ class SegmentSpec:
         exits = data.get("exits") or []
         if not isinstance(exits, list):
             raise PlanError(f"malformed plan: segment {file} exits must be a list, got {exits!r}")
+        state = data.get("state") or []
+        if not isinstance(state, list):
+            raise PlanError(f"malformed plan: segment {file} state must be a list, got {state!r}")
         sha256 = data.get("sha256")
         if sha256 is not None and not (
             isinstance(sha256, str) and _SHA256.fullmatch(sha256) is not None
@@ -159,6 +203,7 @@ class SegmentSpec:
             inputs=_str_tuple(data.get("inputs"), "segment inputs"),
             outputs=_str_tuple(data.get("outputs"), "segment outputs"),
             exits=tuple(ExitSpec.from_dict(e) for e in exits),
+            state=tuple(StateSpec.from_dict(s) for s in state),
             sha256=sha256,
             size=size,
         )
@@ -198,9 +243,62 @@ class Plan:
     cuts: tuple[int, ...] = ()
     fidelity: dict[str, Any] = field(default_factory=dict)
     images: dict[str, ImageNorm] = field(default_factory=dict)
+    state_pairs: tuple[tuple[str, str], ...] = ()
+    decoder: DecoderSpec | None = None
 
     def __post_init__(self) -> None:
         self._check()
+        self._check_state()
+
+    @property
+    def states(self) -> tuple[StateSpec, ...]:
+        """Every segment's state pairs, in segment order."""
+        return tuple(s for segment in self.segments for s in segment.state)
+
+    def _check_state(self) -> None:
+        """Each pair on exactly one segment, never crossing; the decoder's tensors exist."""
+        owned = {
+            (s.input, s.output): segment.file for segment in self.segments for s in segment.state
+        }
+        if len(owned) != len(self.states):
+            raise PlanError("malformed plan: a state pair appears in more than one segment")
+        listed = set(self.state_pairs)
+        if len(listed) != len(self.state_pairs):
+            raise PlanError(f"malformed plan: state_pairs lists a pair twice: {self.state_pairs}")
+        if set(owned) != listed:
+            strays = sorted(set(owned) ^ listed)
+            raise PlanError(
+                f"malformed plan: state pairs {strays} are not both in 'state_pairs' and in "
+                "one segment's 'state'"
+            )
+        names = {name for pair in listed for name in pair}
+        leaked = sorted(names & (set(self.inputs) | set(self.outputs)))
+        if leaked:
+            raise PlanError(
+                f"malformed plan: state tensors {leaked} are among the plan's inputs or "
+                "outputs; a state stays on its tier"
+            )
+        for segment in self.segments:
+            for state in segment.state:
+                if state.input not in segment.inputs or state.output not in segment.outputs:
+                    raise PlanError(
+                        f"malformed plan: segment {segment.file} owns state "
+                        f"{state.input} -> {state.output} but does not take the one and "
+                        "make the other"
+                    )
+        if self.decoder is not None:
+            self._check_decoder(self.decoder)
+
+    def _check_decoder(self, decoder: DecoderSpec) -> None:
+        wanted = [decoder.tokens, *decoder.companions]
+        missing = [name for name in wanted if name not in self.inputs]
+        if missing or decoder.logits not in self.outputs:
+            raise PlanError(
+                f"malformed plan: decoder tensors {missing or [decoder.logits]} are not among "
+                f"the plan's inputs {list(self.inputs)} and outputs {list(self.outputs)}"
+            )
+        if not any(s.growing for s in self.states):
+            raise PlanError("malformed plan: a decoder plan needs a growing state (a KV cache)")
 
     def _check(self) -> None:
         if not self.segments:
@@ -216,13 +314,14 @@ class Plan:
             raise PlanError(f"malformed plan: segment files must be distinct, found {files}")
         available = set(self.inputs)
         for segment in self.segments:
-            missing = [name for name in segment.inputs if name not in available]
+            own = set(segment.state_inputs)
+            missing = [name for name in segment.inputs if name not in available | own]
             if missing:
                 raise PlanError(
                     f"malformed plan: segment {segment.file} needs {missing}, which no earlier "
                     "segment or model input provides"
                 )
-            available.update(segment.outputs)
+            available.update(segment.sent_outputs)
             exit_names = {e.name for e in segment.exits}
             if not exit_names <= set(segment.outputs):
                 raise PlanError(
@@ -327,6 +426,8 @@ class Plan:
             "cuts": list(self.cuts),
             **({"fidelity": dict(self.fidelity)} if self.fidelity else {}),
             **({"image_inputs": self._images_dict()} if self.images else {}),
+            **({"state_pairs": [list(p) for p in self.state_pairs]} if self.state_pairs else {}),
+            **({"decoder": self.decoder.to_dict()} if self.decoder is not None else {}),
         }
 
     @classmethod
@@ -369,6 +470,16 @@ class Plan:
             norms = {str(name): ImageNorm.from_dict(norm) for name, norm in images.items()}
         except UsageError as exc:
             raise PlanError(f"malformed plan: image_inputs: {exc}") from exc
+        pairs = data.get("state_pairs") or []
+        if not isinstance(pairs, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(n, str) and n for n in p)
+            for p in pairs
+        ):
+            raise PlanError(
+                f"malformed plan: 'state_pairs' must be a list of [input, output] names, "
+                f"got {pairs!r}"
+            )
+        decoder = data.get("decoder")
         return cls(
             model_file=str(model.get("file", "")),
             model_sha256=model["sha256"],
@@ -381,6 +492,8 @@ class Plan:
             cuts=tuple(cuts),
             fidelity=dict(fidelity),
             images=norms,
+            state_pairs=tuple((p[0], p[1]) for p in pairs),
+            decoder=DecoderSpec.from_dict(decoder) if decoder is not None else None,
         )
 
 

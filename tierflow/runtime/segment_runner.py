@@ -173,9 +173,13 @@ class SegmentRunner:
             array = feeds[name]
             spec.check(array.dtype.name, tuple(array.shape), f"segment {self.path.name}")
 
-    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run the segment; inputs are checked first, runtime failures become ModelError."""
-        self.check_inputs(feeds)
+    def run(
+        self, feeds: Mapping[str, np.ndarray], *, checked: bool = False
+    ) -> dict[str, np.ndarray]:
+        """Run the segment; inputs are checked first (unless ``checked``: the caller did),
+        runtime failures become ModelError."""
+        if not checked:
+            self.check_inputs(feeds)
         start = self._clock()
         try:
             values = self.session.run(self.output_names, dict(feeds))
@@ -218,7 +222,7 @@ class Outcome:
     exits_checked: list[str] = field(default_factory=list)
     #: The last exit checked and not taken, with its scores: the best answer a tier has
     #: when the next tier is gone ([Note: answering without the next tier] in
-    #: tierflow/runtime/service.py). None when no exit was checked, or one was taken.
+    #: tierflow/edge/forwarding.py). None when no exit was checked, or one was taken.
     unconfident: tuple[str, np.ndarray] | None = None
 
 
@@ -266,6 +270,14 @@ class TierRunner:
             self.segments.append((index, spec, runner))
         self.end = self.segments[-1][0] + 1 if self.segments else self.start
         self.needs = self.required_names(self.start)
+        self._needed = set(self.needs)
+        # What a request leaving this tier carries ([Note: what crosses to the next tier]).
+        self._forwarded = self.required_names(self.end)
+        self._input_specs: dict[str, InputSpec] = {}
+        for _, spec, runner in self.segments:
+            for name in spec.inputs:
+                if name in self._needed and name not in self._input_specs:
+                    self._input_specs[name] = runner.inputs[name]
 
     def required_names(self, index: int) -> tuple[str, ...]:
         """Tensors a request entering at segment ``index`` must carry (see the module note)."""
@@ -280,12 +292,7 @@ class TierRunner:
 
     def input_specs(self) -> dict[str, InputSpec]:
         """Dtype and shape of the incoming tensors this tier's segments read directly."""
-        specs: dict[str, InputSpec] = {}
-        for _, spec, runner in self.segments:
-            for name in spec.inputs:
-                if name in self.needs and name not in specs:
-                    specs[name] = runner.inputs[name]
-        return specs
+        return dict(self._input_specs)
 
     def check_names(self, names: set[str], *, segment: int) -> None:
         """Raise unless a request names segment ``start`` and carries exactly ``needs``."""
@@ -294,37 +301,40 @@ class TierRunner:
                 f"the {self.tier} runs the plan from segment {self.start}, but the request "
                 f"names segment {segment}"
             )
-        expected = set(self.needs)
+        expected = self._needed
         if names != expected:
             raise InputError(
                 f"the {self.tier} expects tensors {sorted(expected)}, found {sorted(names)} "
                 f"(missing {sorted(expected - names)}, unexpected {sorted(names - expected)})"
             )
 
-    def run(self, tensors: Mapping[str, np.ndarray]) -> Outcome:
-        """Run this tier's segments on ``tensors``; stop at the first confident exit."""
+    def run(self, tensors: Mapping[str, np.ndarray], *, checked: bool = False) -> Outcome:
+        """Run this tier's segments on ``tensors``; stop at the first confident exit.
+
+        ``checked``: the caller has checked every tensor against :meth:`input_specs`
+        already (a server, before decoding), so the segments need not check again.
+        """
         env = dict(tensors)
         last = len(self.plan.segments) - 1
         start = time.perf_counter()
-        checked: list[str] = []
+        exits: list[str] = []
         for index, spec, runner in self.segments:
-            env.update(runner.run({name: env[name] for name in spec.inputs}))
+            env.update(runner.run({name: env[name] for name in spec.inputs}, checked=checked))
             if index == last:
                 continue
             for exit_spec in spec.exits:
-                checked.append(exit_spec.name)
+                exits.append(exit_spec.name)
                 confidence = exit_confidence(env[exit_spec.name])
                 if confidence >= exit_spec.threshold:
-                    return self._exit(exit_spec, env, confidence, start, checked)
+                    return self._exit(exit_spec, env, confidence, start, exits)
         elapsed = time.perf_counter() - start
         if self.end >= len(self.plan.segments):
             outputs = {name: env[name] for name in self.plan.outputs}
-            return Outcome(outputs, True, None, self.end, elapsed, exits_checked=checked)
-        names = self.required_names(self.end)
-        forward = {name: env[name] for name in names}
-        unconfident = (checked[-1], env[checked[-1]]) if checked else None
+            return Outcome(outputs, True, None, self.end, elapsed, exits_checked=exits)
+        forward = {name: env[name] for name in self._forwarded}
+        unconfident = (exits[-1], env[exits[-1]]) if exits else None
         return Outcome(
-            forward, False, None, self.end, elapsed, exits_checked=checked, unconfident=unconfident
+            forward, False, None, self.end, elapsed, exits_checked=exits, unconfident=unconfident
         )
 
     def _exit(

@@ -175,6 +175,10 @@ class _Stream:
                     code="OVERLOADED",
                     tier=client.peer,
                 )
+            elif client._connections == 0:
+                error = TransportError(
+                    f"the {client.peer} at {client.address} was never reached: {name}: {details}"
+                )
             else:
                 error = TransportError(
                     f"the {client.peer} at {client.address} went away: {name}: {details}"
@@ -324,6 +328,11 @@ class StreamClient:
             if self._closed:
                 raise TransportError(f"the stream to the {self.peer} is closed")
             if self._down:
+                if self._connections == 0:
+                    raise TransportError(
+                        f"the {self.peer} at {self.address} was never reached (no connection "
+                        "could be made to it); not sending"
+                    )
                 raise TransportError(
                     f"the {self.peer} at {self.address} is down (its last connection "
                     "attempt failed); not sending"

@@ -18,10 +18,11 @@ from google.protobuf.message import DecodeError
 
 from tierflow.codec.base import (
     DEFAULT_MAX_TENSOR_BYTES,
+    Checked,
     CodecSpec,
     EncodedTensor,
     ImageNorm,
-    check_header,
+    check,
     decode,
     decoded_nbytes,
     encode,
@@ -114,6 +115,13 @@ def from_proto(
     message: tier_pb2.Tensor, *, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES
 ) -> EncodedTensor:
     """An encoded tensor from the wire, its header validated (see ``codec.check_header``)."""
+    return received(message, max_bytes=max_bytes)[0]
+
+
+def received(
+    message: tier_pb2.Tensor, *, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES
+) -> tuple[EncodedTensor, Checked]:
+    """An encoded tensor from the wire and its checked header, for ``decode(checked=...)``."""
     if not isinstance(message, tier_pb2.Tensor):
         raise CodecError(f"expected a tierflow.rpc.Tensor message, got {type(message).__name__}")
     if len(message.name) > MAX_NAME_CHARS:
@@ -130,8 +138,7 @@ def from_proto(
         params=message.params,
         data=message.data,
     )
-    check_header(tensor, max_bytes=max_bytes)
-    return tensor
+    return tensor, check(tensor, max_bytes=max_bytes)
 
 
 def encode_tensors(
@@ -154,7 +161,8 @@ def decode_tensors(
     together; every header is checked before any payload is decoded, so a bad last
     tensor costs no work (and no memory) on the first ones.
     """
-    tensors = [from_proto(m, max_bytes=max_bytes) for m in messages]
+    checked = [received(m, max_bytes=max_bytes) for m in messages]
+    tensors = [tensor for tensor, _ in checked]
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -165,7 +173,7 @@ def decode_tensors(
             f"{len(tensors)} tensors would decode to {total} bytes together, more than the "
             f"limit of {max_total_bytes}"
         )
-    return {t.name: decode(t, max_bytes=max_bytes) for t in tensors}
+    return {t.name: decode(t, checked=c) for t, c in checked}
 
 
 def put_tensors(
