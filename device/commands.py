@@ -29,6 +29,7 @@ from tierflow.plan import load_plan_set
 from tierflow.runtime.providers import add_providers_argument
 from tierflow.runtime.segment_store import add_segment_budget_argument
 from tierflow.runtime.sessions import add_optimization_argument
+from tierflow.runtime.state import add_state_arguments
 from tierflow.transport.security import add_security_arguments
 from tierflow.units import format_duration, format_rate, format_size, parse_duration
 
@@ -55,6 +56,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "tierflow run --plan plan/ --input in.npz --output out.npz --slowdown 8",
             "# answer repeated frames on the device",
             "tierflow run --plan plan/ --edge 127.0.0.1:50051 --input in.npz --cache exact:16MiB",
+            "# a streaming model: the rows are one session's chunks, its state kept on its tier",
+            "tierflow run --plan vad-plan/ --edge 127.0.0.1:50051 --input chunks.npz "
+            "--output out.npz --session mic-1",
         ),
         formatter_class=HelpFormatter,
     )
@@ -78,6 +82,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--resume",
         action="store_true",
         help="continue a stopped run: keep what it answered (OUT.npz.partial), run the rest",
+    )
+    parser.add_argument(
+        "--session",
+        metavar="NAME",
+        help="IN.npz's rows are one session's chunks, in order (a streaming model whose "
+        "state stays on the tier that keeps it); a state input in IN.npz is taken from "
+        "its first row only",
+    )
+    parser.add_argument(
+        "--replay-chunks",
+        type=int,
+        metavar="N",
+        help="with --session: chunks the device keeps to rebuild a state a tier lost "
+        "(default: all of them)",
     )
     add_device_runtime_arguments(parser)
     add_adaptation_arguments(parser)
@@ -114,6 +132,7 @@ def add_device_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     add_optimization_argument(parser)
     add_providers_argument(parser)
     add_segment_budget_argument(parser)
+    add_state_arguments(parser)
 
 
 def add_adaptation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,6 +190,7 @@ def _run(args: argparse.Namespace) -> int:
     from tierflow.device.client import DeviceClient
     from tierflow.device.npz import load_requests, output_row, write_outputs
     from tierflow.device.progress import PartialWriter, partial_path, read_partial
+    from tierflow.device.sessions import StreamSession, initial_states
     from tierflow.tuning import tune_for_latency
 
     tune_for_latency()
@@ -178,6 +198,13 @@ def _run(args: argparse.Namespace) -> int:
     plan = load_plan_set(args.plan, require_segments=False).default_plan
     partial = partial_path(args.output) if args.output else None
     rows: dict[int, dict[str, np.ndarray]] = {}  # answered requests' OUT.npz rows
+    if args.session and args.resume:
+        raise UsageError(
+            "--resume cannot continue a --session: a session's state is built "
+            "from its first chunk on; run it again whole"
+        )
+    if args.replay_chunks is not None and not args.session:
+        raise UsageError("--replay-chunks goes with --session")
     if args.resume:
         if partial is None or not partial.exists():
             raise UsageError(
@@ -215,6 +242,14 @@ def _run(args: argparse.Namespace) -> int:
         writer = PartialWriter(partial) if partial is not None else None
         try:
             stream = client.run_stream(requests[index] for index in todo)
+            if args.session:
+                session = StreamSession(
+                    client,
+                    args.session,
+                    initial=initial_states(args.input, plan),
+                    keep=args.replay_chunks,
+                )
+                stream = session.run(requests[index] for index in todo)
             for index, result in zip(todo, stream, strict=True):
                 results.append(result)
                 if writer is not None and result.error is None:

@@ -32,6 +32,14 @@ DEFAULT_THREADS = 1
 DEFAULT_TIME_BUDGET_S = 20.0
 
 
+class DecoderDefaults:
+    """``plan --context``, ``--max-tokens`` and ``--prompt-tokens`` when not given."""
+
+    context = 2048
+    max_tokens = 64
+    prompt_tokens = 32
+
+
 def _model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL.onnx", help="the ONNX model")
     parser.add_argument(
@@ -108,6 +116,12 @@ def register(subparsers: Any) -> None:
             "input may go as JPEG",
             "tierflow plan model.onnx -o plan/ --sample photos.npz --fidelity top1=99.5% "
             "--image-input input --image-norm input=imagenet",
+            "# a decoder (past_key_values.N -> present.N): KV cache at 2048 tokens counted in "
+            "each tier's memory",
+            "tierflow plan decoder.onnx -o plan/ --context 2048 --memory device=256MiB "
+            "--link device-edge=20mbit,30ms --max-tokens 64",
+            "# a streaming model whose recurrent state has names the conventions miss",
+            "tierflow plan stream.onnx -o plan/ --state mem_in=mem_out",
         ),
         formatter_class=HelpFormatter,
     )
@@ -182,6 +196,37 @@ def register(subparsers: Any) -> None:
         help="how an --image-input was normalised, x = (pixel / scale - mean) / std: a preset "
         "(unit: pixel/255, imagenet, symmetric: pixel/127.5-1) or "
         "'mean=M[,M,M];std=S[,S,S][;scale=255][;layout=NCHW|NHWC]' (default: unit)",
+    )
+    plan.add_argument(
+        "--state",
+        action="append",
+        default=[],
+        metavar="IN=OUT",
+        help="a state pair the name conventions miss (past_key_values.N.key -> present.N.key, "
+        "state -> stateN, h0 -> hn, ...): input IN takes output OUT of the session's previous "
+        "request; repeatable, globs pair every match, like 'past.*=present.*'. A pair stays on "
+        "one tier and never crosses a link",
+    )
+    plan.add_argument(
+        "--context",
+        type=int,
+        metavar="N",
+        help="decoders: the longest past + new tokens a session holds; each tier's memory "
+        f"counts its blocks' KV cache at this length (default: {DecoderDefaults.context})",
+    )
+    plan.add_argument(
+        "--max-tokens",
+        type=int,
+        metavar="N",
+        help="decoders: tokens generated per prompt; the latency objective is time to first "
+        f"token + N x time per token (default: {DecoderDefaults.max_tokens})",
+    )
+    plan.add_argument(
+        "--prompt-tokens",
+        type=int,
+        metavar="P",
+        help="decoders: the prompt length whose prefill is priced (at most --context) "
+        f"(default: {DecoderDefaults.prompt_tokens})",
     )
     plan.add_argument(
         "--emulate",
@@ -337,7 +382,34 @@ def _load_graph(args: argparse.Namespace, sample: Any = None) -> Any:
     shapes = _shapes(args.shape)
     if sample is None and args.sample:
         sample = load_sample(args.sample)
-    return load_planning_graph(args.model, shapes=shapes or None, sample=sample)
+    state = parse_states(getattr(args, "state", []))
+    return load_planning_graph(args.model, shapes=shapes or None, sample=sample, state=state)
+
+
+def parse_states(values: Sequence[str]) -> list[tuple[str, str]]:
+    """The ``--state IN=OUT`` patterns, checked before any model is read."""
+    from tierflow.state_pairs import parse_state_option
+
+    return [parse_state_option(text) for text in values]
+
+
+def parse_decoder_settings(args: argparse.Namespace) -> Any:
+    """``--context``, ``--max-tokens``, ``--prompt-tokens`` as one checked value."""
+    from tierflow.partitioner.decoder_points import DecoderSettings
+
+    return DecoderSettings(
+        context=DecoderDefaults.context if args.context is None else args.context,
+        max_tokens=DecoderDefaults.max_tokens if args.max_tokens is None else args.max_tokens,
+        prompt_tokens=(
+            DecoderDefaults.prompt_tokens if args.prompt_tokens is None else args.prompt_tokens
+        ),
+    )
+
+
+def _decoder_only_options(args: argparse.Namespace) -> list[str]:
+    given = [("--context", args.context), ("--max-tokens", args.max_tokens)]
+    given.append(("--prompt-tokens", args.prompt_tokens))
+    return [flag for flag, value in given if value is not None]
 
 
 def parse_fidelity(text: str, sample: str | None) -> Any:
@@ -371,6 +443,13 @@ def run_profile(args: argparse.Namespace) -> int:
     _shapes(args.shape)
     if Path(args.output).is_dir():
         raise UsageError(f"-o {args.output}: is a directory; expected a PROFILE.json file name")
+    from tierflow.partitioner.decoder_graph import inspect_decoder
+
+    if inspect_decoder(args.model) is not None:
+        raise UsageError(
+            f"{args.model} is a decoder: `tierflow plan` profiles it here at its prefill and "
+            "decode points; a profile of one shape would price neither"
+        )
     graph = _load_graph(args)
     progress = Progress("profiling")
     try:
@@ -426,6 +505,8 @@ def _verdict_line(outcome: Any, lossy: bool) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     from tierflow.image_norm import parse_norm
+    from tierflow.partitioner.decoder_commands import run_decoder_plan
+    from tierflow.partitioner.decoder_graph import inspect_decoder
     from tierflow.partitioner.fidelity import check_sample_size
     from tierflow.partitioner.image_inputs import resolve_images
     from tierflow.partitioner.planner import (
@@ -450,6 +531,18 @@ def run_plan(args: argparse.Namespace) -> int:
     _positive(args.top, "--top")
     _shapes(args.shape)
     check_plan_dir(args.output)
+    states = parse_states(args.state)
+    settings = parse_decoder_settings(args)
+    decoder = inspect_decoder(args.model, states, settings)
+    if decoder is not None:
+        return run_decoder_plan(args, links, memory, emulation, budget, settings)
+    stray = _decoder_only_options(args)
+    if stray:
+        raise UsageError(
+            f"{', '.join(stray)} set a decoder's lengths; {args.model} is no decoder (no "
+            "input pairs with an output as a growing state, like past_key_values.0.key -> "
+            "present.0.key)"
+        )
     grid = _grid(args, links)
     options = PlanOptions(
         links=links,
@@ -546,6 +639,12 @@ def run_plan(args: argparse.Namespace) -> int:
             by = f" by up to {stats.max_abs_error:.3g} (measured at that cut)" if stats else ""
             print(f"note: {codec} on {name} changes values{by}")
     print(_verdict_line(outcome, lossy))
+    for segment in outcome.plan.segments:
+        for state in segment.state:
+            print(
+                f"state {state.input} -> {state.output} stays on the {segment.tier} "
+                "(checked over consecutive requests, each fed the previous one's state)"
+            )
     print(f"wrote {outcome.plan_dir / 'plan.json'} and {len(outcome.plan.segments)} segment(s)")
     return 0
 

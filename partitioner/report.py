@@ -15,6 +15,7 @@ from typing import TextIO
 from tierflow.cli.table import format_table
 from tierflow.link.spec import LINKS, TIERS
 from tierflow.partitioner.cost import Estimate
+from tierflow.partitioner.decoder_cost import DecoderEstimate, DecoderResult
 from tierflow.partitioner.grid import GridChoice
 from tierflow.partitioner.search import SearchResult
 from tierflow.units import format_size
@@ -196,3 +197,57 @@ def region_tables(choice: GridChoice) -> str:
     headers = ["plan", "units", "device-edge", "edge-cloud", "latency ms", "points", "at"]
     blocks.append(format_table(headers, legend, align="llllrrl"))
     return "\n\n".join(blocks)
+
+
+def decoder_table(result: DecoderResult, memory: Mapping[str, int]) -> str:
+    """A decoder's ranked plans and baselines: TTFT, ms per token, bytes per token, memory.
+
+    Compute is per token (the decode step) on each tier; each link shows its codec and
+    the bytes it carries per token (up and down); ``generation`` is TTFT plus
+    ``max_tokens`` steps ([Note: pricing a decoder] in :mod:`.decoder_cost`). Memory is
+    each tier's weights, activations and KV cache at ``--context`` (the cache in brackets).
+    """
+    headers = [
+        "plan",
+        "units",
+        *(f"{tier} ms/tok" for tier in TIERS),
+        *(f"{name} B/tok" for name in LINKS),
+        "TTFT ms",
+        "ms/token",
+        f"{result.best.max_tokens} tokens s",
+        "tok/s",
+        "memory (KV cache)",
+    ]
+
+    def row(label: str, e: DecoderEstimate) -> list[str]:
+        step = e.step
+        compute = [
+            _ms(step.compute_s[t]) if step.compute_s[t] > 0 or t in step.tiers else "-"
+            for t in TIERS
+        ]
+        sent = e.bytes_per_token()
+        links = [
+            f"{step.links[n].codec} {format_size(sent[n])}" if step.links[n].used else "-"
+            for n in LINKS
+        ]
+        held = " ".join(
+            f"{t[0].upper()}{format_size(e.memory_bytes[t])}({format_size(e.state_bytes[t])})"
+            for t in TIERS
+            if t in step.tiers or t in memory
+        )
+        fits = "" if e.feasible else " (over budget)"
+        return [
+            label,
+            _split(step),
+            *compute,
+            *links,
+            _ms(e.ttft_s),
+            _ms(e.per_token_s),
+            f"{e.generation_s:.3g}{fits}",
+            f"{e.tokens_per_s:.1f}",
+            held,
+        ]
+
+    rows = [row(f"#{i + 1}", e) for i, e in enumerate(result.ranked)]
+    rows += [row(name, e) for name, e in result.baselines.items()]
+    return format_table(headers, rows)

@@ -65,7 +65,7 @@ def sample_request(
     """
     ranks: dict[str, int | None] = {}
     for value in values:
-        dims = _dims(value) if value.type.HasField("tensor_type") else None
+        dims = declared_dims(value) if value.type.HasField("tensor_type") else None
         ranks[value.name] = None if dims is None else len(dims)
     missing = [name for name in ranks if name not in sample]
     if missing:
@@ -76,7 +76,7 @@ def sample_request(
     return request(sample, ranks, 0, batch=adds_batch(sample, ranks, path))
 
 
-def _dims(value: onnx.ValueInfoProto) -> list[int | str | None] | None:
+def declared_dims(value: onnx.ValueInfoProto) -> list[int | str | None] | None:
     """Dimensions of a tensor value info: ints, symbolic names, None for unknown."""
     tensor_type = value.type.tensor_type
     if not tensor_type.HasField("shape"):
@@ -126,7 +126,7 @@ def fix_input_shapes(
             raise ModelError(
                 f"input {value.name!r} of {path} is not a tensor; only tensors are supported"
             )
-        dims = _dims(value)
+        dims = declared_dims(value)
         if value.name in shapes:
             given = tuple(int(d) for d in shapes[value.name])
             if dims is not None and len(dims) != len(given):
@@ -378,7 +378,7 @@ def _as_shipped(info: TensorInfo, shipped: onnx.ValueInfoProto | None) -> onnx.V
     """
     declared = None
     if shipped is not None and shipped.type.HasField("tensor_type"):
-        declared = _dims(shipped)
+        declared = declared_dims(shipped)
     dims: list[int | str | None] = [None] * len(info.shape)
     if declared is not None and len(declared) == len(info.shape):
         dims = [
@@ -394,7 +394,7 @@ def _inferred_infos(model: onnx.ModelProto) -> dict[str, TensorInfo | None]:
     graph = model.graph
     for value in (*graph.input, *graph.value_info, *graph.output):
         tensor_type = value.type.tensor_type
-        dims = _dims(value) if value.type.HasField("tensor_type") else None
+        dims = declared_dims(value) if value.type.HasField("tensor_type") else None
         if dims is None or not tensor_type.elem_type or not all(isinstance(d, int) for d in dims):
             infos.setdefault(value.name, None)
             continue

@@ -19,6 +19,11 @@ Messages say what was expected and what was found.
     │                       sha256 in plan.json, is not offered there, or does not fit
     │                       --segment-budget
     ├── InputError          request inputs with the wrong names, shapes or dtypes
+    │   └── StateError      a session used as it cannot be: named with another plan than
+    │                       its own, a step out of order, a prompt longer than the context
+    ├── StateLostError      a tier no longer holds a session's state at the request's
+    │                       position (evicted, idle too long, restarted): the device
+    │                       replays the session (wire code STATE_LOST)
     ├── CodecError          corrupt, oversized or hostile encoded tensors (including
     │                       decompression bombs)
     ├── CacheError          a feature-cache backend failed or was misconfigured
@@ -65,6 +70,14 @@ class SegmentError(PlanError):
 
 class InputError(TierflowError):
     """Inputs of a request do not match what the model expects."""
+
+
+class StateError(InputError):
+    """A session is used in a way its state cannot follow."""
+
+
+class StateLostError(TierflowError):
+    """A tier does not hold the session's state at the request's position any more."""
 
 
 class CodecError(TierflowError):

@@ -31,6 +31,9 @@ from tierflow.transport.wire import DEFAULT_MESSAGE_BYTES
 DEFAULT_MAX_IN_FLIGHT = 1024
 #: Seconds a reply may wait for its client to read before the stream is cancelled.
 DEFAULT_REPLY_TIMEOUT_S = 5.0
+#: Seconds a tier keeps a session's state without a request ([Note: session state on a
+#: tier] in tierflow/runtime/state.py).
+DEFAULT_STATE_IDLE_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,9 @@ class RuntimeOptions:
     its stream is cancelled ([Note: slow readers] in ``tierflow.runtime.replies``).
     ``security``: TLS and tokens (``tierflow.transport.security``). ``providers``: ONNX
     Runtime execution providers in order of preference (``tierflow.runtime.providers``).
+    ``state_budget``: bytes of session state the tier keeps, all sessions together (None:
+    no bound), and ``state_idle_s`` how long a session's state is kept without a request
+    ([Note: session state on a tier] in ``tierflow.runtime.state``).
     ``segment_budget``: bytes of segment files the tier keeps (None: no bound; see
     [Note: segments on demand] in ``tierflow.runtime.segment_store``).
     """
@@ -69,6 +75,8 @@ class RuntimeOptions:
     security: Security = field(default_factory=Security)
     providers: tuple[str, ...] = (CPU,)
     segment_budget: int | None = None
+    state_budget: int | None = None
+    state_idle_s: float = DEFAULT_STATE_IDLE_S
 
     def __post_init__(self) -> None:
         if self.threads < 0:
@@ -88,6 +96,10 @@ class RuntimeOptions:
             raise UsageError("providers must name at least one execution provider")
         if self.segment_budget is not None and self.segment_budget < 0:
             raise UsageError(f"segment_budget must be >= 0, got {self.segment_budget}")
+        if self.state_budget is not None and self.state_budget < 0:
+            raise UsageError(f"state_budget must be >= 0, got {self.state_budget}")
+        if not 0 < self.state_idle_s < float("inf"):
+            raise UsageError(f"state_idle_s must be a positive number, got {self.state_idle_s}")
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
         object.__setattr__(self, "providers", tuple(self.providers))
 
@@ -112,4 +124,6 @@ class RuntimeOptions:
             security=Security.from_args(args),
             providers=getattr(args, "providers", (CPU,)),
             segment_budget=getattr(args, "segment_budget", None),
+            state_budget=getattr(args, "state_budget", None),
+            state_idle_s=getattr(args, "state_idle", DEFAULT_STATE_IDLE_S),
         )

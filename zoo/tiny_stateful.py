@@ -51,9 +51,20 @@ class _Builder:
 
 
 def tiny_decoder(
-    path: str | Path, *, blocks: int = 3, width: int = 8, vocab: int = 16, seed: int = 0
+    path: str | Path,
+    *,
+    blocks: int = 3,
+    width: int = 8,
+    vocab: int = 16,
+    seed: int = 0,
+    batch_from_last_cache: bool = False,
 ) -> Path:
-    """Write a ``blocks``-block decoder with vocabulary ``vocab`` to ``path``."""
+    """Write a ``blocks``-block decoder with vocabulary ``vocab`` to ``path``.
+
+    ``batch_from_last_cache`` reads the batch size for a reshape of the embeddings from the
+    last block's cache, as torch.export's ONNX graphs do ([Note: state pairs in the cut
+    search] in :mod:`tierflow.partitioner.stateful`).
+    """
     b = _Builder(seed)
     past_shape: list[int | str] = ["batch", 1, "past", width]
     present_shape: list[int | str] = ["batch", 1, "past_seq", width]
@@ -70,6 +81,10 @@ def tiny_decoder(
     b.const("masked", np.array(-1e9, dtype=np.float32))
     b.const("scale", np.array(1.0 / np.sqrt(width), dtype=np.float32))
     x = b.op("Gather", [b.weight("embed", (vocab, width), 2.0), "input_ids"], "embedded")
+    if batch_from_last_cache:
+        batch = b.op("Shape", [f"past_key_values.{blocks - 1}.value"], start=0, end=1)
+        rest = b.const("rest", np.array([-1, width], dtype=np.int64))
+        x = b.op("Reshape", [x, b.op("Concat", [batch, rest], axis=0)])
     for i in range(blocks):
         for kind, shape in (("key", past_shape), ("value", past_shape)):
             inputs.append(
@@ -106,27 +121,36 @@ def tiny_decoder(
     return _save(graph, path)
 
 
-def streaming_model(path: str | Path, *, features: int = 6, hidden: int = 8, seed: int = 0) -> Path:
+def streaming_model(
+    path: str | Path,
+    *,
+    features: int = 6,
+    hidden: int = 8,
+    seed: int = 0,
+    names: tuple[str, str] = ("state", "stateN"),
+) -> Path:
     """Write a chunk model: ``audio`` [1, F] and ``state`` [1, H] in; ``out``, ``stateN`` out.
 
-    ``state`` is read twice, at the start and near the end; ``stateN`` is made last.
+    ``state`` is read twice, at the start and near the end; ``stateN`` is made after the
+    second read. ``names`` renames the pair (to names no convention knows, say).
     """
     b = _Builder(seed)
+    state, new = names
     inputs = [
         helper.make_tensor_value_info("audio", TensorProto.FLOAT, [1, features]),
-        helper.make_tensor_value_info("state", TensorProto.FLOAT, [1, hidden]),
+        helper.make_tensor_value_info(state, TensorProto.FLOAT, [1, hidden]),
     ]
     outputs = [
         helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, hidden]),
-        helper.make_tensor_value_info("stateN", TensorProto.FLOAT, [1, hidden]),
+        helper.make_tensor_value_info(new, TensorProto.FLOAT, [1, hidden]),
     ]
     a = b.op("Relu", [b.op("MatMul", ["audio", b.weight("w_in", (features, hidden))])])
-    mixed = b.op("Add", [a, b.op("MatMul", ["state", b.weight("u1", (hidden, hidden))])])
+    mixed = b.op("Add", [a, b.op("MatMul", [state, b.weight("u1", (hidden, hidden))])])
     x = mixed
     for i in range(3):
         x = b.op("Tanh", [b.op("MatMul", [x, b.weight(f"w{i}", (hidden, hidden))])])
-    recurrent = b.op("MatMul", ["state", b.weight("u2", (hidden, hidden))])
-    new_state = b.op("Tanh", [b.op("Add", [x, recurrent])], "stateN")
+    recurrent = b.op("MatMul", [state, b.weight("u2", (hidden, hidden))])
+    new_state = b.op("Tanh", [b.op("Add", [x, recurrent])], new)
     y = new_state
     for i in range(2):
         y = b.op("Relu", [b.op("MatMul", [y, b.weight(f"v{i}", (hidden, hidden))])])

@@ -31,6 +31,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tierflow.cloud.commands",  # serve cloud
     "tierflow.device.commands",  # run
     "tierflow.device.process",  # device
+    "tierflow.device.generate",  # generate
     "tierflow.partitioner.exits.commands",  # exits add, exits show
     "tierflow.partitioner.bottleneck.commands",  # bottleneck add, bottleneck show
     "tierflow.demos.local",  # demo

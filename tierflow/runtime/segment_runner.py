@@ -66,6 +66,7 @@ from tierflow.link.spec import TIERS
 from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec
 from tierflow.runtime.sessions import open_session
+from tierflow.state_spec import StateSpec
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +225,9 @@ class Outcome:
     #: when the next tier is gone ([Note: answering without the next tier] in
     #: tierflow/edge/forwarding.py). None when no exit was checked, or one was taken.
     unconfident: tuple[str, np.ndarray] | None = None
+    #: The state outputs of this tier's segments, by the state input they feed next
+    #: ([Note: session state on a tier] in tierflow/runtime/state.py).
+    state: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class TierRunner:
@@ -269,6 +273,11 @@ class TierRunner:
                 )
             self.segments.append((index, spec, runner))
         self.end = self.segments[-1][0] + 1 if self.segments else self.start
+        #: The state pairs of this tier's segments ([Note: state pairs] in
+        #: tierflow/state_pairs.py): fed by the caller, never carried by a request.
+        self.states: tuple[StateSpec, ...] = tuple(
+            state for _, spec, _ in self.segments for state in spec.state
+        )
         self.needs = self.required_names(self.start)
         self._needed = set(self.needs)
         # What a request leaving this tier carries ([Note: what crosses to the next tier]).
@@ -308,13 +317,28 @@ class TierRunner:
                 f"(missing {sorted(expected - names)}, unexpected {sorted(names - expected)})"
             )
 
-    def run(self, tensors: Mapping[str, np.ndarray], *, checked: bool = False) -> Outcome:
+    def run(
+        self,
+        tensors: Mapping[str, np.ndarray],
+        *,
+        checked: bool = False,
+        state: Mapping[str, np.ndarray] | None = None,
+    ) -> Outcome:
         """Run this tier's segments on ``tensors``; stop at the first confident exit.
 
         ``checked``: the caller has checked every tensor against :meth:`input_specs`
         already (a server, before decoding), so the segments need not check again.
+        ``state``: the value of each of :attr:`states`' inputs for this step; the outcome
+        carries what they become.
         """
         env = dict(tensors)
+        if self.states:
+            if state is None or set(state) != {s.input for s in self.states}:
+                raise InputError(
+                    f"the {self.tier}'s segments keep state {[s.input for s in self.states]}: "
+                    "a request must name a session"
+                )
+            env.update(state)
         last = len(self.plan.segments) - 1
         start = time.perf_counter()
         exits: list[str] = []
@@ -330,12 +354,25 @@ class TierRunner:
         elapsed = time.perf_counter() - start
         if self.end >= len(self.plan.segments):
             outputs = {name: env[name] for name in self.plan.outputs}
-            return Outcome(outputs, True, None, self.end, elapsed, exits_checked=exits)
+            return Outcome(
+                outputs, True, None, self.end, elapsed, exits_checked=exits, state=self._kept(env)
+            )
         forward = {name: env[name] for name in self._forwarded}
         unconfident = (exits[-1], env[exits[-1]]) if exits else None
         return Outcome(
-            forward, False, None, self.end, elapsed, exits_checked=exits, unconfident=unconfident
+            forward,
+            False,
+            None,
+            self.end,
+            elapsed,
+            exits_checked=exits,
+            unconfident=unconfident,
+            state=self._kept(env),
         )
+
+    def _kept(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """What this tier's state inputs are fed next: their outputs of this step."""
+        return {s.input: env[s.output] for s in self.states}
 
     def _exit(
         self,

@@ -42,6 +42,7 @@ from tierflow.runtime.providers import add_providers_argument
 from tierflow.runtime.segment_store import add_segment_budget_argument
 from tierflow.runtime.service import TierService
 from tierflow.runtime.sessions import add_optimization_argument
+from tierflow.runtime.state import add_state_arguments
 from tierflow.transport.security import add_security_arguments, bind, server_options
 from tierflow.transport.wire import add_tier_servicer, grpc_options
 from tierflow.tuning import tune_for_latency
@@ -262,6 +263,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--grace", type=float, default=5.0, help="seconds open streams get to finish on shutdown"
     )
     add_segment_budget_argument(parser)
+    add_state_arguments(parser)
     add_link_arguments(parser)
     add_security_arguments(parser, server=True)
     parser.add_argument(

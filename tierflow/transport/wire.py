@@ -33,6 +33,7 @@ from tierflow.errors import (
     InputError,
     PlanError,
     RemoteError,
+    StateLostError,
     TierflowError,
     TransportError,
 )
@@ -210,6 +211,7 @@ def put_tensors(
 
 # Which wire ErrorCode each error becomes (first match; anything else is INTERNAL).
 _CODES: tuple[tuple[type[TierflowError], str], ...] = (
+    (StateLostError, "STATE_LOST"),
     (InputError, "INVALID_INPUT"),
     (CodecError, "CODEC"),
     (PlanError, "PLAN_MISMATCH"),
