@@ -223,3 +223,12 @@ def test_a_batch_size_read_from_a_cache_does_not_tie_its_block_to_the_start(
         [1, 2, 3], 4,
     )  # fmt: skip
     assert check.bitwise_equal
+
+
+def test_profile_refuses_a_decoder_in_one_line(
+    decoder_path: Path, tmp_path: Path, capsys: Any
+) -> None:
+    code = main(["profile", str(decoder_path), "-o", str(tmp_path / "p.json")])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert "is a decoder: `tierflow plan` profiles it here" in err and err.count("\n") == 1
