@@ -126,9 +126,18 @@ def test_plan_writes_a_decoder_plan_that_generates_like_the_model(
     assert estimate["decoder"]["ttft_s"] > 0 and estimate["decoder"]["per_token_s"] > 0
     assert estimate["memory_bytes"]["device"] <= 8 * 1024
     # The written segment files, chained with their caches fed back, generate exactly what
-    # the unsplit model generates (the same ORT settings on both sides).
+    # the unsplit model generates (the same ORT settings on both sides, also the
+    # runtimes' default, "extended", since segments declare only their inputs' and
+    # outputs' shapes, as the model does).
+    for level in ("disabled", "extended"):
+        _generates_like_the_model(plan_dir, decoder_path, level)
+
+
+def _generates_like_the_model(plan_dir: Path, decoder_path: Path, level: str) -> None:
+    plan = load_plan(plan_dir)
+    assert plan.decoder is not None
     sessions = [
-        (spec, open_session(plan_dir / spec.file, threads=1, optimization="disabled"))
+        (spec, open_session(plan_dir / spec.file, threads=1, optimization=level))
         for spec in plan.segments
     ]
 
@@ -143,7 +152,7 @@ def test_plan_writes_a_decoder_plan_that_generates_like_the_model(
 
     prompt = [2, 7, 1, 8, 2, 8]
     split = greedy_generate(step, plan.decoder, plan.states, prompt, 10)
-    whole = reference_generate(decoder_path, prompt, 10, optimization="disabled", context=64)
+    whole = reference_generate(decoder_path, prompt, 10, optimization=level, context=64)
     assert split.tokens == whole.tokens
     assert all(a.tobytes() == b.tobytes() for a, b in zip(split.logits, whole.logits, strict=True))
 
