@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from tierflow.cache.base import FeatureCache
+from tierflow.codec.spec import CodecSpec
 from tierflow.device.adaptation import Adaptation
 from tierflow.device.fallback import (
     DEFAULT_RETRY_S,
@@ -38,23 +39,35 @@ from tierflow.device.fallback import (
 )
 from tierflow.device.probing import DEFAULT_IDLE_S
 from tierflow.device.results import DEFAULT_DEADLINE_S, Result, Ticket
-from tierflow.errors import InputError, RemoteError, TierflowError, TransportError, UsageError
+from tierflow.errors import (
+    InputError,
+    RemoteError,
+    StateError,
+    TierflowError,
+    TransportError,
+    UsageError,
+)
 from tierflow.link.emulation import LinkShaper
 from tierflow.link.spec import LINKS
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
 from tierflow.rpc import tier_pb2
-from tierflow.runtime.pipeline import Answered, Onward, Pipeline
+from tierflow.runtime.pipeline import Answered, Onward, Pipeline, SessionStep
 from tierflow.runtime.segment_runner import TierRunner
 from tierflow.runtime.segment_store import SegmentSource, tier_files
+from tierflow.transport.deadline import Deadline
 from tierflow.transport.stream_client import StreamClient
-from tierflow.transport.wire import MAX_DEADLINE_AHEAD_S
+from tierflow.transport.wire import put_tensors
 
 __all__ = ["DEFAULT_DEADLINE_S", "DEFAULT_RETRY_S", "DeviceClient", "Result", "Ticket"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_WINDOW = 16
+#: Longest session name (it travels with every request of the session).
+MAX_SESSION_CHARS = 256
+#: Sessions whose plan the client remembers (the least recently started forgotten first).
+_SESSIONS_KEPT = 10_000
 
 
 class DeviceClient:
@@ -84,7 +97,7 @@ class DeviceClient:
         *,
         options: RuntimeOptions | None = None,
         window: int = DEFAULT_WINDOW,
-        deadline_s: float = DEFAULT_DEADLINE_S,
+        deadline_s: Deadline | float = DEFAULT_DEADLINE_S,
         cache: FeatureCache | None = None,
         adaptive: bool = True,
         idle_probe_s: float | None = DEFAULT_IDLE_S,
@@ -92,18 +105,15 @@ class DeviceClient:
     ) -> None:
         if window < 1:
             raise UsageError(f"the window must be at least 1 request, got {window}")
-        if not 0 < deadline_s <= MAX_DEADLINE_AHEAD_S:
-            raise UsageError(
-                f"the deadline must be positive and at most {MAX_DEADLINE_AHEAD_S:.0f} s, "
-                f"got {deadline_s}"
-            )
+        # Checked when made: [Note: one deadline] in tierflow.transport.deadline.
+        self.deadline = Deadline.of(deadline_s)
         self.options = options = options or RuntimeOptions()
         self.plans = plans = load_plan_set(plan_dir, require_segments=False)
         self.plan = plans.default_plan
         self.plan_id = self.plan.plan_id
         self.plan_dir = plan_dir
         self.window = window
-        self.deadline_s = deadline_s
+        self.deadline_s = self.deadline.seconds
         self.max_tensor_bytes = options.max_tensor_bytes
         self.cache = cache
         self.codec = self.plan.link_codec("device-edge")
@@ -153,6 +163,8 @@ class DeviceClient:
             plans, retry_s, self.adaptation.closest if self.selector is not None else None
         )
         self.retry_s = retry_s
+        self._session_plans: dict[str, int] = {}  # the plan each session runs on
+        self._session_lock = threading.Lock()
 
     def __enter__(self) -> DeviceClient:
         return self
@@ -172,19 +184,36 @@ class DeviceClient:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, inputs: Mapping[str, np.ndarray]) -> Ticket:
+    def submit(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        session: str | None = None,
+        position: int = 0,
+    ) -> Ticket:
         """Run the device's part now and send the rest on; errors end up in the Result.
 
         The plan is chosen per request ([Note: switching plans on the device]). While the
         edge is known to be down, and no device exit could answer, the request fails at
         once without running anything (see [Note: retries and failing fast]).
+
+        ``session`` names the session of a stateful plan and ``position`` the steps its
+        state holds before this request ([Note: session state on a tier] in
+        tierflow/runtime/state.py); at position 0, ``inputs`` may also hold the first
+        value of a fixed-shape state, which goes to the tier that owns it. A session
+        keeps the plan it started on.
         """
-        index, switch = self.adaptation.choose()
-        index, switch, avoided = self.tiers.adjust(index, switch)
+        if session is None:
+            index, switch = self.adaptation.choose()
+            index, switch, avoided = self.tiers.adjust(index, switch)
+        else:
+            index, switch, avoided = self._session_plan(session, position), None, None
         plan = self.plans.plans[index]
         try:
             with self.pipeline.holding(index):
-                ticket = self._submit(inputs, index)
+                ticket = self._submit(
+                    inputs, index, step=self._step(index, session, position, inputs)
+                )
         except TierflowError as exc:  # its segments could not be fetched
             request_id, started = str(next(self._ids)), time.perf_counter()
             result = None
@@ -198,8 +227,50 @@ class DeviceClient:
         ticket.plan, ticket.switch, ticket.avoided = plan.plan_id, switch, avoided
         return ticket
 
+    def _session_plan(self, session: str, position: int) -> int:
+        """The plan of ``session``: the one it started on, or (at its start) the default."""
+        with self._session_lock:
+            if position == 0 or session not in self._session_plans:
+                self._session_plans[session] = self.plans.default
+                while len(self._session_plans) > _SESSIONS_KEPT:
+                    del self._session_plans[next(iter(self._session_plans))]
+            return self._session_plans[session]
+
+    def _step(
+        self, index: int, session: str | None, position: int, inputs: Mapping[str, np.ndarray]
+    ) -> SessionStep | None:
+        """The device's session step for a request; a state value in ``inputs`` (position 0)
+        is kept here if the device owns that state, else passed on to the tier that does."""
+        if session is None:
+            return None
+        if not session or len(session) > MAX_SESSION_CHARS:
+            raise StateError(
+                f"a session name must have 1 to {MAX_SESSION_CHARS} characters, got {len(session)}"
+            )
+        states = {s.input for s in self.plans.plans[index].states}
+        given = {name: np.asarray(v) for name, v in inputs.items() if name in states}
+        if given and position != 0:
+            raise StateError(
+                f"session {session!r}: a state value ({sorted(given)}) comes with the first "
+                f"request (position 0) only, this one is at position {position}"
+            )
+        owned = {s.input for s in self.pipeline.runner(index).states}
+        passed = tier_pb2.Request()
+        put_tensors(
+            passed.initial_state,
+            {k: v for k, v in given.items() if k not in owned},
+            CodecSpec.parse("zstd"),
+        )
+        mine = {k: v for k, v in given.items() if k in owned}
+        return SessionStep(session, position, mine, list(passed.initial_state))
+
     def _submit(
-        self, inputs: Mapping[str, np.ndarray], index: int, request_id: str | None = None
+        self,
+        inputs: Mapping[str, np.ndarray],
+        index: int,
+        request_id: str | None = None,
+        *,
+        step: SessionStep | None = None,
     ) -> Ticket:
         """The device's part of [Note: one request path] for plan ``index``.
 
@@ -209,10 +280,11 @@ class DeviceClient:
         started = time.perf_counter()
         pipeline = self.pipeline
         try:
-            arrays = {name: np.asarray(value) for name, value in inputs.items()}
+            states = {s.input for s in self.plans.plans[index].states}
+            arrays = {n: np.asarray(v) for n, v in inputs.items() if n not in states}
             runner = pipeline.runner(index)
             runner.check_names(set(arrays), segment=0)
-            hit, key = pipeline.cached(index, 0, arrays)
+            hit, key = pipeline.cached(index, 0, arrays, step)
             if hit is not None:
                 return self._local(
                     request_id, started, outputs=hit.outputs, exit_name=hit.exit, cache_hit=True
@@ -224,23 +296,24 @@ class DeviceClient:
                 if result is None:
                     raise down
                 return Ticket(request_id, started, result.ms["device"], result=result)
-            step = pipeline.run(
+            done = pipeline.run(
                 index,
                 runner,
                 arrays,
                 segment=0,
                 key=key,
-                deadline_unix_s=time.time() + self.deadline_s,
+                deadline_unix_s=self.deadline.expires_unix_s(time.time()),
+                session=step,
             )
         except TierflowError as exc:
             return self._local(request_id, started, error=exc)
         except Exception as exc:  # onnxruntime or numpy on odd input: still one Result
             logger.exception("[device] request %s failed", request_id)
             return self._local(request_id, started, error=InputError(str(exc)))
-        if isinstance(step, Answered):
+        if isinstance(done, Answered):
             self.adaptation.demand()  # chosen on a link estimate it cannot refresh
-            return self._local(request_id, started, outputs=step.outputs, exit_name=step.exit)
-        return self._send(request_id, started, arrays, step)
+            return self._local(request_id, started, outputs=done.outputs, exit_name=done.exit)
+        return self._send(request_id, started, arrays, done, stateful=step is not None)
 
     def _send(
         self,
@@ -248,16 +321,26 @@ class DeviceClient:
         started: float,
         arrays: dict[str, np.ndarray],
         onward: Onward,
+        *,
+        stateful: bool = False,
     ) -> Ticket:
-        """Send ``onward`` to the edge; its Ticket resolves when the reply comes."""
+        """Send ``onward`` to the edge; its Ticket resolves when the reply comes.
+
+        A session's request is not answered another way when a tier is missing: its
+        state is on the tiers it started on (``stateful``).
+        """
         assert self.stream is not None
         device_ms = (time.perf_counter() - started) * 1e3
         try:
             sent = self.stream.submit(
-                onward.request, deadline=time.monotonic() + self.deadline_s, nbytes=onward.nbytes
+                onward.request,
+                deadline=self.deadline.expires_monotonic(time.monotonic()),
+                nbytes=onward.nbytes,
             )
         except TransportError as exc:
-            result = self._fall_back(request_id, started, arrays, onward.unconfident, exc)
+            result = None
+            if not stateful:
+                result = self._fall_back(request_id, started, arrays, onward.unconfident, exc)
             if result is None:
                 return self._local(request_id, started, error=exc)
             return Ticket(request_id, started, result.ms["device"], result=result)
@@ -267,9 +350,11 @@ class DeviceClient:
         store = None
         if onward.key is not None:
             store = functools.partial(self.pipeline.store, onward.key, arrays)
-        fallback = functools.partial(
-            self._fall_back, request_id, started, arrays, onward.unconfident
-        )
+        fallback = None
+        if not stateful:
+            fallback = functools.partial(
+                self._fall_back, request_id, started, arrays, onward.unconfident
+            )
         return Ticket(
             request_id,
             started,

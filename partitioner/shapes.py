@@ -20,7 +20,7 @@ import onnx.helper
 import onnx.numpy_helper
 import onnx.shape_inference
 
-from tierflow.errors import InputError, ModelError, UsageError
+from tierflow.errors import InputError, ModelError, UsageError, shown
 from tierflow.npz import adds_batch, read_arrays, request, request_count
 from tierflow.partitioner.tensors import TensorInfo, first_line, node_uses, np_dtype_name
 
@@ -35,15 +35,19 @@ def parse_shape_option(text: str) -> tuple[str, tuple[int, ...]]:
     """Parse ``--shape NAME=1x3x640x640`` into ``("NAME", (1, 3, 640, 640))``."""
     name, sep, dims = text.rpartition("=")
     if not sep or not name:
-        raise UsageError(f"malformed --shape {text!r}: expected NAME=DIMS, like input=1x3x224x224")
+        raise UsageError(
+            f"malformed --shape {shown(text)}: expected NAME=DIMS, like input=1x3x224x224"
+        )
     try:
         shape = tuple(int(d) for d in dims.lower().split("x"))
     except ValueError as exc:
         raise UsageError(
-            f"malformed --shape {text!r}: dimensions must be positive integers joined by 'x'"
+            f"malformed --shape {shown(text)}: dimensions must be positive integers joined by 'x'"
         ) from exc
     if any(d <= 0 for d in shape):
-        raise UsageError(f"malformed --shape {text!r}: dimensions must be positive, got {dims!r}")
+        raise UsageError(
+            f"malformed --shape {shown(text)}: dimensions must be positive, got {shown(dims)}"
+        )
     return name, shape
 
 

@@ -44,14 +44,15 @@ import numpy as np
 from tierflow.cache.base import CacheAnswer, FeatureCache, cache_key
 from tierflow.codec.base import decode
 from tierflow.codec.spec import CodecSpec
-from tierflow.errors import CacheError, CodecError, InputError, PlanError
+from tierflow.errors import CacheError, CodecError, InputError, PlanError, StateError
 from tierflow.link.spec import downstream_link, upstream_link
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.segment_runner import SegmentRunner, TierRunner, emulate_slower
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, tier_files
-from tierflow.transport.wire import put_tensors, received
+from tierflow.runtime.state import SessionStates
+from tierflow.transport.wire import decode_tensors, put_tensors, received
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,39 @@ class Onward:
     codec_s: float = 0.0
     key: bytes | None = None
     features: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SessionStep:
+    """A request's place in its session ([Note: session state on a tier] in
+    tierflow/runtime/state.py): its ``session``, the steps already kept (``position``),
+    the first values of fixed states this tier owns (``initial``) and those it passes on
+    to the tiers after it (``passed_on``, as received)."""
+
+    session: str
+    position: int
+    initial: Mapping[str, np.ndarray] = field(default_factory=dict)
+    passed_on: Sequence[tier_pb2.Tensor] = ()
+
+    @classmethod
+    def of_request(
+        cls, request: tier_pb2.Request, runner: TierRunner, max_bytes: int
+    ) -> SessionStep | None:
+        """The session step a request from the tier below names (None: no session)."""
+        if not request.session:
+            if request.initial_state:
+                raise StateError("a request carries initial state but names no session")
+            return None
+        if request.initial_state and request.position != 0:
+            raise StateError(
+                f"session {request.session!r}: initial state comes with position 0 only, "
+                f"the request is at {request.position}"
+            )
+        owned = {s.input for s in runner.states}
+        mine = [t for t in request.initial_state if t.name in owned]
+        initial = decode_tensors(mine, max_bytes=max_bytes) if mine else {}
+        passed_on = [t for t in request.initial_state if t.name not in owned]
+        return cls(request.session, request.position, initial, passed_on)
 
 
 def reply_codec(plan: Plan, link: str | None) -> CodecSpec:
@@ -128,8 +162,10 @@ class Pipeline:
         self._index = {plan.plan_id: i for i, plan in enumerate(plans.plans)}
         self._files = [tier_files(plans, i, tier) for i in range(len(plans.plans))]
         self._runners: dict[int, TierRunner] = {}  # by plan index, opened on first use
-        self._sessions: dict[Path, SegmentRunner] = {}  # by segment file, shared by plans
+        self._opened: dict[Path, SegmentRunner] = {}  # by segment file, shared by plans
         self._lock = threading.Lock()
+        #: Each session's state of this tier's stateful segments.
+        self.states = SessionStates(tier, budget=options.state_budget, idle_s=options.state_idle_s)
 
     # ------------------------------------------------------------------ plans
 
@@ -158,7 +194,7 @@ class Pipeline:
             runner = self._runners.get(index)
             if runner is None:
                 plan = self.plans.plans[index]
-                runner = TierRunner(plan, self.plan_dir, self.tier, self.options, self._sessions)
+                runner = TierRunner(plan, self.plan_dir, self.tier, self.options, self._opened)
                 self._runners[index] = runner
                 if index != self.plans.default:
                     logger.info("[%s] plan %s opened", self.tier, plan.plan_id)
@@ -172,7 +208,7 @@ class Pipeline:
     def _evicted(self, file: str) -> None:
         """A segment file left the store: drop the sessions on it and the plans using it."""
         with self._lock:
-            self._sessions.pop(self.plan_dir / file, None)
+            self._opened.pop(self.plan_dir / file, None)
             for index, runner in list(self._runners.items()):
                 if any(spec.file == file for _, spec, _ in runner.segments):
                     del self._runners[index]
@@ -225,11 +261,16 @@ class Pipeline:
         return self.tier == "edge" and self.plans.plans[index].edge_forwards
 
     def cached(
-        self, index: int, segment: int, features: dict[str, np.ndarray]
+        self,
+        index: int,
+        segment: int,
+        features: dict[str, np.ndarray],
+        session: SessionStep | None = None,
     ) -> tuple[Answered | None, bytes | None]:
         """Step 1 of [Note: one request path]: the cached answer, if any, and the key under
-        which to store the answer otherwise (None: the tier has no cache)."""
-        if self.cache is None:
+        which to store the answer otherwise (None: the tier has no cache). A session's
+        answers depend on its state, so they are never cached."""
+        if self.cache is None or session is not None:
             return None, None
         plan = self.plans.plans[index]
         key = cache_key(plan.model_sha256, plan.plan_id, segment, features)
@@ -249,22 +290,37 @@ class Pipeline:
         deadline_unix_s: float = 0.0,
         as_received: Sequence[tier_pb2.Tensor] = (),
         checked: bool = False,
+        session: SessionStep | None = None,
     ) -> Answered | Onward:
         """Steps 2-3 of [Note: one request path] for features entering at ``segment``.
 
         ``key``: where the cache keeps this request's answer (from :meth:`cached`).
         ``as_received``: the request's encoded tensors, forwarded unchanged by a tier that
         runs nothing for the plan. ``checked``: :meth:`decode` checked the features.
+        ``session``: the request's session step; the tier's state is fed from it and
+        kept for the session's next request.
         """
         plan = self.plans.plans[index]
         if self.forwards_as_is(index):
-            forward = tier_pb2.Request(
-                plan_id=plan.plan_id, segment=runner.start, deadline_unix_s=deadline_unix_s
-            )
+            forward = _onward(plan.plan_id, runner.start, deadline_unix_s, session)
             forward.tensors.extend(as_received)
             nbytes = sum(len(t.data) + len(t.params) for t in as_received)
             return Onward(forward, nbytes, key=key, features=features)
-        outcome = runner.run(features, checked=checked)
+        state = None
+        if runner.states:
+            if session is None:
+                raise StateError(
+                    f"plan {plan.plan_id} keeps state on the {self.tier} between requests: "
+                    "a request must name its session"
+                )
+            state = self.states.inputs(
+                session.session, plan.plan_id, session.position, runner.states, session.initial
+            )
+        outcome = runner.run(features, checked=checked, state=state)
+        if session is not None and runner.states and outcome.state:
+            self.states.commit(
+                session.session, plan.plan_id, session.position, runner.states, outcome.state
+            )
         if outcome.final:
             if key is not None:
                 self.store(key, features, outcome.tensors, outcome.exit)
@@ -272,9 +328,7 @@ class Pipeline:
         if self.up_link is None:
             raise PlanError(f"plan {plan.plan_id} runs beyond the {self.tier}")
         start, cpu = time.perf_counter(), time.thread_time()
-        forward = tier_pb2.Request(
-            plan_id=plan.plan_id, segment=outcome.next_segment, deadline_unix_s=deadline_unix_s
-        )
+        forward = _onward(plan.plan_id, outcome.next_segment, deadline_unix_s, session)
         codec = plan.link_codec(self.up_link)
         nbytes = put_tensors(forward.tensors, outcome.tensors, codec, plan.images)
         emulate_slower(self.options.slowdown, cpu, time.thread_time)
@@ -327,3 +381,16 @@ class Pipeline:
             self.cache.store(key, features, CacheAnswer(dict(outputs), exit_name))
         except CacheError as exc:
             logger.warning("[%s] cache store failed: %s", self.tier, exc)
+
+
+def _onward(
+    plan_id: str, segment: int, deadline_unix_s: float, session: SessionStep | None
+) -> tier_pb2.Request:
+    """The request to the next tier, with its session step (if any) and the initial states
+    this tier did not own."""
+    forward = tier_pb2.Request(plan_id=plan_id, segment=segment, deadline_unix_s=deadline_unix_s)
+    if session is not None:
+        forward.session = session.session
+        forward.position = session.position
+        forward.initial_state.extend(session.passed_on)
+    return forward

@@ -5,17 +5,11 @@ one ONNX Runtime session for one segment file; a :class:`TierRunner` runs the se
 plan gives one tier, checks their early exits, and says what to do next: answer now, or
 forward the named tensors to the next tier.
 
-See [Note: what crosses to the next tier] for which tensors are forwarded and
+See [Note: what crosses to the next tier] in tierflow/plan.py for which tensors are forwarded and
 [Note: exit confidence] for how an exit decides; sessions are opened by
 ``tierflow.runtime.sessions``, whose [Note: optimization level and exactness] says which ONNX
 Runtime setting keeps splits bit-exact. How to run (threads, slowdown, level) comes in one
 :class:`~tierflow.options.RuntimeOptions`.
-
-[Note: what crosses to the next tier]
-A request entering the tier whose first segment is ``k`` carries every tensor that a
-segment at ``k`` or later reads, plus every model output already computed before ``k``
-(the answer must contain all model outputs). :meth:`TierRunner.required_names` gives the
-set for any ``k``; the device sends it, the next tier checks it.
 
 [Note: exit confidence]
 An exit output holds class scores with classes on the last axis. If every row already
@@ -66,6 +60,7 @@ from tierflow.link.spec import TIERS
 from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec
 from tierflow.runtime.sessions import open_session
+from tierflow.state_spec import StateSpec
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +219,9 @@ class Outcome:
     #: when the next tier is gone ([Note: answering without the next tier] in
     #: tierflow/edge/forwarding.py). None when no exit was checked, or one was taken.
     unconfident: tuple[str, np.ndarray] | None = None
+    #: The state outputs of this tier's segments, by the state input they feed next
+    #: ([Note: session state on a tier] in tierflow/runtime/state.py).
+    state: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class TierRunner:
@@ -248,9 +246,7 @@ class TierRunner:
             raise PlanError(f"unknown tier {tier!r}: expected one of {', '.join(TIERS)}")
         self.plan = plan
         self.tier = tier
-        rank = TIERS.index(tier)
-        later = [i for i, s in enumerate(plan.segments) if TIERS.index(s.tier) >= rank]
-        self.start = later[0] if later else len(plan.segments)
+        self.start = plan.entry(tier)
         mine = plan.segments_for(tier)
         self.segments: list[tuple[int, SegmentSpec, SegmentRunner]] = []
         for index, spec in mine:
@@ -269,6 +265,11 @@ class TierRunner:
                 )
             self.segments.append((index, spec, runner))
         self.end = self.segments[-1][0] + 1 if self.segments else self.start
+        #: The state pairs of this tier's segments ([Note: state pairs] in
+        #: tierflow/state_pairs.py): fed by the caller, never carried by a request.
+        self.states: tuple[StateSpec, ...] = tuple(
+            state for _, spec, _ in self.segments for state in spec.state
+        )
         self.needs = self.required_names(self.start)
         self._needed = set(self.needs)
         # What a request leaving this tier carries ([Note: what crosses to the next tier]).
@@ -280,15 +281,8 @@ class TierRunner:
                     self._input_specs[name] = runner.inputs[name]
 
     def required_names(self, index: int) -> tuple[str, ...]:
-        """Tensors a request entering at segment ``index`` must carry (see the module note)."""
-        available = set(self.plan.inputs)
-        for spec in self.plan.segments[:index]:
-            available.update(spec.outputs)
-        needed: set[str] = set()
-        for spec in self.plan.segments[index:]:
-            needed.update(spec.inputs)
-        needed.update(self.plan.outputs)
-        return tuple(sorted(needed & available))
+        """Tensors a request entering at segment ``index`` must carry (``Plan.carried``)."""
+        return self.plan.carried(index)
 
     def input_specs(self) -> dict[str, InputSpec]:
         """Dtype and shape of the incoming tensors this tier's segments read directly."""
@@ -308,13 +302,28 @@ class TierRunner:
                 f"(missing {sorted(expected - names)}, unexpected {sorted(names - expected)})"
             )
 
-    def run(self, tensors: Mapping[str, np.ndarray], *, checked: bool = False) -> Outcome:
+    def run(
+        self,
+        tensors: Mapping[str, np.ndarray],
+        *,
+        checked: bool = False,
+        state: Mapping[str, np.ndarray] | None = None,
+    ) -> Outcome:
         """Run this tier's segments on ``tensors``; stop at the first confident exit.
 
         ``checked``: the caller has checked every tensor against :meth:`input_specs`
         already (a server, before decoding), so the segments need not check again.
+        ``state``: the value of each of :attr:`states`' inputs for this step; the outcome
+        carries what they become.
         """
         env = dict(tensors)
+        if self.states:
+            if state is None or set(state) != {s.input for s in self.states}:
+                raise InputError(
+                    f"the {self.tier}'s segments keep state {[s.input for s in self.states]}: "
+                    "a request must name a session"
+                )
+            env.update(state)
         last = len(self.plan.segments) - 1
         start = time.perf_counter()
         exits: list[str] = []
@@ -330,12 +339,25 @@ class TierRunner:
         elapsed = time.perf_counter() - start
         if self.end >= len(self.plan.segments):
             outputs = {name: env[name] for name in self.plan.outputs}
-            return Outcome(outputs, True, None, self.end, elapsed, exits_checked=exits)
+            return Outcome(
+                outputs, True, None, self.end, elapsed, exits_checked=exits, state=self._kept(env)
+            )
         forward = {name: env[name] for name in self._forwarded}
         unconfident = (exits[-1], env[exits[-1]]) if exits else None
         return Outcome(
-            forward, False, None, self.end, elapsed, exits_checked=exits, unconfident=unconfident
+            forward,
+            False,
+            None,
+            self.end,
+            elapsed,
+            exits_checked=exits,
+            unconfident=unconfident,
+            state=self._kept(env),
         )
+
+    def _kept(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """What this tier's state inputs are fed next: their outputs of this step."""
+        return {s.input: env[s.output] for s in self.states}
 
     def _exit(
         self,

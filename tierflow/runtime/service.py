@@ -33,6 +33,9 @@ itself and writes its reply. A request so waits for no thread hand-over on its w
 through the tier (each costs 0.03-0.1 ms on a small machine, as much as the codec and
 compute of a 100 KB feature), and the stream's next request is read while it runs. When
 ``workers`` requests are running already, a request waits for one of them to finish.
+The requests of one session ([Note: session state on a tier] in tierflow/runtime/state.py)
+run one at a time, in the order they were read (:class:`SessionOrder`): each continues the
+state the one before left, and an edge passes them on in that order.
 Every request read is counted in flight at once, so a stopping tier ([Note: stopping a
 tier] in tierflow/runtime/server.py) answers every request sent before it began to stop.
 """
@@ -44,6 +47,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -66,7 +70,7 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.admission import StreamAdmission, peer_host
-from tierflow.runtime.pipeline import Answered, Onward, Pipeline
+from tierflow.runtime.pipeline import Answered, Onward, Pipeline, SessionStep
 from tierflow.runtime.probe import ProbeCredit, echo
 from tierflow.runtime.providers import describe as describe_providers
 from tierflow.runtime.replies import StreamReplies
@@ -148,6 +152,7 @@ class TierService(tier_pb2_grpc.TierServicer):
             max_workers=options.max_streams + self.workers, thread_name_prefix=f"{tier}-work"
         )
         self._running = threading.BoundedSemaphore(self.workers)
+        self.order = SessionOrder()
         self._in_flight = 0
         self._count_lock = threading.Lock()
         self._streams: set[StreamReplies] = set()  # watched for slow readers
@@ -428,7 +433,8 @@ class TierService(tier_pb2_grpc.TierServicer):
         with pipeline.holding(index):  # its segment files stay while it runs
             runner = pipeline.runner(index)
             features, codec_s = pipeline.decode(index, runner, request.segment, request.tensors)
-            hit, key = pipeline.cached(index, request.segment, features)
+            session = SessionStep.of_request(request, runner, self.options.max_tensor_bytes)
+            hit, key = pipeline.cached(index, request.segment, features, session)
             step = hit or pipeline.run(
                 index,
                 runner,
@@ -437,6 +443,8 @@ class TierService(tier_pb2_grpc.TierServicer):
                 key=key,
                 deadline_unix_s=deadline or 0.0,
                 as_received=request.tensors,
+                checked=True,
+                session=session,
             )
         timing.compute_ms = step.compute_s * 1e3
         if isinstance(step, Answered):
@@ -486,6 +494,41 @@ class TierService(tier_pb2_grpc.TierServicer):
         self._admit(context)
         context.send_initial_metadata((("tierflow-tier", self.tier),))
         yield from echo(self.tier, request_iterator, context, self.probe_credit)
+
+
+class SessionOrder:
+    """Runs each session's requests one at a time, in the order they were read.
+
+    A request of a session that has one running waits in the session's queue, and the
+    thread running the one before takes it along ([Note: a stream's requests run at
+    once]). Requests of other sessions, and those of no session, do not wait for it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[str, deque[Callable[[], None]]] = {}
+
+    def run(self, session: str, work: Callable[[], None]) -> None:
+        with self._lock:
+            queue = self._waiting.get(session)
+            if queue is not None:
+                queue.append(work)
+                return
+            self._waiting[session] = deque()
+        while True:
+            try:
+                work()
+            finally:
+                with self._lock:
+                    queue = self._waiting[session]
+                    if not queue:
+                        del self._waiting[session]
+                        next_work = None
+                    else:
+                        next_work = queue.popleft()
+            if next_work is None:
+                return
+            work = next_work
 
 
 class _StreamReader:
@@ -557,6 +600,12 @@ class _StreamReader:
             refused = tier_pb2.Reply(id=request.id, plan_id=self.service.plan_id, error=refusal)
             self._reply(refused, received, own=True)
             return
+        if request.session:  # [Note: a stream's requests run at once]: a session's in order
+            self.service.order.run(request.session, lambda: self._run(request, received))
+        else:
+            self._run(request, received)
+
+    def _run(self, request: tier_pb2.Request, received: float) -> None:
         with self.service._running:
             reply = self.service.handle(
                 request, received, lambda later: self._reply(later, received, own=False)

@@ -50,6 +50,7 @@ import logging
 import math
 import threading
 import time
+import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -337,17 +338,22 @@ class StreamClient:
                     f"the {self.peer} at {self.address} is down (its last connection "
                     "attempt failed); not sending"
                 )
-            stream = self._live_stream()
+            stream = self._live_stream(request.session)
             sent = Sent(future, stream.queue.put(request, size), wire_id, request, size, deadline)
             self._track(stream, sent)
         return sent
 
-    def _live_stream(self) -> _Stream:
+    def _live_stream(self, session: str = "") -> _Stream:
         """The stream to send on, opened if need be; call with the lock held.
 
-        With several streams, each call takes the next in turn ([Note: replicas]).
+        With several streams, each call takes the next in turn ([Note: replicas]); the
+        requests of a session all take the same one, so that its state stays on one
+        replica and its requests arrive in order.
         """
-        slot = next(self._turn) % len(self.streams)
+        if session and len(self.streams) > 1:
+            slot = zlib.crc32(session.encode()) % len(self.streams)
+        else:
+            slot = next(self._turn) % len(self.streams)
         stream = self.streams[slot]
         if stream is None or not stream.alive:
             stream = self.streams[slot] = _Stream(self)
@@ -371,7 +377,7 @@ class StreamClient:
                 closed = self._closed
                 if not closed and not late and sent.request is not None:
                     sent.attempts += 1
-                    stream = self._live_stream()
+                    stream = self._live_stream(sent.request.session)
                     sent.transfer = stream.queue.put(sent.request, sent.size)
                     self._track(stream, sent)
                     continue
