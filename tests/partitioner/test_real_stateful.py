@@ -34,7 +34,8 @@ def test_silero_vad_plans_with_its_lstm_state_on_one_tier(
     plan = load_plan(plan_dir)
     assert plan.state_pairs == (("state", "stateN"),)
     assert "state" not in plan.inputs and plan.outputs == ("output",)
-    assert len(plan.segments) == 2  # 1 MiB holds part of the 2 MiB model on the device
+    assert len([s for s in plan.segments if s.state]) == 1
+    assert plan.segments[0].tier != "device" or len(plan.segments) == 2  # 1 MiB: not all
     # The segments, each chunk's state fed back on the tier that owns it, answer a stream
     # of chunks as the whole model does with its state fed back.
     whole = open_session(model, threads=1, optimization="disabled")
