@@ -158,11 +158,13 @@ def _generates_like_the_model(plan_dir: Path, decoder_path: Path, level: str) ->
 
 
 def test_decoder_plan_json_report(decoder_path: Path, tmp_path: Path, capsys: Any) -> None:
-    code = main(["plan", str(decoder_path), "-o", str(tmp_path / "p"), "--context", "32",
-                 "--prompt-tokens", "4", "--max-tokens", "4", "--json"])  # fmt: skip
+    # A context shorter than the default prompt (32) prices a prompt of the context's length.
+    code = main(["plan", str(decoder_path), "-o", str(tmp_path / "p"), "--context", "16",
+                 "--max-tokens", "4", "--json"])  # fmt: skip
     out, err = capsys.readouterr()
     assert code == 0, err
     report = json.loads(out)
+    assert report["decoder"]["prompt_tokens"] == 16 and report["decoder"]["context"] == 16
     best = report["ranked"][0]
     assert best["generation_s"] == pytest.approx(best["ttft_s"] + 4 * best["per_token_s"])
     assert report["verified"]["bitwise_equal"] is True
