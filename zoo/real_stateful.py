@@ -9,10 +9,10 @@ found by name ([Note: state pairs] in :mod:`tierflow.state_pairs`), so ``tierflo
 keeps it on one tier.
 
 The package ships several exports of the same network; :data:`VARIANTS` names the ones
-tierflow plans: ``16k_op15`` (opset 15, 16 kHz only) and ``op18_ifless`` (opset 18, both
-rates, no If node). Its ``silero_vad.onnx`` keeps the two rates in If branches whose
-LSTMs take inputs of different ranks, which ONNX Runtime refuses once the split fixes
-their shapes ([Note: shapes that follow a branch] in :mod:`tierflow.partitioner.shapes`).
+tierflow plans: ``16k_op15`` (opset 15, 16 kHz only), ``op18_ifless`` (opset 18, both
+rates, no If node) and ``if`` (``silero_vad.onnx``, the published default: the whole
+network inside one If on the sample rate, whose branches keep the shapes the model
+shipped with, [Note: shapes a branch reads] in :mod:`tierflow.partitioner.shapes`).
 Only the files are used: the package's Python code (which imports torch) never runs;
 :func:`vad_path` finds a file through the import system's spec of the package.
 """
@@ -28,7 +28,11 @@ import numpy as np
 from tierflow.errors import ModelError, UsageError
 
 PACKAGE = "silero_vad"
-VARIANTS = {"16k_op15": "silero_vad_16k_op15.onnx", "op18_ifless": "silero_vad_op18_ifless.onnx"}
+VARIANTS = {
+    "16k_op15": "silero_vad_16k_op15.onnx",
+    "op18_ifless": "silero_vad_op18_ifless.onnx",
+    "if": "silero_vad.onnx",
+}
 CHUNK = 512
 RATE = 16000
 

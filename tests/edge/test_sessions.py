@@ -253,3 +253,42 @@ def _npy(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, array)
     return buffer.getvalue()
+
+
+def test_the_published_vad_whose_graph_sits_in_one_if_plans_and_streams_exactly(
+    tmp_path: Path, capsys: Any
+) -> None:
+    """Silero VAD's silero_vad.onnx (issue 20, item 1): the whole network inside one If on
+    the sample rate, an LSTM state carried from chunk to chunk. It plans, serves, and a
+    session's answers equal the model run with its state fed back, bit for bit."""
+    from tierflow.zoo.real_stateful import chunks, vad_path
+
+    model = vad_path("if")
+    arrays = chunks(12)
+    np.savez(tmp_path / "vad.npz", **arrays)
+    code = main(["plan", str(model), "-o", str(tmp_path / "plan"), "--sample",
+                 str(tmp_path / "vad.npz"), "--memory", "device=1MiB"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    plan = load_plan(tmp_path / "plan")
+    assert plan.state_pairs == (("state", "stateN"),)
+    session = open_session(model)
+    state, expected = arrays["state"][0], []
+    for i in range(12):
+        feeds = {"input": arrays["input"][i], "state": state, "sr": np.array(arrays["sr"][i])}
+        out, state = session.run(["output", "stateN"], feeds)
+        expected.append(out)
+    options = RuntimeOptions(workers=2)
+    cloud = CloudServer(tmp_path / "plan", options=options)
+    cloud.start()
+    edge = EdgeServer(tmp_path / "plan", upstream=cloud.address, options=options)
+    edge.start()
+    try:
+        requests = [{k: np.asarray(arrays[k][i]) for k in ("input", "sr")} for i in range(12)]
+        initial = {"state": arrays["state"][0]}
+        with DeviceClient(tmp_path / "plan", edge.address, window=4) as client:
+            results = list(StreamSession(client, "vad", initial=initial).run(requests))
+    finally:
+        edge.stop(0)
+        cloud.stop(0)
+    for result, want in zip(results, expected, strict=True):
+        np.testing.assert_array_equal(result.unwrap().outputs["output"], want)
