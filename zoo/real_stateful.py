@@ -8,11 +8,10 @@ probability) and ``stateN``, the next chunk's state. The pair ``state -> stateN`
 found by name ([Note: state pairs] in :mod:`tierflow.state_pairs`), so ``tierflow plan``
 keeps it on one tier.
 
-The package ships several exports of the same network; :data:`VARIANTS` names the ones
-tierflow plans: ``16k_op15`` (opset 15, 16 kHz only) and ``op18_ifless`` (opset 18, both
-rates, no If node). Its ``silero_vad.onnx`` keeps the two rates in If branches whose
-LSTMs take inputs of different ranks, which ONNX Runtime refuses once the split fixes
-their shapes ([Note: shapes that follow a branch] in :mod:`tierflow.partitioner.shapes`).
+The package ships several exports of the same network; :data:`VARIANTS` names three:
+``default`` (``silero_vad.onnx``, both rates in the branches of one If, the file
+:mod:`.vad` rebuilds with random weights), ``16k_op15`` (opset 15, 16 kHz only) and
+``op18_ifless`` (opset 18, both rates, no If).
 Only the files are used: the package's Python code (which imports torch) never runs;
 :func:`vad_path` finds a file through the import system's spec of the package.
 """
@@ -28,12 +27,16 @@ import numpy as np
 from tierflow.errors import ModelError, UsageError
 
 PACKAGE = "silero_vad"
-VARIANTS = {"16k_op15": "silero_vad_16k_op15.onnx", "op18_ifless": "silero_vad_op18_ifless.onnx"}
+VARIANTS = {
+    "default": "silero_vad.onnx",
+    "16k_op15": "silero_vad_16k_op15.onnx",
+    "op18_ifless": "silero_vad_op18_ifless.onnx",
+}
 CHUNK = 512
 RATE = 16000
 
 
-def vad_path(variant: str = "16k_op15") -> Path:
+def vad_path(variant: str = "default") -> Path:
     """The ONNX file of a Silero VAD ``variant``; a :class:`ModelError` if not installed."""
     if variant not in VARIANTS:
         raise UsageError(f"unknown Silero VAD variant {variant!r}: expected {', '.join(VARIANTS)}")
