@@ -8,10 +8,11 @@ probability) and ``stateN``, the next chunk's state. The pair ``state -> stateN`
 found by name ([Note: state pairs] in :mod:`tierflow.state_pairs`), so ``tierflow plan``
 keeps it on one tier.
 
-The package ships several exports of the same network; :data:`VARIANTS` names three:
-``default`` (``silero_vad.onnx``, both rates in the branches of one If, the file
-:mod:`.vad` rebuilds with random weights), ``16k_op15`` (opset 15, 16 kHz only) and
-``op18_ifless`` (opset 18, both rates, no If).
+The package ships several exports of the same network; :data:`VARIANTS` names the ones
+tierflow plans: ``16k_op15`` (opset 15, 16 kHz only), ``op18_ifless`` (opset 18, both
+rates, no If node) and ``if`` (``silero_vad.onnx``, the published default: the whole
+network inside one If on the sample rate, whose branches keep the shapes the model
+shipped with, [Note: shapes a branch reads] in :mod:`tierflow.partitioner.shapes`).
 Only the files are used: the package's Python code (which imports torch) never runs;
 :func:`vad_path` finds a file through the import system's spec of the package.
 """
@@ -28,15 +29,15 @@ from tierflow.errors import ModelError, UsageError
 
 PACKAGE = "silero_vad"
 VARIANTS = {
-    "default": "silero_vad.onnx",
     "16k_op15": "silero_vad_16k_op15.onnx",
     "op18_ifless": "silero_vad_op18_ifless.onnx",
+    "if": "silero_vad.onnx",
 }
 CHUNK = 512
 RATE = 16000
 
 
-def vad_path(variant: str = "default") -> Path:
+def vad_path(variant: str = "16k_op15") -> Path:
     """The ONNX file of a Silero VAD ``variant``; a :class:`ModelError` if not installed."""
     if variant not in VARIANTS:
         raise UsageError(f"unknown Silero VAD variant {variant!r}: expected {', '.join(VARIANTS)}")
