@@ -292,3 +292,30 @@ def test_the_published_vad_whose_graph_sits_in_one_if_plans_and_streams_exactly(
         cloud.stop(0)
     for result, want in zip(results, expected, strict=True):
         np.testing.assert_array_equal(result.unwrap().outputs["output"], want)
+
+
+def test_a_session_stays_on_one_replica_of_an_upstream_list(model: Path, tmp_path: Path) -> None:
+    plan_dir = plan_at(model, tmp_path / "plan", "cloud")
+    options = RuntimeOptions(workers=2)
+    replicas = [CloudServer(plan_dir, options=options) for _ in range(2)]
+    for replica in replicas:
+        replica.start()
+    targets = ",".join(r.address for r in replicas)
+    edge = EdgeServer(plan_dir, upstream=f"ipv4:{targets}", options=options)
+    edge.start()
+    try:
+        outcomes = {}
+        for name in ("a", "b", "c", "d"):
+            chunks, state = chunks_and_state(ord(name))
+            with DeviceClient(plan_dir, edge.address, window=4) as client:
+                session = StreamSession(client, name, initial={"state": state})
+                outcomes[name] = (list(session.run(chunks)), local_loop(model, chunks, state))
+        for name, (results, expected) in outcomes.items():
+            for result, want in zip(results, expected, strict=True):
+                np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
+            holders = [r for r in replicas if owner_of(r, edge).states.position(name)]
+            assert len(holders) == 1, name  # every request of the session on one replica
+    finally:
+        edge.stop(0)
+        for replica in replicas:
+            replica.stop(0)
