@@ -45,7 +45,7 @@ def _why_not() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_the_recipe_answers_every_request_over_the_shaped_link_and_cleans_up(

@@ -19,6 +19,7 @@ def _attempts(prober: IdleProber) -> int:
     return prober.probes + prober.failures
 
 
+@pytest.mark.integration
 def test_a_device_answering_alone_probes_every_demand_interval() -> None:
     # Nothing listens on port 9: each probe fails at once, and counts as an attempt.
     with grpc.insecure_channel("127.0.0.1:9") as channel:

@@ -20,6 +20,8 @@ from tierflow.edge.server import EdgeServer
 from tierflow.errors import TransportError
 from tierflow.options import RuntimeOptions
 
+pytestmark = pytest.mark.integration
+
 
 @contextlib.contextmanager
 def delayed_link(target: str, one_way_s: float) -> Iterator[str]:

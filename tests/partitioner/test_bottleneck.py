@@ -101,6 +101,7 @@ def test_the_cut_is_named_or_chosen(tmp_path: Path) -> None:
         choose_cut(graph, "nonexistent")
 
 
+@pytest.mark.integration
 def test_add_bottleneck_trains_measures_and_records_its_points(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     from tierflow.zoo.bottleneck_train import TorchTrainer, TrainSettings

@@ -11,6 +11,8 @@ import pytest
 from tierflow.cli.main import main
 from tierflow.plan import load_plan
 
+pytestmark = pytest.mark.integration
+
 
 def _run(capsys: Any, *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))

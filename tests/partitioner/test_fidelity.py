@@ -196,6 +196,7 @@ def test_scores_survive_plan_json() -> None:
 # --------------------------------------------------------------------------- measuring
 
 
+@pytest.mark.integration
 def test_lossless_codecs_score_bit_for_bit_and_int8_on_the_outlier_does_not(mlp: Any) -> None:
     _, graph, _ = mlp
     probe = FidelityProbe(graph, sample_requests(graph.inputs, _sample(40, 1)))
@@ -209,6 +210,7 @@ def test_lossless_codecs_score_bit_for_bit_and_int8_on_the_outlier_does_not(mlp:
     assert not early.passed and not early.complete and early.score.samples < 40
 
 
+@pytest.mark.integration
 def test_a_plan_whose_edge_runs_nothing_applies_its_codec_once(mlp: Any) -> None:
     _, graph, profiles = mlp
     probe = FidelityProbe(graph, sample_requests(graph.inputs, _sample(4, 2)))
@@ -230,6 +232,7 @@ def test_a_plan_whose_edge_runs_nothing_applies_its_codec_once(mlp: Any) -> None
 # --------------------------------------------------------------------------- planning
 
 
+@pytest.mark.integration
 def test_the_default_plan_is_exact_even_where_lossy_codecs_would_be_faster(
     mlp: Any, tmp_path: Path
 ) -> None:
@@ -253,6 +256,7 @@ def test_the_default_plan_is_exact_even_where_lossy_codecs_would_be_faster(
     }
 
 
+@pytest.mark.integration
 def test_a_lossy_budget_without_a_sample_is_an_error(mlp: Any, tmp_path: Path) -> None:
     _, graph, profiles = mlp
     options = PlanOptions(links=LINKS, fidelity=FidelityBudget.parse("top1=99%"))
@@ -260,6 +264,7 @@ def test_a_lossy_budget_without_a_sample_is_an_error(mlp: Any, tmp_path: Path) -
         make_plan(graph, profiles, options, tmp_path / "plan")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("text", ["top1=98%", "rel=1e-2"])
 def test_the_budget_is_met_on_held_out_requests(mlp: Any, tmp_path: Path, text: str) -> None:
     path, graph, profiles = mlp
@@ -278,6 +283,7 @@ def test_the_budget_is_met_on_held_out_requests(mlp: Any, tmp_path: Path, text: 
     assert budget.met_by(held_out.value, held_out.samples), held_out.describe()
 
 
+@pytest.mark.integration
 def test_no_plan_predicted_faster_than_the_chosen_one_meets_the_budget(mlp: Any) -> None:
     """Brute force: measure every faster plan of the whole space; each must miss."""
     _, graph, profiles = mlp
@@ -316,6 +322,7 @@ def _plan(capsys: Any, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.integration
 def test_plan_command_prints_what_it_verified(mlp: Any, tmp_path: Path, capsys: Any) -> None:
     path, _, profiles = mlp
     sample = tmp_path / "sample.npz"
@@ -338,6 +345,7 @@ def test_plan_command_prints_what_it_verified(mlp: Any, tmp_path: Path, capsys: 
     assert plan["fidelity"]["value"] <= 0.05
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("args", "message"),
     [

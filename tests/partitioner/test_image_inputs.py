@@ -128,6 +128,7 @@ def test_norms_parse_from_presets_and_fields() -> None:
             parse_norm(text)
 
 
+@pytest.mark.integration
 def test_image_inputs_resolve_against_the_model(cnn: Any) -> None:
     _, graph, _ = cnn
     images = resolve_images(graph.inputs, ["x"], {"x": NormSpec(*PRESETS["imagenet"])})
@@ -188,6 +189,7 @@ class _Stalling:
         return self.array if dtype is None else self.array.astype(dtype)
 
 
+@pytest.mark.integration
 def test_image_codec_times_are_computation_not_waiting() -> None:
     # Timed on the wall clock, a stalled encode looked 30 ms slower to the planner, whose
     # emulated device multiplies it tenfold ([Note: image codec figures]).
@@ -216,6 +218,7 @@ def test_image_codecs_join_the_candidates_only_for_image_inputs() -> None:
 # --------------------------------------------------------------------------- plans
 
 
+@pytest.mark.integration
 def test_exact_plans_send_png_only_where_the_sample_shows_it_exact(
     cnn: Any, tmp_path: Path
 ) -> None:
@@ -239,6 +242,7 @@ def test_exact_plans_send_png_only_where_the_sample_shows_it_exact(
     assert any("png left out under the exact budget" in n for n in outcome.notes)
 
 
+@pytest.mark.integration
 def test_a_jpeg_baseline_is_scored_outside_the_exact_budget(cnn: Any) -> None:
     _, graph, profiles = cnn
     options = PlanOptions(links=LINKS, images={"x": IMAGENET})
@@ -259,6 +263,7 @@ def test_a_jpeg_baseline_is_scored_outside_the_exact_budget(cnn: Any) -> None:
         score_plan(graph, profiles, options, (0, 0), {"edge-cloud": "jpeg:90"}, feeds)
 
 
+@pytest.mark.integration
 def test_a_top1_budget_picks_a_lossy_image_codec_that_holds_on_held_out_photos(
     cnn: Any, tmp_path: Path
 ) -> None:
@@ -273,6 +278,7 @@ def test_a_top1_budget_picks_a_lossy_image_codec_that_holds_on_held_out_photos(
     assert budget.met_by(held_out.value, held_out.samples), held_out.describe()
 
 
+@pytest.mark.integration
 def test_a_cloud_only_jpeg_plan_says_its_edge_forwards(cnn: Any, tmp_path: Path) -> None:
     _, graph, profiles = cnn
     slow_edge = {**profiles, "edge": profiles["cloud"].emulate(1000.0)}
@@ -293,6 +299,7 @@ def test_a_cloud_only_jpeg_plan_says_its_edge_forwards(cnn: Any, tmp_path: Path)
     assert outcome.plan.fidelity["samples"] == 10
 
 
+@pytest.mark.integration
 def test_old_plans_without_image_inputs_load_and_bad_ones_are_refused(
     cnn: Any, tmp_path: Path
 ) -> None:
@@ -311,6 +318,7 @@ def test_old_plans_without_image_inputs_load_and_bad_ones_are_refused(
         Plan.from_dict({**data, "image_inputs": {"x": {"mean": [1, 2]}}})
 
 
+@pytest.mark.integration
 def test_plan_command_with_image_flags(cnn: Any, tmp_path: Path, capsys: Any) -> None:
     path, _, profiles = cnn
     sample = tmp_path / "photos.npz"
