@@ -42,6 +42,8 @@ from tierflow.partitioner.planner import PlanOptions, codec_candidates, make_pla
 from tierflow.partitioner.profile import Profile, profile_model, save_profile
 from tierflow.plan import load_plan
 
+from .conftest import graph_profile
+
 WIDTH = 1024
 
 
@@ -78,12 +80,21 @@ LINKS = {"device-edge": LinkSpec.parse("1mbit,1ms"), "edge-cloud": LinkSpec.pars
 
 @pytest.fixture(scope="module")
 def mlp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ModelGraph, dict[str, Profile]]:
-    """The model, its graph, and profiles where the device computes slowly (moves work up)."""
+    """The model, its graph, and profiles where the device computes slowly (moves work up).
+
+    The profiles' figures are given, not measured (``graph_profile``): on the 1 Mbit/s
+    links the 4 KB input costs 34 ms raw, 18 ms as fp16 and 10 ms as int8 with them, so
+    which plan is fastest follows from the numbers, never from this machine's load. Every
+    tensor here has one value per channel, so the per-channel quantisers send a scale and
+    an offset per value: more bytes than raw (as measured on it).
+    """
     path = _mlp(tmp_path_factory.mktemp("fidelity") / "mlp.onnx")
     graph = load_model(path)
-    base = profile_model(graph, time_budget_s=0.3)
-    slow = replace(base, units=tuple(replace(u, compute_s=u.compute_s * 1e4) for u in base.units))
-    return path, graph, {"device": slow, "edge": base.emulate(2.0), "cloud": base}
+    per_channel = {"int8c+zstd": 0.44, "int4+zstd": 0.47, "int2+zstd": 0.48}
+    per_channel["sparse+int4+zstd"] = 0.45
+    cloud = graph_profile(graph, (2e-5, 2e-6), ratios=per_channel)
+    device = graph_profile(graph, (0.2, 0.02), ratios=per_channel)  # 10^4 times the cloud
+    return path, graph, {"device": device, "edge": cloud.emulate(2.0), "cloud": cloud}
 
 
 # --------------------------------------------------------------------------- budgets
@@ -196,7 +207,6 @@ def test_scores_survive_plan_json() -> None:
 # --------------------------------------------------------------------------- measuring
 
 
-@pytest.mark.integration
 def test_lossless_codecs_score_bit_for_bit_and_int8_on_the_outlier_does_not(mlp: Any) -> None:
     _, graph, _ = mlp
     probe = FidelityProbe(graph, sample_requests(graph.inputs, _sample(40, 1)))
@@ -210,7 +220,6 @@ def test_lossless_codecs_score_bit_for_bit_and_int8_on_the_outlier_does_not(mlp:
     assert not early.passed and not early.complete and early.score.samples < 40
 
 
-@pytest.mark.integration
 def test_a_plan_whose_edge_runs_nothing_applies_its_codec_once(mlp: Any) -> None:
     _, graph, profiles = mlp
     probe = FidelityProbe(graph, sample_requests(graph.inputs, _sample(4, 2)))
@@ -232,7 +241,6 @@ def test_a_plan_whose_edge_runs_nothing_applies_its_codec_once(mlp: Any) -> None
 # --------------------------------------------------------------------------- planning
 
 
-@pytest.mark.integration
 def test_the_default_plan_is_exact_even_where_lossy_codecs_would_be_faster(
     mlp: Any, tmp_path: Path
 ) -> None:
@@ -256,7 +264,6 @@ def test_the_default_plan_is_exact_even_where_lossy_codecs_would_be_faster(
     }
 
 
-@pytest.mark.integration
 def test_a_lossy_budget_without_a_sample_is_an_error(mlp: Any, tmp_path: Path) -> None:
     _, graph, profiles = mlp
     options = PlanOptions(links=LINKS, fidelity=FidelityBudget.parse("top1=99%"))
@@ -264,7 +271,6 @@ def test_a_lossy_budget_without_a_sample_is_an_error(mlp: Any, tmp_path: Path) -
         make_plan(graph, profiles, options, tmp_path / "plan")
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("text", ["top1=98%", "rel=1e-2"])
 def test_the_budget_is_met_on_held_out_requests(mlp: Any, tmp_path: Path, text: str) -> None:
     path, graph, profiles = mlp
@@ -283,7 +289,6 @@ def test_the_budget_is_met_on_held_out_requests(mlp: Any, tmp_path: Path, text: 
     assert budget.met_by(held_out.value, held_out.samples), held_out.describe()
 
 
-@pytest.mark.integration
 def test_no_plan_predicted_faster_than_the_chosen_one_meets_the_budget(mlp: Any) -> None:
     """Brute force: measure every faster plan of the whole space; each must miss."""
     _, graph, profiles = mlp
@@ -313,6 +318,28 @@ def test_no_plan_predicted_faster_than_the_chosen_one_meets_the_budget(mlp: Any)
     assert faster > 0  # the budget did cost something: int8 would have been faster
 
 
+@pytest.mark.integration
+def test_a_plan_on_this_machines_profile_meets_its_budget_on_held_out_requests(
+    tmp_path: Path,
+) -> None:
+    """Planned on figures measured here, whichever plan wins still holds its budget.
+
+    The winner depends on this machine and its load (the tests above fix it with given
+    figures); that a plan meets its budget on requests it never saw must not.
+    """
+    path = _mlp(tmp_path / "mlp.onnx")
+    graph = load_model(path)
+    base = profile_model(graph, time_budget_s=0.3)
+    slow = replace(base, units=tuple(replace(u, compute_s=u.compute_s * 1e4) for u in base.units))
+    profiles = {"device": slow, "edge": base.emulate(2.0), "cloud": base}
+    budget = FidelityBudget.parse("top1=98%")
+    options = PlanOptions(links=LINKS, fidelity=budget)
+    make_plan(graph, profiles, options, tmp_path / "plan", sample=_sample(100, 3))
+    held_out = plan_fidelity(tmp_path / "plan", path, _sample(200, 4), metric=budget.metric)
+    assert held_out.samples == 200
+    assert budget.met_by(held_out.value, held_out.samples), held_out.describe()
+
+
 # --------------------------------------------------------------------------- the command
 
 
@@ -322,7 +349,6 @@ def _plan(capsys: Any, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-@pytest.mark.integration
 def test_plan_command_prints_what_it_verified(mlp: Any, tmp_path: Path, capsys: Any) -> None:
     path, _, profiles = mlp
     sample = tmp_path / "sample.npz"
@@ -345,7 +371,6 @@ def test_plan_command_prints_what_it_verified(mlp: Any, tmp_path: Path, capsys: 
     assert plan["fidelity"]["value"] <= 0.05
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     ("args", "message"),
     [
