@@ -42,7 +42,7 @@ from tierflow.partitioner.planner import PlanOptions, codec_candidates, make_pla
 from tierflow.partitioner.profile import Profile, profile_model, save_profile
 from tierflow.plan import load_plan
 
-from .conftest import graph_profile
+from ..profiles import graph_profile
 
 WIDTH = 1024
 

@@ -17,7 +17,8 @@ from tierflow.partitioner.profile import save_profile
 from tierflow.partitioner.split import run_segments, session
 from tierflow.plan import SegmentSpec, load_plan, load_plan_set
 
-from .conftest import graph_profile, write_mlp
+from ..profiles import graph_profile
+from .conftest import write_mlp
 
 
 @pytest.fixture(scope="module")
