@@ -55,8 +55,9 @@ from tierflow.rpc import tier_pb2
 from tierflow.runtime.pipeline import Answered, Onward, Pipeline, SessionStep
 from tierflow.runtime.segment_runner import TierRunner
 from tierflow.runtime.segment_store import SegmentSource, tier_files
+from tierflow.transport.deadline import Deadline
 from tierflow.transport.stream_client import StreamClient
-from tierflow.transport.wire import MAX_DEADLINE_AHEAD_S, put_tensors
+from tierflow.transport.wire import put_tensors
 
 __all__ = ["DEFAULT_DEADLINE_S", "DEFAULT_RETRY_S", "DeviceClient", "Result", "Ticket"]
 
@@ -96,7 +97,7 @@ class DeviceClient:
         *,
         options: RuntimeOptions | None = None,
         window: int = DEFAULT_WINDOW,
-        deadline_s: float = DEFAULT_DEADLINE_S,
+        deadline_s: Deadline | float = DEFAULT_DEADLINE_S,
         cache: FeatureCache | None = None,
         adaptive: bool = True,
         idle_probe_s: float | None = DEFAULT_IDLE_S,
@@ -104,18 +105,15 @@ class DeviceClient:
     ) -> None:
         if window < 1:
             raise UsageError(f"the window must be at least 1 request, got {window}")
-        if not 0 < deadline_s <= MAX_DEADLINE_AHEAD_S:
-            raise UsageError(
-                f"the deadline must be positive and at most {MAX_DEADLINE_AHEAD_S:.0f} s, "
-                f"got {deadline_s}"
-            )
+        # Checked when made: [Note: one deadline] in tierflow.transport.deadline.
+        self.deadline = Deadline.of(deadline_s)
         self.options = options = options or RuntimeOptions()
         self.plans = plans = load_plan_set(plan_dir, require_segments=False)
         self.plan = plans.default_plan
         self.plan_id = self.plan.plan_id
         self.plan_dir = plan_dir
         self.window = window
-        self.deadline_s = deadline_s
+        self.deadline_s = self.deadline.seconds
         self.max_tensor_bytes = options.max_tensor_bytes
         self.cache = cache
         self.codec = self.plan.link_codec("device-edge")
@@ -304,7 +302,7 @@ class DeviceClient:
                 arrays,
                 segment=0,
                 key=key,
-                deadline_unix_s=time.time() + self.deadline_s,
+                deadline_unix_s=self.deadline.expires_unix_s(time.time()),
                 session=step,
             )
         except TierflowError as exc:
@@ -335,7 +333,9 @@ class DeviceClient:
         device_ms = (time.perf_counter() - started) * 1e3
         try:
             sent = self.stream.submit(
-                onward.request, deadline=time.monotonic() + self.deadline_s, nbytes=onward.nbytes
+                onward.request,
+                deadline=self.deadline.expires_monotonic(time.monotonic()),
+                nbytes=onward.nbytes,
             )
         except TransportError as exc:
             result = None

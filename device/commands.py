@@ -22,15 +22,11 @@ from typing import TYPE_CHECKING, Any
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.table import format_table
 from tierflow.errors import UsageError
-from tierflow.link.emulation import add_link_arguments
 from tierflow.link.spec import LINKS, TIERS
-from tierflow.options import RuntimeOptions
+from tierflow.options import RuntimeOptions, add_runtime_arguments
 from tierflow.plan import load_plan_set
-from tierflow.runtime.providers import add_providers_argument
-from tierflow.runtime.segment_store import add_segment_budget_argument
-from tierflow.runtime.sessions import add_optimization_argument
-from tierflow.runtime.state import add_state_arguments
-from tierflow.transport.security import add_security_arguments
+from tierflow.transport.address import Address, check_answering_tier
+from tierflow.transport.deadline import DEFAULT_DEADLINE, Deadline
 from tierflow.units import format_duration, format_rate, format_size, parse_duration
 
 if TYPE_CHECKING:
@@ -75,9 +71,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--json", action="store_true", help="print the summary as one JSON object, not a table"
     )
     parser.add_argument("--window", type=int, default=16, help="requests in flight at once")
-    parser.add_argument(
-        "--deadline", type=parse_duration, default="30s", help="per-request deadline"
-    )
+    add_deadline_argument(parser, "per-request deadline, from sending to the answer")
     parser.add_argument(
         "--resume",
         action="store_true",
@@ -97,7 +91,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="with --session: chunks the device keeps to rebuild a state a tier lost "
         "(default: all of them)",
     )
-    add_device_runtime_arguments(parser)
     add_adaptation_arguments(parser)
     parser.add_argument(
         "--cache",
@@ -108,8 +101,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "(approx:SIZE[,target=RATE|threshold=D]...) inputs on the device, without compute "
         "or network",
     )
-    add_link_arguments(parser)
-    add_security_arguments(parser, server=False)
+    add_runtime_arguments(parser, server=False)
     parser.set_defaults(handler=_run)
 
 
@@ -119,20 +111,35 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--plan", required=True, metavar="PLAN_DIR", help="the plan directory `tierflow plan` wrote"
     )
     parser.add_argument(
-        "--edge", metavar="HOST:PORT", help="the edge (not needed for a device-only plan)"
+        "--edge",
+        type=Address.parse,
+        metavar="HOST:PORT",
+        help="the edge (not needed for a device-only plan)",
     )
 
 
-def add_device_runtime_arguments(parser: argparse.ArgumentParser) -> None:
-    """How the device runs its segments (threads, slowdown, optimisation, providers, store)."""
-    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads")
+def add_deadline_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--deadline``, as ``run`` and ``device`` take it ([Note: one deadline] in
+    ``tierflow.transport.deadline``)."""
     parser.add_argument(
-        "--slowdown", type=float, default=1.0, help="emulate a device this many times slower"
+        "--deadline",
+        type=Deadline.parse,
+        default=str(DEFAULT_DEADLINE),
+        metavar="DURATION",
+        help=help,
     )
-    add_optimization_argument(parser)
-    add_providers_argument(parser)
-    add_segment_budget_argument(parser)
-    add_state_arguments(parser)
+
+
+def edge_address(args: argparse.Namespace, options: RuntimeOptions) -> str | None:
+    """``--edge`` for the device client, once it is known that an edge answers there.
+
+    A cloud answering at the address fails here, in one line ([Note: which tier
+    answers] in ``tierflow.transport.address``).
+    """
+    if args.edge is None:
+        return None
+    check_answering_tier(args.edge, "edge", options.security, option="--edge")
+    return str(args.edge.target)
 
 
 def add_adaptation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -217,10 +224,11 @@ def _run(args: argparse.Namespace) -> int:
     elif partial is not None:
         partial.unlink(missing_ok=True)  # a fresh run
     results: list[Result] = []
+    options = RuntimeOptions.from_args(args, plan)
     with DeviceClient(
         args.plan,
-        args.edge,
-        options=RuntimeOptions.from_args(args, plan),
+        edge_address(args, options),
+        options=options,
         window=args.window,
         deadline_s=args.deadline,
         cache=build_cache(args.cache),

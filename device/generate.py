@@ -19,13 +19,11 @@ from typing import Any, Protocol
 
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.table import format_table
-from tierflow.device.commands import add_device_runtime_arguments, add_plan_arguments
+from tierflow.device.commands import add_deadline_argument, add_plan_arguments, edge_address
 from tierflow.errors import MissingExtraError, UsageError
-from tierflow.link.emulation import add_link_arguments
-from tierflow.options import RuntimeOptions
+from tierflow.options import RuntimeOptions, add_runtime_arguments
 from tierflow.plan import load_plan_set
-from tierflow.transport.security import add_security_arguments
-from tierflow.units import format_size, parse_duration
+from tierflow.units import format_size
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -86,11 +84,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="draft: when the tiers cannot be reached, go on with the draft model alone "
         "(those tokens are marked)",
     )
-    parser.add_argument("--deadline", type=parse_duration, default="30s", help="per-step deadline")
+    add_deadline_argument(parser, "per-step deadline, from sending to the answer")
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
-    add_device_runtime_arguments(parser)
-    add_link_arguments(parser)
-    add_security_arguments(parser, server=False)
+    add_runtime_arguments(parser, server=False)
     parser.set_defaults(handler=_generate)
 
 
@@ -212,10 +208,11 @@ def _generate(args: argparse.Namespace) -> int:
     if args.seed is not None and args.temperature <= 0:
         raise UsageError("--seed goes with --temperature above 0 (greedy needs no seed)")
     plan = load_plan_set(args.plan, require_segments=False).default_plan
+    options = RuntimeOptions.from_args(args, plan)
     with DeviceClient(
         args.plan,
-        args.edge,
-        options=RuntimeOptions.from_args(args, plan),
+        edge_address(args, options),
+        options=options,
         window=1,
         deadline_s=args.deadline,
         adaptive=False,

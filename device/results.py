@@ -21,12 +21,12 @@ from tierflow.codec.base import DEFAULT_MAX_TENSOR_BYTES
 from tierflow.errors import DeadlineError, TierflowError, TransportError
 from tierflow.link.spec import LINKS, TIERS
 from tierflow.rpc import tier_pb2
+from tierflow.transport.deadline import DEFAULT_DEADLINE_S
 from tierflow.transport.stream_client import Sent
 from tierflow.transport.wire import decode_tensors, error_from_proto
 
 #: Error codes of a reply that mean a tier is gone: the edge (stopping) or the one after it.
 TIER_GONE = ("UNAVAILABLE", "UPSTREAM_UNAVAILABLE")
-DEFAULT_DEADLINE_S = 30.0
 
 
 @dataclass(frozen=True)

@@ -76,10 +76,11 @@ class StreamSession:
         self.replays = 0
         self._sent: collections.deque[Inputs] = collections.deque()  # chunks by position
         self._first = 0  # the position of the oldest chunk kept
+        self._next = 0  # the position of the next chunk: a session goes on across calls
         self._lost: StateLostError | None = None
 
     def run(self, chunks: Iterable[Inputs]) -> Iterator[Result]:
-        """One Result per chunk, in order."""
+        """One Result per chunk, in order; a later call goes on where this one ended."""
         for _, result in self.pairs(chunks, lambda chunk: chunk):
             yield result
 
@@ -89,9 +90,10 @@ class StreamSession:
         """One Result per item, with the item it answers; ``prepare`` gives its inputs."""
         window = self.client.window
         in_flight: collections.deque[tuple[T, int, Ticket]] = collections.deque()
-        for position, item in enumerate(items):
+        for item in items:
             while len(in_flight) >= window:
                 yield self._settle(in_flight)
+            position, self._next = self._next, self._next + 1
             in_flight.append((item, position, self._send(prepare(item), position)))
             while in_flight and in_flight[0][2].done():
                 yield self._settle(in_flight)
@@ -131,7 +133,7 @@ class StreamSession:
 
     def _replay(self, position: int, lost: Result) -> Result:
         """Send chunks 0..position-1 again, then chunk ``position``; its Result."""
-        if self._lost is not None or position < self._first:
+        if self._lost is not None or self._first > 0:  # the first chunks are gone
             self._lost = self._lost or StateLostError(
                 f"session {self.name!r}: a tier lost its state ({lost.error}), and the device "
                 f"keeps only the last {self.keep} chunks, not the {position} before this "

@@ -25,13 +25,41 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
-def _split(estimate: Estimate) -> str:
-    """Which units each tier runs, like ``D0-3 E3-12 C-``."""
+def _spans(estimate: Estimate) -> list[tuple[str, str, int, int]]:
+    """Each tier, its cell in the ``units`` column (``D0-3``, ``C-``) and its units [start, end)."""
     a, b = estimate.cuts
     spans = {"device": (0, a), "edge": (a, b), "cloud": (b, estimate.last)}
-    return " ".join(
-        f"{t[0].upper()}{s}-{e}" if s < e else f"{t[0].upper()}-"
-        for t, (s, e) in ((t, spans[t]) for t in TIERS)
+    return [
+        (tier, f"{tier[0].upper()}{s}-{e}" if s < e else f"{tier[0].upper()}-", s, e)
+        for tier, (s, e) in ((tier, spans[tier]) for tier in TIERS)
+    ]
+
+
+def _split(estimate: Estimate) -> str:
+    """Which units each tier runs, like ``D0-3 E3-12 C-``."""
+    return " ".join(cell for _, cell, _, _ in _spans(estimate))
+
+
+def units_legend(estimate: Estimate) -> str:
+    """The line under a plan table that says how to read its ``units`` column.
+
+    A unit is the stretch of layers between two candidate cuts (what ``tierflow
+    profile`` times), numbered from 0 in graph order; ``E3-12`` is half open, like a
+    Python range: the edge runs units 3 to 11. Explained on ``estimate``'s own split.
+    """
+    readings = []
+    for tier, cell, start, end in _spans(estimate):
+        if start >= end:
+            runs = "none"
+        elif end - start == 1:
+            runs = f"unit {start}"
+        else:
+            runs = f"units {start}-{end - 1}"
+        readings.append(f"{cell}: the {tier} runs {runs}")
+    return (
+        f"units: the model's {estimate.last} units (the layers between two candidate cuts, "
+        "numbered from 0); TIER START-END runs units START to END-1, TIER- none. "
+        f"{', '.join(readings)}"
     )
 
 
@@ -84,7 +112,8 @@ def plan_table(
     an expectation over where requests leave, the latency column says so, a link used by
     only some requests shows their share in brackets, and an ``exits`` column shows the
     tier checking each exit and its exit rate. ``providers`` (tier -> ``cuda,cpu``) names
-    what each tier's profile was measured on, in its compute column's header.
+    what each tier's profile was measured on, in its compute column's header. A legend
+    line under the table reads the ``units`` column (:func:`units_legend`).
     """
     with_exits = bool(result.best.exits)
     measured_on = dict(providers or {})
@@ -106,7 +135,7 @@ def plan_table(
         headers.append("memory")
     rows = [_row(f"#{i + 1}", e, memory) for i, e in enumerate(result.ranked)]
     rows += [_row(name, e, memory) for name, e in result.baselines.items()]
-    return format_table(headers, rows)
+    return format_table(headers, rows) + "\n" + units_legend(result.best)
 
 
 class Progress:
@@ -195,7 +224,9 @@ def region_tables(choice: GridChoice) -> str:
             ]
         )
     headers = ["plan", "units", "device-edge", "edge-cloud", "latency ms", "points", "at"]
-    blocks.append(format_table(headers, legend, align="llllrrl"))
+    blocks.append(
+        format_table(headers, legend, align="llllrrl") + "\n" + units_legend(choice.plans[0])
+    )
     return "\n\n".join(blocks)
 
 

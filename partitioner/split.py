@@ -29,7 +29,7 @@ from tierflow.errors import ModelError, PlanError, UsageError
 from tierflow.link.spec import LINKS, TIERS, LinkSpec
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.tensors import first_line
-from tierflow.plan import PLAN_FILE, DecoderSpec, Plan, SegmentSpec, save_plan
+from tierflow.plan import PLAN_FILE, DecoderSpec, Plan, SegmentSpec, TensorShape, save_plan
 from tierflow.runtime.sessions import open_session
 
 logger = logging.getLogger(__name__)
@@ -309,6 +309,23 @@ def remove_old_plan(plan_dir: str | Path) -> list[str]:
     return removed
 
 
+def crossing_tensors(segments: Sequence[Segment]) -> dict[str, TensorShape]:
+    """The dtype and declared shape of every tensor the segments take or give that is not
+    state: what ``plan.json`` records for each tier's largest request ([Note: a tier's
+    largest request] in tierflow/runtime/limits.py)."""
+    found: dict[str, TensorShape] = {}
+    for spec, model in segments:
+        kept = {s.input for s in spec.state} | {s.output for s in spec.state}
+        for value in [*model.graph.input, *model.graph.output]:
+            if value.name in kept or value.name in found:
+                continue
+            kind = value.type.tensor_type
+            dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in kind.shape.dim)
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type).name
+            found[value.name] = TensorShape(dtype, dims)
+    return found
+
+
 def save_split_plan(
     graph: ModelGraph,
     segments: Sequence[Segment],
@@ -331,6 +348,7 @@ def save_split_plan(
     remove_old_plan(check_plan_dir(plan_dir))
     write_segments(segments, plan_dir)
     plan = Plan(
+        tensors=crossing_tensors(segments),
         model_file=Path(graph.path).name,
         model_sha256=graph.sha256,
         inputs=tuple(i.name for i in graph.travelling_inputs),

@@ -116,3 +116,21 @@ class RemoteError(TransportError):
         super().__init__(message)
         self.code = code
         self.tier = tier
+
+
+#: Most characters of a value an error message quotes (see :func:`shown`).
+SHOWN_CHARS = 60
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``value`` as an error message quotes it: its ``repr``, clipped to about ``limit``.
+
+    A message says what was found, but a value can be a whole file (a profile given where
+    a link was expected, 10 KB of JSON) or a line of junk: the message keeps its start and
+    says how long it was, so that the error stays one readable line.
+    """
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return repr(value)
+    head = repr(text[: max(limit - 3, 1)])
+    return f"{head[:-1]}...{head[-1]} ({len(text):,} characters)"

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tierflow.codec.base import CodecSpec, ImageNorm
 from tierflow.errors import PlanError, UsageError
 from tierflow.link.spec import LINKS, TIERS, LinkSpec
@@ -94,6 +96,40 @@ class ExitSpec:
         if not isinstance(calibration, dict):
             raise PlanError(f"malformed plan: exit {data['name']!r} calibration must be an object")
         return cls(data["name"], threshold, dict(calibration))
+
+
+@dataclass(frozen=True)
+class TensorShape:
+    """A tensor that crosses a link: its dtype and declared shape (None: symbolic).
+
+    ``plan.json`` records one for every tensor a request or an answer carries (key
+    ``"tensors"``), so that each tier knows the largest request its plans can send it
+    before any segment is loaded ([Note: a tier's largest request] in
+    tierflow/runtime/limits.py).
+    """
+
+    dtype: str
+    shape: tuple[int | None, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, name: str, data: Any) -> TensorShape:
+        if not isinstance(data, dict) or not isinstance(data.get("dtype"), str):
+            raise PlanError(f"malformed plan: tensor {name!r} needs a 'dtype' and a 'shape'")
+        shape = data.get("shape")
+        if not isinstance(shape, list) or not all(
+            d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 0) for d in shape
+        ):
+            raise PlanError(
+                f"malformed plan: tensor {name!r} shape must list sizes or null, got {shape!r}"
+            )
+        try:
+            np.dtype(data["dtype"])
+        except TypeError as exc:
+            raise PlanError(f"malformed plan: tensor {name!r} has no numpy dtype") from exc
+        return cls(data["dtype"], tuple(shape))
 
 
 @dataclass(frozen=True)
@@ -245,6 +281,9 @@ class Plan:
     images: dict[str, ImageNorm] = field(default_factory=dict)
     state_pairs: tuple[tuple[str, str], ...] = ()
     decoder: DecoderSpec | None = None
+    #: The dtype and shape of every tensor a request or an answer carries (None: a plan
+    #: written before they were recorded). Not part of the plan's id.
+    tensors: dict[str, TensorShape] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         self._check()
@@ -372,6 +411,32 @@ class Plan:
         )
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
+    def carried(self, index: int) -> tuple[str, ...]:
+        """Tensors a request entering at segment ``index`` carries, sorted.
+
+        [Note: what crosses to the next tier]
+        A request entering the tier whose first segment is ``index`` carries every tensor
+        that a segment at ``index`` or later reads, plus every model output already
+        computed before ``index`` (the answer must contain all model outputs). A state
+        input is never carried: the tier that owns it feeds it ([Note: state pairs] in
+        tierflow/state_pairs.py).
+        """
+        available = set(self.inputs)
+        for spec in self.segments[:index]:
+            available.update(spec.outputs)
+        needed: set[str] = set()
+        for spec in self.segments[index:]:
+            needed.update(spec.inputs)
+        needed.update(self.outputs)
+        return tuple(sorted(needed & available))
+
+    def entry(self, tier: str) -> int:
+        """The index of the first segment ``tier`` or a tier after it runs (the segment a
+        request arriving at ``tier`` names); the number of segments when there is none."""
+        rank = TIERS.index(tier)
+        later = [i for i, s in enumerate(self.segments) if TIERS.index(s.tier) >= rank]
+        return later[0] if later else len(self.segments)
+
     def segments_for(self, tier: str) -> list[tuple[int, SegmentSpec]]:
         """The segments a tier runs, with their indices, in order; empty if it has no work.
 
@@ -428,6 +493,11 @@ class Plan:
             **({"image_inputs": self._images_dict()} if self.images else {}),
             **({"state_pairs": [list(p) for p in self.state_pairs]} if self.state_pairs else {}),
             **({"decoder": self.decoder.to_dict()} if self.decoder is not None else {}),
+            **(
+                {"tensors": {n: s.to_dict() for n, s in sorted(self.tensors.items())}}
+                if self.tensors
+                else {}
+            ),
         }
 
     @classmethod
@@ -480,6 +550,9 @@ class Plan:
                 f"got {pairs!r}"
             )
         decoder = data.get("decoder")
+        tensors = data.get("tensors") or {}
+        if not isinstance(tensors, dict):
+            raise PlanError("malformed plan: 'tensors' must be an object keyed by tensor name")
         return cls(
             model_file=str(model.get("file", "")),
             model_sha256=model["sha256"],
@@ -494,6 +567,7 @@ class Plan:
             images=norms,
             state_pairs=tuple((p[0], p[1]) for p in pairs),
             decoder=DecoderSpec.from_dict(decoder) if decoder is not None else None,
+            tensors={str(n): TensorShape.from_dict(str(n), s) for n, s in tensors.items()},
         )
 
 
@@ -585,7 +659,8 @@ def save_plan(plan: Plan, plan_dir: str | Path) -> Path:
     directory = Path(plan_dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / PLAN_FILE
-    path.write_text(json.dumps(with_digests(plan, directory).to_dict(), indent=2) + "\n")
+    recorded = with_tensors(with_digests(plan, directory), directory)
+    path.write_text(json.dumps(recorded.to_dict(), indent=2) + "\n")
     return path
 
 
@@ -599,12 +674,50 @@ def save_plan_set(plans: PlanSet, plan_dir: str | Path) -> Path:
     path = directory / PLAN_FILE
     digests: dict[str, tuple[str, int]] = {}
     recorded = PlanSet(
-        tuple(with_digests(plan, directory, digests) for plan in plans.plans),
+        tuple(
+            with_tensors(with_digests(plan, directory, digests), directory) for plan in plans.plans
+        ),
         plans.regions,
         plans.default,
     )
     path.write_text(json.dumps(recorded.to_dict(), indent=2) + "\n")
     return path
+
+
+def with_tensors(plan: Plan, directory: Path) -> Plan:
+    """``plan`` with the dtype and declared shape of every tensor its requests carry.
+
+    Read from the segment files in ``directory`` when the plan records none yet (a plan
+    the planner wrote has them from its graph); a plan whose files are not all there is
+    returned as it is. See [Note: a tier's largest request] in tierflow/runtime/limits.py.
+    """
+    if plan.tensors or not all((directory / s.file).is_file() for s in plan.segments):
+        return plan
+    import onnxruntime as ort
+
+    from tierflow.state_pairs import ort_sig
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    found: dict[str, TensorShape] = {}
+    for spec in plan.segments:
+        kept = set(spec.state_inputs) | set(spec.state_outputs)
+        try:
+            session = ort.InferenceSession(
+                str(directory / spec.file), options, providers=["CPUExecutionProvider"]
+            )
+        except Exception:  # a file ONNX Runtime cannot load is reported when it is run
+            return plan
+        for arg in [*session.get_inputs(), *session.get_outputs()]:
+            sig = ort_sig(arg)
+            if sig.name in kept or sig.name in found or sig.shape is None:
+                continue
+            dims = tuple(d if isinstance(d, int) and d >= 0 else None for d in sig.shape)
+            try:
+                found[sig.name] = TensorShape(str(np.dtype(sig.dtype)), dims)
+            except TypeError:
+                continue  # a type numpy has no name for (strings, maps): no bound for it
+    return replace(plan, tensors=found)
 
 
 def file_digest(path: Path) -> tuple[str, int]:

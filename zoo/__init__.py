@@ -5,7 +5,10 @@ package; each module says which extra it needs:
 
 - :mod:`.models` builds and exports the zoo used by tests and benchmarks (chain CNN,
   ResNet, MobileNetV2, transformer encoder) and :mod:`.digits` trains and caches the
-  demo's residual CNN on scikit-learn's digits: both need torch (the ``train`` extra).
+  demo's residual CNN on scikit-learn's digits; :mod:`.vad` builds a streaming voice
+  activity detector shaped like the published one (its whole network inside one If);
+  :mod:`.exporting` keeps torch's exporters from printing notices about torch itself.
+  These need torch (the ``train`` extra).
 - :mod:`.real` finds trained ONNX files that ship inside PyPI packages (installed by the
   ``models`` extra, nothing downloaded at run time) and says how to feed and judge them;
   :mod:`.samples` renders the real inputs (photos that ship with scikit-learn, text drawn

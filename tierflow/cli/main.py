@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from tierflow import __version__
+from tierflow.cli.arguments import ArgumentParser, OptionError
 from tierflow.cli.config import add_config_option, apply_config, check_config_used
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.errors import TierflowError
@@ -41,9 +43,27 @@ CONFIG_COMMANDS: tuple[str, ...] = ("serve edge", "serve cloud", "run", "device"
 
 logger = logging.getLogger(__name__)
 
+#: gRPC C-core's log level in tierflow's processes unless GRPC_VERBOSITY says otherwise.
+GRPC_LOG_DEFAULT = "ERROR"
+
+
+def quiet_grpc_core() -> None:
+    """Keep gRPC C-core's INFO and WARNING notices out of stderr unless the user asks.
+
+    C-core logs on stderr, bypassing Python logging, and with GRPC_VERBOSITY unset it
+    writes INFO lines like ``chttp2_transport.cc ... Got goaway [2]`` into a tier's log
+    whenever a peer closes its connection with an error code (an edge's upstream, when the
+    cloud stops): transport events the tiers already handle and report in their own words.
+    C-core reads the variable once, when grpc is first imported, so this runs before the
+    commands (which import grpc) are loaded; ``tierflow serve`` processes started by the
+    demo, the tests or the benchmarks inherit it. An explicit GRPC_VERBOSITY (``INFO``,
+    ``DEBUG``, with GRPC_TRACE) is left as it is; errors still show.
+    """
+    os.environ.setdefault("GRPC_VERBOSITY", GRPC_LOG_DEFAULT)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="tierflow",
         description="Run one neural network across a device, an edge server and the cloud. "
         "`tierflow COMMAND --help` describes each command.",
@@ -51,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
             "tierflow demo                       # everything on this machine, no arguments",
             "tierflow profile model.onnx -o pi4.json --threads 1 --slowdown 8",
             "tierflow plan model.onnx -o plan/ --profile device=pi4.json "
-            "--link device-edge=20mbit,10ms",
+            "--link device-edge=20mbit,10ms --memory device=64MiB",
             "tierflow serve cloud --plan plan/ --listen 127.0.0.1:50052",
             "tierflow serve edge --plan plan/ --listen 127.0.0.1:50051 --upstream 127.0.0.1:50052",
             "tierflow run --plan plan/ --edge 127.0.0.1:50051 --input in.npz --output out.npz",
@@ -68,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    quiet_grpc_core()  # before build_parser imports grpc
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -75,7 +96,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TierflowError as exc:
         print(f"tierflow: error: {exc}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except OptionError as exc:  # a value its option's parser refused: one line
+        print(f"{exc.prog}: error: {exc}", file=sys.stderr)
+        return 2
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

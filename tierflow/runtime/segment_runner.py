@@ -5,17 +5,11 @@ one ONNX Runtime session for one segment file; a :class:`TierRunner` runs the se
 plan gives one tier, checks their early exits, and says what to do next: answer now, or
 forward the named tensors to the next tier.
 
-See [Note: what crosses to the next tier] for which tensors are forwarded and
+See [Note: what crosses to the next tier] in tierflow/plan.py for which tensors are forwarded and
 [Note: exit confidence] for how an exit decides; sessions are opened by
 ``tierflow.runtime.sessions``, whose [Note: optimization level and exactness] says which ONNX
 Runtime setting keeps splits bit-exact. How to run (threads, slowdown, level) comes in one
 :class:`~tierflow.options.RuntimeOptions`.
-
-[Note: what crosses to the next tier]
-A request entering the tier whose first segment is ``k`` carries every tensor that a
-segment at ``k`` or later reads, plus every model output already computed before ``k``
-(the answer must contain all model outputs). :meth:`TierRunner.required_names` gives the
-set for any ``k``; the device sends it, the next tier checks it.
 
 [Note: exit confidence]
 An exit output holds class scores with classes on the last axis. If every row already
@@ -252,9 +246,7 @@ class TierRunner:
             raise PlanError(f"unknown tier {tier!r}: expected one of {', '.join(TIERS)}")
         self.plan = plan
         self.tier = tier
-        rank = TIERS.index(tier)
-        later = [i for i, s in enumerate(plan.segments) if TIERS.index(s.tier) >= rank]
-        self.start = later[0] if later else len(plan.segments)
+        self.start = plan.entry(tier)
         mine = plan.segments_for(tier)
         self.segments: list[tuple[int, SegmentSpec, SegmentRunner]] = []
         for index, spec in mine:
@@ -289,15 +281,8 @@ class TierRunner:
                     self._input_specs[name] = runner.inputs[name]
 
     def required_names(self, index: int) -> tuple[str, ...]:
-        """Tensors a request entering at segment ``index`` must carry (see the module note)."""
-        available = set(self.plan.inputs)
-        for spec in self.plan.segments[:index]:
-            available.update(spec.outputs)
-        needed: set[str] = set()
-        for spec in self.plan.segments[index:]:
-            needed.update(spec.inputs)
-        needed.update(self.plan.outputs)
-        return tuple(sorted(needed & available))
+        """Tensors a request entering at segment ``index`` must carry (``Plan.carried``)."""
+        return self.plan.carried(index)
 
     def input_specs(self) -> dict[str, InputSpec]:
         """Dtype and shape of the incoming tensors this tier's segments read directly."""

@@ -31,7 +31,6 @@ tierflow/runtime/service.py), so a session's state is never used by two steps at
 
 from __future__ import annotations
 
-import argparse
 import logging
 import threading
 import time
@@ -43,7 +42,7 @@ import numpy as np
 
 from tierflow.errors import StateError, StateLostError
 from tierflow.state_spec import StateSpec
-from tierflow.units import format_size, parse_duration, parse_size
+from tierflow.units import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -226,22 +225,3 @@ class SessionStates:
             total -= self._kept.pop(session).nbytes
             self.evicted += 1
             logger.info("[%s] session %s evicted: --state-budget", self.tier, session)
-
-
-def add_state_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--state-budget`` and ``--state-idle``, for every command that runs segments."""
-    parser.add_argument(
-        "--state-budget",
-        type=parse_size,
-        metavar="SIZE",
-        help="keep at most SIZE of session state (KV caches, recurrent states) on this tier, "
-        "least recently used sessions evicted; an evicted session is replayed by its device "
-        "(default: no bound)",
-    )
-    parser.add_argument(
-        "--state-idle",
-        type=parse_duration,
-        default=600.0,
-        metavar="DURATION",
-        help="drop a session's state after this long without a request (e.g. 10m, 90s)",
-    )

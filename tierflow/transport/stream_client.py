@@ -114,6 +114,11 @@ _ROUND_ROBIN = '{"loadBalancingConfig": [{"round_robin": {}}]}'
 #: Streams a client keeps to a ``dns:`` target, whose addresses it cannot count.
 DNS_STREAMS = 4
 
+#: A stream of this client's with nothing in flight and unused this long is closed and
+#: another opened for the next request, before a server closes it (its ``--stream-idle``,
+#: 60 s by default: [Note: stream admission] in tierflow/runtime/admission.py).
+IDLE_STREAM_S = 30.0
+
 # When a request that never reached the peer is sent again ([Note: retries and failing fast]).
 _RETRY_DELAYS_S = (0.1, 0.3, 0.9)
 
@@ -144,6 +149,7 @@ class _Stream:
         self.pending: dict[str, Sent] = {}
         self.alive = True
         self.replied = False
+        self.used = time.monotonic()  # when a request was last sent or answered on it
         # Made under client.lock: whether anything sent on it may have reached the peer.
         self.connected_at_start = client._connected
         self.connections_at_start = client._connections
@@ -159,6 +165,7 @@ class _Stream:
             for reply in self.call:
                 with client.lock:
                     self.replied = True
+                    self.used = time.monotonic()
                     sent = self.pending.pop(reply.id, None)
                 if sent is None:
                     logger.debug("[%s] reply for %s came after its deadline", client.me, reply.id)
@@ -355,8 +362,14 @@ class StreamClient:
         else:
             slot = next(self._turn) % len(self.streams)
         stream = self.streams[slot]
+        now = time.monotonic()
+        idle = stream is not None and not stream.pending and now - stream.used > IDLE_STREAM_S
+        if stream is not None and stream.alive and idle:  # before a server's --stream-idle
+            stream.queue.close()  # half-closed: the server ends it once it has read this
+            stream = None
         if stream is None or not stream.alive:
             stream = self.streams[slot] = _Stream(self)
+        stream.used = now
         return stream
 
     def _track(self, stream: _Stream, sent: Sent) -> None:

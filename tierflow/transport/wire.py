@@ -8,7 +8,6 @@ agree: a message the sender may send, the receiver may receive.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,7 +36,11 @@ from tierflow.errors import (
     TierflowError,
     TransportError,
 )
+from tierflow.link.spec import LINKS, TIERS
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
+
+# Where requests enter a tier their deadline is checked ([Note: one deadline]).
+from tierflow.transport.deadline import check_deadline as check_deadline
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +53,6 @@ DEFAULT_MAX_DECODED_BYTES = 2 * DEFAULT_MAX_TENSOR_BYTES
 MAX_NAME_CHARS = 1024
 #: Longest codec text accepted from the wire (valid ones are far shorter).
 MAX_CODEC_CHARS = 64
-#: Furthest ahead a request's deadline may be (seconds): bounded, so that every tier can
-#: keep it in a timer, and generous for clocks that differ between machines.
-MAX_DEADLINE_AHEAD_S = 24 * 3600.0
 # Framing a message may add around its tensors' payloads (names, shapes, timings, ids).
 _MESSAGE_OVERHEAD = 64 * 1024
 _TENSOR_OVERHEAD = 2 * 1024
@@ -238,25 +238,6 @@ def error_from_proto(error: tier_pb2.Error) -> RemoteError:
     return RemoteError(f"{tier}: {code or 'INTERNAL'}: {error.message}", code=code, tier=tier)
 
 
-def check_deadline(deadline_unix_s: float, now: float) -> float | None:
-    """A request's deadline from the wire (seconds since the epoch; 0 means none).
-
-    Raises :class:`InputError` unless it is finite and at most
-    :data:`MAX_DEADLINE_AHEAD_S` after ``now``: a NaN, an infinity or 1e300 would
-    otherwise reach the timers of every tier on the way.
-    """
-    if deadline_unix_s == 0:
-        return None
-    if not math.isfinite(deadline_unix_s) or deadline_unix_s < 0:
-        raise InputError(f"a deadline must be a finite time, found {deadline_unix_s!r}")
-    if deadline_unix_s > now + MAX_DEADLINE_AHEAD_S:
-        raise InputError(
-            f"a deadline may be at most {MAX_DEADLINE_AHEAD_S:.0f} s ahead, found one "
-            f"{deadline_unix_s - now:.3g} s ahead"
-        )
-    return deadline_unix_s
-
-
 class Undecodable:
     """What a server's stream yields in place of a message that does not parse.
 
@@ -304,3 +285,46 @@ def add_tier_servicer(servicer: tier_pb2_grpc.TierServicer, server: grpc.Server)
         (grpc.method_handlers_generic_handler("tierflow.rpc.Tier", handlers),)
     )
     server.add_registered_method_handlers("tierflow.rpc.Tier", handlers)
+
+
+#: The largest time a timing may report (ms): a day.
+MAX_FIGURE_MS = 86_400_000.0
+#: The largest byte count and rate a link figure may report.
+MAX_FIGURE_BYTES = 1 << 40
+MAX_FIGURE_BPS = 1e13
+
+
+def check_figures(message: tier_pb2.Request | tier_pb2.Reply) -> None:
+    """Refuse timings and link figures no tier could have measured (an :class:`InputError`).
+
+    At most one timing per tier and one figure per link, named as they are named; every
+    time and rate finite, not negative and within a day (:data:`MAX_FIGURE_MS`); byte
+    counts within :data:`MAX_FIGURE_BYTES`. A request of 20,000 timings of 1e308 ms is
+    refused at once, before anything else is done with it.
+    """
+    tiers = [timing.tier for timing in message.timings]
+    if len(tiers) > len(TIERS) or len(set(tiers)) != len(tiers) or not set(tiers) <= set(TIERS):
+        raise InputError(
+            f"a message may carry one timing per tier ({', '.join(TIERS)}); this one carries "
+            f"{len(tiers)}: {sorted(set(tiers))[:6]}"
+        )
+    for timing in message.timings:
+        for name in ("compute_ms", "codec_ms", "queue_ms"):
+            value = getattr(timing, name)
+            if not 0.0 <= value <= MAX_FIGURE_MS:  # NaN fails too
+                raise InputError(f"the {timing.tier}'s {name} is {value!r}: not a time")
+    links = [stat.link for stat in message.links]
+    if len(links) > len(LINKS) or len(set(links)) != len(links) or not set(links) <= set(LINKS):
+        raise InputError(
+            f"a message may carry one figure per link ({', '.join(LINKS)}); this one carries "
+            f"{len(links)}: {sorted(set(links))[:6]}"
+        )
+    for stat in message.links:
+        if not 0 <= stat.bytes <= MAX_FIGURE_BYTES:
+            raise InputError(f"link {stat.link} reports {stat.bytes} bytes")
+        for name, top in (("send_ms", MAX_FIGURE_MS), ("queue_ms", MAX_FIGURE_MS)):
+            value = getattr(stat, name)
+            if not 0.0 <= value <= top:
+                raise InputError(f"link {stat.link}'s {name} is {value!r}: not a time")
+        if not 0.0 <= stat.rate_bps <= MAX_FIGURE_BPS:
+            raise InputError(f"link {stat.link}'s rate is {stat.rate_bps!r} bit/s")
