@@ -94,7 +94,8 @@ def test_weights_that_do_not_fit_together_are_refused() -> None:
 def test_the_cut_is_named_or_chosen(tmp_path: Path) -> None:
     graph = load_model(_convnet(tmp_path / "m.onnx"))
     assert choose_cut(graph, "feat").tensors == ("feat",)
-    assert choose_cut(graph, None).tensors[0] in ("feat", "r2")
+    # Unnamed: the cut within the first half of the compute (feat: 18k of 55k MACs).
+    assert choose_cut(graph, None).tensors == ("feat",)
     with pytest.raises(UsageError, match="candidates"):
         choose_cut(graph, "pooled")
     with pytest.raises(UsageError, match="not a cut"):
