@@ -1,7 +1,7 @@
 """The plan directory: ``plan.json`` plus one ONNX file per segment.
 
 This is a contract other tools read (the runtimes, the benchmarks, users' scripts); see
-DESIGN.md, "Plan directory contract". Reading a plan validates it completely, so the
+docs/design.md, "Plan directory". Reading a plan validates it completely, so the
 runtimes can trust what they get. Reading needs no onnx and no torch.
 """
 
