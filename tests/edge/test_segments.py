@@ -570,6 +570,7 @@ def test_a_budgeted_device_fetches_again_what_a_switch_back_needs(
             np.testing.assert_array_equal(out["y"][i], split.reference(feeds)["y"][0])
 
 
+@pytest.mark.integration
 def test_an_edge_whose_plan_needs_no_cloud_fetches_from_its_upstream(
     tmp_path: Path, rt: Any
 ) -> None:
@@ -599,6 +600,7 @@ def test_an_edge_whose_plan_needs_no_cloud_fetches_from_its_upstream(
         np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
 
 
+@pytest.mark.integration
 def test_an_edge_whose_upstream_is_not_there_says_so_and_never_says_it_went_away(
     tmp_path: Path, rt: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
