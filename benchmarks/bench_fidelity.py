@@ -104,6 +104,8 @@ GOAL_STRATEGIES = (
     "tierflow-lowbit",
 )
 BOTTLENECK_JSON = Path(__file__).resolve().parent / "results" / "bottleneck.json"
+#: ``bottleneck_trained.py``'s run: learned bottlenecks on run.py's ImageNet classifier.
+TRAINED_BOTTLENECK_JSON = BOTTLENECK_JSON.with_name("bottleneck_trained.json")
 # Which of bottleneck.json's strategies become results.json rows, and under which name.
 _BOTTLENECK_STRATEGIES = {
     "cloud-only-jpeg": JPEG_BASELINE,  # quality 90
@@ -253,7 +255,9 @@ def planner_probe(
     return probe
 
 
-def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, Any]]:
+def bottleneck_rows(
+    path: Path = BOTTLENECK_JSON, trained: Path = TRAINED_BOTTLENECK_JSON
+) -> tuple[list[Row], dict[str, Any]]:
     """``bottleneck_bench.py``'s last committed run as results.json rows (none if absent).
 
     Per rate: the fastest ``tierflow-bottleneck`` variant, the fastest low-bit split of
@@ -262,10 +266,14 @@ def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, 
     ``tierflow-budget-90``, top1=90%), JPEG at quality 90 and its
     quality sweep, WebP (``cloud-only-webp-qNN``), PNG and the int8+zstd upload, each with
     the fidelity that run measured on its held-out requests.
+    With ``trained`` (``bottleneck_trained.py``'s run), also the fastest learned
+    bottleneck per rate on ``run.py``'s ImageNet classifier, composed there as run.py
+    composes (the model's other rows are run.py's own).
     Returns the rows and what the report says about their source.
     """
+    extra = trained_bottleneck_rows(trained)
     if not path.exists():
-        return [], {}
+        return extra, {}
     data = json.loads(path.read_text())
     out: list[Row] = []
     by_rate: dict[float, list[Row]] = {}
@@ -324,6 +332,7 @@ def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, 
             row["timing_only"] = False
             row["input_source"] = "real: " + str(data.get("inputs", "rendered document pages"))
             out.append(row)
+    out += extra
     source = {
         "model": data.get("model"),
         "model_file": data.get("model_file"),
@@ -333,6 +342,20 @@ def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, 
         "planner": data.get("planner", {}),
     }
     return out, source
+
+
+def trained_bottleneck_rows(path: Path = TRAINED_BOTTLENECK_JSON) -> list[Row]:
+    """Per rate, the fastest ``tierflow-bottleneck`` row of ``bottleneck_trained.py``'s run
+    (none if absent); every variant stays in its JSON."""
+    if not path.exists():
+        return []
+    rows = json.loads(path.read_text())["rows"]
+    best: dict[float, Row] = {}
+    for row in rows:
+        mbit = float(row["bandwidth_mbit"])
+        if mbit not in best or row["p50_ms"] < best[mbit]["p50_ms"]:
+            best[mbit] = row
+    return [best[m] for m in sorted(best)]
 
 
 def verdict(rows: Sequence[Row]) -> list[Row]:

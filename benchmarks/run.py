@@ -721,6 +721,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 FOLDED = "composed by bottleneck_bench.py"
+#: Every folded row's ``measured`` starts so (bottleneck_bench.py, bottleneck_trained.py).
+FOLDED_PREFIX = "composed by "
+
+
+def folded(row: Row) -> bool:
+    """Whether ``row`` was folded in from another benchmark's run (refold replaces it)."""
+    return str(row.get("measured", "")).startswith(FOLDED_PREFIX)
 
 
 def fold_models(
@@ -741,8 +748,8 @@ def fold_models(
     }
     for name in names:
         runs[name] = {"command": new_meta["command"], "date": new_meta["date"]}
-    kept = [r for r in rows if r["model"] not in names and r.get("measured") != FOLDED]
-    kept += [r for r in new_rows if r["model"] in names and r.get("measured") != FOLDED]
+    kept = [r for r in rows if r["model"] not in names and not folded(r)]
+    kept += [r for r in new_rows if r["model"] in names and not folded(r)]
     infos = {m["name"]: m for m in data["models"]}
     infos.update({m["name"]: m for m in new_meta["models"]})
     order = [m["name"] for m in data["models"]]
@@ -773,9 +780,7 @@ def refold(out: Path, fold_from: Path | None = None) -> int:
     With ``fold_from`` (another run's folder), the models that run measured take their rows
     from it (:func:`fold_models`).
     """
-    rows = [
-        r for r in json.loads((out / "results.json").read_text()) if r.get("measured") != FOLDED
-    ]
+    rows = [r for r in json.loads((out / "results.json").read_text()) if not folded(r)]
     data = json.loads((out / "results_meta.json").read_text())
     if fold_from is not None:
         rows, data = fold_models(
