@@ -247,7 +247,7 @@ def bottleneck_points(
             holdout=0.2,
         )
         train_s = time.perf_counter() - started
-        path = result.save(folder / f"bn-{result.at}-{channels}-{bits}.onnx")
+        path = result.save(folder / f"bn-{result.at.replace('/', '_')}-{channels}-{bits}.onnx")
         graph = load_model(path)
         (cut,) = [c for c in graph.cuts if c.tensors == (result.code,)]
         (device_spec, device_model), (_, cloud_model) = split_model(graph, (cut.index, cut.index))

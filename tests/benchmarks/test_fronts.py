@@ -131,3 +131,37 @@ def test_section_reads_the_table() -> None:
     text = "\n".join(bench_fronts.section(rows, ["front_m.png"]))
     assert "![front_m.png](front_m.png)" in text
     assert "1.50x" in text and "cloud-only-jpeg-q95" in text
+
+
+def test_trained_bottleneck_rows_compose_as_run_py_and_fold_the_fastest(tmp_path: Path) -> None:
+    import json
+
+    import bench_emulation as emu
+    import bottleneck_trained
+
+    point = {
+        "at": "t",
+        "channels": 8,
+        "bits": 4,
+        "bytes": 2500.0,
+        "device_ms_here": 3.0,
+        "zstd_ms_here": 0.1,
+        "unzstd_ms_here": 0.05,
+        "cloud_ms": 9.0,
+        "fidelity": 0.9,
+    }
+    slower = {**point, "channels": 16, "bytes": 5000.0, "fidelity": 0.95}
+    rows = bottleneck_trained.rows_for("m", [point, slower], 300, "real: views")
+    assert len(rows) == 2 * len(emu.FULL_BANDWIDTHS)
+    first = rows[0]
+    links = emu.links_at(first["bandwidth_mbit"])
+    wire = sum(2500.0 * 8 / link.rate_bps + link.rtt_s for link in links.values()) * 1e3
+    assert first["p50_ms"] == pytest.approx(30.0 + 1.0 + 0.05 + wire + 9.0)
+    assert first["trained_weights"] and first["fidelity_requests"] == 300
+    assert first["fidelity_lower_95"] < 0.9 and first["device_ms_here"] == pytest.approx(3.1)
+    path = tmp_path / "bt.json"
+    path.write_text(json.dumps({"rows": rows}))
+    folded = bench_fidelity.trained_bottleneck_rows(path)
+    assert [r["bandwidth_mbit"] for r in folded] == sorted(emu.FULL_BANDWIDTHS)
+    assert all(r["variant"].startswith("k=8 ") for r in folded)  # fewer bytes: faster
+    assert bench_fidelity.trained_bottleneck_rows(tmp_path / "absent.json") == []
