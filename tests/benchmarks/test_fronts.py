@@ -165,3 +165,20 @@ def test_trained_bottleneck_rows_compose_as_run_py_and_fold_the_fastest(tmp_path
     assert [r["bandwidth_mbit"] for r in folded] == sorted(emu.FULL_BANDWIDTHS)
     assert all(r["variant"].startswith("k=8 ") for r in folded)  # fewer bytes: faster
     assert bench_fidelity.trained_bottleneck_rows(tmp_path / "absent.json") == []
+
+
+def test_goal_reasons_name_the_split_and_its_device_work() -> None:
+    rows = [
+        _row("cloud-only-jpeg", 90.0, 0.75),
+        _row("tierflow-budget-90", 80.0, 0.93, cuts=(4, 10), device_ms=8.0),
+        _row("tierflow-budget", 150.0, 0.99, cuts=(6, 10), device_ms=10.0),
+        _row("tierflow-budget-95", 40.0, 0.60, cuts=(5, 10), device_ms=1.0),  # less faithful
+        _row("cloud-only-jpeg", 10.0, 0.75, mbit=100.0),  # above 50 Mbit/s: not the goal
+    ]
+    (reason,) = bench_fronts.goal_reasons(rows)
+    assert reason["needed_ms"] == pytest.approx(60.0)
+    assert reason["split"] == "tierflow-budget-90" and reason["split_device_ms"] == 80.0
+    assert reason["speedup"] == pytest.approx(90.0 / 80.0) and not reason["met"]
+    rows[1] = _row("tierflow-budget-90", 50.0, 0.93, cuts=(4, 10), device_ms=3.0)
+    (reason,) = bench_fronts.goal_reasons(rows)
+    assert reason["met"] and reason["speedup"] == pytest.approx(1.8)
