@@ -300,7 +300,7 @@ def plot_fronts(rows: Sequence[Row], folder: Path, base: Path) -> list[str]:
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel("composed p50 latency (ms, log)")
         axes[0][-1].legend(fontsize=6, loc="best")
-        fig.suptitle(f"{model}: latency against fidelity (device 10x, trained weights)")
+        fig.suptitle(f"{model}: latency against fidelity (device 10x)", fontsize=10)
         fig.tight_layout()
         path = folder / f"front_{model}.png"
         fig.savefig(path, dpi=100)

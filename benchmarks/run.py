@@ -725,7 +725,7 @@ FOLDED = "composed by bottleneck_bench.py"
 FOLDED_PREFIX = "composed by "
 
 
-def folded(row: Row) -> bool:
+def is_folded(row: Row) -> bool:
     """Whether ``row`` was folded in from another benchmark's run (refold replaces it)."""
     return str(row.get("measured", "")).startswith(FOLDED_PREFIX)
 
@@ -748,8 +748,8 @@ def fold_models(
     }
     for name in names:
         runs[name] = {"command": new_meta["command"], "date": new_meta["date"]}
-    kept = [r for r in rows if r["model"] not in names and not folded(r)]
-    kept += [r for r in new_rows if r["model"] in names and not folded(r)]
+    kept = [r for r in rows if r["model"] not in names and not is_folded(r)]
+    kept += [r for r in new_rows if r["model"] in names and not is_folded(r)]
     infos = {m["name"]: m for m in data["models"]}
     infos.update({m["name"]: m for m in new_meta["models"]})
     order = [m["name"] for m in data["models"]]
@@ -780,7 +780,7 @@ def refold(out: Path, fold_from: Path | None = None) -> int:
     With ``fold_from`` (another run's folder), the models that run measured take their rows
     from it (:func:`fold_models`).
     """
-    rows = [r for r in json.loads((out / "results.json").read_text()) if not folded(r)]
+    rows = [r for r in json.loads((out / "results.json").read_text()) if not is_folded(r)]
     data = json.loads((out / "results_meta.json").read_text())
     if fold_from is not None:
         rows, data = fold_models(
