@@ -480,6 +480,9 @@ def exits_rows(
             "tierflow_same_requests_mean_ms": float(np.mean(point.plain_s) * 1e3),
             "speedup_vs_tierflow_same_requests": plain_p50 / p50,
             "agreement_with_tierflow": float(np.mean(point.predicted == point.plain_predicted)),
+            "trained_weights": model.trained,
+            "timing_only": not model.trained,
+            "input_source": model.input_source,
         }
         # The plain walk is the exact model's answer when the plan reproduces the model bit
         # for bit on these requests (measured here); then agreeing with it is fidelity.
@@ -757,6 +760,20 @@ def fold_models(
     return kept, {**data, "models": [infos[n] for n in order], "model_runs": runs}
 
 
+def label_rows(rows: list[Row], models: Sequence[dict[str, Any]]) -> None:
+    """Give every row its model's ``trained_weights``, ``timing_only`` and ``input_source``
+    where it lacks them (rows of a run made before a strategy carried them)."""
+    infos = {m["name"]: m for m in models}
+    for row in rows:
+        info = infos.get(row["model"])
+        if info is None or "trained_weights" in row:
+            continue
+        row["trained_weights"] = bool(info.get("trained"))
+        row["timing_only"] = not row["trained_weights"]
+        if "input_source" in info:
+            row["input_source"] = info["input_source"]
+
+
 def adaptation_section() -> list[str]:
     """RESULTS.md's summary of ``adaptation_bench.py``'s last committed run, if there is one."""
     adaptation = HERE / "results" / "adaptation.json"
@@ -789,6 +806,7 @@ def refold(out: Path, fold_from: Path | None = None) -> int:
             json.loads((fold_from / "results.json").read_text()),
             json.loads((fold_from / "results_meta.json").read_text()),
         )
+    label_rows(rows, data["models"])
     folded, source = bench_fidelity.bottleneck_rows()
     rows.extend(folded)
     extras = data.pop("overheads", {})
