@@ -358,6 +358,41 @@ def trained_bottleneck_rows(path: Path = TRAINED_BOTTLENECK_JSON) -> list[Row]:
     return [best[m] for m in sorted(best)]
 
 
+def learned_bottleneck_lines(
+    orientation: Path = BOTTLENECK_JSON, trained: Path = TRAINED_BOTTLENECK_JSON
+) -> list[str]:
+    """What the learned bottleneck reaches on each trained model it was trained on: every
+    variant's bytes and held-out fidelity, from the two bottleneck benchmarks' runs."""
+    lines: list[str] = []
+    for path, key in ((orientation, "bottlenecks"), (trained, "points")):
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        held = data.get("heldout_pages") or data.get("heldout_views")
+        variants = sorted(data.get(key, []), key=lambda b: b["bytes"])
+        if not variants:
+            continue
+        best = max(variants, key=lambda b: b["fidelity"])
+        lines.append(
+            f"- **{data.get('model')}** (`{path.name}`, {held} held-out requests): "
+            + "; ".join(
+                f"k={b['channels']} {b['bits']}-bit at `{b['at']}` {b['bytes']:.0f} B, "
+                f"fidelity {b['fidelity']:.3f}"
+                for b in variants
+            )
+            + f". Best {best['fidelity']:.3f}."
+        )
+    if lines:
+        lines.insert(
+            0,
+            "What the learned bottleneck (`tierflow bottleneck add`, trained on the planner's "
+            "calibration requests, features distilled) reaches on each trained model it was "
+            "tried on:\n",
+        )
+        lines.append("")
+    return lines
+
+
 def verdict(rows: Sequence[Row]) -> list[Row]:
     """At every model and bandwidth: is tierflow's best plan at each fidelity level at least
     as fast as every baseline of that fidelity or better?

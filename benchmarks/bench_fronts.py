@@ -123,13 +123,33 @@ def front(rows: Sequence[Row], model: str, mbit: float) -> list[Row]:
     return sorted(points, key=lambda p: (-p["fidelity"], p["p50_ms"]))
 
 
+def best_split(
+    splits: Sequence[tuple[Row, float]], uploads: Sequence[tuple[Row, float]]
+) -> tuple[Row, float, tuple[Row, float] | None]:
+    """The split that gains most over the fastest upload at least as faithful as it, that
+    upload (None when none is as faithful: the split wins on fidelity), from (row, ms)
+    pairs. A split no upload matches ranks first, the more faithful first; then by ratio."""
+
+    def rival(split: tuple[Row, float]) -> tuple[Row, float] | None:
+        faithful = [u for u in uploads if u[0]["fidelity"] >= split[0]["fidelity"] - EPS]
+        return min(faithful, key=lambda u: u[1]) if faithful else None
+
+    def rank(split: tuple[Row, float]) -> tuple[float, float]:
+        other = rival(split)
+        ratio = float("inf") if other is None else other[1] / split[1]
+        return (ratio, float(split[0]["fidelity"]))
+
+    chosen = max(splits, key=rank)
+    return chosen[0], chosen[1], rival(chosen)
+
+
 def where_splits_pay(
     rows: Sequence[Row], slowdowns: Sequence[float] = DEVICE_SLOWDOWNS
 ) -> list[Row]:
-    """Per trained model, device speed and rate: tierflow's fastest split against the
-    fastest upload at least as faithful (``speedup``) and against ``cloud-only-jpeg`` q90
-    (``speedup_vs_jpeg90``, when q90 is no more faithful than the split). ``pays`` when
-    the split beats every upload at equal or better fidelity."""
+    """Per trained model, device speed and rate: tierflow's split that gains most over the
+    fastest upload at least as faithful (:func:`best_split`; ``speedup``), and against
+    ``cloud-only-jpeg`` q90 (``speedup_vs_jpeg90``, when q90 is no more faithful than the
+    split). ``pays`` when it beats every upload at equal or better fidelity."""
     out: list[Row] = []
     for model in trained_models(rows):
         mine = [r for r in rows if r["model"] == model and r.get("fidelity") is not None]
@@ -145,15 +165,16 @@ def where_splits_pay(
                 uploads = [(r, t) for r, t in timed if t is not None and kind(r) == "upload"]
                 if not splits or not uploads:
                     continue
-                split, split_ms = min(splits, key=lambda rt: rt[1])
-                faithful = [(r, t) for r, t in uploads if r["fidelity"] >= split["fidelity"] - EPS]
-                best = min(faithful, key=lambda rt: rt[1]) if faithful else None
+                split, split_ms, best = best_split(splits, uploads)
                 jpeg = next(
                     ((r, t) for r, t in uploads if r["strategy"] == "cloud-only-jpeg"), None
                 )
+                device_only = next((t for r, t in timed if kind(r) == "device-only"), None)
                 entry: Row = {
                     "model": model,
                     "device_slowdown": slowdown,
+                    # Not an upload, but what the same device answers in alone.
+                    "device_only_ms": device_only,
                     "bandwidth_mbit": mbit,
                     "split": split["strategy"],
                     "split_cuts": list(split.get("cuts") or []),
@@ -334,13 +355,21 @@ def section(rows: Sequence[Row], plots: Sequence[str]) -> list[str]:
     out += [f"![{p}]({p})\n" for p in plots]
     out.append(
         "Where a split (the device runs part of the model and sends a feature) beats every "
-        "upload at equal or better fidelity: tierflow's fastest split plan against the "
-        "fastest upload at least as faithful (ratio > 1: the split is faster), composed at "
+        "upload at equal or better fidelity: of tierflow's split plans at each point, the "
+        "one that gains most over the fastest upload at least as faithful as it (ratio > 1: "
+        "the split is faster), composed at "
         "other device speeds from the same measurements (the device's share of each row "
         "scaled; the plans are those chosen for the 10x device, so a planner told of "
         "another device could do better, not worse). '–' means no upload is as faithful "
-        "as the split.\n"
+        "as the split. Device-only is not an upload; its time on the same device is in the "
+        "last column (a fast device answers alone sooner than any split).\n"
     )
+    unsplit = [m for m in trained_models(rows) if m not in {e["model"] for e in table}]
+    if unsplit:
+        out.append(
+            "- No split among tierflow's plans (each sends its input or runs on the device) "
+            "for: " + ", ".join(f"**{m}**" for m in unsplit) + "."
+        )
     for entry in summary(table):
         best, jpeg = entry["best"], entry["best_vs_jpeg90"]
         where = ", ".join(f"{s:g}x/{m:g} Mbit/s" for s, m in entry["pays_at"]) or "nowhere"
@@ -394,9 +423,9 @@ def section(rows: Sequence[Row], plots: Sequence[str]) -> list[str]:
     for model in dict.fromkeys(e["model"] for e in table):
         out += [
             f"### {model}: split against upload\n",
-            "| device | Mbit/s | tierflow's fastest split | fidelity | ms | fastest upload as "
-            "faithful | fidelity | ms | ratio | vs q90 |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| device | Mbit/s | tierflow's split that gains most | fidelity | ms | fastest upload "
+            "as faithful | fidelity | ms | ratio | vs q90 | device-only ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for e in (e for e in table if e["model"] == model):
             out.append(
@@ -407,7 +436,7 @@ def section(rows: Sequence[Row], plots: Sequence[str]) -> list[str]:
                 + ("–" if e["speedup"] is None else f"{e['speedup']:.2f}x")
                 + " | "
                 + ("–" if e["speedup_vs_jpeg90"] is None else f"{e['speedup_vs_jpeg90']:.2f}x")
-                + " |"
+                + f" | {_ms(e['device_only_ms'])} |"
             )
         out.append("")
     return out

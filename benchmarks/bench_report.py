@@ -351,8 +351,9 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any], sections: Sequence[st
         if not mine:
             continue
         regrets = [r["regret"] for r in mine]
+        label = model if mine[0].get("trained_weights") else f"{model} (random: time only)"
         out.append(
-            f"| {model} | {_span(mine, 'speedup_vs_device_only')} | "
+            f"| {label} | {_span(mine, 'speedup_vs_device_only')} | "
             f"{_span(mine, 'speedup_vs_cloud_only')} | "
             f"{_span(mine, 'speedup_vs_cloud_only_compressed')} | "
             f"{_span(mine, 'speedup_vs_single_split')} | "
@@ -464,8 +465,9 @@ def _headline(rows: Sequence[Row]) -> str:
         top = max(mine, key=lambda r: r["speedup_vs_best_baseline"])
         low = min(mine, key=lambda r: r["speedup_vs_best_baseline"])
         worst = max(mine, key=lambda r: r["regret"])
+        label = model if top.get("trained_weights") else f"{model} (random weights: time only)"
         text = (
-            f"- **{model}**: largest win {top['speedup_vs_best_baseline']:.2f}× over the best "
+            f"- **{label}**: largest win {top['speedup_vs_best_baseline']:.2f}× over the best "
             f"baseline at {top['bandwidth_mbit']:g} Mbit/s ({top['p50_ms']:.1f} ms against "
             f"{top['p50_ms'] * top['speedup_vs_best_baseline']:.1f} ms); "
         )

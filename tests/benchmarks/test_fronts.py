@@ -182,3 +182,16 @@ def test_goal_reasons_name_the_split_and_its_device_work() -> None:
     rows[1] = _row("tierflow-budget-90", 50.0, 0.93, cuts=(4, 10), device_ms=3.0)
     (reason,) = bench_fronts.goal_reasons(rows)
     assert reason["met"] and reason["speedup"] == pytest.approx(1.8)
+
+
+def test_the_split_that_gains_most_is_shown_not_the_fastest() -> None:
+    rows = [
+        # fastest split, but less faithful than a fast JPEG: it loses
+        _row("tierflow-bottleneck", 90.0, 0.43, cuts=(2, 10), device_ms=5.0),
+        _row("tierflow-budget-90", 150.0, 0.94, cuts=(4, 10), device_ms=8.0),
+        _row("cloud-only-jpeg-q20", 60.0, 0.46),
+        _row("cloud-only-png", 240.0, 1.0),
+    ]
+    (entry,) = bench_fronts.where_splits_pay(rows, (10.0,))
+    assert entry["split"] == "tierflow-budget-90" and entry["upload"] == "cloud-only-png"
+    assert entry["speedup"] == pytest.approx(1.6) and entry["pays"]
