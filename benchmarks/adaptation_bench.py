@@ -554,7 +554,7 @@ def bench_setup(
                 f"{spec.slowdown:g}",
                 "--link-emulation",
                 "plan",
-                "--link",
+                "--emulate-link",
                 EDGE_CLOUD,
             ]
 
@@ -567,7 +567,7 @@ def bench_setup(
                 "edge",
                 planned.set_dir,
                 *tier_args("edge"),
-                "--link",
+                "--emulate-link",
                 DOWNLINK,
                 "--upstream",
                 cloud.address,

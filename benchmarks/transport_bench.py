@@ -76,11 +76,11 @@ EDGE_STAGE_MS = 10.0
 TARGET_MS = 0.5
 
 
-def _plan(directory: Path, feature_bytes: int, edge_op: str = "Relu") -> Path:
-    """device: x -> Relu -> h1 | edge: h1 -> OP -> h2 | cloud: h2 -> ReduceMax -> y.
+def _plan(directory: Path, feature_bytes: int, edge_op: str = "Relu", cloud_steps: int = 0) -> Path:
+    """device: x -> Relu -> h1 | edge: h1 -> OP -> h2 | cloud: h2 -> Sigmoid x N -> max -> y.
 
-    Each crossing tensor is float32 of ``feature_bytes`` bytes; the compute is trivial,
-    so what is measured is the transport.
+    Each crossing tensor is float32 of ``feature_bytes`` bytes; the compute is trivial
+    (``cloud_steps`` Sigmoids give the cloud some), so what is measured is the transport.
     """
     directory.mkdir(parents=True, exist_ok=True)
     n = feature_bytes // 4
@@ -88,14 +88,20 @@ def _plan(directory: Path, feature_bytes: int, edge_op: str = "Relu") -> Path:
     def vec(name: str, width: int) -> Any:
         return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, width])
 
+    chain = [helper.make_node("Sigmoid", [f"s{i}"], [f"s{i + 1}"]) for i in range(cloud_steps)]
+    cloud_nodes = [
+        helper.make_node("Identity", ["h2"], ["s0"]),
+        *chain,
+        helper.make_node("ReduceMax", [f"s{cloud_steps}"], ["y"], keepdims=1),
+    ]
     parts = [
-        ("device", helper.make_node("Relu", ["x"], ["h1"]), "x", "h1", n),
-        ("edge", helper.make_node(edge_op, ["h1"], ["h2"]), "h1", "h2", n),
-        ("cloud", helper.make_node("ReduceMax", ["h2"], ["y"], keepdims=1), "h2", "y", 1),
+        ("device", [helper.make_node("Relu", ["x"], ["h1"])], "x", "h1", n),
+        ("edge", [helper.make_node(edge_op, ["h1"], ["h2"])], "h1", "h2", n),
+        ("cloud", cloud_nodes, "h2", "y", 1),
     ]
     segments = []
-    for tier, node, src, dst, width in parts:
-        graph = helper.make_graph([node], tier, [vec(src, n)], [vec(dst, width)])
+    for tier, nodes, src, dst, width in parts:
+        graph = helper.make_graph(nodes, tier, [vec(src, n)], [vec(dst, width)])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
         onnx.save(model, directory / f"{tier}.onnx")
         segments.append(SegmentSpec(tier, f"{tier}.onnx", (src,), (dst,)))
@@ -113,14 +119,18 @@ def _plan(directory: Path, feature_bytes: int, edge_op: str = "Relu") -> Path:
 
 @contextmanager
 def _tiers(
-    plan_dir: Path, *edge_args: str, workers: int = 2, python: str | None = None
+    plan_dir: Path,
+    *edge_args: str,
+    workers: int = 2,
+    python: str | None = None,
+    cloud_args: Sequence[str] = (),
 ) -> Iterator[str]:
     """A cloud and an edge; ``python``: another environment's interpreter to run them with."""
     grace = ("--grace", "0.5", "--workers", str(workers))
     # Run from the plan's folder, so that the interpreter's own install is what it imports.
     where: dict[str, Any] = {"python": (python or sys.executable,), "cwd": plan_dir}
     with (
-        ServeProcess("cloud", plan_dir, *grace, **where) as cloud,
+        ServeProcess("cloud", plan_dir, *grace, *cloud_args, **where) as cloud,
         ServeProcess(
             "edge", plan_dir, *grace, "--upstream", cloud.address, *edge_args, **where
         ) as edge,
@@ -358,6 +368,55 @@ def throughput(count: int, work: Path) -> dict[str, Any]:
     }
 
 
+#: The slowdown of the cloud and the workers compared: issue 18's goal is >= 2.5x from 1 to
+#: 4 workers; see [Note: a stream's requests run at once] in tierflow/runtime/service.py.
+CLOUD_SLOWDOWN = 30.0
+WORKERS_COMPARED = (1, 4)
+WORKERS_GOAL = 2.5
+
+
+def concurrency(count: int, work: Path) -> dict[str, Any]:
+    """Throughput through one edge with the cloud 30x slower, at 1 and at 4 cloud workers.
+
+    The edge sends every device's requests to the cloud on one stream, so this is what
+    running a stream's requests side by side buys: one device, a window of 16.
+    """
+    feature_bytes = 100_000
+    plan_dir = _plan(work / "plan-concurrency", feature_bytes, cloud_steps=8)
+    rng = np.random.default_rng(2)
+    requests = [
+        {"x": rng.standard_normal((1, feature_bytes // 4)).astype(np.float32)} for _ in range(count)
+    ]
+    rates: dict[str, float] = {}
+    cloud_ms: dict[str, float] = {}
+    for workers in WORKERS_COMPARED:
+        slow = ("--slowdown", str(CLOUD_SLOWDOWN), "--workers", str(workers))
+        with (
+            _tiers(plan_dir, workers=4, cloud_args=slow) as edge,
+            DeviceClient(plan_dir, edge, window=16) as device,
+        ):
+            list(device.run_stream(requests[:20]))  # warm up
+            start = time.perf_counter()
+            results = [r.unwrap() for r in device.run_stream(requests)]
+            rates[str(workers)] = count / (time.perf_counter() - start)
+        cloud_ms[str(workers)] = _median(
+            [r.timings["cloud"]["compute_ms"] + r.timings["cloud"]["codec_ms"] for r in results]
+        )
+    low, high = (str(w) for w in WORKERS_COMPARED)
+    ratio = rates[high] / rates[low]
+    met = "meets" if ratio >= WORKERS_GOAL else "misses"
+    return {
+        "requests": count,
+        "window": 16,
+        "cloud_slowdown": CLOUD_SLOWDOWN,
+        "cloud_ms_p50": cloud_ms,
+        "req_s": rates,
+        "ratio": ratio,
+        "verdict": f"{high} workers give {ratio:.2f}x the throughput of {low}: {met} the "
+        f"{WORKERS_GOAL}x goal",
+    }
+
+
 def verdict(hop: dict[str, Any]) -> str:
     """Whether a size meets the target, and if not, whether bare gRPC alone already misses it."""
     per_hop = hop["overhead_per_hop_ms_p50"]
@@ -385,6 +444,7 @@ def main() -> int:
     )
     parser.add_argument("--rounds", type=int, default=3, help="fresh sets of servers per size")
     parser.add_argument("--throughput-requests", type=int, default=300)
+    parser.add_argument("--concurrency-requests", type=int, default=200)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--against",
@@ -404,6 +464,7 @@ def main() -> int:
             overhead(name, size, args.requests, work, args.rounds) for name, size in SIZES.items()
         ]
         pipe = throughput(args.throughput_requests, work)
+        concurrent = concurrency(args.concurrency_requests, work)
         compared = [
             against(args.against, name, size, args.against_rounds, args.against_pairs, work)
             for name, size in (SIZES.items() if args.against else ())
@@ -454,6 +515,23 @@ def main() -> int:
             ]
         )
     )
+    print()
+    print(
+        f"Concurrency within a stream (cloud {CLOUD_SLOWDOWN:g}x slower, one edge, one device, "
+        f"window {concurrent['window']})"
+    )
+    print(
+        _table(
+            [
+                ("cloud workers", "req/s", "cloud ms/request p50"),
+                *(
+                    (w, f"{concurrent['req_s'][w]:.1f}", f"{concurrent['cloud_ms_p50'][w]:.2f}")
+                    for w in concurrent["req_s"]
+                ),
+            ]
+        )
+    )
+    print(f"  {concurrent['verdict']}")
     for row in compared:
         quartiles = " - ".join(f"{q:.3f}" for q in row["other_over_this_quartiles"][::2])
         print(
@@ -474,6 +552,7 @@ def main() -> int:
         },
         "overhead": hops,
         "throughput": pipe,
+        "concurrency": concurrent,
     }
     if compared:
         record["against"] = {"label": args.against_label, "rows": compared}

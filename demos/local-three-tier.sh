@@ -62,7 +62,7 @@ if [ -z "$model" ]; then
     input=$cache/heldout.npz
 fi
 
-"$tierflow" plan "$model" -o "$work/plan" --emulate device=10 \
+"$tierflow" plan "$model" -o "$work/plan" --slowdown device=10 \
     --link device-edge=20mbit,10ms --link edge-cloud=200mbit,20ms
 
 serve cloud --plan "$work/plan" --listen "127.0.0.1:$cloud_port"

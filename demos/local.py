@@ -47,7 +47,7 @@ import numpy as np
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.codec.base import ImageNorm
 from tierflow.errors import UsageError
-from tierflow.link.spec import LINKS, TIERS, LinkSpec
+from tierflow.link.spec import LINKS, TIERS, LinkOption, LinkSpec, apply_links
 from tierflow.runtime.processes import ServeProcess
 from tierflow.tuning import tune_for_latency
 
@@ -133,6 +133,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--link",
+        type=LinkOption.parse,
         action="append",
         default=[],
         metavar="NAME=RATE[,RTT]",
@@ -160,12 +161,8 @@ def register(subparsers: Any) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from tierflow.link.spec import parse_link_option
-
-    links = {name: LinkSpec.parse(text) for name, text in DEFAULT_LINKS.items()}
-    for text in args.link:
-        name, spec = parse_link_option(text, links)
-        links[name] = spec
+    defaults = {name: LinkSpec.parse(text) for name, text in DEFAULT_LINKS.items()}
+    links = apply_links(defaults, args.link)
     if args.requests < 0 or args.window < 1:
         raise UsageError("--requests must be >= 0 and --window >= 1")
     with ExitStack() as stack:

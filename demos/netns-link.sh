@@ -138,7 +138,8 @@ run() {  # [MODEL.onnx IN.npz]
         model=$cache/model.onnx input=$cache/heldout.npz
     fi
     tierflow plan "$model" -o "$WORK/plan" --link device-edge=20mbit,10ms \
-        --link edge-cloud=200mbit,20ms --emulate device=$DEVICE_SLOWDOWN --emulate edge=$EDGE_SLOWDOWN
+        --link edge-cloud=200mbit,20ms \
+        --slowdown device=$DEVICE_SLOWDOWN --slowdown edge=$EDGE_SLOWDOWN
     # Plaintext on the namespaces' private addresses (--insecure); see netns-link.md for TLS.
     ip netns exec $CLOUD tierflow serve cloud --plan "$WORK/plan" --listen 10.77.2.2:50052 \
         --insecure &

@@ -22,14 +22,11 @@ from typing import TYPE_CHECKING, Any
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.table import format_table
 from tierflow.errors import UsageError
-from tierflow.link.emulation import add_link_arguments
 from tierflow.link.spec import LINKS, TIERS
-from tierflow.options import RuntimeOptions
+from tierflow.options import RuntimeOptions, add_runtime_arguments
 from tierflow.plan import load_plan_set
-from tierflow.runtime.providers import add_providers_argument
-from tierflow.runtime.segment_store import add_segment_budget_argument
-from tierflow.runtime.sessions import add_optimization_argument
-from tierflow.transport.security import add_security_arguments
+from tierflow.transport.address import Address, check_answering_tier
+from tierflow.transport.deadline import DEFAULT_DEADLINE, Deadline
 from tierflow.units import format_duration, format_rate, format_size, parse_duration
 
 if TYPE_CHECKING:
@@ -55,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "tierflow run --plan plan/ --input in.npz --output out.npz --slowdown 8",
             "# answer repeated frames on the device",
             "tierflow run --plan plan/ --edge 127.0.0.1:50051 --input in.npz --cache exact:16MiB",
+            "# a streaming model: the rows are one session's chunks, its state kept on its tier",
+            "tierflow run --plan vad-plan/ --edge 127.0.0.1:50051 --input chunks.npz "
+            "--output out.npz --session mic-1",
         ),
         formatter_class=HelpFormatter,
     )
@@ -71,15 +71,26 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--json", action="store_true", help="print the summary as one JSON object, not a table"
     )
     parser.add_argument("--window", type=int, default=16, help="requests in flight at once")
-    parser.add_argument(
-        "--deadline", type=parse_duration, default="30s", help="per-request deadline"
-    )
+    add_deadline_argument(parser, "per-request deadline, from sending to the answer")
     parser.add_argument(
         "--resume",
         action="store_true",
         help="continue a stopped run: keep what it answered (OUT.npz.partial), run the rest",
     )
-    add_device_runtime_arguments(parser)
+    parser.add_argument(
+        "--session",
+        metavar="NAME",
+        help="IN.npz's rows are one session's chunks, in order (a streaming model whose "
+        "state stays on the tier that keeps it); a state input in IN.npz is taken from "
+        "its first row only",
+    )
+    parser.add_argument(
+        "--replay-chunks",
+        type=int,
+        metavar="N",
+        help="with --session: chunks the device keeps to rebuild a state a tier lost "
+        "(default: all of them)",
+    )
     add_adaptation_arguments(parser)
     parser.add_argument(
         "--cache",
@@ -90,8 +101,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "(approx:SIZE[,target=RATE|threshold=D]...) inputs on the device, without compute "
         "or network",
     )
-    add_link_arguments(parser)
-    add_security_arguments(parser, server=False)
+    add_runtime_arguments(parser, server=False)
     parser.set_defaults(handler=_run)
 
 
@@ -101,19 +111,35 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--plan", required=True, metavar="PLAN_DIR", help="the plan directory `tierflow plan` wrote"
     )
     parser.add_argument(
-        "--edge", metavar="HOST:PORT", help="the edge (not needed for a device-only plan)"
+        "--edge",
+        type=Address.parse,
+        metavar="HOST:PORT",
+        help="the edge (not needed for a device-only plan)",
     )
 
 
-def add_device_runtime_arguments(parser: argparse.ArgumentParser) -> None:
-    """How the device runs its segments (threads, slowdown, optimisation, providers, store)."""
-    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads")
+def add_deadline_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--deadline``, as ``run`` and ``device`` take it ([Note: one deadline] in
+    ``tierflow.transport.deadline``)."""
     parser.add_argument(
-        "--slowdown", type=float, default=1.0, help="emulate a device this many times slower"
+        "--deadline",
+        type=Deadline.parse,
+        default=str(DEFAULT_DEADLINE),
+        metavar="DURATION",
+        help=help,
     )
-    add_optimization_argument(parser)
-    add_providers_argument(parser)
-    add_segment_budget_argument(parser)
+
+
+def edge_address(args: argparse.Namespace, options: RuntimeOptions) -> str | None:
+    """``--edge`` for the device client, once it is known that an edge answers there.
+
+    A cloud answering at the address fails here, in one line ([Note: which tier
+    answers] in ``tierflow.transport.address``).
+    """
+    if args.edge is None:
+        return None
+    check_answering_tier(args.edge, "edge", options.security, option="--edge")
+    return str(args.edge.target)
 
 
 def add_adaptation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,6 +197,7 @@ def _run(args: argparse.Namespace) -> int:
     from tierflow.device.client import DeviceClient
     from tierflow.device.npz import load_requests, output_row, write_outputs
     from tierflow.device.progress import PartialWriter, partial_path, read_partial
+    from tierflow.device.sessions import StreamSession, initial_states
     from tierflow.tuning import tune_for_latency
 
     tune_for_latency()
@@ -178,6 +205,13 @@ def _run(args: argparse.Namespace) -> int:
     plan = load_plan_set(args.plan, require_segments=False).default_plan
     partial = partial_path(args.output) if args.output else None
     rows: dict[int, dict[str, np.ndarray]] = {}  # answered requests' OUT.npz rows
+    if args.session and args.resume:
+        raise UsageError(
+            "--resume cannot continue a --session: a session's state is built "
+            "from its first chunk on; run it again whole"
+        )
+    if args.replay_chunks is not None and not args.session:
+        raise UsageError("--replay-chunks goes with --session")
     if args.resume:
         if partial is None or not partial.exists():
             raise UsageError(
@@ -190,10 +224,11 @@ def _run(args: argparse.Namespace) -> int:
     elif partial is not None:
         partial.unlink(missing_ok=True)  # a fresh run
     results: list[Result] = []
+    options = RuntimeOptions.from_args(args, plan)
     with DeviceClient(
         args.plan,
-        args.edge,
-        options=RuntimeOptions.from_args(args, plan),
+        edge_address(args, options),
+        options=options,
         window=args.window,
         deadline_s=args.deadline,
         cache=build_cache(args.cache),
@@ -215,6 +250,14 @@ def _run(args: argparse.Namespace) -> int:
         writer = PartialWriter(partial) if partial is not None else None
         try:
             stream = client.run_stream(requests[index] for index in todo)
+            if args.session:
+                session = StreamSession(
+                    client,
+                    args.session,
+                    initial=initial_states(args.input, plan),
+                    keep=args.replay_chunks,
+                )
+                stream = session.run(requests[index] for index in todo)
             for index, result in zip(todo, stream, strict=True):
                 results.append(result)
                 if writer is not None and result.error is None:

@@ -13,7 +13,7 @@ A probe round opens a short ``Probe`` stream and sends two empty messages (the r
 trip: the faster of the two) and then one payload of ``probe_bytes`` (the estimate's
 rate times :data:`PROBE_TIME_S`, within :data:`MIN_PROBE_BYTES` and
 :data:`MAX_PROBE_BYTES`), asking nothing back: a tier sends a probe no more than it was
-sent (``tierflow.runtime.service``, [Note: probe credit]), and these answers are a few bytes.
+sent (``tierflow.runtime.probe``, [Note: probe credit]), and these answers are a few bytes.
 The payload's transfer time is measured as a request's is ([Note: honest link figures]
 in ``tierflow.link.emulation``): on an emulated link it is booked on the same
 :class:`~tierflow.link.emulation.LinkShaper` as the requests (a request arriving meanwhile

@@ -32,14 +32,13 @@ from typing import IO, TYPE_CHECKING, Any
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.device.commands import (
     add_adaptation_arguments,
-    add_device_runtime_arguments,
+    add_deadline_argument,
     add_plan_arguments,
+    edge_address,
 )
 from tierflow.errors import UsageError
-from tierflow.link.emulation import add_link_arguments
-from tierflow.options import RuntimeOptions
+from tierflow.options import RuntimeOptions, add_runtime_arguments
 from tierflow.plan import load_plan_set
-from tierflow.transport.security import add_security_arguments
 from tierflow.units import parse_duration
 
 if TYPE_CHECKING:
@@ -97,13 +96,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "'mean=M[,M,M];std=S[,S,S][;scale=255][;layout=NCHW|NHWC]' (default: unit)",
     )
     parser.add_argument("--window", type=int, default=16, help="frames in flight")
-    parser.add_argument(
-        "--deadline",
-        type=parse_duration,
-        default="30s",
-        help="per-frame deadline",
-    )
-    add_device_runtime_arguments(parser)
+    add_deadline_argument(parser, "per-frame deadline, from sending to the answer")
     add_adaptation_arguments(parser)
     parser.add_argument(
         "--metrics-port",
@@ -115,8 +108,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--metrics-host", default="127.0.0.1", help="the address --metrics-port listens on"
     )
-    add_link_arguments(parser)
-    add_security_arguments(parser, server=False)
+    add_runtime_arguments(parser, server=False)
     parser.set_defaults(handler=_device)
 
 
@@ -129,6 +121,8 @@ def _device(args: argparse.Namespace) -> int:
     plan = load_plan_set(args.plan, require_segments=False).default_plan
     stop = threading.Event()
     count = failed = 0
+    options = RuntimeOptions.from_args(args, plan)
+    edge = edge_address(args, options)
     with contextlib.ExitStack() as stack:
         results: IO[str] = sys.stdout
         if args.results != "-":
@@ -137,8 +131,8 @@ def _device(args: argparse.Namespace) -> int:
             Device(
                 DeviceClient(
                     args.plan,
-                    args.edge,
-                    options=RuntimeOptions.from_args(args, plan),
+                    edge,
+                    options=options,
                     window=args.window,
                     deadline_s=args.deadline,
                     idle_probe_s=args.idle_probe,

@@ -28,7 +28,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from tierflow.errors import InputError, UsageError
+from tierflow.errors import InputError, UsageError, shown
 from tierflow.extras import import_extra
 
 #: Image files a folder source reads (by suffix, any case).
@@ -61,7 +61,8 @@ def source_kind(text: str) -> str:
     if _CAMERA.match(text):
         return "camera"
     raise UsageError(
-        f"--source {text!r} is neither a folder, a camera (/dev/videoN or an index) nor - (stdin)"
+        f"--source {shown(text)} is neither a folder, a camera (/dev/videoN or an index) "
+        "nor - (stdin)"
     )
 
 

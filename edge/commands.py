@@ -18,6 +18,7 @@ from tierflow.cloud.commands import add_cache_argument
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
 from tierflow.runtime.server import add_serve_parser, serve_until_stopped
+from tierflow.transport.address import Address, check_answering_tier
 from tierflow.transport.security import Security, add_security_arguments
 from tierflow.units import format_duration, format_rate, parse_size
 
@@ -42,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_cache_argument(edge)
     edge.add_argument(
         "--upstream",
+        type=Address.parse,
         metavar="HOST:PORT",
         help="the cloud (needed if the plan uses it); replicas as a gRPC target list, "
         "ipv4:H1:P1,H2:P2 or dns:///NAME:PORT, balanced round robin",
@@ -61,11 +63,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
         formatter_class=HelpFormatter,
     )
-    probe.add_argument("address", metavar="HOST:PORT", help="the tier to measure")
+    probe.add_argument(
+        "address", type=Address.parse, metavar="HOST:PORT", help="the tier to measure"
+    )
     probe.add_argument("--json", action="store_true", help="print JSON (plan --link reads it)")
     probe.add_argument("--link", help="name the link (default: from the tier that answers)")
     probe.add_argument("--pings", type=int, default=20, help="small round trips for the RTT")
-    probe.add_argument("--payload", type=parse_size, default="2MiB", help="bytes per rate transfer")
+    probe.add_argument(
+        "--payload", type=parse_size, default="2MiB", metavar="SIZE", help="bytes per rate transfer"
+    )
     probe.add_argument("--transfers", type=int, default=3, help="rate transfers each way")
     add_security_arguments(probe, server=False)
     probe.set_defaults(handler=_probe)
@@ -78,10 +84,12 @@ def _serve(args: argparse.Namespace) -> int:
     options = RuntimeOptions.from_args(
         args, load_plan_set(args.plan, require_segments=False).default_plan
     )
+    if args.upstream is not None:  # [Note: which tier answers] in tierflow.transport.address
+        check_answering_tier(args.upstream, "cloud", options.security, option="--upstream")
     server = EdgeServer(
         args.plan,
         args.listen,
-        args.upstream,
+        None if args.upstream is None else args.upstream.target,
         cache=build_server_cache(args.cache),
         options=options,
     )

@@ -26,9 +26,10 @@ from typing import Any
 
 import grpc
 
-from tierflow.errors import TransportError, UsageError
+from tierflow.errors import TransportError, UsageError, shown
 from tierflow.link.spec import LinkSpec, check_link
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.transport.address import Address
 from tierflow.transport.security import Security, open_channel
 from tierflow.transport.stream_client import channel_options
 from tierflow.units import format_duration, format_rate
@@ -73,7 +74,7 @@ class ProbeResult:
                 dict(data.get("samples") or {}),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise UsageError(f"malformed probe result {data!r}: {exc}") from exc
+            raise UsageError(f"malformed probe result {shown(data)}: {exc}") from exc
 
 
 class _Echo:
@@ -118,7 +119,7 @@ class _Echo:
         self._call.cancel()
 
 
-def _connect(channel: grpc.Channel, address: str, timeout: float) -> None:
+def _connect(channel: grpc.Channel, address: Address, timeout: float) -> None:
     """Wait until ``channel`` is connected; a failed attempt fails at once."""
     states: queue.SimpleQueue[grpc.ChannelConnectivity] = queue.SimpleQueue()
     channel.subscribe(states.put, try_to_connect=True)
@@ -143,7 +144,7 @@ def _connect(channel: grpc.Channel, address: str, timeout: float) -> None:
 
 
 def probe(
-    address: str,
+    address: Address | str,
     *,
     link: str | None = None,
     pings: int = 20,
@@ -153,10 +154,15 @@ def probe(
     connect_timeout: float = 10.0,
     security: Security | None = None,
 ) -> ProbeResult:
-    """Measure RTT and rate to the tier at ``address`` ([Note: probing a link])."""
+    """Measure RTT and rate to the tier at ``address`` ([Note: probing a link]).
+
+    A string is parsed as ``tierflow probe`` parses its argument (:class:`Address`).
+    """
+    if not isinstance(address, Address):
+        address = Address.parse(address)
     if pings < 1 or transfers < 1 or payload_bytes < 1:
         raise UsageError("probe needs at least one ping, one transfer and one payload byte")
-    channel = open_channel(address, security, channel_options())
+    channel = open_channel(address.target, security, channel_options())
     try:
         _connect(channel, address, connect_timeout)
         echo = _Echo(channel, timeout)

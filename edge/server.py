@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tierflow.cache.base import FeatureCache
+from tierflow.edge.forwarding import Forwarding
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
 from tierflow.runtime.server import TierServer
@@ -39,7 +40,7 @@ class EdgeServer(TierServer):
             "edge",
             load_plan_set(plan_dir, require_segments=False),
             plan_dir,
-            upstream=upstream,
+            forwarder=Forwarding(upstream) if upstream else None,
             cache=cache,
             options=options,
         )

@@ -9,27 +9,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tierflow.cli.arguments import add_deprecated
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.codec.base import CodecSpec
-from tierflow.errors import UsageError
-from tierflow.link.spec import (
-    LINKS,
-    LinkSpec,
-    check_link,
-    check_tier,
-    parse_link_option,
-    rtt_given,
-)
+from tierflow.errors import UsageError, shown
+from tierflow.link.spec import LINKS, LinkOption, LinkSpec, apply_links, check_link, check_tier
 from tierflow.runtime.providers import add_providers_argument
 from tierflow.units import format_duration, format_size, parse_size
 
 DEFAULT_THREADS = 1
 DEFAULT_TIME_BUDGET_S = 20.0
+
+
+class DecoderDefaults:
+    """``plan --context``, ``--max-tokens`` and ``--prompt-tokens`` when not given."""
+
+    context = 2048
+    max_tokens = 64
+    prompt_tokens = 32
 
 
 def _model_options(parser: argparse.ArgumentParser) -> None:
@@ -94,7 +97,7 @@ def register(subparsers: Any) -> None:
         description="Score every split of MODEL over device, edge and cloud with the cost "
         "model, print the best plans next to the single-tier ones, split the model at the "
         "best and write PLAN_DIR (plan.json and one ONNX file per segment). Tiers without "
-        "--profile are profiled on this machine, emulated slower (see --emulate).",
+        "--profile are profiled on this machine, emulated slower (see --slowdown).",
         epilog=examples(
             "tierflow plan model.onnx -o plan/ --profile device=pi4.json --memory device=64MiB",
             "tierflow plan model.onnx -o plan/ --link device-edge=20mbit,10ms "
@@ -108,6 +111,12 @@ def register(subparsers: Any) -> None:
             "input may go as JPEG",
             "tierflow plan model.onnx -o plan/ --sample photos.npz --fidelity top1=99.5% "
             "--image-input input --image-norm input=imagenet",
+            "# a decoder (past_key_values.N -> present.N): KV cache at 2048 tokens counted in "
+            "each tier's memory",
+            "tierflow plan decoder.onnx -o plan/ --context 2048 --memory device=256MiB "
+            "--link device-edge=20mbit,30ms --max-tokens 64",
+            "# a streaming model whose recurrent state has names the conventions miss",
+            "tierflow plan stream.onnx -o plan/ --state mem_in=mem_out",
         ),
         formatter_class=HelpFormatter,
     )
@@ -121,6 +130,7 @@ def register(subparsers: Any) -> None:
     )
     plan.add_argument(
         "--profile",
+        type=profile_argument,
         action="append",
         default=[],
         metavar="TIER=PROFILE.json",
@@ -128,6 +138,7 @@ def register(subparsers: Any) -> None:
     )
     plan.add_argument(
         "--link",
+        type=link_argument,
         action="append",
         default=[],
         metavar="LINK=RATE[,RTT]",
@@ -138,10 +149,12 @@ def register(subparsers: Any) -> None:
     )
     plan.add_argument(
         "--memory",
+        type=memory_argument,
         action="append",
         default=[],
         metavar="TIER=SIZE",
-        help="a tier's memory budget for weights and activations, like device=64MiB",
+        help="a tier's memory budget for weights and activations, like device=64MiB (a size "
+        "needs its unit: 64B for bytes)",
     )
     plan.add_argument(
         "--objective",
@@ -184,13 +197,47 @@ def register(subparsers: Any) -> None:
         "'mean=M[,M,M];std=S[,S,S][;scale=255][;layout=NCHW|NHWC]' (default: unit)",
     )
     plan.add_argument(
-        "--emulate",
+        "--state",
         action="append",
         default=[],
-        metavar="TIER=SLOWDOWN",
-        help="how much slower than this machine a tier without --profile is "
+        metavar="IN=OUT",
+        help="a state pair the name conventions miss (past_key_values.N.key -> present.N.key, "
+        "state -> stateN, h0 -> hn, ...): input IN takes output OUT of the session's previous "
+        "request; repeatable, globs pair every match, like 'past.*=present.*'. A pair stays on "
+        "one tier and never crosses a link",
+    )
+    plan.add_argument(
+        "--context",
+        type=int,
+        metavar="N",
+        help="decoders: the longest past + new tokens a session holds; each tier's memory "
+        f"counts its blocks' KV cache at this length (default: {DecoderDefaults.context})",
+    )
+    plan.add_argument(
+        "--max-tokens",
+        type=int,
+        metavar="N",
+        help="decoders: tokens generated per prompt; the latency objective is time to first "
+        f"token + N x time per token (default: {DecoderDefaults.max_tokens})",
+    )
+    plan.add_argument(
+        "--prompt-tokens",
+        type=int,
+        metavar="P",
+        help="decoders: the prompt length whose prefill is priced (at most --context) "
+        f"(default: {DecoderDefaults.prompt_tokens})",
+    )
+    slowdown = plan.add_argument(
+        "--slowdown",
+        type=slowdown_argument,
+        action="append",
+        default=[],
+        metavar="TIER=X",
+        help="how many times slower than this machine a tier without --profile is, as "
+        "serve and run --slowdown X emulate it (repeatable) "
         "(default: device=4, edge=2, cloud=1)",
     )
+    add_deprecated(plan, "--emulate", slowdown)
     plan.add_argument(
         "--threads",
         type=int,
@@ -230,22 +277,38 @@ def register(subparsers: Any) -> None:
 def _pair(text: str, option: str, example: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name.strip() or not value.strip():
-        raise UsageError(f"malformed {option} {text!r}: expected {example}")
+        raise UsageError(f"malformed {option} {shown(text)}: expected {example}")
     return name.strip(), value.strip()
 
 
-def _read_probe(path: Path, wanted: str | None) -> list[tuple[str, LinkSpec]]:
+def _link_record(record: dict[str, Any], path: Path) -> LinkSpec:
+    """A probe record's link; a file of another kind (a profile...) is named as such."""
+    if "rate_bps" not in record:
+        kind = str(record.get("format", ""))
+        hint = (
+            "; it is a profile: give it as --profile TIER=FILE"
+            if kind.startswith("tierflow.profile")
+            else ""
+        )
+        raise UsageError(
+            f"link file {path} is not a probe result: expected rate_bps and rtt_s, as "
+            f"`tierflow probe --json` writes them, found keys {shown(', '.join(record))}{hint}"
+        )
+    return LinkSpec.from_dict(record)
+
+
+def _read_probe(path: Path, wanted: str | None) -> tuple[LinkOption, ...]:
     """Links measured by ``tierflow probe --json``: one record, a list, or ``{"links": [...]}``."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError as exc:
         raise UsageError(f"link file {path} does not exist") from exc
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"cannot read link file {path}: {exc}") from exc
+        raise UsageError(f"cannot read link file {path}: {shown(str(exc))}") from exc
     if isinstance(data, dict) and isinstance(data.get("links"), list):
         data = data["links"]
     records = data if isinstance(data, list) else [data]
-    links: list[tuple[str, LinkSpec]] = []
+    links: list[LinkOption] = []
     for record in records:
         if not isinstance(record, dict):
             raise UsageError(f"malformed link file {path}: expected objects with link, rate_bps")
@@ -256,71 +319,78 @@ def _read_probe(path: Path, wanted: str | None) -> list[tuple[str, LinkSpec]]:
             if len(records) > 1:
                 continue
             name = wanted
-        links.append((check_link(name), LinkSpec.from_dict(record)))
+        links.append(LinkOption.of(check_link(name), _link_record(record, path)))
     if not links:
         raise UsageError(f"link file {path} has no record for {wanted}")
-    return links
+    return tuple(links)
 
 
-def parse_links(values: Sequence[str]) -> dict[str, LinkSpec]:
-    """The links from ``--link`` values over the defaults."""
+def link_argument(text: str) -> tuple[LinkOption, ...]:
+    """One ``plan --link`` value: ``NAME=RATE[,RTT]``, ``NAME=PROBE.json`` or ``PROBE.json``."""
+    name, sep, value = text.partition("=")
+    if sep and value.strip().endswith(".json"):
+        return _read_probe(Path(value.strip()), check_link(name.strip()))
+    if not sep and (text.strip().endswith(".json") or _is_file(text)):
+        return _read_probe(Path(text.strip()), None)
+    return (LinkOption.parse(text),)
+
+
+def _is_file(text: str) -> bool:
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+        return False
+
+
+def memory_argument(text: str) -> tuple[str, int]:
+    """One ``--memory TIER=SIZE`` value (a size needs its unit).
+
+    See [Note: sizes carry a unit] in ``tierflow.units``.
+    """
+    tier, size = _pair(text, "--memory", "TIER=SIZE, like device=64MiB")
+    return check_tier(tier), parse_size(size)
+
+
+def slowdown_argument(text: str) -> tuple[str, float]:
+    """One ``plan --slowdown TIER=X`` value: how much slower than this machine a tier is."""
+    tier, value = _pair(text, "--slowdown", "TIER=X, like device=4")
+    try:
+        slowdown = float(value)
+    except ValueError as exc:
+        raise UsageError(
+            f"malformed --slowdown {shown(text)}: {shown(value)} is not a number"
+        ) from exc
+    if not 0 < slowdown < math.inf:
+        raise UsageError(f"malformed --slowdown {shown(text)}: a slowdown must be positive")
+    return check_tier(tier), slowdown
+
+
+def profile_argument(text: str) -> tuple[str, Path]:
+    """One ``--profile TIER=PROFILE.json`` value."""
+    tier, path = _pair(text, "--profile", "TIER=PROFILE.json, like device=pi4.json")
+    return check_tier(tier), Path(path)
+
+
+def plan_links(
+    values: Sequence[Sequence[LinkOption]],
+) -> tuple[dict[str, LinkSpec], dict[str, str]]:
+    """The links ``--link`` values make over the planner's defaults, and the RTTs kept.
+
+    The second mapping names each link whose value gave a rate but no RTT, with the RTT
+    it kept (printed, so that a kept 10 ms is never a surprise).
+    """
     from tierflow.partitioner.planner import DEFAULT_LINKS
 
-    links = {name: LinkSpec.parse(text) for name, text in DEFAULT_LINKS.items()}
-    for text in values:
-        name, sep, value = text.partition("=")
-        if sep and not value.strip().endswith(".json"):
-            parsed = [parse_link_option(text, links)]
-        elif sep:
-            parsed = _read_probe(Path(value.strip()), check_link(name.strip()))
-        elif text.strip().endswith(".json") or Path(text).is_file():
-            parsed = _read_probe(Path(text.strip()), None)
+    options = [option for group in values for option in group]
+    defaults = {name: LinkSpec.parse(text) for name, text in DEFAULT_LINKS.items()}
+    links = apply_links(defaults, options)
+    kept: dict[str, str] = {}
+    for option in options:
+        if option.rtt_given:
+            kept.pop(option.name, None)
         else:
-            parsed = [parse_link_option(text, links)]
-        links.update(parsed)
-    return links
-
-
-def assumed_rtts(values: Sequence[str], links: Mapping[str, LinkSpec]) -> dict[str, str]:
-    """The links whose ``--link`` value gave a rate but no RTT, and the RTT they kept."""
-    assumed: dict[str, str] = {}
-    for text in values:
-        name, sep, value = text.partition("=")
-        if sep and not value.strip().endswith(".json") and not rtt_given(text):
-            assumed[name.strip()] = format_duration(links[name.strip()].rtt_s)
-    return assumed
-
-
-def parse_memory(values: Sequence[str]) -> dict[str, int]:
-    memory: dict[str, int] = {}
-    for text in values:
-        tier, size = _pair(text, "--memory", "TIER=SIZE, like device=64MiB")
-        memory[check_tier(tier)] = parse_size(size)
-    return memory
-
-
-def parse_emulation(values: Sequence[str]) -> dict[str, float]:
-    from tierflow.partitioner.planner import DEFAULT_EMULATION
-
-    emulation = dict(DEFAULT_EMULATION)
-    for text in values:
-        tier, value = _pair(text, "--emulate", "TIER=SLOWDOWN, like device=4")
-        try:
-            slowdown = float(value)
-        except ValueError as exc:
-            raise UsageError(f"malformed --emulate {text!r}: {value!r} is not a number") from exc
-        if not slowdown > 0:
-            raise UsageError(f"malformed --emulate {text!r}: a slowdown must be positive")
-        emulation[check_tier(tier)] = slowdown
-    return emulation
-
-
-def parse_profile_paths(values: Sequence[str]) -> dict[str, Path]:
-    paths: dict[str, Path] = {}
-    for text in values:
-        tier, path = _pair(text, "--profile", "TIER=PROFILE.json, like device=pi4.json")
-        paths[check_tier(tier)] = Path(path)
-    return paths
+            kept[option.name] = format_duration(links[option.name].rtt_s)
+    return links, kept
 
 
 def _shapes(values: Sequence[str]) -> dict[str, tuple[int, ...]]:
@@ -337,7 +407,34 @@ def _load_graph(args: argparse.Namespace, sample: Any = None) -> Any:
     shapes = _shapes(args.shape)
     if sample is None and args.sample:
         sample = load_sample(args.sample)
-    return load_planning_graph(args.model, shapes=shapes or None, sample=sample)
+    state = parse_states(getattr(args, "state", []))
+    return load_planning_graph(args.model, shapes=shapes or None, sample=sample, state=state)
+
+
+def parse_states(values: Sequence[str]) -> list[tuple[str, str]]:
+    """The ``--state IN=OUT`` patterns, checked before any model is read."""
+    from tierflow.state_pairs import parse_state_option
+
+    return [parse_state_option(text) for text in values]
+
+
+def parse_decoder_settings(args: argparse.Namespace) -> Any:
+    """``--context``, ``--max-tokens``, ``--prompt-tokens`` as one checked value."""
+    from tierflow.partitioner.decoder_points import DecoderSettings
+
+    return DecoderSettings(
+        context=DecoderDefaults.context if args.context is None else args.context,
+        max_tokens=DecoderDefaults.max_tokens if args.max_tokens is None else args.max_tokens,
+        prompt_tokens=(
+            DecoderDefaults.prompt_tokens if args.prompt_tokens is None else args.prompt_tokens
+        ),
+    )
+
+
+def _decoder_only_options(args: argparse.Namespace) -> list[str]:
+    given = [("--context", args.context), ("--max-tokens", args.max_tokens)]
+    given.append(("--prompt-tokens", args.prompt_tokens))
+    return [flag for flag, value in given if value is not None]
 
 
 def parse_fidelity(text: str, sample: str | None) -> Any:
@@ -371,6 +468,13 @@ def run_profile(args: argparse.Namespace) -> int:
     _shapes(args.shape)
     if Path(args.output).is_dir():
         raise UsageError(f"-o {args.output}: is a directory; expected a PROFILE.json file name")
+    from tierflow.partitioner.decoder_graph import inspect_decoder
+
+    if inspect_decoder(args.model) is not None:
+        raise UsageError(
+            f"{args.model} is a decoder: `tierflow plan` profiles it here at its prefill and "
+            "decode points; a profile of one shape would price neither"
+        )
     graph = _load_graph(args)
     progress = Progress("profiling")
     try:
@@ -426,9 +530,12 @@ def _verdict_line(outcome: Any, lossy: bool) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     from tierflow.image_norm import parse_norm
+    from tierflow.partitioner.decoder_commands import run_decoder_plan
+    from tierflow.partitioner.decoder_graph import inspect_decoder
     from tierflow.partitioner.fidelity import check_sample_size
     from tierflow.partitioner.image_inputs import resolve_images
     from tierflow.partitioner.planner import (
+        DEFAULT_EMULATION,
         PlanOptions,
         codec_candidates,
         complete_profiles,
@@ -439,10 +546,10 @@ def run_plan(args: argparse.Namespace) -> int:
     from tierflow.partitioner.shapes import load_sample
     from tierflow.partitioner.split import check_plan_dir
 
-    links = parse_links(args.link)
-    memory = parse_memory(args.memory)
-    emulation = parse_emulation(args.emulate)
-    profile_paths = parse_profile_paths(args.profile)
+    links, assumed = plan_links(args.link)
+    memory = dict(args.memory)
+    emulation = {**DEFAULT_EMULATION, **dict(args.slowdown)}
+    profile_paths = dict(args.profile)
     budget = parse_fidelity(args.fidelity, args.sample)
     norms = dict(parse_norm(text) for text in args.image_norm)
     candidates = codec_candidates(args.codec, budget, args.image_input)
@@ -450,6 +557,18 @@ def run_plan(args: argparse.Namespace) -> int:
     _positive(args.top, "--top")
     _shapes(args.shape)
     check_plan_dir(args.output)
+    states = parse_states(args.state)
+    settings = parse_decoder_settings(args)
+    decoder = inspect_decoder(args.model, states, settings)
+    if decoder is not None:
+        return run_decoder_plan(args, links, memory, emulation, budget, settings)
+    stray = _decoder_only_options(args)
+    if stray:
+        raise UsageError(
+            f"{', '.join(stray)} set a decoder's lengths; {args.model} is no decoder (no "
+            "input pairs with an output as a growing state, like past_key_values.0.key -> "
+            "present.0.key)"
+        )
     grid = _grid(args, links)
     options = PlanOptions(
         links=links,
@@ -497,15 +616,13 @@ def run_plan(args: argparse.Namespace) -> int:
         report["fidelity"] = outcome.fidelity.to_dict() if outcome.fidelity else None
         report["notes"] = list(notes) + list(outcome.notes)
         report["notes"] += [
-            f"{name}: no RTT given, kept the default {rtt}"
-            for name, rtt in assumed_rtts(args.link, links).items()
+            f"{name}: no RTT given, kept the default {rtt}" for name, rtt in assumed.items()
         ]
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     for note in (*notes, *outcome.notes):
         print(note)
-    assumed = assumed_rtts(args.link, links)
     for name in LINKS:
         kept = f" (no RTT given: kept the default {assumed[name]})" if name in assumed else ""
         print(f"{name}: {links[name]}{kept}")
@@ -546,6 +663,12 @@ def run_plan(args: argparse.Namespace) -> int:
             by = f" by up to {stats.max_abs_error:.3g} (measured at that cut)" if stats else ""
             print(f"note: {codec} on {name} changes values{by}")
     print(_verdict_line(outcome, lossy))
+    for segment in outcome.plan.segments:
+        for state in segment.state:
+            print(
+                f"state {state.input} -> {state.output} stays on the {segment.tier} "
+                "(checked over consecutive requests, each fed the previous one's state)"
+            )
     print(f"wrote {outcome.plan_dir / 'plan.json'} and {len(outcome.plan.segments)} segment(s)")
     return 0
 

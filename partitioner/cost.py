@@ -60,7 +60,7 @@ often a request crosses. Memory ignores the heads (a few kilobytes of weights).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -420,6 +420,21 @@ def build_tables(problem: Problem) -> CostTables:
         memory={t: _memory_table(problem.profiles[t]) for t in TIERS},
         links={name: _link_table(problem, name, reach) for name in LINKS},
     )
+
+
+def with_state_memory(tables: CostTables, state_bytes: Sequence[int]) -> CostTables:
+    """``tables`` with each segment's state pairs added to every tier's memory.
+
+    ``state_bytes[i]`` is what unit ``i``'s pairs keep per session ([Note: state pairs in
+    the cut search] in :mod:`tierflow.partitioner.stateful`): the tier running the unit
+    holds it between requests.
+    """
+    n = tables.problem.ncuts
+    if len(state_bytes) != n - 1:
+        raise PlanError(f"state bytes for {len(state_bytes)} units, the model has {n - 1}")
+    held = np.concatenate([[0.0], np.cumsum(np.asarray(state_bytes, dtype=np.float64))])
+    extra = np.triu(held[None, :] - held[:, None], k=1)
+    return replace(tables, memory={t: m + extra for t, m in tables.memory.items()})
 
 
 def with_links(tables: CostTables, links: Mapping[str, LinkSpec]) -> CostTables:

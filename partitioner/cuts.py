@@ -8,7 +8,7 @@ the planner searches. See [Note: cut sets] below.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,8 +213,17 @@ def candidate_cuts(
     tensors: Mapping[str, TensorInfo],
     outputs: Sequence[str],
     max_cut_tensors: int,
+    *,
+    forbidden: Collection[int] = (),
+    positions: Sequence[int] | None = None,
 ) -> list[Cut]:
-    """Filter and collapse positions into candidate cuts; see [Note: cut sets]."""
+    """Filter and collapse positions into candidate cuts; see [Note: cut sets].
+
+    ``forbidden`` positions are never cuts (they would separate a state pair: [Note:
+    state pairs in the cut search] in :mod:`tierflow.partitioner.stateful`).
+    ``positions``, when given, are the cuts, taken as they are (the decode-step analysis
+    of a decoder cuts where its prefill analysis did); each must be a candidate.
+    """
     end = len(sets) - 1
 
     def nbytes(names: Sequence[str]) -> int:
@@ -222,7 +231,21 @@ def candidate_cuts(
 
     def candidate(p: int) -> bool:
         crossing = sets[p]
-        return 0 < len(crossing) <= max_cut_tensors and all(n in tensors for n in crossing)
+        return (
+            p not in forbidden
+            and 0 < len(crossing) <= max_cut_tensors
+            and all(n in tensors for n in crossing)
+        )
+
+    if positions is not None:
+        ordered = list(positions)
+        wrong = [p for p in ordered if not (p in (0, end) or (0 < p < end and candidate(p)))]
+        if wrong or ordered != sorted(set(ordered)) or ordered[:1] != [0] or ordered[-1:] != [end]:
+            raise ModelError(
+                f"cut positions {list(positions)} are not candidates of this graph "
+                f"(0..{end}; not candidates: {wrong})"
+            )
+        return _cuts(ordered, sets, outputs, end, nbytes)
 
     def equivalent(p: int) -> bool:
         """Whether positions p and p+1 differ only by a cheap or constant node."""
@@ -249,6 +272,16 @@ def candidate_cuts(
         kept.append(_best(run, sets, nbytes, end))
         run = [p]
     kept.append(_best(run, sets, nbytes, end))
+    return _cuts(kept, sets, outputs, end, nbytes)
+
+
+def _cuts(
+    kept: Sequence[int],
+    sets: Sequence[tuple[str, ...]],
+    outputs: Sequence[str],
+    end: int,
+    nbytes: Any,
+) -> list[Cut]:
     cuts = []
     for index, p in enumerate(kept):
         names = tuple(outputs) if p == end else sets[p]

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.errors import PlanError, UsageError
+from tierflow.errors import PlanError, UsageError, shown
 
 METRICS: tuple[str, ...] = ("exact", "top1", "rel")
 #: Confidence of the lower bound the planner reports for a top-1 agreement rate.
@@ -59,11 +59,11 @@ class FidelityBudget:
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
-            raise UsageError(f"unknown fidelity metric {self.metric!r}: expected {_FORMS}")
+            raise UsageError(f"unknown fidelity metric {shown(self.metric)}: expected {_FORMS}")
         if self.metric == "top1" and not 0.0 < self.value <= 1.0:
             raise UsageError(f"a top1 budget must be within (0%, 100%], got {self.value:.4g}")
         if self.metric == "rel" and not (math.isfinite(self.value) and self.value >= 0.0):
-            raise UsageError(f"a rel budget must be a finite error >= 0, got {self.value!r}")
+            raise UsageError(f"a rel budget must be a finite error >= 0, got {shown(self.value)}")
         if self.metric == "exact" and self.value != 0.0:
             object.__setattr__(self, "value", 0.0)
 
@@ -77,21 +77,24 @@ class FidelityBudget:
         metric = metric.strip()
         value = value.strip()
         if not sep or metric not in ("top1", "rel") or not value:
-            raise UsageError(f"malformed --fidelity {text!r}: expected {_FORMS}")
+            raise UsageError(f"malformed --fidelity {shown(text)}: expected {_FORMS}")
         if metric == "top1":
             if not value.endswith("%"):
                 raise UsageError(
-                    f"malformed --fidelity {text!r}: a top1 budget is a percentage, like top1=99.5%"
+                    f"malformed --fidelity {shown(text)}: a top1 budget is a percentage, "
+                    "like top1=99.5%"
                 )
             number = _number(value[:-1], text)
             if not 0.0 < number <= 100.0:
                 raise UsageError(
-                    f"malformed --fidelity {text!r}: the share must be within (0%, 100%]"
+                    f"malformed --fidelity {shown(text)}: the share must be within (0%, 100%]"
                 )
             return cls("top1", number / 100.0)
         number = _number(value, text)
         if not (math.isfinite(number) and number >= 0.0):
-            raise UsageError(f"malformed --fidelity {text!r}: the error must be a finite E >= 0")
+            raise UsageError(
+                f"malformed --fidelity {shown(text)}: the error must be a finite E >= 0"
+            )
         return cls("rel", number)
 
     @property
@@ -123,11 +126,11 @@ class FidelityBudget:
     @classmethod
     def from_dict(cls, data: Any) -> FidelityBudget:
         if not isinstance(data, Mapping):
-            raise UsageError(f"malformed fidelity budget {data!r}: expected an object")
+            raise UsageError(f"malformed fidelity budget {shown(data)}: expected an object")
         try:
             return cls(str(data["metric"]), float(data.get("value", 0.0)))
         except (KeyError, TypeError, ValueError) as exc:
-            raise UsageError(f"malformed fidelity budget {data!r}: {exc}") from exc
+            raise UsageError(f"malformed fidelity budget {shown(data)}: {exc}") from exc
 
 
 EXACT = FidelityBudget()
@@ -137,7 +140,9 @@ def _number(text: str, option: str) -> float:
     try:
         return float(text)
     except ValueError as exc:
-        raise UsageError(f"malformed --fidelity {option!r}: {text!r} is not a number") from exc
+        raise UsageError(
+            f"malformed --fidelity {shown(option)}: {shown(text)} is not a number"
+        ) from exc
 
 
 # --------------------------------------------------------------------------- metrics
@@ -240,9 +245,9 @@ class FidelityScore:
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
-            raise PlanError(f"malformed fidelity: unknown metric {self.metric!r}")
+            raise PlanError(f"malformed fidelity: unknown metric {shown(self.metric)}")
         if self.samples < 0 or (not math.isfinite(self.value) and self.metric != "rel"):
-            raise PlanError(f"malformed fidelity: {self.value!r} on {self.samples} samples")
+            raise PlanError(f"malformed fidelity: {shown(self.value)} on {self.samples} samples")
 
     def describe(self) -> str:
         """One line for people, like ``top1 agreement 99.5% on 200 requests``."""
@@ -273,7 +278,7 @@ class FidelityScore:
     @classmethod
     def from_dict(cls, data: Any) -> FidelityScore:
         if not isinstance(data, Mapping):
-            raise PlanError(f"malformed fidelity {data!r}: expected an object")
+            raise PlanError(f"malformed fidelity {shown(data)}: expected an object")
         try:
             bound = data.get("lower_bound_95")
             return cls(
@@ -285,7 +290,7 @@ class FidelityScore:
                 lower_bound=None if bound is None else float(bound),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise PlanError(f"malformed fidelity {data!r}: {exc}") from exc
+            raise PlanError(f"malformed fidelity {shown(data)}: {exc}") from exc
 
 
 def score(

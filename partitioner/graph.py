@@ -47,7 +47,16 @@ from tierflow.partitioner.shapes import (
     static_model,
     write_value_infos,
 )
+from tierflow.partitioner.stateful import (
+    Span,
+    forbidden_positions,
+    graph_states,
+    rebind_state_shapes,
+    state_spans,
+    states_within,
+)
 from tierflow.partitioner.tensors import TensorInfo, first_line, node_uses, np_dtype_name
+from tierflow.state_spec import StateSpec
 
 __all__ = [
     "DEFAULT_MAX_CUT_TENSORS",
@@ -72,6 +81,10 @@ class ModelGraph:
     the order of ``nodes`` and Shape/Size of static tensors folded to constants (see
     [Note: cut sets]); it is what segments are extracted from. ``sample`` holds the
     first request of ``--sample`` when one was given.
+
+    ``state`` holds the model's state pairs and ``spans`` the node span each needs on one
+    tier ([Note: state pairs in the cut search] in :mod:`.stateful`); ``inputs`` and
+    ``outputs`` include the state tensors, while cut 0 and the output cut leave them out.
     """
 
     path: str
@@ -88,6 +101,25 @@ class ModelGraph:
     # exits.plan.load_planning_graph): its exits in order, and the model with their heads.
     exits: tuple[ExitInfo, ...] = ()
     exited_model: onnx.ModelProto | None = field(default=None, repr=False)
+    state: tuple[StateSpec, ...] = ()
+    spans: Mapping[str, Span] = field(default_factory=dict, repr=False)
+
+    def states_between(self, start: int, end: int) -> tuple[StateSpec, ...]:
+        """The state pairs the segment ``cuts[start]..cuts[end]`` owns."""
+        first, last = self._span(start, end)
+        return states_within(self.state, self.spans, first, last)
+
+    @property
+    def travelling_inputs(self) -> tuple[TensorInfo, ...]:
+        """The inputs a request carries: every input but the state inputs."""
+        kept = {s.input for s in self.state}
+        return tuple(i for i in self.inputs if i.name not in kept)
+
+    @property
+    def answered_outputs(self) -> tuple[TensorInfo, ...]:
+        """The outputs a request is answered with: every output but the state outputs."""
+        kept = {s.output for s in self.state}
+        return tuple(o for o in self.outputs if o.name not in kept)
 
     @functools.cached_property
     def extractor(self) -> SegmentExtractor:
@@ -166,6 +198,9 @@ def load_model(
     shapes: Mapping[str, Sequence[int]] | None = None,
     sample: Mapping[str, np.ndarray] | None = None,
     max_cut_tensors: int = DEFAULT_MAX_CUT_TENSORS,
+    state: Sequence[tuple[str, str]] = (),
+    positions: Sequence[int] | None = None,
+    fold: bool = True,
 ) -> ModelGraph:
     """Load an ONNX model as users have it and analyse it for cutting.
 
@@ -176,6 +211,13 @@ def load_model(
     batch dimension becomes 1 and any other unknown one is a ModelError. Shapes are
     inferred, then measured by running the model once in ONNX Runtime. See
     [Note: cut sets] for the cuts.
+
+    State pairs are found by name, after the ``state`` patterns (``--state IN=OUT``), and
+    no cut separates one ([Note: state pairs in the cut search] in :mod:`.stateful`).
+    ``positions`` fixes the cuts instead of searching them (each must be a candidate).
+    ``fold`` False keeps Shape and Size nodes as they are: the graph is analysed at fixed
+    shapes but its segments will run at others (a decoder: [Note: decoder analysis
+    points] in :mod:`.decoder_points`), so what they compute must cross like any value.
     """
     path = Path(path)
     if max_cut_tensors < 1:
@@ -187,6 +229,8 @@ def load_model(
     except (onnx.checker.ValidationError, ValueError) as exc:
         raise ModelError(f"invalid ONNX graph in {path}: {first_line(exc)}") from exc
 
+    states = graph_states(model, state, where=str(path))
+    rebind_state_shapes(model, states, where=str(path))
     input_values = drop_initializer_inputs(model)
     first = sample_request(input_values, sample, path) if sample is not None else None
     input_shapes = fix_input_shapes(input_values, path, shapes or {}, first)
@@ -207,14 +251,18 @@ def load_model(
     unknown = [n for n in produced if infos.get(n) is None]
 
     static = {k: v for k, v in infos.items() if v is not None}
-    folded = fold_shapes(model, static)
+    # The inputs' shapes were fixed above; inference may not take a 0 (an empty KV cache).
+    static.update({i.name: i for i in inputs})
+    folded = fold_shapes(model, static) if fold else 0
     output_names = [v.name for v in graph.output]
     for name in (*output_names, *(i.name for i in inputs)):
         if name not in static:
             raise ModelError(f"cannot determine the shape of {name!r} in {path}")
     write_value_infos(model, static, {i.name for i in inputs}, varying)
 
-    usage = node_usage(graph, static, output_names)
+    kept = {n for s in states for n in (s.input, s.output)}
+    answered = [n for n in output_names if n not in kept]
+    usage = node_usage(graph, static, answered)
     constant_outputs = [n for n in output_names if n in usage.constants]
     if constant_outputs:
         raise ModelError(
@@ -226,10 +274,20 @@ def load_model(
         for name in (*input_names, *produced)
         if name not in usage.constants and name in static
     }
-    sets = crossing_sets(graph, usage, input_names)
+    spans = state_spans(usage.uses, [n.output for n in graph.node], states, where=str(path))
+    sets = crossing_sets(graph, usage, [n for n in input_names if n not in kept])
     # No cut carries a tensor whose shape follows a branch ([Note: shapes that follow a branch]).
     cuttable = {n: i for n, i in tensors.items() if n not in varying or n in output_names}
-    cuts = candidate_cuts(graph, usage, sets, cuttable, output_names, max_cut_tensors)
+    cuts = candidate_cuts(
+        graph,
+        usage,
+        sets,
+        cuttable,
+        answered,
+        max_cut_tensors,
+        forbidden=forbidden_positions(spans),
+        positions=positions,
+    )
     logger.info(
         "[graph] %s: %d nodes, %d cuts, %d shapes folded, %d tensors of unknown shape",
         path,
@@ -249,4 +307,6 @@ def load_model(
         cuts=tuple(cuts),
         sample=sample_row,
         usage=usage,
+        state=states,
+        spans=spans,
     )

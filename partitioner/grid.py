@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tierflow.errors import UsageError
+from tierflow.errors import UsageError, shown
 from tierflow.link.spec import LINKS, LinkSpec, check_link
 from tierflow.partitioner.cost import CostTables, Estimate, with_links
 from tierflow.partitioner.search import search
@@ -61,7 +61,7 @@ class RateGrid:
             name, sep, value = text.partition("=")
             if not sep or not value.strip():
                 raise UsageError(
-                    f"malformed --grid {text!r}: expected LINK=RATE,RATE[/RTT,RTT], like "
+                    f"malformed --grid {shown(text)}: expected LINK=RATE,RATE[/RTT,RTT], like "
                     "device-edge=1mbit,10mbit,100mbit/5ms,50ms"
                 )
             link = check_link(name.strip())

@@ -155,12 +155,13 @@ def _plan(
     return Plan(
         model_file=Path(graph.path).name,
         model_sha256=graph.sha256,
-        inputs=tuple(i.name for i in graph.inputs),
-        outputs=tuple(o.name for o in graph.outputs),
+        inputs=tuple(i.name for i in graph.travelling_inputs),
+        outputs=tuple(o.name for o in graph.answered_outputs),
         segments=tuple(specs),
         links=dict(anchor),
         codec={name: chosen.links[name].codec for name in LINKS},
         estimate=estimate,
         cuts=tuple(graph.cuts[c].position for c in chosen.cuts),
         fidelity=fidelity,
+        state_pairs=tuple((s.input, s.output) for s in graph.state),
     )

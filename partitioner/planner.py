@@ -27,7 +27,13 @@ import numpy as np
 from tierflow.codec.base import PLANNER_CODECS, CodecSpec, CodecStats, ImageNorm
 from tierflow.errors import PlanError, UsageError
 from tierflow.link.spec import LINKS, TIERS, LinkSpec
-from tierflow.partitioner.cost import Estimate, Problem, build_tables, estimate
+from tierflow.partitioner.cost import (
+    Estimate,
+    Problem,
+    build_tables,
+    estimate,
+    with_state_memory,
+)
 from tierflow.partitioner.exits.plan import exit_points, split_with_exits
 from tierflow.partitioner.fidelity import (
     EXACT,
@@ -56,6 +62,7 @@ from tierflow.partitioner.profile import (
 )
 from tierflow.partitioner.search import SearchResult, search
 from tierflow.partitioner.split import save_split_plan, verify_split
+from tierflow.partitioner.state_verify import unit_state_bytes, verify_stream_split
 from tierflow.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -307,6 +314,11 @@ def rank(
     plans whose lossy crossings were measured to meet it (``progress`` follows that).
     """
     budget = options.fidelity
+    if graph.state and not budget.lossless_only:
+        raise UsageError(
+            f"--fidelity {budget} is not available for a model with state pairs: a lossy "
+            "codec's error would carry over from request to request in the state"
+        )
     if not budget.lossless_only and probe is None:
         raise UsageError(
             f"--fidelity {budget} needs --sample IN.npz: lossy codecs are measured end to end "
@@ -329,6 +341,8 @@ def rank(
         exits=points,
     )
     tables = build_tables(problem)
+    if graph.state:
+        tables = with_state_memory(tables, unit_state_bytes(graph))
     if budget.lossless_only or probe is None:
         return search(problem, top=options.top, tables=tables), notes
     check_sample_size(budget, len(probe.requests))
@@ -374,7 +388,10 @@ def score_plan(
         codecs=codecs,
         exits=exit_points(graph)[0],
     )
-    return estimate(build_tables(problem), cuts[0], cuts[1], codec)
+    tables = build_tables(problem)
+    if graph.state:
+        tables = with_state_memory(tables, unit_state_bytes(graph))
+    return estimate(tables, cuts[0], cuts[1], codec)
 
 
 def estimate_dict(best: Estimate, graph: ModelGraph, objective: str) -> dict[str, Any]:
@@ -422,6 +439,7 @@ def write_plan(
     segments = split_with_exits(graph, chosen)
     verified: bool | None = None
     max_diff = 0.0
+    inputs = 1
     if options.verify:
         check = verify_split(graph, segments)
         verified, max_diff = check.bitwise_equal, check.max_abs_diff
@@ -430,13 +448,26 @@ def write_plan(
                 f"the split at cuts {chosen.cuts} does not reproduce the model: outputs differ "
                 f"by up to {check.max_abs_diff:g}"
             )
+        if graph.state:
+            stream = verify_stream_split(graph, segments)
+            if not stream.bitwise_equal:
+                raise PlanError(
+                    f"the split at cuts {chosen.cuts} does not carry its state as the model "
+                    f"does: over {stream.steps} requests outputs differ by up to "
+                    f"{stream.max_abs_diff:g}"
+                )
+            inputs = stream.steps  # one request, then the state carried over the others
     codec = {name: chosen.links[name].codec for name in LINKS}
     estimate = estimate_dict(chosen, graph, options.objective)
     estimate["tiers"] = {t: profiles[t].machine.to_dict() for t in TIERS}
     if verified is not None:
-        estimate["verified"] = {"bitwise_equal": verified, "inputs": 1, "max_abs_diff": max_diff}
+        estimate["verified"] = {
+            "bitwise_equal": verified,
+            "inputs": inputs,
+            "max_abs_diff": max_diff,
+        }
     if fidelity is None and verified is not None and _lossless(chosen):
-        fidelity = FidelityScore("exact", 1.0, 1, True, str(options.fidelity))
+        fidelity = FidelityScore("exact", 1.0, inputs, True, str(options.fidelity))
     directory = Path(plan_dir)
     plan = save_split_plan(
         graph,
@@ -450,7 +481,7 @@ def write_plan(
         images=options.images,
     )
     logger.info("[plan] wrote %s: cuts %s, %.3g ms", directory, chosen.cuts, chosen.latency_s * 1e3)
-    return WrittenPlan(plan, directory, verified, max_diff, 1, fidelity)
+    return WrittenPlan(plan, directory, verified, max_diff, inputs, fidelity)
 
 
 def _lossless(chosen: Estimate) -> bool:

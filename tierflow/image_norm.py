@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tierflow.codec.base import ImageNorm
-from tierflow.errors import UsageError
+from tierflow.errors import UsageError, shown
 
 __all__ = ["PRESETS", "NormSpec", "parse_norm"]
 
@@ -74,9 +74,9 @@ def _floats(text: str, key: str, option: str) -> tuple[float, ...]:
     try:
         values = tuple(float(v) for v in text.split(","))
     except ValueError as exc:
-        raise UsageError(f"malformed --image-norm {option!r}: {key} must be numbers") from exc
+        raise UsageError(f"malformed --image-norm {shown(option)}: {key} must be numbers") from exc
     if len(values) not in (1, 3):
-        raise UsageError(f"malformed --image-norm {option!r}: {key} takes 1 or 3 values")
+        raise UsageError(f"malformed --image-norm {shown(option)}: {key} takes 1 or 3 values")
     return values
 
 
@@ -96,18 +96,18 @@ def parse_norm(text: str) -> tuple[str, NormSpec]:
         key = key.strip().lower()
         if not eq or key not in ("mean", "std", "scale", "layout") or key in fields:
             raise UsageError(
-                f"malformed --image-norm {text!r}: expected NAME=SPEC, SPEC being {_FORM}"
+                f"malformed --image-norm {shown(text)}: expected NAME=SPEC, SPEC being {_FORM}"
             )
         fields[key] = value.strip()
     if "mean" not in fields or "std" not in fields:
-        raise UsageError(f"malformed --image-norm {text!r}: give both mean= and std=")
+        raise UsageError(f"malformed --image-norm {shown(text)}: give both mean= and std=")
     mean = _floats(fields["mean"], "mean", text)
     std = _floats(fields["std"], "std", text)
     try:
         scale = float(fields.get("scale", "255"))
     except ValueError as exc:
-        raise UsageError(f"malformed --image-norm {text!r}: scale must be a number") from exc
+        raise UsageError(f"malformed --image-norm {shown(text)}: scale must be a number") from exc
     layout = fields.get("layout")
     if layout is not None and layout.upper() not in ("NCHW", "NHWC"):
-        raise UsageError(f"malformed --image-norm {text!r}: layout is NCHW or NHWC")
+        raise UsageError(f"malformed --image-norm {shown(text)}: layout is NCHW or NHWC")
     return name, NormSpec(mean, std, scale, layout.upper() if layout else None)

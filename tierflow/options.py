@@ -3,9 +3,11 @@
 The runners, the tier service, the servers and the device client all read the same
 settings (ONNX Runtime threads and optimization level, emulated slowdown and links, size
 limits, TLS and tokens); they take them as one frozen value instead of each repeating
-the keyword list. ``tierflow serve`` and ``tierflow run`` make it with
-:meth:`RuntimeOptions.from_args`; a library user makes one directly, or varies one with
-:func:`dataclasses.replace`.
+the keyword list. ``tierflow serve``, ``run`` and ``device`` declare their flags with
+:func:`add_runtime_arguments`, whose defaults are read from ``RuntimeOptions()`` (so
+``--help`` shows the defaults a library user gets, written once), and make the value
+with :meth:`RuntimeOptions.from_args`; a library user makes one directly, or varies one
+with :func:`dataclasses.replace`.
 """
 
 from __future__ import annotations
@@ -17,20 +19,29 @@ from types import MappingProxyType
 
 from tierflow.codec.base import DEFAULT_MAX_TENSOR_BYTES
 from tierflow.errors import UsageError
-from tierflow.link.emulation import resolve_links
+from tierflow.link.emulation import add_link_arguments, resolve_links
 from tierflow.link.spec import LinkSpec
 from tierflow.link.trace import LinkTrace
 from tierflow.plan import Plan
 from tierflow.runtime.admission import DEFAULT_MAX_STREAMS, DEFAULT_MAX_STREAMS_PER_PEER
-from tierflow.runtime.providers import CPU
-from tierflow.runtime.sessions import DEFAULT_OPTIMIZATION, check_optimization
-from tierflow.transport.security import Security
+from tierflow.runtime.providers import CPU, add_providers_argument
+from tierflow.runtime.segment_store import add_segment_budget_argument
+from tierflow.runtime.sessions import (
+    DEFAULT_OPTIMIZATION,
+    add_optimization_argument,
+    check_optimization,
+)
+from tierflow.transport.security import Security, add_security_arguments
 from tierflow.transport.wire import DEFAULT_MESSAGE_BYTES
+from tierflow.units import format_duration, format_size, parse_duration, parse_size
 
 #: Requests a tier accepts in flight (all streams together) before answering OVERLOADED.
 DEFAULT_MAX_IN_FLIGHT = 1024
 #: Seconds a reply may wait for its client to read before the stream is cancelled.
 DEFAULT_REPLY_TIMEOUT_S = 5.0
+#: Seconds a tier keeps a session's state without a request (see
+#: [Note: session state on a tier] in tierflow/runtime/state.py).
+DEFAULT_STATE_IDLE_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -48,9 +59,12 @@ class RuntimeOptions:
     OVERLOADED. ``max_streams`` / ``max_streams_per_peer``: streams a server serves at
     once in all and from one host ([Note: stream admission] in ``tierflow.runtime.admission``).
     ``reply_timeout``: seconds a reply may wait for a client that does not read before
-    its stream is cancelled ([Note: slow readers] in ``tierflow.runtime.service``).
+    its stream is cancelled ([Note: slow readers] in ``tierflow.runtime.replies``).
     ``security``: TLS and tokens (``tierflow.transport.security``). ``providers``: ONNX
     Runtime execution providers in order of preference (``tierflow.runtime.providers``).
+    ``state_budget``: bytes of session state the tier keeps, all sessions together (None:
+    no bound), and ``state_idle_s`` how long a session's state is kept without a request
+    ([Note: session state on a tier] in ``tierflow.runtime.state``).
     ``segment_budget``: bytes of segment files the tier keeps (None: no bound; see
     [Note: segments on demand] in ``tierflow.runtime.segment_store``).
     """
@@ -69,6 +83,8 @@ class RuntimeOptions:
     security: Security = field(default_factory=Security)
     providers: tuple[str, ...] = (CPU,)
     segment_budget: int | None = None
+    state_budget: int | None = None
+    state_idle_s: float = DEFAULT_STATE_IDLE_S
 
     def __post_init__(self) -> None:
         if self.threads < 0:
@@ -88,6 +104,10 @@ class RuntimeOptions:
             raise UsageError("providers must name at least one execution provider")
         if self.segment_budget is not None and self.segment_budget < 0:
             raise UsageError(f"segment_budget must be >= 0, got {self.segment_budget}")
+        if self.state_budget is not None and self.state_budget < 0:
+            raise UsageError(f"state_budget must be >= 0, got {self.state_budget}")
+        if not 0 < self.state_idle_s < float("inf"):
+            raise UsageError(f"state_idle_s must be a positive number, got {self.state_idle_s}")
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
         object.__setattr__(self, "providers", tuple(self.providers))
 
@@ -95,21 +115,106 @@ class RuntimeOptions:
     def from_args(cls, args: argparse.Namespace, plan: Plan) -> RuntimeOptions:
         """The options a runtime command was given (links resolved against ``plan``).
 
-        Options a command does not have (``run`` has no ``--workers``) keep their defaults.
+        ``args`` comes from a parser set up by :func:`add_runtime_arguments`; options a
+        command does not have (``run`` has no ``--workers``) keep their defaults.
         """
+        defaults = cls()
         return cls(
             threads=args.threads,
             slowdown=args.slowdown,
             optimization=args.optimization,
-            workers=getattr(args, "workers", None),
-            links=resolve_links(plan, args.link_emulation, args.link),
-            max_tensor_bytes=getattr(args, "max_tensor_bytes", DEFAULT_MAX_TENSOR_BYTES),
-            max_streams=getattr(args, "max_streams", DEFAULT_MAX_STREAMS),
+            workers=getattr(args, "workers", defaults.workers),
+            links=resolve_links(plan, args.link_emulation, args.emulate_link),
+            max_tensor_bytes=getattr(args, "max_tensor_bytes", defaults.max_tensor_bytes),
+            max_streams=getattr(args, "max_streams", defaults.max_streams),
             max_streams_per_peer=getattr(
-                args, "max_streams_per_peer", DEFAULT_MAX_STREAMS_PER_PEER
+                args, "max_streams_per_peer", defaults.max_streams_per_peer
             ),
-            reply_timeout=getattr(args, "reply_timeout", DEFAULT_REPLY_TIMEOUT_S),
+            reply_timeout=getattr(args, "reply_timeout", defaults.reply_timeout),
             security=Security.from_args(args),
-            providers=getattr(args, "providers", (CPU,)),
-            segment_budget=getattr(args, "segment_budget", None),
+            providers=args.providers,
+            segment_budget=args.segment_budget,
+            state_budget=args.state_budget,
+            state_idle_s=args.state_idle,
         )
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser, *, server: bool) -> None:
+    """The flags of a :class:`RuntimeOptions`, with its defaults, for ``serve`` (``server``)
+    or for ``run`` and ``device``.
+
+    The defaults are ``RuntimeOptions()``'s, so ``--help`` shows what a library user gets.
+    """
+    defaults = RuntimeOptions()
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=defaults.threads,
+        help="ONNX Runtime intra-op threads per request (0: one per core)",
+    )
+    if server:
+        parser.add_argument(
+            "--workers",
+            type=int,
+            default=defaults.workers,
+            help="requests run at once (the pipeline's depth on this tier) (default: one per core)",
+        )
+    parser.add_argument(
+        "--slowdown",
+        type=float,
+        default=defaults.slowdown,
+        metavar="X",
+        help="emulate a tier X times slower than this machine (its compute and its codec "
+        "work; plan --slowdown TIER=X says the same for planning)",
+    )
+    add_optimization_argument(parser)
+    add_providers_argument(parser)
+    if server:
+        parser.add_argument(
+            "--max-tensor-bytes",
+            type=parse_size,
+            default=format_size(defaults.max_tensor_bytes),
+            metavar="SIZE",
+            help="largest decoded tensor accepted",
+        )
+        parser.add_argument(
+            "--max-streams",
+            type=int,
+            default=defaults.max_streams,
+            metavar="N",
+            help="streams served at once, all peers together; more are refused OVERLOADED",
+        )
+        parser.add_argument(
+            "--max-streams-per-peer",
+            type=int,
+            default=defaults.max_streams_per_peer,
+            metavar="N",
+            help="streams served at once from one host; more are refused OVERLOADED",
+        )
+        parser.add_argument(
+            "--reply-timeout",
+            type=float,
+            default=defaults.reply_timeout,
+            metavar="S",
+            help="seconds a reply waits for a client that does not read it before its "
+            "stream is cancelled",
+        )
+    add_segment_budget_argument(parser)
+    parser.add_argument(
+        "--state-budget",
+        type=parse_size,
+        default=defaults.state_budget,
+        metavar="SIZE",
+        help="keep at most SIZE of session state (KV caches, recurrent states) on this tier, "
+        "least recently used sessions evicted; an evicted session is replayed by its device "
+        "(default: no bound)",
+    )
+    parser.add_argument(
+        "--state-idle",
+        type=parse_duration,
+        default=format_duration(defaults.state_idle_s),
+        metavar="DURATION",
+        help="drop a session's state after this long without a request (e.g. 90s, 3600s)",
+    )
+    add_link_arguments(parser)
+    add_security_arguments(parser, server=server)

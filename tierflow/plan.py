@@ -16,9 +16,28 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tierflow.codec.base import CodecSpec, ImageNorm
 from tierflow.errors import PlanError, UsageError
 from tierflow.link.spec import LINKS, TIERS, LinkSpec
+from tierflow.state_spec import DecoderSpec, StateSpec
+
+__all__ = [
+    "PLAN_FILE",
+    "PLAN_FORMAT",
+    "PLAN_SET_FORMAT",
+    "DecoderSpec",
+    "ExitSpec",
+    "Plan",
+    "PlanSet",
+    "SegmentSpec",
+    "StateSpec",
+    "load_plan",
+    "load_plan_set",
+    "save_plan",
+    "save_plan_set",
+]
 
 PLAN_FORMAT = "tierflow.plan/1"
 #: A plan set (``tierflow plan --adaptive``): several plans, each with its rate region.
@@ -80,6 +99,40 @@ class ExitSpec:
 
 
 @dataclass(frozen=True)
+class TensorShape:
+    """A tensor that crosses a link: its dtype and declared shape (None: symbolic).
+
+    ``plan.json`` records one for every tensor a request or an answer carries (key
+    ``"tensors"``), so that each tier knows the largest request its plans can send it
+    before any segment is loaded ([Note: a tier's largest request] in
+    tierflow/runtime/limits.py).
+    """
+
+    dtype: str
+    shape: tuple[int | None, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, name: str, data: Any) -> TensorShape:
+        if not isinstance(data, dict) or not isinstance(data.get("dtype"), str):
+            raise PlanError(f"malformed plan: tensor {name!r} needs a 'dtype' and a 'shape'")
+        shape = data.get("shape")
+        if not isinstance(shape, list) or not all(
+            d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 0) for d in shape
+        ):
+            raise PlanError(
+                f"malformed plan: tensor {name!r} shape must list sizes or null, got {shape!r}"
+            )
+        try:
+            np.dtype(data["dtype"])
+        except TypeError as exc:
+            raise PlanError(f"malformed plan: tensor {name!r} has no numpy dtype") from exc
+        return cls(data["dtype"], tuple(shape))
+
+
+@dataclass(frozen=True)
 class SegmentSpec:
     """One segment of the split model: which tier runs it, its file, inputs and outputs.
 
@@ -89,6 +142,11 @@ class SegmentSpec:
     ``tierflow.runtime.segment_store``). :func:`save_plan` records them; plans written before have
     none (None). They describe the file, not what it computes, so they take no part in
     equality or in the plan's id.
+
+    ``state`` lists the state pairs the segment owns (:class:`StateSpec`): each pair's
+    input is among ``inputs`` and its output among ``outputs``, but the tier running the
+    segment feeds the input from its session store and keeps the output there; neither
+    crosses a link ([Note: state pairs] in :mod:`tierflow.state_pairs`).
     """
 
     tier: str
@@ -96,6 +154,7 @@ class SegmentSpec:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     exits: tuple[ExitSpec, ...] = ()
+    state: tuple[StateSpec, ...] = ()
     sha256: str | None = field(default=None, compare=False)
     size: int | None = field(default=None, compare=False)
 
@@ -117,7 +176,25 @@ class SegmentSpec:
         }
         if self.exits:
             data["exits"] = [e.to_dict() for e in self.exits]
+        if self.state:
+            data["state"] = [s.to_dict() for s in self.state]
         return data
+
+    @property
+    def state_inputs(self) -> tuple[str, ...]:
+        """The inputs the tier feeds from its session store, not from the request."""
+        return tuple(s.input for s in self.state)
+
+    @property
+    def state_outputs(self) -> tuple[str, ...]:
+        """The outputs the tier keeps for the session's next request and sends nowhere."""
+        return tuple(s.output for s in self.state)
+
+    @property
+    def sent_outputs(self) -> tuple[str, ...]:
+        """The outputs that leave the segment: its outputs minus its state outputs."""
+        kept = set(self.state_outputs)
+        return tuple(name for name in self.outputs if name not in kept)
 
     @classmethod
     def from_dict(cls, data: Any) -> SegmentSpec:
@@ -140,6 +217,9 @@ class SegmentSpec:
         exits = data.get("exits") or []
         if not isinstance(exits, list):
             raise PlanError(f"malformed plan: segment {file} exits must be a list, got {exits!r}")
+        state = data.get("state") or []
+        if not isinstance(state, list):
+            raise PlanError(f"malformed plan: segment {file} state must be a list, got {state!r}")
         sha256 = data.get("sha256")
         if sha256 is not None and not (
             isinstance(sha256, str) and _SHA256.fullmatch(sha256) is not None
@@ -159,6 +239,7 @@ class SegmentSpec:
             inputs=_str_tuple(data.get("inputs"), "segment inputs"),
             outputs=_str_tuple(data.get("outputs"), "segment outputs"),
             exits=tuple(ExitSpec.from_dict(e) for e in exits),
+            state=tuple(StateSpec.from_dict(s) for s in state),
             sha256=sha256,
             size=size,
         )
@@ -198,9 +279,65 @@ class Plan:
     cuts: tuple[int, ...] = ()
     fidelity: dict[str, Any] = field(default_factory=dict)
     images: dict[str, ImageNorm] = field(default_factory=dict)
+    state_pairs: tuple[tuple[str, str], ...] = ()
+    decoder: DecoderSpec | None = None
+    #: The dtype and shape of every tensor a request or an answer carries (None: a plan
+    #: written before they were recorded). Not part of the plan's id.
+    tensors: dict[str, TensorShape] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         self._check()
+        self._check_state()
+
+    @property
+    def states(self) -> tuple[StateSpec, ...]:
+        """Every segment's state pairs, in segment order."""
+        return tuple(s for segment in self.segments for s in segment.state)
+
+    def _check_state(self) -> None:
+        """Each pair on exactly one segment, never crossing; the decoder's tensors exist."""
+        owned = {
+            (s.input, s.output): segment.file for segment in self.segments for s in segment.state
+        }
+        if len(owned) != len(self.states):
+            raise PlanError("malformed plan: a state pair appears in more than one segment")
+        listed = set(self.state_pairs)
+        if len(listed) != len(self.state_pairs):
+            raise PlanError(f"malformed plan: state_pairs lists a pair twice: {self.state_pairs}")
+        if set(owned) != listed:
+            strays = sorted(set(owned) ^ listed)
+            raise PlanError(
+                f"malformed plan: state pairs {strays} are not both in 'state_pairs' and in "
+                "one segment's 'state'"
+            )
+        names = {name for pair in listed for name in pair}
+        leaked = sorted(names & (set(self.inputs) | set(self.outputs)))
+        if leaked:
+            raise PlanError(
+                f"malformed plan: state tensors {leaked} are among the plan's inputs or "
+                "outputs; a state stays on its tier"
+            )
+        for segment in self.segments:
+            for state in segment.state:
+                if state.input not in segment.inputs or state.output not in segment.outputs:
+                    raise PlanError(
+                        f"malformed plan: segment {segment.file} owns state "
+                        f"{state.input} -> {state.output} but does not take the one and "
+                        "make the other"
+                    )
+        if self.decoder is not None:
+            self._check_decoder(self.decoder)
+
+    def _check_decoder(self, decoder: DecoderSpec) -> None:
+        wanted = [decoder.tokens, *decoder.companions]
+        missing = [name for name in wanted if name not in self.inputs]
+        if missing or decoder.logits not in self.outputs:
+            raise PlanError(
+                f"malformed plan: decoder tensors {missing or [decoder.logits]} are not among "
+                f"the plan's inputs {list(self.inputs)} and outputs {list(self.outputs)}"
+            )
+        if not any(s.growing for s in self.states):
+            raise PlanError("malformed plan: a decoder plan needs a growing state (a KV cache)")
 
     def _check(self) -> None:
         if not self.segments:
@@ -216,13 +353,14 @@ class Plan:
             raise PlanError(f"malformed plan: segment files must be distinct, found {files}")
         available = set(self.inputs)
         for segment in self.segments:
-            missing = [name for name in segment.inputs if name not in available]
+            own = set(segment.state_inputs)
+            missing = [name for name in segment.inputs if name not in available | own]
             if missing:
                 raise PlanError(
                     f"malformed plan: segment {segment.file} needs {missing}, which no earlier "
                     "segment or model input provides"
                 )
-            available.update(segment.outputs)
+            available.update(segment.sent_outputs)
             exit_names = {e.name for e in segment.exits}
             if not exit_names <= set(segment.outputs):
                 raise PlanError(
@@ -272,6 +410,32 @@ class Plan:
             sort_keys=True,
         )
         return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def carried(self, index: int) -> tuple[str, ...]:
+        """Tensors a request entering at segment ``index`` carries, sorted.
+
+        [Note: what crosses to the next tier]
+        A request entering the tier whose first segment is ``index`` carries every tensor
+        that a segment at ``index`` or later reads, plus every model output already
+        computed before ``index`` (the answer must contain all model outputs). A state
+        input is never carried: the tier that owns it feeds it ([Note: state pairs] in
+        tierflow/state_pairs.py).
+        """
+        available = set(self.inputs)
+        for spec in self.segments[:index]:
+            available.update(spec.outputs)
+        needed: set[str] = set()
+        for spec in self.segments[index:]:
+            needed.update(spec.inputs)
+        needed.update(self.outputs)
+        return tuple(sorted(needed & available))
+
+    def entry(self, tier: str) -> int:
+        """The index of the first segment ``tier`` or a tier after it runs (the segment a
+        request arriving at ``tier`` names); the number of segments when there is none."""
+        rank = TIERS.index(tier)
+        later = [i for i, s in enumerate(self.segments) if TIERS.index(s.tier) >= rank]
+        return later[0] if later else len(self.segments)
 
     def segments_for(self, tier: str) -> list[tuple[int, SegmentSpec]]:
         """The segments a tier runs, with their indices, in order; empty if it has no work.
@@ -327,6 +491,13 @@ class Plan:
             "cuts": list(self.cuts),
             **({"fidelity": dict(self.fidelity)} if self.fidelity else {}),
             **({"image_inputs": self._images_dict()} if self.images else {}),
+            **({"state_pairs": [list(p) for p in self.state_pairs]} if self.state_pairs else {}),
+            **({"decoder": self.decoder.to_dict()} if self.decoder is not None else {}),
+            **(
+                {"tensors": {n: s.to_dict() for n, s in sorted(self.tensors.items())}}
+                if self.tensors
+                else {}
+            ),
         }
 
     @classmethod
@@ -369,6 +540,19 @@ class Plan:
             norms = {str(name): ImageNorm.from_dict(norm) for name, norm in images.items()}
         except UsageError as exc:
             raise PlanError(f"malformed plan: image_inputs: {exc}") from exc
+        pairs = data.get("state_pairs") or []
+        if not isinstance(pairs, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(n, str) and n for n in p)
+            for p in pairs
+        ):
+            raise PlanError(
+                f"malformed plan: 'state_pairs' must be a list of [input, output] names, "
+                f"got {pairs!r}"
+            )
+        decoder = data.get("decoder")
+        tensors = data.get("tensors") or {}
+        if not isinstance(tensors, dict):
+            raise PlanError("malformed plan: 'tensors' must be an object keyed by tensor name")
         return cls(
             model_file=str(model.get("file", "")),
             model_sha256=model["sha256"],
@@ -381,6 +565,9 @@ class Plan:
             cuts=tuple(cuts),
             fidelity=dict(fidelity),
             images=norms,
+            state_pairs=tuple((p[0], p[1]) for p in pairs),
+            decoder=DecoderSpec.from_dict(decoder) if decoder is not None else None,
+            tensors={str(n): TensorShape.from_dict(str(n), s) for n, s in tensors.items()},
         )
 
 
@@ -472,7 +659,8 @@ def save_plan(plan: Plan, plan_dir: str | Path) -> Path:
     directory = Path(plan_dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / PLAN_FILE
-    path.write_text(json.dumps(with_digests(plan, directory).to_dict(), indent=2) + "\n")
+    recorded = with_tensors(with_digests(plan, directory), directory)
+    path.write_text(json.dumps(recorded.to_dict(), indent=2) + "\n")
     return path
 
 
@@ -486,12 +674,50 @@ def save_plan_set(plans: PlanSet, plan_dir: str | Path) -> Path:
     path = directory / PLAN_FILE
     digests: dict[str, tuple[str, int]] = {}
     recorded = PlanSet(
-        tuple(with_digests(plan, directory, digests) for plan in plans.plans),
+        tuple(
+            with_tensors(with_digests(plan, directory, digests), directory) for plan in plans.plans
+        ),
         plans.regions,
         plans.default,
     )
     path.write_text(json.dumps(recorded.to_dict(), indent=2) + "\n")
     return path
+
+
+def with_tensors(plan: Plan, directory: Path) -> Plan:
+    """``plan`` with the dtype and declared shape of every tensor its requests carry.
+
+    Read from the segment files in ``directory`` when the plan records none yet (a plan
+    the planner wrote has them from its graph); a plan whose files are not all there is
+    returned as it is. See [Note: a tier's largest request] in tierflow/runtime/limits.py.
+    """
+    if plan.tensors or not all((directory / s.file).is_file() for s in plan.segments):
+        return plan
+    import onnxruntime as ort
+
+    from tierflow.state_pairs import ort_sig
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    found: dict[str, TensorShape] = {}
+    for spec in plan.segments:
+        kept = set(spec.state_inputs) | set(spec.state_outputs)
+        try:
+            session = ort.InferenceSession(
+                str(directory / spec.file), options, providers=["CPUExecutionProvider"]
+            )
+        except Exception:  # a file ONNX Runtime cannot load is reported when it is run
+            return plan
+        for arg in [*session.get_inputs(), *session.get_outputs()]:
+            sig = ort_sig(arg)
+            if sig.name in kept or sig.name in found or sig.shape is None:
+                continue
+            dims = tuple(d if isinstance(d, int) and d >= 0 else None for d in sig.shape)
+            try:
+                found[sig.name] = TensorShape(str(np.dtype(sig.dtype)), dims)
+            except TypeError:
+                continue  # a type numpy has no name for (strings, maps): no bound for it
+    return replace(plan, tensors=found)
 
 
 def file_digest(path: Path) -> tuple[str, int]:

@@ -4,7 +4,16 @@ Rates are bits per second (``20mbit``, ``1gbit``, ``500kbit``, ``100Mbps``; deci
 prefixes, as ``tc`` and link vendors use them), or bytes per second with a capital B
 (``2.5MB/s`` is 20 Mbit/s, ``1MiB/s`` binary). Durations are seconds (``5ms``, ``1.5s``, ``200us``).
 Sizes are bytes (``64MiB``, ``1.5GB``, ``512k``; ``KiB``/``MiB``/``GiB`` are binary,
-``kB``/``MB``/``GB`` decimal, a bare ``k``/``m``/``g`` binary).
+``kB``/``MB``/``GB`` decimal, a bare ``k``/``m``/``g`` binary) and always carry a unit:
+``64B`` is 64 bytes, and a bare ``64`` is refused (see [Note: sizes carry a unit]).
+Every error quotes the text it refuses clipped (:func:`tierflow.errors.shown`).
+
+[Note: sizes carry a unit]
+Every size tierflow reads is large in practice (a tier's memory, a segment budget, the
+largest tensor, a cache, a probe's payload), so a bare number is far more likely a
+forgotten unit than a count of bytes: ``--memory device=64`` read as 64 bytes made the
+planner put nothing on the device and say nothing. A size without a unit is therefore an
+error that suggests the units, for every flag alike; ``B`` states bytes explicitly.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 
-from tierflow.errors import UsageError
+from tierflow.errors import UsageError, shown
 
 _NUMBER = r"(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(?P<unit>[A-Za-zµ/]*)"
 
@@ -27,7 +36,6 @@ _RATE_EXAMPLES = "'20mbit', '1gbit', '500kbit', '100Mbps' or, in bytes, '2.5MB/s
 _DURATION_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 _SIZE_UNITS = {
-    "": 1,
     "b": 1,
     "k": 1024,
     "kib": 1024,
@@ -45,10 +53,12 @@ def _split(text: str, what: str, example: str) -> tuple[float, str]:
     """The number and the unit as typed (case kept: ``MB/s`` is bytes, ``Mb/s`` bits)."""
     match = re.fullmatch(_NUMBER, text.strip())
     if match is None:
-        raise UsageError(f"malformed {what} {text!r}: expected a number and a unit, like {example}")
+        raise UsageError(
+            f"malformed {what} {shown(text)}: expected a number and a unit, like {example}"
+        )
     value = float(match["num"])
     if not math.isfinite(value):
-        raise UsageError(f"malformed {what} {text!r}: the number is too large")
+        raise UsageError(f"malformed {what} {shown(text)}: the number is too large")
     return value, match["unit"]
 
 
@@ -64,7 +74,7 @@ def parse_rate(text: str) -> float:
     if match is None:
         hint = "; a rate needs '/s' when given in bytes, like 20MB/s" if unit[-1:] == "B" else ""
         raise UsageError(
-            f"malformed rate {text!r}: unknown unit {unit!r}, expected bits per second "
+            f"malformed rate {shown(text)}: unknown unit {shown(unit)}, expected bits per second "
             f"(kbit, mbit, gbit, Mbps) or bytes per second (kB/s, MB/s, MiB/s){hint}"
         )
     prefix = match["prefix"].lower()
@@ -74,7 +84,7 @@ def parse_rate(text: str) -> float:
     per_unit = 8.0 if match["base"].startswith(("B", "byte")) else 1.0
     rate = value * scale * per_unit
     if rate <= 0:
-        raise UsageError(f"malformed rate {text!r}: a rate must be positive")
+        raise UsageError(f"malformed rate {shown(text)}: a rate must be positive")
     return rate
 
 
@@ -84,23 +94,33 @@ def parse_duration(text: str) -> float:
     unit = unit.lower()
     if unit not in _DURATION_UNITS:
         raise UsageError(
-            f"malformed duration {text!r}: unknown unit {unit!r}, expected one of s, ms, us"
+            f"malformed duration {shown(text)}: unknown unit {shown(unit)}, "
+            "expected one of s, ms, us"
         )
     return value * _DURATION_UNITS[unit]
 
 
 def parse_size(text: str) -> int:
-    """Return a size in bytes from text like ``64MiB``."""
+    """Return a size in bytes from text like ``64MiB``; the unit is required.
+
+    A bare number is refused ([Note: sizes carry a unit]); ``64B`` is 64 bytes.
+    """
     value, unit = _split(text, "size", "'64MiB', '1GiB' or '512kB'")
+    if not unit:
+        raise UsageError(
+            f"a size needs a unit: {shown(text)} would be {value:g} bytes; write "
+            f"'{value:g}MiB' (or '{value:g}KiB', '{value:g}GiB'), or '{value:g}B' if bytes "
+            "are meant"
+        )
     unit = unit.lower()
     if unit not in _SIZE_UNITS:
         raise UsageError(
-            f"malformed size {text!r}: unknown unit {unit!r}, "
-            "expected one of KiB, MiB, GiB, kB, MB, GB"
+            f"malformed size {shown(text)}: unknown unit {shown(unit)}, "
+            "expected one of B, KiB, MiB, GiB, kB, MB, GB"
         )
     size = int(value * _SIZE_UNITS[unit])
     if size <= 0:
-        raise UsageError(f"malformed size {text!r}: a size must be positive")
+        raise UsageError(f"malformed size {shown(text)}: a size must be positive")
     return size
 
 

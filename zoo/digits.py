@@ -23,16 +23,12 @@ concurrent callers neither train twice nor see half-written files.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +36,9 @@ from typing import Any
 import numpy as np
 
 from tierflow.errors import ModelError
+from tierflow.zoo.cache_files import exclusive_lock as _exclusive_lock
+from tierflow.zoo.cache_files import sha256_file as _sha256
+from tierflow.zoo.cache_files import write_atomic as _write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -258,37 +257,6 @@ def _valid_meta(directory: Path) -> DemoMeta | None:
             logger.warning("[demo] cached %s is corrupt (sha256 mismatch): rebuilding", name)
             return None
     return meta
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-@contextlib.contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Write through ``write(tmp)`` to a temporary file beside ``path``, then rename."""
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes files private; the cache is not secret
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _save_npz(path: Path, **arrays: np.ndarray) -> None:

@@ -59,6 +59,7 @@ def load_planning_graph(
     *,
     shapes: Mapping[str, Sequence[int]] | None = None,
     sample: Mapping[str, np.ndarray] | None = None,
+    state: Sequence[tuple[str, str]] = (),
 ) -> ModelGraph:
     """Load a model for profiling and planning: its trunk when it has exits.
 
@@ -70,7 +71,7 @@ def load_planning_graph(
     path = Path(path)
     exits = read_exits(_load(path, weights=False))
     if not exits:
-        return load_model(path, shapes=shapes, sample=sample)
+        return load_model(path, shapes=shapes, sample=sample, state=state)
     proto = _load(path, weights=True)
     trunk = trunk_model(proto, exits)
     with tempfile.TemporaryDirectory(prefix="tierflow-trunk-") as tmp:
@@ -79,7 +80,7 @@ def load_planning_graph(
             onnx.save_model(trunk, str(trunk_path))
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot write the trunk of {path}: {exc}") from exc
-        graph = load_model(trunk_path, shapes=shapes, sample=sample)
+        graph = load_model(trunk_path, shapes=shapes, sample=sample, state=state)
     graph = dataclasses.replace(
         graph, path=str(path), sha256=_sha256(path), exits=tuple(exits), exited_model=proto
     )

@@ -52,7 +52,7 @@ def test_a_grafted_bottleneck_splits_serves_and_reports_its_fidelity(
     budget = fits + graph.weight_bytes(code_cut.index, code_cut.index + 1) // 2
     plan_dir = tmp_path / "plan"
     args = ["plan", str(grafted), "-o", str(plan_dir), "--codec", "zstd"]
-    args += ["--link", "device-edge=200kbit,5ms", "--memory", f"device={budget}"]
+    args += ["--link", "device-edge=200kbit,5ms", "--memory", f"device={budget}B"]
     assert main(args) == 0, capsys.readouterr().err
     plan = load_plan(plan_dir)
     assert plan.segments[0].tier == "device"

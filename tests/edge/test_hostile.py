@@ -128,8 +128,8 @@ def test_many_tensor_messages_cost_no_more_than_the_plan_allows(cloud_stub: Any)
     many.tensors.append(one)
     head = tier_pb2.Request(id="many", plan_id=plan_id, segment=2).SerializeToString()
     field = many.SerializeToString()[len(head) :]  # one tensor, as it appears on the wire
-    count = 500_000
-    message = head + field * count  # one request of half a million one-element tensors
+    count = 100_000  # 2.8 MB: within what gRPC takes here, refused by the tensor count
+    message = head + field * count  # one request of a hundred thousand one-element tensors
     started = time.monotonic()
     replies = list(raw(iter([message, _valid(plan_id, "after")]), timeout=30))
     elapsed = time.monotonic() - started
@@ -184,3 +184,51 @@ def test_an_undecodable_probe_message_ends_its_probe_with_one_line(
     finally:
         channel.close()
         server.stop(0)
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident memory (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc: not Linux?")
+
+
+def test_a_message_larger_than_any_plan_request_is_refused_before_it_is_parsed(
+    tmp_path: Path, rt: Any
+) -> None:
+    """Four 57 MB messages of two million tiny tensors each: gRPC refuses every one as it
+    arrives ([Note: a tier's largest request]), the edge's memory never nears the 535 MB
+    that parsing one took, and the edge still answers (issue 20, item 12)."""
+    split = rt.cnn(tmp_path / "plan")
+    plan = load_plan(split.plan_dir)
+    assert plan.tensors  # what the bound is worked out from
+    head = tier_pb2.Request(id="many", plan_id=plan.plan_id, segment=1).SerializeToString()
+    one = tier_pb2.Request()
+    one.tensors.add(name="t", dtype="float32", shape=[1], codec="raw", data=bytes(4))
+    message = head + one.SerializeToString() * 2_000_000
+    assert len(message) > 50_000_000
+    with rt.processes() as start:
+        cloud = start("cloud", split.plan_dir)
+        edge = start("edge", split.plan_dir, "--upstream", cloud.address)
+        channel = grpc.insecure_channel(edge.address, options=grpc_options())
+        raw = channel.stream_stream(
+            "/tierflow.rpc.Tier/Infer",
+            request_serializer=None,
+            response_deserializer=tier_pb2.Reply.FromString,
+        )
+        try:
+            before = _peak_rss_bytes(edge.process.pid)
+            for _ in range(4):
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(raw(iter([message]), timeout=30))
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            peak = _peak_rss_bytes(edge.process.pid)
+            assert peak < 400 * 1024 * 1024, f"edge peaked at {peak / 2**20:.0f} MiB"
+            assert peak - before < 200 * 1024 * 1024
+            good = _edge_request(split.plan_dir, split.sample(0)[0])
+            good.id = "good"
+            (reply,) = tier_pb2_grpc.TierStub(channel).Infer(iter([good]), timeout=20)
+            assert not reply.HasField("error")
+        finally:
+            channel.close()

@@ -1,6 +1,7 @@
-"""Both ways a tier writes replies give the same answers ([Note: replies written where
-they are made] in tierflow/runtime/service.py): grpc's non-blocking handler form, and the
-reader-thread-and-queue fallback for a grpc that does not offer it."""
+"""Both ways a tier writes replies give the same answers ([Note: slow readers] in
+tierflow/runtime/replies.py): grpc's non-blocking handler form, with replies written by
+the threads that make them, and the queue drained by grpc's own thread for a grpc that
+does not offer that form."""
 
 from __future__ import annotations
 
@@ -34,14 +35,32 @@ def _run_exactly(rt: Any, tmp_path: Path) -> set[str]:
     return names
 
 
-def test_replies_are_written_by_the_threads_that_make_them(rt: Any, tmp_path: Path) -> None:
+def _count_queued(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record each stream served through the queue (``TierService._serve_queued``)."""
+    queued: list[str] = []
+    serve_queued = TierService._serve_queued
+
+    def spy(self: TierService, *args: Any, **kwargs: Any) -> Any:
+        queued.append(self.tier)
+        return serve_queued(self, *args, **kwargs)
+
+    monkeypatch.setattr(TierService, "_serve_queued", spy)
+    return queued
+
+
+def test_replies_are_written_by_the_threads_that_make_them(
+    rt: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queued = _count_queued(monkeypatch)
     names = _run_exactly(rt, tmp_path)
-    assert not any(name.endswith("-stream") for name in names)  # no reader thread
+    assert queued == []
+    assert "cloud-replies" not in names  # the cloud's threads write their own replies
 
 
 def test_the_queued_fallback_answers_the_same(
     rt: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    queued = _count_queued(monkeypatch)
     monkeypatch.setattr(TierService.Infer, "experimental_non_blocking", False)
-    names = _run_exactly(rt, tmp_path)
-    assert {"edge-stream", "cloud-stream"} <= names
+    _run_exactly(rt, tmp_path)
+    assert sorted(set(queued)) == ["cloud", "edge"]

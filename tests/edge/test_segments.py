@@ -532,7 +532,7 @@ def test_a_budgeted_device_fetches_again_what_a_switch_back_needs(
         args = ["run", "--plan", str(device_dir), "--edge", edge, "--window", "1"]
         args += ["--input", str(tmp_path / "in.npz"), "--output", str(tmp_path / "out.npz")]
         args += ["--report", str(tmp_path / "r.jsonl"), "--link-emulation", f"trace={trace}"]
-        args += ["--segment-budget", str(budget)]
+        args += ["--segment-budget", f"{budget}B"]
         assert main(args) == 0
     lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     plans = [line["plan"] for line in sorted(lines, key=lambda line: int(line["id"]))]

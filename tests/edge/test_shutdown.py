@@ -16,8 +16,9 @@ import numpy as np
 
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.runtime.replies import StreamReplies
 from tierflow.runtime.segment_runner import TierRunner
-from tierflow.runtime.service import TierService, _StreamReplies
+from tierflow.runtime.service import TierService
 from tierflow.transport.wire import grpc_options, put_tensors
 
 
@@ -142,10 +143,12 @@ def test_drain_waits_for_a_reply_handed_to_the_stream_writer(tmp_path: Path, rt:
         release.wait(5)
         written.append(reply.id)
 
-    replies = _StreamReplies(slow_write, "test-replies", _OpenStream())  # type: ignore[arg-type]
+    replies = StreamReplies(slow_write, "test-replies", _OpenStream())  # type: ignore[arg-type]
     service._watch(replies)
     try:
-        worker = threading.Thread(target=replies.put, args=(tier_pb2.Reply(id="r"), 0))
+        worker = threading.Thread(
+            target=replies.put, args=(tier_pb2.Reply(id="r"),), kwargs={"own": False}
+        )
         worker.start()  # not the stream's own thread: handed to the writer thread
         worker.join()
         assert service.in_flight == 0
@@ -161,12 +164,14 @@ def test_drain_waits_for_a_reply_handed_to_the_stream_writer(tmp_path: Path, rt:
 def test_a_stream_closed_with_a_reply_handed_to_its_writer_drops_it_quietly() -> None:
     """The writer thread finds the reply gone with the stream, and ends without an error."""
     for _ in range(20):
-        replies = _StreamReplies(
+        replies = StreamReplies(
             lambda reply: None,
             "test-replies",
             _EndedStream(),  # type: ignore[arg-type]
         )
-        worker = threading.Thread(target=replies.put, args=(tier_pb2.Reply(id="r"), 0))
+        worker = threading.Thread(
+            target=replies.put, args=(tier_pb2.Reply(id="r"),), kwargs={"own": False}
+        )
         worker.start()
         worker.join()
         replies.close()  # the client is gone: nothing waits for the writer

@@ -1,6 +1,6 @@
 """A client that sends requests but never reads its replies costs nobody else anything.
 
-See [Note: slow readers] in tierflow/runtime/service.py: the edge's thread that receives the
+See [Note: slow readers] in tierflow/runtime/replies.py: the edge's thread that receives the
 cloud's replies never waits for one device, and the stream that does not read is
 cancelled once a reply has waited ``reply_timeout`` for it.
 """

@@ -59,7 +59,7 @@ def test_replanning_leaves_exactly_the_new_plan(model: Path, tmp_path: Path, cap
         (plan_dir / name).write_bytes(b"old")
     # A rate in bytes per second without an RTT: 160 Mbit/s, the default RTT kept and said.
     argv = ["plan", str(model), "-o", str(plan_dir), "--link", "device-edge=20MB/s"]
-    argv += ["--emulate", "device=1", "--emulate", "edge=1", "--emulate", "cloud=1"]
+    argv += ["--slowdown", "device=1", "--slowdown", "edge=1", "--slowdown", "cloud=1"]
     code = main(argv)
     out, err = capsys.readouterr()
     assert code == 0, err

@@ -31,7 +31,7 @@ def test_plan_adaptive_writes_a_set_with_regions_and_shared_segments(
     out = tmp_path / "set"
     # 10 kbit/s makes sending anything cost seconds; 100 Gbit/s with no RTT makes it free
     # next to a device emulated 50x slower than this machine.
-    args = ["plan", str(model), "-o", str(out), "--adaptive", "--emulate", "device=50"]
+    args = ["plan", str(model), "-o", str(out), "--adaptive", "--slowdown", "device=50"]
     args += ["--grid", "device-edge=10kbit,100gbit/0ms", "--grid", "edge-cloud=100gbit/0ms"]
     assert main(args) == 0
     printed = capsys.readouterr().out
@@ -73,7 +73,7 @@ def test_plan_adaptive_writes_a_set_with_regions_and_shared_segments(
         got = run_segments(chain, {"x": x})["h2"]
         assert got.tobytes() == want.tobytes()
     # Planning again replaces the set whole; --grid needs --adaptive.
-    assert main(["plan", str(model), "-o", str(out), "--emulate", "device=50"]) == 0
+    assert main(["plan", str(model), "-o", str(out), "--slowdown", "device=50"]) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["plan.json", *(s.file for s in load_plan(out).segments)]
     )

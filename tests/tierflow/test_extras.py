@@ -89,6 +89,7 @@ def test_missing_extra_names_the_extra() -> None:
         "image",
         "models",
         "camera",
+        "tokenizer",
     }
 
 

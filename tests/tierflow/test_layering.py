@@ -4,8 +4,9 @@ Read from the source with :mod:`ast` (every ``import``, also those inside functi
 a lazy import cannot hide a dependency. The core is ``tierflow/``; the runtime tiers are
 ``device/``, ``edge/`` and ``cloud/``, which must run on a Raspberry Pi without the
 offline planner, torch or onnx (``zoo/``, ``tierflow.zoo``, holds the models built with
-torch, beside the demos and benchmarks that use them; no tier loads it). The CLI names its command modules as strings
-(``tierflow.cli.main.COMMAND_MODULES``), so wiring commands is no import of a tier.
+torch, beside the demos and benchmarks that use them; no tier loads it). The CLI names its
+command modules as strings (``tierflow.cli.main.COMMAND_MODULES``), so wiring commands is
+no import of a tier.
 """
 
 from __future__ import annotations

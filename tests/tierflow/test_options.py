@@ -55,7 +55,7 @@ def test_links_are_a_read_only_copy() -> None:
 def test_serve_and_run_build_the_options_from_their_flags() -> None:
     parser = build_parser()
     flags = "--threads 3 --slowdown 4 --workers 5 --optimization basic --max-tensor-bytes 1MiB"
-    flags += " --link-emulation plan --link device-edge=1mbit,4ms --token-file t"
+    flags += " --link-emulation plan --emulate-link device-edge=1mbit,4ms --token-file t"
     flags += " --reply-timeout 2.5"
     serve = parser.parse_args(["serve", "edge", "--plan", "p", *flags.split()])
     options = RuntimeOptions.from_args(serve, PLAN)
@@ -75,3 +75,53 @@ def test_serve_and_run_build_the_options_from_their_flags() -> None:
     bad = parser.parse_args(["serve", "cloud", "--plan", "p", "--workers", "0"])
     with pytest.raises(UsageError, match="workers must be >= 1"):
         RuntimeOptions.from_args(bad, PLAN)
+
+
+def test_runtime_flags_default_to_runtime_options() -> None:
+    """``serve``, ``run``, ``device`` and ``generate`` with no flags make ``RuntimeOptions()``.
+
+    Their defaults are read from the dataclass, not written again in each command (so
+    ``--help`` shows what a library user gets): ``--workers`` is None (one per core)
+    and ``--max-tensor-bytes`` the codec's bound, not a second literal.
+    """
+    parser = build_parser()
+    for argv in (
+        ["serve", "edge", "--plan", "p"],
+        ["serve", "cloud", "--plan", "p"],
+        ["run", "--plan", "p", "--input", "in.npz"],
+        ["device", "--plan", "p", "--source", "-"],
+        ["generate", "--plan", "p", "--prompt-ids", "1,2"],
+    ):
+        assert RuntimeOptions.from_args(parser.parse_args(argv), PLAN) == RuntimeOptions(), argv
+    serve = parser.parse_args(["serve", "edge", "--plan", "p"])
+    assert serve.workers is None and serve.max_tensor_bytes == RuntimeOptions().max_tensor_bytes
+
+
+def test_old_link_spelling_on_a_runtime_still_works_with_a_notice(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--link`` on ``serve``/``run``/``device`` is ``--emulate-link``, with one line on stderr."""
+    parser = build_parser()
+    old = ["--link", "device-edge=1mbit,4ms", "--link", "edge-cloud=5mbit"]
+    new = ["--emulate-link", "device-edge=1mbit,4ms", "--emulate-link", "edge-cloud=5mbit"]
+    for command in (["serve", "edge", "--plan", "p"], ["run", "--plan", "p", "--input", "i"]):
+        before = parser.parse_args([*command, *old])
+        notice = capsys.readouterr().err
+        after = parser.parse_args([*command, *new])
+        assert before.emulate_link == after.emulate_link
+        assert RuntimeOptions.from_args(before, PLAN) == RuntimeOptions.from_args(after, PLAN)
+        assert notice.count("\n") == 1 and "--link is deprecated" in notice
+        assert "--emulate-link" in notice and capsys.readouterr().err == ""
+
+
+def test_an_emulated_link_needs_no_other_flag() -> None:
+    """``--emulate-link`` alone shapes that link only.
+
+    See [Note: emulated links] in ``tierflow.link.emulation``.
+    """
+    parser = build_parser()
+    args = parser.parse_args(
+        ["run", "--plan", "p", "--input", "i", "--emulate-link", "device-edge=2mbit"]
+    )
+    options = RuntimeOptions.from_args(args, PLAN)
+    assert dict(options.links) == {"device-edge": LinkSpec(2e6, 0.01)}  # the plan's RTT kept

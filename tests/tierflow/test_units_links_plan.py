@@ -12,16 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierflow.codec.base import CodecSpec
-from tierflow.errors import PlanError, UsageError
+from tierflow.errors import PlanError, UsageError, shown
 from tierflow.link.spec import (
     LINKS,
     TIERS,
+    LinkOption,
     LinkSpec,
+    apply_links,
     check_link,
     check_tier,
     downstream_link,
-    parse_link_option,
-    rtt_given,
     upstream_link,
 )
 from tierflow.plan import PLAN_FILE, PLAN_FORMAT, ExitSpec, Plan, SegmentSpec, load_plan, save_plan
@@ -93,8 +93,8 @@ def test_parse_duration_refuses_malformed_text(text: str) -> None:
         ("1.5GB", 1_500_000_000),
         ("512k", 512 * 1024),
         ("512kB", 512_000),
-        ("100", 100),
         ("100B", 100),
+        ("100b", 100),
         ("2m", 2 * 2**20),
     ],
 )
@@ -102,10 +102,34 @@ def test_parse_size(text: str, nbytes: int) -> None:
     assert parse_size(text) == nbytes
 
 
-@pytest.mark.parametrize("text", ["0", "0.1", "64Mo", "big", "1e400", "1e400GiB"])
+@pytest.mark.parametrize("text", ["0B", "0.1B", "64Mo", "big", "1e400", "1e400GiB"])
 def test_parse_size_refuses_malformed_text(text: str) -> None:
     with pytest.raises(UsageError, match="size"):
         parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["64", "0", "1.5", " 100 "])
+def test_a_size_without_a_unit_is_refused_with_the_units_to_write(text: str) -> None:
+    """``--memory device=64`` was 64 bytes, and an edge-only plan.
+
+    See [Note: sizes carry a unit] in ``tierflow.units``.
+    """
+    number = text.strip()
+    with pytest.raises(UsageError, match="a size needs a unit") as caught:
+        parse_size(text)
+    assert f"'{number}MiB'" in str(caught.value) and f"'{number}B'" in str(caught.value)
+
+
+def test_errors_quote_a_long_value_clipped() -> None:
+    """A 10 KB value is quoted by its start and its length, on one short line."""
+    junk = "x" * 10_000
+    for parse in (parse_size, parse_rate, parse_duration):
+        with pytest.raises(UsageError) as caught:
+            parse(junk)
+        message = str(caught.value)
+        assert len(message) < 300 and "(10,000 characters)" in message and "\n" not in message
+    assert shown("short") == "'short'"
+    assert shown("y" * 61).startswith("'yyy") and shown("y" * 61).endswith("(61 characters)")
 
 
 @settings(max_examples=200, deadline=None)
@@ -174,20 +198,28 @@ def test_link_spec_refuses_nan() -> None:
         LinkSpec(1e6, float("nan"))
 
 
-def test_parse_link_option() -> None:
-    assert parse_link_option("device-edge=20mbit,5ms") == ("device-edge", LinkSpec(20e6, 0.005))
-    # A rate alone keeps the link's RTT from the defaults given, not a silent 0 ms.
+def test_a_link_option_records_whether_an_rtt_was_given() -> None:
+    given = LinkOption.parse("device-edge=20mbit,5ms")
+    assert given == LinkOption("device-edge", 20e6, 0.005) and given.rtt_given
+    assert given.spec() == LinkSpec(20e6, 0.005)
+    rate_only = LinkOption.parse("device-edge=20MB/s")
+    assert rate_only == LinkOption("device-edge", 160e6, None) and not rate_only.rtt_given
+    # A rate alone keeps the link's RTT from the links given, not a silent 0 ms.
     defaults = {"device-edge": LinkSpec(1e6, 0.01), "edge-cloud": LinkSpec(1e9, 0.03)}
-    assert parse_link_option("device-edge=20MB/s", defaults) == (
-        "device-edge",
-        LinkSpec(160e6, 0.01),
-    )
-    assert parse_link_option("edge-cloud=1gbit,0ms", defaults)[1].rtt_s == 0.0
-    assert not rtt_given("device-edge=20mbit") and rtt_given("device-edge=20mbit,1ms")
-    assert parse_link_option(" edge-cloud =1gbit")[0] == "edge-cloud"
-    for text in ("device-edge", "device-edge=", "=20mbit", "phone-edge=20mbit"):
+    assert rate_only.spec(defaults) == LinkSpec(160e6, 0.01)
+    assert LinkOption.parse("edge-cloud=1gbit,0ms").spec(defaults).rtt_s == 0.0
+    assert LinkOption.parse(" edge-cloud =1gbit").name == "edge-cloud"
+    assert str(rate_only) == "device-edge=160mbit" and str(given) == "device-edge=20mbit,5ms"
+    assert LinkOption.parse(str(given)) == given
+    # Later values win, and a rate-only value keeps the RTT the link has by then.
+    options = [LinkOption.parse("device-edge=1mbit,40ms"), LinkOption.parse("device-edge=2mbit")]
+    assert apply_links(defaults, options)["device-edge"] == LinkSpec(2e6, 0.04)
+    assert apply_links(defaults, options)["edge-cloud"] == defaults["edge-cloud"]
+    for text in ("device-edge", "device-edge=", "=20mbit", "phone-edge=20mbit", "device-edge=,5ms"):
         with pytest.raises(UsageError):
-            parse_link_option(text)
+            LinkOption.parse(text)
+    with pytest.raises(UsageError, match="malformed --emulate-link 'x'"):
+        LinkOption.parse("x", option="--emulate-link")
 
 
 # --------------------------------------------------------------------------- plan

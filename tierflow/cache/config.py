@@ -37,7 +37,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from tierflow.cache.approx import DEFAULT_DIM, ApproxCache
 from tierflow.cache.base import FeatureCache
 from tierflow.cache.memory import Clock, MemoryCache
-from tierflow.errors import UsageError
+from tierflow.errors import UsageError, shown
 from tierflow.units import format_duration, format_size, parse_duration, parse_size
 
 KINDS = ("off", "exact", "approx", "redis")
@@ -70,7 +70,9 @@ class CacheSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise UsageError(f"cache kind: expected one of {', '.join(KINDS)}, found {self.kind!r}")
+            raise UsageError(
+                f"cache kind: expected one of {', '.join(KINDS)}, found {shown(self.kind)}"
+            )
         if self.kind != "off" and self.budget_bytes <= 0:
             raise UsageError(
                 f"{self.kind} cache: expected a positive budget, found {self.budget_bytes}"
@@ -135,7 +137,7 @@ class CacheSpec:
         try:
             return cls(**data)  # type: ignore[arg-type]
         except TypeError as exc:
-            raise UsageError(f"malformed cache spec {dict(data)!r}: {exc}") from exc
+            raise UsageError(f"malformed cache spec {shown(dict(data))}: {exc}") from exc
 
 
 def _parse_rate(text: str) -> float:
@@ -143,14 +145,16 @@ def _parse_rate(text: str) -> float:
     try:
         return float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError as exc:
-        raise UsageError(f"malformed rate {text!r}: expected a fraction like 0.01 or 1%") from exc
+        raise UsageError(
+            f"malformed rate {shown(text)}: expected a fraction like 0.01 or 1%"
+        ) from exc
 
 
 def _parse_float(text: str, what: str) -> float:
     try:
         return float(text)
     except ValueError as exc:
-        raise UsageError(f"malformed {what} {text!r}: expected a number") from exc
+        raise UsageError(f"malformed {what} {shown(text)}: expected a number") from exc
 
 
 def _parse_redis(text: str) -> CacheSpec:
@@ -164,7 +168,7 @@ def _parse_redis(text: str) -> CacheSpec:
             rest.append((name, value))
     if "budget" not in ours:
         raise UsageError(
-            f"redis cache {text!r}: expected a budget, like redis://127.0.0.1:6379/0?budget=64MiB"
+            f"redis cache {shown(text)}: expected a budget, like redis://127.0.0.1:6379/0?budget=64MiB"
         )
     url = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(rest), parts.fragment))
     return CacheSpec(
@@ -189,7 +193,7 @@ def parse_cache_spec(text: str) -> CacheSpec:
     kind, _, rest = text.partition(":")
     kind = kind.lower()
     if kind not in ("exact", "approx") or not rest:
-        raise UsageError(f"malformed cache spec {text!r}: expected {CACHE_HELP}")
+        raise UsageError(f"malformed cache spec {shown(text)}: expected {CACHE_HELP}")
     size, *options = rest.split(",")
     values: dict[str, str] = {}
     for option in options:
@@ -198,7 +202,7 @@ def parse_cache_spec(text: str) -> CacheSpec:
         allowed = ("ttl",) if kind == "exact" else ("ttl", "target", "threshold", "dim")
         if not sep or name not in allowed:
             raise UsageError(
-                f"{kind} cache option {option!r}: expected NAME=VALUE with NAME one of "
+                f"{kind} cache option {shown(option)}: expected NAME=VALUE with NAME one of "
                 f"{', '.join(allowed)}"
             )
         values[name] = value.strip()
@@ -211,7 +215,7 @@ def parse_cache_spec(text: str) -> CacheSpec:
         target = DEFAULT_TARGET
     dim = values.get("dim", str(DEFAULT_DIM))
     if not dim.isdigit():
-        raise UsageError(f"approx cache dim {dim!r}: expected a whole number")
+        raise UsageError(f"approx cache dim {shown(dim)}: expected a whole number")
     return CacheSpec(
         kind="approx",
         budget_bytes=parse_size(size),

@@ -3,11 +3,13 @@
 The file holds the same names as the flags, without the dashes in front, at the top level
 (``listen = "0.0.0.0:50051"``, ``max-tensor-bytes = "1GiB"``, ``threads = 2``; ``_`` may
 stand for ``-``). A flag given on the command line wins over the file; for repeatable
-options (``link = ["device-edge=20mbit,10ms"]``) the command line's values replace the
+options (``emulate-link = ["device-edge=20mbit,10ms"]``) the command line's values replace the
 file's. The file is checked against the command's own argparse options before anything
 runs: an unknown key, a value of the wrong TOML type, a value the option's parser refuses
 or one outside its choices is a :class:`~tierflow.errors.UsageError` naming the file, the
-key and what was expected.
+key and what was expected. A flag's old spelling ([Note: deprecated spellings] in
+``tierflow.cli.arguments``) is an accepted key too (``link`` for ``emulate-link``), with
+the same one-line notice on stderr as on the command line; a file may not give both.
 
 It works on any argparse command, so a new flag is settable in the file with no code
 here: the values become the subcommand's defaults (``set_defaults``), which argparse then
@@ -24,7 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tierflow.errors import TierflowError, UsageError
+from tierflow.cli.arguments import REPLACED_BY, deprecation_notice
+from tierflow.errors import TierflowError, UsageError, shown
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -66,20 +69,37 @@ def apply_config(root: argparse.ArgumentParser, argv: Sequence[str]) -> Path | N
     values = load_toml(path)
     given = _flags_given(rest)
     options = _settable_options(parser)
+    # Every flag that sets a dest (a deprecated spelling shares its new flag's).
+    flags_of: dict[str, set[str]] = {}
+    for known in options.values():
+        flags_of.setdefault(known.dest, set()).update(known.option_strings)
     defaults: dict[str, Any] = {}
+    keys: dict[str, str] = {}
     for key, value in values.items():
         name = key.replace("_", "-")
         action = options.get(name)
         if action is None:
-            close = difflib.get_close_matches(name, options, n=1)
+            current = sorted(n for n, a in options.items() if not hasattr(a, REPLACED_BY))
+            close = difflib.get_close_matches(name, current, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UsageError(
-                f"config file {path}: unknown key {key!r}{hint}; this command takes "
-                f"{', '.join(sorted(options))}"
+                f"config file {path}: unknown key {shown(key)}{hint}; this command takes "
+                f"{', '.join(current)}"
             )
-        if action.dest in defaults:
-            raise UsageError(f"config file {path}: {key!r} is given twice (as - and _)")
-        if given & set(action.option_strings):
+        if action.dest in keys:
+            raise UsageError(
+                f"config file {path}: {keys[action.dest]!r} and {key!r} set the same option; "
+                "keep one"
+            )
+        keys[action.dest] = key
+        replaced_by = getattr(action, REPLACED_BY, None)
+        if replaced_by is not None:
+            new_key = replaced_by.removeprefix("--")
+            print(
+                deprecation_notice(repr(key), repr(new_key), f"config file {path}"),
+                file=sys.stderr,
+            )
+        if given & flags_of[action.dest]:
             continue  # the command line wins
         defaults[action.dest] = _default_for(action, value, f"config file {path}: {key}")
         action.required = False
@@ -192,7 +212,7 @@ def _settable_options(parser: argparse.ArgumentParser) -> dict[str, argparse.Act
 def _describe(value: Any) -> str:
     kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
     kinds.update({list: "an array", dict: "a table"})
-    return f"{kinds.get(type(value), type(value).__name__)} ({value!r})"
+    return f"{kinds.get(type(value), type(value).__name__)} ({shown(value)})"
 
 
 def _default_for(action: argparse.Action, value: Any, where: str) -> Any:
@@ -253,8 +273,8 @@ def _convert(action: argparse.Action, text: str, where: str) -> Any:
     try:
         converted = action.type(text) if callable(action.type) else text
     except (ValueError, TypeError, argparse.ArgumentTypeError, TierflowError) as exc:
-        raise UsageError(f"{where}: {text!r} is not accepted: {exc}") from exc
+        raise UsageError(f"{where}: {shown(text)} is not accepted: {exc}") from exc
     if action.choices is not None and converted not in action.choices:
         choices = ", ".join(map(str, action.choices))
-        raise UsageError(f"{where}: expected one of {choices}, found {text!r}")
+        raise UsageError(f"{where}: expected one of {choices}, found {shown(text)}")
     return converted

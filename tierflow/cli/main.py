@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from tierflow import __version__
+from tierflow.cli.arguments import ArgumentParser, OptionError
 from tierflow.cli.config import add_config_option, apply_config, check_config_used
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.errors import TierflowError
@@ -30,6 +31,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tierflow.cloud.commands",  # serve cloud
     "tierflow.device.commands",  # run
     "tierflow.device.process",  # device
+    "tierflow.device.generate",  # generate
     "tierflow.partitioner.exits.commands",  # exits add, exits show
     "tierflow.partitioner.bottleneck.commands",  # bottleneck add, bottleneck show
     "tierflow.demos.local",  # demo
@@ -42,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="tierflow",
         description="Run one neural network across a device, an edge server and the cloud. "
         "`tierflow COMMAND --help` describes each command.",
@@ -50,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
             "tierflow demo                       # everything on this machine, no arguments",
             "tierflow profile model.onnx -o pi4.json --threads 1 --slowdown 8",
             "tierflow plan model.onnx -o plan/ --profile device=pi4.json "
-            "--link device-edge=20mbit,10ms",
+            "--link device-edge=20mbit,10ms --memory device=64MiB",
             "tierflow serve cloud --plan plan/ --listen 127.0.0.1:50052",
             "tierflow serve edge --plan plan/ --listen 127.0.0.1:50051 --upstream 127.0.0.1:50052",
             "tierflow run --plan plan/ --edge 127.0.0.1:50051 --input in.npz --output out.npz",
@@ -74,7 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TierflowError as exc:
         print(f"tierflow: error: {exc}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except OptionError as exc:  # a value its option's parser refused: one line
+        print(f"{exc.prog}: error: {exc}", file=sys.stderr)
+        return 2
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

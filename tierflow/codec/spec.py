@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierflow.codec.image import IMAGE_CODECS, QUALITY_CODECS
-from tierflow.errors import UsageError
+from tierflow.errors import UsageError, shown
 
 QUANTISERS: tuple[str, ...] = ("none", "fp16", "int8", "int8c", "int4", "int2")
 COMPRESSORS: tuple[str, ...] = ("none", "zstd", "shuffle+zstd")
@@ -97,12 +97,13 @@ class CodecSpec:
     def __post_init__(self) -> None:
         if self.quant not in QUANTISERS + IMAGE_CODECS:
             raise UsageError(
-                f"unknown quantiser {self.quant!r}: expected one of "
+                f"unknown quantiser {shown(self.quant)}: expected one of "
                 f"{', '.join(QUANTISERS + IMAGE_CODECS)}"
             )
         if self.compress not in COMPRESSORS:
             raise UsageError(
-                f"unknown compressor {self.compress!r}: expected one of {', '.join(COMPRESSORS)}"
+                f"unknown compressor {shown(self.compress)}: expected one of "
+                f"{', '.join(COMPRESSORS)}"
             )
         for flag in ("sparse", "drop"):
             if not isinstance(getattr(self, flag), bool):
@@ -128,7 +129,7 @@ class CodecSpec:
     def parse(cls, text: str) -> CodecSpec:
         """Read codec text such as ``raw``, ``zstd:9``, ``int8+zstd`` or ``sparse+int4``."""
         if not isinstance(text, str):
-            raise UsageError(f"codec must be text, got {text!r}")
+            raise UsageError(f"codec must be text, got {shown(text)}")
         # Every received tensor names its codec: the few texts a link uses are cached.
         return _parse_cached(text) if cls is CodecSpec else cls._parse(text)
 
@@ -140,9 +141,11 @@ class CodecSpec:
         name, sep, quality = parts[0].partition(":")
         if name in IMAGE_CODECS:
             if len(parts) > 1 or (name in QUALITY_CODECS) != bool(sep):
-                raise UsageError(f"malformed codec {text!r}: expected one of {_VALID_FORMS}")
+                raise UsageError(f"malformed codec {shown(text)}: expected one of {_VALID_FORMS}")
             if sep and not (quality.isdigit() and 1 <= int(quality) <= 100):
-                raise UsageError(f"malformed codec {text!r}: {name} quality must be within 1..100")
+                raise UsageError(
+                    f"malformed codec {shown(text)}: {name} quality must be within 1..100"
+                )
             return cls(name, "none", quality=int(quality) if sep else 0)
         drop = bool(parts) and parts[0] == "drop"
         if drop:
@@ -155,7 +158,7 @@ class CodecSpec:
             quant = parts.pop(0)
         compress, level = _parse_compressor(parts, text)
         if not (drop or sparse or quant != "none" or compress != "none"):
-            raise UsageError(f"malformed codec {text!r}: expected one of {_VALID_FORMS}")
+            raise UsageError(f"malformed codec {shown(text)}: expected one of {_VALID_FORMS}")
         return cls(quant, compress, level, sparse=sparse, drop=drop)
 
     @classmethod
@@ -207,7 +210,7 @@ class CodecSpec:
     @classmethod
     def from_dict(cls, data: Any) -> CodecSpec:
         if not isinstance(data, dict):
-            raise UsageError(f"malformed codec {data!r}: expected an object")
+            raise UsageError(f"malformed codec {shown(data)}: expected an object")
         try:
             return cls(
                 str(data["quant"]),
@@ -218,7 +221,7 @@ class CodecSpec:
                 drop=data.get("drop", False),
             )
         except KeyError as exc:
-            raise UsageError(f"malformed codec {data!r}: expected quant and compress") from exc
+            raise UsageError(f"malformed codec {shown(data)}: expected quant and compress") from exc
 
 
 def _parse_compressor(parts: list[str], text: str) -> tuple[str, int]:
@@ -229,21 +232,21 @@ def _parse_compressor(parts: list[str], text: str) -> tuple[str, int]:
         compress = "shuffle+zstd"
         parts.pop(0)
         if not parts or not parts[0].startswith("zstd"):
-            raise UsageError(f"malformed codec {text!r}: shuffle must be followed by +zstd")
+            raise UsageError(f"malformed codec {shown(text)}: shuffle must be followed by +zstd")
     if parts and parts[0].startswith("zstd"):
         name, sep, level_text = parts.pop(0).partition(":")
         if name != "zstd" or (sep and not level_text.isdigit()):
-            raise UsageError(f"malformed codec {text!r}: expected one of {_VALID_FORMS}")
+            raise UsageError(f"malformed codec {shown(text)}: expected one of {_VALID_FORMS}")
         compress = "zstd" if compress == "none" else compress
         if sep:
             level = int(level_text)
             if not MIN_LEVEL <= level <= MAX_LEVEL:
                 raise UsageError(
-                    f"malformed codec {text!r}: zstd level must be within "
+                    f"malformed codec {shown(text)}: zstd level must be within "
                     f"{MIN_LEVEL}..{MAX_LEVEL}, got {level}"
                 )
     if parts:
-        raise UsageError(f"malformed codec {text!r}: expected one of {_VALID_FORMS}")
+        raise UsageError(f"malformed codec {shown(text)}: expected one of {_VALID_FORMS}")
     return compress, level
 
 

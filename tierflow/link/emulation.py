@@ -32,6 +32,7 @@ learned that, and must not undo it.
 from __future__ import annotations
 
 import argparse
+import functools
 import queue
 import threading
 import time
@@ -39,8 +40,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from tierflow.errors import UsageError
-from tierflow.link.spec import LINKS, LinkSpec, parse_link_option
+from tierflow.cli.arguments import add_deprecated
+from tierflow.errors import UsageError, shown
+from tierflow.link.spec import LINKS, LinkOption, LinkSpec, apply_links
 from tierflow.link.trace import LinkTrace, load_trace
 from tierflow.plan import Plan
 from tierflow.rpc import tier_pb2
@@ -179,49 +181,82 @@ class ShapedQueue(Generic[T]):
                 transfer.left = self._clock()
 
 
+@dataclass(frozen=True)
+class LinkEmulation:
+    """``--link-emulation``, parsed: what every link a process sends on is shaped to.
+
+    ``off``: nothing shaped; ``plan``: each link as the plan has it; ``trace``: every
+    link replays the trace in ``trace_file`` (``trace=FILE.csv``). ``--emulate-link``
+    values (:class:`~tierflow.link.spec.LinkOption`) pin single links over that, and
+    shape them also when the mode is ``off`` (see [Note: emulated links]).
+    """
+
+    mode: str = "off"
+    trace_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in EMULATION_MODES or (self.mode == "trace") != bool(self.trace_file):
+            given = self.mode if self.trace_file is None else f"{self.mode}={self.trace_file}"
+            raise UsageError(
+                f"unknown --link-emulation {shown(given)}: expected off, plan or trace=FILE.csv"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> LinkEmulation:
+        mode, sep, path = text.strip().partition("=")
+        return cls(mode, path.strip() if sep else None)
+
+    def __str__(self) -> str:
+        return f"trace={self.trace_file}" if self.mode == "trace" else self.mode
+
+
 def add_link_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``--link-emulation`` and ``--link`` options every runtime command takes."""
+    """``--link-emulation`` and ``--emulate-link``, as every runtime command takes them.
+
+    ``--link`` is the old spelling of ``--emulate-link`` ([Note: deprecated spellings] in
+    ``tierflow.cli.arguments``): ``plan --link`` says which link to plan for, and a
+    runtime's link is the one it emulates.
+    """
     parser.add_argument(
         "--link-emulation",
+        type=LinkEmulation.parse,
         default="off",
         metavar="{off,plan,trace=FILE.csv}",
-        help="shape the links this process sends on: 'plan' uses the plan's rates and RTTs, "
-        "'trace=FILE.csv' replays SECONDS,RATE,RTT lines (e.g. 3,2mbit,30ms: from 3 s on) "
-        "from when each link opens; --link pins single links to fixed values",
+        help="shape every link this process sends on: 'off' leaves them alone, 'plan' uses "
+        "the plan's rates and RTTs, 'trace=FILE.csv' replays SECONDS,RATE,RTT lines (e.g. "
+        "3,2mbit,30ms: from 3 s on) from when each link opens",
     )
-    parser.add_argument(
-        "--link",
+    emulate = parser.add_argument(
+        "--emulate-link",
+        type=functools.partial(LinkOption.parse, option="--emulate-link"),
         action="append",
         default=[],
         metavar="NAME=RATE[,RTT]",
-        help="override a link for emulation, e.g. device-edge=20mbit,10ms (repeatable); "
-        "without an RTT the link keeps the plan's",
+        help="shape one link to a fixed rate and RTT whatever --link-emulation says, e.g. "
+        "device-edge=20mbit,10ms (repeatable; without an RTT the link keeps the plan's)",
     )
+    add_deprecated(parser, "--link", emulate)
 
 
 def resolve_links(
-    plan: Plan, mode: str, overrides: Sequence[str] = ()
+    plan: Plan, emulation: LinkEmulation, pinned: Sequence[LinkOption] = ()
 ) -> dict[str, LinkSpec | LinkTrace]:
-    """The links to emulate: none when ``mode`` is 'off', else the plan's or a trace's.
+    """The links to emulate, by name ([Note: emulated links]).
 
-    ``trace=FILE.csv`` shapes every link by the trace in FILE, except the links that
-    ``overrides`` (``--link`` values) pin.
+    [Note: emulated links]
+    ``--link-emulation`` says what every link is shaped to: nothing (``off``), the plan's
+    rate and RTT (``plan``) or a trace (``trace=FILE.csv``). ``--emulate-link`` pins one
+    link to fixed values on top of that, and is shaped even when the mode is ``off``:
+    a flag that names a link to emulate emulates it. A pinned value without an RTT keeps
+    the plan's RTT for that link.
     """
-    kind, sep, path = mode.partition("=")
-    if kind not in EMULATION_MODES or bool(sep) != (kind == "trace") or (sep and not path):
-        raise UsageError(f"unknown --link-emulation {mode!r}: expected off, plan or trace=FILE.csv")
-    parsed = dict(parse_link_option(text, plan.links) for text in overrides)
-    if kind == "off":
-        if parsed:
-            raise UsageError(
-                "--link needs --link-emulation plan or trace; it only sets emulated links"
-            )
-        return {}
-    links: dict[str, LinkSpec | LinkTrace]
-    if kind == "trace":
-        trace = load_trace(path)
+    links: dict[str, LinkSpec | LinkTrace] = {}
+    if emulation.mode == "trace":
+        assert emulation.trace_file is not None
+        trace = load_trace(emulation.trace_file)
         links = {name: trace for name in LINKS}
-    else:
+    elif emulation.mode == "plan":
         links = {name: plan.links[name] for name in LINKS if name in plan.links}
-    links.update(parsed)
+    fixed = apply_links(plan.links, pinned)
+    links.update({option.name: fixed[option.name] for option in pinned})
     return links

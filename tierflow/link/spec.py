@@ -8,11 +8,11 @@ the cost model adds the codec's encode and decode time on either side.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tierflow.errors import UsageError
+from tierflow.errors import UsageError, shown
 from tierflow.units import format_duration, format_rate, parse_duration, parse_rate
 
 TIERS: tuple[str, ...] = ("device", "edge", "cloud")
@@ -46,8 +46,14 @@ def check_tier(name: str) -> str:
 def check_link(name: str) -> str:
     """Return ``name`` if it is a link name, else raise a :class:`UsageError`."""
     if name not in LINKS:
-        raise UsageError(f"unknown link {name!r}: expected one of {', '.join(LINKS)}")
+        raise UsageError(f"unknown link {shown(name)}: expected one of {', '.join(LINKS)}")
     return name
+
+
+def _rate_and_rtt(text: str) -> tuple[float, float | None]:
+    """``RATE[,RTT]`` as typed: the rate in bits per second, the RTT (None if not given)."""
+    rate, _, rtt = text.partition(",")
+    return parse_rate(rate), parse_duration(rtt) if rtt.strip() else None
 
 
 @dataclass(frozen=True)
@@ -67,11 +73,11 @@ class LinkSpec:
     def parse(cls, text: str, default_rtt_s: float = 0.0) -> LinkSpec:
         """Read ``RATE[,RTT]`` as the command line writes it, e.g. ``20mbit,10ms``.
 
-        Without an RTT the link gets ``default_rtt_s``; :func:`parse_link_option` passes
-        the RTT the link had before (see its note), never a silent 0 for a named link.
+        Without an RTT the link gets ``default_rtt_s``. A ``--link NAME=...`` value is a
+        :class:`LinkOption`, which keeps the RTT the link had instead.
         """
-        rate, _, rtt = text.partition(",")
-        return cls(parse_rate(rate), parse_duration(rtt) if rtt else default_rtt_s)
+        rate_bps, rtt_s = _rate_and_rtt(text)
+        return cls(rate_bps, default_rtt_s if rtt_s is None else rtt_s)
 
     def transfer_s(self, nbytes: float) -> float:
         """Seconds for ``nbytes`` to arrive: serialisation plus one-way propagation."""
@@ -88,29 +94,66 @@ class LinkSpec:
         try:
             return cls(float(data["rate_bps"]), float(data.get("rtt_s", 0.0)))
         except (KeyError, TypeError, ValueError) as exc:
-            raise UsageError(f"malformed link {data!r}: expected rate_bps and rtt_s") from exc
+            raise UsageError(f"malformed link {shown(data)}: expected rate_bps and rtt_s") from exc
 
 
-def parse_link_option(
-    text: str, defaults: Mapping[str, LinkSpec] | None = None
-) -> tuple[str, LinkSpec]:
-    """Read one ``--link NAME=RATE[,RTT]`` value.
+@dataclass(frozen=True)
+class LinkOption:
+    """One ``NAME=RATE[,RTT]`` value, parsed once: which link, its rate, and its RTT if given.
 
-    A value without an RTT keeps the RTT the link has in ``defaults`` (the planner's
-    default links for ``plan``, the plan's links for ``serve`` and ``run``): a rate
-    alone says how fast the link is, not that it has no latency. Commands print the RTT
-    they assumed (:func:`rtt_given` tells which values lacked one).
+    ``rtt_s`` is None when the value named no RTT: a rate alone says how fast the link
+    is, not that it has no latency, so the link keeps the RTT it had (:meth:`spec`: the
+    planner's default links for ``plan``, the plan's links on a runtime). Commands print
+    the RTT they kept for such values (:attr:`rtt_given`). The same value is what
+    ``plan --link``, ``demo --link`` and the runtimes' ``--emulate-link`` take.
     """
-    name, sep, value = text.partition("=")
-    if not sep or not value:
-        raise UsageError(
-            f"malformed --link {text!r}: expected NAME=RATE[,RTT], like device-edge=20mbit,10ms"
-        )
-    link = check_link(name.strip())
-    default = (defaults or {}).get(link)
-    return link, LinkSpec.parse(value, default.rtt_s if default is not None else 0.0)
+
+    name: str
+    rate_bps: float
+    rtt_s: float | None = None
+
+    def __post_init__(self) -> None:
+        check_link(self.name)
+        LinkSpec(self.rate_bps, 0.0 if self.rtt_s is None else self.rtt_s)  # checks both
+
+    @property
+    def rtt_given(self) -> bool:
+        """Whether the value named an RTT (``device-edge=20mbit,10ms``: yes)."""
+        return self.rtt_s is not None
+
+    @classmethod
+    def parse(cls, text: str, option: str = "--link") -> LinkOption:
+        """Read ``NAME=RATE[,RTT]``, like ``device-edge=20mbit,10ms``; ``option`` names the flag."""
+        name, sep, value = text.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise UsageError(
+                f"malformed {option} {shown(text)}: expected NAME=RATE[,RTT], like "
+                "device-edge=20mbit,10ms"
+            )
+        return cls(check_link(name.strip()), *_rate_and_rtt(value))
+
+    @classmethod
+    def of(cls, name: str, spec: LinkSpec) -> LinkOption:
+        """A link given whole (rate and RTT), as a probe file gives it."""
+        return cls(name, spec.rate_bps, spec.rtt_s)
+
+    def spec(self, links: Mapping[str, LinkSpec] | None = None) -> LinkSpec:
+        """The link this value sets: without an RTT, the one ``links`` has for it (else 0)."""
+        if self.rtt_s is not None:
+            return LinkSpec(self.rate_bps, self.rtt_s)
+        before = (links or {}).get(self.name)
+        return LinkSpec(self.rate_bps, before.rtt_s if before is not None else 0.0)
+
+    def __str__(self) -> str:
+        rtt = "" if self.rtt_s is None else f",{format_duration(self.rtt_s)}"
+        return f"{self.name}={format_rate(self.rate_bps)}{rtt}"
 
 
-def rtt_given(text: str) -> bool:
-    """Whether a ``--link`` value names an RTT (``device-edge=20mbit,10ms``: yes)."""
-    return "," in text.partition("=")[2]
+def apply_links(
+    links: Mapping[str, LinkSpec], options: Iterable[LinkOption]
+) -> dict[str, LinkSpec]:
+    """``links`` with each of ``options`` applied in order (a later value wins)."""
+    result = dict(links)
+    for option in options:
+        result[option.name] = option.spec(result)
+    return result

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierflow.errors import UsageError
+from tierflow.errors import UsageError, shown
 from tierflow.link.spec import LinkSpec
 from tierflow.units import format_duration, parse_duration, parse_rate
 
@@ -118,13 +118,13 @@ def parse_trace(text: str, source: str = "trace") -> LinkTrace:
         where = f"{source} line {number}"
         if len(fields) != 3:
             raise UsageError(
-                f"{where}: expected SECONDS,RATE,RTT like 3,2mbit,30ms, got {raw.strip()!r}"
+                f"{where}: expected SECONDS,RATE,RTT like 3,2mbit,30ms, got {shown(raw.strip())}"
             )
         try:
             start_s = float(fields[0])
         except ValueError:
             raise UsageError(
-                f"{where}: expected a time in seconds first, like 3 or 0.5, got {fields[0]!r}"
+                f"{where}: expected a time in seconds first, like 3 or 0.5, got {shown(fields[0])}"
             ) from None
         if not 0 <= start_s < math.inf:
             raise UsageError(

@@ -18,6 +18,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INTERNAL: _ClassVar[ErrorCode]
     OVERLOADED: _ClassVar[ErrorCode]
     UPSTREAM_UNAVAILABLE: _ClassVar[ErrorCode]
+    STATE_LOST: _ClassVar[ErrorCode]
 ERROR_CODE_UNSPECIFIED: ErrorCode
 INVALID_INPUT: ErrorCode
 CODEC: ErrorCode
@@ -27,6 +28,7 @@ DEADLINE_EXCEEDED: ErrorCode
 INTERNAL: ErrorCode
 OVERLOADED: ErrorCode
 UPSTREAM_UNAVAILABLE: ErrorCode
+STATE_LOST: ErrorCode
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "codec", "params", "data")
@@ -81,7 +83,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "plan_id", "segment", "tensors", "timings", "links", "deadline_unix_s")
+    __slots__ = ("id", "plan_id", "segment", "tensors", "timings", "links", "deadline_unix_s", "session", "position", "initial_state")
     ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +91,9 @@ class Request(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_STATE_FIELD_NUMBER: _ClassVar[int]
     id: str
     plan_id: str
     segment: int
@@ -96,7 +101,10 @@ class Request(_message.Message):
     timings: _containers.RepeatedCompositeFieldContainer[TierTiming]
     links: _containers.RepeatedCompositeFieldContainer[LinkStat]
     deadline_unix_s: float
-    def __init__(self, id: _Optional[str] = ..., plan_id: _Optional[str] = ..., segment: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[TierTiming, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStat, _Mapping]]] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
+    session: str
+    position: int
+    initial_state: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, id: _Optional[str] = ..., plan_id: _Optional[str] = ..., segment: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[TierTiming, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStat, _Mapping]]] = ..., deadline_unix_s: _Optional[float] = ..., session: _Optional[str] = ..., position: _Optional[int] = ..., initial_state: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
 
 class Reply(_message.Message):
     __slots__ = ("id", "plan_id", "outputs", "answered_by", "exit", "cache_hit", "timings", "links", "error", "fallback")

@@ -11,7 +11,7 @@ idle streams, which is how 64 idle streams used to stall every device.
 
 A client that sends requests but stops reading its replies holds only its own
 stream's threads, and only until a reply has waited ``reply_timeout`` for it: then its
-stream is cancelled ([Note: slow readers] in ``tierflow.runtime.service``).
+stream is cancelled ([Note: slow readers] in ``tierflow.runtime.replies``).
 
 A stream beyond ``max_streams_per_peer`` from one peer, or beyond ``max_streams`` in all,
 ends at once with gRPC status RESOURCE_EXHAUSTED and a message starting ``OVERLOADED:``;

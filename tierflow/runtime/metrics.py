@@ -186,16 +186,9 @@ class TierMetrics:
             if rate > 0:
                 self._rate.labels(link).set(rate)
 
-    def timed(
-        self, send: Callable[[tier_pb2.Reply], None], received: float
-    ) -> Callable[[tier_pb2.Reply], None]:
-        """``send``, observing the seconds since ``received`` (perf_counter) on each reply."""
-
-        def timed_send(reply: tier_pb2.Reply) -> None:
-            self._latency.labels(self.tier).observe(time.perf_counter() - received)
-            send(reply)
-
-        return timed_send
+    def observe_latency(self, received: float) -> None:
+        """Observe the seconds since a request was ``received`` (perf_counter), at its reply."""
+        self._latency.labels(self.tier).observe(time.perf_counter() - received)
 
     # ------------------------------------------------------------------ serving
 

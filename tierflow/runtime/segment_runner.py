@@ -5,17 +5,11 @@ one ONNX Runtime session for one segment file; a :class:`TierRunner` runs the se
 plan gives one tier, checks their early exits, and says what to do next: answer now, or
 forward the named tensors to the next tier.
 
-See [Note: what crosses to the next tier] for which tensors are forwarded and
+See [Note: what crosses to the next tier] in tierflow/plan.py for which tensors are forwarded and
 [Note: exit confidence] for how an exit decides; sessions are opened by
 ``tierflow.runtime.sessions``, whose [Note: optimization level and exactness] says which ONNX
 Runtime setting keeps splits bit-exact. How to run (threads, slowdown, level) comes in one
 :class:`~tierflow.options.RuntimeOptions`.
-
-[Note: what crosses to the next tier]
-A request entering the tier whose first segment is ``k`` carries every tensor that a
-segment at ``k`` or later reads, plus every model output already computed before ``k``
-(the answer must contain all model outputs). :meth:`TierRunner.required_names` gives the
-set for any ``k``; the device sends it, the next tier checks it.
 
 [Note: exit confidence]
 An exit output holds class scores with classes on the last axis. If every row already
@@ -66,6 +60,7 @@ from tierflow.link.spec import TIERS
 from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec
 from tierflow.runtime.sessions import open_session
+from tierflow.state_spec import StateSpec
 
 logger = logging.getLogger(__name__)
 
@@ -173,9 +168,13 @@ class SegmentRunner:
             array = feeds[name]
             spec.check(array.dtype.name, tuple(array.shape), f"segment {self.path.name}")
 
-    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run the segment; inputs are checked first, runtime failures become ModelError."""
-        self.check_inputs(feeds)
+    def run(
+        self, feeds: Mapping[str, np.ndarray], *, checked: bool = False
+    ) -> dict[str, np.ndarray]:
+        """Run the segment; inputs are checked first (unless ``checked``: the caller did),
+        runtime failures become ModelError."""
+        if not checked:
+            self.check_inputs(feeds)
         start = self._clock()
         try:
             values = self.session.run(self.output_names, dict(feeds))
@@ -218,8 +217,11 @@ class Outcome:
     exits_checked: list[str] = field(default_factory=list)
     #: The last exit checked and not taken, with its scores: the best answer a tier has
     #: when the next tier is gone ([Note: answering without the next tier] in
-    #: tierflow/runtime/service.py). None when no exit was checked, or one was taken.
+    #: tierflow/edge/forwarding.py). None when no exit was checked, or one was taken.
     unconfident: tuple[str, np.ndarray] | None = None
+    #: The state outputs of this tier's segments, by the state input they feed next
+    #: ([Note: session state on a tier] in tierflow/runtime/state.py).
+    state: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class TierRunner:
@@ -244,9 +246,7 @@ class TierRunner:
             raise PlanError(f"unknown tier {tier!r}: expected one of {', '.join(TIERS)}")
         self.plan = plan
         self.tier = tier
-        rank = TIERS.index(tier)
-        later = [i for i, s in enumerate(plan.segments) if TIERS.index(s.tier) >= rank]
-        self.start = later[0] if later else len(plan.segments)
+        self.start = plan.entry(tier)
         mine = plan.segments_for(tier)
         self.segments: list[tuple[int, SegmentSpec, SegmentRunner]] = []
         for index, spec in mine:
@@ -265,27 +265,28 @@ class TierRunner:
                 )
             self.segments.append((index, spec, runner))
         self.end = self.segments[-1][0] + 1 if self.segments else self.start
+        #: The state pairs of this tier's segments ([Note: state pairs] in
+        #: tierflow/state_pairs.py): fed by the caller, never carried by a request.
+        self.states: tuple[StateSpec, ...] = tuple(
+            state for _, spec, _ in self.segments for state in spec.state
+        )
         self.needs = self.required_names(self.start)
+        self._needed = set(self.needs)
+        # What a request leaving this tier carries ([Note: what crosses to the next tier]).
+        self._forwarded = self.required_names(self.end)
+        self._input_specs: dict[str, InputSpec] = {}
+        for _, spec, runner in self.segments:
+            for name in spec.inputs:
+                if name in self._needed and name not in self._input_specs:
+                    self._input_specs[name] = runner.inputs[name]
 
     def required_names(self, index: int) -> tuple[str, ...]:
-        """Tensors a request entering at segment ``index`` must carry (see the module note)."""
-        available = set(self.plan.inputs)
-        for spec in self.plan.segments[:index]:
-            available.update(spec.outputs)
-        needed: set[str] = set()
-        for spec in self.plan.segments[index:]:
-            needed.update(spec.inputs)
-        needed.update(self.plan.outputs)
-        return tuple(sorted(needed & available))
+        """Tensors a request entering at segment ``index`` must carry (``Plan.carried``)."""
+        return self.plan.carried(index)
 
     def input_specs(self) -> dict[str, InputSpec]:
         """Dtype and shape of the incoming tensors this tier's segments read directly."""
-        specs: dict[str, InputSpec] = {}
-        for _, spec, runner in self.segments:
-            for name in spec.inputs:
-                if name in self.needs and name not in specs:
-                    specs[name] = runner.inputs[name]
-        return specs
+        return dict(self._input_specs)
 
     def check_names(self, names: set[str], *, segment: int) -> None:
         """Raise unless a request names segment ``start`` and carries exactly ``needs``."""
@@ -294,38 +295,69 @@ class TierRunner:
                 f"the {self.tier} runs the plan from segment {self.start}, but the request "
                 f"names segment {segment}"
             )
-        expected = set(self.needs)
+        expected = self._needed
         if names != expected:
             raise InputError(
                 f"the {self.tier} expects tensors {sorted(expected)}, found {sorted(names)} "
                 f"(missing {sorted(expected - names)}, unexpected {sorted(names - expected)})"
             )
 
-    def run(self, tensors: Mapping[str, np.ndarray]) -> Outcome:
-        """Run this tier's segments on ``tensors``; stop at the first confident exit."""
+    def run(
+        self,
+        tensors: Mapping[str, np.ndarray],
+        *,
+        checked: bool = False,
+        state: Mapping[str, np.ndarray] | None = None,
+    ) -> Outcome:
+        """Run this tier's segments on ``tensors``; stop at the first confident exit.
+
+        ``checked``: the caller has checked every tensor against :meth:`input_specs`
+        already (a server, before decoding), so the segments need not check again.
+        ``state``: the value of each of :attr:`states`' inputs for this step; the outcome
+        carries what they become.
+        """
         env = dict(tensors)
+        if self.states:
+            if state is None or set(state) != {s.input for s in self.states}:
+                raise InputError(
+                    f"the {self.tier}'s segments keep state {[s.input for s in self.states]}: "
+                    "a request must name a session"
+                )
+            env.update(state)
         last = len(self.plan.segments) - 1
         start = time.perf_counter()
-        checked: list[str] = []
+        exits: list[str] = []
         for index, spec, runner in self.segments:
-            env.update(runner.run({name: env[name] for name in spec.inputs}))
+            env.update(runner.run({name: env[name] for name in spec.inputs}, checked=checked))
             if index == last:
                 continue
             for exit_spec in spec.exits:
-                checked.append(exit_spec.name)
+                exits.append(exit_spec.name)
                 confidence = exit_confidence(env[exit_spec.name])
                 if confidence >= exit_spec.threshold:
-                    return self._exit(exit_spec, env, confidence, start, checked)
+                    return self._exit(exit_spec, env, confidence, start, exits)
         elapsed = time.perf_counter() - start
         if self.end >= len(self.plan.segments):
             outputs = {name: env[name] for name in self.plan.outputs}
-            return Outcome(outputs, True, None, self.end, elapsed, exits_checked=checked)
-        names = self.required_names(self.end)
-        forward = {name: env[name] for name in names}
-        unconfident = (checked[-1], env[checked[-1]]) if checked else None
+            return Outcome(
+                outputs, True, None, self.end, elapsed, exits_checked=exits, state=self._kept(env)
+            )
+        forward = {name: env[name] for name in self._forwarded}
+        unconfident = (exits[-1], env[exits[-1]]) if exits else None
         return Outcome(
-            forward, False, None, self.end, elapsed, exits_checked=checked, unconfident=unconfident
+            forward,
+            False,
+            None,
+            self.end,
+            elapsed,
+            exits_checked=exits,
+            unconfident=unconfident,
+            state=self._kept(env),
         )
+
+    def _kept(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """What this tier's state inputs are fed next: their outputs of this step."""
+        return {s.input: env[s.output] for s in self.states}
 
     def _exit(
         self,

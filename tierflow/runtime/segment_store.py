@@ -324,9 +324,19 @@ class SegmentStore:
 
     # ------------------------------------------------------------------ use
 
+    def holding(self, files: Iterable[str]) -> contextlib.AbstractContextManager[None]:
+        """Hold ``files`` (fetched first if missing) for the ``with`` block: never evicted.
+
+        Without a budget nothing is ever evicted, so files already here need no hold (the
+        request path asks for one per request).
+        """
+        names = files if isinstance(files, (list, tuple)) else list(files)
+        if self.budget is None and all(name in self._sizes for name in names):
+            return contextlib.nullcontext()  # reading a dict needs no lock
+        return self._holding(names)
+
     @contextlib.contextmanager
-    def holding(self, files: Iterable[str]) -> Iterator[None]:
-        """Hold ``files`` (fetched first if missing) for the ``with`` block: never evicted."""
+    def _holding(self, files: Iterable[str]) -> Iterator[None]:
         names = list(dict.fromkeys(files))
         for name in names:
             if name not in self.specs:

@@ -35,17 +35,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.errors import UsageError
-from tierflow.link.emulation import add_link_arguments
-from tierflow.options import DEFAULT_REPLY_TIMEOUT_S
-from tierflow.runtime.admission import DEFAULT_MAX_STREAMS, DEFAULT_MAX_STREAMS_PER_PEER
-from tierflow.runtime.providers import add_providers_argument
-from tierflow.runtime.segment_store import add_segment_budget_argument
+from tierflow.options import add_runtime_arguments
+from tierflow.runtime.limits import receive_limit
 from tierflow.runtime.service import TierService
-from tierflow.runtime.sessions import add_optimization_argument
-from tierflow.transport.security import add_security_arguments, bind, server_options
+from tierflow.transport.security import bind, server_options
 from tierflow.transport.wire import add_tier_servicer, grpc_options
 from tierflow.tuning import tune_for_latency
-from tierflow.units import parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +70,17 @@ class TierServer:
         # One thread per call gRPC admits, so that no call waits behind idle streams
         # ([Note: stream admission] in tierflow.runtime.admission); threads start as needed.
         calls = service.options.max_streams + _SPARE_THREADS
+        #: The largest message gRPC takes here ([Note: a tier's largest request]).
+        self.receive_limit = receive_limit(
+            service.plans.plans, service.tier, service.options.max_message_bytes
+        )
+        options = [
+            (key, self.receive_limit if key == "grpc.max_receive_message_length" else value)
+            for key, value in grpc_options(service.options.max_message_bytes)
+        ]
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=calls, thread_name_prefix=f"{service.tier}-grpc"),
-            options=[*grpc_options(service.options.max_message_bytes), *server_options()],
+            options=[*options, *server_options()],
             maximum_concurrent_rpcs=calls,
             interceptors=self.security.interceptors(service.tier),
         )
@@ -214,56 +217,10 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="address to serve on (port 0: one the OS picks, printed when serving)",
     )
-    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads per request")
-    parser.add_argument(
-        "--workers",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="requests run at once (the pipeline's depth on this tier)",
-    )
-    parser.add_argument(
-        "--slowdown",
-        type=float,
-        default=1.0,
-        help="emulate a tier this many times slower than this machine",
-    )
-    add_optimization_argument(parser)
-    add_providers_argument(parser)
-    parser.add_argument(
-        "--max-tensor-bytes",
-        type=parse_size,
-        default="1GiB",
-        metavar="SIZE",
-        help="largest decoded tensor accepted",
-    )
-    parser.add_argument(
-        "--max-streams",
-        type=int,
-        default=DEFAULT_MAX_STREAMS,
-        metavar="N",
-        help="streams served at once, all peers together; more are refused OVERLOADED",
-    )
-    parser.add_argument(
-        "--max-streams-per-peer",
-        type=int,
-        default=DEFAULT_MAX_STREAMS_PER_PEER,
-        metavar="N",
-        help="streams served at once from one host; more are refused OVERLOADED",
-    )
-    parser.add_argument(
-        "--reply-timeout",
-        type=float,
-        default=DEFAULT_REPLY_TIMEOUT_S,
-        metavar="S",
-        help="seconds a reply waits for a client that does not read it before its stream "
-        "is cancelled",
-    )
     parser.add_argument(
         "--grace", type=float, default=5.0, help="seconds open streams get to finish on shutdown"
     )
-    add_segment_budget_argument(parser)
-    add_link_arguments(parser)
-    add_security_arguments(parser, server=True)
+    add_runtime_arguments(parser, server=True)
     parser.add_argument(
         "--metrics-port",
         type=int,

@@ -50,6 +50,7 @@ import logging
 import math
 import threading
 import time
+import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -174,6 +175,10 @@ class _Stream:
                     f"the {client.peer} at {client.address} refused the stream: {details}",
                     code="OVERLOADED",
                     tier=client.peer,
+                )
+            elif client._connections == 0:
+                error = TransportError(
+                    f"the {client.peer} at {client.address} was never reached: {name}: {details}"
                 )
             else:
                 error = TransportError(
@@ -324,21 +329,31 @@ class StreamClient:
             if self._closed:
                 raise TransportError(f"the stream to the {self.peer} is closed")
             if self._down:
+                if self._connections == 0:
+                    raise TransportError(
+                        f"the {self.peer} at {self.address} was never reached (no connection "
+                        "could be made to it); not sending"
+                    )
                 raise TransportError(
                     f"the {self.peer} at {self.address} is down (its last connection "
                     "attempt failed); not sending"
                 )
-            stream = self._live_stream()
+            stream = self._live_stream(request.session)
             sent = Sent(future, stream.queue.put(request, size), wire_id, request, size, deadline)
             self._track(stream, sent)
         return sent
 
-    def _live_stream(self) -> _Stream:
+    def _live_stream(self, session: str = "") -> _Stream:
         """The stream to send on, opened if need be; call with the lock held.
 
-        With several streams, each call takes the next in turn ([Note: replicas]).
+        With several streams, each call takes the next in turn ([Note: replicas]); the
+        requests of a session all take the same one, so that its state stays on one
+        replica and its requests arrive in order.
         """
-        slot = next(self._turn) % len(self.streams)
+        if session and len(self.streams) > 1:
+            slot = zlib.crc32(session.encode()) % len(self.streams)
+        else:
+            slot = next(self._turn) % len(self.streams)
         stream = self.streams[slot]
         if stream is None or not stream.alive:
             stream = self.streams[slot] = _Stream(self)
@@ -362,7 +377,7 @@ class StreamClient:
                 closed = self._closed
                 if not closed and not late and sent.request is not None:
                     sent.attempts += 1
-                    stream = self._live_stream()
+                    stream = self._live_stream(sent.request.session)
                     sent.transfer = stream.queue.put(sent.request, sent.size)
                     self._track(stream, sent)
                     continue

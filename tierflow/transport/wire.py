@@ -8,7 +8,6 @@ agree: a message the sender may send, the receiver may receive.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,10 +17,11 @@ from google.protobuf.message import DecodeError
 
 from tierflow.codec.base import (
     DEFAULT_MAX_TENSOR_BYTES,
+    Checked,
     CodecSpec,
     EncodedTensor,
     ImageNorm,
-    check_header,
+    check,
     decode,
     decoded_nbytes,
     encode,
@@ -32,10 +32,14 @@ from tierflow.errors import (
     InputError,
     PlanError,
     RemoteError,
+    StateLostError,
     TierflowError,
     TransportError,
 )
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
+
+# Where requests enter a tier their deadline is checked ([Note: one deadline]).
+from tierflow.transport.deadline import check_deadline as check_deadline
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +52,6 @@ DEFAULT_MAX_DECODED_BYTES = 2 * DEFAULT_MAX_TENSOR_BYTES
 MAX_NAME_CHARS = 1024
 #: Longest codec text accepted from the wire (valid ones are far shorter).
 MAX_CODEC_CHARS = 64
-#: Furthest ahead a request's deadline may be (seconds): bounded, so that every tier can
-#: keep it in a timer, and generous for clocks that differ between machines.
-MAX_DEADLINE_AHEAD_S = 24 * 3600.0
 # Framing a message may add around its tensors' payloads (names, shapes, timings, ids).
 _MESSAGE_OVERHEAD = 64 * 1024
 _TENSOR_OVERHEAD = 2 * 1024
@@ -114,6 +115,13 @@ def from_proto(
     message: tier_pb2.Tensor, *, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES
 ) -> EncodedTensor:
     """An encoded tensor from the wire, its header validated (see ``codec.check_header``)."""
+    return received(message, max_bytes=max_bytes)[0]
+
+
+def received(
+    message: tier_pb2.Tensor, *, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES
+) -> tuple[EncodedTensor, Checked]:
+    """An encoded tensor from the wire and its checked header, for ``decode(checked=...)``."""
     if not isinstance(message, tier_pb2.Tensor):
         raise CodecError(f"expected a tierflow.rpc.Tensor message, got {type(message).__name__}")
     if len(message.name) > MAX_NAME_CHARS:
@@ -130,8 +138,7 @@ def from_proto(
         params=message.params,
         data=message.data,
     )
-    check_header(tensor, max_bytes=max_bytes)
-    return tensor
+    return tensor, check(tensor, max_bytes=max_bytes)
 
 
 def encode_tensors(
@@ -154,7 +161,8 @@ def decode_tensors(
     together; every header is checked before any payload is decoded, so a bad last
     tensor costs no work (and no memory) on the first ones.
     """
-    tensors = [from_proto(m, max_bytes=max_bytes) for m in messages]
+    checked = [received(m, max_bytes=max_bytes) for m in messages]
+    tensors = [tensor for tensor, _ in checked]
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -165,7 +173,7 @@ def decode_tensors(
             f"{len(tensors)} tensors would decode to {total} bytes together, more than the "
             f"limit of {max_total_bytes}"
         )
-    return {t.name: decode(t, max_bytes=max_bytes) for t in tensors}
+    return {t.name: decode(t, checked=c) for t, c in checked}
 
 
 def put_tensors(
@@ -202,6 +210,7 @@ def put_tensors(
 
 # Which wire ErrorCode each error becomes (first match; anything else is INTERNAL).
 _CODES: tuple[tuple[type[TierflowError], str], ...] = (
+    (StateLostError, "STATE_LOST"),
     (InputError, "INVALID_INPUT"),
     (CodecError, "CODEC"),
     (PlanError, "PLAN_MISMATCH"),
@@ -226,25 +235,6 @@ def error_from_proto(error: tier_pb2.Error) -> RemoteError:
     code = tier_pb2.ErrorCode.Name(error.code) if error.code in tier_pb2.ErrorCode.values() else ""
     tier = error.tier or "remote tier"
     return RemoteError(f"{tier}: {code or 'INTERNAL'}: {error.message}", code=code, tier=tier)
-
-
-def check_deadline(deadline_unix_s: float, now: float) -> float | None:
-    """A request's deadline from the wire (seconds since the epoch; 0 means none).
-
-    Raises :class:`InputError` unless it is finite and at most
-    :data:`MAX_DEADLINE_AHEAD_S` after ``now``: a NaN, an infinity or 1e300 would
-    otherwise reach the timers of every tier on the way.
-    """
-    if deadline_unix_s == 0:
-        return None
-    if not math.isfinite(deadline_unix_s) or deadline_unix_s < 0:
-        raise InputError(f"a deadline must be a finite time, found {deadline_unix_s!r}")
-    if deadline_unix_s > now + MAX_DEADLINE_AHEAD_S:
-        raise InputError(
-            f"a deadline may be at most {MAX_DEADLINE_AHEAD_S:.0f} s ahead, found one "
-            f"{deadline_unix_s - now:.3g} s ahead"
-        )
-    return deadline_unix_s
 
 
 class Undecodable:

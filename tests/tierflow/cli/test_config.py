@@ -10,6 +10,9 @@ import pytest
 from tierflow.cli.config import add_config_option, apply_config
 from tierflow.cli.main import build_parser, main
 from tierflow.errors import UsageError
+from tierflow.link.spec import LinkOption
+from tierflow.transport.address import Address
+from tierflow.transport.deadline import Deadline
 from tierflow.units import parse_size
 
 
@@ -29,7 +32,7 @@ def test_serve_reads_the_file_and_flags_win(tmp_path: Path) -> None:
     path = _write(
         tmp_path,
         'plan = "plan/"\nlisten = "127.0.0.1:7000"\nthreads = 2\nmax_tensor_bytes = "2MiB"\n'
-        'slowdown = 3\nlink = ["device-edge=20mbit,10ms", "edge-cloud=1gbit"]\n'
+        'slowdown = 3\nemulate-link = ["device-edge=20mbit,10ms", "edge-cloud=1gbit"]\n'
         'optimization = "basic"\nupstream = "127.0.0.1:7001"\n',
     )
     args = _parse(["serve", "edge", "--config", str(path), "--threads", "4"])
@@ -39,19 +42,40 @@ def test_serve_reads_the_file_and_flags_win(tmp_path: Path) -> None:
     assert args.max_tensor_bytes == parse_size("2MiB")  # through the option's own parser
     assert args.slowdown == 3.0
     assert args.optimization == "basic"
-    assert args.upstream == "127.0.0.1:7001"
-    assert args.link == ["device-edge=20mbit,10ms", "edge-cloud=1gbit"]
+    assert args.upstream == Address("127.0.0.1:7001")
+    assert args.emulate_link == [
+        LinkOption.parse("device-edge=20mbit,10ms"),
+        LinkOption.parse("edge-cloud=1gbit"),
+    ]
     # A repeatable flag on the command line replaces the file's list.
-    args = _parse(["serve", "edge", "--config", str(path), "--link", "edge-cloud=5mbit"])
-    assert args.link == ["edge-cloud=5mbit"]
+    args = _parse(["serve", "edge", "--config", str(path), "--emulate-link", "edge-cloud=5mbit"])
+    assert args.emulate_link == [LinkOption.parse("edge-cloud=5mbit")]
     args = _parse(["serve", "edge", f"--config={path}", "--listen=127.0.0.1:9"])
     assert args.listen == "127.0.0.1:9"
+
+
+def test_an_old_key_still_works_with_a_notice(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``link`` (``--link``) is the old name of ``emulate-link`` on a runtime: accepted, noted."""
+    path = _write(tmp_path, 'plan = "p"\nlink = ["device-edge=20mbit,10ms"]\n')
+    args = _parse(["serve", "edge", "--config", str(path)])
+    assert args.emulate_link == [LinkOption.parse("device-edge=20mbit,10ms")]
+    notice = capsys.readouterr().err
+    assert notice.count("\n") == 1 and "'link' is deprecated" in notice
+    assert "'emulate-link'" in notice and str(path) in notice
+    # The new flag on the command line wins over the old key, as over the new one.
+    args = _parse(["serve", "edge", "--config", str(path), "--emulate-link", "edge-cloud=1gbit"])
+    assert args.emulate_link == [LinkOption.parse("edge-cloud=1gbit")]
+    both = _write(tmp_path, 'link = ["device-edge=1mbit"]\nemulate-link = ["edge-cloud=1gbit"]\n')
+    with pytest.raises(UsageError, match="'link' and 'emulate-link' set the same option"):
+        apply_config(build_parser(), ["serve", "edge", "--config", str(both)])
 
 
 def test_run_and_cloud_take_a_config(tmp_path: Path) -> None:
     path = _write(tmp_path, 'plan = "p"\ninput = "in.npz"\nwindow = 4\ndeadline = "2s"\n')
     args = _parse(["run", "--config", str(path)])
-    assert (args.plan, args.input, args.window, args.deadline) == ("p", "in.npz", 4, 2.0)
+    assert (args.plan, args.input, args.window, args.deadline) == ("p", "in.npz", 4, Deadline(2.0))
     cloud = _write(tmp_path, 'plan = "p"\nworkers = 3\n')
     assert _parse(["serve", "cloud", "--config", str(cloud)]).workers == 3
 

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from tierflow.errors import UsageError
-from tierflow.link.emulation import LinkShaper, ShapedQueue, resolve_links
-from tierflow.link.spec import LinkSpec
+from tierflow.link.emulation import LinkEmulation, LinkShaper, ShapedQueue, resolve_links
+from tierflow.link.spec import LinkOption, LinkSpec
 from tierflow.plan import Plan, SegmentSpec
 
 MB = 1_000_000
@@ -72,14 +72,18 @@ def test_resolve_links_uses_the_plan_and_overrides() -> None:
         segments=(SegmentSpec("device", "a.onnx", ("x",), ("y",)),),
         links={"device-edge": LinkSpec(20e6, 0.01), "edge-cloud": LinkSpec(1e9, 0.02)},
     )
-    assert resolve_links(plan, "off") == {}
-    links = resolve_links(plan, "plan", ["edge-cloud=100mbit,5ms"])
+    off, by_plan = LinkEmulation.parse("off"), LinkEmulation.parse("plan")
+    assert resolve_links(plan, off) == {}
+    links = resolve_links(plan, by_plan, [LinkOption.parse("edge-cloud=100mbit,5ms")])
     assert links["device-edge"] == LinkSpec(20e6, 0.01)
     assert links["edge-cloud"] == LinkSpec(100e6, 0.005)
+    # A pinned link is shaped without a mode; the others stay unshaped; a rate alone
+    # keeps the plan's RTT ([Note: emulated links] in tierflow.link.emulation).
+    assert resolve_links(plan, off, [LinkOption.parse("device-edge=1mbit")]) == {
+        "device-edge": LinkSpec(1e6, 0.01)
+    }
     with pytest.raises(UsageError):
-        resolve_links(plan, "off", ["device-edge=1mbit"])
-    with pytest.raises(UsageError):
-        resolve_links(plan, "plan", ["wifi=1mbit"])
+        LinkOption.parse("wifi=1mbit")
 
 
 class _Clock:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tierflow.errors import UsageError
-from tierflow.link.emulation import LinkShaper, ShapedQueue, resolve_links
-from tierflow.link.spec import LinkSpec
+from tierflow.link.emulation import LinkEmulation, LinkShaper, ShapedQueue, resolve_links
+from tierflow.link.spec import LinkOption, LinkSpec
 from tierflow.link.trace import LinkTrace, TraceStep, load_trace, parse_trace, step_trace
 from tierflow.plan import Plan, SegmentSpec
 
@@ -108,14 +108,15 @@ def _plan() -> Plan:
 def test_resolve_links_with_a_trace_shapes_every_link_but_the_pinned(tmp_path: Path) -> None:
     path = tmp_path / "t.csv"
     path.write_text("0,1mbit,5ms\n2,3mbit,5ms\n")
-    links = resolve_links(_plan(), f"trace={path}")
+    traced = LinkEmulation.parse(f"trace={path}")
+    links = resolve_links(_plan(), traced)
     assert links["device-edge"] == links["edge-cloud"] == load_trace(path)
-    pinned = resolve_links(_plan(), f"trace={path}", ["edge-cloud=100mbit"])
+    pinned = resolve_links(_plan(), traced, [LinkOption.parse("edge-cloud=100mbit")])
     assert pinned["edge-cloud"] == LinkSpec(100e6, 0.02)
     assert isinstance(pinned["device-edge"], LinkTrace)
     for mode in ("trace", "trace=", "plan=x.csv", "replay=x.csv"):
         with pytest.raises(UsageError, match=r"expected off, plan or trace=FILE\.csv"):
-            resolve_links(_plan(), mode)
+            LinkEmulation.parse(mode)
     path.write_text("0,1mbit,5ms\n2,3mbit\n")
     with pytest.raises(UsageError, match="line 2"):
-        resolve_links(_plan(), f"trace={path}")
+        resolve_links(_plan(), traced)

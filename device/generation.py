@@ -1,0 +1,438 @@
+"""Generating text across tiers: a decoder plan driven token by token, with an optional draft.
+
+:class:`Generator` drives a decoder plan (``plan.json``'s ``decoder``) through a
+:class:`~tierflow.device.client.DeviceClient`: a prefill of the prompt, then one step per
+token, each a request of one session whose KV cache stays on the tiers that made it
+([Note: session state on a tier] in tierflow/runtime/state.py). With a draft model
+(:class:`LocalDecoder`, run on the device) it speculates ([Note: speculation] in
+tierflow/device/speculation.py): several tokens per round trip, the same greedy output.
+
+[Note: replaying a session]
+A tier that no longer holds a session's state at the request's position answers
+STATE_LOST (evicted, idle too long, restarted). The device holds what it needs to rebuild
+the state: for a decoder, the tokens fed so far; for a streaming model, the chunks sent so
+far (``tierflow.device.sessions``). It sends them again from position 0 in one request (a
+decoder's replay is one prefill of every token so far) and goes on: each tier starts the
+session afresh at position 0, and recomputes exactly what it held, so the answers are the
+same as without the loss, later.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierflow.device.client import DeviceClient
+from tierflow.device.results import Result
+from tierflow.device.speculation import AcceptanceMeter, sample, verify_greedy, verify_sampled
+from tierflow.errors import (
+    DeadlineError,
+    InputError,
+    PlanError,
+    RemoteError,
+    StateError,
+    TransportError,
+)
+from tierflow.greedy import decoder_of_session, session_step
+from tierflow.link.spec import LINKS
+from tierflow.options import RuntimeOptions
+from tierflow.runtime.sessions import open_session
+from tierflow.runtime.state import SessionStates
+from tierflow.state_spec import DecoderSpec, StateSpec
+
+logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"\d+")
+#: With ``--fallback draft``, how long a missing tier is waited for before the draft goes on.
+FALLBACK_AFTER_S = 2.0
+
+
+class TierDecoder:
+    """The plan's decoder across the tiers, as one session (replayed when a tier lost it).
+
+    :meth:`forward` feeds ``tokens`` after the first ``position`` tokens of the session
+    and returns their logits, ``[len(tokens), vocab]``.
+    """
+
+    def __init__(
+        self, client: DeviceClient, session: str | None = None, *, retry_s: float | None = None
+    ) -> None:
+        decoder = client.plan.decoder
+        if decoder is None:
+            raise PlanError(
+                f"plan {client.plan_id} is not a decoder plan (its plan.json has no 'decoder'): "
+                "plan a decoder exported with its KV cache (past_key_values.N -> present.N)"
+            )
+        self.client = client
+        self.decoder: DecoderSpec = decoder
+        self.session = session or f"gen-{uuid.uuid4().hex[:12]}"
+        self.fed: list[int] = []  # tokens in the tiers' state, in order
+        self.results: list[Result] = []
+        self.replays = 0
+        self.retries = 0
+        #: How long a step is tried again while a tier is missing (restarting, say).
+        self.retry_s = client.deadline_s if retry_s is None else retry_s
+
+    @property
+    def vocab(self) -> int:
+        return self.decoder.vocab
+
+    def forward(self, tokens: Sequence[int], position: int) -> np.ndarray:
+        if position > len(self.fed):
+            raise StateError(f"position {position} is past the {len(self.fed)} tokens fed")
+        if position + len(tokens) > self.decoder.context:
+            raise StateError(
+                f"{position + len(tokens)} tokens do not fit the decoder's context of "
+                f"{self.decoder.context} (plan --context)"
+            )
+        result = self._submit(tokens, position)
+        if _state_lost(result):
+            # [Note: replaying a session]: every token so far again, from position 0.
+            self.replays += 1
+            logger.info(
+                "[device] session %s: a tier lost its state (%s); replaying %d tokens",
+                self.session,
+                result.error,
+                position + len(tokens),
+            )
+            result = self._submit([*self.fed[:position], *tokens], 0)
+        result.unwrap()
+        self.fed[position:] = list(tokens)
+        logits = np.asarray(result.outputs[self.decoder.logits])
+        return logits.reshape(-1, logits.shape[-1])[-len(tokens) :]
+
+    def _submit(self, tokens: Sequence[int], position: int) -> Result:
+        """One step; while a tier is missing, tried again (with backoff) for ``retry_s``."""
+        feeds = self.decoder.step_feeds(list(tokens), position)
+        ends = time.monotonic() + self.retry_s
+        wait = _FIRST_RETRY_S
+        while True:
+            result = self.client.submit(feeds, session=self.session, position=position).result()
+            self.results.append(result)
+            if not _tier_missing(result) or time.monotonic() + wait > ends:
+                return result
+            self.retries += 1
+            logger.info("[device] session %s: %s; trying again", self.session, result.error)
+            time.sleep(wait)
+            wait = min(wait * 2, _LAST_RETRY_S)
+
+
+#: Backoff between tries of a step while a tier is missing.
+_FIRST_RETRY_S = 0.1
+_LAST_RETRY_S = 1.0
+
+
+def _state_lost(result: Result) -> bool:
+    return isinstance(result.error, RemoteError) and result.error.code == "STATE_LOST"
+
+
+def _tier_missing(result: Result) -> bool:
+    """Whether a step failed because a tier is not there (not a bad request, not late)."""
+    error = result.error
+    if isinstance(error, RemoteError):
+        return error.code in ("UNAVAILABLE", "UPSTREAM_UNAVAILABLE")
+    return isinstance(error, TransportError) and not isinstance(error, DeadlineError)
+
+
+class LocalDecoder:
+    """A decoder run on the device in one ONNX Runtime session, its KV cache kept here.
+
+    The draft model of [Note: speculation]; :meth:`forward` as :class:`TierDecoder`'s.
+    """
+
+    def __init__(self, path: str | Path, options: RuntimeOptions, context: int) -> None:
+        self.path = Path(path)
+        session = open_session(
+            self.path,
+            threads=options.threads,
+            optimization=options.optimization,
+            providers=options.providers,
+            what=f"draft model {self.path.name}",
+        )
+        self.decoder, self.states = decoder_of_session(
+            session, context=context, where=f"draft model {self.path.name}"
+        )
+        self._step = session_step(session)
+        self._store = SessionStates("device")
+        self._position = 0
+        self.seconds = 0.0
+
+    @property
+    def vocab(self) -> int:
+        return self.decoder.vocab
+
+    def forward(self, tokens: Sequence[int], position: int) -> np.ndarray:
+        start = time.perf_counter()
+        state = self._store.inputs("draft", "draft", position, self.states)
+        feeds = {**self.decoder.step_feeds(list(tokens), position), **state}
+        outputs = self._step(feeds)
+        kept = {s.input: np.asarray(outputs[s.output]) for s in self.states}
+        self._store.commit("draft", "draft", position, self.states, kept)
+        self.seconds += time.perf_counter() - start
+        logits = np.asarray(outputs[self.decoder.logits])
+        return logits.reshape(-1, logits.shape[-1])
+
+
+@dataclass
+class GenerationReport:
+    """What one generation did (``generate --json``'s last line)."""
+
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    ttft_ms: float = 0.0
+    ms_per_token: float = 0.0
+    round_trips: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    replays: int = 0
+    bytes_per_token: dict[str, float] = field(default_factory=dict)
+    tiers: dict[str, list[int]] = field(default_factory=dict)
+    draft_only: list[int] = field(default_factory=list)  # indices made by the draft alone
+    stopped: str = "max-tokens"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "tokens": self.tokens,
+            "ttft_ms": round(self.ttft_ms, 3),
+            "ms_per_token": round(self.ms_per_token, 3),
+            "round_trips": self.round_trips,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
+            "replays": self.replays,
+            "bytes_per_token": {k: round(v, 1) for k, v in self.bytes_per_token.items()},
+            "tiers": self.tiers,
+            "draft_only": self.draft_only,
+            "stopped": self.stopped,
+        }
+
+
+class Generator:
+    """Generation with a decoder plan across tiers ([Note: speculation] with a draft).
+
+    ``temperature`` 0 is greedy (token-identical to the unsplit model's greedy loop);
+    above 0 tokens are sampled from a ``seed``-ed generator. ``draft``: a small decoder of
+    the same vocabulary, run on the device; ``draft_tokens``: how many it proposes per
+    round (None: chosen from what is measured, ``auto``). ``fallback_draft``: when the
+    tiers cannot be reached, go on with the draft alone, those tokens marked.
+    """
+
+    def __init__(
+        self,
+        client: DeviceClient,
+        *,
+        draft: str | Path | None = None,
+        draft_tokens: int | None = None,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        fallback_draft: bool = False,
+    ) -> None:
+        if temperature < 0 or not np.isfinite(temperature):
+            raise InputError(f"the temperature must be 0 or more, got {temperature}")
+        if draft_tokens is not None and not 1 <= draft_tokens <= 64:
+            raise InputError(f"--draft-tokens must be within 1..64, got {draft_tokens}")
+        self.target = TierDecoder(client, retry_s=FALLBACK_AFTER_S if fallback_draft else None)
+        self.client = client
+        self.temperature = temperature
+        self.rng = np.random.default_rng(seed)
+        self.draft_tokens = draft_tokens
+        self.fallback_draft = fallback_draft
+        self.draft: LocalDecoder | None = None
+        if draft is not None:
+            self.draft = LocalDecoder(draft, client.options, self.target.decoder.context)
+            if self.draft.vocab != self.target.vocab:
+                raise InputError(
+                    f"the draft model {Path(draft).name} has a vocabulary of "
+                    f"{self.draft.vocab} tokens, the plan's decoder {self.target.vocab}: "
+                    "a draft must share the large model's vocabulary"
+                )
+        elif fallback_draft:
+            raise InputError("--fallback draft needs a draft model (--draft SMALL.onnx)")
+        self.meter = AcceptanceMeter()
+        self._draft_fed: list[int] = []  # the tokens in the draft's KV cache, in order
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        stop: Sequence[int] = (),
+        on_token: Callable[[int, bool], None] | None = None,
+    ) -> GenerationReport:
+        """Prefill ``prompt`` and generate up to ``max_tokens`` tokens (a stop token ends
+        it, and is kept). ``on_token(token, draft_only)`` is called as each arrives."""
+        ids = [int(t) for t in prompt]
+        vocab = self.target.vocab
+        if not ids:
+            raise InputError("the prompt is empty: a decoder needs at least one token")
+        if max_tokens < 1:
+            raise InputError(f"--max-tokens must be at least 1, got {max_tokens}")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InputError(f"prompt token {bad} is outside the vocabulary 0..{vocab - 1}")
+        context = self.target.decoder.context
+        if len(ids) + max_tokens - 1 > context:
+            raise StateError(
+                f"a prompt of {len(ids)} tokens and {max_tokens} new ones need a context of "
+                f"{len(ids) + max_tokens - 1}; the plan was made for --context {context}"
+            )
+        report = GenerationReport(prompt=ids, tiers=_tiers_and_layers(self.client))
+        stop_set = set(stop)
+        started = time.perf_counter()
+
+        def emit(token: int, draft_only: bool = False) -> bool:
+            """Add ``token``; whether generation goes on."""
+            if draft_only:
+                report.draft_only.append(len(report.tokens))
+            report.tokens.append(token)
+            if len(report.tokens) == 1:
+                report.ttft_ms = (time.perf_counter() - started) * 1e3
+            if on_token is not None:
+                on_token(token, draft_only)
+            if token in stop_set:
+                report.stopped = "stop-token"
+                return False
+            return len(report.tokens) < max_tokens
+
+        sequence = list(ids)  # every token so far
+        try:
+            logits = self.target.forward(ids, 0)
+            going = emit(sample(logits[-1], self.temperature, self.rng))
+            sequence.append(report.tokens[-1])
+            while going:
+                going = self._round(sequence, emit, max_tokens - len(report.tokens))
+        except TransportError as exc:
+            if not (self.fallback_draft and self.draft is not None):
+                raise
+            logger.warning("[device] %s; going on with the draft model alone", exc)
+            report.stopped = "max-tokens"
+            self._draft_alone(sequence, report, emit, max_tokens)
+        elapsed = (time.perf_counter() - started) * 1e3
+        self._fill(report, elapsed)
+        return report
+
+    def _round(self, sequence: list[int], emit: Callable[[int], bool], room: int) -> bool:
+        """One round trip of the large model: a plain step, or a speculated one."""
+        target = self.target
+        position = len(sequence) - 1  # the last token is not fed yet
+        pending = sequence[-1]
+        if self.draft is None:
+            logits = target.forward([pending], position)
+            token = sample(logits[-1], self.temperature, self.rng)
+            sequence.append(token)
+            return emit(token)
+        draft = self.draft
+        k = max(1, min(self.meter.choose(self.draft_tokens), room))
+        draft_start = draft.seconds
+        drafts: list[int] = []
+        draft_logits: list[np.ndarray] = []
+        scores = self._draft_next(sequence)
+        for i in range(k):
+            token = sample(scores, self.temperature, self.rng)
+            drafts.append(token)
+            draft_logits.append(scores)
+            if i + 1 < k:
+                scores = self._draft_next([*sequence, *drafts])
+        draft_s = draft.seconds - draft_start
+        trip = time.perf_counter()
+        logits = target.forward([pending, *drafts], position)
+        trip_s = time.perf_counter() - trip
+        if self.temperature <= 0:
+            verdict = verify_greedy(logits, drafts)
+        else:
+            verdict = verify_sampled(
+                logits, np.stack(draft_logits), drafts, self.temperature, self.rng
+            )
+        self.meter.observe(len(drafts), verdict.kept, trip_s, draft_s)
+        for token in [*drafts[: verdict.kept], verdict.token]:
+            sequence.append(token)
+            if not emit(token):
+                return False
+        return True
+
+    def _draft_next(self, sequence: list[int]) -> np.ndarray:
+        """The draft's logits for the token after ``sequence``, fed what it lacks of it.
+
+        Its KV cache keeps the longest prefix of ``sequence`` it has fed; what it fed
+        beyond that (rejected drafts) is cut back, as on the tiers.
+        """
+        assert self.draft is not None
+        fed = self._draft_fed
+        kept = 0
+        while kept < min(len(fed), len(sequence) - 1) and fed[kept] == sequence[kept]:
+            kept += 1
+        news = sequence[kept:]
+        scores = self.draft.forward(news, kept)[-1]
+        self._draft_fed = list(sequence)
+        return scores
+
+    def _draft_alone(
+        self,
+        sequence: list[int],
+        report: GenerationReport,
+        emit: Callable[[int, bool], bool],
+        max_tokens: int,
+    ) -> None:
+        """Go on with the draft model only (``--fallback draft``): every token marked."""
+        while len(report.tokens) < max_tokens:
+            token = sample(self._draft_next(sequence), self.temperature, self.rng)
+            sequence.append(token)
+            if not emit(token, True):
+                return
+
+    def _fill(self, report: GenerationReport, elapsed_ms: float) -> None:
+        """The figures of ``report`` from the requests the generation made."""
+        results = self.target.results
+        report.round_trips = len(results)
+        report.replays = self.target.replays
+        report.drafted = self.meter.drafted
+        report.accepted = self.meter.accepted
+        count = max(len(report.tokens), 1)
+        report.bytes_per_token = {
+            link: sum(r.bytes.get(link, 0) for r in results) / count for link in LINKS
+        }
+        if len(report.tokens) > 1:
+            report.ms_per_token = (elapsed_ms - report.ttft_ms) / (len(report.tokens) - 1)
+
+
+def _tiers_and_layers(client: DeviceClient) -> dict[str, list[int]]:
+    """Which tier holds which layers' KV cache (the decoder's blocks), by tier."""
+    layers: dict[str, list[int]] = {}
+    for spec in client.plan.segments:
+        for state in spec.state:
+            found = _LAYER.search(state.input)
+            if found is not None:
+                layers.setdefault(spec.tier, []).append(int(found.group()))
+    return {tier: sorted(set(found)) for tier, found in layers.items()}
+
+
+def layer_ranges(tiers: dict[str, list[int]]) -> str:
+    """``device 0-1, edge 2-3, cloud 4-7``: the blocks each tier runs, for people."""
+    parts = []
+    for tier, found in tiers.items():
+        groups = []
+        for _, run in itertools.groupby(enumerate(found), lambda pair: pair[1] - pair[0]):
+            values = [v for _, v in run]
+            groups.append(str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}")
+        parts.append(f"{tier} {','.join(groups)}")
+    return ", ".join(parts)
+
+
+__all__ = [
+    "GenerationReport",
+    "Generator",
+    "LocalDecoder",
+    "StateSpec",
+    "TierDecoder",
+    "layer_ranges",
+]

@@ -1,0 +1,185 @@
+"""Streaming a stateful model from the device: one session's chunks, in order, replayed as needed.
+
+A :class:`StreamSession` sends a session's chunks (``run --session``'s IN.npz rows, a
+``tierflow device`` source, an app's frames) with up to ``window`` in flight. Each chunk is
+one request at the next position; the tier that owns the model's state feeds it back from
+chunk to chunk ([Note: session state on a tier] in tierflow/runtime/state.py), so the
+answers equal a local loop that feeds each state output back, bit for bit at the
+runtime's settings. When a tier answers STATE_LOST, the session is replayed from its
+first chunk ([Note: replaying a session] in tierflow/device/generation.py): the chunks
+answered since are sent again in order (their answers are not yielded twice), then the
+lost one and those after it, whose answers are the ones yielded. ``keep`` bounds the
+chunks the device holds for that (None: all); a loss beyond them fails the rest of the
+session with a :class:`~tierflow.errors.StateLostError` rather than give a different answer.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+
+from tierflow.device.client import DeviceClient
+from tierflow.device.results import Result, Ticket
+from tierflow.errors import RemoteError, StateLostError, TierflowError, UsageError
+from tierflow.npz import read_arrays
+from tierflow.plan import Plan
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Inputs = Mapping[str, np.ndarray]
+
+
+def initial_states(path: str | Path, plan: Plan) -> dict[str, np.ndarray]:
+    """The first row of each fixed-shape state input ``path`` holds (``run --session``).
+
+    A state input is taken from the file for the first request only; the tier that owns
+    it feeds its own outputs back from then on. A growing state (a KV cache) always
+    starts empty and is not read.
+    """
+    arrays = read_arrays(path)
+    found: dict[str, np.ndarray] = {}
+    for state in plan.states:
+        if state.grows is not None or state.input not in arrays:
+            continue
+        row = np.ascontiguousarray(arrays[state.input][0])
+        if row.ndim + 1 == len(state.shape):  # the rows lack the batch dimension
+            row = row[np.newaxis]
+        found[state.input] = row
+    return found
+
+
+class StreamSession:
+    """One session of a streaming model, sent through ``client`` (see the module)."""
+
+    def __init__(
+        self,
+        client: DeviceClient,
+        name: str,
+        *,
+        initial: Inputs | None = None,
+        keep: int | None = None,
+    ) -> None:
+        if keep is not None and keep < 1:
+            raise UsageError(f"chunks kept for a replay must be at least 1, got {keep}")
+        self.client = client
+        self.name = name
+        self.initial = dict(initial or {})
+        self.keep = keep
+        self.replays = 0
+        self._sent: collections.deque[Inputs] = collections.deque()  # chunks by position
+        self._first = 0  # the position of the oldest chunk kept
+        self._next = 0  # the position of the next chunk: a session goes on across calls
+        self._lost: StateLostError | None = None
+
+    def run(self, chunks: Iterable[Inputs]) -> Iterator[Result]:
+        """One Result per chunk, in order; a later call goes on where this one ended."""
+        for _, result in self.pairs(chunks, lambda chunk: chunk):
+            yield result
+
+    def pairs(
+        self, items: Iterable[T], prepare: Callable[[T], Inputs]
+    ) -> Iterator[tuple[T, Result]]:
+        """One Result per item, with the item it answers; ``prepare`` gives its inputs."""
+        window = self.client.window
+        in_flight: collections.deque[tuple[T, int, Ticket]] = collections.deque()
+        for item in items:
+            while len(in_flight) >= window:
+                yield self._settle(in_flight)
+            position, self._next = self._next, self._next + 1
+            in_flight.append((item, position, self._send(prepare(item), position)))
+            while in_flight and in_flight[0][2].done():
+                yield self._settle(in_flight)
+        while in_flight:
+            yield self._settle(in_flight)
+
+    def _send(self, inputs: Inputs, position: int) -> Ticket:
+        """Chunk ``position``, kept for a replay (the first with the initial state)."""
+        self._sent.append(inputs)
+        if self.keep is not None and len(self._sent) > self.keep:
+            self._sent.popleft()
+            self._first += 1
+        return self._submit(inputs, position)
+
+    def _submit(self, inputs: Inputs, position: int) -> Ticket:
+        if self._lost is not None:  # the session cannot go on: fail the rest as it did
+            return _failed_ticket(position, self._lost)
+        feeds = {**inputs, **self.initial} if position == 0 else inputs
+        return self.client.submit(feeds, session=self.name, position=position)
+
+    def _settle(self, in_flight: collections.deque[tuple[T, int, Ticket]]) -> tuple[T, Result]:
+        """The oldest chunk's Result, the session replayed first if a tier lost it."""
+        item, position, ticket = in_flight.popleft()
+        result = ticket.result()
+        if not _state_lost(result):
+            return item, result
+        # Every chunk after this one ran (or will) on the lost state too: wait them out,
+        # rebuild the state up to this chunk, then send this one and those after again.
+        later = [(it, pos, t) for it, pos, t in in_flight]
+        for _, _, pending in later:
+            pending.result()
+        in_flight.clear()
+        result = self._replay(position, result)
+        for it, pos, _ in later:
+            in_flight.append((it, pos, self._resend(pos)))
+        return item, result
+
+    def _replay(self, position: int, lost: Result) -> Result:
+        """Send chunks 0..position-1 again, then chunk ``position``; its Result."""
+        if self._lost is not None or self._first > 0:  # the first chunks are gone
+            self._lost = self._lost or StateLostError(
+                f"session {self.name!r}: a tier lost its state ({lost.error}), and the device "
+                f"keeps only the last {self.keep} chunks, not the {position} before this "
+                "one that rebuild it"
+            )
+            return _failed(lost, self._lost)
+        self.replays += 1
+        logger.info(
+            "[device] session %s: a tier lost its state (%s); replaying %d chunks",
+            self.name,
+            lost.error,
+            position,
+        )
+        window: collections.deque[Ticket] = collections.deque()
+        try:
+            for earlier in range(position):
+                window.append(self._resend(earlier))
+                while len(window) >= self.client.window:
+                    _checked(window.popleft().result())
+            while window:
+                _checked(window.popleft().result())
+        except TierflowError as exc:
+            for pending in window:
+                pending.result()
+            return replace(lost, error=exc, outputs={})
+        return self._resend(position).result()
+
+    def _resend(self, position: int) -> Ticket:
+        return self._submit(self._sent[position - self._first], position)
+
+
+def _state_lost(result: Result) -> bool:
+    return isinstance(result.error, RemoteError) and result.error.code == "STATE_LOST"
+
+
+def _checked(result: Result) -> None:
+    """A replayed chunk's answer is not kept; its failure ends the replay."""
+    if result.error is not None:
+        raise result.error
+
+
+def _failed(result: Result, error: StateLostError) -> Result:
+    return replace(result, error=error, outputs={})
+
+
+def _failed_ticket(position: int, error: StateLostError) -> Ticket:
+    started = time.perf_counter()
+    result = Result(f"session-{position}", error=error, ms={"total": 0.0, "device": 0.0})
+    return Ticket(result.id, started, 0.0, result=result)

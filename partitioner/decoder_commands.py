@@ -1,0 +1,133 @@
+"""``tierflow plan`` for a decoder: what it refuses, what it runs, and what it prints.
+
+:func:`~tierflow.partitioner.commands.run_plan` hands a model over here once its graph
+shows a growing state pair ([Note: state pairs] in :mod:`tierflow.state_pairs`). The
+options were parsed there; onnx and onnxruntime are imported inside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from tierflow.errors import UsageError
+from tierflow.link.spec import LINKS, TIERS, LinkSpec
+from tierflow.units import format_duration, format_size
+
+
+def _refuse(args: argparse.Namespace, budget: Any) -> None:
+    """Options that do not apply to a decoder, each a one-line error naming why."""
+    reasons = [
+        (bool(args.profile), "--profile", "tiers are profiled here at the prefill and decode "
+         "points"),
+        (bool(args.sample), "--sample", "the planner draws token ids and sizes the cache "
+         "itself from --prompt-tokens and --max-tokens"),
+        (bool(args.shape), "--shape", "seq and past stay symbolic; set the lengths priced "
+         "with --prompt-tokens, --max-tokens and --context"),
+        (bool(args.adaptive), "--adaptive", "plan sets are made for stateless requests"),
+        (bool(args.image_input or args.image_norm), "--image-input", "a decoder's inputs "
+         "are token ids"),
+        (not budget.lossless_only, f"--fidelity {budget}", "every token's error would feed "
+         "the next; decoders are planned exact"),
+    ]  # fmt: skip
+    for given, option, why in reasons:
+        if given:
+            raise UsageError(f"{option} does not apply to a decoder: {why}")
+
+
+def run_decoder_plan(
+    args: argparse.Namespace,
+    links: Mapping[str, LinkSpec],
+    memory: Mapping[str, int],
+    emulation: Mapping[str, float],
+    budget: Any,
+    settings: Any,
+) -> int:
+    """Plan the decoder at ``args.model``: profile, rank, split, verify, write, print."""
+    from tierflow.partitioner.commands import parse_states
+    from tierflow.partitioner.decoder_graph import load_decoder
+    from tierflow.partitioner.decoder_plan import (
+        decoder_codecs,
+        decoder_profiles,
+        make_decoder_plan,
+    )
+    from tierflow.partitioner.planner import PlanOptions
+    from tierflow.partitioner.report import Progress, decoder_table
+
+    _refuse(args, budget)
+    options = PlanOptions(
+        links=links,
+        memory=memory,
+        objective=args.objective,
+        codec=args.codec,
+        verify=args.verify,
+        top=args.top,
+        fidelity=budget,
+    )
+    codecs = decoder_codecs(options)
+    graph = load_decoder(args.model, settings, parse_states(args.state))
+    progress = Progress("profiling here")
+    try:
+        profiles, notes = decoder_profiles(
+            graph, emulation=emulation, threads=args.threads, progress=progress, codecs=codecs
+        )
+    finally:
+        progress.close()
+    outcome = make_decoder_plan(graph, profiles, options, args.output)
+    notes += list(outcome.notes)
+    if args.json:
+        report = outcome.result.to_dict()
+        report["plan_dir"] = str(outcome.plan_dir)
+        report["decoder"] = {**graph.decoder.to_dict(), **settings.to_dict()}
+        report["verified"] = outcome.check.to_dict() if outcome.check else None
+        report["notes"] = notes
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    for note in notes:
+        print(note)
+    for name in LINKS:
+        print(f"{name}: {links[name]}")
+    if memory:
+        print("memory budgets: " + ", ".join(f"{t} {format_size(v)}" for t, v in memory.items()))
+    kv = sum(graph.state_bytes())
+    print(
+        f"decoder: {len(graph.states)} state pairs, KV cache {format_size(kv)} at --context "
+        f"{settings.context}; prefill of {settings.prompt_tokens} prompt tokens, then "
+        f"{settings.max_tokens} tokens one at a time"
+    )
+    result = outcome.result
+    goal = (
+        f"time to first token + {settings.max_tokens} x time per token"
+        if args.objective == "latency"
+        else "tokens per second with sessions pipelined"
+    )
+    print(
+        f"\n{result.considered} plans scored for {goal}, {result.feasible} fit the budgets; "
+        "compute and link bytes per token, memory per tier with its KV cache:"
+    )
+    print(decoder_table(result, memory))
+    best = result.best
+    held = ", ".join(
+        f"{t} {format_size(best.memory_bytes[t])} (KV {format_size(best.state_bytes[t])})"
+        for t in TIERS
+        if t in best.tiers
+    )
+    print(
+        f"\nchosen: {' -> '.join(best.tiers)}, predicted time to first token "
+        f"{format_duration(best.ttft_s)}, {format_duration(best.per_token_s)} per token "
+        f"({best.tokens_per_s:.1f} tokens/s over {settings.max_tokens}); memory {held}"
+    )
+    check = outcome.check
+    if check is None:
+        print("not verified (--no-verify)")
+    else:
+        print(
+            f"verified: chaining the segments reproduces the model bit for bit over "
+            f"{check.steps} greedy steps, each tier's KV cache fed back"
+        )
+    print(f"wrote {outcome.plan_dir / 'plan.json'} and {len(outcome.plan.segments)} segment(s)")
+    return 0

@@ -1,0 +1,270 @@
+"""The cost model for decoders: time to first token, time per token, memory with the KV cache.
+
+Pure, like :mod:`.cost`, whose tables it combines; see [Note: pricing a decoder].
+
+[Note: pricing a decoder]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A generation is one prefill and then one step per token, each a request through every
+tier with work. Both are priced by :mod:`.cost` on profiles measured at their own point
+([Note: decoder analysis points] in :mod:`.decoder_points`):
+
+* *prefill* (the prompt's ``T`` tokens from an empty cache): each tier's compute at the
+  prefill point, each used link carrying its cut's tensors at ``T`` (the prompt's hidden
+  states plus ``attention_mask`` and ``position_ids``) once, a full round trip, and the
+  logits [1, T, V] back. This is the time to first token (TTFT).
+* *a decode step* (one token after a cache of the mean length): the same at the decode
+  point; each used link carries one token's hidden state and the companions up, the
+  logits [1, 1, V] down, and pays its full RTT: the per-token time.
+
+The latency objective is ``TTFT + max_tokens x per-token``: the tables of the two are
+linear in every part (compute, codec times, wire, RTT), so their sum weighted by
+``max_tokens`` is itself a :class:`~.cost.CostTables` and the search of :mod:`.search`
+ranks it unchanged, codecs chosen per link for the whole generation. Under
+``--objective throughput`` the decode tables are ranked by their period: a step of one
+session waits for the previous token, so a single session gets ``1 / per-token`` tokens
+per second, and the pipelined rate (the slowest tier or link of a step) is what
+concurrent sessions share.
+
+Memory per tier is its weights, plus the state its blocks keep for one session at
+``--context`` (the KV cache: :meth:`~tierflow.state_spec.StateSpec.nbytes`), plus the
+larger of its activation peaks at the two points. Cloud-only (the prompt goes up, every
+token comes down) and device-only are plans like any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from tierflow.errors import PlanError
+from tierflow.link.spec import TIERS
+from tierflow.partitioner.cost import CostTables, Estimate, LinkTable, build_tables, estimate, spans
+from tierflow.partitioner.cost import Problem as CostProblem
+from tierflow.partitioner.profile_data import Profile
+from tierflow.partitioner.search import BASELINES, search
+from tierflow.units import format_size
+
+
+def memory_table(prefill: Profile, decode: Profile, state_bytes: Sequence[int]) -> np.ndarray:
+    """(n, n) bytes a tier needs to run cuts ``[s, e)``: weights + state + activation peak."""
+    n = len(prefill.cuts)
+    if len(state_bytes) != n - 1 or len(decode.units) != n - 1:
+        raise PlanError(
+            f"{len(state_bytes)} units of state and {len(decode.units)} decode units for "
+            f"{n - 1} prefill units"
+        )
+    weights = np.concatenate([[0.0], np.cumsum([u.weight_bytes for u in prefill.units])])
+    state = np.concatenate([[0.0], np.cumsum(np.asarray(state_bytes, dtype=np.float64))])
+    peaks = np.maximum(
+        [u.peak_activation_bytes for u in prefill.units],
+        [u.peak_activation_bytes for u in decode.units],
+    ).astype(np.float64)
+    table = np.zeros((n, n))
+    for start in range(n - 1):
+        running = np.maximum.accumulate(peaks[start:])
+        table[start, start + 1 :] = (
+            weights[start + 1 :] - weights[start] + state[start + 1 :] - state[start] + running
+        )
+    return table
+
+
+def _combined_link(prefill: LinkTable, decode: LinkTable, tokens: int) -> LinkTable:
+    return LinkTable(
+        used=prefill.used | decode.used,
+        raw_bytes=prefill.raw_bytes + tokens * decode.raw_bytes,
+        bytes=prefill.bytes + tokens * decode.bytes,
+        encode_s=prefill.encode_s + tokens * decode.encode_s,
+        wire_s=prefill.wire_s + tokens * decode.wire_s,
+        decode_s=prefill.decode_s + tokens * decode.decode_s,
+        propagation_s=prefill.propagation_s + tokens * decode.propagation_s,
+        reply_s=prefill.reply_s + tokens * decode.reply_s,
+    )
+
+
+@dataclass(frozen=True)
+class DecoderTables:
+    """Prefill, decode-step and whole-generation tables, all with the decoder's memory."""
+
+    prefill: CostTables
+    decode: CostTables
+    generation: CostTables
+    max_tokens: int
+    state_bytes: tuple[int, ...]
+
+
+def decoder_tables(
+    prefill: CostProblem,
+    decode: CostProblem,
+    *,
+    max_tokens: int,
+    state_bytes: Sequence[int],
+) -> DecoderTables:
+    """Tabulate both points and their sum over a generation; see [Note: pricing a decoder]."""
+    if max_tokens < 1:
+        raise PlanError(f"max_tokens must be at least 1, got {max_tokens}")
+    at_prefill, at_decode = build_tables(prefill), build_tables(decode)
+    memory = {t: memory_table(prefill.profiles[t], decode.profiles[t], state_bytes) for t in TIERS}
+    at_prefill = replace(at_prefill, memory=memory)
+    at_decode = replace(at_decode, memory=memory)
+    generation = CostTables(
+        problem=replace(decode, objective="latency"),
+        segment_s={t: at_prefill.segment_s[t] + max_tokens * at_decode.segment_s[t] for t in TIERS},
+        memory=memory,
+        links={
+            name: _combined_link(at_prefill.links[name], at_decode.links[name], max_tokens)
+            for name in at_decode.links
+        },
+    )
+    return DecoderTables(at_prefill, at_decode, generation, max_tokens, tuple(state_bytes))
+
+
+@dataclass(frozen=True)
+class DecoderEstimate:
+    """One plan of a decoder: its prefill, its decode step, and the generation they make."""
+
+    prefill: Estimate
+    step: Estimate
+    max_tokens: int
+    state_bytes: Mapping[str, int]
+    reply_bytes: int = 0  # one step's answer (the logits of one token), back over each link
+
+    @property
+    def cuts(self) -> tuple[int, int]:
+        return self.step.cuts
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        return self.step.tiers
+
+    @property
+    def codec(self) -> dict[str, str]:
+        return self.step.codec
+
+    @property
+    def feasible(self) -> bool:
+        return self.step.feasible
+
+    @property
+    def memory_bytes(self) -> Mapping[str, int]:
+        return self.step.memory_bytes
+
+    @property
+    def ttft_s(self) -> float:
+        return self.prefill.latency_s
+
+    @property
+    def per_token_s(self) -> float:
+        return self.step.latency_s
+
+    @property
+    def generation_s(self) -> float:
+        """TTFT plus ``max_tokens`` steps: what the latency objective minimises."""
+        return self.ttft_s + self.max_tokens * self.per_token_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens per second of one session over the whole generation."""
+        return self.max_tokens / self.generation_s if self.generation_s > 0 else float("inf")
+
+    @property
+    def pipelined_tokens_per_s(self) -> float:
+        """Tokens per second that concurrent sessions share: one per slowest step stage."""
+        return self.step.throughput_rps
+
+    def bytes_per_token(self) -> dict[str, float]:
+        """Bytes each link carries per generated token after the prompt, up and down."""
+        return {
+            name: (cost.bytes + self.reply_bytes) if cost.used else 0.0
+            for name, cost in self.step.links.items()
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ttft_s": self.ttft_s,
+            "per_token_s": self.per_token_s,
+            "max_tokens": self.max_tokens,
+            "generation_s": self.generation_s,
+            "tokens_per_s": self.tokens_per_s,
+            "pipelined_tokens_per_s": self.pipelined_tokens_per_s,
+            "state_bytes": dict(self.state_bytes),
+            "bytes_per_token": self.bytes_per_token(),
+            "prefill": self.prefill.to_dict(),
+            "step": self.step.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class DecoderResult:
+    """Ranked feasible decoder plans and the single-tier baselines, as :class:`SearchResult`."""
+
+    objective: str
+    ranked: tuple[DecoderEstimate, ...]
+    baselines: Mapping[str, DecoderEstimate]
+    considered: int
+    feasible: int
+
+    @property
+    def best(self) -> DecoderEstimate:
+        return self.ranked[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "objective": self.objective,
+            "considered": self.considered,
+            "feasible": self.feasible,
+            "ranked": [dict(e.to_dict(), codec=e.codec, cuts=list(e.cuts)) for e in self.ranked],
+            "baselines": {
+                k: dict(e.to_dict(), codec=e.codec, cuts=list(e.cuts))
+                for k, e in self.baselines.items()
+            },
+        }
+
+
+def decoder_estimate(
+    tables: DecoderTables, a: int, b: int, codec: Mapping[str, str]
+) -> DecoderEstimate:
+    """The plan ``(a, b)`` with ``codec`` on its links, at both points."""
+    span = spans(a, b, tables.decode.last)
+    state = np.concatenate([[0], np.cumsum(tables.state_bytes)])
+    held = {t: int(state[span[t][1]] - state[span[t][0]]) for t in TIERS}
+    return DecoderEstimate(
+        prefill=estimate(tables.prefill, a, b, codec),
+        step=estimate(tables.decode, a, b, codec),
+        max_tokens=tables.max_tokens,
+        state_bytes=held,
+        reply_bytes=tables.decode.problem.profiles["device"].cuts[-1].nbytes,
+    )
+
+
+def decoder_search(
+    tables: DecoderTables, *, top: int = 5, context: int | None = None
+) -> DecoderResult:
+    """Rank every decoder plan; see [Note: pricing a decoder].
+
+    Raises :class:`PlanError` naming the KV cache when no plan fits the memory budgets.
+    """
+    objective = tables.decode.problem.objective
+    ranked_on = tables.decode if objective == "throughput" else tables.generation
+    try:
+        result = search(ranked_on.problem, top=top, tables=ranked_on)
+    except PlanError as exc:
+        total = format_size(float(sum(tables.state_bytes)))
+        at = f" at --context {context}" if context is not None else ""
+        raise PlanError(
+            f"{exc}; each tier counts its weights, its activations and, kept on it with "
+            f"their blocks, its state pairs' KV cache{at} ({total} for the whole model)"
+        ) from exc
+
+    def wrap(e: Estimate) -> DecoderEstimate:
+        return decoder_estimate(tables, *e.cuts, e.codec)
+
+    return DecoderResult(
+        objective=objective,
+        ranked=tuple(wrap(e) for e in result.ranked),
+        baselines={name: wrap(result.baselines[name]) for name in BASELINES},
+        considered=result.considered,
+        feasible=result.feasible,
+    )

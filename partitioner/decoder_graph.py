@@ -1,0 +1,209 @@
+"""A decoder loaded for planning: analysed at its two points, and split with its symbols kept.
+
+:func:`load_decoder` finds the state pairs and decoder tensors, analyses the model at the
+prefill and the decode point ([Note: decoder analysis points] in :mod:`.decoder_points`),
+the second with the first one's cuts, and keeps the model as shipped (``source``);
+:func:`split_decoder` cuts segments out of ``source`` that run at any ``seq`` and
+``past``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnx.checker
+
+from tierflow.errors import ModelError, PlanError
+from tierflow.link.spec import TIERS
+from tierflow.partitioner.decoder_points import (
+    DecoderSettings,
+    Point,
+    analysis_points,
+    crossing_infos,
+    point_sample,
+)
+from tierflow.partitioner.extract import SegmentExtractor
+from tierflow.partitioner.graph import ModelGraph, load_model
+from tierflow.partitioner.loading import drop_initializer_inputs, read_model, sort_nodes
+from tierflow.partitioner.split import Segment, segment_names
+from tierflow.partitioner.stateful import graph_states, rebind_state_shapes, value_sig
+from tierflow.partitioner.tensors import first_line
+from tierflow.plan import SegmentSpec
+from tierflow.state_pairs import find_decoder
+from tierflow.state_spec import DecoderSpec, StateSpec
+
+logger = logging.getLogger(__name__)
+
+#: Tensors a decoder cut may carry: the hidden state, the companions, and the small shape
+#: tensors an exporter computes once and every block reads (sizes of seq and past, which
+#: stay values in a graph that runs at any length: [Note: decoder analysis points]).
+DECODER_MAX_CUT_TENSORS = 8
+
+
+@dataclass(frozen=True, eq=False)
+class DecoderGraph:
+    """A decoder's two analyses (same cuts), its tensors, and the model as shipped."""
+
+    prefill: ModelGraph
+    decode: ModelGraph
+    source: onnx.ModelProto
+    decoder: DecoderSpec
+    settings: DecoderSettings
+    points: tuple[Point, Point]
+
+    @property
+    def states(self) -> tuple[StateSpec, ...]:
+        return self.prefill.state
+
+    def state_bytes(self) -> list[int]:
+        """Each unit's state at ``--context`` (its blocks' KV cache), in bytes."""
+        context = self.settings.context
+        return [
+            sum(s.nbytes(context) for s in self.prefill.states_between(i, i + 1))
+            for i in range(self.prefill.unit_count())
+        ]
+
+
+def read_source(path: Path) -> onnx.ModelProto:
+    """The model as shipped, nodes in order, initializers no inputs: what segments come from."""
+    model, _ = read_model(path)
+    sort_nodes(model, path)
+    drop_initializer_inputs(model)
+    return model
+
+
+def decoder_of(
+    model: onnx.ModelProto,
+    states: Sequence[StateSpec],
+    settings: DecoderSettings,
+    *,
+    where: str,
+) -> DecoderSpec | None:
+    """The decoder tensors of ``model``, None when it has no growing state."""
+    weights = {t.name for t in model.graph.initializer}
+    inputs = [value_sig(v) for v in model.graph.input if v.name not in weights]
+    outputs = [value_sig(v) for v in model.graph.output]
+    return find_decoder(
+        inputs,
+        outputs,
+        states,
+        context=settings.context,
+        max_tokens=settings.max_tokens,
+        where=where,
+    )
+
+
+def inspect_decoder(
+    path: str | Path, given: Sequence[tuple[str, str]] = (), settings: DecoderSettings | None = None
+) -> DecoderSpec | None:
+    """Whether the model at ``path`` is a decoder (its tensors), reading only its graph."""
+    path = Path(path)
+    try:
+        model = onnx.load_model(str(path), load_external_data=False)
+    except FileNotFoundError as exc:
+        raise ModelError(f"model file {path} does not exist") from exc
+    except Exception as exc:  # protobuf and onnx raise several types
+        raise ModelError(f"{path} is not an ONNX model: {first_line(exc)}") from exc
+    states = graph_states(model, given, where=str(path))
+    return decoder_of(model, states, settings or DecoderSettings(), where=str(path))
+
+
+def load_decoder(
+    path: str | Path, settings: DecoderSettings, given: Sequence[tuple[str, str]] = ()
+) -> DecoderGraph:
+    """Analyse the decoder at ``path`` at its prefill and decode points."""
+    path = Path(path)
+    source = read_source(path)
+    states = graph_states(source, given, where=str(path))
+    rebind_state_shapes(source, states, where=str(path))
+    decoder = decoder_of(source, states, settings, where=str(path))
+    if decoder is None:
+        raise ModelError(f"{path} has no growing state pair: it is no decoder")
+    inputs = [value_sig(v) for v in source.graph.input]
+    prefill_point, decode_point = analysis_points(settings)
+    prefill = load_model(
+        path,
+        sample=point_sample(inputs, decoder, states, prefill_point),
+        state=given,
+        fold=False,
+        max_cut_tensors=DECODER_MAX_CUT_TENSORS,
+    )
+    decode = load_model(
+        path,
+        sample=point_sample(inputs, decoder, states, decode_point, seed=1),
+        state=given,
+        positions=[c.position for c in prefill.cuts],
+        fold=False,
+        max_cut_tensors=DECODER_MAX_CUT_TENSORS,
+    )
+    logger.info(
+        "[plan] %s is a decoder: %d state pairs, %d cuts, analysed at %s and %s",
+        path,
+        len(states),
+        len(prefill.cuts),
+        prefill_point,
+        decode_point,
+    )
+    return DecoderGraph(prefill, decode, source, decoder, settings, (prefill_point, decode_point))
+
+
+def split_decoder(graph: DecoderGraph, cut_indices: Sequence[int]) -> list[Segment]:
+    """Segments of the shipped model at ``cut_indices`` (a, b), one per tier with work.
+
+    Cut like :func:`~tierflow.partitioner.split.split_model` (same files, names, state
+    pairs), but from ``graph.source``, so they keep its symbolic dimensions ([Note:
+    decoder analysis points] in :mod:`.decoder_points`).
+    """
+    analysed = graph.prefill
+    bounds = [0, *cut_indices, len(analysed.cuts) - 1]
+    if len(cut_indices) != 2 or bounds != sorted(bounds) or bounds[-1] >= len(analysed.cuts):
+        raise PlanError(
+            f"cut indices {list(cut_indices)} must be two, ascending within "
+            f"0..{len(analysed.cuts) - 1}"
+        )
+    extractor = _extractor(graph)
+    segments: list[Segment] = []
+    for tier, start, end in zip(TIERS, bounds[:-1], bounds[1:], strict=True):
+        if analysed.cuts[start].position == analysed.cuts[end].position:
+            continue
+        inputs, outputs = segment_names(analysed, start, end)
+        try:
+            model = extractor.extract(inputs, outputs)
+            model.graph.name = f"{graph.source.graph.name or 'decoder'}[{start}:{end}]"
+            onnx.checker.check_model(model)
+        except (ModelError, ValueError, onnx.checker.ValidationError) as exc:
+            raise ModelError(
+                f"cannot cut decoder segment {start}..{end}: {first_line(exc)}"
+            ) from exc
+        spec = SegmentSpec(
+            tier=tier,
+            file=f"{len(segments):02d}-{tier}.onnx",
+            inputs=tuple(inputs),
+            outputs=tuple(outputs),
+            state=analysed.states_between(start, end),
+        )
+        segments.append((spec, model))
+    return segments
+
+
+def _extractor(graph: DecoderGraph) -> SegmentExtractor:
+    """An extractor over the shipped model whose only value infos are the cut tensors'."""
+    model = copy.deepcopy(graph.source)
+    declared = {v.name for v in (*model.graph.input, *model.graph.output)}
+    crossing = {name for cut in graph.prefill.cuts for name in cut.tensors if name not in declared}
+    shapes = {
+        name: (
+            graph.prefill.tensors[name].shape,
+            graph.decode.tensors[name].shape,
+            graph.prefill.tensors[name].dtype,
+        )
+        for name in crossing
+    }
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(crossing_infos(shapes, *graph.points).values())
+    return SegmentExtractor(model)

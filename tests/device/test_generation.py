@@ -1,0 +1,218 @@
+"""Generation across three tiers: greedy output identical to the unsplit model's, with and
+without a draft, across a lost state; sampling seeded; the command line."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tierflow.cli.main import main
+from tierflow.cloud.server import CloudServer
+from tierflow.device.client import DeviceClient
+from tierflow.device.generation import Generator
+from tierflow.edge.server import EdgeServer
+from tierflow.errors import InputError, PlanError, StateError
+from tierflow.greedy import reference_generate
+from tierflow.options import RuntimeOptions
+from tierflow.partitioner.decoder_graph import load_decoder, split_decoder
+from tierflow.partitioner.decoder_points import DecoderSettings
+from tierflow.partitioner.graph import load_model
+from tierflow.partitioner.split import save_split_plan, split_model
+from tierflow.zoo.tiny_stateful import streaming_model, tiny_decoder
+
+pytestmark = pytest.mark.integration
+
+CONTEXT = 64
+PROMPT = [1, 2, 3, 4, 5]
+
+
+def decoder_plan(model: Path, plan_dir: Path) -> Path:
+    """The decoder split over device, edge and cloud at two block boundaries."""
+    graph = load_decoder(model, DecoderSettings(context=CONTEXT, max_tokens=16, prompt_tokens=5))
+    last = len(graph.prefill.cuts) - 1
+    cuts = (last // 3, 2 * last // 3)
+    segments = split_decoder(graph, cuts)
+    assert [spec.tier for spec, _ in segments] == ["device", "edge", "cloud"]
+    codec = {"device-edge": "raw", "edge-cloud": "zstd"}
+    save_split_plan(
+        graph.prefill, segments, plan_dir, cuts=cuts, codec=codec, decoder=graph.decoder
+    )
+    return plan_dir
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gen")
+    large = tiny_decoder(root / "large.onnx", blocks=6, vocab=32, seed=1)
+    return {
+        "large": large,
+        "same": tiny_decoder(root / "same.onnx", blocks=6, vocab=32, seed=1),
+        "other": tiny_decoder(root / "other.onnx", blocks=2, vocab=32, seed=3),
+        "narrow": tiny_decoder(root / "narrow.onnx", blocks=2, vocab=16, seed=1),
+        "plan": decoder_plan(large, root / "plan"),
+    }
+
+
+@pytest.fixture()
+def tiers(models: dict[str, Path]) -> Iterator[tuple[CloudServer, EdgeServer]]:
+    options = RuntimeOptions(workers=2)
+    cloud = CloudServer(models["plan"], options=options)
+    cloud.start()
+    edge = EdgeServer(models["plan"], upstream=cloud.address, options=options)
+    edge.start()
+    try:
+        yield cloud, edge
+    finally:
+        edge.stop(0)
+        cloud.stop(0)
+
+
+def reference(models: dict[str, Path], count: int) -> list[int]:
+    return list(reference_generate(models["large"], PROMPT, count, context=CONTEXT).tokens)
+
+
+def test_greedy_across_three_tiers_is_the_models_own_greedy_output(
+    models: dict[str, Path], tiers: Any
+) -> None:
+    _, edge = tiers
+    with DeviceClient(models["plan"], edge.address) as client:
+        report = Generator(client).generate(PROMPT, 24)
+    assert report.tokens == reference(models, 24)
+    assert len(set(report.tokens)) > 3  # a model that says something
+    assert report.round_trips == 24 and report.tiers == {
+        "device": [0, 1],
+        "edge": [2, 3],
+        "cloud": [4, 5],
+    }
+    assert report.bytes_per_token["device-edge"] > 0 and report.bytes_per_token["edge-cloud"] > 0
+    assert report.ttft_ms > 0 and report.ms_per_token > 0
+
+
+@pytest.mark.parametrize("draft, tokens", [("same", 4), ("other", 3), ("other", None)])
+def test_a_draft_gives_the_same_greedy_output_in_fewer_round_trips(
+    models: dict[str, Path], tiers: Any, draft: str, tokens: int | None
+) -> None:
+    _, edge = tiers
+    with DeviceClient(models["plan"], edge.address) as client:
+        generator = Generator(client, draft=models[draft], draft_tokens=tokens)
+        report = generator.generate(PROMPT, 30)
+    assert report.tokens == reference(models, 30)
+    assert report.drafted > 0
+    if draft == "same":  # every draft kept: 1 + 4 tokens per round trip
+        assert report.accepted == report.drafted
+        assert report.round_trips <= 1 + -(-29 // 5)
+    else:  # a draft of other weights: most drafts rejected, rolled back on every tier
+        assert report.accepted < report.drafted
+        assert report.round_trips <= 30
+
+
+def test_a_state_lost_on_a_tier_is_replayed_and_the_output_does_not_change(
+    models: dict[str, Path], tiers: Any
+) -> None:
+    cloud, edge = tiers
+    with DeviceClient(models["plan"], edge.address) as client:
+        generator = Generator(client)
+        session = generator.target.session
+
+        def evict(token: int, draft_only: bool) -> None:
+            if len(generator.target.fed) == len(PROMPT) + 8:
+                assert cloud.service.pipeline is not None
+                cloud.service.pipeline.states.drop(session)
+
+        report = generator.generate(PROMPT, 20, on_token=evict)
+    assert report.replays == 1
+    assert report.tokens == reference(models, 20)
+
+
+def test_sampling_is_seeded_and_a_draft_keeps_it_valid(models: dict[str, Path], tiers: Any) -> None:
+    _, edge = tiers
+    with DeviceClient(models["plan"], edge.address) as client:
+        first = Generator(client, temperature=0.9, seed=5).generate(PROMPT, 16).tokens
+        again = Generator(client, temperature=0.9, seed=5).generate(PROMPT, 16).tokens
+        drafted = Generator(client, draft=models["other"], temperature=0.9, seed=5)
+        sampled = drafted.generate(PROMPT, 16)
+    assert first == again and len(first) == 16
+    assert all(0 <= t < 32 for t in sampled.tokens) and len(sampled.tokens) == 16
+
+
+def test_bad_generation_requests_are_one_line_errors(models: dict[str, Path], tiers: Any) -> None:
+    _, edge = tiers
+    with DeviceClient(models["plan"], edge.address) as client:
+        with pytest.raises(StateError, match="made for --context 64"):
+            Generator(client).generate(list(range(30)) * 2, 10)
+        with pytest.raises(InputError, match="vocabulary of 16 tokens, the plan's decoder 32"):
+            Generator(client, draft=models["narrow"])
+        with pytest.raises(InputError, match="outside the vocabulary"):
+            Generator(client).generate([40], 4)
+
+
+def test_a_plan_that_is_no_decoder_is_refused(tmp_path: Path) -> None:
+    graph = load_model(streaming_model(tmp_path / "stream.onnx"))
+    last = len(graph.cuts) - 1
+    save_split_plan(graph, split_model(graph, (last, last)), tmp_path / "plan")
+    with DeviceClient(tmp_path / "plan") as client, pytest.raises(PlanError, match="not a decoder"):
+        Generator(client)
+
+
+def test_the_command_generates_and_ends_with_one_json_line(
+    models: dict[str, Path], tiers: Any, capsys: Any
+) -> None:
+    _, edge = tiers
+    ids = ",".join(str(t) for t in PROMPT)
+    code = main(["generate", "--plan", str(models["plan"]), "--edge", edge.address,
+                 "--prompt-ids", ids, "--max-tokens", "12", "--draft", str(models["other"]),
+                 "--draft-tokens", "3", "--json"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    line = json.loads(out.strip().splitlines()[-1])
+    assert line["tokens"] == reference(models, 12)
+    for key in ("ttft_ms", "ms_per_token", "round_trips", "accepted", "bytes_per_token", "tiers"):
+        assert key in line
+    assert set(line["bytes_per_token"]) == {"device-edge", "edge-cloud"}
+
+
+def test_a_prompt_in_bytes_and_a_tokenizer_that_does_not_load(
+    models: dict[str, Path], tiers: Any, tmp_path: Path, capsys: Any
+) -> None:
+    _, edge = tiers
+    base = ["generate", "--plan", str(models["plan"]), "--edge", edge.address, "--max-tokens", "4"]
+    broken = tmp_path / "tok.json"
+    broken.write_text("{not json")
+    assert main([*base, "--prompt", "hi", "--tokenizer", str(broken)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not load" in err[0]
+    # A byte-level prompt: 'hi' is ids 104, 105, outside this 32-token vocabulary.
+    assert main([*base, "--prompt", "hi", "--tokenizer", "bytes"]) == 2
+    assert "outside the vocabulary" in capsys.readouterr().err
+
+
+def test_with_the_tiers_gone_the_draft_goes_on_alone_marked(models: dict[str, Path]) -> None:
+    options = RuntimeOptions(workers=2)
+    cloud = CloudServer(models["plan"], options=options)
+    cloud.start()
+    edge = EdgeServer(models["plan"], upstream=cloud.address, options=options)
+    edge.start()
+    try:
+        with DeviceClient(models["plan"], edge.address, deadline_s=5.0) as client:
+            generator = Generator(client, draft=models["other"], fallback_draft=True)
+
+            def stop_tiers(token: int, draft_only: bool) -> None:
+                if len(generator.target.fed) >= len(PROMPT) + 4 and edge.port:
+                    edge.stop(0)
+                    cloud.stop(0)
+                    edge.port = 0
+
+            report = generator.generate(PROMPT, 20, on_token=stop_tiers)
+    finally:
+        edge.stop(0)
+        cloud.stop(0)
+    assert len(report.tokens) == 20
+    assert report.draft_only and report.draft_only == list(range(report.draft_only[0], 20))
+    kept = report.tokens[: report.draft_only[0]]
+    assert kept == reference(models, 20)[: len(kept)]
+    assert np.all(np.asarray(report.tokens) < 32)

@@ -1,0 +1,215 @@
+"""Streaming a stateful model across tiers: the state stays on its tier, answers equal a local
+loop bit for bit, a lost state is replayed, and sessions stay in order and apart."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tierflow.cli.main import main
+from tierflow.cloud.server import CloudServer
+from tierflow.device.client import DeviceClient
+from tierflow.device.sessions import StreamSession
+from tierflow.edge.server import EdgeServer
+from tierflow.errors import RemoteError, StateLostError
+from tierflow.options import RuntimeOptions
+from tierflow.partitioner.graph import load_model
+from tierflow.partitioner.split import save_split_plan, split_model
+from tierflow.plan import load_plan
+from tierflow.runtime.sessions import open_session
+from tierflow.zoo.tiny_stateful import streaming_model
+
+pytestmark = pytest.mark.integration
+
+CHUNKS = 30
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return streaming_model(tmp_path_factory.mktemp("stream") / "stream.onnx")
+
+
+def plan_at(model: Path, plan_dir: Path, owner: str) -> Path:
+    """The streaming model split so that ``owner`` runs the stateful part."""
+    graph = load_model(model)
+    last = len(graph.cuts) - 1
+    cuts = {"device": (last, last), "edge": (0, last), "cloud": (0, 0)}[owner]
+    segments = split_model(graph, cuts)
+    save_split_plan(graph, segments, plan_dir, cuts=cuts)
+    plan = load_plan(plan_dir)
+    assert [s.tier for s in plan.segments if s.state] == [owner]
+    return plan_dir
+
+
+def chunks_and_state(seed: int = 0) -> tuple[list[dict[str, np.ndarray]], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    chunks = [{"audio": rng.standard_normal((1, 6)).astype(np.float32)} for _ in range(CHUNKS)]
+    return chunks, rng.standard_normal((1, 8)).astype(np.float32)
+
+
+def local_loop(model: Path, chunks: list[dict[str, np.ndarray]], state: np.ndarray) -> list[Any]:
+    """Each state output fed back by hand: what a session must answer."""
+    session = open_session(model, threads=1, optimization="extended")
+    outputs = []
+    for chunk in chunks:
+        out, state = session.run(["out", "stateN"], {"audio": chunk["audio"], "state": state})
+        outputs.append(out)
+    return outputs
+
+
+@pytest.fixture()
+def tiers(
+    request: Any, model: Path, tmp_path: Path
+) -> Iterator[tuple[Path, CloudServer, EdgeServer]]:
+    owner, budget = request.param
+    plan_dir = plan_at(model, tmp_path / "plan", owner)
+    options = RuntimeOptions(workers=3, state_budget=budget)
+    cloud = CloudServer(plan_dir, options=options)
+    cloud.start()
+    edge = EdgeServer(plan_dir, upstream=cloud.address, options=options)
+    edge.start()
+    try:
+        yield plan_dir, cloud, edge
+    finally:
+        edge.stop(0)
+        cloud.stop(0)
+
+
+def owner_of(cloud: CloudServer, edge: EdgeServer) -> Any:
+    """The pipeline of the tier that keeps the plan's state."""
+    (owner,) = [s.tier for s in cloud.service.plan.segments if s.state]
+    server = cloud if owner == "cloud" else edge
+    assert server.service.pipeline is not None
+    return server.service.pipeline
+
+
+@pytest.mark.parametrize("tiers", [("edge", None), ("cloud", None)], indirect=True)
+def test_a_session_answers_as_a_local_loop_and_keeps_its_state_off_the_links(
+    model: Path, tiers: Any
+) -> None:
+    plan_dir, cloud, edge = tiers
+    chunks, state = chunks_and_state()
+    expected = local_loop(model, chunks, state)
+    with DeviceClient(plan_dir, edge.address, window=8) as client:
+        results = list(StreamSession(client, "mic-1", initial={"state": state}).run(chunks))
+    for result, want in zip(results, expected, strict=True):
+        np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
+    # Only the chunk itself crosses: 6 floats, not the 8-float state (the first request
+    # also carries the initial state, once).
+    assert results[1].bytes["device-edge"] < 6 * 4 + 64
+    assert owner_of(cloud, edge).states.position("mic-1") == CHUNKS
+
+
+@pytest.mark.parametrize("tiers", [("cloud", None)], indirect=True)
+def test_a_lost_state_is_replayed_and_the_answers_do_not_change(model: Path, tiers: Any) -> None:
+    plan_dir, cloud, edge = tiers
+    chunks, state = chunks_and_state(1)
+    expected = local_loop(model, chunks, state)
+    with DeviceClient(plan_dir, edge.address, window=4) as client:
+        session = StreamSession(client, "mic-2", initial={"state": state})
+        results = []
+        for i, result in enumerate(session.run(chunks)):
+            results.append(result)
+            if i in (7, 19):
+                owner_of(cloud, edge).states.drop("mic-2")
+    assert session.replays == 2
+    for result, want in zip(results, expected, strict=True):
+        np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
+
+
+@pytest.mark.parametrize("tiers", [("edge", None)], indirect=True)
+def test_a_loss_older_than_the_chunks_kept_fails_instead_of_answering_wrong(
+    tiers: Any,
+) -> None:
+    plan_dir, cloud, edge = tiers
+    chunks, state = chunks_and_state(2)
+    with DeviceClient(plan_dir, edge.address, window=1) as client:
+        session = StreamSession(client, "mic-3", initial={"state": state}, keep=5)
+        results = []
+        for i, result in enumerate(session.run(chunks)):
+            results.append(result)
+            if i == 12:
+                owner_of(cloud, edge).states.drop("mic-3")
+    assert all(r.ok for r in results[:13])
+    assert all(isinstance(r.error, StateLostError) for r in results[13:])
+    assert "keeps only the last 5 chunks" in str(results[13].error)
+
+
+@pytest.mark.parametrize("tiers", [("cloud", None)], indirect=True)
+def test_sessions_side_by_side_stay_apart_and_in_order(model: Path, tiers: Any) -> None:
+    """Three devices stream at once through one edge, each request of a session in order."""
+    plan_dir, _, edge = tiers
+    outcomes: dict[int, list[Any]] = {}
+
+    def stream(number: int) -> None:
+        chunks, state = chunks_and_state(10 + number)
+        with DeviceClient(plan_dir, edge.address, window=6) as client:
+            session = StreamSession(client, f"s{number}", initial={"state": state})
+            outcomes[number] = [list(session.run(chunks)), local_loop(model, chunks, state)]
+
+    threads = [threading.Thread(target=stream, args=(n,)) for n in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sorted(outcomes) == [0, 1, 2]
+    for results, expected in outcomes.values():
+        for result, want in zip(results, expected, strict=True):
+            np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
+
+
+@pytest.mark.parametrize("tiers", [("cloud", 2 * 8 * 4)], indirect=True)
+def test_the_state_budget_evicts_the_least_recent_session_which_is_replayed(
+    model: Path, tiers: Any
+) -> None:
+    """The cloud keeps two sessions' states: a third evicts the oldest, which its device
+    rebuilds when it goes on."""
+    plan_dir, cloud, edge = tiers
+    states = owner_of(cloud, edge).states
+    with DeviceClient(plan_dir, edge.address, window=4) as client:
+        made = {n: chunks_and_state(20 + n) for n in range(3)}
+        sessions = {
+            n: StreamSession(client, f"b{n}", initial={"state": made[n][1]}) for n in range(3)
+        }
+        results: dict[int, list[Any]] = {n: [] for n in range(3)}
+        for n in range(3):  # the first halves, one session after the other
+            results[n] += sessions[n].run(made[n][0][: CHUNKS // 2])
+        assert states.position("b0") is None and states.position("b2") == CHUNKS // 2
+        results[0] += sessions[0].run(made[0][0][CHUNKS // 2 :])  # b0 goes on: replayed
+    assert sessions[0].replays == 1 and states.nbytes <= 2 * 8 * 4
+    expected = local_loop(model, *made[0])
+    for result, want in zip(results[0], expected, strict=True):
+        np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
+
+
+@pytest.mark.parametrize("tiers", [("edge", None)], indirect=True)
+def test_a_stateful_plan_needs_a_session(tiers: Any) -> None:
+    plan_dir, _, edge = tiers
+    chunks, _ = chunks_and_state()
+    with DeviceClient(plan_dir, edge.address) as client:
+        result = client.submit(chunks[0]).result()
+    assert isinstance(result.error, RemoteError) and result.error.code == "INVALID_INPUT"
+    assert "must name its session" in str(result.error)
+
+
+@pytest.mark.parametrize("tiers", [("cloud", None)], indirect=True)
+def test_run_session_streams_in_npz_rows_as_one_session(
+    model: Path, tiers: Any, tmp_path: Path, capsys: Any
+) -> None:
+    plan_dir, _, edge = tiers
+    chunks, state = chunks_and_state(4)
+    expected = local_loop(model, chunks, state)
+    audio = np.stack([c["audio"][0] for c in chunks])  # rows lack the batch dimension
+    states = np.stack([state[0]] * CHUNKS)  # only the first row is used
+    np.savez(tmp_path / "in.npz", audio=audio, state=states)
+    code = main(["run", "--plan", str(plan_dir), "--edge", edge.address, "--input",
+                 str(tmp_path / "in.npz"), "--output", str(tmp_path / "out.npz"),
+                 "--session", "mic-9", "--window", "5"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    with np.load(tmp_path / "out.npz") as out:
+        np.testing.assert_array_equal(out["out"], np.stack([e[0] for e in expected]))

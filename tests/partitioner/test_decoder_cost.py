@@ -1,0 +1,112 @@
+"""The decoder cost model on hand-made profiles: TTFT, per-token time, KV memory. No clocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierflow.errors import PlanError
+from tierflow.link.spec import LinkSpec
+from tierflow.partitioner.cost import Problem
+from tierflow.partitioner.decoder_cost import (
+    decoder_estimate,
+    decoder_search,
+    decoder_tables,
+    memory_table,
+)
+from tierflow.partitioner.profile import Profile
+
+LINKS = {"device-edge": LinkSpec(8e6, 0.030), "edge-cloud": LinkSpec(80e6, 0.020)}
+RAW = {"device-edge": "raw", "edge-cloud": "raw"}
+# Three blocks. Prefill of a 32-token prompt: hidden states of 32 x 256 B cross a cut, the
+# logits back are 32 x 1 KiB. A decode step: one token's hidden state, logits of 1 KiB.
+PREFILL_CUTS = [96, 8192, 8192, 32768]
+DECODE_CUTS = [24, 256, 256, 1024]
+WEIGHTS = [1000, 1000, 1000]
+KV = [4096, 4096, 4096]  # each block's cache at --context
+
+
+def _tiers(profile: Profile) -> dict[str, Profile]:
+    return {"device": profile.emulate(4.0), "edge": profile.emulate(2.0), "cloud": profile}
+
+
+def _tables(profile_factory, max_tokens: int = 10, objective: str = "latency", memory=None):
+    prefill = profile_factory([0.004, 0.004, 0.004], PREFILL_CUTS, weights=WEIGHTS, peaks=[500] * 3)
+    decode = profile_factory([0.001, 0.001, 0.001], DECODE_CUTS, weights=WEIGHTS, peaks=[100] * 3)
+    problems = [
+        Problem(_tiers(p), LINKS, memory=memory or {}, objective=objective, codecs=("raw",))
+        for p in (prefill, decode)
+    ]
+    return decoder_tables(*problems, max_tokens=max_tokens, state_bytes=KV)
+
+
+def test_cloud_only_sends_the_prompt_up_once_and_pays_the_round_trip_per_token(
+    profile_factory,
+) -> None:
+    tables = _tables(profile_factory)
+    plan = decoder_estimate(tables, 0, 0, RAW)
+    assert plan.tiers == ("cloud",)
+    both_rtts = 0.030 + 0.020
+    # The prompt's 96 bytes of ids and the 32 logits rows cross both links once.
+    prefill_wire = (96 + 32768) * 8 / 8e6 + (96 + 32768) * 8 / 80e6
+    assert plan.ttft_s == pytest.approx(0.012 + prefill_wire + both_rtts)
+    step_wire = (24 + 1024) * 8 / 8e6 + (24 + 1024) * 8 / 80e6
+    assert plan.per_token_s == pytest.approx(0.003 + step_wire + both_rtts)
+    assert plan.generation_s == pytest.approx(plan.ttft_s + 10 * plan.per_token_s)
+    assert plan.tokens_per_s == pytest.approx(10 / plan.generation_s)
+    assert plan.bytes_per_token() == {"device-edge": 24 + 1024, "edge-cloud": 24 + 1024}
+    # The cloud holds every block's weights, KV cache and the larger activation peak.
+    assert plan.memory_bytes["cloud"] == 3000 + 3 * 4096 + 500
+    assert plan.state_bytes == {"device": 0, "edge": 0, "cloud": 3 * 4096}
+
+
+def test_a_split_pays_one_hidden_state_and_one_round_trip_per_token_per_link(
+    profile_factory,
+) -> None:
+    tables = _tables(profile_factory)
+    plan = decoder_estimate(tables, 1, 3, RAW)  # device block 0, edge blocks 1-2
+    assert plan.tiers == ("device", "edge")
+    assert plan.per_token_s == pytest.approx(0.004 + 0.002 * 2 + (256 + 1024) * 8 / 8e6 + 0.030)
+    assert plan.ttft_s == pytest.approx(0.016 + 0.008 * 2 + (8192 + 32768) * 8 / 8e6 + 0.030)
+    assert plan.memory_bytes["device"] == 1000 + 4096 + 500
+    assert plan.memory_bytes["edge"] == 2000 + 2 * 4096 + 500
+    assert plan.bytes_per_token()["edge-cloud"] == 0
+
+
+def test_the_search_minimises_ttft_plus_max_tokens_steps(profile_factory) -> None:
+    for tokens in (1, 10, 1000):
+        tables = _tables(profile_factory, max_tokens=tokens)
+        result = decoder_search(tables, top=100)
+        scores = [e.generation_s for e in result.ranked]
+        assert scores == sorted(scores)
+        everything = [decoder_estimate(tables, a, b, RAW) for a in range(4) for b in range(a, 4)]
+        assert result.best.generation_s == pytest.approx(min(e.generation_s for e in everything))
+        assert set(result.baselines) == {"device-only", "edge-only", "cloud-only"}
+
+
+def test_memory_budgets_count_each_tiers_kv_cache(profile_factory) -> None:
+    # Weights and activations of all three blocks (3.5 KB) fit 8 KB; their caches do not.
+    tables = _tables(profile_factory, memory={"device": 8000})
+    result = decoder_search(tables, top=100)
+    assert not result.baselines["device-only"].feasible
+    assert all(e.memory_bytes["device"] <= 8000 for e in result.ranked)
+    assert max(e.cuts[0] for e in result.ranked) == 1  # one block and its cache fit
+    table = memory_table(
+        tables.prefill.problem.profiles["device"], tables.decode.problem.profiles["device"], KV
+    )
+    assert table[0, 1] == 1000 + 4096 + 500 and table[1, 3] == 2000 + 2 * 4096 + 500
+
+
+def test_no_plan_fitting_names_the_kv_cache(profile_factory) -> None:
+    tables = _tables(profile_factory, memory={"device": 100, "edge": 100, "cloud": 100})
+    with pytest.raises(
+        PlanError, match=r"KV cache at --context 2048 \(12KiB for the whole model\)"
+    ):
+        decoder_search(tables, context=2048)
+
+
+def test_throughput_ranks_by_the_slowest_stage_of_a_step(profile_factory) -> None:
+    tables = _tables(profile_factory, objective="throughput")
+    result = decoder_search(tables, top=100)
+    periods = [e.step.period_s for e in result.ranked]
+    assert periods == sorted(periods)
+    assert result.best.pipelined_tokens_per_s == pytest.approx(1 / result.best.step.period_s)

@@ -1,0 +1,53 @@
+"""Decoders as both torch exporters write them (one file, or weights in .onnx.data) plan alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierflow.cli.main import main
+from tierflow.greedy import greedy_generate, reference_generate
+from tierflow.plan import load_plan
+from tierflow.runtime.sessions import open_session
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("exporter", "external"), [("dynamo", True), ("legacy", False)])
+def test_plan_a_torch_exported_decoder(
+    tmp_path: Path, capsys: Any, exporter: str, external: bool
+) -> None:
+    import torch
+
+    from tierflow.zoo.bytelm import ByteLMConfig, export_onnx, make_model
+
+    torch.manual_seed(3)
+    model = make_model(ByteLMConfig("tiny", blocks=3, width=16, heads=2))
+    path = export_onnx(model, tmp_path / "model.onnx", exporter=exporter, external_data=external)
+    assert (tmp_path / "model.onnx.data").exists() == external
+    plan_dir = tmp_path / "plan"
+    budgets = [f"--memory={tier}=64KiB" for tier in ("device", "edge", "cloud")]
+    lengths = ["--context", "128", "--prompt-tokens", "8", "--max-tokens", "8"]
+    code = main(["plan", str(path), "-o", str(plan_dir), *lengths, *budgets])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "bit for bit over 8 greedy steps" in out
+    plan = load_plan(plan_dir)
+    assert len(plan.state_pairs) == 6 and plan.decoder is not None
+    assert len(plan.segments) >= 2  # no tier holds all three blocks' caches at 128 tokens
+    sessions = [(s, open_session(plan_dir / s.file, threads=1)) for s in plan.segments]
+
+    def step(feeds: Any) -> dict[str, Any]:
+        available, made = dict(feeds), {}
+        for spec, session in sessions:
+            names = [o.name for o in session.get_outputs()]
+            made.update(
+                zip(names, session.run(names, {n: available[n] for n in spec.inputs}), strict=True)
+            )
+            available.update({n: made[n] for n in spec.sent_outputs})
+        return made
+
+    prompt = list(b"def main():")
+    split = greedy_generate(step, plan.decoder, plan.states, prompt, 12)
+    assert split.tokens == reference_generate(path, prompt, 12, context=128).tokens

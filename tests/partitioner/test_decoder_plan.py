@@ -1,0 +1,225 @@
+"""Planning a decoder: both points analysed, symbolic segments, greedy bit-exactness, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+
+from tierflow.cli.main import main
+from tierflow.errors import UsageError
+from tierflow.greedy import greedy_generate, reference_generate
+from tierflow.partitioner.decoder_graph import DecoderGraph, load_decoder, split_decoder
+from tierflow.partitioner.decoder_points import DecoderSettings, analysis_points
+from tierflow.partitioner.state_verify import chain_step, verify_decoder, whole_step
+from tierflow.plan import load_plan
+from tierflow.runtime.sessions import open_session
+from tierflow.zoo.tiny_stateful import tiny_decoder
+
+SETTINGS = DecoderSettings(context=64, max_tokens=8, prompt_tokens=5)
+
+
+@pytest.fixture(scope="module")
+def decoder_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_decoder(tmp_path_factory.mktemp("decoder") / "decoder.onnx", blocks=3)
+
+
+@pytest.fixture(scope="module")
+def graph(decoder_path: Path) -> DecoderGraph:
+    return load_decoder(decoder_path, SETTINGS)
+
+
+def test_the_decoder_is_analysed_at_both_points_with_the_same_cuts(graph: DecoderGraph) -> None:
+    prefill, decode = graph.points
+    assert (prefill.seq, prefill.past) == (5, 0)
+    assert (decode.seq, decode.past) == (1, 9)  # prompt + max_tokens / 2
+    assert [c.position for c in graph.prefill.cuts] == [c.position for c in graph.decode.cuts]
+    assert len(graph.states) == 6 and all(s.grows == 2 for s in graph.states)
+    assert graph.decoder.vocab == 16 and graph.decoder.context == 64
+    # What crosses: the hidden state and the companions, never a cache.
+    assert graph.prefill.cuts[0].tensors == ("input_ids", "attention_mask", "position_ids")
+    assert graph.prefill.cuts[-1].tensors == ("logits",)
+    caches = {n for s in graph.states for n in (s.input, s.output)}
+    for cut in graph.prefill.cuts:
+        assert not caches & set(cut.tensors)
+    # Hidden states are [1, T, 8] at each point: more bytes at the prefill.
+    block_cut = next(c for c in graph.prefill.cuts if len(c.tensors) == 3 and c.index > 0)
+    assert block_cut.nbytes > graph.decode.cuts[block_cut.index].nbytes
+    # Each block's KV cache at --context 64: key and value, [1, 1, 64, 8] float32.
+    assert sum(graph.state_bytes()) == 6 * 64 * 8 * 4
+
+
+def test_analysis_points_tell_the_lengths_apart() -> None:
+    for prompt, tokens, context in [(1, 1, 2), (7, 12, 2048), (40, 10, 44), (64, 2, 2048)]:
+        prefill, decode = analysis_points(DecoderSettings(context, tokens, prompt))
+        assert prefill.seq != decode.seq and prefill.past != decode.past
+        assert prefill.total != decode.total
+        assert decode.past <= max(context - 1, 1) + 1
+
+
+def test_segments_keep_symbolic_lengths_and_own_their_blocks_caches(graph: DecoderGraph) -> None:
+    last = len(graph.prefill.cuts) - 1
+    segments = split_decoder(graph, (2, last - 4))
+    assert [spec.tier for spec, _ in segments] == ["device", "edge", "cloud"]
+    owned = [s.input for spec, _ in segments for s in spec.state]
+    assert sorted(owned) == sorted(s.input for s in graph.states)
+    for spec, model in segments:
+        hidden = 0
+        for value in model.graph.input:
+            dims = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+            name = value.name
+            if name in ("input_ids", "position_ids"):
+                assert dims[1] == "seq"
+            elif name.startswith("past_key_values"):
+                assert dims[2] == "past"
+            elif value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT and len(dims) == 3:
+                assert dims == [1, "seq", 8], (spec.file, name, dims)  # a hidden state
+                hidden += 1
+        assert hidden == (0 if spec.tier == "device" else 1)
+
+
+@pytest.mark.parametrize("cuts", [(0, 0), (1, 1), (3, 9), (5, 12), (-1, -1)])
+def test_a_greedy_generation_through_the_segments_is_bit_exact(
+    graph: DecoderGraph, cuts: tuple[int, int]
+) -> None:
+    last = len(graph.prefill.cuts) - 1
+    a, b = (min(c % (last + 1), last) for c in cuts)
+    segments = split_decoder(graph, (a, b))
+    outputs = [o.name for o in graph.source.graph.output]
+    check = verify_decoder(
+        whole_step(graph.source),
+        chain_step(segments),
+        graph.decoder,
+        graph.states,
+        outputs,
+        [3, 1, 4, 1, 5],
+        6,
+    )
+    assert check.bitwise_equal and check.max_abs_diff == 0.0 and check.steps == 6
+    assert len(check.tokens) == 6
+
+
+def test_plan_writes_a_decoder_plan_that_generates_like_the_model(
+    decoder_path: Path, tmp_path: Path, capsys: Any
+) -> None:
+    plan_dir = tmp_path / "plan"
+    args = ["plan", str(decoder_path), "-o", str(plan_dir), "--context", "64", "--max-tokens",
+            "8", "--prompt-tokens", "5", "--memory", "device=8KiB", "--link",
+            "device-edge=20mbit,30ms"]  # fmt: skip
+    code = main(args)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "TTFT ms" in out and "ms/token" in out and "memory (KV cache)" in out
+    assert "bit for bit over 8 greedy steps" in out
+    plan = load_plan(plan_dir)
+    assert plan.decoder is not None and plan.decoder.context == 64
+    assert plan.inputs == ("input_ids", "attention_mask", "position_ids")
+    assert plan.outputs == ("logits",)
+    assert len(plan.state_pairs) == 6 and sorted(plan.state_pairs) == sorted(
+        (s.input, s.output) for s in plan.states
+    )
+    estimate = plan.estimate
+    assert estimate["decoder"]["ttft_s"] > 0 and estimate["decoder"]["per_token_s"] > 0
+    assert estimate["memory_bytes"]["device"] <= 8 * 1024
+    # The written segment files, chained with their caches fed back, generate exactly what
+    # the unsplit model generates (the same ORT settings on both sides).
+    sessions = [
+        (spec, open_session(plan_dir / spec.file, threads=1, optimization="disabled"))
+        for spec in plan.segments
+    ]
+
+    def step(feeds: Any) -> dict[str, np.ndarray]:
+        available, made = dict(feeds), {}
+        for spec, session in sessions:
+            names = [o.name for o in session.get_outputs()]
+            values = session.run(names, {n: available[n] for n in spec.inputs})
+            made.update(zip(names, values, strict=True))
+            available.update({n: made[n] for n in spec.sent_outputs})
+        return made
+
+    prompt = [2, 7, 1, 8, 2, 8]
+    split = greedy_generate(step, plan.decoder, plan.states, prompt, 10)
+    whole = reference_generate(decoder_path, prompt, 10, optimization="disabled", context=64)
+    assert split.tokens == whole.tokens
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(split.logits, whole.logits, strict=True))
+
+
+def test_decoder_plan_json_report(decoder_path: Path, tmp_path: Path, capsys: Any) -> None:
+    code = main(["plan", str(decoder_path), "-o", str(tmp_path / "p"), "--context", "32",
+                 "--prompt-tokens", "4", "--max-tokens", "4", "--json"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out)
+    best = report["ranked"][0]
+    assert best["generation_s"] == pytest.approx(best["ttft_s"] + 4 * best["per_token_s"])
+    assert report["verified"]["bitwise_equal"] is True
+    assert set(report["baselines"]) == {"device-only", "edge-only", "cloud-only"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--prompt-tokens", "100", "--context", "64"], "--prompt-tokens 100 is longer than"),
+        (["--context", "0"], "--context must be a whole number >= 1"),
+        (["--fidelity", "top1=99%", "--sample", "x.npz"], "does not apply to a decoder"),
+        (["--shape", "input_ids=1x4"], "--shape does not apply to a decoder"),
+        ([f"--memory={t}=1KiB" for t in ("device", "edge", "cloud")], "KV cache at --context"),
+        (["--state", "input_ids=logits"], "state pair input_ids -> logits"),
+    ],
+)  # fmt: skip
+def test_bad_decoder_options_are_one_line_errors(
+    decoder_path: Path, tmp_path: Path, capsys: Any, extra: list[str], message: str
+) -> None:
+    code = main(["plan", str(decoder_path), "-o", str(tmp_path / "p"), *extra])
+    _, err = capsys.readouterr()
+    assert code == 2
+    (line,) = [line for line in err.splitlines() if not line.startswith("profiling here")]
+    assert message in line
+
+
+def test_settings_are_checked_where_they_enter() -> None:
+    with pytest.raises(UsageError, match="--max-tokens must be"):
+        DecoderSettings(max_tokens=0)
+
+
+def test_a_decoder_without_declared_names_still_pairs_by_glob(tmp_path: Path) -> None:
+    path = tiny_decoder(tmp_path / "d.onnx", blocks=2)
+    model = onnx.load(str(path))
+    renames = {
+        f"{old}.{i}.{kind}": f"{new}{kind}{i}"
+        for i in range(2)
+        for kind in ("key", "value")
+        for old, new in (("past_key_values", "cache_"), ("present", "next_cache_"))
+    }
+    for value in (*model.graph.input, *model.graph.output):
+        value.name = renames.get(value.name, value.name)
+    for node in model.graph.node:
+        node.input[:] = [renames.get(n, n) for n in node.input]
+        node.output[:] = [renames.get(n, n) for n in node.output]
+    onnx.save(model, str(path))
+    graph = load_decoder(path, SETTINGS, [("cache_*", "next_cache_*")])
+    assert {s.input for s in graph.states} == {"cache_key0", "cache_value0", "cache_key1",
+                                                "cache_value1"}  # fmt: skip
+
+
+def test_a_batch_size_read_from_a_cache_does_not_tie_its_block_to_the_start(
+    tmp_path: Path,
+) -> None:
+    path = tiny_decoder(tmp_path / "d.onnx", blocks=3, batch_from_last_cache=True)
+    graph = load_decoder(path, SETTINGS)
+    # Rebound to the token ids: block 2's cache spans only block 2's nodes, so cuts
+    # between blocks 0 and 1 remain, and splits there generate bit for bit.
+    lo, _ = graph.prefill.spans["past_key_values.2.value"]
+    assert lo > len(graph.prefill.nodes) // 2
+    assert any(c.position < lo for c in graph.prefill.cuts[1:])
+    outputs = [o.name for o in graph.source.graph.output]
+    segments = split_decoder(graph, (2, 6))
+    check = verify_decoder(
+        whole_step(graph.source), chain_step(segments), graph.decoder, graph.states, outputs,
+        [1, 2, 3], 4,
+    )  # fmt: skip
+    assert check.bitwise_equal

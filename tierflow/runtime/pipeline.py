@@ -1,0 +1,396 @@
+"""One tier's request path, the same on every tier: decode, cache, segments, encode.
+
+The device, the edge and the cloud each take a request through one :class:`Pipeline`
+configured for the tier ([Note: one request path]); what only one tier does sits around it
+in that tier's folder: the device's plan switching and fallbacks (``tierflow.device``),
+the edge's forwarding and its answers without the cloud (``tierflow.edge.forwarding``),
+the gRPC service that feeds a server's pipeline from its streams
+(``tierflow.runtime.service``).
+
+[Note: one request path]
+A request reaches a tier as tensors: the device's own inputs, or the encoded tensors of a
+request from the tier below, which are checked against what the tier's segments expect
+before any payload is decoded (:meth:`Pipeline.decode`). Then, for every tier alike
+(:meth:`Pipeline.run`):
+
+1. the feature cache, if the tier has one, is looked up with the features: a hit is the
+   answer, nothing runs;
+2. the tier's segments of the request's plan run in order; a confident early exit is
+   the answer, and so are the model outputs when no segment is left;
+3. otherwise what the next tier needs is encoded with the next link's codec, ready to
+   send up (:class:`Onward`). A tier that runs nothing for the plan forwards the tensors
+   as they came ([Note: an edge that runs nothing] in tierflow/plan.py).
+
+An answer made here is stored in the cache at once; one that comes from the next tier is
+stored when it arrives (:meth:`Pipeline.store`). The pipeline opens a plan's ONNX Runtime
+sessions on its first request, sharing those of segment files that plans have in common,
+and drops them when the segment store evicts their file ([Note: segments on demand] in
+tierflow/runtime/segment_store.py). Codec work is timed, and emulated slower with the
+tier's ``slowdown`` ([Note: emulating a slower tier] in tierflow/runtime/segment_runner.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tierflow.cache.base import CacheAnswer, FeatureCache, cache_key
+from tierflow.codec.base import decode
+from tierflow.codec.spec import CodecSpec
+from tierflow.errors import CacheError, CodecError, InputError, PlanError, StateError
+from tierflow.link.spec import downstream_link, upstream_link
+from tierflow.options import RuntimeOptions
+from tierflow.plan import Plan, PlanSet
+from tierflow.rpc import tier_pb2
+from tierflow.runtime.segment_runner import SegmentRunner, TierRunner, emulate_slower
+from tierflow.runtime.segment_store import SegmentSource, SegmentStore, tier_files
+from tierflow.runtime.state import SessionStates
+from tierflow.transport.wire import decode_tensors, put_tensors, received
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Answered:
+    """The tier answers the request itself: model outputs, an exit's scores, or a cache hit."""
+
+    outputs: dict[str, np.ndarray]
+    exit: str | None = None
+    cache_hit: bool = False
+    compute_s: float = 0.0
+    codec_s: float = 0.0
+
+
+@dataclass
+class Onward:
+    """The request goes on to the next tier: ``request`` holds the encoded tensors.
+
+    ``unconfident`` is the last exit checked here and not taken, with its scores: the best
+    answer the tier has if the next tier is gone. ``key`` and ``features`` store the next
+    tier's answer in this tier's cache when it comes (``key`` None: no cache).
+    """
+
+    request: tier_pb2.Request
+    nbytes: int
+    unconfident: tuple[str, np.ndarray] | None = None
+    compute_s: float = 0.0
+    codec_s: float = 0.0
+    key: bytes | None = None
+    features: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SessionStep:
+    """A request's place in its session ([Note: session state on a tier] in
+    tierflow/runtime/state.py): its ``session``, the steps already kept (``position``),
+    the first values of fixed states this tier owns (``initial``) and those it passes on
+    to the tiers after it (``passed_on``, as received)."""
+
+    session: str
+    position: int
+    initial: Mapping[str, np.ndarray] = field(default_factory=dict)
+    passed_on: Sequence[tier_pb2.Tensor] = ()
+
+    @classmethod
+    def of_request(
+        cls, request: tier_pb2.Request, runner: TierRunner, max_bytes: int
+    ) -> SessionStep | None:
+        """The session step a request from the tier below names (None: no session)."""
+        if not request.session:
+            if request.initial_state:
+                raise StateError("a request carries initial state but names no session")
+            return None
+        if request.initial_state and request.position != 0:
+            raise StateError(
+                f"session {request.session!r}: initial state comes with position 0 only, "
+                f"the request is at {request.position}"
+            )
+        owned = {s.input for s in runner.states}
+        mine = [t for t in request.initial_state if t.name in owned]
+        initial = decode_tensors(mine, max_bytes=max_bytes) if mine else {}
+        passed_on = [t for t in request.initial_state if t.name not in owned]
+        return cls(request.session, request.position, initial, passed_on)
+
+
+def reply_codec(plan: Plan, link: str | None) -> CodecSpec:
+    """Answers go down with the lossless part of the link's codec: outputs are small, and
+    quantising them would change the model's answers."""
+    codec = plan.link_codec(link).lossless_part()
+    return CodecSpec.parse("raw") if codec.compress == "none" else codec
+
+
+class Pipeline:
+    """A tier's request path ([Note: one request path]); thread-safe.
+
+    ``plans`` are every plan the tier serves; their segment files live in ``plan_dir``,
+    bounded by ``options.segment_budget`` and fetched from ``source`` (the tier above)
+    when missing. ``cache`` is any :class:`~tierflow.cache.base.FeatureCache`.
+    """
+
+    def __init__(
+        self,
+        tier: str,
+        plans: PlanSet,
+        plan_dir: str | Path,
+        options: RuntimeOptions,
+        *,
+        cache: FeatureCache | None = None,
+        source: SegmentSource | None = None,
+    ) -> None:
+        self.tier = tier
+        self.plans = plans
+        self.plan_dir = Path(plan_dir)
+        self.options = options
+        self.cache = cache
+        self.up_link = upstream_link(tier)
+        self.down_link = downstream_link(tier)
+        self.segments = SegmentStore(
+            self.plan_dir,
+            plans,
+            tier=tier,
+            budget=options.segment_budget,
+            source=source,
+            on_evict=self._evicted,
+        )
+        self._index = {plan.plan_id: i for i, plan in enumerate(plans.plans)}
+        self._files = [tier_files(plans, i, tier) for i in range(len(plans.plans))]
+        self._runners: dict[int, TierRunner] = {}  # by plan index, opened on first use
+        self._opened: dict[Path, SegmentRunner] = {}  # by segment file, shared by plans
+        self._lock = threading.Lock()
+        #: Each session's state of this tier's stateful segments.
+        self.states = SessionStates(tier, budget=options.state_budget, idle_s=options.state_idle_s)
+
+    # ------------------------------------------------------------------ plans
+
+    def index_of(self, plan_id: str) -> int:
+        """The index of the plan a request names; a :class:`PlanError` if not served here."""
+        index = self._index.get(plan_id)
+        if index is None:
+            served = ", ".join(p.plan_id for p in self.plans.plans)
+            raise PlanError(
+                f"the {self.tier} serves plans {served}, the request names plan "
+                f"{plan_id or '(none)'}"
+            )
+        return index
+
+    def holding(self, index: int) -> contextlib.AbstractContextManager[None]:
+        """Hold (fetching if need be) the files of plan ``index`` that this tier runs."""
+        return self.segments.holding(self._files[index])
+
+    def runner(self, index: int) -> TierRunner:
+        """Plan ``index``'s runner on this tier, opened on first use (its files fetched first)."""
+        with self._lock:
+            runner = self._runners.get(index)
+        if runner is not None:
+            return runner
+        with self.holding(index), self._lock:
+            runner = self._runners.get(index)
+            if runner is None:
+                plan = self.plans.plans[index]
+                runner = TierRunner(plan, self.plan_dir, self.tier, self.options, self._opened)
+                self._runners[index] = runner
+                if index != self.plans.default:
+                    logger.info("[%s] plan %s opened", self.tier, plan.plan_id)
+            return runner
+
+    def opened(self) -> list[int]:
+        """Indices of the plans whose sessions are open."""
+        with self._lock:
+            return list(self._runners)
+
+    def _evicted(self, file: str) -> None:
+        """A segment file left the store: drop the sessions on it and the plans using it."""
+        with self._lock:
+            self._opened.pop(self.plan_dir / file, None)
+            for index, runner in list(self._runners.items()):
+                if any(spec.file == file for _, spec, _ in runner.segments):
+                    del self._runners[index]
+                    plan_id = self.plans.plans[index].plan_id
+                    logger.info("[%s] plan %s closed: segment %s evicted", self.tier, plan_id, file)
+
+    # ------------------------------------------------------------------ the path
+
+    def decode(
+        self, index: int, runner: TierRunner, segment: int, tensors: Sequence[tier_pb2.Tensor]
+    ) -> tuple[dict[str, np.ndarray], float]:
+        """A request's tensors from the tier below, checked, then decoded; and the codec time.
+
+        The segment and the tensor count are checked before anything else: a request of
+        two million tiny tensors costs no more than one of the plan's size. Each tensor's
+        dtype and shape are checked against the segment's input before any payload is
+        decoded, so a tensor decodes to exactly the size the plan expects (at most
+        ``max_tensor_bytes`` along a symbolic dimension). A tier that only forwards the
+        plan's tensors decodes nothing (unless its cache needs them).
+        """
+        start, cpu = time.perf_counter(), time.thread_time()
+        if segment != runner.start:
+            runner.check_names(set(), segment=segment)  # raises: wrong segment
+        if len(tensors) != len(runner.needs):
+            raise InputError(
+                f"the {self.tier} expects {len(runner.needs)} tensors {list(runner.needs)}, "
+                f"the request carries {len(tensors)}"
+            )
+        limit = self.options.max_tensor_bytes
+        encoded = [received(message, max_bytes=limit) for message in tensors]
+        names = {t.name for t, _ in encoded}
+        if len(names) != len(encoded):
+            raise CodecError(f"tensor names repeat in one request: {sorted(names)}")
+        runner.check_names(names, segment=segment)
+        specs = runner.input_specs()
+        for tensor, _ in encoded:
+            spec = specs.get(tensor.name)
+            if spec is not None:
+                spec.check(tensor.dtype, tensor.shape, f"the {self.tier}'s")
+        features: dict[str, np.ndarray] = {}
+        if not (self.forwards_as_is(index) and self.cache is None):
+            # Read-only views: ONNX Runtime only reads them.
+            features = {t.name: decode(t, checked=c, writable=False) for t, c in encoded}
+        emulate_slower(self.options.slowdown, cpu, time.thread_time)
+        return features, time.perf_counter() - start
+
+    def forwards_as_is(self, index: int) -> bool:
+        """Whether this tier runs nothing for plan ``index`` and passes its tensors on as
+        they came ([Note: an edge that runs nothing] in tierflow/plan.py)."""
+        return self.tier == "edge" and self.plans.plans[index].edge_forwards
+
+    def cached(
+        self,
+        index: int,
+        segment: int,
+        features: dict[str, np.ndarray],
+        session: SessionStep | None = None,
+    ) -> tuple[Answered | None, bytes | None]:
+        """Step 1 of [Note: one request path]: the cached answer, if any, and the key under
+        which to store the answer otherwise (None: the tier has no cache). A session's
+        answers depend on its state, so they are never cached."""
+        if self.cache is None or session is not None:
+            return None, None
+        plan = self.plans.plans[index]
+        key = cache_key(plan.model_sha256, plan.plan_id, segment, features)
+        answer = self.lookup(key, features)
+        if answer is None:
+            return None, key
+        return Answered(answer.outputs, answer.exit, cache_hit=True), key
+
+    def run(
+        self,
+        index: int,
+        runner: TierRunner,
+        features: dict[str, np.ndarray],
+        *,
+        segment: int,
+        key: bytes | None = None,
+        deadline_unix_s: float = 0.0,
+        as_received: Sequence[tier_pb2.Tensor] = (),
+        checked: bool = False,
+        session: SessionStep | None = None,
+    ) -> Answered | Onward:
+        """Steps 2-3 of [Note: one request path] for features entering at ``segment``.
+
+        ``key``: where the cache keeps this request's answer (from :meth:`cached`).
+        ``as_received``: the request's encoded tensors, forwarded unchanged by a tier that
+        runs nothing for the plan. ``checked``: :meth:`decode` checked the features.
+        ``session``: the request's session step; the tier's state is fed from it and
+        kept for the session's next request.
+        """
+        plan = self.plans.plans[index]
+        if self.forwards_as_is(index):
+            forward = _onward(plan.plan_id, runner.start, deadline_unix_s, session)
+            forward.tensors.extend(as_received)
+            nbytes = sum(len(t.data) + len(t.params) for t in as_received)
+            return Onward(forward, nbytes, key=key, features=features)
+        state = None
+        if runner.states:
+            if session is None:
+                raise StateError(
+                    f"plan {plan.plan_id} keeps state on the {self.tier} between requests: "
+                    "a request must name its session"
+                )
+            state = self.states.inputs(
+                session.session, plan.plan_id, session.position, runner.states, session.initial
+            )
+        outcome = runner.run(features, checked=checked, state=state)
+        if session is not None and runner.states and outcome.state:
+            self.states.commit(
+                session.session, plan.plan_id, session.position, runner.states, outcome.state
+            )
+        if outcome.final:
+            if key is not None:
+                self.store(key, features, outcome.tensors, outcome.exit)
+            return Answered(outcome.tensors, outcome.exit, compute_s=outcome.compute_s)
+        if self.up_link is None:
+            raise PlanError(f"plan {plan.plan_id} runs beyond the {self.tier}")
+        start, cpu = time.perf_counter(), time.thread_time()
+        forward = _onward(plan.plan_id, outcome.next_segment, deadline_unix_s, session)
+        codec = plan.link_codec(self.up_link)
+        nbytes = put_tensors(forward.tensors, outcome.tensors, codec, plan.images)
+        emulate_slower(self.options.slowdown, cpu, time.thread_time)
+        return Onward(
+            forward,
+            nbytes,
+            outcome.unconfident,
+            compute_s=outcome.compute_s,
+            codec_s=time.perf_counter() - start,
+            key=key,
+            features=features,
+        )
+
+    def answer(self, index: int, answered: Answered) -> tier_pb2.Reply:
+        """``answered`` as the reply a server sends down, its codec time added to it."""
+        start, cpu = time.perf_counter(), time.thread_time()
+        plan = self.plans.plans[index]
+        reply = tier_pb2.Reply(
+            plan_id=plan.plan_id,
+            answered_by=self.tier,
+            exit=answered.exit or "",
+            cache_hit=answered.cache_hit,
+        )
+        put_tensors(reply.outputs, answered.outputs, reply_codec(plan, self.down_link))
+        emulate_slower(self.options.slowdown, cpu, time.thread_time)
+        answered.codec_s += time.perf_counter() - start
+        return reply
+
+    # ------------------------------------------------------------------ cache
+
+    def lookup(self, key: bytes, features: Mapping[str, np.ndarray]) -> CacheAnswer | None:
+        """The cached answer for ``key``, or None; a failing cache is a miss, never an error."""
+        assert self.cache is not None
+        try:
+            return self.cache.lookup(key, features)
+        except CacheError as exc:
+            logger.warning("[%s] cache lookup failed, running the model: %s", self.tier, exc)
+            return None
+
+    def store(
+        self,
+        key: bytes,
+        features: Mapping[str, np.ndarray],
+        outputs: Mapping[str, np.ndarray],
+        exit_name: str | None,
+    ) -> None:
+        """Keep an answer in the cache; a failing cache is logged, never an error."""
+        assert self.cache is not None
+        try:
+            self.cache.store(key, features, CacheAnswer(dict(outputs), exit_name))
+        except CacheError as exc:
+            logger.warning("[%s] cache store failed: %s", self.tier, exc)
+
+
+def _onward(
+    plan_id: str, segment: int, deadline_unix_s: float, session: SessionStep | None
+) -> tier_pb2.Request:
+    """The request to the next tier, with its session step (if any) and the initial states
+    this tier did not own."""
+    forward = tier_pb2.Request(plan_id=plan_id, segment=segment, deadline_unix_s=deadline_unix_s)
+    if session is not None:
+        forward.session = session.session
+        forward.position = session.position
+        forward.initial_state.extend(session.passed_on)
+    return forward

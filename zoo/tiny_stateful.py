@@ -1,0 +1,168 @@
+"""Tiny stateful ONNX models built with ``onnx.helper``: a decoder and a streaming model.
+
+Fast to build (no torch, random weights), for tests and examples of state pairs:
+
+- :func:`tiny_decoder`: a decoder in the layout of [Note: one graph for prefill and
+  decode] (:mod:`.bytelm`), ``blocks`` single-head attention blocks with a ReLU MLP,
+  causal over its KV cache, masks and positions recomputed in every block from
+  ``attention_mask`` and ``position_ids``; symbolic ``batch``, ``seq``, ``past``.
+- :func:`streaming_model`: a chunk model with a recurrent ``state`` [1, H] -> ``stateN``
+  read at its start and again near its end, so cuts between the two reads would separate
+  the pair ([Note: state pairs] in :mod:`tierflow.state_pairs`).
+
+Both are saved as one ``.onnx`` file; only onnx and numpy are needed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17
+
+
+class _Builder:
+    """Nodes and initializers of a graph under construction, with fresh names."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list[onnx.NodeProto] = []
+        self.weights: list[onnx.TensorProto] = []
+        self.count = 0
+
+    def weight(self, name: str, shape: tuple[int, ...], scale: float = 0.5) -> str:
+        values = (self.rng.standard_normal(shape) * scale / np.sqrt(shape[0])).astype(np.float32)
+        self.weights.append(numpy_helper.from_array(values, name))
+        return name
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        self.weights.append(numpy_helper.from_array(value, name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], out: str | None = None, **attrs: Any) -> str:
+        self.count += 1
+        out = out or f"{op_type.lower()}_{self.count}"
+        self.nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
+        return out
+
+
+def tiny_decoder(
+    path: str | Path,
+    *,
+    blocks: int = 3,
+    width: int = 8,
+    vocab: int = 16,
+    seed: int = 0,
+    batch_from_last_cache: bool = False,
+) -> Path:
+    """Write a ``blocks``-block decoder with vocabulary ``vocab`` to ``path``.
+
+    ``batch_from_last_cache`` reads the batch size for a reshape of the embeddings from the
+    last block's cache, as torch.export's ONNX graphs do ([Note: state pairs in the cut
+    search] in :mod:`tierflow.partitioner.stateful`).
+    """
+    b = _Builder(seed)
+    past_shape: list[int | str] = ["batch", 1, "past", width]
+    present_shape: list[int | str] = ["batch", 1, "past_seq", width]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "past_seq"]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
+    ]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", vocab])]
+    b.const("zero", np.array(0, dtype=np.int64))
+    b.const("one", np.array(1, dtype=np.int64))
+    b.const("axis1", np.array([1], dtype=np.int64))
+    b.const("axis2", np.array([2], dtype=np.int64))
+    b.const("masked", np.array(-1e9, dtype=np.float32))
+    b.const("scale", np.array(1.0 / np.sqrt(width), dtype=np.float32))
+    x = b.op("Gather", [b.weight("embed", (vocab, width), 2.0), "input_ids"], "embedded")
+    if batch_from_last_cache:
+        batch = b.op("Shape", [f"past_key_values.{blocks - 1}.value"], start=0, end=1)
+        rest = b.const("rest", np.array([-1, width], dtype=np.int64))
+        x = b.op("Reshape", [x, b.op("Concat", [batch, rest], axis=0)])
+    for i in range(blocks):
+        for kind, shape in (("key", past_shape), ("value", past_shape)):
+            inputs.append(
+                helper.make_tensor_value_info(
+                    f"past_key_values.{i}.{kind}", TensorProto.FLOAT, shape
+                )
+            )
+            outputs.append(
+                helper.make_tensor_value_info(
+                    f"present.{i}.{kind}", TensorProto.FLOAT, present_shape
+                )
+            )
+        # The causal mask over cache and step, from the companions (as every block does).
+        total = b.op("Gather", [b.op("Shape", ["attention_mask"]), "one"])
+        keys = b.op("Range", ["zero", total, "one"])
+        queries = b.op("Unsqueeze", ["position_ids", "axis2"])
+        causal = b.op("LessOrEqual", [keys, queries])
+        present_mask = b.op("Equal", [b.op("Unsqueeze", ["attention_mask", "axis1"]), "one"])
+        allowed = b.op("And", [causal, present_mask])
+        q = b.op("MatMul", [x, b.weight(f"wq{i}", (width, width))])
+        k = b.op("Unsqueeze", [b.op("MatMul", [x, b.weight(f"wk{i}", (width, width))]), "axis1"])
+        v = b.op("Unsqueeze", [b.op("MatMul", [x, b.weight(f"wv{i}", (width, width))]), "axis1"])
+        k_all = b.op("Concat", [f"past_key_values.{i}.key", k], f"present.{i}.key", axis=2)
+        v_all = b.op("Concat", [f"past_key_values.{i}.value", v], f"present.{i}.value", axis=2)
+        keys_t = b.op("Transpose", [b.op("Squeeze", [k_all, "axis1"])], perm=[0, 2, 1])
+        scores = b.op("Mul", [b.op("MatMul", [q, keys_t]), "scale"])
+        weights = b.op("Softmax", [b.op("Where", [allowed, scores, "masked"])], axis=-1)
+        attended = b.op("MatMul", [weights, b.op("Squeeze", [v_all, "axis1"])])
+        x = b.op("Add", [x, b.op("MatMul", [attended, b.weight(f"wo{i}", (width, width))])])
+        hidden = b.op("Relu", [b.op("MatMul", [x, b.weight(f"w1_{i}", (width, 2 * width))])])
+        x = b.op("Add", [x, b.op("MatMul", [hidden, b.weight(f"w2_{i}", (2 * width, width))])])
+    b.op("MatMul", [x, b.weight("head", (width, vocab), 2.0)], "logits")
+    graph = helper.make_graph(b.nodes, "tiny_decoder", inputs, outputs, initializer=b.weights)
+    return _save(graph, path)
+
+
+def streaming_model(
+    path: str | Path,
+    *,
+    features: int = 6,
+    hidden: int = 8,
+    seed: int = 0,
+    names: tuple[str, str] = ("state", "stateN"),
+) -> Path:
+    """Write a chunk model: ``audio`` [1, F] and ``state`` [1, H] in; ``out``, ``stateN`` out.
+
+    ``state`` is read twice, at the start and near the end; ``stateN`` is made after the
+    second read. ``names`` renames the pair (to names no convention knows, say).
+    """
+    b = _Builder(seed)
+    state, new = names
+    inputs = [
+        helper.make_tensor_value_info("audio", TensorProto.FLOAT, [1, features]),
+        helper.make_tensor_value_info(state, TensorProto.FLOAT, [1, hidden]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, hidden]),
+        helper.make_tensor_value_info(new, TensorProto.FLOAT, [1, hidden]),
+    ]
+    a = b.op("Relu", [b.op("MatMul", ["audio", b.weight("w_in", (features, hidden))])])
+    mixed = b.op("Add", [a, b.op("MatMul", [state, b.weight("u1", (hidden, hidden))])])
+    x = mixed
+    for i in range(3):
+        x = b.op("Tanh", [b.op("MatMul", [x, b.weight(f"w{i}", (hidden, hidden))])])
+    recurrent = b.op("MatMul", [state, b.weight("u2", (hidden, hidden))])
+    new_state = b.op("Tanh", [b.op("Add", [x, recurrent])], new)
+    y = new_state
+    for i in range(2):
+        y = b.op("Relu", [b.op("MatMul", [y, b.weight(f"v{i}", (hidden, hidden))])])
+    b.op("Identity", [y], "out")
+    graph = helper.make_graph(b.nodes, "streaming_model", inputs, outputs, initializer=b.weights)
+    return _save(graph, path)
+
+
+def _save(graph: onnx.GraphProto, path: str | Path) -> Path:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    path = Path(path)
+    onnx.save_model(model, str(path))
+    return path
