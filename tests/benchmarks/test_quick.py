@@ -207,7 +207,7 @@ def test_budget_rows_state_their_budget_and_held_out_fidelity(
         assert row["budget"] == "top1=99%" and row["budget_sample_requests"] >= 100
         assert row["fidelity_requests"] >= 20
         assert row["predicted_ms"] > 0
-    lower = [r for r in rows if r["strategy"] in LOWER_BUDGETS]
+    lower = [r for r in rows if r["strategy"] in LOWER_BUDGETS and r["model"] != BOTTLENECK_MODEL]
     assert {r["model"] for r in lower} == TRAINED_MODELS
     for row in lower:
         assert row["budget"] == f"top1={row['strategy'].rsplit('-', 1)[1]}%"
