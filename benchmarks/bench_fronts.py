@@ -330,6 +330,27 @@ def plot_fronts(rows: Sequence[Row], folder: Path, base: Path) -> list[str]:
     return written
 
 
+def accuracy_lines(rows: Sequence[Row]) -> list[str]:
+    """Per trained model with labels: the exact model's task accuracy on the held-out
+    requests, and the range over tierflow's plans and over the uploads."""
+    out: list[str] = []
+    for model in trained_models(rows):
+        mine = [r for r in rows if r["model"] == model and r.get("accuracy") is not None]
+        exact = next((r["exact_accuracy"] for r in mine if "exact_accuracy" in r), None)
+        if not mine or exact is None:
+            continue
+        parts = [f"- **{model}**: exact model {exact:.3f}"]
+        for label, pick in (("tierflow's plans", "tierflow"), ("uploads", "upload")):
+            values = [float(r["accuracy"]) for r in mine if kind(r) == pick]
+            if values:
+                parts.append(f"{label} {min(values):.3f}-{max(values):.3f}")
+        out.append(", ".join(parts) + ".")
+    if out:
+        out.insert(0, "Task accuracy on the same held-out requests, where labels exist:\n")
+        out.append("")
+    return out
+
+
 def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}"
 
@@ -393,6 +414,7 @@ def section(rows: Sequence[Row], plots: Sequence[str]) -> list[str]:
             )
         out.append(text)
     out.append("")
+    out += accuracy_lines(rows)
     reasons = goal_reasons(rows)
     if reasons:
         out.append(

@@ -195,3 +195,15 @@ def test_the_split_that_gains_most_is_shown_not_the_fastest() -> None:
     (entry,) = bench_fronts.where_splits_pay(rows, (10.0,))
     assert entry["split"] == "tierflow-budget-90" and entry["upload"] == "cloud-only-png"
     assert entry["speedup"] == pytest.approx(1.6) and entry["pays"]
+
+
+def test_accuracy_lines_give_the_exact_model_and_the_ranges() -> None:
+    rows = [
+        {**_row("tierflow", 50.0, 1.0), "accuracy": 0.62, "exact_accuracy": 0.62},
+        {**_row("tierflow-budget-90", 40.0, 0.9), "accuracy": 0.58, "exact_accuracy": 0.62},
+        {**_row("cloud-only-jpeg", 30.0, 0.8), "accuracy": 0.5, "exact_accuracy": 0.62},
+        _row("tierflow", 10.0, 1.0, model="unlabelled"),
+    ]
+    (head, line, _) = bench_fronts.accuracy_lines(rows)
+    assert "labels" in head
+    assert line == "- **m**: exact model 0.620, tierflow's plans 0.580-0.620, uploads 0.500-0.500."
