@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -70,6 +71,28 @@ FRAME_NORM = ImageNorm(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
 SAMPLE_REQUESTS = 8
 # What a camera app does today: upload the frame as JPEG, quality 90.
 JPEG_BASELINE = "jpeg:90"
+#: The strategies, in the order the results table lists them.
+STRATEGIES = (
+    "tierflow",
+    "tierflow+exits",
+    "device-only",
+    "edge-only",
+    "cloud-only",
+    "cloud-only-jpeg",
+)
+#: The columns of the results table (printed, and written by --results-md).
+RESULT_HEADERS = (
+    "strategy",
+    "accuracy",
+    "agrees",
+    "p50 ms",
+    "p95 ms",
+    "req/s",
+    "device-edge B/req",
+    "edge-cloud B/req",
+    "answered by",
+    "failed",
+)
 
 
 @dataclass
@@ -157,6 +180,14 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="print the results as one JSON object on stdout (the steps go to stderr)",
     )
+    parser.add_argument(
+        "--results-md",
+        type=Path,
+        default=None,
+        metavar="FILE.md",
+        help="also write the results (table, comparisons, predictions) as Markdown to "
+        "FILE.md; the README embeds demos/demo-results.md, written so",
+    )
     parser.set_defaults(handler=run_demo, extra="train")  # the extra a missing import names
 
 
@@ -174,14 +205,20 @@ def run_demo(args: argparse.Namespace) -> int:
             workdir.mkdir(parents=True, exist_ok=True)
         if args.json:  # the steps' output goes to stderr, one JSON object to stdout
             with contextlib.redirect_stdout(sys.stderr):
-                runs = _demo(links, workdir, args.requests, args.window)
+                runs, notes = _demo(links, workdir, args.requests, args.window)
             report = {
                 "links": {name: str(spec) for name, spec in links.items()},
                 "strategies": [run.to_dict() for run in runs],
             }
             print(json.dumps(report))
         else:
-            runs = _demo(links, workdir, args.requests, args.window)
+            runs, notes = _demo(links, workdir, args.requests, args.window)
+    if args.results_md is not None:
+        text = results_markdown(runs, notes, links, args.window)
+        try:
+            args.results_md.write_text(text)
+        except OSError as exc:
+            raise UsageError(f"--results-md {args.results_md}: cannot write it: {exc}") from exc
     return 0 if all(r.failed == 0 for r in runs) else 1
 
 
@@ -191,8 +228,8 @@ def _step(number: int, text: str) -> None:
 
 def _demo(
     links: Mapping[str, LinkSpec], workdir: Path, requests: int, window: int
-) -> list[StrategyRun]:
-    """Steps 1-6; returns what each strategy did."""
+) -> tuple[list[StrategyRun], list[str]]:
+    """Steps 1-6; returns what each strategy did and the comparisons printed after it."""
     from tierflow.partitioner.exits.plan import load_planning_graph
     from tierflow.partitioner.fidelity_probe import FidelityProbe, sample_requests
     from tierflow.partitioner.planner import PlanOptions, rank, score_plan, write_plan
@@ -266,6 +303,7 @@ def _demo(
         "cloud-only": (graph, profiles, upload((0, 0), "png")),
         "cloud-only-jpeg": (graph, profiles, upload((0, 0), JPEG_BASELINE)),
     }
+    assert tuple(plans) == STRATEGIES
     plan_dirs = {}
     for name, (plan_graph, plan_profiles, estimate) in plans.items():
         outcome = write_plan(plan_graph, plan_profiles, options, estimate, workdir / name)
@@ -287,23 +325,43 @@ def _demo(
 
     _step(6, "results, measured side by side in this run")
     print(_indent(_results_table(runs)))
-    print(
-        "  agrees: share of requests whose answer is the exact model's (top-1); "
+    print(f"  {_legend(window)}")
+    notes = _comparisons(runs, {name: estimate for name, (_, _, estimate) in plans.items()})
+    for note in notes:
+        print(f"  {note}")
+    return runs, notes
+
+
+def _legend(window: int) -> str:
+    return (
+        "agrees: share of requests whose answer is the exact model's (top-1); "
         f"req/s: {window} requests in flight"
     )
+
+
+def _comparisons(runs: Sequence[StrategyRun], estimates: Mapping[str, Any]) -> list[str]:
+    """tierflow's plan against each baseline, and the planner's predictions, as sentences."""
     by_name = {run.name: run for run in runs}
-    best = plans["tierflow"][2]
-    print(f"  tierflow's plan runs on {len(best.tiers)} tier(s): {' -> '.join(best.tiers)}")
+    best = estimates["tierflow"]
+    notes = [f"tierflow's plan runs on {len(best.tiers)} tier(s): {' -> '.join(best.tiers)}"]
+    mine = by_name["tierflow"]
     for other in ("edge-only", "cloud-only-jpeg", "cloud-only", "device-only"):
-        mine, theirs = by_name["tierflow"], by_name[other]
-        same = best.tiers == plans[other][2].tiers and best.codec == plans[other][2].codec
+        theirs = by_name[other]
+        same = best.tiers == estimates[other].tiers and best.codec == estimates[other].codec
         note = " (the same plan: the difference is measurement noise)" if same else ""
-        print(
-            f"  tierflow against {other}: p50 {mine.percentile(50):.1f} against "
-            f"{theirs.percentile(50):.1f} ms ({theirs.percentile(50) / mine.percentile(50):.2f}x "
-            f"lower), {mine.throughput_rps:.1f} against {theirs.throughput_rps:.1f} req/s{note}"
+        ratio = theirs.percentile(50) / mine.percentile(50)
+        lower = f"{ratio:.2f}x lower" if ratio >= 1 else f"{1 / ratio:.2f}x higher"
+        notes.append(
+            f"tierflow against {other}: p50 {mine.percentile(50):.1f} against "
+            f"{theirs.percentile(50):.1f} ms ({lower}), {mine.throughput_rps:.1f} against "
+            f"{theirs.throughput_rps:.1f} req/s{note}"
         )
-    return runs
+    predicted = ", ".join(
+        f"{run.name} {estimates[run.name].latency_s * 1e3:.1f} against {run.percentile(50):.1f}"
+        for run in runs
+    )
+    notes.append(f"predicted against measured p50, ms: {predicted}")
+    return notes
 
 
 def _top1(model_path: Path, frames: np.ndarray) -> np.ndarray:
@@ -451,21 +509,8 @@ def _live(run: StrategyRun, done: int, total: int) -> None:
     sys.stdout.flush()
 
 
-def _results_table(runs: Sequence[StrategyRun]) -> str:
-    from tierflow.cli.table import format_table
-
-    headers = [
-        "strategy",
-        "accuracy",
-        "agrees",
-        "p50 ms",
-        "p95 ms",
-        "req/s",
-        "device-edge B/req",
-        "edge-cloud B/req",
-        "answered by",
-        "failed",
-    ]
+def _result_rows(runs: Sequence[StrategyRun]) -> list[list[str]]:
+    """One row of cells per strategy, under :data:`RESULT_HEADERS`."""
     rows = []
     for run in runs:
         n = max(run.answered, 1)
@@ -486,7 +531,39 @@ def _results_table(runs: Sequence[StrategyRun]) -> str:
                 str(run.failed),
             ]
         )
-    return format_table(headers, rows)
+    return rows
+
+
+def _results_table(runs: Sequence[StrategyRun]) -> str:
+    from tierflow.cli.table import format_table
+
+    return format_table(list(RESULT_HEADERS), _result_rows(runs))
+
+
+def results_markdown(
+    runs: Sequence[StrategyRun], notes: Sequence[str], links: Mapping[str, LinkSpec], window: int
+) -> str:
+    """What ``--results-md`` writes: the run's setting, the results table, the comparisons.
+
+    The README embeds ``demos/demo-results.md`` written so, between markers, unchanged
+    (``tests/demos/test_readme_results.py`` checks it).
+    """
+    requests = max((run.answered + run.failed for run in runs), default=0)
+    setting = ", ".join(f"{name}={spec}" for name, spec in links.items())
+    cells = [list(RESULT_HEADERS), ["---"] * len(RESULT_HEADERS), *_result_rows(runs)]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    lines = [
+        f"`tierflow demo`, {requests} held-out frames per strategy, links {setting}, "
+        f"on {os.cpu_count()} cores, load average {load:.1f} at the end "
+        f"({time.strftime('%Y-%m-%d', time.gmtime())}):",
+        "",
+        *("| " + " | ".join(row) + " |" for row in cells),
+        "",
+        f"{_legend(window)}.",
+        "",
+        *(f"- {note}" for note in notes),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 @contextmanager

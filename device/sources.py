@@ -19,6 +19,7 @@ it is set, so that a signal ends the stream after the frame being read.
 
 from __future__ import annotations
 
+import io
 import re
 import threading
 from collections.abc import Iterator
@@ -123,23 +124,79 @@ def camera_frames(device: str, *, stop: threading.Event | None = None) -> Iterat
 
 
 def stdin_frames(stream: BinaryIO, *, stop: threading.Event | None = None) -> Iterator[Frame]:
-    """``.npy`` arrays one after another on ``stream``, until it ends or ``stop``."""
+    """``.npy`` arrays one after another on ``stream``, until it ends or ``stop``.
+
+    ``stream`` may be a pipe: it is only read, never sought (:func:`read_npy`).
+    """
     stop = stop or threading.Event()
     number = 0
     while not stop.is_set():
-        try:
-            array = np.load(stream, allow_pickle=False)
-        except EOFError:  # the stream ended between arrays
+        array = read_npy(stream, f"stdin item {number}")
+        if array is None:  # the stream ended between arrays
             return
-        except ValueError as exc:
-            raise InputError(f"stdin item {number} is not a .npy array: {exc}") from exc
-        if not isinstance(array, np.ndarray):
-            raise InputError(f"stdin item {number} is not a .npy array")
         if array.dtype == np.uint8 and array.ndim in (2, 3):
             yield Frame(number, image=array)
         else:
             yield Frame(number, tensor=array)
         number += 1
+
+
+_NPY_MAGIC = b"\x93NUMPY"
+_CHUNK = 1 << 20
+_MAX_HEADER = 10_000  # numpy's own limit for headers it parses safely
+
+
+def _read_up_to(stream: BinaryIO, size: int) -> bytearray:
+    """``size`` bytes, or fewer if the stream ends first; read in chunks of at most 1 MiB."""
+    data = bytearray()
+    while len(data) < size:
+        chunk = stream.read(min(size - len(data), _CHUNK))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def read_npy(stream: BinaryIO, what: str) -> np.ndarray | None:
+    """One ``.npy`` array from ``stream`` without seeking; None if it ends before one starts.
+
+    ``numpy.load`` seeks back after checking the magic string and reads the data with
+    ``fromfile``, both of which fail on a pipe ("File or stream is not seekable"). This
+    reads the magic string, the header (parsed by ``numpy.lib.format``) and exactly the
+    data it announces. Arrays of Python objects (pickles) are refused.
+    """
+    magic = _read_up_to(stream, len(_NPY_MAGIC) + 2)
+    if not magic:
+        return None
+    if len(magic) < len(_NPY_MAGIC) + 2 or not magic.startswith(_NPY_MAGIC):
+        raise InputError(
+            f"{what} is not a .npy array: it starts with {bytes(magic)!r}, not {_NPY_MAGIC!r}"
+        )
+    version = (magic[-2], magic[-1])
+    if version not in ((1, 0), (2, 0), (3, 0)):
+        raise InputError(f"{what} is a .npy array of format version {version}, not 1, 2 or 3")
+    length = _read_up_to(stream, 2 if version == (1, 0) else 4)
+    if int.from_bytes(length, "little") > _MAX_HEADER:
+        raise InputError(
+            f"{what} announces a .npy header of {int.from_bytes(length, 'little')} bytes; "
+            f"at most {_MAX_HEADER} are read"
+        )
+    header = _read_up_to(stream, int.from_bytes(length, "little"))
+    parse = np.lib.format.read_array_header_1_0
+    if version != (1, 0):
+        parse = np.lib.format.read_array_header_2_0
+    try:  # numpy's own parser checks the header (a dict literal) and its size
+        shape, fortran_order, dtype = parse(io.BytesIO(bytes(length + header)))
+    except ValueError as exc:
+        raise InputError(f"{what} has a malformed .npy header: {exc}") from exc
+    if dtype.hasobject:
+        raise InputError(f"{what} holds Python objects (a pickle); only plain arrays are read")
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    data = _read_up_to(stream, size)
+    if len(data) < size:
+        raise InputError(f"{what} ends after {len(data)} of its {size} data bytes")
+    array = np.frombuffer(data, dtype=dtype) if size else np.empty(0, dtype)
+    return array.reshape(shape, order="F" if fortran_order else "C")
 
 
 def open_source(

@@ -35,6 +35,7 @@ from tierflow.partitioner.exits.metadata import ExitInfo
 from tierflow.partitioner.extract import SegmentExtractor
 from tierflow.partitioner.loading import drop_initializer_inputs, read_model, sort_nodes
 from tierflow.partitioner.shapes import (
+    branch_reads,
     branch_shaped,
     first_request,
     fix_input_shapes,
@@ -43,6 +44,7 @@ from tierflow.partitioner.shapes import (
     parse_shape_option,
     representative_inputs_for,
     sample_request,
+    shipped_values,
     static_infos,
     static_model,
     write_value_infos,
@@ -79,7 +81,9 @@ class ModelGraph:
 
     ``model`` has its symbolic dimensions fixed, shapes inferred (and measured), nodes in
     the order of ``nodes`` and Shape/Size of static tensors folded to constants (see
-    [Note: cut sets]); it is what segments are extracted from. ``sample`` holds the
+    [Note: cut sets]), except what control-flow nodes read, which keeps the shapes the
+    model shipped with ([Note: shapes a branch reads]); it is what segments are extracted
+    from. ``tensors`` holds the static shapes of all. ``sample`` holds the
     first request of ``--sample`` when one was given.
 
     ``state`` holds the model's state pairs and ``spans`` the node span each needs on one
@@ -234,6 +238,9 @@ def load_model(
     input_values = drop_initializer_inputs(model)
     first = sample_request(input_values, sample, path) if sample is not None else None
     input_shapes = fix_input_shapes(input_values, path, shapes or {}, first)
+    # Declared as shipped, not at the fixed shapes ([Note: shapes a branch reads]).
+    reads = branch_reads(model)
+    shipped = shipped_values(model, reads, path)
     model = static_model(model, input_shapes, path)
     varying = branch_shaped(model)
     graph = model.graph
@@ -253,12 +260,12 @@ def load_model(
     static = {k: v for k, v in infos.items() if v is not None}
     # The inputs' shapes were fixed above; inference may not take a 0 (an empty KV cache).
     static.update({i.name: i for i in inputs})
-    folded = fold_shapes(model, static) if fold else 0
+    folded = fold_shapes(model, static, keep=reads) if fold else 0
     output_names = [v.name for v in graph.output]
     for name in (*output_names, *(i.name for i in inputs)):
         if name not in static:
             raise ModelError(f"cannot determine the shape of {name!r} in {path}")
-    write_value_infos(model, static, {i.name for i in inputs}, varying)
+    write_value_infos(model, static, {i.name for i in inputs}, varying, shipped)
 
     kept = {n for s in states for n in (s.input, s.output)}
     answered = [n for n in output_names if n not in kept]

@@ -214,6 +214,27 @@ def representative_inputs_for(
     return arrays
 
 
+def _forget_declared_shapes(graph: onnx.GraphProto) -> None:
+    """Drop the declared shapes of outputs and intermediates (inputs keep theirs).
+
+    Exporters and hand edits get them wrong; inference recomputes them from the inputs.
+    """
+    for i, value in enumerate(graph.output):
+        if value.type.HasField("tensor_type"):
+            elem = value.type.tensor_type.elem_type
+            graph.output[i].CopyFrom(onnx.helper.make_tensor_value_info(value.name, elem, None))
+    del graph.value_info[:]
+
+
+def _infer(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(
+            model, check_type=False, strict_mode=False, data_prop=True
+        )
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+        raise ModelError(f"shape inference failed on {path}: {first_line(exc)}") from exc
+
+
 def static_model(
     model: onnx.ModelProto, input_shapes: Mapping[str, tuple[int, ...]], path: Path
 ) -> onnx.ModelProto:
@@ -228,17 +249,8 @@ def static_model(
             elem = value.type.tensor_type.elem_type
             fixed = onnx.helper.make_tensor_value_info(value.name, elem, input_shapes[value.name])
             graph.input[i].CopyFrom(fixed)
-    for i, value in enumerate(graph.output):
-        if value.type.HasField("tensor_type"):
-            elem = value.type.tensor_type.elem_type
-            graph.output[i].CopyFrom(onnx.helper.make_tensor_value_info(value.name, elem, None))
-    del graph.value_info[:]
-    try:
-        inferred = onnx.shape_inference.infer_shapes(
-            model, check_type=False, strict_mode=False, data_prop=True
-        )
-    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
-        raise ModelError(f"shape inference failed on {path}: {first_line(exc)}") from exc
+    _forget_declared_shapes(graph)
+    inferred = _infer(model, path)
     _keep_bodies(inferred.graph, graph)
     return inferred
 
@@ -286,6 +298,98 @@ def branch_shaped(model: onnx.ModelProto) -> set[str]:
         if control or any(name in varying for name in node_uses(node)):
             varying.update(n for n in node.output if n and infos.get(n) is None)
     return varying
+
+
+# [Note: shapes a branch reads]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ONNX Runtime type-checks both branches of an If when it loads a model, and from its
+# "basic" level on folds what it can inside them: the Shape of a static tensor becomes a
+# constant, an If on a constant becomes the branch it picks. Fixing the inputs' shapes
+# from the sample makes the branch the sample takes static, and the branch it never takes
+# too, at a shape that branch was not made for. A streaming VAD whose whole network sits
+# in an If on the sample rate fails so: given the 16 kHz frame (576 samples), its 8 kHz
+# branch keeps two time steps where it expects one, the squeeze of the last step (an If
+# on the step count, as torch exports it) folds to nothing, and the LSTM meets a rank-4
+# input ("First input tensor must have rank 3"), though the model as shipped loads. So
+# every tensor a control-flow node reads (its inputs and what its bodies read from outer
+# scope) and every tensor those are computed from is declared as the model shipped it:
+# graph inputs as the file declares them, other tensors as inference gives them from
+# those, with the rank kept and a dimension unknown where that differs from the measured
+# one (:func:`branch_reads`, :func:`shipped_values`). ONNX Runtime then sees in the
+# branches what it sees in the shipped model. Shape/Size of these tensors is not folded to
+# a constant either (:func:`fold_shapes`): the constant would carry the fixed shape into
+# the branches as data. Their static shapes still price cuts and size the features sent
+# (``ModelGraph.tensors``); a segment only accepts inputs of other sizes, as the model did.
+
+
+def branch_reads(model: onnx.ModelProto) -> set[str]:
+    """Top-level tensors a control-flow node reads, and every tensor they are computed from.
+
+    See [Note: shapes a branch reads]. Names of initializers are included; only tensors
+    the graph declares are redeclared.
+    """
+    graph = model.graph
+    producer = {name: node for node in graph.node for name in node.output if name}
+    pending = [
+        name
+        for node in graph.node
+        if node.domain in ("", "ai.onnx") and node.op_type in _CONTROL_FLOW
+        for name in node_uses(node)
+    ]
+    reads: set[str] = set()
+    while pending:
+        name = pending.pop()
+        if name in reads:
+            continue
+        reads.add(name)
+        node = producer.get(name)
+        if node is not None:
+            pending.extend(node_uses(node))
+    return reads
+
+
+def shipped_values(
+    model: onnx.ModelProto, names: Collection[str], path: Path
+) -> dict[str, onnx.ValueInfoProto]:
+    """How the model as shipped declares ``names``: inputs as given, the rest inferred.
+
+    Call it before :func:`static_model` fixes the inputs; like it, it drops the declared
+    shapes of outputs and intermediates first. A name inference cannot type is left out.
+    See [Note: shapes a branch reads].
+    """
+    if not names:
+        return {}
+    graph = model.graph
+    values = {v.name: v for v in graph.input if v.name in names}
+    if set(names) - set(values) - {t.name for t in graph.initializer}:
+        _forget_declared_shapes(graph)
+        inferred = _infer(model, path).graph
+        for value in (*inferred.value_info, *inferred.output):
+            if value.name in names and value.name not in values:
+                values[value.name] = value
+    copies = {}
+    for name, value in values.items():
+        copies[name] = onnx.ValueInfoProto()
+        copies[name].CopyFrom(value)
+    return copies
+
+
+def _as_shipped(info: TensorInfo, shipped: onnx.ValueInfoProto | None) -> onnx.ValueInfoProto:
+    """``info``'s declaration with the dimensions the shipped model leaves open left open.
+
+    A shipped dimension is kept where it is symbolic or equals the measured one; any other
+    (or every one, when the shipped rank differs or is unknown) is declared unknown.
+    """
+    declared = None
+    if shipped is not None and shipped.type.HasField("tensor_type"):
+        declared = declared_dims(shipped)
+    dims: list[int | str | None] = [None] * len(info.shape)
+    if declared is not None and len(declared) == len(info.shape):
+        dims = [
+            d if isinstance(d, str) or d == measured else None
+            for d, measured in zip(declared, info.shape, strict=True)
+        ]
+    return onnx.helper.make_tensor_value_info(info.name, _elem_type(info.dtype), dims)
 
 
 def _inferred_infos(model: onnx.ModelProto) -> dict[str, TensorInfo | None]:
@@ -374,15 +478,20 @@ def static_infos(
     return infos
 
 
-def fold_shapes(model: onnx.ModelProto, infos: Mapping[str, TensorInfo]) -> int:
+def fold_shapes(
+    model: onnx.ModelProto, infos: Mapping[str, TensorInfo], keep: Collection[str] = ()
+) -> int:
     """Replace Shape/Size of statically shaped tensors by Constant nodes; return how many.
 
-    See [Note: cut sets]: at fixed input shapes these are constants.
+    See [Note: cut sets]: at fixed input shapes these are constants. A Shape/Size whose
+    output is in ``keep`` (:func:`branch_reads`) stays: see [Note: shapes a branch reads].
     """
     folded = 0
     graph = model.graph
     for i, node in enumerate(graph.node):
         if node.domain not in ("", "ai.onnx") or node.op_type not in ("Shape", "Size"):
+            continue
+        if node.output[0] in keep:
             continue
         source = infos.get(node.input[0])
         if source is None:
@@ -411,18 +520,27 @@ def write_value_infos(
     infos: Mapping[str, TensorInfo],
     input_names: set[str],
     branch_shaped: Collection[str] = (),
+    shipped: Mapping[str, onnx.ValueInfoProto] | None = None,
 ) -> None:
     """Record the static shapes in the model so extracted segments declare them.
 
-    ``branch_shaped`` tensors are left undeclared ([Note: shapes that follow a branch]).
+    ``branch_shaped`` tensors are left undeclared ([Note: shapes that follow a branch]);
+    inputs, outputs and intermediates named in ``shipped`` (:func:`shipped_values`) are
+    declared as the model shipped them ([Note: shapes a branch reads]).
     """
     graph = model.graph
+    shipped = shipped or {}
 
     def value_info(info: TensorInfo) -> onnx.ValueInfoProto:
+        if info.name in shipped:
+            return _as_shipped(info, shipped[info.name])
         return onnx.helper.make_tensor_value_info(
             info.name, _elem_type(info.dtype), list(info.shape)
         )
 
+    for i, value in enumerate(graph.input):
+        if value.name in shipped and value.name in infos:
+            graph.input[i].CopyFrom(value_info(infos[value.name]))
     output_names = {v.name for v in graph.output}
     for i, value in enumerate(graph.output):
         graph.output[i].CopyFrom(value_info(infos[value.name]))

@@ -1,7 +1,7 @@
 """Reading ``IN.npz`` into requests: the one reader ``plan --sample`` and ``run`` share.
 
-``IN.npz`` holds one array per model input with a leading request axis (DESIGN.md,
-command line contract); a calibration file may add a ``labels`` array. Planning and
+``IN.npz`` holds one array per model input with a leading request axis (docs/design.md,
+"Command line"); a calibration file may add a ``labels`` array. Planning and
 running read it with these functions, so a file that plans also runs, row for row.
 
 [Note: request rows]
@@ -28,15 +28,49 @@ from tierflow.errors import InputError
 LABELS = "labels"
 
 
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first member; an empty zip
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def read_archive(path: str | Path, what: str = "input file") -> dict[str, np.ndarray]:
+    """Every array in the ``.npz`` archive at ``path``; one clear InputError otherwise.
+
+    A ``.npy`` file (one array, where an archive of named arrays is expected) and a file
+    that is no zip archive are told apart before numpy reads them: ``np.load`` returns a
+    ``.npy`` as a bare array (no context manager) and takes any other file for a pickle.
+    ``what`` names the file in messages ("input file", "calibration data").
+    """
+    path = Path(path)
+    try:
+        with path.open("rb") as file:
+            head = file.read(len(_NPY_MAGIC))
+    except FileNotFoundError as exc:
+        raise InputError(f"{what} {path} does not exist") from exc
+    except OSError as exc:
+        raise InputError(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+    expected = "one array per model input, as numpy.savez(PATH, NAME=array, ...) writes"
+    if head.startswith(_NPY_MAGIC):
+        raise InputError(
+            f"{what} {path} is a .npy file (a single unnamed array); expected an .npz "
+            f"archive of {expected}"
+        )
+    if not head.startswith(_ZIP_MAGIC):
+        found = "is empty" if not head else f"starts with {head!r}"
+        raise InputError(f"{what} {path} is not an .npz archive (it {found}); expected {expected}")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise InputError(f"cannot read {what} {path} as .npz: {exc}") from exc
+    for name, array in arrays.items():
+        if not isinstance(array, np.ndarray):  # a zip member that is no .npy
+            raise InputError(f"{what} {path} holds {name!r}, which is not a .npy array")
+    return arrays
+
+
 def read_arrays(path: str | Path) -> dict[str, np.ndarray]:
     """Every array in ``path`` except ``labels``; each with a non-empty request axis."""
-    try:
-        with np.load(Path(path), allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files if name != LABELS}
-    except FileNotFoundError as exc:
-        raise InputError(f"input file {path} does not exist") from exc
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise InputError(f"cannot read input file {path} as .npz: {exc}") from exc
+    arrays = {name: a for name, a in read_archive(path).items() if name != LABELS}
     if not arrays:
         raise InputError(f"input file {path} holds no input arrays")
     for name, array in arrays.items():

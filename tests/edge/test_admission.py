@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -157,3 +158,40 @@ def test_a_request_for_another_segment_is_refused_before_its_tensors_are_read(
     assert tier_pb2.ErrorCode.Name(reply.error.code) == "INVALID_INPUT"
     assert "segment 2" in reply.error.message
     assert elapsed < 5.0
+
+
+def test_idle_streams_are_closed_and_their_places_given_back(tmp_path: Path, rt: Any) -> None:
+    """Issue 20, item 13: a host holding every stream of its cap, idle, locks out the
+    devices behind the same address until --stream-idle closes them."""
+    split = rt.cnn(tmp_path / "plan")
+    options = RuntimeOptions(workers=1, max_streams_per_peer=4, stream_idle_s=1.0)
+    cloud = CloudServer(split.plan_dir, "127.0.0.1:0", options=options)
+    cloud.start()
+    channel = grpc.insecure_channel(cloud.address, options=grpc_options())
+    stub = tier_pb2_grpc.TierStub(channel)
+    idle: list[queue.SimpleQueue[tier_pb2.Request | None]] = []
+
+    def park() -> Any:
+        messages: queue.SimpleQueue[tier_pb2.Request | None] = queue.SimpleQueue()
+        idle.append(messages)
+        return stub.Infer(iter(messages.get, None))
+
+    try:
+        parked = [park() for _ in range(4)]
+        _wait_for(lambda: cloud.service.admission.open_streams == 4, "four parked streams")
+        refused = park()
+        with pytest.raises(grpc.RpcError) as full:
+            next(refused)
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for call in parked:  # closed by the tier within a second or two of idling
+            with pytest.raises(grpc.RpcError) as closed:
+                next(call)
+            assert closed.value.code() == grpc.StatusCode.CANCELLED
+        _wait_for(lambda: cloud.service.admission.open_streams == 0, "the places given back")
+        ask = tier_pb2.ProbeMessage(seq=1, reply_bytes=8)  # another stream gets in again
+        assert len(list(stub.Probe(iter([ask]), timeout=5))) == 1
+    finally:
+        for messages in idle:
+            messages.put(None)
+        channel.close()
+        cloud.stop(0)

@@ -6,12 +6,14 @@ the unsplit model span cut boundaries ([Note: optimization level and exactness])
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from tierflow.cli.main import main
 from tierflow.device.client import DeviceClient
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.graph import load_model
@@ -63,3 +65,45 @@ def test_partitioner_plans_reproduce_the_model_exactly(tmp_path: Path, rt: Any, 
         assert result.answered_by == "cloud"
         for key, value in expected.items():
             np.testing.assert_array_equal(result.outputs[key], value)
+
+
+@pytest.mark.integration
+def test_a_model_inside_one_if_serves_on_edge_and_cloud_processes(tmp_path: Path, rt: Any) -> None:
+    """The streaming VAD's shape ([Note: shapes a branch reads]): the If on the cloud.
+
+    The edge computes the If's condition from ``sr``; the cloud's segment is the If with
+    both rates' networks, declared as the model shipped it, so it loads.
+    """
+    pytest.importorskip("torch")
+    from tierflow.zoo.vad import FRAME, HIDDEN, export_vad
+
+    model_path = export_vad(tmp_path / "vad.onnx", dynamo=False)
+    rng = np.random.default_rng(8)
+    count = 4
+    inputs = {
+        "input": rng.standard_normal((count, 1, FRAME[16000])).astype(np.float32),
+        "state": (rng.standard_normal((count, 2, 1, HIDDEN)) * 0.1).astype(np.float32),
+        "sr": np.full(count, 16000, np.int64),
+    }
+    np.savez(tmp_path / "in.npz", **inputs)
+    graph = load_model(model_path, sample=inputs)
+    segments = split_model(graph, (0, 1))
+    assert [spec.tier for spec, _ in segments] == ["edge", "cloud"]
+    assert [n.op_type for n in segments[1][1].graph.node if n.op_type != "Constant"] == ["If"]
+    plan_dir = tmp_path / "plan"
+    save_split_plan(graph, segments, plan_dir, cuts=(0, 1), codec={"edge-cloud": "zstd"})
+    out, report = tmp_path / "out.npz", tmp_path / "r.jsonl"
+    with rt.processes() as serve:
+        cloud = serve("cloud", plan_dir)
+        edge = serve("edge", plan_dir, "--upstream", cloud.address)
+        args = ["--input", str(tmp_path / "in.npz"), "--output", str(out), "--report", str(report)]
+        assert main(["run", "--plan", str(plan_dir), "--edge", edge.address, *args]) == 0
+        assert edge.stop() == 0 and cloud.stop() == 0
+    whole = SegmentRunner(model_path)
+    lines = [json.loads(line) for line in report.read_text().splitlines()]
+    assert [line["answered_by"] for line in lines] == ["cloud"] * count
+    with np.load(out) as answers:
+        for i in range(count):
+            expected = whole.run({name: np.asarray(inputs[name][i]) for name in inputs})
+            for name, value in expected.items():
+                np.testing.assert_array_equal(answers[name][i], value)

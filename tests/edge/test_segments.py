@@ -34,6 +34,7 @@ from tierflow.plan import (
     SegmentSpec,
     load_plan,
     load_plan_set,
+    save_plan,
     save_plan_set,
 )
 from tierflow.runtime.segment_store import PART_SUFFIX, SegmentSource, SegmentStore
@@ -551,3 +552,53 @@ def test_a_budgeted_device_fetches_again_what_a_switch_back_needs(
     with np.load(tmp_path / "out.npz") as out:
         for i, feeds in enumerate(samples):
             np.testing.assert_array_equal(out["y"][i], split.reference(feeds)["y"][0])
+
+
+def test_an_edge_whose_plan_needs_no_cloud_fetches_from_its_upstream(
+    tmp_path: Path, rt: Any
+) -> None:
+    """Issue 20, item 2: started from plan.json alone with --upstream, an edge fetches its
+    segments from the tier above whatever its plan (here device -> edge, no cloud)."""
+    split = rt.cnn(tmp_path / "cnn", {"device-edge": "raw", "edge-cloud": "raw"})
+    three = load_plan(split.plan_dir)
+    segments = tuple(
+        dataclasses.replace(spec, tier="edge") if spec.tier == "cloud" else spec
+        for spec in three.segments
+    )
+    full = tmp_path / "full"
+    full.mkdir()
+    for spec in segments:
+        shutil.copy(split.plan_dir / spec.file, full / spec.file)
+    save_plan(dataclasses.replace(three, segments=segments), full)
+    edge_dir = _bare(full, tmp_path / "edge")
+    samples = split.sample(seed=7, count=2)
+    with _cloud_and_edge(full, edge_dir) as (_cloud, edge):
+        with DeviceClient(full, edge.address, deadline_s=10.0) as device:
+            results = [device.infer(feeds) for feeds in samples]
+        store = edge.service.segments
+        assert store is not None
+        assert sorted(r.file for r in store.fetched) == sorted(s.file for s in segments[1:])
+    for feeds, result in zip(samples, results, strict=True):
+        assert result.answered_by == "edge"
+        np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
+
+
+def test_an_edge_whose_upstream_is_not_there_says_so_and_never_says_it_went_away(
+    tmp_path: Path, rt: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 20, item 9: a warning at start naming the address, and requests that needed
+    the cloud say it was never reached."""
+    split = rt.cnn(tmp_path / "plan")
+    nowhere = f"127.0.0.1:{rt.free_port()}"
+    edge = EdgeServer(split.plan_dir, upstream=nowhere)
+    with caplog.at_level("WARNING"):
+        edge.start()
+    try:
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any(nowhere in line and "does not answer" in line for line in warnings)
+        with DeviceClient(split.plan_dir, edge.address, deadline_s=5.0) as device:
+            result = device.submit(split.sample(0)[0]).result()
+        assert result.error is not None
+        assert "never reached" in str(result.error) and "went away" not in str(result.error)
+    finally:
+        edge.stop(0)

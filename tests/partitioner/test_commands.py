@@ -6,10 +6,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tierflow.cli.main import main
 from tierflow.plan import load_plan
+
+from .conftest import write_mlp
 
 
 def _run(capsys: Any, *argv: str) -> tuple[int, str, str]:
@@ -164,3 +167,26 @@ def test_a_budget_nothing_fits_and_a_foreign_profile(
     code, _, err = _run(capsys, "plan", str(other), "-o", str(tmp_path / "q"), *args)
     assert code == 2
     assert "was made for another model" in err and "chain_cnn" in err and err.count("\n") == 1
+
+
+def test_a_file_that_is_no_npz_archive_is_one_error_line(capsys: Any, tmp_path: Path) -> None:
+    """plan --sample, profile --sample, run --input and exits add --data share the reader."""
+    model = write_mlp(tmp_path / "mlp.onnx", [8, 4])
+    single, text = tmp_path / "in.npy", tmp_path / "in.txt"
+    np.save(single, np.zeros((3, 1, 8), np.float32))
+    text.write_text("x = [0, 0, 0]\n")
+    plan_dir = tmp_path / "plan"
+    code, _, err = _run(capsys, "plan", str(model), "-o", str(plan_dir))
+    assert code == 0, err
+    commands = {
+        "plan": ["plan", str(model), "-o", str(tmp_path / "p2"), "--sample"],
+        "profile": ["profile", str(model), "-o", str(tmp_path / "d.json"), "--sample"],
+        "run": ["run", "--plan", str(plan_dir), "--output", str(tmp_path / "o.npz"), "--input"],
+        "exits": ["exits", "add", str(model), "-o", str(tmp_path / "e.onnx"), "--data"],
+    }
+    for name, argv in commands.items():
+        for path, wording in ((single, "is a .npy file"), (text, "is not an .npz archive")):
+            code, _, err = _run(capsys, *argv, str(path))
+            assert code == 2, (name, err)
+            assert wording in err and str(path) in err, (name, err)
+            assert err.count("\n") == 1 and "Traceback" not in err, (name, err)

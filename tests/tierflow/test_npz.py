@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tierflow.errors import InputError
-from tierflow.npz import read_arrays, read_requests
+from tierflow.npz import read_archive, read_arrays, read_requests
 
 
 def test_scalar_rows_stay_scalar_and_others_gain_a_batch(tmp_path: Path) -> None:
@@ -43,3 +44,25 @@ def test_disagreeing_or_wrong_ranks_are_refused(tmp_path: Path) -> None:
     np.savez(path, a=np.zeros(()))
     with pytest.raises(InputError, match="leading request axis"):
         read_arrays(path)
+
+
+def test_what_is_not_an_npz_archive_is_named(tmp_path: Path) -> None:
+    single = tmp_path / "in.npy"
+    np.save(single, np.zeros((2, 3), np.float32))
+    with pytest.raises(InputError, match=r"in\.npy is a \.npy file .*expected an \.npz archive"):
+        read_arrays(single)
+    text = tmp_path / "in.csv"
+    text.write_text("1,2,3\n")
+    with pytest.raises(InputError, match=r"is not an \.npz archive \(it starts with b'1,2,3"):
+        read_arrays(text)
+    (tmp_path / "empty.npz").write_bytes(b"")
+    with pytest.raises(InputError, match=r"is not an \.npz archive \(it is empty\)"):
+        read_arrays(tmp_path / "empty.npz")
+    with zipfile.ZipFile(tmp_path / "notes.zip", "w") as archive:
+        archive.writestr("readme.txt", "not an array")
+    with pytest.raises(InputError, match=r"holds 'readme\.txt', which is not a \.npy array"):
+        read_arrays(tmp_path / "notes.zip")
+    with pytest.raises(InputError, match=r"calibration data .* is a \.npy file"):
+        read_archive(single, "calibration data")
+    with pytest.raises(InputError, match=r"cannot read input file .*: Is a directory"):
+        read_arrays(tmp_path)

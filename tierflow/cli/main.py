@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -42,6 +43,24 @@ CONFIG_COMMANDS: tuple[str, ...] = ("serve edge", "serve cloud", "run", "device"
 
 logger = logging.getLogger(__name__)
 
+#: gRPC C-core's log level in tierflow's processes unless GRPC_VERBOSITY says otherwise.
+GRPC_LOG_DEFAULT = "ERROR"
+
+
+def quiet_grpc_core() -> None:
+    """Keep gRPC C-core's INFO and WARNING notices out of stderr unless the user asks.
+
+    C-core logs on stderr, bypassing Python logging, and with GRPC_VERBOSITY unset it
+    writes INFO lines like ``chttp2_transport.cc ... Got goaway [2]`` into a tier's log
+    whenever a peer closes its connection with an error code (an edge's upstream, when the
+    cloud stops): transport events the tiers already handle and report in their own words.
+    C-core reads the variable once, when grpc is first imported, so this runs before the
+    commands (which import grpc) are loaded; ``tierflow serve`` processes started by the
+    demo, the tests or the benchmarks inherit it. An explicit GRPC_VERBOSITY (``INFO``,
+    ``DEBUG``, with GRPC_TRACE) is left as it is; errors still show.
+    """
+    os.environ.setdefault("GRPC_VERBOSITY", GRPC_LOG_DEFAULT)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
@@ -69,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    quiet_grpc_core()  # before build_parser imports grpc
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:

@@ -20,6 +20,15 @@ the client (``tierflow.transport.stream_client``) fails that stream's requests w
 again by itself. A peer is a host: the address without its port (every device on one
 machine, or behind one NAT, shares a peer's cap), a unix socket path, or the peer
 string gRPC gives for anything else.
+
+Behind a NAT (a carrier's, a campus's), every device shows the same address, so the cap
+per peer is a cap on all of them together: a tierflow device keeps one stream to its
+edge (one per replica with ``ipv4:A,B`` targets) plus a short probe now and then, so set
+``--max-streams-per-peer`` to the devices expected behind one address, with headroom.
+And one host must not hold the cap with streams it never uses: a stream that has nothing
+in flight and has sent nothing for ``--stream-idle`` seconds (default 60) is cancelled,
+its place given back. tierflow's own clients close and reopen a stream of theirs that
+has been idle for half that (``tierflow.transport.stream_client``), so they never meet it.
 """
 
 from __future__ import annotations

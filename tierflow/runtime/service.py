@@ -75,7 +75,7 @@ from tierflow.runtime.probe import ProbeCredit, echo
 from tierflow.runtime.providers import describe as describe_providers
 from tierflow.runtime.replies import StreamReplies
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, serve_segment
-from tierflow.transport.wire import Undecodable, check_deadline, error_to_proto
+from tierflow.transport.wire import Undecodable, check_deadline, check_figures, error_to_proto
 
 if TYPE_CHECKING:
     from tierflow.runtime.metrics import TierMetrics
@@ -156,6 +156,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         self._in_flight = 0
         self._count_lock = threading.Lock()
         self._streams: set[StreamReplies] = set()  # watched for slow readers
+        self._readers: set[_Watched] = set()  # streams watched for idleness
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._closed = threading.Event()
@@ -289,7 +290,9 @@ class TierService(tier_pb2_grpc.TierServicer):
 
         replies = StreamReplies(write, f"{self.tier}-replies", context)
         self._watch(replies)
-        _StreamReader(self, request_iterator, context, replies, finish=lambda: write(None)).read()
+        reader = _StreamReader(self, request_iterator, context, replies, finish=lambda: write(None))
+        self._track(reader)
+        reader.read()
         return None
 
     @property
@@ -309,7 +312,9 @@ class TierService(tier_pb2_grpc.TierServicer):
         thread writes them."""
         queued: ShapedQueue[tier_pb2.Reply] = ShapedQueue(shaper)
         context.add_callback(queued.close)
-        _StreamReader(self, request_iterator, context, queued, finish=queued.close).start()
+        reader = _StreamReader(self, request_iterator, context, queued, finish=queued.close)
+        self._track(reader)
+        reader.start()
         if send_response is None:
             return self._watched(queued.drain(), context)
         for reply in self._watched(queued.drain(), context):
@@ -339,15 +344,30 @@ class TierService(tier_pb2_grpc.TierServicer):
         """Have :meth:`_watch_writes` look after this stream's writes."""
         with self._count_lock:
             self._streams.add(replies)
-            if self._watchdog is None:
-                self._watchdog = threading.Thread(
-                    target=self._watch_writes, name=f"{self.tier}-watchdog", daemon=True
-                )
-                self._watchdog.start()
+            self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        """Start :meth:`_watch_writes` on first use; call with ``_count_lock`` held."""
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(
+                target=self._watch_writes, name=f"{self.tier}-watchdog", daemon=True
+            )
+            self._watchdog.start()
 
     def _unwatch(self, replies: StreamReplies) -> None:
         with self._count_lock:
             self._streams.discard(replies)
+
+    def _track(self, reader: _Watched) -> None:
+        """Have the watchdog close ``reader``'s stream once it is idle (``--stream-idle``)."""
+        with self._count_lock:
+            self._readers.add(reader)
+            self._start_watchdog()
+        reader.on_finish = lambda: self._untrack(reader)
+
+    def _untrack(self, reader: _Watched) -> None:
+        with self._count_lock:
+            self._readers.discard(reader)
 
     def _watch_writes(self) -> None:
         """Cancel each stream whose reply waited longer than ``reply_timeout`` to be read.
@@ -357,6 +377,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         limit = self.options.reply_timeout
         while not self._closed.wait(min(limit / 4, 0.25)):
             now = time.monotonic()
+            self._close_idle(now)
             with self._count_lock:
                 streams = list(self._streams)
             for replies in streams:
@@ -372,6 +393,23 @@ class TierService(tier_pb2_grpc.TierServicer):
                     now - started,
                 )
                 replies.context.cancel()
+
+    def _close_idle(self, now: float) -> None:
+        """Cancel the streams with nothing in flight that sent nothing for ``stream_idle_s``
+        ([Note: stream admission] in tierflow/runtime/admission.py)."""
+        limit = self.options.stream_idle_s
+        with self._count_lock:
+            idle = [r for r in self._readers if r.idle_for(now) > limit]
+            for reader in idle:
+                self._readers.discard(reader)
+        for reader in idle:
+            logger.info(
+                "[%s] stream from %s closed: idle for %.0f s (--stream-idle)",
+                self.tier,
+                reader.context.peer(),
+                reader.idle_for(now),
+            )
+            reader.context.cancel()
 
     # ------------------------------------------------------------------ requests
 
@@ -427,6 +465,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         if pipeline is None or not self._ready.is_set():
             raise TransportError(f"the {self.tier} is not serving yet (its model is loading)")
         index = pipeline.index_of(request.plan_id)
+        check_figures(request)
         deadline = check_deadline(request.deadline_unix_s, time.time())
         if deadline and time.time() > deadline:
             raise DeadlineError(f"the request's deadline passed before the {self.tier} ran it")
@@ -493,7 +532,42 @@ class TierService(tier_pb2_grpc.TierServicer):
         """
         self._admit(context)
         context.send_initial_metadata((("tierflow-tier", self.tier),))
-        yield from echo(self.tier, request_iterator, context, self.probe_credit)
+        watched = _ProbeActivity(context)
+        self._track(watched)
+        messages = watched.counted(request_iterator)
+        try:
+            yield from echo(self.tier, messages, context, self.probe_credit)
+        finally:
+            self._untrack(watched)
+
+
+class _Watched(Protocol):
+    """A stream the watchdog closes once it is idle ([Note: stream admission])."""
+
+    context: grpc.ServicerContext
+    on_finish: Callable[[], None] | None
+
+    def idle_for(self, now: float) -> float:
+        """Seconds the stream has had nothing in flight and sent nothing (0: busy)."""
+
+
+class _ProbeActivity:
+    """When a probe stream last sent a message, for the idle watchdog."""
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self.context = context
+        self.on_finish: Callable[[], None] | None = None
+        self._active = time.monotonic()
+
+    def counted(
+        self, messages: Iterator[tier_pb2.ProbeMessage | Undecodable]
+    ) -> Iterator[tier_pb2.ProbeMessage | Undecodable]:
+        for message in messages:
+            self._active = time.monotonic()
+            yield message
+
+    def idle_for(self, now: float) -> float:
+        return now - self._active
 
 
 class SessionOrder:
@@ -557,6 +631,8 @@ class _StreamReader:
         self._open = 0  # requests read and not yet answered
         self._ended = False  # no more requests will be read
         self._finished = False
+        self._active = time.monotonic()  # when a request was last read or answered
+        self.on_finish: Callable[[], None] | None = None
         shaped = isinstance(replies, ShapedQueue) and replies.shaper is not None
         self._shaped = shaped and replies.shaper.spec is not None  # type: ignore[union-attr]
 
@@ -582,6 +658,7 @@ class _StreamReader:
         received = time.perf_counter()
         with self._lock:
             self._open += 1
+            self._active = time.monotonic()
         if isinstance(request, Undecodable):  # see tierflow.transport.wire.add_tier_servicer
             logger.warning(
                 "[%s] %s from %s", self.service.tier, request.message, self.context.peer()
@@ -642,14 +719,22 @@ class _StreamReader:
             self._ended = True
         self._done(read=False)
 
+    def idle_for(self, now: float) -> float:
+        """Seconds the stream has had nothing in flight and sent nothing (0: busy)."""
+        with self._lock:
+            return 0.0 if self._open or self._ended else now - self._active
+
     def _done(self, read: bool = True) -> None:
         """One request answered (``read``) or the reading ended: finish if both are over."""
         with self._lock:
             if read:
                 self._open -= 1
+                self._active = time.monotonic()
             if not self._ended or self._open > 0 or self._finished:
                 return
             self._finished = True
+        if self.on_finish is not None:
+            self.on_finish()
         with contextlib.suppress(Exception):
             if isinstance(self.replies, StreamReplies):
                 self.replies.close()

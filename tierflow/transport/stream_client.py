@@ -39,7 +39,10 @@ the client is made, so that the first streams already find them all ready. When 
 dies, its stream breaks and its requests in flight fail as above (typed errors; those that
 never reached it are sent again); the stream opened next in its place goes to a live
 replica, since round robin picks only among connected ones. A replica that comes back
-gets streams again as others break, not at once.
+gets streams again as others break, not at once. The requests of a session
+([Note: session state on a tier] in tierflow/runtime/state.py) all take the same stream,
+so that its state stays on one replica; when that replica dies, the replica its next
+request reaches holds no state for it and the device replays the session.
 """
 
 from __future__ import annotations
@@ -114,6 +117,11 @@ _ROUND_ROBIN = '{"loadBalancingConfig": [{"round_robin": {}}]}'
 #: Streams a client keeps to a ``dns:`` target, whose addresses it cannot count.
 DNS_STREAMS = 4
 
+#: A stream of this client's with nothing in flight and unused this long is closed and
+#: another opened for the next request, before a server closes it (its ``--stream-idle``,
+#: 60 s by default: [Note: stream admission] in tierflow/runtime/admission.py).
+IDLE_STREAM_S = 30.0
+
 # When a request that never reached the peer is sent again ([Note: retries and failing fast]).
 _RETRY_DELAYS_S = (0.1, 0.3, 0.9)
 
@@ -144,6 +152,7 @@ class _Stream:
         self.pending: dict[str, Sent] = {}
         self.alive = True
         self.replied = False
+        self.used = time.monotonic()  # when a request was last sent or answered on it
         # Made under client.lock: whether anything sent on it may have reached the peer.
         self.connected_at_start = client._connected
         self.connections_at_start = client._connections
@@ -159,6 +168,7 @@ class _Stream:
             for reply in self.call:
                 with client.lock:
                     self.replied = True
+                    self.used = time.monotonic()
                     sent = self.pending.pop(reply.id, None)
                 if sent is None:
                     logger.debug("[%s] reply for %s came after its deadline", client.me, reply.id)
@@ -355,8 +365,14 @@ class StreamClient:
         else:
             slot = next(self._turn) % len(self.streams)
         stream = self.streams[slot]
+        now = time.monotonic()
+        idle = stream is not None and not stream.pending and now - stream.used > IDLE_STREAM_S
+        if stream is not None and stream.alive and idle:  # before a server's --stream-idle
+            stream.queue.close()  # half-closed: the server ends it once it has read this
+            stream = None
         if stream is None or not stream.alive:
             stream = self.streams[slot] = _Stream(self)
+        stream.used = now
         return stream
 
     def _track(self, stream: _Stream, sent: Sent) -> None:

@@ -36,6 +36,7 @@ from tierflow.errors import (
     TierflowError,
     TransportError,
 )
+from tierflow.link.spec import LINKS, TIERS
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 
 # Where requests enter a tier their deadline is checked ([Note: one deadline]).
@@ -284,3 +285,48 @@ def add_tier_servicer(servicer: tier_pb2_grpc.TierServicer, server: grpc.Server)
         (grpc.method_handlers_generic_handler("tierflow.rpc.Tier", handlers),)
     )
     server.add_registered_method_handlers("tierflow.rpc.Tier", handlers)
+
+
+#: The largest time a timing may report (ms): a day.
+MAX_FIGURE_MS = 86_400_000.0
+#: The largest byte count and rate a link figure may report.
+MAX_FIGURE_BYTES = 1 << 40
+MAX_FIGURE_BPS = 1e13
+
+
+def check_figures(message: tier_pb2.Request | tier_pb2.Reply) -> None:
+    """Refuse timings and link figures no tier could have measured (an :class:`InputError`).
+
+    At most one timing per tier and one figure per link, named as they are named; every
+    time and rate finite, not negative and within a day (:data:`MAX_FIGURE_MS`); byte
+    counts within :data:`MAX_FIGURE_BYTES`. A request of 20,000 timings of 1e308 ms is
+    refused at once, before anything else is done with it.
+    """
+    if not message.timings and not message.links:  # a request as tierflow sends it
+        return
+    tiers = [timing.tier for timing in message.timings]
+    if len(tiers) > len(TIERS) or len(set(tiers)) != len(tiers) or not set(tiers) <= set(TIERS):
+        raise InputError(
+            f"a message may carry one timing per tier ({', '.join(TIERS)}); this one carries "
+            f"{len(tiers)}: {sorted(set(tiers))[:6]}"
+        )
+    for timing in message.timings:
+        for name in ("compute_ms", "codec_ms", "queue_ms"):
+            value = getattr(timing, name)
+            if not 0.0 <= value <= MAX_FIGURE_MS:  # NaN fails too
+                raise InputError(f"the {timing.tier}'s {name} is {value!r}: not a time")
+    links = [stat.link for stat in message.links]
+    if len(links) > len(LINKS) or len(set(links)) != len(links) or not set(links) <= set(LINKS):
+        raise InputError(
+            f"a message may carry one figure per link ({', '.join(LINKS)}); this one carries "
+            f"{len(links)}: {sorted(set(links))[:6]}"
+        )
+    for stat in message.links:
+        if not 0 <= stat.bytes <= MAX_FIGURE_BYTES:
+            raise InputError(f"link {stat.link} reports {stat.bytes} bytes")
+        for name, top in (("send_ms", MAX_FIGURE_MS), ("queue_ms", MAX_FIGURE_MS)):
+            value = getattr(stat, name)
+            if not 0.0 <= value <= top:
+                raise InputError(f"link {stat.link}'s {name} is {value!r}: not a time")
+        if not 0.0 <= stat.rate_bps <= MAX_FIGURE_BPS:
+            raise InputError(f"link {stat.link}'s rate is {stat.rate_bps!r} bit/s")

@@ -268,7 +268,7 @@ def test_bad_inputs_raise_typed_errors(
         add_exits(tiny, calib, max_accuracy_drop=0.01, max_disagreement=0.01)
     with pytest.raises(UsageError, match="cannot carry an exit"):
         add_exits(tiny, calib, at=["output"])
-    with pytest.raises(InputError, match="not found"):
+    with pytest.raises(InputError, match="does not exist"):
         add_exits(tiny, tmp_path / "missing.npz")
     with pytest.raises(InputError, match="class indices"):
         add_exits(tiny, {**calib, "labels": np.full(50, 10)})
@@ -317,7 +317,7 @@ def test_cli_adds_and_shows_exits(
     assert (
         main(["exits", "add", str(tiny), "--data", str(tmp_path / "nope.npz"), "-o", str(out)]) == 2
     )
-    assert "not found" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_split_plan_with_exits_runs_on_the_tier_runtime(

@@ -216,3 +216,33 @@ def test_options_let_messages_beyond_grpc_default_through(echo_server: tuple[int
         with pytest.raises(grpc.RpcError) as caught:
             list(stub.Probe(iter([tier_pb2.ProbeMessage(seq=1, payload=payload)])))
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_timings_and_link_figures_no_tier_could_measure_are_refused() -> None:
+    """Issue 20, item 14: 20,000 timings of 1e308 ms, NaN rates, unknown names."""
+    from tierflow.transport.wire import check_figures
+
+    fine = tier_pb2.Request()
+    fine.timings.add(tier="device", compute_ms=1.5, codec_ms=0.2, queue_ms=0.0)
+    fine.links.add(link="device-edge", bytes=4096, send_ms=0.3, rate_bps=1e8)
+    check_figures(fine)
+    many = tier_pb2.Request()
+    for _ in range(20_000):
+        many.timings.add(tier="edge", compute_ms=1e308)
+    bad_value = tier_pb2.Request()
+    bad_value.timings.add(tier="edge", compute_ms=float("nan"))
+    bad_rate = tier_pb2.Request()
+    bad_rate.links.add(link="edge-cloud", rate_bps=float("inf"))
+    unknown = tier_pb2.Request()
+    unknown.links.add(link="moon-link")
+    negative = tier_pb2.Reply()
+    negative.links.add(link="device-edge", bytes=-5)
+    for message, words in [
+        (many, "one timing per tier"),
+        (bad_value, "not a time"),
+        (bad_rate, "rate is inf"),
+        (unknown, "one figure per link"),
+        (negative, "-5 bytes"),
+    ]:
+        with pytest.raises(InputError, match=words):
+            check_figures(message)
