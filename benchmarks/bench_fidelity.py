@@ -104,8 +104,17 @@ GOAL_STRATEGIES = (
     "tierflow-lowbit",
 )
 BOTTLENECK_JSON = Path(__file__).resolve().parent / "results" / "bottleneck.json"
-#: ``bottleneck_trained.py``'s run: learned bottlenecks on run.py's ImageNet classifier.
+#: ``bottleneck_trained.py``'s runs: learned bottlenecks on run.py's ImageNet classifiers,
+#: one file each (``bottleneck_trained.json`` for EfficientNet-Lite0, the first;
+#: ``bottleneck_trained-NAME.json`` for the others).
 TRAINED_BOTTLENECK_JSON = BOTTLENECK_JSON.with_name("bottleneck_trained.json")
+
+
+def trained_bottleneck_files(folder: Path = BOTTLENECK_JSON.parent) -> list[Path]:
+    """Every committed ``bottleneck_trained.py`` run in ``folder``, in name order."""
+    return sorted(folder.glob("bottleneck_trained*.json"))
+
+
 # Which of bottleneck.json's strategies become results.json rows, and under which name.
 _BOTTLENECK_STRATEGIES = {
     "cloud-only-jpeg": JPEG_BASELINE,  # quality 90
@@ -123,7 +132,8 @@ def image_norms(model: Any, graph: Any) -> dict[str, ImageNorm]:
 
     The random CNNs of the suite get ``bench_models.smooth_images``: 8-bit pixels
     normalised by ``bench_models.IMAGE_NORM``; the camera model 8-bit frames as pixel /
-    255; EfficientNet-Lite0 photo views as (pixel - 127) / 128. The demo's
+    255; the ImageNet classifiers' photo views as each was trained (EfficientNet-Lite0
+    (pixel - 127) / 128, MobileNetV2 ImageNet's mean and std). The demo's
     digits are not 8-bit images (8x8 scans of 17 grey levels, upsampled), the
     transformer's inputs are tokens.
     """
@@ -134,7 +144,7 @@ def image_norms(model: Any, graph: Any) -> dict[str, ImageNorm]:
     if model.kind == "imagenet":
         from tierflow.zoo import imagenet
 
-        return {graph.inputs[0].name: imagenet.NORM}
+        return {graph.inputs[0].name: imagenet.classifier(model.name).norm}
     if model.kind not in bench_models.IMAGE_KINDS:
         return {}
     return {graph.inputs[0].name: bench_models.IMAGE_NORM}
@@ -256,7 +266,7 @@ def planner_probe(
 
 
 def bottleneck_rows(
-    path: Path = BOTTLENECK_JSON, trained: Path = TRAINED_BOTTLENECK_JSON
+    path: Path = BOTTLENECK_JSON, trained: Sequence[Path] | None = None
 ) -> tuple[list[Row], dict[str, Any]]:
     """``bottleneck_bench.py``'s last committed run as results.json rows (none if absent).
 
@@ -266,12 +276,13 @@ def bottleneck_rows(
     ``tierflow-budget-90``, top1=90%), JPEG at quality 90 and its
     quality sweep, WebP (``cloud-only-webp-qNN``), PNG and the int8+zstd upload, each with
     the fidelity that run measured on its held-out requests.
-    With ``trained`` (``bottleneck_trained.py``'s run), also the fastest learned
-    bottleneck per rate on ``run.py``'s ImageNet classifier, composed there as run.py
-    composes (the model's other rows are run.py's own).
+    With ``trained`` (``bottleneck_trained.py``'s runs; default: every committed one), also
+    the fastest learned bottleneck per rate on each of ``run.py``'s ImageNet classifiers it
+    ran on, composed there as run.py composes (the models' other rows are run.py's own).
     Returns the rows and what the report says about their source.
     """
-    extra = trained_bottleneck_rows(trained)
+    files = trained_bottleneck_files() if trained is None else trained
+    extra = [row for file in files for row in trained_bottleneck_rows(file)]
     if not path.exists():
         return extra, {}
     data = json.loads(path.read_text())
@@ -345,26 +356,28 @@ def bottleneck_rows(
 
 
 def trained_bottleneck_rows(path: Path = TRAINED_BOTTLENECK_JSON) -> list[Row]:
-    """Per rate, the fastest ``tierflow-bottleneck`` row of ``bottleneck_trained.py``'s run
-    (none if absent); every variant stays in its JSON."""
+    """Per model and rate, the fastest ``tierflow-bottleneck`` row of a
+    ``bottleneck_trained.py`` run (none if absent); every variant stays in its JSON."""
     if not path.exists():
         return []
     rows = json.loads(path.read_text())["rows"]
-    best: dict[float, Row] = {}
+    best: dict[tuple[str, float], Row] = {}
     for row in rows:
-        mbit = float(row["bandwidth_mbit"])
-        if mbit not in best or row["p50_ms"] < best[mbit]["p50_ms"]:
-            best[mbit] = row
-    return [best[m] for m in sorted(best)]
+        key = (str(row["model"]), float(row["bandwidth_mbit"]))
+        if key not in best or row["p50_ms"] < best[key]["p50_ms"]:
+            best[key] = row
+    return [best[k] for k in sorted(best)]
 
 
 def learned_bottleneck_lines(
-    orientation: Path = BOTTLENECK_JSON, trained: Path = TRAINED_BOTTLENECK_JSON
+    orientation: Path = BOTTLENECK_JSON, trained: Sequence[Path] | None = None
 ) -> list[str]:
     """What the learned bottleneck reaches on each trained model it was trained on: every
-    variant's bytes and held-out fidelity, from the two bottleneck benchmarks' runs."""
+    variant's bytes and held-out fidelity, from the bottleneck benchmarks' runs
+    (``trained``: default every committed ``bottleneck_trained.py`` run)."""
     lines: list[str] = []
-    for path, key in ((orientation, "bottlenecks"), (trained, "points")):
+    files = trained_bottleneck_files() if trained is None else trained
+    for path, key in ((orientation, "bottlenecks"), *((f, "points") for f in files)):
         if not path.exists():
             continue
         data = json.loads(path.read_text())

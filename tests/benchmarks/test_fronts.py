@@ -165,6 +165,16 @@ def test_trained_bottleneck_rows_compose_as_run_py_and_fold_the_fastest(tmp_path
     assert [r["bandwidth_mbit"] for r in folded] == sorted(emu.FULL_BANDWIDTHS)
     assert all(r["variant"].startswith("k=8 ") for r in folded)  # fewer bytes: faster
     assert bench_fidelity.trained_bottleneck_rows(tmp_path / "absent.json") == []
+    # Each ImageNet classifier's run in its own file; every one is folded, model by model.
+    other = bottleneck_trained.rows_for("n", [slower], 300, "real: views")
+    (tmp_path / "bottleneck_trained-n.json").write_text(json.dumps({"rows": other}))
+    path.rename(tmp_path / "bottleneck_trained.json")
+    files = bench_fidelity.trained_bottleneck_files(tmp_path)
+    assert [f.name for f in files] == ["bottleneck_trained-n.json", "bottleneck_trained.json"]
+    both, _ = bench_fidelity.bottleneck_rows(tmp_path / "absent.json", trained=files)
+    assert sorted({r["model"] for r in both}) == ["m", "n"]
+    assert len(both) == 2 * len(emu.FULL_BANDWIDTHS)
+    assert {r["variant"][:4] for r in both if r["model"] == "n"} == {"k=16"}
 
 
 def test_goal_reasons_name_the_split_and_its_device_work() -> None:

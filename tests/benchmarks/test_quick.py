@@ -583,7 +583,7 @@ def test_bottleneck_fold_keeps_each_strategy_once_per_rate(tmp_path: Path) -> No
     ]
     path = tmp_path / "bottleneck.json"
     path.write_text(json.dumps({"model": "orientation", "rows": rows}))
-    folded, _ = bottleneck_rows(path, trained=tmp_path / "absent.json")
+    folded, _ = bottleneck_rows(path, trained=[tmp_path / "absent.json"])
     by_name = {r["strategy"]: r for r in folded}
     assert len(by_name) == len(folded)
     assert set(by_name) == {

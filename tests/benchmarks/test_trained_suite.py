@@ -20,6 +20,7 @@ def test_the_full_suite_is_trained_but_for_one_timing_model() -> None:
     models = {m.name: m for m in bench_models.suite(quick=False)}
     assert {n for n, m in models.items() if m.trained} == {
         "efficientnet-lite0",
+        "mobilenet-v2",
         "minilm-topics",
         "demo-digits",
         "digits-camera",
@@ -40,6 +41,25 @@ def test_photo_requests_are_views_the_planner_never_sees() -> None:
     seen = {r["input"].tobytes() for r in held}
     assert not any(r["input"].tobytes() in seen for r in sample)
     assert bench_models.labels(model, 6) is None  # no ImageNet labels for the photos
+
+
+def test_the_imagenet_classifiers_see_the_same_views_each_normalised_its_own_way() -> None:
+    from tierflow.zoo import imagenet
+
+    names = [m.name for m in bench_models.IMAGENET_MODELS]
+    assert names == ["efficientnet-lite0", "mobilenet-v2"]
+    assert set(names) <= set(imagenet.CLASSIFIERS)
+    assert all(m.kind == "imagenet" and m.trained for m in bench_models.IMAGENET_MODELS)
+    quick = {m.name for m in bench_models.suite(quick=True)}
+    assert "efficientnet-lite0" in quick and "mobilenet-v2" not in quick  # one is enough there
+    specs = [("input", "float32", (1, 3, 224, 224))]
+    lite, mobile = (bench_models.requests(m, specs, 3) for m in bench_models.IMAGENET_MODELS)
+    for a, b in zip(lite, mobile, strict=True):
+        # The same pixels: (x - 127) / 128 and ((x / 255) - mean) / std are both affine in x.
+        red_lite, red_mobile = a["input"][0, 0].ravel(), b["input"][0, 0].ravel()
+        pixels = red_lite * 128 + 127
+        assert np.allclose(red_mobile, (pixels / 255 - 0.485) / 0.229, atol=1e-4)
+        assert not np.allclose(red_lite, red_mobile)
 
 
 @pytest.mark.skipif(
