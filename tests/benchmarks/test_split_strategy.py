@@ -114,6 +114,23 @@ def test_fold_models_takes_every_row_of_the_new_runs_models_and_names_the_run() 
         fold_models(old, meta, [], {"command": "x", "date": "d", "models": []})
 
 
+def test_a_model_new_to_the_run_is_folded_in_at_its_place_in_the_suite() -> None:
+    from run import fold_models
+
+    old = [{"model": m, "strategy": "tierflow"} for m in ("efficientnet-lite0", "minilm-topics")]
+    meta = {
+        "command": "full",
+        "date": "d0",
+        "models": [{"name": "efficientnet-lite0"}, {"name": "minilm-topics"}],
+    }
+    new = [{"model": "mobilenet-v2", "strategy": "tierflow"}]
+    new_meta = {"command": "one", "date": "d1", "models": [{"name": "mobilenet-v2"}]}
+    rows, data = fold_models(old, meta, new, new_meta)
+    expected = ["efficientnet-lite0", "mobilenet-v2", "minilm-topics"]
+    assert [m["name"] for m in data["models"]] == expected
+    assert [r["model"] for r in rows] == expected
+
+
 def test_label_rows_fills_what_a_row_lacks_from_its_model() -> None:
     from run import is_folded, label_rows
 
@@ -135,3 +152,23 @@ def test_label_rows_fills_what_a_row_lacks_from_its_model() -> None:
     assert "trained_weights" not in rows[3]
     assert is_folded({"measured": "composed by bottleneck_trained.py"})
     assert not is_folded({"measured": "composed"})
+
+
+def test_a_trained_models_exit_rows_stand_on_300_distinct_requests_in_a_full_run() -> None:
+    """Issue 21, part 4: the tierflow-exits rows of trained models carry fidelity, so a full
+    run walks as many distinct held-out requests as the model's other rows (it walked 15)."""
+    import argparse
+
+    import bench_models
+    from run import TRAINED_FIDELITY_REQUESTS, exit_workload_size, parse_args
+
+    full, quick = parse_args([]), parse_args(["--quick"])
+    models = {m.name: m for m in bench_models.suite(quick=False)}
+    assert TRAINED_FIDELITY_REQUESTS == 300
+    for name in ("efficientnet-lite0", "mobilenet-v2", "minilm-topics", "digits-camera"):
+        assert exit_workload_size(models[name], full) == 300
+        assert exit_workload_size(models[name], quick) == 8  # --quick: 5 requests, at least 8
+    assert exit_workload_size(models["demo-digits"], full) == full.exit_requests == 300
+    assert exit_workload_size(models["resnet18"], full) == 15  # random: time only
+    more = argparse.Namespace(**{**vars(full), "requests": 400})
+    assert exit_workload_size(models["mobilenet-v2"], more) == 400
