@@ -1,12 +1,13 @@
-"""Learned bottlenecks on the comparison benchmark's trained ImageNet classifier.
+"""Learned bottlenecks on the comparison benchmark's trained ImageNet classifiers.
 
-    python benchmarks/bottleneck_trained.py            # the committed run
+    python benchmarks/bottleneck_trained.py                        # EfficientNet-Lite0
+    python benchmarks/bottleneck_trained.py --model mobilenet-v2   # MobileNetV2
     python benchmarks/bottleneck_trained.py --quick    # fewer views, one bottleneck
 
 ``bottleneck_bench.py`` measures the learned bottleneck (``tierflow bottleneck add``) on
-the page orientation model; this does the same on ``run.py``'s EfficientNet-Lite0
-(ImageNet weights shipped in a package) so the issue's question, what the bottleneck
-reaches on each trained model, is answered there too. It trains each configuration on
+the page orientation model; this does the same on ``run.py``'s ImageNet classifiers
+(weights shipped in packages) so the issue's question, what the bottleneck reaches on
+each trained model, is answered there too. It trains each configuration on
 the planner's views of the shipped photos (``bench_models.planner_sample``: never
 measured), grafts it, splits the grafted model at its codes, and measures on the very
 held-out views ``run.py``'s rows are measured on (``bench_models.requests``, the first
@@ -21,7 +22,9 @@ the cloud, one RTT per link, the rest of the model on the cloud at 1x), and the 
 results (``bench_fidelity.bottleneck_rows``). Their parts were measured by this script,
 the uploads they are compared with by ``run.py``: both are medians of the calling
 thread's CPU time on this machine. The text model is not covered: the bottleneck
-grafts convolutions on an image feature map. Writes ``results/bottleneck_trained.json``.
+grafts convolutions on an image feature map. Writes ``results/bottleneck_trained.json``
+(EfficientNet-Lite0) or ``results/bottleneck_trained-NAME.json``, which ``run.py``
+folds in.
 """
 
 from __future__ import annotations
@@ -48,19 +51,41 @@ import bottleneck_bench  # noqa: E402
 
 logger = logging.getLogger("benchmarks.bottleneck_trained")
 
-OUT_JSON = HERE / "results" / "bottleneck_trained.json"
-# (cut tensor or None for the tool's choice, code channels, bits). The tool's own choice
-# (the first wide map, 96x56x56) lost every answer in a trial; these are the block outputs
-# where the planner's int8/int4 splits fall (40x28x28 and 80x14x14).
-CONFIGS_FULL: tuple[tuple[str | None, int, int], ...] = (
-    ("/_blocks.3/_project_conv/Conv_output_0", 16, 4),
-    ("/_blocks.5/_project_conv/Conv_output_0", 16, 4),
-    ("/_blocks.5/_project_conv/Conv_output_0", 32, 4),
-    ("/_blocks.5/_project_conv/Conv_output_0", 64, 4),
-)
-CONFIGS_QUICK: tuple[tuple[str | None, int, int], ...] = (
-    ("/_blocks.5/_project_conv/Conv_output_0", 16, 4),
-)
+Config = tuple[str | None, int, int]
+# Per model, (cut tensor or None for the tool's choice, code channels, bits), full run
+# first, then --quick's. EfficientNet-Lite0: the tool's own choice (the first wide map,
+# 96x56x56) lost every answer in a trial; these are the block outputs where the planner's
+# int8/int4 splits fall (40x28x28 and 80x14x14). MobileNetV2: its block outputs of the
+# same sizes (32x28x28 after block 6, 96x14x14 after block 13).
+CONFIGS: dict[str, tuple[tuple[Config, ...], tuple[Config, ...]]] = {
+    "efficientnet-lite0": (
+        (
+            ("/_blocks.3/_project_conv/Conv_output_0", 16, 4),
+            ("/_blocks.5/_project_conv/Conv_output_0", 16, 4),
+            ("/_blocks.5/_project_conv/Conv_output_0", 32, 4),
+            ("/_blocks.5/_project_conv/Conv_output_0", 64, 4),
+        ),
+        (("/_blocks.5/_project_conv/Conv_output_0", 16, 4),),
+    ),
+    "mobilenet-v2": (
+        (
+            ("/features/features.6/Add_output_0", 16, 4),
+            ("/features/features.13/Add_output_0", 16, 4),
+            ("/features/features.13/Add_output_0", 32, 4),
+            ("/features/features.13/Add_output_0", 64, 4),
+        ),
+        (("/features/features.13/Add_output_0", 16, 4),),
+    ),
+}
+
+
+def out_json(model: str) -> Path:
+    """Where a run on ``model`` is written (and where ``run.py`` finds it)."""
+    if model == bench_models.IMAGENET_MODEL.name:
+        return HERE / "results" / "bottleneck_trained.json"
+    return HERE / "results" / f"bottleneck_trained-{model}.json"
+
+
 # Views: (calibration, held-out, timed).
 VIEWS_FULL = (320, 300, 16)
 VIEWS_QUICK = (64, 24, 4)
@@ -121,17 +146,24 @@ def rows_for(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer views, one bottleneck")
-    parser.add_argument("--out", type=Path, default=OUT_JSON)
+    parser.add_argument(
+        "--model",
+        choices=[m.name for m in bench_models.IMAGENET_MODELS],
+        default=bench_models.IMAGENET_MODEL.name,
+        help="which of run.py's ImageNet classifiers",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="default: results/ by model")
     parser.add_argument("--steps", type=int, default=None, help="training steps (400 full)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for name in ("tierflow.partitioner.graph", "tierflow.zoo.bottleneck_train"):
         logging.getLogger(name).setLevel(logging.WARNING)
     started = time.perf_counter()
-    model = bench_models.IMAGENET_MODEL
+    model = next(m for m in bench_models.IMAGENET_MODELS if m.name == args.model)
+    out = args.out or out_json(model.name)
     path = bench_models.export(model, bench_models.default_work_dir())
     calib_count, held_count, timed = VIEWS_QUICK if args.quick else VIEWS_FULL
-    configs = CONFIGS_QUICK if args.quick else CONFIGS_FULL
+    configs = CONFIGS[model.name][1 if args.quick else 0]
     # 150 steps kept 40-63% of the answers; 400 are still a few minutes per bottleneck.
     steps = args.steps or (30 if args.quick else 400)
     specs = [("input", "float32", (1, 3, 224, 224))]
@@ -146,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             path, calib, held, exact, configs, steps, 3, Path(scratch), timed, input_name="input"
         )
     record = {
-        "command": "python benchmarks/bottleneck_trained.py" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python benchmarks/bottleneck_trained.py", *sys.argv[1:]])
+        if argv is None
+        else " ".join(["python benchmarks/bottleneck_trained.py", *argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "model": model.name,
         "model_file": path.name,
@@ -158,15 +192,15 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows_for(model.name, points, held_count, model.input_source),
         "seconds": time.perf_counter() - started,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
     for p in points:
         print(
             f"{model.name} bottleneck k={p['channels']} {p['bits']}-bit at {p['at']}: "
             f"{p['bytes']:.0f} B, fidelity {p['fidelity']:.3f}, device "
             f"{p['device_ms_here']:.1f} ms here, trained in {p['train_s']:.0f} s"
         )
-    print(f"wrote {args.out} in {record['seconds']:.0f} s")
+    print(f"wrote {out} in {record['seconds']:.0f} s")
     return 0
 
 
