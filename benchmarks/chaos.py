@@ -854,7 +854,7 @@ def fuzz(plan_dir: Path, reference: Reference, work: Path, args: argparse.Namesp
 # ---------------------------------------------------------------------------- tls
 
 
-def _certificates(directory: Path) -> dict[str, str]:
+def certificates(directory: Path) -> dict[str, str]:
     """A throw-away CA and one certificate (server and client use, 127.0.0.1) signed by it."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -1001,7 +1001,7 @@ def tls(work: Path, args: argparse.Namespace) -> dict:
     rounds say how stable it is. Overhead per hop = (mTLS - plaintext) / 2 per round,
     both hops carrying the same feature size.
     """
-    files = _certificates(work)
+    files = certificates(work)
     rows = []
     for label, width in (("256 B", 64), ("100 KB", 25_000)):
         plan_dir = (

@@ -6,7 +6,8 @@
 #   sudo bash demos/netns-link.sh up [DE_RATE DE_RTT EC_RATE EC_RTT]   # 20mbit 10ms 200mbit 20ms
 #   sudo bash demos/netns-link.sh set device-edge 2mbit 30ms           # change a link now
 #   sudo bash demos/netns-link.sh replay device-edge uplink.csv        # SECONDS,RATE,RTT lines
-#   sudo bash demos/netns-link.sh run [MODEL.onnx IN.npz]   # up, plan, serve, run, down
+#   sudo bash demos/netns-link.sh run [MODEL.onnx IN.npz [PLAN OPTION...]]  # up, plan, serve,
+#                                     # run, down; options go to `tierflow plan` (--profile ...)
 #   sudo bash demos/netns-link.sh down
 #
 # Addresses (10.77.0.0/16, only inside the namespaces this script makes):
@@ -128,8 +129,9 @@ wait_for() {  # HOST PORT
 DEVICE_SLOWDOWN=20 EDGE_SLOWDOWN=2
 WORK=
 
-run() {  # [MODEL.onnx IN.npz]
+run() {  # [MODEL.onnx IN.npz [PLAN OPTION...]]
     local model=${1:-} input=${2:-}
+    shift $(($# < 2 ? $# : 2))
     WORK=$(mktemp -d)
     trap 'down; rm -rf "$WORK"' EXIT
     if [ -z "$model" ]; then
@@ -139,7 +141,7 @@ run() {  # [MODEL.onnx IN.npz]
     fi
     tierflow plan "$model" -o "$WORK/plan" --link device-edge=20mbit,10ms \
         --link edge-cloud=200mbit,20ms \
-        --slowdown device=$DEVICE_SLOWDOWN --slowdown edge=$EDGE_SLOWDOWN
+        --slowdown device=$DEVICE_SLOWDOWN --slowdown edge=$EDGE_SLOWDOWN "$@"
     # Plaintext on the namespaces' private addresses (--insecure); see netns-link.md for TLS.
     ip netns exec $CLOUD tierflow serve cloud --plan "$WORK/plan" --listen 10.77.2.2:50052 \
         --insecure &
@@ -167,5 +169,5 @@ case ${1:-} in
         up
         run "$@"
         ;;
-    *) sed -n '2,13p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,14p' "$0" >&2; exit 2 ;;
 esac

@@ -30,6 +30,7 @@ import numpy as np
 
 from tierflow.device.client import DeviceClient, Result, Ticket
 from tierflow.device.preprocess import Preprocess, plan_preprocess, read_image
+from tierflow.device.sessions import StreamSession
 from tierflow.device.sources import Frame
 from tierflow.errors import InputError, TierflowError
 
@@ -53,6 +54,7 @@ class Device:
         self.plan = client.plan
         self._image_norm = image_norm
         self._preprocess: Preprocess | None = None
+        self._sessions: dict[str, StreamSession] = {}
 
     def __enter__(self) -> Device:
         return self
@@ -76,7 +78,9 @@ class Device:
             return {str(name): np.asarray(value) for name, value in frame.items()}
         picture: np.ndarray | str | Path | None = frame  # type: ignore[assignment]
         if isinstance(frame, Frame):
-            if frame.tensor is not None:
+            if frame.tensor is not None:  # the model input itself, not a picture
+                if len(self.plan.inputs) == 1:
+                    return {self.plan.inputs[0]: frame.tensor}
                 return {self.preprocess.name: frame.tensor}
             picture = frame.path if frame.path is not None else frame.image
         if isinstance(picture, (str, Path)):
@@ -100,9 +104,24 @@ class Device:
         """One frame, start to end; raises its error (a TierflowError) if it failed."""
         return self.submit(frame).result().unwrap()
 
-    def stream(self, frames: Iterable[FrameLike]) -> Iterator[Result]:
-        """One Result per frame, in order, with up to ``window`` in flight."""
-        for _, result in self.pairs(frames):
+    def stream(
+        self, frames: Iterable[FrameLike], *, session: str | None = None
+    ) -> Iterator[Result]:
+        """One Result per frame, in order, with up to ``window`` in flight.
+
+        ``session``: the frames are one session's chunks of a stateful model, its state
+        kept on the tier that owns it and replayed if that tier loses it
+        (:class:`~tierflow.device.sessions.StreamSession`); calling again with the same
+        name goes on with the session.
+        """
+        if session is None:
+            for _, result in self.pairs(frames):
+                yield result
+            return
+        stream = self._sessions.get(session)
+        if stream is None:
+            stream = self._sessions[session] = StreamSession(self.client, session)
+        for _, result in stream.pairs(frames, self.inputs):
             yield result
 
     def pairs(self, frames: Iterable[T]) -> Iterator[tuple[T, Result]]:

@@ -1,4 +1,4 @@
-"""``IN.npz`` to requests and results to ``OUT.npz`` (DESIGN.md, command line contract).
+"""``IN.npz`` to requests and results to ``OUT.npz`` (docs/design.md, "Command line").
 
 ``IN.npz`` holds one array per model input with a leading request axis: request ``i``
 uses ``a[i]``, read by :mod:`tierflow.npz` exactly as ``plan --sample`` reads it

@@ -96,6 +96,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "'mean=M[,M,M];std=S[,S,S][;scale=255][;layout=NCHW|NHWC]' (default: unit)",
     )
     parser.add_argument("--window", type=int, default=16, help="frames in flight")
+    parser.add_argument(
+        "--session",
+        metavar="NAME",
+        help="the frames are one session's chunks of a stateful model, in order (its state "
+        "kept on the tier that owns it, replayed from the frames kept if that tier loses it)",
+    )
     add_deadline_argument(parser, "per-frame deadline, from sending to the answer")
     add_adaptation_arguments(parser)
     parser.add_argument(
@@ -115,6 +121,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _device(args: argparse.Namespace) -> int:
     from tierflow.device.app import Device
     from tierflow.device.client import DeviceClient
+    from tierflow.device.sessions import StreamSession
     from tierflow.device.sources import open_source, source_kind
 
     source_kind(args.source)  # a bad --source fails before the plan loads
@@ -149,10 +156,8 @@ def _device(args: argparse.Namespace) -> int:
         frames = open_source(args.source, watch=args.watch, stop=stop, poll_s=args.poll)
         print(f"tierflow device: reading {args.source}", file=sys.stderr, flush=True)
 
-        def answer() -> None:
+        def record(frame: Frame, result: Result) -> None:
             nonlocal count, failed
-            frame, ticket = in_flight.popleft()
-            result = ticket.result()
             _write(results, count, frame.source, result)
             if metrics is not None:
                 metrics.observe_result(result)
@@ -161,15 +166,25 @@ def _device(args: argparse.Namespace) -> int:
                 failed += 1
                 logger.warning("[device] %s failed: %s", frame.source, result.error)
 
-        for frame in _handed_over(frames, stop, args.window):
-            if frame is not None:
-                while len(in_flight) >= args.window:
+        def answer() -> None:
+            frame, ticket = in_flight.popleft()
+            record(frame, ticket.result())
+
+        if args.session:  # one session's chunks, in order, replayed if a tier loses them
+            readable = (f for f in _handed_over(frames, stop, args.window) if f is not None)
+            session = StreamSession(device.client, args.session)
+            for frame, result in session.pairs(readable, device.inputs):
+                record(frame, result)
+        else:
+            for item in _handed_over(frames, stop, args.window):
+                if item is not None:
+                    while len(in_flight) >= args.window:
+                        answer()
+                    in_flight.append((item, device.submit(item)))
+                while in_flight and in_flight[0][1].done():
                     answer()
-                in_flight.append((frame, device.submit(frame)))
-            while in_flight and in_flight[0][1].done():
+            while in_flight:
                 answer()
-        while in_flight:
-            answer()
     ended = "stopped" if stop.is_set() else "source ended"
     print(f"tierflow device: {ended}; {count} results, {failed} failed", file=sys.stderr)
     return 1 if failed else 0

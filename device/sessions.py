@@ -93,8 +93,17 @@ class StreamSession:
         for item in items:
             while len(in_flight) >= window:
                 yield self._settle(in_flight)
+            try:
+                inputs = prepare(item)
+            except TierflowError as exc:  # a frame that cannot be read takes no position
+                while in_flight:
+                    yield self._settle(in_flight)
+                started = time.perf_counter()
+                failed = Result("unread", error=exc, ms={"total": 0.0, "device": 0.0})
+                yield item, Ticket(failed.id, started, 0.0, result=failed).result()
+                continue
             position, self._next = self._next, self._next + 1
-            in_flight.append((item, position, self._send(prepare(item), position)))
+            in_flight.append((item, position, self._send(inputs, position)))
             while in_flight and in_flight[0][2].done():
                 yield self._settle(in_flight)
         while in_flight:

@@ -225,7 +225,7 @@ def register(subparsers: Any) -> None:
         type=int,
         metavar="P",
         help="decoders: the prompt length whose prefill is priced (at most --context) "
-        f"(default: {DecoderDefaults.prompt_tokens})",
+        f"(default: {DecoderDefaults.prompt_tokens}, or --context if shorter)",
     )
     slowdown = plan.add_argument(
         "--slowdown",
@@ -422,12 +422,14 @@ def parse_decoder_settings(args: argparse.Namespace) -> Any:
     """``--context``, ``--max-tokens``, ``--prompt-tokens`` as one checked value."""
     from tierflow.partitioner.decoder_points import DecoderSettings
 
+    context = DecoderDefaults.context if args.context is None else args.context
+    prompt = args.prompt_tokens
+    if prompt is None:  # the default prompt, shortened to a short context
+        prompt = min(DecoderDefaults.prompt_tokens, max(context, 1))
     return DecoderSettings(
-        context=DecoderDefaults.context if args.context is None else args.context,
+        context=context,
         max_tokens=DecoderDefaults.max_tokens if args.max_tokens is None else args.max_tokens,
-        prompt_tokens=(
-            DecoderDefaults.prompt_tokens if args.prompt_tokens is None else args.prompt_tokens
-        ),
+        prompt_tokens=prompt,
     )
 
 

@@ -3,7 +3,7 @@
 A plan is a pair of cut indices ``a <= b``: the device runs units ``[0, a)``, the edge
 ``[a, b)``, the cloud ``[b, last)`` (``last`` = the index of the output cut); any tier
 may be empty. Given the three tiers' profiles, the two links and the memory budgets,
-the model predicts (DESIGN.md, "Cost model"):
+the model predicts (docs/design.md, "Cost model"):
 
     latency = Σ_tiers compute(segment on tier)
             + Σ_links used [ encode + bytes_after_codec / rate + RTT/2 + decode

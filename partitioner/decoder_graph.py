@@ -9,7 +9,6 @@ the second with the first one's cuts, and keeps the model as shipped (``source``
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -192,8 +191,8 @@ def split_decoder(graph: DecoderGraph, cut_indices: Sequence[int]) -> list[Segme
 
 
 def _extractor(graph: DecoderGraph) -> SegmentExtractor:
-    """An extractor over the shipped model whose only value infos are the cut tensors'."""
-    model = copy.deepcopy(graph.source)
+    """An extractor over the shipped model that declares the cut tensors where they cross."""
+    model = graph.source
     declared = {v.name for v in (*model.graph.input, *model.graph.output)}
     crossing = {name for cut in graph.prefill.cuts for name in cut.tensors if name not in declared}
     shapes = {
@@ -204,6 +203,6 @@ def _extractor(graph: DecoderGraph) -> SegmentExtractor:
         )
         for name in crossing
     }
-    del model.graph.value_info[:]
-    model.graph.value_info.extend(crossing_infos(shapes, *graph.points).values())
-    return SegmentExtractor(model)
+    # The model's own value infos stay as they are; the cut tensors' (symbolic) types and
+    # shapes are declared only where a segment takes or makes them.
+    return SegmentExtractor(model, boundary=crossing_infos(shapes, *graph.points))

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import onnx
 import onnx.helper
@@ -26,7 +26,12 @@ class SegmentExtractor:
     initializers come along. Building it indexes every node and tensor once.
     """
 
-    def __init__(self, model: onnx.ModelProto) -> None:
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        *,
+        boundary: Mapping[str, onnx.ValueInfoProto] | None = None,
+    ) -> None:
         graph = model.graph
         if graph.sparse_initializer or graph.quantization_annotation:
             raise ModelError(
@@ -37,12 +42,18 @@ class SegmentExtractor:
         self.values = {v.name: v for v in (*graph.value_info, *graph.input, *graph.output)}
         self.producer = {name: i for i, n in enumerate(graph.node) for name in n.output if name}
         self.uses = [node_uses(node) for node in graph.node]
+        # Types and shapes a segment declares for a tensor only where it is one of the
+        # segment's inputs or outputs (a decoder's cut tensors, symbolic: [Note: decoder
+        # analysis points]); inside a segment the model's own declarations stand, so ONNX
+        # Runtime optimises the segment's nodes as it does the model's.
+        self.boundary = dict(boundary or {})
 
     def _values(self, names: Sequence[str]) -> list[onnx.ValueInfoProto]:
-        missing = [name for name in names if name not in self.values]
+        known = {**self.values, **self.boundary}
+        missing = [name for name in names if name not in known]
         if missing:
             raise ModelError(f"tensors {missing} have no recorded type and shape")
-        return [self.values[name] for name in names]
+        return [known[name] for name in names]
 
     def _functions(self, nodes: Sequence[onnx.NodeProto]) -> list[onnx.FunctionProto]:
         """The model-local functions the nodes call, directly or through other functions."""

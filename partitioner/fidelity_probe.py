@@ -126,7 +126,8 @@ class FidelityProbe:
         self.level = level
         self.images = dict(images or {})
         self.last = len(graph.cuts) - 1
-        self.outputs = tuple(o.name for o in graph.outputs)
+        # What a request is answered with; a state output stays on its tier.
+        self.outputs = tuple(o.name for o in graph.answered_outputs)
         self._sessions: dict[tuple[int, int], Any] = {}
         self._reference: dict[int, Request] = {}
         self._prefix: dict[tuple[int, int], Request] = {}
@@ -190,14 +191,16 @@ class FidelityProbe:
         if not 0 <= a <= b <= self.last:
             raise PlanError(f"cuts must satisfy 0 <= a <= b <= {self.last}, got {cuts}")
         current = self._device(a, index)
+        # Each tier feeds its segment's state from its own store: here, from the request.
+        state = {s.input: self.requests[index][s.input] for s in self.graph.state}
         if a < self.last:
             current = crossed_with(current, codec.get("device-edge", "raw"), self.images)
             if a < b:
-                current = self._segment(a, b, current)
+                current = self._segment(a, b, {**current, **state})
             if b < self.last:
                 if a < b:
                     current = crossed_with(current, codec.get("edge-cloud", "raw"), self.images)
-                current = self._segment(b, self.last, current)
+                current = self._segment(b, self.last, {**current, **state})
         return {name: current[name] for name in self.outputs}
 
     def measure(

@@ -14,6 +14,23 @@ from typing import Any
 
 import pytest
 
+from . import layers
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    layers.install()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    """A fast test's fixtures may not start things either. See tests/layers.py."""
+    return (yield from layers.guarded(item, "setup"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    return (yield from layers.guarded(item, "the test"))
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:

@@ -12,6 +12,10 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTE = re.compile(r"\[Note: ([^\]]+)\]")
 # Other spellings that crept in before: Note [name], (Note: ...), See Note ...

@@ -1,7 +1,7 @@
 """Reading ``IN.npz`` into requests: the one reader ``plan --sample`` and ``run`` share.
 
-``IN.npz`` holds one array per model input with a leading request axis (DESIGN.md,
-command line contract); a calibration file may add a ``labels`` array. Planning and
+``IN.npz`` holds one array per model input with a leading request axis (docs/design.md,
+"Command line"); a calibration file may add a ``labels`` array. Planning and
 running read it with these functions, so a file that plans also runs, row for row.
 
 [Note: request rows]

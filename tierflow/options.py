@@ -39,8 +39,8 @@ from tierflow.units import format_duration, format_size, parse_duration, parse_s
 DEFAULT_MAX_IN_FLIGHT = 1024
 #: Seconds a reply may wait for its client to read before the stream is cancelled.
 DEFAULT_REPLY_TIMEOUT_S = 5.0
-#: Seconds a stream with nothing in flight stays open without a message ([Note: stream
-#: admission] in tierflow/runtime/admission.py).
+#: Seconds a stream with nothing in flight stays open without a message (see
+#: [Note: stream admission] in tierflow/runtime/admission.py).
 DEFAULT_STREAM_IDLE_S = 60.0
 #: Seconds a tier keeps a session's state without a request (see
 #: [Note: session state on a tier] in tierflow/runtime/state.py).

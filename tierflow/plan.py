@@ -1,7 +1,7 @@
 """The plan directory: ``plan.json`` plus one ONNX file per segment.
 
 This is a contract other tools read (the runtimes, the benchmarks, users' scripts); see
-DESIGN.md, "Plan directory contract". Reading a plan validates it completely, so the
+docs/design.md, "Plan directory". Reading a plan validates it completely, so the
 runtimes can trust what they get. Reading needs no onnx and no torch.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from tierflow.codec.base import CodecSpec, ImageNorm
-from tierflow.errors import PlanError, UsageError
+from tierflow.errors import PlanError, TierflowError, UsageError
 from tierflow.link.spec import LINKS, TIERS, LinkSpec
 from tierflow.state_spec import DecoderSpec, StateSpec
 
@@ -693,20 +693,15 @@ def with_tensors(plan: Plan, directory: Path) -> Plan:
     """
     if plan.tensors or not all((directory / s.file).is_file() for s in plan.segments):
         return plan
-    import onnxruntime as ort
-
+    from tierflow.runtime.sessions import open_session
     from tierflow.state_pairs import ort_sig
 
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     found: dict[str, TensorShape] = {}
     for spec in plan.segments:
         kept = set(spec.state_inputs) | set(spec.state_outputs)
         try:
-            session = ort.InferenceSession(
-                str(directory / spec.file), options, providers=["CPUExecutionProvider"]
-            )
-        except Exception:  # a file ONNX Runtime cannot load is reported when it is run
+            session = open_session(directory / spec.file, optimization="disabled")
+        except TierflowError:  # a file ONNX Runtime cannot load is reported when it is run
             return plan
         for arg in [*session.get_inputs(), *session.get_outputs()]:
             sig = ort_sig(arg)

@@ -27,11 +27,13 @@ and the same pieces fill OUT's wildcards in order: ``--state 'past.*=present.*'`
 pairs come first, and a given pair that does not match is an error naming what differs
 rather than a pair skipped.
 
-Shapes match when every axis agrees (equal sizes, or the same symbolic name) except at
-most one: that one must be symbolic in the input and differ in the output (``past`` in,
-``past + seq`` out): the axis the state *grows* along, a KV cache. With no axis
-differing the state keeps its shape, a recurrent state. An output whose shape is not
-declared grows along the input's one symbolic axis after the first, if it has one.
+Shapes match when every axis agrees (equal sizes, the same symbolic name, or an output
+dimension the exporter left unknown or named where the input has a size) except at most
+one: that one must be symbolic in the input and named otherwise in the output (``past``
+in, ``past + seq`` out): the axis the state *grows* along, a KV cache. With no such axis
+the state keeps its shape, a recurrent state. An output whose shape says nothing (no
+shape, or no dimension known) keeps the input's shape, except a ``past*`` input's, which
+grows along its one symbolic axis after the first.
 """
 
 from __future__ import annotations
@@ -84,25 +86,31 @@ def growing_axis(state_in: TensorSig, state_out: TensorSig) -> int | None:
         raise PairMismatch(f"dtypes differ ({state_in.dtype} in, {state_out.dtype} out)")
     if state_in.shape is None:
         raise PairMismatch(f"input {state_in.name!r} declares no shape")
-    if state_out.shape is None:
+    if state_out.shape is None or all(d is None for d in state_out.shape):
+        if state_out.shape is not None and len(state_out.shape) != len(state_in.shape):
+            raise PairMismatch(f"ranks differ ({state_in.shown()} in, {state_out.shown()} out)")
+        if not state_in.name.startswith("past"):
+            return None
         symbolic = [a for a, d in enumerate(state_in.shape) if a > 0 and not isinstance(d, int)]
         return symbolic[0] if len(symbolic) == 1 else None
     if len(state_in.shape) != len(state_out.shape):
         raise PairMismatch(f"ranks differ ({state_in.shown()} in, {state_out.shown()} out)")
-    differing = [
-        axis
-        for axis, (a, b) in enumerate(zip(state_in.shape, state_out.shape, strict=True))
-        if a != b
-    ]
-    if not differing:
-        return None
-    fixed = [a for a in differing if isinstance(state_in.shape[a], int)]
-    if len(differing) > 1 or fixed:
+    fixed, growing = [], []
+    for axis, (a, b) in enumerate(zip(state_in.shape, state_out.shape, strict=True)):
+        if a == b or b is None:
+            continue  # the same, or the output says nothing about it
+        if isinstance(a, int):
+            if isinstance(b, int):
+                fixed.append(axis)  # two sizes that differ
+            continue  # a size in, a symbol out: the exporter did not know it is the same
+        growing.append(axis)
+    if fixed or len(growing) > 1:
         raise PairMismatch(
-            f"shapes differ on axes {differing} ({state_in.shown()} in, {state_out.shown()} "
-            "out); a state may differ only along one symbolic axis, the one it grows along"
+            f"shapes differ on axes {sorted(fixed + growing)} ({state_in.shown()} in, "
+            f"{state_out.shown()} out); a state may differ only along one symbolic axis, "
+            "the one it grows along"
         )
-    return differing[0]
+    return growing[0] if growing else None
 
 
 def state_spec(state_in: TensorSig, state_out: TensorSig) -> StateSpec:

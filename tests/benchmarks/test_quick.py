@@ -79,6 +79,7 @@ def quick_run(
     return out, rows
 
 
+@pytest.mark.integration
 @quick
 def test_rows_cover_every_model_strategy_and_bandwidth(
     quick_run: tuple[Path, list[dict[str, Any]]],
@@ -108,6 +109,7 @@ def test_rows_cover_every_model_strategy_and_bandwidth(
         assert {r["strategy"] for r in rows if r["model"] == model} >= IMAGE_STRATEGIES
 
 
+@pytest.mark.integration
 @quick
 def test_every_row_has_a_measured_fidelity(
     quick_run: tuple[Path, list[dict[str, Any]]],
@@ -129,6 +131,7 @@ def test_every_row_has_a_measured_fidelity(
             assert row["fidelity"] == 1.0, row
 
 
+@pytest.mark.integration
 @quick
 def test_image_baselines_send_the_input_as_an_image(
     quick_run: tuple[Path, list[dict[str, Any]]],
@@ -156,6 +159,7 @@ def test_image_baselines_send_the_input_as_an_image(
             assert row["bit_exact"], row
 
 
+@pytest.mark.integration
 @quick
 def test_bottleneck_rows_are_folded_in(
     quick_run: tuple[Path, list[dict[str, Any]]],
@@ -172,6 +176,7 @@ def test_bottleneck_rows_are_folded_in(
             assert row["codec_used"]["device-edge"] == "jpeg:90"
 
 
+@pytest.mark.integration
 @quick
 def test_budget_rows_state_their_budget_and_held_out_fidelity(
     quick_run: tuple[Path, list[dict[str, Any]]],
@@ -189,6 +194,7 @@ def test_budget_rows_state_their_budget_and_held_out_fidelity(
         assert row["predicted_ms"] > 0
 
 
+@pytest.mark.integration
 @quick
 def test_verdict_and_goal_are_computed_and_printed(
     quick_run: tuple[Path, list[dict[str, Any]]],
@@ -202,6 +208,7 @@ def test_verdict_and_goal_are_computed_and_printed(
     assert "goal: a split plan" in text and "JPEG quality sweep" in text
 
 
+@pytest.mark.integration
 @quick
 def test_tierflow_rows_report_regret_against_the_best_measured_plan(
     quick_run: tuple[Path, list[dict[str, Any]]],
@@ -215,6 +222,7 @@ def test_tierflow_rows_report_regret_against_the_best_measured_plan(
         assert row["plans_compared"] > 1
 
 
+@pytest.mark.integration
 @quick
 def test_no_strategy_beats_the_best_measured_plan(
     quick_run: tuple[Path, list[dict[str, Any]]],
@@ -238,6 +246,7 @@ def test_no_strategy_beats_the_best_measured_plan(
         assert row["p50_ms"] >= best * (1 - 1e-9), row
 
 
+@pytest.mark.integration
 @quick
 def test_device_only_needs_no_link_and_cloud_only_does(
     quick_run: tuple[Path, list[dict[str, Any]]],
@@ -252,6 +261,7 @@ def test_device_only_needs_no_link_and_cloud_only_does(
             assert row["codec_used"] == {"device-edge": "raw", "edge-cloud": "raw"}
 
 
+@pytest.mark.integration
 @quick
 def test_cloud_only_gets_faster_with_bandwidth(
     quick_run: tuple[Path, list[dict[str, Any]]],
@@ -268,6 +278,7 @@ def test_cloud_only_gets_faster_with_bandwidth(
         assert latencies[0] > latencies[-1], (model, points)
 
 
+@pytest.mark.integration
 @quick
 def test_demo_exits_leave_early_and_keep_accuracy(
     quick_run: tuple[Path, list[dict[str, Any]]],
@@ -288,6 +299,7 @@ def test_demo_exits_leave_early_and_keep_accuracy(
         assert row["runtime_cache_hit_rate"] == pytest.approx(row["cache_hit_rate"], abs=0.1)
 
 
+@pytest.mark.integration
 @quick
 def test_report_and_plots_are_written(quick_run: tuple[Path, list[dict[str, Any]]]) -> None:
     out, _ = quick_run

@@ -93,6 +93,7 @@ def test_build_cache_makes_working_caches() -> None:
         assert cache.stats().budget_bytes == 1 << 20
 
 
+@pytest.mark.integration
 def test_build_cache_reaches_redis(redis_url: str) -> None:
     cache = build_server_cache(parse_cache_spec(f"{redis_url}?budget=1MiB&namespace=config-test"))
     assert isinstance(cache, RedisCache) and cache.stats().budget_bytes == 1 << 20

@@ -74,6 +74,7 @@ def test_answers_round_trip_bit_for_bit_without_pickle() -> None:
         encode_answer(CacheAnswer({"o": np.array(["text"], dtype=object)}))
 
 
+@pytest.mark.integration
 def test_two_replicas_share_entries(replicas: tuple[RedisCache, RedisCache]) -> None:
     first, second = replicas
     feats = features(1)
@@ -89,6 +90,7 @@ def test_two_replicas_share_entries(replicas: tuple[RedisCache, RedisCache]) -> 
     assert first.stats().entries == second.stats().entries == 1
 
 
+@pytest.mark.integration
 def test_namespaces_do_not_share(redis_url: str, replicas: tuple[RedisCache, RedisCache]) -> None:
     first, _ = replicas
     other = RedisCache(redis_url, 1 << 20, namespace=f"{first.namespace}-other")
@@ -107,6 +109,7 @@ def stored_bytes(client: Any, cache: RedisCache) -> int:
     )
 
 
+@pytest.mark.integration
 def test_budget_holds_across_replicas_with_lru_eviction(redis_url: str, namespace: str) -> None:
     budget = 6000
     first = RedisCache(redis_url, budget, namespace=namespace)
@@ -132,6 +135,7 @@ def test_budget_holds_across_replicas_with_lru_eviction(redis_url: str, namespac
         client.close()
 
 
+@pytest.mark.integration
 def test_concurrent_replicas_never_exceed_the_budget(redis_url: str, namespace: str) -> None:
     budget = 20_000
     caches = [RedisCache(redis_url, budget, namespace=namespace) for _ in range(4)]
@@ -159,6 +163,7 @@ def test_concurrent_replicas_never_exceed_the_budget(redis_url: str, namespace: 
     caches[0].clear()
 
 
+@pytest.mark.integration
 def test_ttl_is_redis_expiry(redis_url: str, namespace: str) -> None:
     cache = RedisCache(redis_url, 1 << 20, ttl_s=0.15, namespace=namespace)
     feats = features(3)
@@ -173,6 +178,7 @@ def test_ttl_is_redis_expiry(redis_url: str, namespace: str) -> None:
     cache.clear()
 
 
+@pytest.mark.integration
 def test_a_cloud_starts_without_redis_and_uses_it_once_it_answers(
     redis_servers: Any, namespace: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -204,6 +210,7 @@ def test_a_cloud_starts_without_redis_and_uses_it_once_it_answers(
         RedisCache("http://not-redis", 1 << 20)
 
 
+@pytest.mark.integration
 def test_a_stalled_redis_is_a_miss_not_a_failure(
     redis_url: str, namespace: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -227,6 +234,7 @@ def test_a_stalled_redis_is_a_miss_not_a_failure(
     admin.close()
 
 
+@pytest.mark.integration
 def test_a_stopped_redis_costs_one_timeout_per_cool_down(redis_servers: Any) -> None:
     """SIGSTOP the server: lookups stay fast (the breaker), and resume after SIGCONT."""
     process, url = redis_servers()
@@ -255,6 +263,7 @@ def test_a_stopped_redis_costs_one_timeout_per_cool_down(redis_servers: Any) -> 
     cache.close()
 
 
+@pytest.mark.integration
 def test_entries_without_the_key_or_changed_are_rejected(redis_url: str, namespace: str) -> None:
     key_bytes = b"k" * 32
     signed = RedisCache(redis_url, 1 << 20, namespace=namespace, hmac_key=key_bytes)
@@ -291,6 +300,7 @@ def test_entries_without_the_key_or_changed_are_rejected(redis_url: str, namespa
         client.close()
 
 
+@pytest.mark.integration
 def test_password_and_tls_urls(redis_servers: Any, tls_files: dict[str, Any]) -> None:
     import socket
 
@@ -326,6 +336,7 @@ def test_password_and_tls_urls(redis_servers: Any, tls_files: dict[str, Any]) ->
     wrong.close()
 
 
+@pytest.mark.integration
 @settings(max_examples=15, deadline=None)
 @given(
     budget=st.integers(1000, 6000),

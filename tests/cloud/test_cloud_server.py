@@ -7,6 +7,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import onnx
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnx import TensorProto, helper, numpy_helper
 
@@ -15,6 +16,8 @@ from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
 from tierflow.plan import Plan, SegmentSpec, save_plan
 from tierflow.runtime.segment_runner import SegmentRunner
+
+pytestmark = pytest.mark.integration
 
 
 def _cloud_only_plan(directory: Path) -> Path:

@@ -20,7 +20,7 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan
 from tierflow.runtime.sessions import open_session
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _full_model_top1(model_path: Path, images: np.ndarray) -> np.ndarray:

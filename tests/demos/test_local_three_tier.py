@@ -24,6 +24,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "demos" / "local-three-tier.sh"
 PLAIN_PATH = "/usr/bin:/bin"
 
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash"),
 ]

@@ -86,6 +86,7 @@ def test_a_split_plan_needs_the_edge_address(tmp_path: Path) -> None:
         DeviceClient(plan_dir)
 
 
+@pytest.mark.integration
 def test_an_unreachable_edge_is_a_transport_error_at_once(tmp_path: Path) -> None:
     plan_dir = _chain_plan(tmp_path / "plan", ["device", "cloud"])
     with DeviceClient(plan_dir, "127.0.0.1:1", deadline_s=20) as device:
@@ -107,6 +108,7 @@ class _SilentTier(tier_pb2_grpc.TierServicer):
         yield from ()
 
 
+@pytest.mark.integration
 def test_requests_to_a_silent_edge_fail_at_their_deadline(tmp_path: Path) -> None:
     plan_dir = _chain_plan(tmp_path / "plan", ["device", "edge"])
     server = grpc.server(ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
@@ -173,6 +175,7 @@ def test_tierflow_run_on_a_device_only_plan(
     assert len(lines) == 4 and '"answered_by": "device"' in lines[0]
 
 
+@pytest.mark.integration
 def test_requests_queued_behind_a_backlog_are_answered_on_the_device(tmp_path: Path) -> None:
     """[Note: a backlog on the link]: at 2 kbit/s each upload waits behind the last one,
     so the device answers alone until the link has drained, then goes back to the edge."""

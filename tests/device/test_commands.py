@@ -65,6 +65,7 @@ def test_the_device_hands_the_retry_interval_to_its_client(tmp_path: Path) -> No
         assert device.client.retry_s == 2.5 and device.client.prober is None
 
 
+@pytest.mark.integration
 def test_a_device_keeps_its_plan_when_its_client_is_not_adaptive(tmp_path: Path) -> None:
     first, second = _matmul_segments(tmp_path)
     with_edge = _plan((first, SegmentSpec("edge", second.file, second.inputs, second.outputs)))

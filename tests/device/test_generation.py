@@ -216,3 +216,25 @@ def test_with_the_tiers_gone_the_draft_goes_on_alone_marked(models: dict[str, Pa
     kept = report.tokens[: report.draft_only[0]]
     assert kept == reference(models, 20)[: len(kept)]
     assert np.all(np.asarray(report.tokens) < 32)
+
+
+def test_a_prompt_through_a_hugging_face_tokenizer(
+    models: dict[str, Path], tiers: Any, tmp_path: Path, capsys: Any
+) -> None:
+    """--tokenizer tokenizer.json: the prompt encoded, the tokens decoded as they come."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tokenizer_models
+
+    words = [f"w{i}" for i in range(32)]
+    tokenizer = Tokenizer(tokenizer_models.WordLevel({w: i for i, w in enumerate(words)}, "w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    _, edge = tiers
+    code = main(["generate", "--plan", str(models["plan"]), "--edge", edge.address,
+                 "--prompt", "w1 w2 w3 w4 w5", "--tokenizer", str(tmp_path / "tokenizer.json"),
+                 "--max-tokens", "6", "--json"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    line = json.loads(out.strip().splitlines()[-1])
+    assert line["prompt"] == PROMPT and line["tokens"] == reference(models, 6)
+    assert line["text"] == " ".join(f"w{t}" for t in line["tokens"])

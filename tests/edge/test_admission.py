@@ -24,6 +24,8 @@ from tierflow.runtime.segment_runner import TierRunner
 from tierflow.transport.stream_client import StreamClient
 from tierflow.transport.wire import decode_tensors, grpc_options, put_tensors
 
+pytestmark = pytest.mark.integration
+
 
 def _device_request(plan_dir: Path, feeds: dict[str, np.ndarray]) -> tier_pb2.Request:
     """What a device sends the edge for ``feeds``: the device segment run here."""

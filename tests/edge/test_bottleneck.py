@@ -15,6 +15,8 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.runtime.segment_runner import SegmentRunner
 
+pytestmark = pytest.mark.integration
+
 pytest.importorskip("torch")
 
 

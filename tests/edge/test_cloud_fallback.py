@@ -60,6 +60,7 @@ def _until_cloud(device: DeviceClient, feeds: dict[str, np.ndarray]) -> Result:
     raise AssertionError(f"the cloud did not answer again: {result.to_dict()}")
 
 
+@pytest.mark.integration
 def test_killing_the_cloud_mid_stream_turns_the_rest_into_device_answers(
     tmp_path: Path, rt: Any
 ) -> None:
@@ -97,6 +98,7 @@ def test_killing_the_cloud_mid_stream_turns_the_rest_into_device_answers(
     np.testing.assert_array_equal(back.outputs["y"], split.reference(samples[0])["y"])
 
 
+@pytest.mark.integration
 def test_with_an_exit_on_the_edge_the_edge_answers_from_it(tmp_path: Path, rt: Any) -> None:
     # Threshold 1: the exit is never confident enough, so normally the cloud answers.
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"}, 1.0)
@@ -132,6 +134,7 @@ def test_with_an_exit_on_the_edge_the_edge_answers_from_it(tmp_path: Path, rt: A
     assert not back.fallback and back.exit is None
 
 
+@pytest.mark.integration
 def test_a_device_edge_plan_takes_over_while_the_cloud_is_gone(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     model = load_plan(split.plan_dir)
@@ -167,6 +170,7 @@ def test_a_device_edge_plan_takes_over_while_the_cloud_is_gone(tmp_path: Path, r
     assert not back.fallback and back.plan == normal.plan_id
 
 
+@pytest.mark.integration
 def test_without_a_plan_that_skips_the_cloud_requests_fail_typed(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     cloud = CloudServer(split.plan_dir, "127.0.0.1:0", options=OPTIONS)

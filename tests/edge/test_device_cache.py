@@ -9,9 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from tierflow.cache.config import build_cache, parse_cache_spec
 from tierflow.device.client import DeviceClient
+
+pytestmark = pytest.mark.integration
 
 
 def test_exact_repeats_are_answered_on_the_device(tmp_path: Path, rt: Any) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from tierflow.device.client import DeviceClient
 from tierflow.edge.server import EdgeServer
@@ -19,6 +20,8 @@ from tierflow.errors import TransportError
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan, save_plan_set
 from tierflow.runtime.sessions import open_session
+
+pytestmark = pytest.mark.integration
 
 
 def _with_device_only_plan(split: Any) -> Plan:

@@ -83,6 +83,7 @@ def test_plan_normalisation_wins_over_the_default(rt: Any, tmp_path: Path) -> No
         plan_preprocess(plan, split.plan_dir, "mean=1")
 
 
+@pytest.mark.integration
 def test_device_command_from_a_folder_is_bit_exact(rt: Any, tmp_path: Path) -> None:
     split = rt.cnn(tmp_path / "plan")
     paths = _pictures(tmp_path / "frames", 6)
@@ -124,6 +125,7 @@ def test_device_command_from_a_folder_is_bit_exact(rt: Any, tmp_path: Path) -> N
         )
 
 
+@pytest.mark.integration
 def test_device_watch_takes_new_files_and_stops_on_sigterm(rt: Any, tmp_path: Path) -> None:
     """A config file, --watch, metrics scraped while it runs, SIGTERM ends it cleanly."""
     prometheus = pytest.importorskip("prometheus_client.parser")
@@ -200,6 +202,7 @@ def _wait_for_lines(path: Path, count: int, process: subprocess.Popen[str]) -> N
     raise AssertionError(f"{path} did not reach {count} lines")
 
 
+@pytest.mark.integration
 def test_device_api_infer_and_stream(rt: Any, tmp_path: Path) -> None:
     split = rt.cnn(tmp_path / "plan")
     paths = _pictures(tmp_path / "frames", 4, seed=4)
@@ -231,6 +234,7 @@ def test_device_api_infer_and_stream(rt: Any, tmp_path: Path) -> None:
         device.infer(broken)
 
 
+@pytest.mark.integration
 def test_device_command_reads_npy_arrays_on_stdin(
     rt: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -254,6 +258,7 @@ def test_device_command_reads_npy_arrays_on_stdin(
         np.testing.assert_array_equal(np.array(line["outputs"]["y"], np.float32), expected)
 
 
+@pytest.mark.integration
 def test_device_command_says_what_is_wrong_in_one_line(
     rt: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -27,6 +27,8 @@ from tierflow.partitioner.planner import PlanOptions, make_plan
 from tierflow.partitioner.profile import profile_model
 from tierflow.runtime.sessions import open_session
 
+pytestmark = pytest.mark.integration
+
 WIDTH = 1024
 LINKS = {"device-edge": LinkSpec.parse("1mbit,1ms"), "edge-cloud": LinkSpec.parse("1mbit,1ms")}
 

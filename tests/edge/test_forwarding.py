@@ -34,6 +34,8 @@ from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.sessions import open_session
 from tierflow.transport.wire import grpc_options, to_proto
 
+pytestmark = pytest.mark.integration
+
 UNIT = ImageNorm(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
 
 

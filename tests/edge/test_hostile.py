@@ -24,6 +24,8 @@ from tierflow.runtime.service import TierService
 from tierflow.transport.stream_client import StreamClient
 from tierflow.transport.wire import encode_tensors, grpc_options, put_tensors
 
+pytestmark = pytest.mark.integration
+
 
 def _code(reply: tier_pb2.Reply) -> str:
     assert reply.HasField("error"), reply

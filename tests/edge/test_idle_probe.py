@@ -57,6 +57,7 @@ def test_probe_sizes_are_bounded() -> None:
     assert probe_size(1e12) == MAX_PROBE_BYTES
 
 
+@pytest.mark.integration
 def test_an_idle_device_learns_a_rate_drop_from_probes_and_a_busy_one_never_probes(
     tmp_path: Path, rt: Any
 ) -> None:
@@ -98,6 +99,7 @@ def test_probes_back_off_while_the_link_stays_idle() -> None:
         assert [prober.interval(n) for n in range(7)] == [1, 2, 4, 8, 16, 30, 30]
 
 
+@pytest.mark.integration
 def test_a_device_answering_alone_keeps_probing_and_sees_the_link_recover(
     tmp_path: Path, rt: Any
 ) -> None:

@@ -33,6 +33,8 @@ from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.sessions import open_session
 from tierflow.transport.wire import grpc_options, to_proto
 
+pytestmark = pytest.mark.integration
+
 SIDE = 32
 IMAGENET = ImageNorm(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
 LINKS = {"device-edge": LinkSpec.parse("2mbit,1ms"), "edge-cloud": LinkSpec.parse("2mbit,1ms")}

@@ -10,11 +10,15 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tierflow.device.client import DeviceClient, Result
 from tierflow.edge.server import EdgeServer
 from tierflow.errors import TransportError
 from tierflow.link.spec import LINKS, LinkSpec
 from tierflow.options import RuntimeOptions
+
+pytestmark = pytest.mark.integration
 
 RATE_BPS = 5e6
 

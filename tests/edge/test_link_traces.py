@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.integration
 
 
 def test_a_trace_that_steps_the_rate_mid_stream_changes_transfer_time(

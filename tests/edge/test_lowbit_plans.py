@@ -41,6 +41,8 @@ from tierflow.partitioner.planner import PlanOptions, make_plan, rank, write_pla
 from tierflow.partitioner.profile import Profile, capture_features, profile_model
 from tierflow.runtime.sessions import open_session
 
+pytestmark = pytest.mark.integration
+
 SLOW = {"device-edge": LinkSpec.parse("1mbit,5ms"), "edge-cloud": LinkSpec.parse("1mbit,5ms")}
 FAST = {"device-edge": LinkSpec.parse("1gbit,1ms"), "edge-cloud": LinkSpec.parse("1gbit,1ms")}
 BUDGET = FidelityBudget.parse("top1=97%")

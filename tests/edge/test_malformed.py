@@ -19,6 +19,8 @@ from tierflow.runtime.server import TierServer
 from tierflow.runtime.service import TierService
 from tierflow.transport.wire import encode_tensors, grpc_options
 
+pytestmark = pytest.mark.integration
+
 CLOUD_SEGMENT = 2  # the cnn's cloud segment reads h2: float32[1x8x8x8]
 
 

@@ -18,6 +18,8 @@ import pytest
 from tierflow.device.client import DeviceClient
 from tierflow.plan import load_plan
 
+pytestmark = pytest.mark.integration
+
 prometheus = pytest.importorskip("prometheus_client.parser")
 
 

@@ -21,6 +21,8 @@ from tierflow.partitioner.split import save_split_plan, split_model
 from tierflow.plan import Plan
 from tierflow.runtime.segment_runner import SegmentRunner
 
+pytestmark = pytest.mark.integration
+
 
 def _torch_resnet(path: Path) -> Path:
     """A narrow ResNet-18 from the model zoo, exported by torch (legacy exporter: fast)."""

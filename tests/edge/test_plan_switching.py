@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import onnx.utils
+import pytest
 
 from tierflow.link.spec import LinkSpec
 from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan_set
@@ -60,6 +61,7 @@ def _plan_set(split: Any) -> tuple[Plan, Plan]:
     return fast, slow
 
 
+@pytest.mark.integration
 def test_a_rate_drop_and_recovery_switches_plans_both_ways_losing_nothing(
     tmp_path: Path, rt: Any
 ) -> None:

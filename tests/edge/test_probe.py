@@ -18,6 +18,7 @@ from tierflow.edge.probe import ProbeResult, probe
 from tierflow.errors import TransportError
 
 
+@pytest.mark.integration
 def test_probe_measures_plausible_rtt_and_rate(tmp_path: Path, rt: Any, capsys: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
     with rt.tiers(split.plan_dir) as (edge, _, cloud):
@@ -90,6 +91,7 @@ def _throttled(target: str, rate_bps: float) -> Iterator[_ThrottledRelay]:
         relay.close()
 
 
+@pytest.mark.integration
 def test_probe_finds_the_rate_of_a_known_link(tmp_path: Path, rt: Any) -> None:
     truth = 10e6  # bits per second, each way
     split = rt.cnn(tmp_path / "plan")

@@ -20,7 +20,7 @@ import pytest
 from tierflow.device.client import DeviceClient, Result
 from tierflow.errors import RemoteError, TransportError
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _tierflow(*args: str) -> subprocess.CompletedProcess[str]:

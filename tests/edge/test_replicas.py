@@ -25,6 +25,8 @@ from tierflow.errors import RemoteError, TransportError, UsageError
 from tierflow.options import RuntimeOptions
 from tierflow.transport.security import Security
 
+pytestmark = pytest.mark.integration
+
 
 def _scrape_needs() -> Any:
     pytest.importorskip("redis")

@@ -15,6 +15,8 @@ import pytest
 from tierflow.device.client import DeviceClient
 from tierflow.runtime.service import TierService
 
+pytestmark = pytest.mark.integration
+
 
 def _run_exactly(rt: Any, tmp_path: Path) -> set[str]:
     """Run a pipelined batch; check every answer bit for bit; return the new threads' names."""

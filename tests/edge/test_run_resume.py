@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from tierflow.cli.main import main
 from tierflow.device.progress import PartialWriter, partial_path, read_partial
@@ -23,6 +24,7 @@ def _records(path: Path) -> int:
     return len(read_partial(path)) if path.exists() else 0
 
 
+@pytest.mark.integration
 def test_a_killed_run_keeps_its_answers_and_resume_finishes_it(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
     count = 30
@@ -79,6 +81,7 @@ def test_resume_needs_a_stopped_run(tmp_path: Path, rt: Any) -> None:
     assert main(command) == 2
 
 
+@pytest.mark.integration
 def test_every_request_failing_still_writes_the_outputs(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
     np.savez(tmp_path / "in.npz", x=np.zeros((3, 3, 8, 8), np.float32))

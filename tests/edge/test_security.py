@@ -45,6 +45,7 @@ def first_result(plan_dir: Path, edge: str, security: Security | None, feeds: An
         return client.submit(feeds).result()
 
 
+@pytest.mark.integration
 def test_mutual_tls_serves_only_clients_with_a_certificate_of_its_ca(
     tmp_path: Path, rt: Any, tls_files: dict[str, Path]
 ) -> None:
@@ -96,6 +97,7 @@ def test_mutual_tls_serves_only_clients_with_a_certificate_of_its_ca(
             channel.close()
 
 
+@pytest.mark.integration
 def test_a_token_is_required_on_every_call_but_health(
     tmp_path: Path, rt: Any, tls_files: dict[str, Path]
 ) -> None:
@@ -136,6 +138,7 @@ def test_security_settings_are_checked(tmp_path: Path, tls_files: dict[str, Path
     assert Security.from_dict(settings.to_dict()) == settings
 
 
+@pytest.mark.integration
 def test_plaintext_beyond_loopback_needs_insecure(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
     cloud = CloudServer(split.plan_dir, "0.0.0.0:0")
@@ -148,6 +151,7 @@ def test_plaintext_beyond_loopback_needs_insecure(tmp_path: Path, rt: Any) -> No
     cloud.stop(0)
 
 
+@pytest.mark.integration
 def test_a_probe_is_sent_no_more_than_it_sends(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
     cloud = CloudServer(split.plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=1))
@@ -170,6 +174,7 @@ def test_a_probe_is_sent_no_more_than_it_sends(tmp_path: Path, rt: Any) -> None:
         cloud.stop(0)
 
 
+@pytest.mark.integration
 def test_many_probe_streams_from_one_peer_share_one_allowance(tmp_path: Path, rt: Any) -> None:
     """200 streams on one connection, each asking 64 KiB and sending nothing, used to get
     13 MB back for 17 KB sent (issue 20, item 11): the allowance is per peer, not stream."""
@@ -193,6 +198,7 @@ def test_many_probe_streams_from_one_peer_share_one_allowance(tmp_path: Path, rt
         cloud.stop(0)
 
 
+@pytest.mark.integration
 def test_a_second_server_on_a_port_in_use_fails_with_one_line(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
     cloud = CloudServer(split.plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=1))
@@ -212,6 +218,7 @@ def test_a_second_server_on_a_port_in_use_fails_with_one_line(tmp_path: Path, rt
         cloud.stop(0)
 
 
+@pytest.mark.integration
 def test_the_command_line_serves_and_probes_over_mutual_tls(
     tmp_path: Path, rt: Any, tls_files: dict[str, Path], capsys: Any
 ) -> None:

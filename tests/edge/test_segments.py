@@ -34,6 +34,7 @@ from tierflow.plan import (
     SegmentSpec,
     load_plan,
     load_plan_set,
+    save_plan,
     save_plan_set,
 )
 from tierflow.runtime.segment_store import PART_SUFFIX, SegmentSource, SegmentStore
@@ -81,6 +82,7 @@ def test_plan_json_records_every_segments_sha256_and_size(tmp_path: Path, rt: An
         assert (spec.sha256, spec.size) == (_sha256(path), path.stat().st_size)
 
 
+@pytest.mark.integration
 def test_an_edge_with_only_plan_json_fetches_its_segment_and_answers_bit_exact(
     tmp_path: Path, rt: Any
 ) -> None:
@@ -102,6 +104,7 @@ def test_an_edge_with_only_plan_json_fetches_its_segment_and_answers_bit_exact(
         np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
 
 
+@pytest.mark.integration
 def test_a_device_with_only_plan_json_fetches_through_an_edge_that_lacks_it_too(
     tmp_path: Path, rt: Any
 ) -> None:
@@ -123,6 +126,7 @@ def test_a_device_with_only_plan_json_fetches_through_an_edge_that_lacks_it_too(
         np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
 
 
+@pytest.mark.integration
 def test_a_segment_whose_hash_is_wrong_is_refused_and_never_used(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
     plan = load_plan(split.plan_dir)
@@ -145,6 +149,7 @@ def test_a_segment_whose_hash_is_wrong_is_refused_and_never_used(tmp_path: Path,
     assert sorted(p.name for p in edge_dir.iterdir()) == [PLAN_FILE]  # nothing kept
 
 
+@pytest.mark.integration
 def test_a_tier_refuses_a_segment_its_plans_do_not_name_or_with_another_hash(
     tmp_path: Path, rt: Any
 ) -> None:
@@ -166,6 +171,7 @@ def test_a_tier_refuses_a_segment_its_plans_do_not_name_or_with_another_hash(
     assert list(tmp_path.glob("*.onnx*")) == []
 
 
+@pytest.mark.integration
 def test_an_interrupted_fetch_resumes_where_it_broke_off(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
     plan = load_plan(split.plan_dir)
@@ -203,6 +209,7 @@ def test_an_interrupted_fetch_resumes_where_it_broke_off(tmp_path: Path, rt: Any
     assert not (edge_dir / (spec.file + PART_SUFFIX)).exists()
 
 
+@pytest.mark.integration
 def test_a_part_left_by_a_stopped_tier_is_resumed(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
     plan = load_plan(split.plan_dir)
@@ -249,6 +256,7 @@ def _two_edge_plans(split: Any) -> tuple[Plan, Plan]:
     return first, second
 
 
+@pytest.mark.integration
 def test_a_budgeted_edge_stays_within_it_while_plans_alternate(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     first, second = _two_edge_plans(split)
@@ -285,6 +293,7 @@ def test_a_budgeted_edge_stays_within_it_while_plans_alternate(tmp_path: Path, r
     assert {r.plan for r in results} == {first.plan_id, second.plan_id}
 
 
+@pytest.mark.integration
 def test_a_segment_larger_than_the_budget_is_a_typed_error(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
     edge_dir = _bare(split.plan_dir, tmp_path / "edge")
@@ -321,6 +330,7 @@ def _wait_until(condition: Any, seconds: float = 10.0) -> bool:
     return False
 
 
+@pytest.mark.integration
 def test_the_device_fetches_its_fallback_plan_ahead_and_answers_alone_with_it(
     tmp_path: Path, rt: Any
 ) -> None:
@@ -342,6 +352,7 @@ def test_the_device_fetches_its_fallback_plan_ahead_and_answers_alone_with_it(
     assert _sha256(device_dir / alone.segments[0].file) == alone.segments[0].sha256
 
 
+@pytest.mark.integration
 def test_the_device_fetches_nothing_ahead_beyond_its_budget(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     alone = _with_device_only_plan(split)
@@ -363,6 +374,7 @@ def test_the_device_fetches_nothing_ahead_beyond_its_budget(tmp_path: Path, rt: 
         np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
 
 
+@pytest.mark.integration
 def test_serve_and_run_started_with_only_plan_json_answer_bit_exact(
     tmp_path: Path, rt: Any
 ) -> None:
@@ -388,6 +400,7 @@ def test_serve_and_run_started_with_only_plan_json_answer_bit_exact(
             np.testing.assert_array_equal(out["y"][i], split.reference(feeds)["y"][0])
 
 
+@pytest.mark.integration
 def test_segments_are_fetched_over_mutual_tls_with_the_token_and_only_with_them(
     tmp_path: Path, rt: Any, tls_files: dict[str, Path]
 ) -> None:
@@ -425,6 +438,7 @@ def test_segments_are_fetched_over_mutual_tls_with_the_token_and_only_with_them(
     assert not (tmp_path / plan.segments[0].file).exists()
 
 
+@pytest.mark.integration
 def test_the_least_recently_used_file_goes_first_but_never_a_held_one(
     tmp_path: Path, rt: Any
 ) -> None:
@@ -465,6 +479,7 @@ def test_the_least_recently_used_file_goes_first_but_never_a_held_one(
     assert sorted(p.name for p in edge_dir.iterdir()) == sorted([PLAN_FILE, *held])
 
 
+@pytest.mark.integration
 def test_a_device_whose_edge_is_gone_cannot_fetch_and_says_so(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
     device_dir = _bare(split.plan_dir, tmp_path / "device")
@@ -474,6 +489,7 @@ def test_a_device_whose_edge_is_gone_cannot_fetch_and_says_so(tmp_path: Path, rt
     assert sorted(p.name for p in device_dir.iterdir()) == [PLAN_FILE]
 
 
+@pytest.mark.integration
 def test_run_on_a_bare_plan_dir_where_the_device_runs_nothing_fetches_nothing(
     tmp_path: Path, rt: Any
 ) -> None:
@@ -501,6 +517,7 @@ def test_run_on_a_bare_plan_dir_where_the_device_runs_nothing_fetches_nothing(
             np.testing.assert_array_equal(out["y"][i], split.reference(feeds)["y"])
 
 
+@pytest.mark.integration
 def test_a_budgeted_device_fetches_again_what_a_switch_back_needs(
     tmp_path: Path, rt: Any, caplog: Any
 ) -> None:
@@ -551,3 +568,55 @@ def test_a_budgeted_device_fetches_again_what_a_switch_back_needs(
     with np.load(tmp_path / "out.npz") as out:
         for i, feeds in enumerate(samples):
             np.testing.assert_array_equal(out["y"][i], split.reference(feeds)["y"][0])
+
+
+@pytest.mark.integration
+def test_an_edge_whose_plan_needs_no_cloud_fetches_from_its_upstream(
+    tmp_path: Path, rt: Any
+) -> None:
+    """Issue 20, item 2: started from plan.json alone with --upstream, an edge fetches its
+    segments from the tier above whatever its plan (here device -> edge, no cloud)."""
+    split = rt.cnn(tmp_path / "cnn", {"device-edge": "raw", "edge-cloud": "raw"})
+    three = load_plan(split.plan_dir)
+    segments = tuple(
+        dataclasses.replace(spec, tier="edge") if spec.tier == "cloud" else spec
+        for spec in three.segments
+    )
+    full = tmp_path / "full"
+    full.mkdir()
+    for spec in segments:
+        shutil.copy(split.plan_dir / spec.file, full / spec.file)
+    save_plan(dataclasses.replace(three, segments=segments), full)
+    edge_dir = _bare(full, tmp_path / "edge")
+    samples = split.sample(seed=7, count=2)
+    with _cloud_and_edge(full, edge_dir) as (_cloud, edge):
+        with DeviceClient(full, edge.address, deadline_s=10.0) as device:
+            results = [device.infer(feeds) for feeds in samples]
+        store = edge.service.segments
+        assert store is not None
+        assert sorted(r.file for r in store.fetched) == sorted(s.file for s in segments[1:])
+    for feeds, result in zip(samples, results, strict=True):
+        assert result.answered_by == "edge"
+        np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
+
+
+@pytest.mark.integration
+def test_an_edge_whose_upstream_is_not_there_says_so_and_never_says_it_went_away(
+    tmp_path: Path, rt: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 20, item 9: a warning at start naming the address, and requests that needed
+    the cloud say it was never reached."""
+    split = rt.cnn(tmp_path / "plan")
+    nowhere = f"127.0.0.1:{rt.free_port()}"
+    edge = EdgeServer(split.plan_dir, upstream=nowhere)
+    with caplog.at_level("WARNING"):
+        edge.start()
+    try:
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any(nowhere in line and "does not answer" in line for line in warnings)
+        with DeviceClient(split.plan_dir, edge.address, deadline_s=5.0) as device:
+            result = device.submit(split.sample(0)[0]).result()
+        assert result.error is not None
+        assert "never reached" in str(result.error) and "went away" not in str(result.error)
+    finally:
+        edge.stop(0)

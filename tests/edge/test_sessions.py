@@ -3,6 +3,10 @@ loop bit for bit, a lost state is replayed, and sessions stay in order and apart
 
 from __future__ import annotations
 
+import io
+import json
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -213,3 +217,105 @@ def test_run_session_streams_in_npz_rows_as_one_session(
     assert code == 0, capsys.readouterr().err
     with np.load(tmp_path / "out.npz") as out:
         np.testing.assert_array_equal(out["out"], np.stack([e[0] for e in expected]))
+
+
+@pytest.mark.parametrize("tiers", [("edge", None)], indirect=True)
+def test_the_app_api_and_the_device_command_stream_a_session(
+    model: Path, tiers: Any, tmp_path: Path
+) -> None:
+    from tierflow.device.app import Device
+
+    plan_dir, _, edge = tiers
+    chunks, _ = chunks_and_state(6)
+    zeros = np.zeros((1, 8), np.float32)  # no state given: the tier starts from zeros
+    expected = local_loop(model, chunks, zeros)
+    with Device(DeviceClient(plan_dir, edge.address, window=4)) as device:
+        first = list(device.stream(chunks[:10], session="app"))
+        rest = list(device.stream(chunks[10:], session="app"))  # goes on where it ended
+    for result, want in zip(first + rest, expected, strict=True):
+        np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
+    # The same chunks as .npy arrays through a pipe into `tierflow device --session`.
+    stream = b"".join(_npy(chunk["audio"]) for chunk in chunks)
+    results = tmp_path / "r.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "tierflow.cli", "device", "--plan", str(plan_dir), "--edge",
+         edge.address, "--source", "-", "--session", "cmd", "--results", str(results)],
+        input=stream, capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(lines) == CHUNKS
+    for line, want in zip(lines, expected, strict=True):
+        assert np.asarray(line["outputs"]["out"], np.float32).tobytes() == want.tobytes()
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def test_the_published_vad_whose_graph_sits_in_one_if_plans_and_streams_exactly(
+    tmp_path: Path, capsys: Any
+) -> None:
+    """Silero VAD's silero_vad.onnx (issue 20, item 1): the whole network inside one If on
+    the sample rate, an LSTM state carried from chunk to chunk. It plans, serves, and a
+    session's answers equal the model run with its state fed back, bit for bit."""
+    from tierflow.zoo.real_stateful import chunks, vad_path
+
+    model = vad_path("if")
+    arrays = chunks(12)
+    np.savez(tmp_path / "vad.npz", **arrays)
+    code = main(["plan", str(model), "-o", str(tmp_path / "plan"), "--sample",
+                 str(tmp_path / "vad.npz"), "--memory", "device=1MiB"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    plan = load_plan(tmp_path / "plan")
+    assert plan.state_pairs == (("state", "stateN"),)
+    session = open_session(model)
+    state, expected = arrays["state"][0], []
+    for i in range(12):
+        feeds = {"input": arrays["input"][i], "state": state, "sr": np.array(arrays["sr"][i])}
+        out, state = session.run(["output", "stateN"], feeds)
+        expected.append(out)
+    options = RuntimeOptions(workers=2)
+    cloud = CloudServer(tmp_path / "plan", options=options)
+    cloud.start()
+    edge = EdgeServer(tmp_path / "plan", upstream=cloud.address, options=options)
+    edge.start()
+    try:
+        requests = [{k: np.asarray(arrays[k][i]) for k in ("input", "sr")} for i in range(12)]
+        initial = {"state": arrays["state"][0]}
+        with DeviceClient(tmp_path / "plan", edge.address, window=4) as client:
+            results = list(StreamSession(client, "vad", initial=initial).run(requests))
+    finally:
+        edge.stop(0)
+        cloud.stop(0)
+    for result, want in zip(results, expected, strict=True):
+        np.testing.assert_array_equal(result.unwrap().outputs["output"], want)
+
+
+def test_a_session_stays_on_one_replica_of_an_upstream_list(model: Path, tmp_path: Path) -> None:
+    plan_dir = plan_at(model, tmp_path / "plan", "cloud")
+    options = RuntimeOptions(workers=2)
+    replicas = [CloudServer(plan_dir, options=options) for _ in range(2)]
+    for replica in replicas:
+        replica.start()
+    targets = ",".join(r.address for r in replicas)
+    edge = EdgeServer(plan_dir, upstream=f"ipv4:{targets}", options=options)
+    edge.start()
+    try:
+        outcomes = {}
+        for name in ("a", "b", "c", "d"):
+            chunks, state = chunks_and_state(ord(name))
+            with DeviceClient(plan_dir, edge.address, window=4) as client:
+                session = StreamSession(client, name, initial={"state": state})
+                outcomes[name] = (list(session.run(chunks)), local_loop(model, chunks, state))
+        for name, (results, expected) in outcomes.items():
+            for result, want in zip(results, expected, strict=True):
+                np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
+            holders = [r for r in replicas if owner_of(r, edge).states.position(name)]
+            assert len(holders) == 1, name  # every request of the session on one replica
+    finally:
+        edge.stop(0)
+        for replica in replicas:
+            replica.stop(0)

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import pytest
 
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
@@ -47,6 +48,7 @@ class _Stream:
         self.outgoing.put(request)
 
 
+@pytest.mark.integration
 def test_sigterm_refuses_new_requests_at_once_and_drains_those_in_flight(
     tmp_path: Path, rt: Any
 ) -> None:
@@ -80,6 +82,7 @@ def test_sigterm_refuses_new_requests_at_once_and_drains_those_in_flight(
             channel.close()
 
 
+@pytest.mark.integration
 def test_sigterm_after_garbage_exits_within_grace_plus_one_second(tmp_path: Path, rt: Any) -> None:
     """Garbage from a client that went away, an idle stream, a request that never ends."""
     split = rt.cnn(tmp_path / "plan")
@@ -132,6 +135,7 @@ class _EndedStream:
         return False
 
 
+@pytest.mark.integration
 def test_drain_waits_for_a_reply_handed_to_the_stream_writer(tmp_path: Path, rt: Any) -> None:
     """A reply made by another thread is answered only once written, not once handed over."""
     split = rt.cnn(tmp_path / "plan")

@@ -9,8 +9,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tierflow.device.client import DeviceClient
 from tierflow.options import RuntimeOptions
+
+pytestmark = pytest.mark.integration
 
 SLOWDOWN = 20.0
 

@@ -28,6 +28,8 @@ from tierflow.runtime.segment_runner import TierRunner
 from tierflow.transport.stream_client import StreamClient
 from tierflow.transport.wire import decode_tensors, grpc_options, put_tensors
 
+pytestmark = pytest.mark.integration
+
 REPLY_TIMEOUT_S = 1.0
 
 

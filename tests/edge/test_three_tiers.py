@@ -14,6 +14,8 @@ from tierflow.device.client import DeviceClient
 from tierflow.link.spec import LinkSpec
 from tierflow.options import RuntimeOptions
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.parametrize("model", ["cnn", "residual"])
 @pytest.mark.parametrize("codec", ["raw", "zstd", "shuffle+zstd"])

@@ -213,6 +213,7 @@ def _vad_sample(path: Path, count: int = 3) -> Path:
     return path
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("exporter", _EXPORTERS)
 def test_a_whole_graph_inside_an_if_plans_and_chains_exactly(
     tmp_path: Path, capsys: Any, vad: Callable[..., Path], exporter: str
@@ -242,6 +243,7 @@ def test_a_whole_graph_inside_an_if_plans_and_chains_exactly(
                 assert verify_split(graph, segments, feeds, level="extended").bitwise_equal
 
 
+@pytest.mark.integration
 def test_a_tensor_the_if_reads_keeps_its_shipped_shape(vad: Callable[..., Path]) -> None:
     """A Mul before the If: its output is declared as the unfixed model infers it."""
     path = vad("torchscript", scale_input=True)

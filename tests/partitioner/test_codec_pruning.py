@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.codec.base import EXACT_PLANNER_CODECS, measure
@@ -90,6 +91,7 @@ def test_skipped_codecs_are_never_worth_choosing_and_the_rest_are_measured(
     assert math.isinf(stats[h]["drop+sparse+zstd"].encode_s_per_mb)  # no constant channel
 
 
+@pytest.mark.integration
 def test_a_codec_named_explicitly_is_measured_where_the_profile_skipped_it(
     tmp_path: Path,
 ) -> None:

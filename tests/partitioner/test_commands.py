@@ -14,6 +14,8 @@ from tierflow.plan import load_plan
 
 from .conftest import write_mlp
 
+pytestmark = pytest.mark.integration
+
 
 def _run(capsys: Any, *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))

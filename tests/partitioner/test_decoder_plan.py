@@ -126,9 +126,18 @@ def test_plan_writes_a_decoder_plan_that_generates_like_the_model(
     assert estimate["decoder"]["ttft_s"] > 0 and estimate["decoder"]["per_token_s"] > 0
     assert estimate["memory_bytes"]["device"] <= 8 * 1024
     # The written segment files, chained with their caches fed back, generate exactly what
-    # the unsplit model generates (the same ORT settings on both sides).
+    # the unsplit model generates (the same ORT settings on both sides, also the
+    # runtimes' default, "extended", since segments declare only their inputs' and
+    # outputs' shapes, as the model does).
+    for level in ("disabled", "extended"):
+        _generates_like_the_model(plan_dir, decoder_path, level)
+
+
+def _generates_like_the_model(plan_dir: Path, decoder_path: Path, level: str) -> None:
+    plan = load_plan(plan_dir)
+    assert plan.decoder is not None
     sessions = [
-        (spec, open_session(plan_dir / spec.file, threads=1, optimization="disabled"))
+        (spec, open_session(plan_dir / spec.file, threads=1, optimization=level))
         for spec in plan.segments
     ]
 
@@ -143,17 +152,19 @@ def test_plan_writes_a_decoder_plan_that_generates_like_the_model(
 
     prompt = [2, 7, 1, 8, 2, 8]
     split = greedy_generate(step, plan.decoder, plan.states, prompt, 10)
-    whole = reference_generate(decoder_path, prompt, 10, optimization="disabled", context=64)
+    whole = reference_generate(decoder_path, prompt, 10, optimization=level, context=64)
     assert split.tokens == whole.tokens
     assert all(a.tobytes() == b.tobytes() for a, b in zip(split.logits, whole.logits, strict=True))
 
 
 def test_decoder_plan_json_report(decoder_path: Path, tmp_path: Path, capsys: Any) -> None:
-    code = main(["plan", str(decoder_path), "-o", str(tmp_path / "p"), "--context", "32",
-                 "--prompt-tokens", "4", "--max-tokens", "4", "--json"])  # fmt: skip
+    # A context shorter than the default prompt (32) prices a prompt of the context's length.
+    code = main(["plan", str(decoder_path), "-o", str(tmp_path / "p"), "--context", "16",
+                 "--max-tokens", "4", "--json"])  # fmt: skip
     out, err = capsys.readouterr()
     assert code == 0, err
     report = json.loads(out)
+    assert report["decoder"]["prompt_tokens"] == 16 and report["decoder"]["context"] == 16
     best = report["ranked"][0]
     assert best["generation_s"] == pytest.approx(best["ttft_s"] + 4 * best["per_token_s"])
     assert report["verified"]["bitwise_equal"] is True
@@ -223,3 +234,12 @@ def test_a_batch_size_read_from_a_cache_does_not_tie_its_block_to_the_start(
         [1, 2, 3], 4,
     )  # fmt: skip
     assert check.bitwise_equal
+
+
+def test_profile_refuses_a_decoder_in_one_line(
+    decoder_path: Path, tmp_path: Path, capsys: Any
+) -> None:
+    code = main(["profile", str(decoder_path), "-o", str(tmp_path / "p.json")])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert "is a decoder: `tierflow plan` profiles it here" in err and err.count("\n") == 1

@@ -239,6 +239,7 @@ def test_loop_body_reading_outer_scope_is_atomic(tmp_path: Path) -> None:
     _all_pairs_bitwise(loaded)
 
 
+@pytest.mark.integration
 def test_initializers_listed_as_inputs_are_constants(zoo_exports: Any, tmp_path: Path) -> None:
     import torch
 
@@ -262,6 +263,7 @@ def test_initializers_listed_as_inputs_are_constants(zoo_exports: Any, tmp_path:
         assert verify_split(graph, split_model(graph, (a, last))).bitwise_equal
 
 
+@pytest.mark.integration
 def test_not_onnx_truncated_and_missing_files(tmp_path: Path, zoo_exports: Any) -> None:
     text = tmp_path / "notes.onnx"
     text.write_text("these are not the weights you are looking for\n")
@@ -326,6 +328,7 @@ def test_activation_bytes_and_liveness(tmp_path: Path) -> None:
     assert [c.position for c in one_tensor.cuts] == [0, len(one_tensor.nodes)]
 
 
+@pytest.mark.integration
 def test_sha256_covers_external_data(tmp_path: Path, zoo_exports: Any) -> None:
     inline = zoo_exports.path("chain_cnn", dynamo=False)
     assert load_model(inline).sha256 == hashlib.sha256(inline.read_bytes()).hexdigest()
@@ -344,6 +347,7 @@ def test_sha256_covers_external_data(tmp_path: Path, zoo_exports: Any) -> None:
 # --- zoo models: cut structure ----------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "legacy"])
 @pytest.mark.parametrize("name", ["chain_cnn", "resnet18", "mobilenet_v2", "transformer_encoder"])
 def test_cut_invariants(zoo_exports: Any, name: str, dynamo: bool) -> None:
@@ -372,6 +376,7 @@ def test_cut_invariants(zoo_exports: Any, name: str, dynamo: bool) -> None:
         assert crossing <= set(cut.tensors)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "legacy"])
 def test_residual_blocks_cut_one_tensor_between_two_inside(zoo_exports: Any, dynamo: bool) -> None:
     graph = load_model(zoo_exports.path("resnet18", dynamo=dynamo))
@@ -400,6 +405,7 @@ def test_residual_blocks_cut_one_tensor_between_two_inside(zoo_exports: Any, dyn
     assert len([c for c in interior if len(c.tensors) == 2]) >= 8
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "legacy"])
 def test_transformer_cuts_carry_hidden_state_and_mask(zoo_exports: Any, dynamo: bool) -> None:
     graph = load_model(zoo_exports.path("transformer_encoder", dynamo=dynamo))

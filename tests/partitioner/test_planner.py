@@ -12,6 +12,8 @@ from tierflow.partitioner.planner import PlanOptions, complete_profiles, make_pl
 from tierflow.partitioner.profile import Profile, profile_model
 from tierflow.plan import load_plan
 
+pytestmark = pytest.mark.integration
+
 _CACHE: dict[str, tuple[ModelGraph, Profile]] = {}
 
 

@@ -21,6 +21,8 @@ from tierflow.partitioner.profile import (
 )
 from tierflow.partitioner.split import extract_segment
 
+pytestmark = pytest.mark.integration
+
 _CACHE: dict[str, tuple[ModelGraph, Profile]] = {}
 
 

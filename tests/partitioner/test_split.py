@@ -43,6 +43,7 @@ def _cut_pairs(graph: ModelGraph) -> list[tuple[int, int]]:
     return [(a, b), (0, 0), (last, last), (a, a), (0, b), (a, last), (1, last - 1)]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "legacy"])
 @pytest.mark.parametrize("name", MODELS)
 def test_split_equals_unsplit_bitwise(zoo_exports: Any, name: str, dynamo: bool) -> None:
@@ -55,6 +56,7 @@ def test_split_equals_unsplit_bitwise(zoo_exports: Any, name: str, dynamo: bool)
         assert result.outputs == tuple(o.name for o in graph.outputs)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("name", "dynamo"), [("resnet18", True), ("chain_cnn", False)])
 def test_split_with_external_data(zoo_exports: Any, name: str, dynamo: bool) -> None:
     path = zoo_exports.path(name, dynamo=dynamo, external=True)
@@ -66,6 +68,7 @@ def test_split_with_external_data(zoo_exports: Any, name: str, dynamo: bool) -> 
         assert verify_split(graph, split_model(graph, pair)).bitwise_equal, pair
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "legacy"])
 def test_chain_matches_the_original_file_and_torch(zoo_exports: Any, dynamo: bool) -> None:
     """The analysed model (shapes fixed, Shape nodes folded) still computes the original."""
@@ -86,6 +89,7 @@ def test_chain_matches_the_original_file_and_torch(zoo_exports: Any, dynamo: boo
     np.testing.assert_allclose(got["output"], reference, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.integration
 def test_segments_are_valid_models_with_source_opsets(zoo_exports: Any) -> None:
     graph = _graph(zoo_exports, "resnet18", True)
     last = len(graph.cuts) - 1
@@ -115,6 +119,7 @@ def test_segments_are_valid_models_with_source_opsets(zoo_exports: Any) -> None:
     assert len(plan.segments) == 3
 
 
+@pytest.mark.integration
 def test_empty_tiers_are_dropped_and_files_numbered_in_order(zoo_exports: Any) -> None:
     graph = _graph(zoo_exports, "chain_cnn", True)
     last = len(graph.cuts) - 1
@@ -130,6 +135,7 @@ def test_empty_tiers_are_dropped_and_files_numbered_in_order(zoo_exports: Any) -
     assert len(only_device[0][1].graph.node) == len(graph.nodes)
 
 
+@pytest.mark.integration
 def test_passthrough_tensors_cross_a_segment_unchanged(zoo_exports: Any) -> None:
     """A skip connection spanning a whole segment is both its input and its output."""
     graph = _graph(zoo_exports, "resnet18", True)
@@ -145,6 +151,7 @@ def test_passthrough_tensors_cross_a_segment_unchanged(zoo_exports: Any) -> None
     assert verify_split(graph, segments).bitwise_equal
 
 
+@pytest.mark.integration
 def test_write_segments_single_files_that_load_and_run(zoo_exports: Any, tmp_path: Path) -> None:
     graph = _graph(zoo_exports, "resnet18", True, external=True)
     segments = split_model(graph, (3, 9))
@@ -157,6 +164,7 @@ def test_write_segments_single_files_that_load_and_run(zoo_exports: Any, tmp_pat
     assert run_segments(loaded, feeds)["output"].tobytes() == whole.tobytes()
 
 
+@pytest.mark.integration
 def test_extract_segment_and_split_reject_bad_cut_indices(zoo_exports: Any) -> None:
     graph = _graph(zoo_exports, "chain_cnn", True)
     with pytest.raises(PlanError, match="ascending"):
@@ -171,6 +179,7 @@ def test_extract_segment_and_split_reject_bad_cut_indices(zoo_exports: Any) -> N
     assert len(model.graph.node) == len(graph.nodes)
 
 
+@pytest.mark.integration
 def test_run_segments_reports_missing_inputs(zoo_exports: Any) -> None:
     graph = _graph(zoo_exports, "chain_cnn", True)
     segments = split_model(graph, (3, 6))

@@ -136,6 +136,7 @@ def release_files(name: str, version: str) -> list[str]:
     ]
 
 
+@pytest.mark.integration
 @pytest.mark.network
 def test_runtime_install_resolves_for_aarch64(tmp_path: Path) -> None:
     """What a user gets with ``pip install tierflow`` on aarch64, on 3.10 and 3.11."""

@@ -133,3 +133,23 @@ def test_a_growing_state_without_decoder_tensors_is_an_error() -> None:
     pairs = find_state_pairs(inputs, outputs)
     with pytest.raises(ModelError, match="no decoder tensors"):
         find_decoder(inputs, outputs, pairs, context=8, max_tokens=1)
+
+
+@pytest.mark.parametrize(
+    "declared_out",
+    [(None, None, None), ("AddstateN_dim_0", "batch", "AddstateN_dim_2"), None],
+)
+def test_an_output_shape_the_exporter_left_vague_is_no_mismatch(declared_out) -> None:
+    # Silero VAD's files declare stateN like this; its state keeps its shape.
+    inputs = [TensorSig("input", "float32", ("batch", "sequence")),
+              TensorSig("state", "float32", (2, "batch", 128))]  # fmt: skip
+    outputs = [TensorSig("stateN", "float32", declared_out)]
+    (pair,) = find_state_pairs(inputs, outputs)
+    assert pair.grows is None and pair.shape == (2, None, 128)
+
+
+def test_a_cache_whose_output_says_nothing_grows_along_its_symbolic_axis() -> None:
+    inputs = [TensorSig("past_key_0", "float32", (1, 4, "past", 16))]
+    outputs = [TensorSig("present_key_0", "float32", (None, None, None, None))]
+    (pair,) = find_state_pairs(inputs, outputs)
+    assert pair.grows == 2

@@ -11,6 +11,8 @@ import pytest
 
 from tierflow.tuning import SWITCH_INTERVAL_S
 
+pytestmark = pytest.mark.integration
+
 # 50 times, as a request's buffers would: allocates and fills four 1 MiB buffers (the
 # serialised message, gRPC's copy, the received bytes, the decoded tensor), then frees
 # them; prints the minor page faults that took. With TUNE set, after tune_for_latency().

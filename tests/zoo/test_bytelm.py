@@ -25,6 +25,7 @@ def test_byte_tokens_round_trip_and_stream_split_characters() -> None:
     assert stream.feed(0xC3) == "" and stream.flush() == "\ufffd"
 
 
+@pytest.mark.integration
 def test_corpus_is_the_standard_library_split_one_file_in_ten() -> None:
     corpus = byte_corpus.load_corpus()
     again = byte_corpus.load_corpus()

@@ -22,6 +22,7 @@ def built(
     return demo_build
 
 
+@pytest.mark.integration
 def test_digits_data_is_split_deterministically_and_normalised() -> None:
     data = digits.load_digits_data()
     again = digits.load_digits_data()
@@ -37,6 +38,7 @@ def test_digits_data_is_split_deterministically_and_normalised() -> None:
     assert digits.load_digits_data(size=16).train_images.shape == (1437, 1, 16, 16)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_demo_model_is_accurate_and_well_formed(
     built: tuple[digits.DemoModel, list[digits.EpochReport]],
@@ -65,6 +67,7 @@ def test_demo_model_is_accurate_and_well_formed(
         assert calib["image"].shape == (1437, 1, 1, 32, 32) and calib["labels"].shape == (1437,)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_cached_model_loads_without_retraining(
     built: tuple[digits.DemoModel, list[digits.EpochReport]],
@@ -79,6 +82,7 @@ def test_cached_model_loads_without_retraining(
     assert demo.meta_path.read_text() == before
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_corrupt_or_stale_caches_are_rejected(
     built: tuple[digits.DemoModel, list[digits.EpochReport]], tmp_path: Path
@@ -119,6 +123,7 @@ def test_default_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPat
     assert digits.default_cache_dir() == Path.home() / ".cache" / "tierflow" / "demo"
 
 
+@pytest.mark.integration
 def test_training_says_what_it_does_between_epochs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first epoch ends long after the build starts: status lines fill the wait."""
     pytest.importorskip("torch")

@@ -14,6 +14,7 @@ from tierflow.zoo import digits_camera
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.integration
 def test_frames_pooled_by_the_stem_are_the_cached_held_out_images(
     demo_build: tuple[Any, list[Any]], tmp_path: Path
 ) -> None:

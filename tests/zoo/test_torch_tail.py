@@ -42,6 +42,7 @@ def _model(path: Path, last_op: str = "Softmax") -> Path:
     return path
 
 
+@pytest.mark.integration
 def test_the_tail_matches_onnxruntime_and_carries_gradients(tmp_path: Path) -> None:
     import onnxruntime as ort
 

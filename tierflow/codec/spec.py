@@ -51,7 +51,7 @@ LOSSY_PLANNER_CODECS: tuple[str, ...] = (
     "sparse+int8+zstd",
     "sparse+int4+zstd",
 )
-#: The codecs ``--codec auto`` chooses among (DESIGN.md, command line contract).
+#: The codecs ``--codec auto`` chooses among (docs/design.md, "Command line").
 PLANNER_CODECS: tuple[str, ...] = EXACT_PLANNER_CODECS + LOSSY_PLANNER_CODECS
 #: Codecs whose round trip is bit-exact for every dtype.
 LOSSLESS_CODECS: tuple[str, ...] = ("raw", "zstd", "shuffle+zstd")

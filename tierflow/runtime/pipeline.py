@@ -161,6 +161,11 @@ class Pipeline:
         )
         self._index = {plan.plan_id: i for i, plan in enumerate(plans.plans)}
         self._files = [tier_files(plans, i, tier) for i in range(len(plans.plans))]
+        self._as_is = [tier == "edge" and plan.edge_forwards for plan in plans.plans]
+        self._reply_codecs = [reply_codec(plan, self.down_link) for plan in plans.plans]
+        # Codec work is timed in CPU time only to emulate a slower tier; the clock costs
+        # a system call, three a request, so it is not read otherwise.
+        self._cpu = time.thread_time if options.slowdown > 1.0 else _no_clock
         self._runners: dict[int, TierRunner] = {}  # by plan index, opened on first use
         self._opened: dict[Path, SegmentRunner] = {}  # by segment file, shared by plans
         self._lock = threading.Lock()
@@ -229,7 +234,7 @@ class Pipeline:
         ``max_tensor_bytes`` along a symbolic dimension). A tier that only forwards the
         plan's tensors decodes nothing (unless its cache needs them).
         """
-        start, cpu = time.perf_counter(), time.thread_time()
+        start, cpu = time.perf_counter(), self._cpu()
         if segment != runner.start:
             runner.check_names(set(), segment=segment)  # raises: wrong segment
         if len(tensors) != len(runner.needs):
@@ -252,13 +257,13 @@ class Pipeline:
         if not (self.forwards_as_is(index) and self.cache is None):
             # Read-only views: ONNX Runtime only reads them.
             features = {t.name: decode(t, checked=c, writable=False) for t, c in encoded}
-        emulate_slower(self.options.slowdown, cpu, time.thread_time)
+        emulate_slower(self.options.slowdown, cpu, self._cpu)
         return features, time.perf_counter() - start
 
     def forwards_as_is(self, index: int) -> bool:
         """Whether this tier runs nothing for plan ``index`` and passes its tensors on as
         they came ([Note: an edge that runs nothing] in tierflow/plan.py)."""
-        return self.tier == "edge" and self.plans.plans[index].edge_forwards
+        return self._as_is[index]
 
     def cached(
         self,
@@ -327,11 +332,11 @@ class Pipeline:
             return Answered(outcome.tensors, outcome.exit, compute_s=outcome.compute_s)
         if self.up_link is None:
             raise PlanError(f"plan {plan.plan_id} runs beyond the {self.tier}")
-        start, cpu = time.perf_counter(), time.thread_time()
+        start, cpu = time.perf_counter(), self._cpu()
         forward = _onward(plan.plan_id, outcome.next_segment, deadline_unix_s, session)
         codec = plan.link_codec(self.up_link)
         nbytes = put_tensors(forward.tensors, outcome.tensors, codec, plan.images)
-        emulate_slower(self.options.slowdown, cpu, time.thread_time)
+        emulate_slower(self.options.slowdown, cpu, self._cpu)
         return Onward(
             forward,
             nbytes,
@@ -344,7 +349,7 @@ class Pipeline:
 
     def answer(self, index: int, answered: Answered) -> tier_pb2.Reply:
         """``answered`` as the reply a server sends down, its codec time added to it."""
-        start, cpu = time.perf_counter(), time.thread_time()
+        start, cpu = time.perf_counter(), self._cpu()
         plan = self.plans.plans[index]
         reply = tier_pb2.Reply(
             plan_id=plan.plan_id,
@@ -352,8 +357,8 @@ class Pipeline:
             exit=answered.exit or "",
             cache_hit=answered.cache_hit,
         )
-        put_tensors(reply.outputs, answered.outputs, reply_codec(plan, self.down_link))
-        emulate_slower(self.options.slowdown, cpu, time.thread_time)
+        put_tensors(reply.outputs, answered.outputs, self._reply_codecs[index])
+        emulate_slower(self.options.slowdown, cpu, self._cpu)
         answered.codec_s += time.perf_counter() - start
         return reply
 
@@ -394,3 +399,7 @@ def _onward(
         forward.position = session.position
         forward.initial_state.extend(session.passed_on)
     return forward
+
+
+def _no_clock() -> float:
+    return 0.0

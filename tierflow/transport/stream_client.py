@@ -39,7 +39,10 @@ the client is made, so that the first streams already find them all ready. When 
 dies, its stream breaks and its requests in flight fail as above (typed errors; those that
 never reached it are sent again); the stream opened next in its place goes to a live
 replica, since round robin picks only among connected ones. A replica that comes back
-gets streams again as others break, not at once.
+gets streams again as others break, not at once. The requests of a session
+([Note: session state on a tier] in tierflow/runtime/state.py) all take the same stream,
+so that its state stays on one replica; when that replica dies, the replica its next
+request reaches holds no state for it and the device replays the session.
 """
 
 from __future__ import annotations

@@ -302,6 +302,8 @@ def check_figures(message: tier_pb2.Request | tier_pb2.Reply) -> None:
     counts within :data:`MAX_FIGURE_BYTES`. A request of 20,000 timings of 1e308 ms is
     refused at once, before anything else is done with it.
     """
+    if not message.timings and not message.links:  # a request as tierflow sends it
+        return
     tiers = [timing.tier for timing in message.timings]
     if len(tiers) > len(TIERS) or len(set(tiers)) != len(tiers) or not set(tiers) <= set(TIERS):
         raise InputError(

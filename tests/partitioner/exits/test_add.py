@@ -101,6 +101,7 @@ def exited(tiny: Path, digits8: dict[str, np.ndarray]) -> ExitedModel:
     return add_exits(tiny, calib, exits=2, max_disagreement=TARGET)
 
 
+@pytest.mark.integration
 def test_original_outputs_are_bit_for_bit_unchanged(
     tiny: Path, exited: ExitedModel, digits8: dict[str, np.ndarray]
 ) -> None:
@@ -116,6 +117,7 @@ def test_original_outputs_are_bit_for_bit_unchanged(
     onnx.checker.check_model(exited.model)
 
 
+@pytest.mark.integration
 def test_thresholds_that_never_exit_reproduce_the_full_model(
     tiny: Path, exited: ExitedModel, digits8: dict[str, np.ndarray]
 ) -> None:
@@ -128,6 +130,7 @@ def test_thresholds_that_never_exit_reproduce_the_full_model(
     assert np.array_equal(predicted, full.argmax(axis=1))
 
 
+@pytest.mark.integration
 def test_calibration_meets_its_target_on_unseen_data(
     tiny: Path, exited: ExitedModel, digits8: dict[str, np.ndarray]
 ) -> None:
@@ -147,6 +150,7 @@ def test_calibration_meets_its_target_on_unseen_data(
     assert exit_rate > 0.3  # the exits do take work off the model
 
 
+@pytest.mark.integration
 def test_exits_are_recorded_in_the_metadata(exited: ExitedModel, tmp_path: Path) -> None:
     path = exited.save(tmp_path / "with-exits.onnx")
     recorded = read_exits(path)
@@ -160,6 +164,7 @@ def test_exits_are_recorded_in_the_metadata(exited: ExitedModel, tmp_path: Path)
     assert again.exits[0].calibration["at"] == first.at
 
 
+@pytest.mark.integration
 def test_labels_train_heads_and_bound_the_accuracy_drop(
     tiny: Path, digits8: dict[str, np.ndarray]
 ) -> None:
@@ -174,6 +179,7 @@ def test_labels_train_heads_and_bound_the_accuracy_drop(
     assert "GlobalAveragePool" in kinds and "AveragePool" not in kinds
 
 
+@pytest.mark.integration
 def test_declared_exits_are_calibrated(
     exited: ExitedModel, tmp_path: Path, digits8: dict[str, np.ndarray]
 ) -> None:
@@ -225,6 +231,7 @@ def test_expected_compute_counts_the_chance_of_leaving() -> None:
         expected_compute(units, [(1, 0.7), (2, 0.6)])
 
 
+@pytest.mark.integration
 def test_exit_cut_indices_name_the_cuts(tiny: Path, exited: ExitedModel) -> None:
     graph = load_model(tiny)
     indices = exit_cut_indices(graph, exited.exits)
@@ -250,6 +257,7 @@ def _image_output_model(path: Path) -> Path:
     return path
 
 
+@pytest.mark.integration
 def test_bad_inputs_raise_typed_errors(
     tiny: Path, tmp_path: Path, digits8: dict[str, np.ndarray]
 ) -> None:
@@ -300,6 +308,7 @@ def test_parse_fraction() -> None:
             parse_fraction(bad)
 
 
+@pytest.mark.integration
 def test_cli_adds_and_shows_exits(
     tiny: Path, tmp_path: Path, digits8: dict[str, np.ndarray], capsys: Any
 ) -> None:
@@ -320,6 +329,7 @@ def test_cli_adds_and_shows_exits(
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_split_plan_with_exits_runs_on_the_tier_runtime(
     tiny: Path, exited: ExitedModel, digits8: dict[str, np.ndarray], tmp_path: Path
 ) -> None:

@@ -216,6 +216,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"plain": plain, "always": always}
 
 
+@pytest.mark.integration
 def test_the_trunk_is_planned_and_the_exit_found(models: dict[str, Path], tmp_path: Path) -> None:
     graph = load_planning_graph(models["always"])
     plain = load_model(models["plain"])
@@ -245,6 +246,7 @@ def _serve(plan_dir: Path, feeds: list[dict[str, np.ndarray]]) -> list[Any]:
         cloud.stop(0.5)
 
 
+@pytest.mark.integration
 def test_planned_exit_answers_on_the_edge_and_never_exit_reproduces_the_model(
     models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -299,6 +301,7 @@ def _check_never_exits(plan_dir: Path, model: Path, feeds: list[dict[str, np.nda
         assert result.outputs["output"].tobytes() == want.tobytes()
 
 
+@pytest.mark.integration
 def test_plan_with_exits_splits_each_tier_at_its_exits(
     models: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -103,6 +103,7 @@ def test_mistakes_are_one_clear_line(tmp_path: Path, text: str, message: str) ->
         apply_config(build_parser(), ["serve", "edge", "--config", str(path)])
 
 
+@pytest.mark.integration
 def test_cli_prints_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path, "thread = 2\n")
     assert main(["serve", "edge", "--config", str(path), "--plan", "p"]) == 2
@@ -112,6 +113,7 @@ def test_cli_prints_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_an_abbreviated_config_flag_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -76,6 +76,7 @@ def test_a_message_spanning_a_step_goes_at_each_steps_rate() -> None:
     assert LinkTrace.constant(LinkSpec(8e6)).serialised(3.0, MB) == pytest.approx(4.0)
 
 
+@pytest.mark.integration
 def test_a_shaper_on_a_trace_slows_down_when_the_rate_steps_down() -> None:
     # 100 kB take 8 ms at 100 Mbit/s and 0.4 s at 2 Mbit/s (plus 10 ms propagation).
     trace = step_trace([(0.0, LinkSpec(100e6, 0.0)), (0.3, LinkSpec(2e6, 0.02))])

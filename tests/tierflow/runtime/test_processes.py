@@ -16,6 +16,8 @@ import pytest
 from tierflow.errors import TransportError
 from tierflow.runtime.processes import ServeProcess
 
+pytestmark = pytest.mark.integration
+
 
 def _stand_in(code: str) -> tuple[str, ...]:
     """An interpreter command running ``code`` instead of ``-m tierflow.cli serve ...``."""

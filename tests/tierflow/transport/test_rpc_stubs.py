@@ -21,6 +21,7 @@ def test_proto_header_names_the_command_this_test_runs() -> None:
     )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("stub", STUBS)
 def test_committed_stubs_equal_freshly_generated_ones(tmp_path: Path, stub: str) -> None:
     pytest.importorskip("grpc_tools", reason="grpcio-tools (the dev extra) generates the stubs")
@@ -44,6 +45,7 @@ def test_committed_stubs_equal_freshly_generated_ones(tmp_path: Path, stub: str)
     )
 
 
+@pytest.mark.integration
 def test_runtime_tiers_import_without_torch_or_onnx() -> None:
     """Device and edge install on a Pi or a Jetson: nothing they import may need torch/onnx."""
     code = (

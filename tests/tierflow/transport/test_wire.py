@@ -204,6 +204,7 @@ def echo_server() -> Iterator[tuple[int, int]]:
         server.stop(grace=None).wait()
 
 
+@pytest.mark.integration
 def test_options_let_messages_beyond_grpc_default_through(echo_server: tuple[int, int]) -> None:
     big_port, small_port = echo_server
     payload = bytes(8 << 20)  # twice gRPC's default 4 MiB receive limit

@@ -1,0 +1,115 @@
+"""A stream's requests run side by side, up to --workers, and a stopping tier answers every
+request sent before it began to stop ([Note: a stream's requests run at once])."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from tierflow.cloud.server import CloudServer
+from tierflow.options import RuntimeOptions
+from tierflow.plan import load_plan
+from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.runtime.pipeline import Pipeline
+from tierflow.runtime.segment_runner import TierRunner
+from tierflow.transport.wire import grpc_options, put_tensors
+
+pytestmark = pytest.mark.integration
+
+
+def cloud_requests(plan_dir: Path, count: int) -> list[tier_pb2.Request]:
+    """What an edge sends the cloud for ``count`` requests: the device's and edge's parts run."""
+    plan = load_plan(plan_dir)
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 3, 8, 8)).astype(np.float32)}
+    tensors = dict(feeds)
+    for tier in ("device", "edge"):
+        outcome = TierRunner(plan, plan_dir, tier).run(tensors)
+        tensors = outcome.tensors
+    requests = []
+    for index in range(count):
+        request = tier_pb2.Request(id=f"r{index}", plan_id=plan.plan_id, segment=2)
+        put_tensors(request.tensors, tensors, plan.link_codec("edge-cloud"))
+        requests.append(request)
+    return requests
+
+
+class Slow:
+    """Makes every run of the pipeline take ``seconds`` and counts how many run at once."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+        self.seconds = seconds
+        self.running = 0
+        self.most = 0
+        self._lock = threading.Lock()
+        run = Pipeline.run
+
+        def slow_run(pipeline: Pipeline, *args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self.running += 1
+                self.most = max(self.most, self.running)
+            try:
+                time.sleep(self.seconds)
+                return run(pipeline, *args, **kwargs)
+            finally:
+                with self._lock:
+                    self.running -= 1
+
+        monkeypatch.setattr(Pipeline, "run", slow_run)
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_one_streams_requests_run_side_by_side_up_to_the_workers(
+    tmp_path: Path, rt: Any, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    """The edge sends every device's requests on one stream: the cloud must not run them
+    one after the other (issue 18, part 4: it did, whatever --workers said)."""
+    split = rt.cnn(tmp_path / "plan")
+    slow = Slow(monkeypatch, 0.2)
+    cloud = CloudServer(split.plan_dir, options=RuntimeOptions(workers=workers))
+    cloud.start()
+    channel = grpc.insecure_channel(cloud.address, options=grpc_options())
+    try:
+        requests = cloud_requests(split.plan_dir, 8)
+        replies = list(tier_pb2_grpc.TierStub(channel).Infer(iter(requests), timeout=30))
+    finally:
+        channel.close()
+        cloud.stop(0)
+    assert sorted(r.id for r in replies) == sorted(r.id for r in requests)
+    assert not any(r.HasField("error") for r in replies)
+    assert slow.most == workers
+
+
+def test_a_stopping_tier_answers_every_request_sent_before_it_began_to_stop(
+    tmp_path: Path, rt: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twenty requests on one stream, then the stop: all twenty are answered, none
+    'stopping' (19 of 20 were, when the cloud read a stream's next request only after
+    the last was done)."""
+    split = rt.cnn(tmp_path / "plan")
+    Slow(monkeypatch, 0.1)
+    cloud = CloudServer(split.plan_dir, options=RuntimeOptions(workers=2))
+    cloud.start()
+    channel = grpc.insecure_channel(cloud.address, options=grpc_options())
+    requests = cloud_requests(split.plan_dir, 20)
+    replies: list[tier_pb2.Reply] = []
+    call = tier_pb2_grpc.TierStub(channel).Infer(iter(requests), timeout=30)
+    reader = threading.Thread(target=lambda: replies.extend(call), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 10
+        while cloud.service.in_flight < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)  # every request read: sent before the stop began
+        assert cloud.service.in_flight == 20
+        cloud.stop(grace=10)
+        reader.join(15)
+    finally:
+        channel.close()
+        cloud.stop(0)
+    assert len(replies) == 20
+    assert [r.error.message for r in replies if r.HasField("error")] == []

@@ -1,0 +1,227 @@
+"""The request path of every tier ([Note: one request path]), in process: no server, no
+channel. Three pipelines, one per tier, pass a request up as the servers would, and the
+answer equals the unsplit model's bit for bit; the checks a request meets on entry, the
+cache, and an edge that runs nothing are each taken on their own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tierflow.cache.memory import MemoryCache
+from tierflow.codec.spec import CodecSpec
+from tierflow.errors import InputError, PlanError
+from tierflow.options import RuntimeOptions
+from tierflow.plan import Plan, PlanSet, SegmentSpec
+from tierflow.rpc import tier_pb2
+from tierflow.runtime.pipeline import Answered, Onward, Pipeline, reply_codec
+from tierflow.runtime.sessions import open_session
+from tierflow.transport.wire import put_tensors
+
+WIDTHS = (16, 12, 8, 4)  # x -> h1 -> h2 -> y
+
+
+def _layers() -> tuple[list[onnx.NodeProto], list[TensorProto]]:
+    """Gemm+Relu, Gemm+Relu, Gemm: three layers, one per tier."""
+    rng = np.random.default_rng(0)
+    nodes, weights = [], []
+    names = ["x", "h1", "h2", "y"]
+    for i in range(3):
+        w = (rng.standard_normal((WIDTHS[i + 1], WIDTHS[i])) * 0.5).astype(np.float32)
+        weights.append(numpy_helper.from_array(w, f"w{i}"))
+        out = names[i + 1] if i == 2 else f"g{i}"
+        nodes.append(helper.make_node("Gemm", [names[i], f"w{i}"], [out], transB=1))
+        if i < 2:
+            nodes.append(helper.make_node("Relu", [out], [names[i + 1]]))
+    return nodes, weights
+
+
+def _save(path: Path, nodes: list[onnx.NodeProto], inputs: str, output: str, width: tuple) -> None:
+    used = {name for node in nodes for name in node.input}
+    _, weights = _layers()
+    graph = helper.make_graph(
+        nodes,
+        path.stem,
+        [helper.make_tensor_value_info(inputs, TensorProto.FLOAT, ["batch", width[0]])],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", width[1]])],
+        [w for w in weights if w.name in used],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+
+
+def _plan_dir(directory: Path, codec: dict[str, str], *, edge_runs: bool = True) -> Plan:
+    """The model whole (``model.onnx``) and split device | edge | cloud at h1 and h2.
+
+    ``edge_runs=False``: the edge runs nothing and the cloud runs both later layers.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    nodes, _ = _layers()
+    _save(directory / "model.onnx", nodes, "x", "y", (WIDTHS[0], WIDTHS[3]))
+    _save(directory / "a.onnx", nodes[0:2], "x", "h1", (WIDTHS[0], WIDTHS[1]))
+    _save(directory / "b.onnx", nodes[2:4], "h1", "h2", (WIDTHS[1], WIDTHS[2]))
+    _save(directory / "c.onnx", nodes[4:5], "h2", "y", (WIDTHS[2], WIDTHS[3]))
+    _save(directory / "bc.onnx", nodes[2:5], "h1", "y", (WIDTHS[1], WIDTHS[3]))
+    if edge_runs:
+        segments = (
+            SegmentSpec("device", "a.onnx", ("x",), ("h1",)),
+            SegmentSpec("edge", "b.onnx", ("h1",), ("h2",)),
+            SegmentSpec("cloud", "c.onnx", ("h2",), ("y",)),
+        )
+    else:
+        segments = (
+            SegmentSpec("device", "a.onnx", ("x",), ("h1",)),
+            SegmentSpec("cloud", "bc.onnx", ("h1",), ("y",)),
+        )
+    sha = hashlib.sha256((directory / "model.onnx").read_bytes()).hexdigest()
+    return Plan("model.onnx", sha, ("x",), ("y",), segments, codec=codec)
+
+
+def _pipelines(
+    directory: Path, plan: Plan, *, cache: MemoryCache | None = None
+) -> dict[str, Pipeline]:
+    plans, options = PlanSet((plan,)), RuntimeOptions()
+    return {
+        tier: Pipeline(tier, plans, directory, options, cache=cache if tier == "cloud" else None)
+        for tier in ("device", "edge", "cloud")
+    }
+
+
+def _up(pipeline: Pipeline, onward: Onward) -> Answered | Onward:
+    """What a server does with a request from the tier below: decode, look up, run."""
+    request = onward.request
+    index = pipeline.index_of(request.plan_id)
+    runner = pipeline.runner(index)
+    features, _ = pipeline.decode(index, runner, request.segment, request.tensors)
+    hit, key = pipeline.cached(index, request.segment, features)
+    if hit is not None:
+        return hit
+    return pipeline.run(
+        index,
+        runner,
+        features,
+        segment=request.segment,
+        key=key,
+        as_received=request.tensors,
+        checked=True,
+    )
+
+
+def _device(pipeline: Pipeline, x: np.ndarray) -> Onward:
+    runner = pipeline.runner(0)
+    onward = pipeline.run(0, runner, {"x": x}, segment=0)
+    assert isinstance(onward, Onward)
+    return onward
+
+
+def _reference(directory: Path, x: np.ndarray) -> np.ndarray:
+    """The unsplit model at the tiers' session settings."""
+    return open_session(directory / "model.onnx").run(["y"], {"x": x})[0]
+
+
+def test_three_tiers_in_process_answer_as_the_unsplit_model(tmp_path: Path) -> None:
+    plan = _plan_dir(tmp_path, {"device-edge": "zstd", "edge-cloud": "shuffle+zstd"})
+    tiers = _pipelines(tmp_path, plan)
+    x = np.random.default_rng(1).standard_normal((3, WIDTHS[0])).astype(np.float32)
+    up = _device(tiers["device"], x)
+    assert up.request.segment == 1 and [t.name for t in up.request.tensors] == ["h1"]
+    assert up.nbytes == sum(len(t.data) + len(t.params) for t in up.request.tensors)
+    at_edge = _up(tiers["edge"], up)
+    assert isinstance(at_edge, Onward) and at_edge.request.segment == 2
+    answered = _up(tiers["cloud"], at_edge)
+    assert isinstance(answered, Answered) and not answered.cache_hit
+    assert answered.outputs["y"].tobytes() == _reference(tmp_path, x).tobytes()
+    reply = tiers["cloud"].answer(0, answered)
+    assert (reply.plan_id, reply.answered_by) == (plan.plan_id, "cloud")
+    assert [t.name for t in reply.outputs] == ["y"]
+
+
+def test_the_cloud_answers_a_repeated_request_from_its_cache(tmp_path: Path) -> None:
+    plan = _plan_dir(tmp_path, {"device-edge": "raw", "edge-cloud": "raw"})
+    tiers = _pipelines(tmp_path, plan, cache=MemoryCache(1 << 20))
+
+    def through(x: np.ndarray) -> Answered:
+        at_edge = _up(tiers["edge"], _device(tiers["device"], x))
+        assert isinstance(at_edge, Onward)
+        answered = _up(tiers["cloud"], at_edge)
+        assert isinstance(answered, Answered)
+        return answered
+
+    x = np.ones((1, WIDTHS[0]), np.float32)
+    first, again, other = through(x), through(x), through(2 * x)
+    assert not first.cache_hit and again.cache_hit and not other.cache_hit
+    assert again.outputs["y"].tobytes() == first.outputs["y"].tobytes()
+
+
+def test_an_edge_that_runs_nothing_forwards_the_tensors_as_they_came(tmp_path: Path) -> None:
+    plan = _plan_dir(tmp_path, {"device-edge": "int8+zstd"}, edge_runs=False)
+    assert plan.edge_forwards
+    tiers = _pipelines(tmp_path, plan)
+    x = np.random.default_rng(2).standard_normal((2, WIDTHS[0])).astype(np.float32)
+    up = _device(tiers["device"], x)
+    edge = tiers["edge"]
+    runner = edge.runner(0)
+    features, _ = edge.decode(0, runner, up.request.segment, up.request.tensors)
+    assert features == {}  # checked, never decoded: nothing runs here and no cache needs them
+    onward = edge.run(0, runner, features, segment=1, as_received=up.request.tensors)
+    assert isinstance(onward, Onward) and onward.request.segment == 1
+    assert list(onward.request.tensors) == list(up.request.tensors)  # not re-encoded
+    answered = _up(tiers["cloud"], onward)
+    assert isinstance(answered, Answered)
+    # int8 applied once, on the device: the cloud's answer is the model's on decoded h1.
+    assert plan.link_codec("edge-cloud") == CodecSpec.parse("int8+zstd")
+    assert answered.outputs["y"].shape == (2, WIDTHS[3])
+
+
+def _tensors(**arrays: np.ndarray) -> list[tier_pb2.Tensor]:
+    request = tier_pb2.Request()
+    put_tensors(request.tensors, arrays, CodecSpec.parse("raw"))
+    return list(request.tensors)
+
+
+def test_a_request_is_checked_before_anything_is_decoded(tmp_path: Path) -> None:
+    plan = _plan_dir(tmp_path, {"device-edge": "raw", "edge-cloud": "raw"})
+    edge = _pipelines(tmp_path, plan)["edge"]
+    runner = edge.runner(0)
+    good = np.zeros((1, WIDTHS[1]), np.float32)
+    with pytest.raises(InputError, match=r"expects 1 tensors \['h1'\], the request carries 2"):
+        edge.decode(0, runner, 1, _tensors(h1=good, h9=good))
+    with pytest.raises(InputError, match="names segment 2"):
+        edge.decode(0, runner, 2, _tensors(h1=good))
+    with pytest.raises(InputError, match="h9"):
+        edge.decode(0, runner, 1, _tensors(h9=good))
+    with pytest.raises(InputError, match=r"expected float32\[\?x12\], found float32\[1x5\]"):
+        edge.decode(0, runner, 1, _tensors(h1=np.zeros((1, 5), np.float32)))
+    with pytest.raises(InputError, match=r"found float64\[1x12\]"):
+        edge.decode(0, runner, 1, _tensors(h1=np.zeros((1, WIDTHS[1]))))
+    features, _ = edge.decode(0, runner, 1, _tensors(h1=good))
+    assert features["h1"].tobytes() == good.tobytes()
+
+
+def test_a_plan_the_tier_does_not_serve_is_a_plan_error(tmp_path: Path) -> None:
+    plan = _plan_dir(tmp_path, {"device-edge": "raw"})
+    edge = _pipelines(tmp_path, plan)["edge"]
+    assert edge.index_of(plan.plan_id) == 0
+    with pytest.raises(PlanError, match=f"serves plans {plan.plan_id}, the request names plan x"):
+        edge.index_of("x")
+    with pytest.raises(PlanError, match=r"names plan \(none\)"):
+        edge.index_of("")
+
+
+@pytest.mark.parametrize(
+    ("codec", "reply"),
+    [("raw", "raw"), ("int8+zstd", "zstd"), ("fp16", "raw"), ("shuffle+zstd", "shuffle+zstd")],
+)
+def test_answers_go_down_with_the_lossless_part_of_the_links_codec(
+    tmp_path: Path, codec: str, reply: str
+) -> None:
+    plan = _plan_dir(tmp_path, {"device-edge": codec, "edge-cloud": codec})
+    assert reply_codec(plan, "edge-cloud") == CodecSpec.parse(reply)
+    assert reply_codec(plan, None) == CodecSpec.parse("raw")
