@@ -272,6 +272,8 @@ def markdown(results: Mapping[str, Any]) -> str:
         "",
         *report.markdown_table(report.HEADERS, report.table_rows(results["rows"])),
         "",
+        *reading_notes(results),
+        "",
         "## Memory per tier",
         "",
         "The first prompt's figures at the first link measured (the same plans at every link):",
@@ -284,6 +286,24 @@ def markdown(results: Mapping[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def reading_notes(results: Mapping[str, Any]) -> list[str]:
+    """What the table's figures count, and what the time to first token is made of."""
+    prompt = len(results["prompts"][0].encode("utf-8")) if results["prompts"] else 0
+    logits = prompt * 256 * 4  # the prefill's answer: float32 logits at every position
+    rates = sorted({r["mbit"] for r in results["rows"] if r["mbit"] is not None})
+    return [
+        "Bytes per token are what the requests carried up each link, prefill included "
+        "(hidden states and their companions, or token ids), over the tokens generated; "
+        "the answers coming down (a step's logits, 1 KiB a position) are not in them. "
+        f"They are why the time to first token grows as the rate falls: the prefill's "
+        f"answer holds the logits of all {prompt} prompt positions ({logits / 1024:.0f} KiB), "
+        "of which generation uses the last, and it crosses the device-edge link down at "
+        "its rate: "
+        + ", ".join(f"{logits * 8 / (m * 1e6) * 1e3:.0f} ms at {m:g} Mbit/s" for m in rates)
+        + ".",
+    ]
 
 
 def results_section(results: Mapping[str, Any]) -> list[str]:

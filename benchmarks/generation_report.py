@@ -111,7 +111,7 @@ def verdict(rows: Sequence[Row], budgets: Mapping[str, int]) -> list[dict[str, A
             continue
         values = [(value(s, d), s, d) for s, d in pairs]
         worst = min(values, key=lambda v: v[0])
-        missed = [v for v in values if v[0] < target]
+        missed = sorted((v for v in values if v[0] < target), key=lambda v: v[0])
         detail = f"lowest {shown.format(worst[0])} at {_where(worst[1])} over {len(values)} links"
         if missed:
             detail += f"; {len(missed)} below, short by {shown.format(target - worst[0])}"

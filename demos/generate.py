@@ -290,8 +290,9 @@ def comparisons(
         f"device-only (the small model alone) agrees with the large model on "
         f"{small['agreement']:.0%} of the tokens here; once one differs the texts part. "
         + (
-            f"On the large model's own text it picks the same next byte {heldout:.0%} of "
-            "the time (held out, the rate drafts are kept at)"
+            f"On the large model's own continuations of held-out prompts it picks the same "
+            f"next byte {heldout:.0%} of the time: the chance that a draft is kept once those "
+            "before it were, there"
             if heldout is not None
             else ""
         )

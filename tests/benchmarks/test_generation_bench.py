@@ -178,6 +178,8 @@ def test_quick_run_writes_results_and_judges_them(byte_family: Any, tmp_path: Pa
     assert set(split["memory"]) == {"device", "edge", "cloud"}
     assert all(m["kv"] > 0 for t, m in split["memory"].items() if t != "device")
     assert len(results["verdict"]) == 5 and results["verdict"][0]["met"]
-    assert (tmp_path / "GENERATION.md").read_text().startswith("# Generation benchmark")
+    written = (tmp_path / "GENERATION.md").read_text()
+    assert written.startswith("# Generation benchmark") and "## Memory per tier" in written
+    assert "64 KiB), of which generation uses the last" in written
     assert (tmp_path / "generation.png").stat().st_size > 10_000
     assert "goals met" in done.stdout
