@@ -41,6 +41,7 @@ STEPS = 5
 HEADERS = (
     "strategy",
     "model",
+    "tiers",
     "blocks",
     "TTFT ms",
     "ms/token",
@@ -235,6 +236,7 @@ def result_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
             [
                 row["strategy"],
                 row["model"],
+                " -> ".join(row["tiers"]),
                 layer_ranges(row["blocks"]) or "-",
                 _cell(row["ttft_ms"], ".1f"),
                 _cell(row["ms_per_token"], ".1f"),
@@ -264,7 +266,7 @@ def comparisons(
     notes = [
         "agrees: tokens equal to the large model's own greedy output (unsplit, computed "
         "here) at the same position; tokens/s over the whole generation, first token "
-        "included; blocks: the KV layers each tier keeps",
+        "included; blocks: the layers whose KV cache each tier keeps",
     ]
     if draft["tokens_per_s"] and split["tokens_per_s"] and draft["round_trips_per_token"]:
         notes.append(

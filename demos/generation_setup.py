@@ -161,6 +161,7 @@ class GenerationRun:
 
     strategy: str
     model: str
+    tiers: tuple[str, ...] = ()  # the tiers the plan runs on, in order
     blocks: dict[str, list[int]] = field(default_factory=dict)  # KV layers by tier
     tokens: list[list[int]] = field(default_factory=list)  # per prompt
     ttft_ms: list[float] = field(default_factory=list)
@@ -184,6 +185,7 @@ class GenerationRun:
         return {
             "strategy": self.strategy,
             "model": self.model,
+            "tiers": list(self.tiers),
             "blocks": self.blocks,
             "prompts": len(self.tokens),
             "tokens": self.count,
@@ -225,6 +227,7 @@ def measure(
     """
     from tierflow.device.generation import Generator
 
+    run.tiers = tuple(spec.tier for spec in client.plan.segments)
     for i, (prompt, reference) in enumerate(zip(prompts, references, strict=True)):
         generator = Generator(client, draft=draft)
         started = time.perf_counter()

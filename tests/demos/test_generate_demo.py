@@ -68,15 +68,18 @@ def test_the_generation_demo_streams_and_measures_every_strategy(
             assert row["round_trips_per_token"] > 0
     assert reference[:10] in steps  # the large model's text, as the split printed it
     split, drafted = rows["split"], rows["split+draft"]
-    assert len(split["blocks"]) == 3  # the planner split the large model over all three
-    assert split["blocks"] == drafted["blocks"] and rows["cloud-only"]["blocks"] == {
-        "cloud": list(range(8))
-    }
+    # The planner split the large model over all three tiers; the edge and the cloud keep
+    # the KV cache of the blocks they run, all eight between them and the device.
+    assert split["tiers"] == drafted["tiers"] == ["device", "edge", "cloud"]
+    assert sorted(b for blocks in split["blocks"].values() for b in blocks) == list(range(8))
+    assert {"edge", "cloud"} <= set(split["blocks"]) and split["blocks"] == drafted["blocks"]
+    assert rows["cloud-only"]["blocks"] == {"cloud": list(range(8))}
     assert drafted["drafted"] > 0 and drafted["round_trips_per_token"] < 1.0
     assert split["round_trips_per_token"] == 1.0
     assert all(split["bytes_per_token"][link] > 0 for link in ("device-edge", "edge-cloud"))
     small = rows["device-only"]
-    assert small["blocks"] == {"device": [0, 1]} and small["round_trips_per_token"] == 0
+    assert small["blocks"] == {"device": [0, 1]} and small["tiers"] == ["device"]
+    assert small["round_trips_per_token"] == 0
     assert 0.0 <= small["agreement"] < 1.0  # the small model is not the large one
     assert any("split+draft against split" in note for note in report["notes"])
     for header in HEADERS:
