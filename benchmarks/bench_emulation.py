@@ -44,6 +44,7 @@ DEVICE_EDGE_RTT_MS: dict[float, float] = {
     1.0: 40.0,  # weak cellular uplink
     5.0: 20.0,  # LTE uplink
     20.0: 10.0,  # good LTE / busy Wi-Fi
+    50.0: 6.0,  # LTE-Advanced / a fair Wi-Fi uplink
     100.0: 4.0,  # Wi-Fi 5 to an on-site edge box
     1000.0: 1.0,  # wired gigabit to the edge box
 }

@@ -37,8 +37,10 @@ logger = logging.getLogger(__name__)
 
 Row = dict[str, Any]
 
-#: JPEG's quality sweep on the input, beside ``cloud-only-jpeg`` (quality 90).
-JPEG_SWEEP: tuple[int, ...] = (30, 50, 75, 95)
+#: JPEG's quality sweep on the input (5-95), beside ``cloud-only-jpeg`` (quality 90).
+JPEG_SWEEP: tuple[int, ...] = (5, 10, 20, 30, 50, 75, 95)
+#: WebP's qualities on the input (``cloud-only-webp-qNN``).
+WEBP_SWEEP: tuple[int, ...] = (50, 75, 90)
 JPEG_BASELINE = "cloud-only-jpeg"
 
 
@@ -52,6 +54,7 @@ def jpeg_strategy(quality: int) -> str:
 IMAGE_BASELINES: dict[str, str] = {
     JPEG_BASELINE: "jpeg:90",
     **{jpeg_strategy(q): f"jpeg:{q}" for q in JPEG_SWEEP},
+    **{f"cloud-only-webp-q{q}": f"webp:{q}" for q in WEBP_SWEEP},
     "cloud-only-png": "png",
 }
 #: Strategies whose plan is tierflow's own (the verdict compares them with the others).
@@ -59,6 +62,8 @@ TIERFLOW = (
     "tierflow",
     "tierflow-budget",
     "tierflow-budget-100",
+    "tierflow-budget-98",
+    "tierflow-budget-95",
     "tierflow-budget-90",
     "tierflow-split",
     "tierflow-exits",
@@ -71,6 +76,8 @@ VERDICT_STRATEGIES = (
     "tierflow",
     "tierflow-budget",
     "tierflow-budget-100",
+    "tierflow-budget-98",
+    "tierflow-budget-95",
     "tierflow-budget-90",
     "tierflow-bottleneck",
     "tierflow-lowbit",
@@ -89,18 +96,23 @@ GOAL_KINDS = ("learned", "low-bit")
 GOAL_STRATEGIES = (
     "tierflow-budget",
     "tierflow-budget-100",
+    "tierflow-budget-98",
+    "tierflow-budget-95",
     "tierflow-budget-90",
     "tierflow-split",
     "tierflow-bottleneck",
     "tierflow-lowbit",
 )
 BOTTLENECK_JSON = Path(__file__).resolve().parent / "results" / "bottleneck.json"
+#: ``bottleneck_trained.py``'s run: learned bottlenecks on run.py's ImageNet classifier.
+TRAINED_BOTTLENECK_JSON = BOTTLENECK_JSON.with_name("bottleneck_trained.json")
 # Which of bottleneck.json's strategies become results.json rows, and under which name.
 _BOTTLENECK_STRATEGIES = {
     "cloud-only-jpeg": JPEG_BASELINE,  # quality 90
     "cloud-only-png": "cloud-only-png",
     "cloud-only (int8+zstd)": "cloud-only-compressed",
-    "tierflow-budget": "tierflow-budget",  # the planner's own choice under its budget
+    # The planner's own choice under top1=98% there: named by its budget, as run.py's.
+    "tierflow-budget": "tierflow-budget-98",
     "tierflow-budget-100": "tierflow-budget-100",  # ... and under top1=100%
     "tierflow-budget-90": "tierflow-budget-90",  # ... and under top1=90%
 }
@@ -109,8 +121,9 @@ _BOTTLENECK_STRATEGIES = {
 def image_norms(model: Any, graph: Any) -> dict[str, ImageNorm]:
     """The image inputs of a suite model and how they were normalised (empty: none).
 
-    The CNNs of the suite get ``bench_models.smooth_images``: 8-bit pixels normalised by
-    ``bench_models.IMAGE_NORM``; the camera model 8-bit frames as pixel / 255. The demo's
+    The random CNNs of the suite get ``bench_models.smooth_images``: 8-bit pixels
+    normalised by ``bench_models.IMAGE_NORM``; the camera model 8-bit frames as pixel /
+    255; EfficientNet-Lite0 photo views as (pixel - 127) / 128. The demo's
     digits are not 8-bit images (8x8 scans of 17 grey levels, upsampled), the
     transformer's inputs are tokens.
     """
@@ -118,6 +131,10 @@ def image_norms(model: Any, graph: Any) -> dict[str, ImageNorm]:
 
     if model.kind == "camera":
         return {graph.inputs[0].name: bench_models.CAMERA_NORM}
+    if model.kind == "imagenet":
+        from tierflow.zoo import imagenet
+
+        return {graph.inputs[0].name: imagenet.NORM}
     if model.kind not in bench_models.IMAGE_KINDS:
         return {}
     return {graph.inputs[0].name: bench_models.IMAGE_NORM}
@@ -130,7 +147,14 @@ def jpeg_quality(codec: str) -> int | None:
 
 
 class RowFidelity:
-    """Measures the fidelity of plans of one model on its requests, once per distinct plan."""
+    """Measures the fidelity of plans of one model on its requests, once per distinct plan.
+
+    Each plan runs every request through its segments with its codecs applied (the
+    planner's :class:`~tierflow.partitioner.fidelity_probe.FidelityProbe`); a row gets
+    the share agreeing with the exact model's top-1, its one-sided 95% lower bound
+    (Clopper-Pearson), whether every output matched bit for bit, and, where the requests
+    have true answers (``truth``), the plan's task accuracy beside the exact model's.
+    """
 
     def __init__(
         self,
@@ -142,11 +166,11 @@ class RowFidelity:
 
         self.probe = FidelityProbe(graph, [dict(r) for r in requests], images=images)
         self.last = len(graph.cuts) - 1
-        self._seen: dict[tuple[Any, ...], tuple[float, bool]] = {}
+        self._seen: dict[tuple[Any, ...], PlanFidelity] = {}
 
-    def of(self, cuts: Sequence[int], codec: Mapping[str, str]) -> tuple[float, bool]:
-        """(top-1 share agreeing with the exact model, every output bit for bit equal)."""
-        from tierflow.partitioner.fidelity import FidelityBudget
+    def measured(self, cuts: Sequence[int], codec: Mapping[str, str]) -> PlanFidelity:
+        """The plan's agreement, bit-exactness and top-1 answers on every request."""
+        from tierflow.partitioner.fidelity import request_agrees, request_bitwise
 
         a, b = int(cuts[0]), int(cuts[1])
         used = {
@@ -156,15 +180,54 @@ class RowFidelity:
         }
         key = (a, b, tuple(sorted(used.items())))
         if key not in self._seen:
-            measured = self.probe.measure((a, b), used, FidelityBudget("top1", 1.0))
-            self._seen[key] = (measured.score.value, measured.score.bitwise_equal)
+            agree, exact, answers = [], True, []
+            for index in range(len(self.probe.requests)):
+                reference = self.probe.reference(index)
+                got = self.probe.run_split((a, b), used, index)
+                agree.append(request_agrees(reference, got))
+                exact = exact and request_bitwise(reference, got)
+                answers.append(int(np.argmax(next(iter(got.values())))))
+            self._seen[key] = PlanFidelity(agree, exact, answers)
         return self._seen[key]
 
-    def add_to(self, row: Row) -> None:
-        fidelity, exact = self.of(row["cuts"], row.get("codec_used", {}))
-        row["fidelity"] = fidelity
-        row["bit_exact"] = exact
-        row["fidelity_requests"] = len(self.probe.requests)
+    def of(self, cuts: Sequence[int], codec: Mapping[str, str]) -> tuple[float, bool]:
+        """(top-1 share agreeing with the exact model, every output bit for bit equal)."""
+        plan = self.measured(cuts, codec)
+        return plan.fidelity, plan.bit_exact
+
+    def add_to(self, row: Row, truth: np.ndarray | None = None) -> None:
+        plan = self.measured(row["cuts"], row.get("codec_used", {}))
+        row.update(plan.fields(truth))
+        if truth is not None:
+            exact = self.measured((self.last, self.last), {})
+            row["exact_accuracy"] = exact.fields(truth)["accuracy"]
+
+
+class PlanFidelity:
+    """One plan's per-request agreement and answers on the held-out requests."""
+
+    def __init__(self, agree: Sequence[bool], bit_exact: bool, answers: Sequence[int]) -> None:
+        self.agree = list(agree)
+        self.bit_exact = bit_exact
+        self.answers = np.array(answers)
+
+    @property
+    def fidelity(self) -> float:
+        return float(np.mean(self.agree))
+
+    def fields(self, truth: np.ndarray | None) -> Row:
+        """What a results.json row carries of it (accuracy only with ``truth``)."""
+        from tierflow.partitioner.fidelity import lower_confidence_bound
+
+        out: Row = {
+            "fidelity": self.fidelity,
+            "fidelity_lower_95": lower_confidence_bound(sum(self.agree), len(self.agree)),
+            "bit_exact": self.bit_exact,
+            "fidelity_requests": len(self.agree),
+        }
+        if truth is not None:
+            out["accuracy"] = float(np.mean(self.answers == np.asarray(truth)))
+        return out
 
 
 def planner_probe(
@@ -192,7 +255,9 @@ def planner_probe(
     return probe
 
 
-def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, Any]]:
+def bottleneck_rows(
+    path: Path = BOTTLENECK_JSON, trained: Path = TRAINED_BOTTLENECK_JSON
+) -> tuple[list[Row], dict[str, Any]]:
     """``bottleneck_bench.py``'s last committed run as results.json rows (none if absent).
 
     Per rate: the fastest ``tierflow-bottleneck`` variant, the fastest low-bit split of
@@ -201,10 +266,14 @@ def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, 
     ``tierflow-budget-90``, top1=90%), JPEG at quality 90 and its
     quality sweep, WebP (``cloud-only-webp-qNN``), PNG and the int8+zstd upload, each with
     the fidelity that run measured on its held-out requests.
+    With ``trained`` (``bottleneck_trained.py``'s run), also the fastest learned
+    bottleneck per rate on ``run.py``'s ImageNet classifier, composed there as run.py
+    composes (the model's other rows are run.py's own).
     Returns the rows and what the report says about their source.
     """
+    extra = trained_bottleneck_rows(trained)
     if not path.exists():
-        return [], {}
+        return extra, {}
     data = json.loads(path.read_text())
     out: list[Row] = []
     by_rate: dict[float, list[Row]] = {}
@@ -256,8 +325,14 @@ def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, 
             quality = jpeg_quality(str(r.get("codec", "")))
             if quality is not None:
                 row["quality"] = quality
+            budget = data.get("planner", {}).get("budgets", {}).get(r["strategy"])
+            if budget is not None:
+                row["budget"] = budget
             row["trained_weights"] = True
+            row["timing_only"] = False
+            row["input_source"] = "real: " + str(data.get("inputs", "rendered document pages"))
             out.append(row)
+    out += extra
     source = {
         "model": data.get("model"),
         "model_file": data.get("model_file"),
@@ -267,6 +342,55 @@ def bottleneck_rows(path: Path = BOTTLENECK_JSON) -> tuple[list[Row], dict[str, 
         "planner": data.get("planner", {}),
     }
     return out, source
+
+
+def trained_bottleneck_rows(path: Path = TRAINED_BOTTLENECK_JSON) -> list[Row]:
+    """Per rate, the fastest ``tierflow-bottleneck`` row of ``bottleneck_trained.py``'s run
+    (none if absent); every variant stays in its JSON."""
+    if not path.exists():
+        return []
+    rows = json.loads(path.read_text())["rows"]
+    best: dict[float, Row] = {}
+    for row in rows:
+        mbit = float(row["bandwidth_mbit"])
+        if mbit not in best or row["p50_ms"] < best[mbit]["p50_ms"]:
+            best[mbit] = row
+    return [best[m] for m in sorted(best)]
+
+
+def learned_bottleneck_lines(
+    orientation: Path = BOTTLENECK_JSON, trained: Path = TRAINED_BOTTLENECK_JSON
+) -> list[str]:
+    """What the learned bottleneck reaches on each trained model it was trained on: every
+    variant's bytes and held-out fidelity, from the two bottleneck benchmarks' runs."""
+    lines: list[str] = []
+    for path, key in ((orientation, "bottlenecks"), (trained, "points")):
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        held = data.get("heldout_pages") or data.get("heldout_views")
+        variants = sorted(data.get(key, []), key=lambda b: b["bytes"])
+        if not variants:
+            continue
+        best = max(variants, key=lambda b: b["fidelity"])
+        lines.append(
+            f"- **{data.get('model')}** (`{path.name}`, {held} held-out requests): "
+            + "; ".join(
+                f"k={b['channels']} {b['bits']}-bit at `{b['at']}` {b['bytes']:.0f} B, "
+                f"fidelity {b['fidelity']:.3f}"
+                for b in variants
+            )
+            + f". Best {best['fidelity']:.3f}."
+        )
+    if lines:
+        lines.insert(
+            0,
+            "What the learned bottleneck (`tierflow bottleneck add`, trained on the planner's "
+            "calibration requests, features distilled) reaches on each trained model it was "
+            "tried on:\n",
+        )
+        lines.append("")
+    return lines
 
 
 def verdict(rows: Sequence[Row]) -> list[Row]:
@@ -281,12 +405,15 @@ def verdict(rows: Sequence[Row]) -> list[Row]:
     of fidelity ``>= f`` that is faster beats it there. One entry per (model, bandwidth):
     ``holds`` when no level is beaten, ``beaten_by`` the baselines that beat some level,
     ``levels`` each level's plan and what beat it, and ``tierflow_*`` the first beaten
-    level's plan (else the most faithful one). Baselines faster than every tierflow plan
+    level's plan (else the most faithful one). Only models with trained weights are judged
+    (``trained_weights``): a random network's top-1 says nothing about what a codec does
+    to a trained one, so its rows measure time alone. Baselines faster than every tierflow plan
     of at least their fidelity, but less faithful than every plan they are faster than
     (a lossy upload against an exact plan), are a different trade-off: listed in
     ``faster_less_faithful``, not failures.
     """
     out: list[Row] = []
+    rows = [r for r in rows if r.get("trained_weights")]
     points = sorted({(r["model"], float(r["bandwidth_mbit"])) for r in rows})
     for model, mbit in points:
         here = [r for r in rows if r["model"] == model and r["bandwidth_mbit"] == mbit]

@@ -336,6 +336,19 @@ def compose(
     )
 
 
+def device_ms_here(m: Measurements, a: int, codec: str | None) -> float:
+    """The device's own work in plan ``(a, ...)`` on this machine (ms, median per request):
+    its segment ``[0, a)`` plus encoding what it sends at ``a`` with ``codec``.
+
+    Composed latency charges it ``slowdown`` times; a row at another device speed is the
+    same row with this share scaled (``bench_fronts.at_device_speed``).
+    """
+    work = np.array(m.prefix_s[a], dtype=float)
+    if a < m.last and codec is not None:
+        work = work + m.codecs[a][codec].encode_s
+    return float(np.median(work) * 1e3)
+
+
 def best_plan(
     m: Measurements,
     links: Mapping[str, LinkSpec],

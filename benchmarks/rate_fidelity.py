@@ -10,7 +10,12 @@ models tierflow has (real weights only):
 - ``orientation``: the page orientation classifier (PP-LCNet, ``tierflow.zoo.real``) on
   held-out document pages turned by 0-270 degrees (``tierflow.zoo.samples``), 224x224;
 - ``digits-camera``: the demo's trained digits classifier behind its camera stem
-  (``tierflow.zoo.digits_camera``), on 224x224 RGB frames of the held-out digits.
+  (``tierflow.zoo.digits_camera``), on 224x224 RGB frames of the held-out digits;
+- ``layout``: the document layout detector (PicoDet, ``tierflow.zoo.real``, 800x608) on
+  rendered document pages; a detector's answer is its boxes, so its fidelity is box
+  agreement (``tierflow.zoo.agreement.box_agreement``: boxes matched one to one at IoU
+  >= 0.5 with the same class, per page), not top-1. Its cuts are the input and the first
+  shrinking cuts only (``LAYOUT_CUTS``): each runs the whole detector head per page.
 
 For each candidate cut and each codec the planner knows (``EXACT_PLANNER_CODECS``,
 ``LOSSY_PLANNER_CODECS`` and the ``drop+`` codecs of ``LOW_BIT_CODECS``) it records the
@@ -47,7 +52,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +69,7 @@ RESULTS_JSON = HERE / "results" / "rate_fidelity.json"
 REPORT_MD = HERE / "RATE_FIDELITY.md"
 SECTION_START = "<!-- rate-fidelity:start (written by benchmarks/rate_fidelity.py) -->"
 SECTION_END = "<!-- rate-fidelity:end -->"
-MODELS = ("orientation", "digits-camera")
+MODELS = ("orientation", "digits-camera", "layout")
 IMAGE_CODECS = (
     "jpeg:5",
     "jpeg:10",
@@ -92,7 +97,11 @@ def feature_codecs() -> tuple[str, ...]:
 
 @dataclass
 class Subject:
-    """One trained model with its held-out requests, as the probe takes them."""
+    """One trained model with its held-out requests, as the probe takes them.
+
+    ``agree`` (a detector's) scores each request from the exact and the changed outputs
+    in [0, 1]; without it fidelity is top-1 agreement, the probe's own.
+    """
 
     name: str
     path: Path
@@ -100,6 +109,47 @@ class Subject:
     requests: list[dict[str, np.ndarray]]
     images: dict[str, Any]
     inputs: str
+    agree: Callable[[Sequence[np.ndarray], Sequence[np.ndarray]], float] | None = None
+
+
+#: How many of the layout detector's shrinking cuts are measured (beside the input), and
+#: with which feature codecs: each point decodes every page's boxes (seconds a page here).
+LAYOUT_CUTS = 2
+LAYOUT_CODECS = ("raw", "fp16+zstd", "int8+zstd", "int4+zstd", "int2+zstd")
+
+
+def layout(count: int) -> Subject:
+    """The layout detector on ``count`` rendered document pages, judged by its boxes."""
+    from tierflow.codec.base import ImageNorm
+    from tierflow.partitioner.fidelity_probe import sample_requests
+    from tierflow.partitioner.graph import load_model
+    from tierflow.zoo import agreement, real, samples
+
+    path = real.model_path("layout")
+    graph = load_model(path)
+    pages = samples.document_pages(count, seed=303)
+    requests = sample_requests(graph.inputs, real.requests("layout", pages))
+
+    decoded: dict[int, Any] = {}  # the exact boxes of a page, decoded once
+
+    def boxes_agree(exact: Sequence[np.ndarray], changed: Sequence[np.ndarray]) -> float:
+        key = id(exact[0])  # the probe keeps each page's exact outputs: one object each
+        if key not in decoded:
+            decoded[key] = (exact[0], agreement.layout_boxes(list(exact))[0])
+        want = decoded[key][1]
+        (got,) = agreement.layout_boxes(list(changed))
+        return float(agreement.box_agreement([want], [got])[0])
+
+    return Subject(
+        "layout",
+        path,
+        graph,
+        requests,
+        {graph.inputs[0].name: ImageNorm(mean=IMAGENET[0], std=IMAGENET[1])},
+        f"{count} rendered document pages (Pillow, bundled font, sample-photo figures, ruled "
+        "tables), 800x608; fidelity = box agreement (IoU >= 0.5, same class)",
+        boxes_agree,
+    )
 
 
 def orientation(count: int) -> Subject:
@@ -221,7 +271,8 @@ def measure(subject: Subject, cuts: Sequence[int]) -> list[dict[str, Any]]:
     for a in cuts:
         cut = subject.graph.cuts[a]
         device_ms = prefix_ms(subject, a)
-        codecs = feature_codecs() + (IMAGE_CODECS if a == 0 else ())
+        known = LAYOUT_CODECS if subject.name == "layout" else feature_codecs()
+        codecs = known + (IMAGE_CODECS if a == 0 else ())
         raw_score = None
         started = time.perf_counter()
         for codec in codecs:
@@ -237,6 +288,10 @@ def measure(subject: Subject, cuts: Sequence[int]) -> list[dict[str, Any]]:
                     raise AssertionError(f"exact codec {codec} changed the tensors at cut {a}")
             if exact and raw_score is not None:
                 fidelity, bit_exact = raw_score
+            elif subject.agree is not None:
+                fidelity, bit_exact = judged(subject, probe, a, codec)
+                if exact:
+                    raw_score = (fidelity, bit_exact)
             else:
                 measured = probe.measure((a, last), {"device-edge": codec}, budget).score
                 fidelity, bit_exact = measured.value, measured.bitwise_equal
@@ -267,6 +322,22 @@ def measure(subject: Subject, cuts: Sequence[int]) -> list[dict[str, Any]]:
             time.perf_counter() - started,
         )
     return points
+
+
+def judged(subject: Subject, probe: Any, a: int, codec: str) -> tuple[float, bool]:
+    """Mean of ``subject.agree`` over the requests for the split at ``a`` with ``codec``,
+    and whether every output matched bit for bit."""
+    from tierflow.partitioner.fidelity import request_bitwise
+
+    assert subject.agree is not None
+    scores, exact = [], True
+    for index in range(len(probe.requests)):
+        reference = probe.reference(index)
+        got = probe.run_split((a, probe.last), {"device-edge": codec}, index)
+        names = probe.outputs
+        scores.append(subject.agree([reference[n] for n in names], [got[n] for n in names]))
+        exact = exact and request_bitwise(reference, got)
+    return float(np.mean(scores)), exact
 
 
 def bottleneck_points(path: Path) -> list[dict[str, Any]]:
@@ -495,7 +566,8 @@ def plot(record: dict[str, Any], folder: Path) -> str | None:
         )
     ax.set_xscale("log")
     ax.set_xlabel("bytes per request over the device-edge link (log)")
-    ax.set_ylabel("fidelity (top-1 agreement with the exact model)")
+    judged = "box" if record["model"] == "layout" else "top-1"
+    ax.set_ylabel(f"fidelity ({judged} agreement with the exact model)")
     ax.set_title(f"{record['model']}: rate against fidelity ({record['requests']} held-out)")
     ax.legend(fontsize=6, loc="lower right", ncol=2)
     fig.tight_layout()
@@ -684,7 +756,11 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    counts = {"orientation": 16 if args.quick else 32, "digits-camera": 40 if args.quick else 80}
+    counts = {
+        "orientation": 16 if args.quick else 32,
+        "digits-camera": 40 if args.quick else 80,
+        "layout": 8 if args.quick else 32,
+    }
     # Models not measured this time keep their records from the last run (--models).
     previous = args.out / "rate_fidelity.json"
     kept = (
@@ -695,15 +771,21 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for name in args.models:
         began = time.perf_counter()
-        subject = (
-            orientation(counts[name]) if name == "orientation" else digits_camera(counts[name])
-        )
+        makers = {"orientation": orientation, "digits-camera": digits_camera, "layout": layout}
+        subject = makers[name](counts[name])
         all_cuts = len(subject.graph.cuts)
         if name == "orientation":
             cuts = shrinking_cuts(subject.graph)
             note = (
                 "subsampled: the input, the first cut and every cut smaller than all earlier "
                 "ones, to fit a few minutes on two shared cores"
+            )
+        elif name == "layout":
+            cuts = shrinking_cuts(subject.graph)[: LAYOUT_CUTS + 1]
+            note = (
+                f"the input and the first {LAYOUT_CUTS} shrinking cuts (the first cut, then "
+                "each smaller than all earlier ones): every point runs the detector's head "
+                "on every page"
             )
         else:
             cuts = list(range(all_cuts - 1))

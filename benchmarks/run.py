@@ -27,6 +27,7 @@ PNG plots in the output folder.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -46,6 +47,7 @@ if str(HERE) not in sys.path:
 
 import bench_emulation as emu  # noqa: E402
 import bench_fidelity  # noqa: E402
+import bench_fronts  # noqa: E402
 import bench_measure  # noqa: E402
 import bench_models  # noqa: E402
 import bench_report  # noqa: E402
@@ -63,6 +65,9 @@ Row = dict[str, Any]
 SAMPLE_SEED = 7  # the profiling sample, never measured
 EXIT_SEED = 1  # the tierflow-exits workload (plans are measured on seed 0)
 PLANNER_SEED = 11  # tierflow-budget's planner sample (random networks; trained: training split)
+#: Held-out requests each trained model's row fidelity is measured on in a full run: a
+#: share near 0.97 to about +-2% (95% bound), and enough to tell 95% from 99% apart.
+TRAINED_FIDELITY_REQUESTS = 300
 # Where the strategies also run through the real runtime (model -> bandwidths).
 RUNTIME_POINTS_QUICK: dict[str, tuple[float, ...]] = {"demo-digits": (20.0,)}
 RUNTIME_POINTS_FULL: dict[str, tuple[float, ...]] = {
@@ -149,7 +154,14 @@ def bench_model(
         )
         probe = bench_fidelity.planner_probe(graph, planner_sample, images)
     choices: dict[float, dict[str, strategies.Choice]] = {}
-    budgeted: dict[float, strategies.Choice] = {}
+    # Per rate, tierflow's plan under each fidelity budget (strategy -> choice); random
+    # networks get the top1=99% plan only (their rows measure time alone).
+    budgeted: dict[float, dict[str, strategies.Choice]] = {}
+    budgets = (
+        strategies.BUDGETS
+        if model.trained
+        else {"tierflow-budget": strategies.BUDGETS["tierflow-budget"]}
+    )
     split: dict[float, strategies.Choice] = {}
     # tierflow-split's device holds the first layers, not the model (trained models only).
     device_memory = (
@@ -172,20 +184,26 @@ def bench_model(
         for est in search(problem, top=5, tables=tables).ranked:
             required.update(est.cuts)
         if probe is not None:
-            began = time.perf_counter()
-            choice, notes = strategies.choose_within_budget(
-                graph, profiles, emu.links_at(mbit), probe, images
-            )
-            planner_notes += [f"{mbit:g} Mbit/s: {n}" for n in notes if "fidelity" in n]
-            logger.info(
-                "[bench] %s %g Mbit/s: tierflow-budget plans %s %s in %.1f s",
-                model.name,
-                mbit,
-                choice.cuts,
-                choice.codec,
-                time.perf_counter() - began,
-            )
-            budgeted[mbit] = choice
+            budgeted[mbit] = {}
+            for strategy, budget in budgets.items():
+                began = time.perf_counter()
+                choice, notes = strategies.choose_within_budget(
+                    graph, profiles, emu.links_at(mbit), probe, images, budget
+                )
+                planner_notes += [
+                    f"{mbit:g} Mbit/s {budget}: {n}" for n in notes if "fidelity" in n
+                ]
+                logger.info(
+                    "[bench] %s %g Mbit/s: %s (%s) plans %s %s in %.1f s",
+                    model.name,
+                    mbit,
+                    strategy,
+                    budget,
+                    choice.cuts,
+                    choice.codec,
+                    time.perf_counter() - began,
+                )
+                budgeted[mbit][strategy] = dataclasses.replace(choice, strategy=strategy)
             if device_memory is not None:
                 split[mbit], _ = strategies.choose_within_budget(
                     graph, profiles, emu.links_at(mbit), probe, images, device_memory=device_memory
@@ -198,7 +216,7 @@ def bench_model(
                     split[mbit].cuts,
                     split[mbit].codec,
                 )
-            for choice in (budgeted[mbit], *([split[mbit]] if mbit in split else [])):
+            for choice in (*budgeted[mbit].values(), *([split[mbit]] if mbit in split else [])):
                 required.update(choice.cuts)
                 for link, cut in zip(("device-edge", "edge-cloud"), choice.cuts, strict=True):
                     if cut < last and choice.codec[link] not in strategies.TABLE_CODECS:
@@ -228,9 +246,12 @@ def bench_model(
     # Fidelity on held-out requests (never the planner's sample), at least the measured ones.
     # The trained models are small, and their fidelity is what the split goal is judged on.
     count = max(
-        args.fidelity_requests, args.requests, 100 if model.trained and not args.quick else 0
+        args.fidelity_requests,
+        args.requests,
+        TRAINED_FIDELITY_REQUESTS if model.trained and not args.quick else 0,
     )
     held_out = bench_models.requests(model, specs, count)
+    truth = bench_models.labels(model, count)
     fidelity = bench_fidelity.RowFidelity(graph, held_out, images)
     slow = slowdowns()
     rows: list[Row] = []
@@ -243,18 +264,19 @@ def bench_model(
         for name, choice in choices[mbit].items():
             point[name] = bench_measure.compose(measured, *choice.cuts, choice.codec, links, slow)
         planned: list[tuple[str, strategies.Choice | None]] = list(choices[mbit].items())
-        if mbit in budgeted:
-            choice = budgeted[mbit]
-            point["tierflow-budget"] = bench_measure.compose(
+        at = len(choices[mbit])
+        for strategy, choice in budgeted.get(mbit, {}).items():
+            point[strategy] = bench_measure.compose(
                 measured, *choice.cuts, choice.codec, links, slow
             )
-            planned.insert(len(choices[mbit]), ("tierflow-budget", choice))
+            planned.insert(at, (strategy, choice))
+            at += 1
         if mbit in split:
             choice = split[mbit]
             point["tierflow-split"] = bench_measure.compose(
                 measured, *choice.cuts, choice.codec, links, slow
             )
-            planned.insert(len(choices[mbit]) + 1, ("tierflow-split", choice))
+            planned.insert(at, ("tierflow-split", choice))
         if images:
             for name, codec in bench_fidelity.IMAGE_BASELINES.items():
                 both = {"device-edge": codec, "edge-cloud": codec}
@@ -285,13 +307,22 @@ def bench_model(
                 "measured": "composed",
                 "requests": len(requests),
                 "trained_weights": model.trained,
+                "timing_only": not model.trained,
+                "input_source": model.input_source,
+                "device_ms_here": bench_measure.device_ms_here(
+                    measured, composed.cuts[0], composed.codec.get("device-edge")
+                ),
             }
-            fidelity.add_to(row)
+            fidelity.add_to(row, truth)
             quality = bench_fidelity.jpeg_quality(composed.codec.get("device-edge", ""))
             if name in bench_fidelity.IMAGE_BASELINES and quality is not None:
                 row["quality"] = quality
-            if name in ("tierflow-budget", "tierflow-split"):
-                chosen = strategies.SPLIT_BUDGET if name == "tierflow-split" else strategies.BUDGET
+            if name in strategies.BUDGETS or name == "tierflow-split":
+                chosen = (
+                    strategies.SPLIT_BUDGET
+                    if name == "tierflow-split"
+                    else strategies.BUDGETS[name]
+                )
                 row["budget"] = str(chosen)
                 row["budget_sample_requests"] = args.budget_sample
             if name == "tierflow-split":
@@ -328,6 +359,7 @@ def bench_model(
         "trained": model.trained,
         "fidelity_requests": len(held_out),
         "budget": str(strategies.BUDGET) if probe is not None else None,
+        "budgets": {k: str(v) for k, v in budgets.items()} if probe is not None else {},
         "budget_sample_requests": args.budget_sample if probe is not None else 0,
         "budget_notes": planner_notes,
         "split_device_memory": device_memory,
@@ -448,6 +480,9 @@ def exits_rows(
             "tierflow_same_requests_mean_ms": float(np.mean(point.plain_s) * 1e3),
             "speedup_vs_tierflow_same_requests": plain_p50 / p50,
             "agreement_with_tierflow": float(np.mean(point.predicted == point.plain_predicted)),
+            "trained_weights": model.trained,
+            "timing_only": not model.trained,
+            "input_source": model.input_source,
         }
         # The plain walk is the exact model's answer when the plan reproduces the model bit
         # for bit on these requests (measured here); then agreeing with it is fidelity.
@@ -625,7 +660,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help="held-out requests each row's fidelity is measured on (default 20 quick, 50 full; "
-        "at least 100 for the trained models in a full run)",
+        "at least 300 for the trained models in a full run)",
     )
     parser.add_argument(
         "--budget-sample",
@@ -689,6 +724,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 FOLDED = "composed by bottleneck_bench.py"
+#: Every folded row's ``measured`` starts so (bottleneck_bench.py, bottleneck_trained.py).
+FOLDED_PREFIX = "composed by "
+
+
+def is_folded(row: Row) -> bool:
+    """Whether ``row`` was folded in from another benchmark's run (refold replaces it)."""
+    return str(row.get("measured", "")).startswith(FOLDED_PREFIX)
 
 
 def fold_models(
@@ -709,13 +751,27 @@ def fold_models(
     }
     for name in names:
         runs[name] = {"command": new_meta["command"], "date": new_meta["date"]}
-    kept = [r for r in rows if r["model"] not in names and r.get("measured") != FOLDED]
-    kept += [r for r in new_rows if r["model"] in names and r.get("measured") != FOLDED]
+    kept = [r for r in rows if r["model"] not in names and not is_folded(r)]
+    kept += [r for r in new_rows if r["model"] in names and not is_folded(r)]
     infos = {m["name"]: m for m in data["models"]}
     infos.update({m["name"]: m for m in new_meta["models"]})
     order = [m["name"] for m in data["models"]]
     order += [n for n in sorted(names) if n not in order]
     return kept, {**data, "models": [infos[n] for n in order], "model_runs": runs}
+
+
+def label_rows(rows: list[Row], models: Sequence[dict[str, Any]]) -> None:
+    """Give every row its model's ``trained_weights``, ``timing_only`` and ``input_source``
+    where it lacks them (rows of a run made before a strategy carried them)."""
+    infos = {m["name"]: m for m in models}
+    for row in rows:
+        info = infos.get(row["model"])
+        if info is None or "trained_weights" in row:
+            continue
+        row["trained_weights"] = bool(info.get("trained"))
+        row["timing_only"] = not row["trained_weights"]
+        if "input_source" in info:
+            row["input_source"] = info["input_source"]
 
 
 def adaptation_section() -> list[str]:
@@ -741,9 +797,7 @@ def refold(out: Path, fold_from: Path | None = None) -> int:
     With ``fold_from`` (another run's folder), the models that run measured take their rows
     from it (:func:`fold_models`).
     """
-    rows = [
-        r for r in json.loads((out / "results.json").read_text()) if r.get("measured") != FOLDED
-    ]
+    rows = [r for r in json.loads((out / "results.json").read_text()) if not is_folded(r)]
     data = json.loads((out / "results_meta.json").read_text())
     if fold_from is not None:
         rows, data = fold_models(
@@ -752,11 +806,13 @@ def refold(out: Path, fold_from: Path | None = None) -> int:
             json.loads((fold_from / "results.json").read_text()),
             json.loads((fold_from / "results_meta.json").read_text()),
         )
+    label_rows(rows, data["models"])
     folded, source = bench_fidelity.bottleneck_rows()
     rows.extend(folded)
     extras = data.pop("overheads", {})
     data["verdict"] = bench_fidelity.verdict(rows)
     data["split_goal"] = bench_fidelity.split_goal(rows)
+    data["splits_pay"] = bench_fronts.summary(bench_fronts.where_splits_pay(rows))
     data["bottleneck_source"] = source
     data["refolded"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     for line in [
@@ -774,6 +830,8 @@ def refold(out: Path, fold_from: Path | None = None) -> int:
             break
     sections = bench_sections.fidelity_section(rows, data["verdict"], source, data["split_goal"])
     sections += bench_sections.jpeg_sweep_section(rows)
+    sections += bench_fronts.section(rows, bench_fronts.plot_fronts(rows, out, out))
+    sections += bench_fidelity.learned_bottleneck_lines()
     sections += bench_sections.exits_section(rows)
     sections += bench_sections.runtime_section(rows)
     runs = data.get("model_runs", {})
@@ -872,6 +930,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sections: list[str] = []
     sections += bench_sections.fidelity_section(rows, verdict, bottleneck_source, goal)
     sections += bench_sections.jpeg_sweep_section(rows)
+    sections += bench_fronts.section(rows, bench_fronts.plot_fronts(rows, args.out, args.out))
+    sections += bench_fidelity.learned_bottleneck_lines()
     sections += bench_sections.exits_section(rows)
     sections += bench_sections.runtime_section(rows)
     sections += adaptation_section()
@@ -920,6 +980,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "method": bench_sections.METHOD.format(rounds=args.rounds),
         "verdict": verdict,
         "split_goal": goal,
+        "splits_pay": bench_fronts.summary(bench_fronts.where_splits_pay(rows)),
         "bottleneck_source": bottleneck_source,
     }
     sections += bench_sections.LIMITS.splitlines()

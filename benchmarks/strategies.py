@@ -21,6 +21,8 @@ the plan is chosen, so they are measured by the same code on the same requests:
                            candidates, each lossy crossing measured end to end on the
                            planner's own sample (``planner.rank``, :func:`choose_within_budget`).
                            Its row's fidelity is measured on held-out requests.
+``tierflow-budget-98``,    as ``tierflow-budget`` under top1=98%, 95% and 90% (``BUDGETS``,
+``-95``, ``-90``           trained models only): the rest of tierflow's rate-fidelity front.
 ``tierflow-budget-100``    as ``tierflow-budget`` under top1=100% (every calibration answer
                            kept): the plan tierflow offers at the highest fidelity level;
                            orientation only, folded from ``bottleneck_bench.py``, whose
@@ -83,6 +85,14 @@ RAW = {"device-edge": "raw", "edge-cloud": "raw"}
 #: The ``tierflow-budget`` strategy's budget: 99% of requests keep the exact model's top-1
 #: answer (``--fidelity top1=99%``; the planner needs at least 100 sample requests for it).
 BUDGET = FidelityBudget("top1", 0.99)
+#: The budgets tierflow's plans are made under on the trained models, one strategy each:
+#: the rate-fidelity front from the exact plan (``tierflow``) down to top1=90%.
+BUDGETS: dict[str, FidelityBudget] = {
+    "tierflow-budget": BUDGET,
+    "tierflow-budget-98": FidelityBudget("top1", 0.98),
+    "tierflow-budget-95": FidelityBudget("top1", 0.95),
+    "tierflow-budget-90": FidelityBudget("top1", 0.90),
+}
 #: ``tierflow-split``'s budget: every sample request keeps its top-1 answer, as the JPEG
 #: q90 upload does on the trained models' frames (fidelity 1.000), so the split goal
 #: compares plans of equal fidelity; a 99% plan missed that on held-out frames (0.98).

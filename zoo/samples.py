@@ -1,10 +1,13 @@
-"""Real inputs without downloads: photos that ship with scikit-learn, text drawn with Pillow.
+"""Real inputs without downloads: photos that ship inside packages, text drawn with Pillow.
 
 Every function returns uint8 RGB images [N,H,W,3], deterministic for a seed, so a
 benchmark and a test see the same requests. :func:`normalise` turns them into the float
 tensors the models in :mod:`tierflow.zoo.real` take. Pillow's bundled font (Aileron,
 through ``ImageFont.load_default(size)``) draws the text; scikit-learn's two sample
-photos (a temple and a flower, 427x640) give the photographic content.
+photos (a temple and a flower, 427x640) give the photographic content of the pages, and
+:func:`photo_views` crops camera-like views of every photo the installed packages ship
+(scikit-learn's, matplotlib's and scikit-image's, :data:`SHIPPED_PHOTOS`) for the
+ImageNet classifiers.
 
 Needs Pillow and scikit-learn's files (the ``models`` extra); imported only by tools that plan
 or measure, never by a runtime tier.
@@ -97,6 +100,83 @@ def photo_crops(count: int, size: int = 224, *, seed: int = 0) -> np.ndarray:
         patch = Image.fromarray(photo[top : top + side, left : left + side])
         crops[i] = np.asarray(patch.resize((size, size), Image.Resampling.BICUBIC))
     return crops
+
+
+#: Real photographs that packages carry in their wheels: (package, folder, file). Only
+#: colour or grey photographs of scenes and objects; charts, textures made by a program
+#: and microscopy are left out.
+SHIPPED_PHOTOS: tuple[tuple[str, str, str], ...] = (
+    ("sklearn", "datasets/images", "china.jpg"),
+    ("sklearn", "datasets/images", "flower.jpg"),
+    ("matplotlib", "mpl-data/sample_data", "grace_hopper.jpg"),
+    ("skimage", "data", "astronaut.png"),
+    ("skimage", "data", "chelsea.png"),
+    ("skimage", "data", "coffee.png"),
+    ("skimage", "data", "rocket.jpg"),
+    ("skimage", "data", "motorcycle_left.png"),
+    ("skimage", "data", "hubble_deep_field.jpg"),
+    ("skimage", "data", "camera.png"),
+    ("skimage", "data", "brick.png"),
+    ("skimage", "data", "grass.png"),
+    ("skimage", "data", "gravel.png"),
+    ("skimage", "data", "retina.jpg"),
+)
+
+
+@cache
+def shipped_photos() -> tuple[tuple[str, np.ndarray], ...]:
+    """Every photo of :data:`SHIPPED_PHOTOS` whose package is installed, as (name, RGB).
+
+    Files are found through the import system's spec of each package (nothing is
+    imported); grey photos become three equal channels. Raises :class:`ModelError` when
+    none is found.
+    """
+    import importlib.util
+
+    from PIL import Image
+
+    found: list[tuple[str, np.ndarray]] = []
+    for package, folder, name in SHIPPED_PHOTOS:
+        spec = importlib.util.find_spec(package)
+        for root in [] if spec is None else list(spec.submodule_search_locations or []):
+            path = Path(root) / folder / name
+            if path.is_file():
+                image = Image.open(path).convert("RGB")
+                found.append((f"{package}:{name}", np.asarray(image, dtype=np.uint8)))
+                break
+    if not found:
+        raise ModelError("no shipped photo was found: pip install 'tierflow[models]'")
+    return tuple(found)
+
+
+def photo_views(count: int, size: int = 224, *, seed: int = 0) -> tuple[np.ndarray, list[str]]:
+    """``count`` square views of the shipped photos, ``size`` x ``size``, and each one's photo.
+
+    View ``i`` is of photo ``i mod P`` (every photo contributes alike); its side is a
+    random 30-100% of the photo's shorter side, its position random, and it is mirrored
+    left-right with probability one half, then resized with Pillow's bicubic filter: how a
+    camera framing one scene differently from frame to frame would see it. Different
+    seeds give different views of the same photos (disjoint pixel for pixel in practice,
+    not in content: say so where it matters).
+    """
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    photos = shipped_photos()
+    views = np.empty((count, size, size, 3), dtype=np.uint8)
+    names: list[str] = []
+    for i in range(count):
+        name, photo = photos[i % len(photos)]
+        height, width = photo.shape[:2]
+        side = max(16, int(min(height, width) * rng.uniform(0.3, 1.0)))
+        top = int(rng.integers(0, height - side + 1))
+        left = int(rng.integers(0, width - side + 1))
+        patch = Image.fromarray(photo[top : top + side, left : left + side])
+        if rng.random() < 0.5:
+            patch = patch.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        views[i] = np.asarray(patch.resize((size, size), Image.Resampling.BICUBIC))
+        names.append(name)
+    return views, names
 
 
 def _sentence(rng: np.random.Generator, words: int) -> str:

