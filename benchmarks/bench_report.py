@@ -404,7 +404,18 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any], sections: Sequence[st
         out.append("")
     out.extend(sections)
     out.extend(rate_fidelity_section())
+    out.extend(generation_section())
     return "\n".join(out) + "\n"
+
+
+def generation_section() -> list[str]:
+    """``generation_bench.py``'s section from its last committed run (none if absent)."""
+    path = Path(__file__).resolve().parent / "results" / "generation.json"
+    if not path.exists():
+        return []
+    import generation_bench
+
+    return ["", *generation_bench.results_section(json.loads(path.read_text()))]
 
 
 def trained_line(rows: Sequence[Row]) -> str:

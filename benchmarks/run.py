@@ -842,8 +842,8 @@ def refold(out: Path, fold_from: Path | None = None) -> int:
     # The method text as the run wrote it (results_meta.json leaves it out).
     data["method"] = old[old.index("## How it was measured") : old.index("## Summary")].rstrip()
     kept = old[old.index("## Overheads and limits") :]
-    for mark in ("<!-- rate-fidelity:start", "## Rate against fidelity"):
-        if mark in kept:  # markdown() appends rate_fidelity.py's anew
+    for mark in ("<!-- rate-fidelity:start", "## Rate against fidelity", "<!-- generation:start"):
+        if mark in kept:  # markdown() appends rate_fidelity.py's and generation_bench.py's anew
             kept = kept[: kept.index(mark)].rstrip("\n") + "\n"
             break
     sections = bench_sections.fidelity_section(rows, data["verdict"], source, data["split_goal"])

@@ -145,6 +145,8 @@ def register(subparsers: Any) -> None:
             "tierflow demo",
             "# a slower, farther link, 200 requests per strategy, plans kept in demo/",
             "tierflow demo --link device-edge=2mbit,40ms --requests 200 --workdir demo/",
+            "# a byte-level decoder family: text streamed from the split, with and without drafts",
+            "tierflow demo --generate",
         ),
         formatter_class=HelpFormatter,
     )
@@ -188,11 +190,34 @@ def register(subparsers: Any) -> None:
         help="also write the results (table, comparisons, predictions) as Markdown to "
         "FILE.md; the README embeds demos/demo-results.md, written so",
     )
+    parser.add_argument(
+        "--generate",
+        action="store_true",
+        help="the generation demo instead: a byte-level decoder family trained on the "
+        "standard library, the large model split over the three tiers, text streamed as it "
+        "comes, with and without the small model drafting on the device (default links: "
+        "device-edge=20mbit,30ms, edge-cloud=200mbit,20ms)",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=64, help="--generate: tokens generated per prompt"
+    )
+    parser.add_argument(
+        "--prompts", type=int, default=1, help="--generate: held-out prompts per strategy"
+    )
     parser.set_defaults(handler=run_demo, extra="train")  # the extra a missing import names
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    defaults = {name: LinkSpec.parse(text) for name, text in DEFAULT_LINKS.items()}
+    if args.generate:
+        from tierflow.demos.generation_setup import DEFAULT_LINKS as GENERATE_LINKS
+
+        if args.requests or args.results_md is not None:
+            raise UsageError("--requests and --results-md are the digits demo's, not --generate's")
+        if not 1 <= args.max_tokens <= 256 or not 1 <= args.prompts <= 32:
+            raise UsageError("--max-tokens must be within 1..256 and --prompts within 1..32")
+        defaults = {name: LinkSpec.parse(text) for name, text in GENERATE_LINKS.items()}
+    else:
+        defaults = {name: LinkSpec.parse(text) for name, text in DEFAULT_LINKS.items()}
     links = apply_links(defaults, args.link)
     if args.requests < 0 or args.window < 1:
         raise UsageError("--requests must be >= 0 and --window >= 1")
@@ -203,6 +228,12 @@ def run_demo(args: argparse.Namespace) -> int:
         else:
             workdir = args.workdir
             workdir.mkdir(parents=True, exist_ok=True)
+        if args.generate:
+            from tierflow.demos.generate import run_generate_demo
+
+            return run_generate_demo(
+                links, workdir, prompts=args.prompts, max_tokens=args.max_tokens, as_json=args.json
+            )
         if args.json:  # the steps' output goes to stderr, one JSON object to stdout
             with contextlib.redirect_stdout(sys.stderr):
                 runs, notes = _demo(links, workdir, args.requests, args.window)

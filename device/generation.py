@@ -45,6 +45,7 @@ from tierflow.errors import (
 from tierflow.greedy import decoder_of_session, session_step
 from tierflow.link.spec import LINKS
 from tierflow.options import RuntimeOptions
+from tierflow.runtime.segment_runner import emulate_slower
 from tierflow.runtime.sessions import open_session
 from tierflow.runtime.state import SessionStates
 from tierflow.state_spec import DecoderSpec, StateSpec
@@ -147,6 +148,9 @@ class LocalDecoder:
     """A decoder run on the device in one ONNX Runtime session, its KV cache kept here.
 
     The draft model of [Note: speculation]; :meth:`forward` as :class:`TierDecoder`'s.
+    It runs as slowly as the device's own segments (``options.slowdown``, [Note: emulating
+    a slower tier] in tierflow/runtime/segment_runner.py): a draft on an emulated phone
+    costs what it would cost there, and ``auto`` weighs that cost.
     """
 
     def __init__(self, path: str | Path, options: RuntimeOptions, context: int) -> None:
@@ -162,6 +166,9 @@ class LocalDecoder:
             session, context=context, where=f"draft model {self.path.name}"
         )
         self._step = session_step(session)
+        self._slowdown = options.slowdown
+        # What a step's compute is timed by, as SegmentRunner times a segment's.
+        self._clock = time.thread_time if options.threads == 1 else time.perf_counter
         self._store = SessionStates("device")
         self._position = 0
         self.seconds = 0.0
@@ -170,11 +177,18 @@ class LocalDecoder:
     def vocab(self) -> int:
         return self.decoder.vocab
 
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of KV cache the draft holds now (its memory beside its weights)."""
+        return self._store.nbytes
+
     def forward(self, tokens: Sequence[int], position: int) -> np.ndarray:
         start = time.perf_counter()
         state = self._store.inputs("draft", "draft", position, self.states)
         feeds = {**self.decoder.step_feeds(list(tokens), position), **state}
+        computing = self._clock() if self._slowdown > 1.0 else 0.0
         outputs = self._step(feeds)
+        emulate_slower(self._slowdown, computing, self._clock)
         kept = {s.input: np.asarray(outputs[s.output]) for s in self.states}
         self._store.commit("draft", "draft", position, self.states, kept)
         self.seconds += time.perf_counter() - start

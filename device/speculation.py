@@ -18,10 +18,16 @@ gives the large model's distribution at each of the ``K + 1`` positions.
 Every tier cuts its KV cache back to the kept length on the next request ([Note: session
 state on a tier] in tierflow/runtime/state.py), so rejected tokens leave no trace.
 
-``--draft-tokens auto`` picks ``K`` from the acceptance rate ``a`` seen so far (a
-running mean) and the measured costs: a round trip of the large model takes ``r`` and a
-draft step ``d``, so ``K`` drafts give ``(1 - a**(K+1)) / (1 - a)`` tokens for ``r + K*d``
-seconds; the ``K`` in ``1..MAX_DRAFT`` with the most tokens per second wins.
+``--draft-tokens auto`` picks ``K`` from the acceptance rate ``a`` seen so far and the
+measured costs: a round trip of the large model takes ``r`` and a draft step ``d``, so
+``K`` drafts give ``(1 - a**(K+1)) / (1 - a)`` tokens for ``r + K*d`` seconds; the ``K``
+in ``1..MAX_DRAFT`` with the most tokens per second wins. That formula's ``a`` is the
+chance that a draft is kept once those before it were, so it is measured over the drafts
+the large model looked at: a round that kept ``k`` of ``K`` looked at ``k + 1`` (``K``
+when all were kept), and ``a`` is kept over looked at, both as running means. The share
+of all drafts kept (what ``generate`` reports as ``acceptance``) is lower: drafts after
+a rejection are never looked at, and counting them as rejected would make ``auto`` draft
+too few.
 """
 
 from __future__ import annotations
@@ -113,18 +119,27 @@ class AcceptanceMeter:
 
     def __init__(self, weight: float = 0.3) -> None:
         self.weight = weight
-        self.rate = PRIOR_ACCEPTANCE
+        # Running means of drafts kept and drafts looked at per round ([Note: speculation]).
+        self._kept = PRIOR_ACCEPTANCE
+        self._looked = 1.0
         self.round_trip_s: float | None = None
         self.draft_step_s: float | None = None
         self.drafted = 0
         self.accepted = 0
+
+    @property
+    def rate(self) -> float:
+        """The chance that a draft is kept once those before it were."""
+        return self._kept / self._looked
 
     def observe(self, drafted: int, kept: int, round_trip_s: float, draft_s: float) -> None:
         if drafted <= 0:
             return
         self.drafted += drafted
         self.accepted += kept
-        self.rate += self.weight * (kept / drafted - self.rate)
+        looked = kept + 1 if kept < drafted else drafted
+        self._kept += self.weight * (kept - self._kept)
+        self._looked += self.weight * (looked - self._looked)
         per_draft = draft_s / drafted
         self.round_trip_s = _blend(self.round_trip_s, round_trip_s, self.weight)
         self.draft_step_s = _blend(self.draft_step_s, per_draft, self.weight)

@@ -64,3 +64,21 @@ def test_the_meter_follows_acceptance() -> None:
         meter.observe(4, 4, round_trip_s=0.05, draft_s=0.004)
     assert meter.rate > 0.95 and meter.accepted == 80 and meter.drafted == 80
     assert meter.choose(None) >= 6
+
+
+def test_the_meter_measures_a_drafts_chance_once_those_before_it_were_kept() -> None:
+    """Each draft kept with chance 0.8 once the earlier ones were: ``rate`` is 0.8, not
+    the 0.59 of all drafts kept (those after a rejection are never looked at)."""
+    rng = np.random.default_rng(0)
+    meter = AcceptanceMeter(weight=0.05)
+    rates = []
+    for _ in range(2000):
+        kept = 0
+        while kept < 4 and rng.random() < 0.8:
+            kept += 1
+        meter.observe(4, kept, round_trip_s=0.07, draft_s=0.028)
+        rates.append(meter.rate)
+    assert abs(float(np.mean(rates[500:])) - 0.8) < 0.03
+    assert abs(meter.accepted / meter.drafted - 0.59) < 0.03
+    # With the rate right, a dear round trip and cheap drafts call for more than 4.
+    assert meter.choose(None) > 4

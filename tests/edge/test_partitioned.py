@@ -99,13 +99,18 @@ def test_a_model_inside_one_if_serves_on_edge_and_cloud_processes(tmp_path: Path
         cloud = serve("cloud", plan_dir)
         edge = serve("edge", plan_dir, "--upstream", cloud.address)
         args = ["--input", str(tmp_path / "in.npz"), "--output", str(out), "--report", str(report)]
+        # Its state pair keeps the LSTM state on the cloud: the rows are one session's.
+        args += ["--session", "vad"]
         assert main(["run", "--plan", str(plan_dir), "--edge", edge.address, *args]) == 0
         assert edge.stop() == 0 and cloud.stop() == 0
     whole = SegmentRunner(model_path)
     lines = [json.loads(line) for line in report.read_text().splitlines()]
     assert [line["answered_by"] for line in lines] == ["cloud"] * count
+    state = np.asarray(inputs["state"][0])  # taken from the first row only
     with np.load(out) as answers:
         for i in range(count):
-            expected = whole.run({name: np.asarray(inputs[name][i]) for name in inputs})
+            feeds = {"input": inputs["input"][i], "state": state, "sr": np.asarray(inputs["sr"][i])}
+            expected = whole.run(feeds)
+            state = expected.pop("stateN")
             for name, value in expected.items():
                 np.testing.assert_array_equal(answers[name][i], value)
