@@ -111,8 +111,12 @@ TRAINED_BOTTLENECK_JSON = BOTTLENECK_JSON.with_name("bottleneck_trained.json")
 
 
 def trained_bottleneck_files(folder: Path = BOTTLENECK_JSON.parent) -> list[Path]:
-    """Every committed ``bottleneck_trained.py`` run in ``folder``, in name order."""
-    return sorted(folder.glob("bottleneck_trained*.json"))
+    """Every committed ``bottleneck_trained.py`` run in ``folder``: the first classifier's
+    (``bottleneck_trained.json``), then the others by name."""
+    return sorted(
+        folder.glob("bottleneck_trained*.json"),
+        key=lambda p: (p.name != TRAINED_BOTTLENECK_JSON.name, p.name),
+    )
 
 
 # Which of bottleneck.json's strategies become results.json rows, and under which name.

@@ -170,7 +170,7 @@ def test_trained_bottleneck_rows_compose_as_run_py_and_fold_the_fastest(tmp_path
     (tmp_path / "bottleneck_trained-n.json").write_text(json.dumps({"rows": other}))
     path.rename(tmp_path / "bottleneck_trained.json")
     files = bench_fidelity.trained_bottleneck_files(tmp_path)
-    assert [f.name for f in files] == ["bottleneck_trained-n.json", "bottleneck_trained.json"]
+    assert [f.name for f in files] == ["bottleneck_trained.json", "bottleneck_trained-n.json"]
     both, _ = bench_fidelity.bottleneck_rows(tmp_path / "absent.json", trained=files)
     assert sorted({r["model"] for r in both}) == ["m", "n"]
     assert len(both) == 2 * len(emu.FULL_BANDWIDTHS)
