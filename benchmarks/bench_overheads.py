@@ -94,14 +94,18 @@ def _transport_lines(figures: dict[str, Any]) -> list[str]:
         "the same chain in bare gRPC (a relay process, per hop) and, as the machine's floor, "
         "a bare TCP round trip to another process.\n",
         "| feature | requests | end-to-end p50 ms | work p50 ms | overhead per hop p50 ms "
-        "| bare gRPC relay per hop ms | bare gRPC round trip ms | bare TCP round trip ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| bare gRPC relay per hop ms | tierflow / relay (quartiles) | mTLS adds ms | "
+        "metrics add ms | bare gRPC round trip ms | bare TCP round trip ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in figures["overhead"]:
+        low, _, high = row["vs_relay_quartiles"]
         out.append(
             f"| {row['feature']} | {row['requests']} | {row['total_ms_p50']:.2f} | "
             f"{row['work_ms_p50']:.2f} | {row['overhead_per_hop_ms_p50']:.2f} | "
-            f"{row['grpc_relay_per_hop_ms_p50']:.2f} | {row['grpc_round_trip_ms_p50']:.2f} | "
+            f"{row['grpc_relay_per_hop_ms_p50']:.2f} | {row['vs_relay_p50']:.2f}x "
+            f"({low:.2f}–{high:.2f}) | {row['tls_adds_ms_per_hop']:+.3f} | "
+            f"{row['metrics_adds_ms_per_hop']:+.3f} | {row['grpc_round_trip_ms_p50']:.2f} | "
             f"{row['tcp_round_trip_ms_p50']:.2f} |"
         )
     out.append("")

@@ -190,6 +190,7 @@ class DeviceClient:
         *,
         session: str | None = None,
         position: int = 0,
+        keep_last: int = 0,
     ) -> Ticket:
         """Run the device's part now and send the rest on; errors end up in the Result.
 
@@ -201,7 +202,8 @@ class DeviceClient:
         state holds before this request ([Note: session state on a tier] in
         tierflow/runtime/state.py); at position 0, ``inputs`` may also hold the first
         value of a fixed-shape state, which goes to the tier that owns it. A session
-        keeps the plan it started on.
+        keeps the plan it started on. ``keep_last``: a decoder step's answer keeps the
+        logits of its last positions only (0: all).
         """
         if session is None:
             index, switch = self.adaptation.choose()
@@ -211,9 +213,8 @@ class DeviceClient:
         plan = self.plans.plans[index]
         try:
             with self.pipeline.holding(index):
-                ticket = self._submit(
-                    inputs, index, step=self._step(index, session, position, inputs)
-                )
+                step = self._step(index, session, position, inputs, keep_last)
+                ticket = self._submit(inputs, index, step=step)
         except TierflowError as exc:  # its segments could not be fetched
             request_id, started = str(next(self._ids)), time.perf_counter()
             result = None
@@ -237,7 +238,12 @@ class DeviceClient:
             return self._session_plans[session]
 
     def _step(
-        self, index: int, session: str | None, position: int, inputs: Mapping[str, np.ndarray]
+        self,
+        index: int,
+        session: str | None,
+        position: int,
+        inputs: Mapping[str, np.ndarray],
+        keep_last: int = 0,
     ) -> SessionStep | None:
         """The device's session step for a request; a state value in ``inputs`` (position 0)
         is kept here if the device owns that state, else passed on to the tier that does."""
@@ -262,7 +268,7 @@ class DeviceClient:
             CodecSpec.parse("zstd"),
         )
         mine = {k: v for k, v in given.items() if k in owned}
-        return SessionStep(session, position, mine, list(passed.initial_state))
+        return SessionStep(session, position, mine, list(passed.initial_state), keep_last)
 
     def _submit(
         self,

@@ -87,7 +87,10 @@ class TierDecoder:
     def vocab(self) -> int:
         return self.decoder.vocab
 
-    def forward(self, tokens: Sequence[int], position: int) -> np.ndarray:
+    def forward(self, tokens: Sequence[int], position: int, keep: int = 0) -> np.ndarray:
+        """``keep``: the logits of the last ``keep`` tokens only come back (0: all): a
+        prefill needs the last one, not one per prompt token."""
+        keep = keep or len(tokens)
         if position > len(self.fed):
             raise StateError(f"position {position} is past the {len(self.fed)} tokens fed")
         if position + len(tokens) > self.decoder.context:
@@ -95,7 +98,7 @@ class TierDecoder:
                 f"{position + len(tokens)} tokens do not fit the decoder's context of "
                 f"{self.decoder.context} (plan --context)"
             )
-        result = self._submit(tokens, position)
+        result = self._submit(tokens, position, keep)
         if _state_lost(result):
             # [Note: replaying a session]: every token so far again, from position 0.
             self.replays += 1
@@ -105,19 +108,22 @@ class TierDecoder:
                 result.error,
                 position + len(tokens),
             )
-            result = self._submit([*self.fed[:position], *tokens], 0)
+            result = self._submit([*self.fed[:position], *tokens], 0, keep)
         result.unwrap()
         self.fed[position:] = list(tokens)
         logits = np.asarray(result.outputs[self.decoder.logits])
-        return logits.reshape(-1, logits.shape[-1])[-len(tokens) :]
+        return logits.reshape(-1, logits.shape[-1])[-keep:]
 
-    def _submit(self, tokens: Sequence[int], position: int) -> Result:
+    def _submit(self, tokens: Sequence[int], position: int, keep: int) -> Result:
         """One step; while a tier is missing, tried again (with backoff) for ``retry_s``."""
         feeds = self.decoder.step_feeds(list(tokens), position)
         ends = time.monotonic() + self.retry_s
         wait = _FIRST_RETRY_S
         while True:
-            result = self.client.submit(feeds, session=self.session, position=position).result()
+            ticket = self.client.submit(
+                feeds, session=self.session, position=position, keep_last=keep
+            )
+            result = ticket.result()
             self.results.append(result)
             if not _tier_missing(result) or time.monotonic() + wait > ends:
                 return result
@@ -320,7 +326,7 @@ class Generator:
 
         sequence = list(ids)  # every token so far
         try:
-            logits = self.target.forward(ids, 0)
+            logits = self.target.forward(ids, 0, keep=1)
             going = emit(sample(logits[-1], self.temperature, self.rng))
             sequence.append(report.tokens[-1])
             while going:

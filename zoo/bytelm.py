@@ -203,15 +203,19 @@ def make_trainer(config: ByteLMConfig, exits: Sequence[int]) -> Any:
             position_ids: torch.Tensor,
             *past: torch.Tensor,
         ) -> list[torch.Tensor]:
+            """Each exit's logits; then, for the early exits, their logits again on the
+            trunk's hidden state detached (a loss on those trains the exit alone)."""
             x = self.trunk.embed(input_ids)
             logits: list[torch.Tensor] = []
+            alone: list[torch.Tensor] = []
             for i, block in enumerate(self.trunk.blocks):
                 x, _, _ = block(x, attention_mask, position_ids, past[2 * i], past[2 * i + 1])
                 if i + 1 in self.exits[:-1]:
                     at = self.exits.index(i + 1)
                     logits.append(self.heads[at](self.norms[at](x)))
+                    alone.append(self.heads[at](self.norms[at](x.detach())))
             logits.append(self.trunk.head(self.trunk.norm(x)))
-            return logits
+            return logits + alone
 
     return Trainer()
 

@@ -81,8 +81,11 @@ def test_greedy_across_three_tiers_is_the_models_own_greedy_output(
 ) -> None:
     _, edge = tiers
     with DeviceClient(models["plan"], edge.address) as client:
-        report = Generator(client).generate(PROMPT, 24)
+        generator = Generator(client)
+        report = generator.generate(PROMPT, 24)
     assert report.tokens == reference(models, 24)
+    # The prefill's answer carries the last position's logits, not one row per prompt token.
+    assert generator.target.results[0].outputs["logits"].shape == (1, 1, 32)
     assert len(set(report.tokens)) > 3  # a model that says something
     assert report.round_trips == 24 and report.tiers == {
         "device": [0, 1],

@@ -97,6 +97,8 @@ class SessionStep:
     position: int
     initial: Mapping[str, np.ndarray] = field(default_factory=dict)
     passed_on: Sequence[tier_pb2.Tensor] = ()
+    #: A decoder step's answer keeps the logits of its last ``keep_last`` positions (0: all).
+    keep_last: int = 0
 
     @classmethod
     def of_request(
@@ -116,7 +118,9 @@ class SessionStep:
         mine = [t for t in request.initial_state if t.name in owned]
         initial = decode_tensors(mine, max_bytes=max_bytes) if mine else {}
         passed_on = [t for t in request.initial_state if t.name not in owned]
-        return cls(request.session, request.position, initial, passed_on)
+        if request.keep_last < 0:
+            raise StateError(f"keep_last must not be negative, got {request.keep_last}")
+        return cls(request.session, request.position, initial, passed_on, request.keep_last)
 
 
 def reply_codec(plan: Plan, link: str | None) -> CodecSpec:
@@ -329,7 +333,10 @@ class Pipeline:
         if outcome.final:
             if key is not None:
                 self.store(key, features, outcome.tensors, outcome.exit)
-            return Answered(outcome.tensors, outcome.exit, compute_s=outcome.compute_s)
+            outputs = outcome.tensors
+            if session is not None and session.keep_last and plan.decoder is not None:
+                outputs = _last_positions(outputs, plan.decoder.logits, session.keep_last)
+            return Answered(outputs, outcome.exit, compute_s=outcome.compute_s)
         if self.up_link is None:
             raise PlanError(f"plan {plan.plan_id} runs beyond the {self.tier}")
         start, cpu = time.perf_counter(), self._cpu()
@@ -398,7 +405,19 @@ def _onward(
         forward.session = session.session
         forward.position = session.position
         forward.initial_state.extend(session.passed_on)
+        forward.keep_last = session.keep_last
     return forward
+
+
+def _last_positions(
+    outputs: dict[str, np.ndarray], logits: str, keep: int
+) -> dict[str, np.ndarray]:
+    """``outputs`` with a decoder's logits [batch, seq, vocab] cut to the last ``keep``
+    positions: a prefill's answer needs one, not one per prompt token."""
+    scores = outputs.get(logits)
+    if scores is None or scores.ndim != 3 or scores.shape[1] <= keep:
+        return outputs
+    return {**outputs, logits: np.ascontiguousarray(scores[:, -keep:])}
 
 
 def _no_clock() -> float:
