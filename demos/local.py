@@ -195,8 +195,8 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="the generation demo instead: a byte-level decoder family trained on the "
         "standard library, the large model split over the three tiers, text streamed as it "
-        "comes, with and without the small model drafting on the device (default links: "
-        "device-edge=20mbit,30ms, edge-cloud=200mbit,20ms)",
+        "comes, with and without the small model drafting on the device, over links "
+        "emulated as device-edge=20mbit,30ms and edge-cloud=200mbit,20ms unless --link says",
     )
     parser.add_argument(
         "--max-tokens", type=int, default=64, help="--generate: tokens generated per prompt"
