@@ -40,7 +40,8 @@ def transport(quick: bool) -> tuple[list[str], dict[str, Any]]:
         last = json.loads(saved.read_text())
         load = last.get("machine", {}).get("load_average_at_start", ["?"])[0]
         out.append(
-            "A `--quick` run does not measure transport: these are the last saved figures of "
+            "Not measured in this run (a `--quick` run or a refold): these are the last saved "
+            "figures of "
             f"`{last.get('command', 'python benchmarks/transport_bench.py')}` "
             f"(`results/transport.json`, {last.get('date', 'undated')}, 1-minute load "
             f"average {load} at the start).\n"

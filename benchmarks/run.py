@@ -805,13 +805,37 @@ def adaptation_section() -> list[str]:
     ]
 
 
+def _transport_again(kept: str, extras: dict[str, Any]) -> str:
+    """The transport section and figures from ``transport_bench.py``'s last saved run.
+
+    ``transport_bench.py`` measures a hop against a relay with more rounds than a suite
+    run gives it, so a refold takes its saved figures (``results/transport.json``) when
+    they are newer than the run's own, recording them under ``overheads.transport``.
+    """
+    saved = HERE / "results" / "transport.json"
+    heading = "### Transport overhead per hop and pipelined throughput"
+    if not saved.is_file() or heading not in kept:
+        return kept
+    import bench_overheads
+
+    lines, figures = bench_overheads.transport(quick=True)
+    if extras.get("transport", {}).get("date") == figures.get("date"):
+        return kept
+    extras["transport"] = figures
+    start = kept.index(heading)
+    end = kept.find("\n### ", start + len(heading))
+    end = len(kept) if end < 0 else end + 1
+    return kept[:start] + "\n".join(lines).rstrip("\n") + "\n\n" + kept[end:]
+
+
 def refold(out: Path, fold_from: Path | None = None) -> int:
     """Fold ``results/bottleneck.json`` again into the run in ``out``, measuring nothing.
 
     The folded rows are replaced, the verdict and the split goal recomputed, and RESULTS.md
     redrawn: every part drawn from the rows is drawn again, the live adaptation summary is
     read again from ``results/adaptation.json``, and the measured overhead figures (from
-    "## Overheads and limits" on) are kept as they were.
+    "## Overheads and limits" on) are kept as they were, but for transport, which is taken
+    from ``transport_bench.py``'s last saved run (:func:`_transport_again`).
     With ``fold_from`` (another run's folder), the models that run measured take their rows
     from it (:func:`fold_models`).
     """
@@ -842,6 +866,7 @@ def refold(out: Path, fold_from: Path | None = None) -> int:
     # The method text as the run wrote it (results_meta.json leaves it out).
     data["method"] = old[old.index("## How it was measured") : old.index("## Summary")].rstrip()
     kept = old[old.index("## Overheads and limits") :]
+    kept = _transport_again(kept, extras)
     for mark in ("<!-- rate-fidelity:start", "## Rate against fidelity", "<!-- generation:start"):
         if mark in kept:  # markdown() appends rate_fidelity.py's and generation_bench.py's anew
             kept = kept[: kept.index(mark)].rstrip("\n") + "\n"
@@ -857,7 +882,8 @@ def refold(out: Path, fold_from: Path | None = None) -> int:
     sections += [
         f"*The rows of `bottleneck_bench.py` were folded in again on {data['refolded']} "
         "(`run.py --refold`, nothing measured); the live adaptation summary is read again "
-        "from its JSON and the overhead sections are kept as they were in RESULTS.md.*\n",
+        "from its JSON and the overhead sections are kept as they were in RESULTS.md, "
+        "transport's taken from `transport_bench.py`'s last saved run.*\n",
         *(
             [
                 "*Rows of "

@@ -172,3 +172,19 @@ def test_a_trained_models_exit_rows_stand_on_300_distinct_requests_in_a_full_run
     assert exit_workload_size(models["resnet18"], full) == 15  # random: time only
     more = argparse.Namespace(**{**vars(full), "requests": 400})
     assert exit_workload_size(models["mobilenet-v2"], more) == 400
+
+
+def test_a_refold_takes_transport_from_transport_bench_once() -> None:
+    from run import HERE, _transport_again
+
+    if not (HERE / "results" / "transport.json").is_file():
+        pytest.skip("no saved transport_bench.py run in benchmarks/results/")
+    heading = "### Transport overhead per hop and pipelined throughput"
+    kept = f"## Overheads and limits\n\n{heading}\n\nold figures\n\n### Codec ratio\n\nkept\n"
+    extras: dict[str, Any] = {"transport": {"overhead": []}}
+    again = _transport_again(kept, extras)
+    assert "old figures" not in again
+    assert "tierflow / relay" in again
+    assert again.endswith("\n\n### Codec ratio\n\nkept\n")
+    assert "date" in extras["transport"]
+    assert _transport_again(again, extras) == again
