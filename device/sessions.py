@@ -79,6 +79,11 @@ class StreamSession:
         self._next = 0  # the position of the next chunk: a session goes on across calls
         self._lost: StateLostError | None = None
 
+    @property
+    def position(self) -> int:
+        """The position the next chunk takes: the chunks this session has sent so far."""
+        return self._next
+
     def run(self, chunks: Iterable[Inputs]) -> Iterator[Result]:
         """One Result per chunk, in order; a later call goes on where this one ended."""
         for _, result in self.pairs(chunks, lambda chunk: chunk):

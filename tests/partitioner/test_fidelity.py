@@ -241,6 +241,23 @@ def test_a_plan_whose_edge_runs_nothing_applies_its_codec_once(mlp: Any) -> None
 # --------------------------------------------------------------------------- planning
 
 
+def test_a_plan_asked_for_again_is_answered_from_what_the_probe_kept(mlp: Any) -> None:
+    _, graph, _ = mlp
+    probe = FidelityProbe(graph, sample_requests(graph.inputs, _sample(4, 2)))
+    first = probe.run_split((0, 1), {"device-edge": "int8", "edge-cloud": "fp16"}, 0)
+    ran: list[Any] = []
+    probe._run_split = lambda *args: ran.append(args) or {}  # type: ignore[method-assign]
+    # The same plan again: nothing runs.
+    again = probe.run_split((0, 1), {"device-edge": "int8", "edge-cloud": "fp16"}, 0)
+    np.testing.assert_array_equal(again["y"], first["y"])
+    assert not ran
+    # An edge that runs nothing does not read the edge-cloud codec: one run for both.
+    probe.run_split((0, 0), {"device-edge": "int8", "edge-cloud": "fp16"}, 0)
+    probe.run_split((0, 0), {"device-edge": "int8", "edge-cloud": "raw"}, 0)
+    probe.run_split((0, 1), {"device-edge": "int8", "edge-cloud": "raw"}, 0)  # another codec
+    assert len(ran) == 2
+
+
 def test_the_default_plan_is_exact_even_where_lossy_codecs_would_be_faster(
     mlp: Any, tmp_path: Path
 ) -> None:
