@@ -21,12 +21,15 @@ point of the grid (``RuntimeOptions(links=...)``), the edge-cloud link stays the
 Per strategy and link: time to first token (median over prompts), ms per token after
 it (mean), tokens per second (all tokens over all generations' time), round trips per
 token (requests that crossed the device-edge link), bytes per token on each link (what
-the requests carried up, prefill included), drafts kept, and agreement with the large
-model's own greedy output, unsplit, computed token by token. Memory per tier: the
-weights of the segment it runs (the draft's too, on the device) plus the KV cache it
-held at the end of a generation, and that cache at the planned context (the bytes per
-token held, times the context), against the budget the plan was made for. The goals are
-judged by ``generation_report.verdict`` on the rows of this one run.
+the requests carried up, prefill included; greedy answers come back as the large
+model's choices, not its logits), drafts kept (of all drafted), the acceptance rate (drafts
+kept of those the large model judged: a draft after a rejection is never judged, and this
+is the rate speculative decoding's papers quote and ``auto`` plans with), and agreement
+with the large model's own greedy output, unsplit, computed token by token. Memory per
+tier: the weights of the segment it runs (the draft's too, on the device) plus the KV
+cache it held at the end of a generation, and that cache at the planned context (the
+bytes per token held, times the context), against the budget the plan was made for. The
+goals are judged by ``generation_report.verdict`` on the rows of this one run.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ HEADERS = (
     "device-edge B/token",
     "edge-cloud B/token",
     "drafts kept",
+    "acceptance rate",
     "agrees",
 )
 
@@ -90,7 +91,12 @@ def verdict(rows: Sequence[Row], budgets: Mapping[str, int]) -> list[dict[str, A
     )
     pairs = _pairs(rows)
     checks = (
-        ("drafts accepted", GOAL_ACCEPTANCE, lambda s, d: d["acceptance"] or 0.0, "{:.0%}"),
+        (
+            "drafts accepted (acceptance rate)",
+            GOAL_ACCEPTANCE,
+            lambda s, d: d["acceptance_rate"] or 0.0,
+            "{:.0%}",
+        ),
         (
             "fewer round trips per token than the split without drafts",
             GOAL_ROUND_TRIPS,
@@ -128,9 +134,9 @@ def _why(name: str, split: Row, drafted: Row) -> str:
     kept = f["tokens_per_round"] - 1
     if name.startswith("drafts"):
         return (
-            f"{_where(drafted)}: {f['drafts_per_round']:.1f} drafts a round, {kept:.2f} kept "
-            f"({per_draft:.0%}): a round keeps drafts until the first the large model "
-            "would not have chosen, and those after it count as drafted, not kept"
+            f"{_where(drafted)}: {drafted['accepted']} of the {drafted['judged']} drafts the "
+            f"large model judged were kept ({f['drafts_per_round']:.1f} drafted a round; "
+            f"{per_draft:.0%} of all drafts, those after a rejection never judged)"
         )
     if name.startswith("fewer"):
         return (
@@ -206,6 +212,11 @@ def table_rows(rows: Sequence[Row]) -> list[list[str]]:
             if row["drafted"]
             else "-"
         )
+        rate = (
+            f"{row['accepted']}/{row['judged']} ({row['acceptance_rate']:.0%})"
+            if row.get("judged")
+            else "-"
+        )
         out.append(
             [
                 "-" if row["rtt_ms"] is None else f"{row['rtt_ms']:g}",
@@ -218,6 +229,7 @@ def table_rows(rows: Sequence[Row]) -> list[list[str]]:
                 f"{per_token.get('device-edge', 0):,.0f}",
                 f"{per_token.get('edge-cloud', 0):,.0f}",
                 kept,
+                rate,
                 _cell(row["agreement"], ".1%"),
             ]
         )

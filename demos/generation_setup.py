@@ -171,6 +171,7 @@ class GenerationRun:
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LINKS, 0))
     drafted: int = 0
     accepted: int = 0
+    judged: int = 0  # drafts the large model looked at ([Note: speculation])
     agree: int = 0  # tokens equal to the large model's greedy token at their position
     compared: int = 0
     replays: int = 0
@@ -197,6 +198,8 @@ class GenerationRun:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "acceptance": self.accepted / self.drafted if self.drafted else None,
+            "judged": self.judged,
+            "acceptance_rate": self.accepted / self.judged if self.judged else None,
             "agreement": self.agree / self.compared if self.compared else None,
             "replays": self.replays,
             "memory": self.memory,
@@ -247,6 +250,7 @@ def measure(
             run.bytes[link] += sum(r.bytes.get(link, 0) for r in results)
         run.drafted += report.drafted
         run.accepted += report.accepted
+        run.judged += report.judged
         run.replays += report.replays
         run.agree += sum(1 for a, b in zip(report.tokens, reference, strict=False) if a == b)
         run.compared += max(len(report.tokens), len(reference))

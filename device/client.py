@@ -191,6 +191,7 @@ class DeviceClient:
         session: str | None = None,
         position: int = 0,
         keep_last: int = 0,
+        choices_only: bool = False,
     ) -> Ticket:
         """Run the device's part now and send the rest on; errors end up in the Result.
 
@@ -203,7 +204,8 @@ class DeviceClient:
         tierflow/runtime/state.py); at position 0, ``inputs`` may also hold the first
         value of a fixed-shape state, which goes to the tier that owns it. A session
         keeps the plan it started on. ``keep_last``: a decoder step's answer keeps the
-        logits of its last positions only (0: all).
+        logits of its last positions only (0: all); ``choices_only``: it carries each
+        position's argmax in their place (tier.proto: Request.choices_only).
         """
         if session is None:
             index, switch = self.adaptation.choose()
@@ -213,7 +215,7 @@ class DeviceClient:
         plan = self.plans.plans[index]
         try:
             with self.pipeline.holding(index):
-                step = self._step(index, session, position, inputs, keep_last)
+                step = self._step(index, session, position, inputs, keep_last, choices_only)
                 ticket = self._submit(inputs, index, step=step)
         except TierflowError as exc:  # its segments could not be fetched
             request_id, started = str(next(self._ids)), time.perf_counter()
@@ -244,6 +246,7 @@ class DeviceClient:
         position: int,
         inputs: Mapping[str, np.ndarray],
         keep_last: int = 0,
+        choices_only: bool = False,
     ) -> SessionStep | None:
         """The device's session step for a request; a state value in ``inputs`` (position 0)
         is kept here if the device owns that state, else passed on to the tier that does."""
@@ -268,7 +271,9 @@ class DeviceClient:
             CodecSpec.parse("zstd"),
         )
         mine = {k: v for k, v in given.items() if k in owned}
-        return SessionStep(session, position, mine, list(passed.initial_state), keep_last)
+        return SessionStep(
+            session, position, mine, list(passed.initial_state), keep_last, choices_only
+        )
 
     def _submit(
         self,

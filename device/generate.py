@@ -244,6 +244,10 @@ def _generate(args: argparse.Namespace) -> int:
     if report.drafted:
         share = report.accepted / report.drafted
         rows.append(("drafts kept", f"{report.accepted} of {report.drafted} ({share:.0%})"))
+        rate = report.accepted / max(report.judged, 1)
+        rows.append(
+            ("acceptance rate", f"{rate:.0%} ({report.accepted} of {report.judged} judged)")
+        )
     if report.replays:
         rows.append(("sessions replayed", str(report.replays)))
     for link, size in report.bytes_per_token.items():

@@ -90,6 +90,24 @@ class TierDecoder:
     def forward(self, tokens: Sequence[int], position: int, keep: int = 0) -> np.ndarray:
         """``keep``: the logits of the last ``keep`` tokens only come back (0: all): a
         prefill needs the last one, not one per prompt token."""
+        logits = self._answer(tokens, position, keep, choices_only=False)
+        return logits.reshape(-1, logits.shape[-1])[-(keep or len(tokens)) :]
+
+    def choose(self, tokens: Sequence[int], position: int, keep: int = 0) -> np.ndarray:
+        """The large model's greedy choice (its argmax) at each of the last ``keep``
+        positions, ``[keep]``: the tiers answer the choices alone (tier.proto:
+        Request.choices_only), 8 bytes a position where the logits take 4 a vocabulary
+        entry."""
+        answer = self._answer(tokens, position, keep, choices_only=True)
+        if np.issubdtype(answer.dtype, np.floating):  # answered on a path that kept logits
+            answer = np.argmax(answer, axis=-1)
+        return answer.reshape(-1).astype(np.int64)[-(keep or len(tokens)) :]
+
+    def _answer(
+        self, tokens: Sequence[int], position: int, keep: int, *, choices_only: bool
+    ) -> np.ndarray:
+        """The decoder's answer to ``tokens`` fed after ``position``, replayed once if a
+        tier lost the session."""
         keep = keep or len(tokens)
         if position > len(self.fed):
             raise StateError(f"position {position} is past the {len(self.fed)} tokens fed")
@@ -98,7 +116,7 @@ class TierDecoder:
                 f"{position + len(tokens)} tokens do not fit the decoder's context of "
                 f"{self.decoder.context} (plan --context)"
             )
-        result = self._submit(tokens, position, keep)
+        result = self._submit(tokens, position, keep, choices_only)
         if _state_lost(result):
             # [Note: replaying a session]: every token so far again, from position 0.
             self.replays += 1
@@ -108,20 +126,25 @@ class TierDecoder:
                 result.error,
                 position + len(tokens),
             )
-            result = self._submit([*self.fed[:position], *tokens], 0, keep)
+            result = self._submit([*self.fed[:position], *tokens], 0, keep, choices_only)
         result.unwrap()
         self.fed[position:] = list(tokens)
-        logits = np.asarray(result.outputs[self.decoder.logits])
-        return logits.reshape(-1, logits.shape[-1])[-keep:]
+        return np.asarray(result.outputs[self.decoder.logits])
 
-    def _submit(self, tokens: Sequence[int], position: int, keep: int) -> Result:
+    def _submit(
+        self, tokens: Sequence[int], position: int, keep: int, choices_only: bool
+    ) -> Result:
         """One step; while a tier is missing, tried again (with backoff) for ``retry_s``."""
         feeds = self.decoder.step_feeds(list(tokens), position)
         ends = time.monotonic() + self.retry_s
         wait = _FIRST_RETRY_S
         while True:
             ticket = self.client.submit(
-                feeds, session=self.session, position=position, keep_last=keep
+                feeds,
+                session=self.session,
+                position=position,
+                keep_last=keep,
+                choices_only=choices_only,
             )
             result = ticket.result()
             self.results.append(result)
@@ -213,6 +236,7 @@ class GenerationReport:
     round_trips: int = 0
     drafted: int = 0
     accepted: int = 0
+    judged: int = 0  # drafts the large model looked at ([Note: speculation])
     replays: int = 0
     bytes_per_token: dict[str, float] = field(default_factory=dict)
     tiers: dict[str, list[int]] = field(default_factory=dict)
@@ -229,6 +253,10 @@ class GenerationReport:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
+            # The chance that a draft is kept once those before it were (the acceptance
+            # rate of Leviathan et al.): drafts after a rejection are never looked at.
+            "judged": self.judged,
+            "acceptance_rate": round(self.accepted / self.judged, 4) if self.judged else None,
             "replays": self.replays,
             "bytes_per_token": {k: round(v, 1) for k, v in self.bytes_per_token.items()},
             "tiers": self.tiers,
@@ -326,8 +354,7 @@ class Generator:
 
         sequence = list(ids)  # every token so far
         try:
-            logits = self.target.forward(ids, 0, keep=1)
-            going = emit(sample(logits[-1], self.temperature, self.rng))
+            going = emit(self._next(ids, 0))
             sequence.append(report.tokens[-1])
             while going:
                 going = self._round(sequence, emit, max_tokens - len(report.tokens))
@@ -347,8 +374,7 @@ class Generator:
         position = len(sequence) - 1  # the last token is not fed yet
         pending = sequence[-1]
         if self.draft is None:
-            logits = target.forward([pending], position)
-            token = sample(logits[-1], self.temperature, self.rng)
+            token = self._next([pending], position)
             sequence.append(token)
             return emit(token)
         draft = self.draft
@@ -365,20 +391,28 @@ class Generator:
                 scores = self._draft_next([*sequence, *drafts])
         draft_s = draft.seconds - draft_start
         trip = time.perf_counter()
-        logits = target.forward([pending, *drafts], position)
-        trip_s = time.perf_counter() - trip
         if self.temperature <= 0:
-            verdict = verify_greedy(logits, drafts)
+            verdict = verify_greedy(target.choose([pending, *drafts], position), drafts)
         else:
+            logits = target.forward([pending, *drafts], position)
             verdict = verify_sampled(
                 logits, np.stack(draft_logits), drafts, self.temperature, self.rng
             )
+        trip_s = time.perf_counter() - trip
         self.meter.observe(len(drafts), verdict.kept, trip_s, draft_s)
         for token in [*drafts[: verdict.kept], verdict.token]:
             sequence.append(token)
             if not emit(token):
                 return False
         return True
+
+    def _next(self, tokens: Sequence[int], position: int) -> int:
+        """The large model's token after ``tokens`` fed from ``position``: greedy asks the
+        tiers for their choice alone, sampling for the logits."""
+        if self.temperature <= 0:
+            return int(self.target.choose(tokens, position, keep=1)[-1])
+        logits = self.target.forward(tokens, position, keep=1)
+        return sample(logits[-1], self.temperature, self.rng)
 
     def _draft_next(self, sequence: list[int]) -> np.ndarray:
         """The draft's logits for the token after ``sequence``, fed what it lacks of it.
@@ -417,6 +451,7 @@ class Generator:
         report.replays = self.target.replays
         report.drafted = self.meter.drafted
         report.accepted = self.meter.accepted
+        report.judged = self.meter.judged
         count = max(len(report.tokens), 1)
         report.bytes_per_token = {
             link: sum(r.bytes.get(link, 0) for r in results) / count for link in LINKS

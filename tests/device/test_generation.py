@@ -84,8 +84,11 @@ def test_greedy_across_three_tiers_is_the_models_own_greedy_output(
         generator = Generator(client)
         report = generator.generate(PROMPT, 24)
     assert report.tokens == reference(models, 24)
-    # The prefill's answer carries the last position's logits, not one row per prompt token.
-    assert generator.target.results[0].outputs["logits"].shape == (1, 1, 32)
+    # Greedy answers carry the large model's choices alone: the prefill's, the last
+    # position's (not one per prompt token), and each step's its one.
+    for result in generator.target.results:
+        choices = result.outputs["logits"]
+        assert choices.shape == (1, 1) and choices.dtype == np.int64
     assert len(set(report.tokens)) > 3  # a model that says something
     assert report.round_trips == 24 and report.tiers == {
         "device": [0, 1],
@@ -106,6 +109,10 @@ def test_a_draft_gives_the_same_greedy_output_in_fewer_round_trips(
         report = generator.generate(PROMPT, 30)
     assert report.tokens == reference(models, 30)
     assert report.drafted > 0
+    # A speculated round's answer: the choice at the pending token and at each draft.
+    assert {r.outputs["logits"].ndim for r in generator.target.results} == {2}
+    assert max(r.outputs["logits"].shape[1] for r in generator.target.results) > 1
+    assert report.accepted <= report.judged <= report.drafted
     if draft == "same":  # every draft kept: 1 + 4 tokens per round trip
         assert report.accepted == report.drafted
         assert report.round_trips <= 1 + -(-29 // 5)
@@ -140,6 +147,9 @@ def test_sampling_is_seeded_and_a_draft_keeps_it_valid(models: dict[str, Path], 
         drafted = Generator(client, draft=models["other"], temperature=0.9, seed=5)
         sampled = drafted.generate(PROMPT, 16)
     assert first == again and len(first) == 16
+    # Sampling needs the large model's distribution: its answers carry the logits.
+    assert drafted.target.results[0].outputs["logits"].shape == (1, 1, 32)
+    assert drafted.target.results[-1].outputs["logits"].dtype == np.float32
     assert all(0 <= t < 32 for t in sampled.tokens) and len(sampled.tokens) == 16
 
 

@@ -99,6 +99,8 @@ class SessionStep:
     passed_on: Sequence[tier_pb2.Tensor] = ()
     #: A decoder step's answer keeps the logits of its last ``keep_last`` positions (0: all).
     keep_last: int = 0
+    #: A decoder step's answer carries each kept position's argmax, not its logits.
+    choices_only: bool = False
 
     @classmethod
     def of_request(
@@ -120,7 +122,14 @@ class SessionStep:
         passed_on = [t for t in request.initial_state if t.name not in owned]
         if request.keep_last < 0:
             raise StateError(f"keep_last must not be negative, got {request.keep_last}")
-        return cls(request.session, request.position, initial, passed_on, request.keep_last)
+        return cls(
+            request.session,
+            request.position,
+            initial,
+            passed_on,
+            request.keep_last,
+            request.choices_only,
+        )
 
 
 def reply_codec(plan: Plan, link: str | None) -> CodecSpec:
@@ -334,8 +343,8 @@ class Pipeline:
             if key is not None:
                 self.store(key, features, outcome.tensors, outcome.exit)
             outputs = outcome.tensors
-            if session is not None and session.keep_last and plan.decoder is not None:
-                outputs = _last_positions(outputs, plan.decoder.logits, session.keep_last)
+            if session is not None and plan.decoder is not None:
+                outputs = _decoder_answer(outputs, plan.decoder.logits, session)
             return Answered(outputs, outcome.exit, compute_s=outcome.compute_s)
         if self.up_link is None:
             raise PlanError(f"plan {plan.plan_id} runs beyond the {self.tier}")
@@ -406,18 +415,25 @@ def _onward(
         forward.position = session.position
         forward.initial_state.extend(session.passed_on)
         forward.keep_last = session.keep_last
+        forward.choices_only = session.choices_only
     return forward
 
 
-def _last_positions(
-    outputs: dict[str, np.ndarray], logits: str, keep: int
+def _decoder_answer(
+    outputs: dict[str, np.ndarray], logits: str, step: SessionStep
 ) -> dict[str, np.ndarray]:
-    """``outputs`` with a decoder's logits [batch, seq, vocab] cut to the last ``keep``
-    positions: a prefill's answer needs one, not one per prompt token."""
+    """``outputs`` with a decoder's logits [batch, seq, vocab] cut to the last
+    ``step.keep_last`` positions (a prefill's answer needs one, not one per prompt token)
+    and, with ``step.choices_only``, each position's argmax in their place [batch, seq]
+    (int64): a greedy step needs 8 bytes a position, not 4 per vocabulary entry."""
     scores = outputs.get(logits)
-    if scores is None or scores.ndim != 3 or scores.shape[1] <= keep:
+    if scores is None or scores.ndim != 3:
         return outputs
-    return {**outputs, logits: np.ascontiguousarray(scores[:, -keep:])}
+    if 0 < step.keep_last < scores.shape[1]:
+        scores = scores[:, -step.keep_last :]
+    if step.choices_only:
+        scores = np.argmax(scores, axis=-1).astype(np.int64)
+    return {**outputs, logits: np.ascontiguousarray(scores)}
 
 
 def _no_clock() -> float:
