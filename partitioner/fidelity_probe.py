@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from tierflow import npz
-from tierflow.codec.base import ImageNorm
+from tierflow.codec.base import CodecSpec, ImageNorm
 from tierflow.errors import InputError, ModelError, PlanError
 from tierflow.link.spec import TIERS, link_between
 from tierflow.partitioner.fidelity import FidelityBudget, FidelityScore, score
@@ -45,6 +45,20 @@ _PREFIX_CACHE_BYTES = 256 << 20
 # Answers of plans already run, kept for the next time a search asks for the same plan
 # (a plan set searches each rate and each budget on one probe).
 _ANSWER_CACHE_BYTES = 64 << 20
+
+
+def fidelity_class(codec: str) -> str:
+    """Codecs in one class decode to the same values: the codec without its compressor.
+
+    ``sparse+`` and ``drop+`` stay: they decode zeros and constant channels exactly,
+    which the quantiser alone may not.
+    """
+    spec = CodecSpec.parse(codec)
+    if spec.bit_exact:
+        return "lossless"
+    if spec.image:
+        return str(spec)
+    return str(CodecSpec(spec.quant, "none", sparse=spec.sparse, drop=spec.drop))
 
 
 def sample_requests(
@@ -195,9 +209,11 @@ class FidelityProbe:
         a, b = cuts
         if not 0 <= a <= b <= self.last:
             raise PlanError(f"cuts must satisfy 0 <= a <= b <= {self.last}, got {cuts}")
-        crossing = codec.get("device-edge", "raw") if a < self.last else None
-        onward = codec.get("edge-cloud", "raw") if a < b < self.last else None
-        key = (a, b, crossing, onward, index)  # the codecs this plan applies, and no others
+        # The values a plan answers with depend on its cuts and on what its codecs decode
+        # to, not on their compressors: int8 and int8+zstd give one answer.
+        crossing = fidelity_class(codec.get("device-edge", "raw")) if a < self.last else None
+        onward = fidelity_class(codec.get("edge-cloud", "raw")) if a < b < self.last else None
+        key = (a, b, crossing, onward, index)
         if key in self._answers:
             return dict(self._answers[key])
         answer = self._run_split(a, b, codec, index)

@@ -40,7 +40,7 @@ from tierflow.codec.base import CodecSpec
 from tierflow.link.spec import LINKS
 from tierflow.partitioner.cost import CostTables, Estimate, Problem, edge_forwards
 from tierflow.partitioner.fidelity import FidelityBudget
-from tierflow.partitioner.fidelity_probe import FidelityProbe, Measurement
+from tierflow.partitioner.fidelity_probe import FidelityProbe, Measurement, fidelity_class
 from tierflow.partitioner.profile import ProgressFn
 from tierflow.partitioner.search import Admission, PairKey, SearchResult, search
 
@@ -56,20 +56,6 @@ PairClassKey = tuple[int, str, int, str]
 def is_lossless(codec: str) -> bool:
     """Bit-exact for every tensor; ``png`` is exact only for 8-bit pixels, so measured."""
     return CodecSpec.parse(codec).bit_exact
-
-
-def fidelity_class(codec: str) -> str:
-    """Codecs in one class decode to the same values: the codec without its compressor.
-
-    ``sparse+`` and ``drop+`` stay: they decode zeros and constant channels exactly,
-    which the quantiser alone may not.
-    """
-    spec = CodecSpec.parse(codec)
-    if spec.bit_exact:
-        return "lossless"
-    if spec.image:
-        return str(spec)
-    return str(CodecSpec(spec.quant, "none", sparse=spec.sparse, drop=spec.drop))
 
 
 def lossy_crossings(best: Estimate) -> tuple[tuple[str, int, str], ...]:

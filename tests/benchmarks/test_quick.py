@@ -118,10 +118,14 @@ def test_rows_cover_every_model_strategy_and_bandwidth(
     bandwidths = {r["bandwidth_mbit"] for r in rows}
     assert len(bandwidths) >= 3
     seen = {(r["model"], r["bandwidth_mbit"], r["strategy"]) for r in rows}
-    expected = len(bandwidths) * (
-        len(MODELS) * len(STRATEGIES)
-        + len(IMAGE_MODELS) * len(IMAGE_STRATEGIES)
-        + len(TRAINED_MODELS) * (1 + len(LOWER_BUDGETS))
+    expected = (
+        len(bandwidths)
+        * (
+            len(MODELS) * len(STRATEGIES)
+            + len(IMAGE_MODELS) * len(IMAGE_STRATEGIES)
+            + len(TRAINED_MODELS)  # tierflow-split
+        )
+        + len(TRAINED_MODELS) * len(LOWER_BUDGETS)  # --quick: at one rate only
     )
     assert len(seen) == len(rows) == expected
     for model in IMAGE_MODELS:
@@ -214,6 +218,7 @@ def test_budget_rows_state_their_budget_and_held_out_fidelity(
         assert row["predicted_ms"] > 0
     lower = [r for r in rows if r["strategy"] in LOWER_BUDGETS and r["model"] != BOTTLENECK_MODEL]
     assert {r["model"] for r in lower} == TRAINED_MODELS
+    assert {r["bandwidth_mbit"] for r in lower} == {20.0}  # --quick: the front at one rate
     for row in lower:
         assert row["budget"] == f"top1={row['strategy'].rsplit('-', 1)[1]}%"
 

@@ -35,8 +35,13 @@ from tierflow.partitioner.fidelity import (
     request_rel_error,
     samples_to_support,
 )
-from tierflow.partitioner.fidelity_probe import FidelityProbe, plan_fidelity, sample_requests
-from tierflow.partitioner.fidelity_search import fidelity_class, lossy_crossings
+from tierflow.partitioner.fidelity_probe import (
+    FidelityProbe,
+    fidelity_class,
+    plan_fidelity,
+    sample_requests,
+)
+from tierflow.partitioner.fidelity_search import lossy_crossings
 from tierflow.partitioner.graph import ModelGraph, load_model
 from tierflow.partitioner.planner import PlanOptions, codec_candidates, make_plan, rank
 from tierflow.partitioner.profile import Profile, profile_model, save_profile
@@ -255,6 +260,10 @@ def test_a_plan_asked_for_again_is_answered_from_what_the_probe_kept(mlp: Any) -
     probe.run_split((0, 0), {"device-edge": "int8", "edge-cloud": "fp16"}, 0)
     probe.run_split((0, 0), {"device-edge": "int8", "edge-cloud": "raw"}, 0)
     probe.run_split((0, 1), {"device-edge": "int8", "edge-cloud": "raw"}, 0)  # another codec
+    assert len(ran) == 2
+    # A compressor changes no value: int8+zstd is answered as int8 was, raw as zstd.
+    probe.run_split((0, 1), {"device-edge": "int8+zstd", "edge-cloud": "fp16+zstd"}, 0)
+    probe.run_split((0, 1), {"device-edge": "int8+zstd", "edge-cloud": "zstd"}, 0)
     assert len(ran) == 2
 
 
