@@ -52,6 +52,23 @@ _COLOURS = {
 _TIER_COLOURS = {"device": "#9467bd", "edge": "#ff7f0e", "cloud": "#1f77b4"}
 
 
+def replace_section(path: Path, start: str, end: str, section: Sequence[str]) -> None:
+    """Put ``section`` (its first line ``start``, its last ``end``) into the file at
+    ``path`` in place of the one between those markers, or append it; a missing file is
+    left missing. rate_fidelity.py and generation_bench.py write RESULTS.md's parts so."""
+    if not path.exists():
+        return
+    text = path.read_text()
+    block = "\n".join(section) + "\n"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        text = head + block.rstrip("\n") + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.write_text(text)
+
+
 def write_json(rows: Sequence[Row], path: Path) -> None:
     path.write_text(json.dumps(list(rows), indent=1, sort_keys=False) + "\n")
 

@@ -52,6 +52,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import bench_report
 import generation_report as report
 
 from tierflow.cli.table import format_table
@@ -324,21 +325,6 @@ def results_section(results: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def update_results_md(path: Path, section: Sequence[str]) -> None:
-    """Replace the delimited section of RESULTS.md, or append it."""
-    if not path.exists():
-        return
-    text = path.read_text()
-    block = "\n".join(section) + "\n"
-    if SECTION_START in text and SECTION_END in text:
-        head, rest = text.split(SECTION_START, 1)
-        _, tail = rest.split(SECTION_END, 1)
-        text = head + block.rstrip("\n") + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
-
-
 def render(results: dict[str, Any], out: Path) -> None:
     """The plot, GENERATION.md and RESULTS.md's section (for the committed folder), tables."""
     figure = out / "generation.png"
@@ -348,7 +334,9 @@ def render(results: dict[str, Any], out: Path) -> None:
     (out / "generation.json").write_text(json.dumps(results, indent=1) + "\n")
     if committed:
         DOC.write_text(markdown(results))
-        update_results_md(HERE / "RESULTS.md", results_section(results))
+        bench_report.replace_section(
+            HERE / "RESULTS.md", SECTION_START, SECTION_END, results_section(results)
+        )
     else:
         (out / "GENERATION.md").write_text(markdown(results))
     print(format_table(list(report.HEADERS), report.table_rows(results["rows"])))

@@ -698,27 +698,16 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_results_md(path: Path, section: list[str]) -> None:
-    """Replace the delimited section of RESULTS.md, or append it (bench_report adds it too)."""
-    if not path.exists():
-        return
-    text = path.read_text()
-    block = "\n".join(section) + "\n"
-    if SECTION_START in text and SECTION_END in text:
-        head, rest = text.split(SECTION_START, 1)
-        _, tail = rest.split(SECTION_END, 1)
-        text = head + block.rstrip("\n") + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
-
-
 def write_reports(data: dict[str, Any], out: Path) -> None:
     """The JSON, and (for the committed results folder) RATE_FIDELITY.md and RESULTS.md."""
     (out / "rate_fidelity.json").write_text(json.dumps(data, indent=1))
     if out.resolve() == (HERE / "results").resolve():
+        import bench_report
+
         REPORT_MD.write_text(markdown(data))
-        update_results_md(HERE / "RESULTS.md", results_section(data))
+        bench_report.replace_section(
+            HERE / "RESULTS.md", SECTION_START, SECTION_END, results_section(data)
+        )
 
 
 def report_only(out: Path) -> int:

@@ -25,17 +25,16 @@ import contextlib
 import functools
 import json
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, TextIO
 
 from tierflow.demos import generation_setup as setup
+from tierflow.demos.local import serve_tier
 from tierflow.link.spec import LINKS, LinkSpec
-from tierflow.runtime.processes import ServeProcess
 from tierflow.units import format_size
 
-SERVER_START_TIMEOUT_S = 60.0
 STEPS = 5
 #: The columns of the results table.
 HEADERS = (
@@ -171,8 +170,8 @@ def _run_all(
             edge = None
             plan_dir = plans.plan_dir(name)
             if name != "device-only":
-                cloud = stack.enter_context(_server("cloud", plan_dir, None, workdir))
-                edge = stack.enter_context(_server("edge", plan_dir, cloud, workdir))
+                cloud = stack.enter_context(serve_tier("cloud", plan_dir, None, workdir))
+                edge = stack.enter_context(serve_tier("edge", plan_dir, cloud, workdir))
             for strategy in (name, "split+draft") if name == "split" else (name,):
                 draft = family.path("small") if strategy == "split+draft" else None
                 run = setup.GenerationRun(strategy, setup.MODEL_OF[strategy])
@@ -310,16 +309,3 @@ def comparisons(
 
 def _indent(text: str) -> str:
     return "\n".join(f"  {line}" for line in text.splitlines())
-
-
-@contextmanager
-def _server(tier: str, plan_dir: Path, upstream: str | None, workdir: Path) -> Iterator[str]:
-    """Run ``tierflow serve TIER`` as a child process; yield its address; stop it after."""
-    threads, slowdown = setup.EMULATION[tier]
-    args = ["--threads", str(threads), "--slowdown", str(slowdown), "--link-emulation", "plan"]
-    if upstream:
-        args += ["--upstream", upstream]
-    log = workdir / f"{plan_dir.name}-{tier}.log"
-    with ServeProcess(tier, plan_dir, *args, log=log, timeout=SERVER_START_TIMEOUT_S) as server:
-        print(f"  started {tier} (pid {server.pid}) on {server.address}")
-        yield server.address

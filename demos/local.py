@@ -485,8 +485,8 @@ def _run_strategy(
     with ExitStack() as stack:
         edge = None
         if needs:
-            cloud = stack.enter_context(_server("cloud", plan_dir, None, workdir))
-            edge = stack.enter_context(_server("edge", plan_dir, cloud, workdir))
+            cloud = stack.enter_context(serve_tier("cloud", plan_dir, None, workdir))
+            edge = stack.enter_context(serve_tier("edge", plan_dir, cloud, workdir))
         input_name = plan.inputs[0]
 
         def requests() -> Iterator[dict[str, np.ndarray]]:
@@ -598,7 +598,7 @@ def results_markdown(
 
 
 @contextmanager
-def _server(tier: str, plan_dir: Path, upstream: str | None, workdir: Path) -> Iterator[str]:
+def serve_tier(tier: str, plan_dir: Path, upstream: str | None, workdir: Path) -> Iterator[str]:
     """Run ``tierflow serve TIER`` as a child process; yield its address; stop it after."""
     threads, slowdown = EMULATION[tier]
     args = ["--threads", str(threads), "--slowdown", str(slowdown), "--link-emulation", "plan"]

@@ -164,8 +164,9 @@ class InvertedResidual(nn.Module):
         return x + out if self.residual else out
 
 
-# (expansion, output channels, repeats, first stride) as in the MobileNetV2 paper.
-_MOBILENET_V2_SETTINGS = (
+#: (expansion, output channels, repeats, first stride): the MobileNetV2 paper's (and
+#: torchvision's).
+MOBILENET_V2_SETTINGS = (
     (1, 16, 1, 1),
     (6, 24, 2, 2),
     (6, 32, 3, 2),
@@ -181,7 +182,7 @@ def mobilenet_v2(
     size: int = 224,
     width: float = 1.0,
     num_classes: int = 1000,
-    settings: tuple[tuple[int, int, int, int], ...] = _MOBILENET_V2_SETTINGS,
+    settings: tuple[tuple[int, int, int, int], ...] = MOBILENET_V2_SETTINGS,
     seed: int = 0,
 ) -> tuple[nn.Module, Example]:
     """MobileNetV2: inverted residual blocks with depthwise convolutions.

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from tierflow.errors import ModelError
+from tierflow.zoo.models import MOBILENET_V2_SETTINGS
 
 
 class ConvBNReLU6(nn.Sequential):
@@ -61,18 +62,6 @@ class InvertedResidual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.conv(x) if self.use_res_connect else self.conv(x)
-
-
-#: (expansion, output channels, repeats, first stride): torchvision's (and the paper's).
-MOBILENET_V2_SETTINGS = (
-    (1, 16, 1, 1),
-    (6, 24, 2, 2),
-    (6, 32, 3, 2),
-    (6, 64, 4, 2),
-    (6, 96, 3, 1),
-    (6, 160, 3, 2),
-    (6, 320, 1, 1),
-)
 
 
 class MobileNetV2(nn.Module):

@@ -55,12 +55,13 @@ def test_sent_bytes_counts_the_image_as_an_image_and_exact_codecs_round_trip() -
 
 
 def test_results_section_replaces_its_own_block(tmp_path: Path) -> None:
-    from rate_fidelity import SECTION_END, SECTION_START, update_results_md
+    from bench_report import replace_section
+    from rate_fidelity import SECTION_END, SECTION_START
 
     path = tmp_path / "RESULTS.md"
     path.write_text("# results\n\nbody\n")
-    update_results_md(path, [SECTION_START, "first", SECTION_END])
-    update_results_md(path, [SECTION_START, "second", SECTION_END])
+    replace_section(path, SECTION_START, SECTION_END, [SECTION_START, "first", SECTION_END])
+    replace_section(path, SECTION_START, SECTION_END, [SECTION_START, "second", SECTION_END])
     text = path.read_text()
     assert text.count(SECTION_START) == 1 and "second" in text and "first" not in text
     assert text.startswith("# results\n\nbody\n")
