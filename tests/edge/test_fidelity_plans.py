@@ -64,7 +64,10 @@ def planned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, dict[s
     path = _mlp(tmp_path_factory.mktemp("fidelity-plans") / "mlp.onnx")
     graph = load_model(path)
     base = profile_model(graph, time_budget_s=0.3)
-    slow = replace(base, units=tuple(replace(u, compute_s=u.compute_s * 1e4) for u in base.units))
+    # A unit's measured time can be near 0 on a loaded machine (it is what is left after
+    # the call overhead), so the slow device gets a floor of 0.1 s a unit as well.
+    slow_units = tuple(replace(u, compute_s=max(u.compute_s * 1e4, 0.1)) for u in base.units)
+    slow = replace(base, units=slow_units)
     return path, graph, {"device": slow, "edge": base.emulate(2.0), "cloud": base}
 
 
