@@ -31,20 +31,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierflow.errors import DeadlineError, RemoteError, TierflowError, TransportError
-from tierflow.link.emulation import LinkShaper, Transfer
+from tierflow.link.emulation import LinkShaper
 from tierflow.options import RuntimeOptions
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.pipeline import Answered, Onward, Pipeline
 from tierflow.runtime.segment_store import SegmentSource
 from tierflow.runtime.service import Send
-from tierflow.transport.stream_client import StreamClient
+from tierflow.transport.stream_client import Sent, StreamClient
 from tierflow.transport.wire import decode_tensors, error_from_proto, error_to_proto
 
 logger = logging.getLogger(__name__)
@@ -136,35 +136,34 @@ class Forwarding:
         if deadline:
             local_deadline = time.monotonic() + max(deadline - time.time(), 0.0)
         try:
-            sent = self.upstream.submit(
-                onward.request, deadline=local_deadline, nbytes=onward.nbytes
+            self.upstream.submit(
+                onward.request,
+                deadline=local_deadline,
+                nbytes=onward.nbytes,
+                on_reply=lambda sent: self._forwarded(
+                    sent, pipeline, index, onward, request_id, timing, send
+                ),
             )
         except TransportError as exc:  # known to be down: no waiting for it
             reply = self._without_upstream(pipeline, index, onward, exc)
             reply.timings.append(timing)
             return reply
-        sent.future.add_done_callback(
-            lambda future: self._forwarded(
-                future, pipeline, index, onward, request_id, timing, sent.transfer, send
-            )
-        )
         return None
 
     def _forwarded(
         self,
-        future: Future[tier_pb2.Reply],
+        sent: Sent,
         pipeline: Pipeline,
         index: int,
         onward: Onward,
         request_id: str,
         timing: tier_pb2.TierTiming,
-        transfer: Transfer,
         send: Send,
     ) -> None:
         """The next tier answered (or failed): add this tier's figures and pass it down."""
         gone: TierflowError | None = None
         try:
-            reply = future.result()
+            reply = sent.future.result()
             if reply.HasField("error") and reply.error.code in _GONE_CODES:
                 gone = error_from_proto(reply.error)
         except TierflowError as exc:
@@ -179,7 +178,7 @@ class Forwarding:
             logger.info("[%s] the %s answers again", self.tier, self.peer)
         reply.id = request_id
         reply.timings.append(timing)
-        reply.links.append(transfer.stat(pipeline.up_link or ""))
+        reply.links.append(sent.transfer.stat(pipeline.up_link or ""))
         send(reply)
         cacheable = not (reply.HasField("error") or reply.cache_hit or reply.fallback)
         if onward.key is not None and cacheable:

@@ -151,12 +151,19 @@ class ShapedQueue(Generic[T]):
 
     def put(self, item: T, nbytes: int) -> Transfer:
         """Queue ``item`` (``nbytes`` on the wire); return its transfer record."""
-        if self.shaper is None:
-            transfer = Transfer(nbytes, self._clock())
-        else:
-            transfer = self.shaper.schedule(nbytes)
-        self._queue.put((transfer, item))
+        transfer = self.book(nbytes)
+        self.send(transfer, item)
         return transfer
+
+    def book(self, nbytes: int) -> Transfer:
+        """The transfer record of ``nbytes`` handed over now; :meth:`send` queues its item."""
+        if self.shaper is None:
+            return Transfer(nbytes, self._clock())
+        return self.shaper.schedule(nbytes)
+
+    def send(self, transfer: Transfer, item: T) -> None:
+        """Queue ``item`` under its transfer record (from :meth:`book`)."""
+        self._queue.put((transfer, item))
 
     def close(self) -> None:
         self._queue.put((None, self._END))

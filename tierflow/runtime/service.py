@@ -30,7 +30,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -56,6 +55,7 @@ from tierflow.runtime.providers import describe as describe_providers
 from tierflow.runtime.replies import StreamReplies
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, serve_segment
 from tierflow.runtime.streams import ProbeActivity, SessionOrder, StreamReader, Watched
+from tierflow.runtime.workers import WorkerPool
 from tierflow.transport.wire import Undecodable, check_deadline, check_figures, error_to_proto
 
 if TYPE_CHECKING:
@@ -129,9 +129,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         self.admission = StreamAdmission(tier, options.max_streams, options.max_streams_per_peer)
         # Threads that read streams and run requests ([Note: a stream's requests run at
         # once]): one reading each open stream, plus the requests running.
-        self.pool = ThreadPoolExecutor(
-            max_workers=options.max_streams + self.workers, thread_name_prefix=f"{tier}-work"
-        )
+        self.pool = WorkerPool(options.max_streams + self.workers, f"{tier}-work")
         self._running = threading.BoundedSemaphore(self.workers)
         self.order = SessionOrder()
         self._in_flight = 0
@@ -220,7 +218,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         self._closed.set()
         if self.forwarder is not None:
             self.forwarder.close(timeout)
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
     # ------------------------------------------------------------------ streams
 

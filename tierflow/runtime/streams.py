@@ -211,11 +211,7 @@ class StreamReader:
             self.replies.put(reply, reply.ByteSize() if self._shaped else 0)
 
     def _submit(self, task: Callable[[], None]) -> bool:
-        try:
-            self.service.pool.submit(task)
-        except RuntimeError:  # the pool is shut down
-            return False
-        return True
+        return self.service.pool.submit(task)  # False: the pool is shut down
 
     def _end(self) -> None:
         with self._lock:

@@ -54,6 +54,7 @@ import math
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -315,13 +316,21 @@ class StreamClient:
         *,
         deadline: float | None = None,
         nbytes: int | None = None,
+        on_reply: Callable[[Sent], None] | None = None,
     ) -> Sent:
         """Send ``request`` (its id is replaced); ``deadline`` is on ``time.monotonic``.
 
         ``nbytes``, the encoded tensor bytes, is what the link carries and is charged for
         (``ByteSize()`` when not given; it costs about 0.2 ms per MB, so callers that
         know the figure pass it). Framing adds little: the receiver enforces the exact
-        message limit in any case.
+        message limit in any case. ``on_reply`` is called with the returned
+        :class:`Sent` once its future is resolved (on the thread that resolves it).
+
+        [Note: the send comes last]
+        The request is queued for gRPC's sending thread as the very last step: whatever
+        this thread did after it would hold the GIL while that thread waits to send (on
+        the edge, registering the reply's callback after the send cost about 0.05 ms of
+        every hop). So the callback is given here, and set before the request is queued.
         """
         if deadline is not None and not math.isfinite(deadline):
             raise InputError(f"a deadline must be a finite time, found {deadline!r}")
@@ -349,8 +358,12 @@ class StreamClient:
                     "attempt failed); not sending"
                 )
             stream = self._live_stream(request.session)
-            sent = Sent(future, stream.queue.put(request, size), wire_id, request, size, deadline)
+            transfer = stream.queue.book(size)
+            sent = Sent(future, transfer, wire_id, request, size, deadline)
             self._track(stream, sent)
+            if on_reply is not None:
+                future.add_done_callback(lambda _: on_reply(sent))
+            stream.queue.send(transfer, request)  # [Note: the send comes last]
         return sent
 
     def _live_stream(self, session: str = "") -> _Stream:

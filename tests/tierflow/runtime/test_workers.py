@@ -1,0 +1,111 @@
+"""The tier's worker threads (WorkerPool): tasks run, threads are reused and bounded, a
+failing task does not stop its thread, and a pool shut down runs nothing more."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from tierflow.runtime.workers import WorkerPool
+
+WAIT_S = 10.0
+
+
+def test_tasks_run_on_the_pools_threads() -> None:
+    pool = WorkerPool(4, "test-work")
+    ran: list[str] = []
+    done = threading.Event()
+
+    def task() -> None:
+        ran.append(threading.current_thread().name)
+        done.set()
+
+    assert pool.submit(task)
+    assert done.wait(WAIT_S)
+    assert ran == ["test-work-1"]
+    pool.shutdown()
+
+
+def test_an_idle_thread_takes_the_next_task_instead_of_a_new_thread() -> None:
+    pool = WorkerPool(4, "test-work")
+    names: list[str] = []
+    done = threading.Event()
+
+    def task() -> None:
+        names.append(threading.current_thread().name)
+        done.set()
+
+    for _ in range(5):
+        done.clear()
+        pool.submit(task)
+        assert done.wait(WAIT_S)
+        ends = time.monotonic() + WAIT_S
+        while pool._idle == 0 and time.monotonic() < ends:  # it parks just after the task
+            threading.Event().wait(0.001)
+    assert set(names) == {"test-work-1"}
+    pool.shutdown()
+
+
+def test_tasks_beyond_the_thread_limit_wait_for_a_thread() -> None:
+    pool = WorkerPool(2, "test-work")
+    release = threading.Event()
+    started = threading.Semaphore(0)
+    finished = threading.Semaphore(0)
+
+    def blocking() -> None:
+        started.release()
+        release.wait(WAIT_S)
+        finished.release()
+
+    for _ in range(3):
+        pool.submit(blocking)
+    assert started.acquire(timeout=WAIT_S) and started.acquire(timeout=WAIT_S)
+    assert not started.acquire(timeout=0.05)  # the third waits: two threads at most
+    assert pool._threads == 2
+    release.set()
+    for _ in range(3):
+        assert finished.acquire(timeout=WAIT_S)
+    pool.shutdown()
+
+
+def test_a_failing_task_is_logged_and_its_thread_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pool = WorkerPool(1, "test-work")
+    done = threading.Event()
+
+    def failing() -> None:
+        raise RuntimeError("a bug")
+
+    with caplog.at_level(logging.ERROR, logger="tierflow.runtime.workers"):
+        pool.submit(failing)
+        pool.submit(done.set)
+        assert done.wait(WAIT_S)
+    assert "a task on test-work-1 failed" in caplog.text
+    pool.shutdown()
+
+
+def test_a_pool_shut_down_refuses_tasks_and_drops_those_not_started() -> None:
+    pool = WorkerPool(1, "test-work")
+    release = threading.Event()
+    running = threading.Event()
+    ran: list[str] = []
+
+    def first() -> None:
+        running.set()
+        release.wait(WAIT_S)
+        ran.append("first")
+
+    pool.submit(first)
+    assert running.wait(WAIT_S)
+    pool.submit(lambda: ran.append("queued"))
+    pool.shutdown()
+    assert not pool.submit(lambda: ran.append("late"))
+    release.set()
+    for thread in threading.enumerate():
+        if thread.name == "test-work-1":
+            thread.join(WAIT_S)
+    assert ran == ["first"]  # the running task finished; the queued one was dropped

@@ -1,0 +1,73 @@
+"""The threads a tier reads its streams and runs its requests on.
+
+[Note: the tier's worker threads]
+A tier hands each stream's reading from thread to thread ([Note: a stream's requests run
+at once] in tierflow/runtime/streams.py), so it starts one task per request. The standard
+``ThreadPoolExecutor`` makes a ``Future`` (with its own condition variable), a work item
+and a semaphore round for each task, and sets the future when the task ends; a tier never
+looks at those futures, and all that work holds the GIL while the request beside it is on
+its way. :class:`WorkerPool` takes a task from a queue and runs it, nothing more. Its
+threads start as tasks need them, up to ``max_threads``, and then stay, parked on the
+queue. A task's exception is logged; the thread goes on with the next.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerPool:
+    """Runs submitted tasks on up to ``max_threads`` threads named ``name-N``."""
+
+    def __init__(self, max_threads: int, name: str) -> None:
+        self._max = max(1, max_threads)
+        self._name = name
+        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0  # threads parked on the queue that no submitted task has claimed
+        self._closed = False
+
+    def submit(self, task: Callable[[], None]) -> bool:
+        """Run ``task`` on a pool thread; False (and nothing run) once :meth:`shutdown`."""
+        with self._lock:
+            if self._closed:
+                return False
+            if self._idle:
+                self._idle -= 1
+            elif self._threads < self._max:
+                self._threads += 1
+                thread = threading.Thread(
+                    target=self._work, name=f"{self._name}-{self._threads}", daemon=True
+                )
+                thread.start()
+            self._tasks.put(task)
+        return True
+
+    def _work(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            try:
+                task()
+            except Exception:  # a bug in a task: the thread serves the next one
+                logger.exception("a task on %s failed", threading.current_thread().name)
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self) -> None:
+        """Refuse new tasks, drop those not started and stop the threads once idle
+        (running tasks finish)."""
+        with self._lock:
+            self._closed = True
+            threads = self._threads
+        while True:
+            try:
+                self._tasks.get_nowait()
+            except queue.Empty:
+                break
+        for _ in range(threads):
+            self._tasks.put(None)
