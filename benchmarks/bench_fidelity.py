@@ -292,8 +292,8 @@ def bottleneck_rows(
     data = json.loads(path.read_text())
     out: list[Row] = []
     by_rate: dict[float, list[Row]] = {}
-    for row in data["rows"]:
-        by_rate.setdefault(float(row["bandwidth_mbit"]), []).append(row)
+    for entry in data["rows"]:
+        by_rate.setdefault(float(entry["bandwidth_mbit"]), []).append(entry)
     for mbit, rows in sorted(by_rate.items()):
         chosen: list[tuple[str, Row]] = []
         bottlenecks = [r for r in rows if r["strategy"] == "tierflow-bottleneck"]

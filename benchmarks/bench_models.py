@@ -31,7 +31,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,7 +285,7 @@ def demo_indices(count: int, seed: int, available: int) -> list[int]:
 
 def requests(
     model: BenchModel,
-    input_specs: list[tuple[str, str, tuple[int, ...]]],
+    input_specs: Sequence[tuple[str, str, tuple[int, ...]]],
     count: int,
     seed: int = 0,
 ) -> list[dict[str, np.ndarray]]:
@@ -358,7 +358,7 @@ def sentences(part: str, count: int, seed: int) -> list[Any]:
 
 
 def sentence_requests(
-    input_specs: list[tuple[str, str, tuple[int, ...]]], count: int, part: str, seed: int
+    input_specs: Sequence[tuple[str, str, tuple[int, ...]]], count: int, part: str, seed: int
 ) -> list[dict[str, np.ndarray]]:
     """``count`` sentences of ``part`` as the topic model's requests (ids, mask)."""
     from tierflow.zoo import text
@@ -393,7 +393,7 @@ def _heldout_size() -> int:
 
 def planner_sample(
     model: BenchModel,
-    input_specs: list[tuple[str, str, tuple[int, ...]]],
+    input_specs: Sequence[tuple[str, str, tuple[int, ...]]],
     count: int,
     seed: int,
 ) -> list[dict[str, np.ndarray]]:

@@ -48,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -529,7 +530,7 @@ def physics(
     return result
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return "\n".join(
         "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]

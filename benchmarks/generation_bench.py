@@ -113,7 +113,7 @@ class MemoryProbe:
         self.planned = dict(planned)
         self.context = context
         self.tiers: dict[str, Any] = {}  # tier -> its Pipeline
-        self.held: dict[str, dict[str, int]] = {}
+        self.held: dict[str, dict[str, int | None]] = {}
 
     def __call__(self, generator: Any) -> None:
         session = generator.target.session

@@ -287,7 +287,7 @@ def bench_model(
                 both = {"device-edge": codec, "edge-cloud": codec}
                 point[name] = bench_measure.compose(measured, 0, 0, both, links, slow)
                 planned.append((name, None))
-        for name, choice in planned:
+        for name, planned_choice in planned:
             composed = point[name]
             row: Row = {
                 "model": model.name,
@@ -295,9 +295,11 @@ def bench_model(
                 "strategy": name,
                 "p50_ms": composed.p50_ms,
                 "p90_ms": composed.p90_ms,
-                "predicted_ms": choice.predicted_s * 1e3 if choice else None,
+                "predicted_ms": planned_choice.predicted_s * 1e3 if planned_choice else None,
                 "prediction_error": (
-                    choice.predicted_s * 1e3 / composed.p50_ms - 1.0 if choice else None
+                    planned_choice.predicted_s * 1e3 / composed.p50_ms - 1.0
+                    if planned_choice
+                    else None
                 ),
                 "cuts": list(composed.cuts),
                 "last_cut": last,

@@ -113,8 +113,7 @@ replay() {  # LINK FILE.csv
 
 # Wait until HOST:PORT accepts connections from the device's namespace (at most 60 s).
 wait_for() {  # HOST PORT
-    local i
-    for i in $(seq 600); do
+    for _ in $(seq 600); do
         if ip netns exec $DEVICE bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null; then
             return 0
         fi

