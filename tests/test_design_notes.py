@@ -56,3 +56,17 @@ def test_notes_are_spelled_one_way() -> None:
         for match in VARIANT.finditer(text)
     ]
     assert not offenders
+
+
+# The project's first design and style guide live outside the repository; what the code
+# and tests rely on is in docs/design.md and the README instead.
+OUTSIDE = re.compile(r"\.\./shared\b|\bSTYLE\.md\b|\bDESIGN\.md\b")
+
+
+def test_nothing_cites_a_file_outside_the_repository() -> None:
+    offenders = [
+        f"{name}: {match.group(0)!r}"
+        for name, text in _sources().items()
+        for match in OUTSIDE.finditer(text)
+    ]
+    assert not offenders
