@@ -92,20 +92,23 @@ def _transport_lines(figures: dict[str, Any]) -> list[str]:
         "From `transport_bench.overhead` / `.throughput` (real `tierflow serve` processes on "
         "127.0.0.1, unshaped links, raw codec). Overhead per hop = (end-to-end − every "
         "tier's compute and codec) / 2, beside a bare gRPC round trip with the same payload, "
-        "the same chain in bare gRPC (a relay process, per hop) and, as the machine's floor, "
-        "a bare TCP round trip to another process.\n",
+        "the same chain in bare gRPC (a relay process, per hop), tierflow's device and cloud "
+        "alone with that relay in the edge's place (ends alone, against the relay chain) "
+        "and, as the machine's floor, a bare TCP round trip to another process.\n",
         "| feature | requests | end-to-end p50 ms | work p50 ms | overhead per hop p50 ms "
-        "| bare gRPC relay per hop ms | tierflow / relay (quartiles) | mTLS adds ms | "
-        "metrics add ms | bare gRPC round trip ms | bare TCP round trip ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| bare gRPC relay per hop ms | tierflow / relay (quartiles) | ends alone / relay | "
+        "mTLS adds ms | metrics add ms | bare gRPC round trip ms | bare TCP round trip ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in figures["overhead"]:
         low, _, high = row["vs_relay_quartiles"]
+        ends = row.get("ends_vs_relay_p50")  # runs before the ends chain lack it
         out.append(
             f"| {row['feature']} | {row['requests']} | {row['total_ms_p50']:.2f} | "
             f"{row['work_ms_p50']:.2f} | {row['overhead_per_hop_ms_p50']:.2f} | "
             f"{row['grpc_relay_per_hop_ms_p50']:.2f} | {row['vs_relay_p50']:.2f}x "
-            f"({low:.2f}–{high:.2f}) | {row['tls_adds_ms_per_hop']:+.3f} | "
+            f"({low:.2f}–{high:.2f}) | {'–' if ends is None else f'{ends:.2f}x'} | "
+            f"{row['tls_adds_ms_per_hop']:+.3f} | "
             f"{row['metrics_adds_ms_per_hop']:+.3f} | {row['grpc_round_trip_ms_p50']:.2f} | "
             f"{row['tcp_round_trip_ms_p50']:.2f} |"
         )

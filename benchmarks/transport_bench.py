@@ -13,9 +13,12 @@ machine with unlimited links, and runs the device in this process:
   with mutual TLS on both hops, the same with Prometheus metrics on both servers (what
   each adds per hop), and a **bare gRPC relay**: the payload relayed by a middle process
   (``grpc_relay.py``: receive, hand over, send on, and back) to an echo, per hop: issue
-  18's goal is at most 1.1x its time. Below them, a bare gRPC round trip to the edge's
-  echo and the **floor** of the machine, a round trip of the same payload over a bare TCP
-  socket. What admission adds is measured in process (per stream and per request).
+  18's goal is at most 1.1x its time. Beside those, the **ends alone**: tierflow's device
+  and cloud with that bare relay in the edge's place (a plan whose edge runs nothing), per
+  hop against the bare relay chain: what the two ends cost before the edge does anything.
+  Below them, a bare gRPC round trip to the edge's echo and the **floor** of the machine,
+  a round trip of the same payload over a bare TCP socket. What admission adds is
+  measured in process (per stream and per request).
 * **pipelined throughput**: a plan whose edge stage takes 10 ms or more (an emulated slow
   edge: ``--slowdown``, which sleeps in proportion to each run's wall time, so contention
   stretches it, and this small machine's cores are not the bottleneck) with one worker
@@ -106,6 +109,40 @@ def _plan(directory: Path, feature_bytes: int, edge_op: str = "Relu", cloud_step
     segments = []
     for tier, nodes, src, dst, width in parts:
         graph = helper.make_graph(nodes, tier, [vec(src, n)], [vec(dst, width)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        onnx.save(model, directory / f"{tier}.onnx")
+        segments.append(SegmentSpec(tier, f"{tier}.onnx", (src,), (dst,)))
+    plan = Plan(
+        "bench.onnx",
+        "0" * 64,
+        ("x",),
+        ("y",),
+        tuple(segments),
+        codec={"device-edge": "raw", "edge-cloud": "raw"},
+    )
+    save_plan(plan, directory)
+    return directory
+
+
+def _ends_plan(directory: Path, feature_bytes: int) -> Path:
+    """device: x -> Relu -> h1 | edge: nothing | cloud: h1 -> max -> y (raw codec).
+
+    The device's tensors cross to the cloud as they are, through whatever serves in the
+    edge's place: a bare relay, for the ends-alone chain.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    n = feature_bytes // 4
+
+    def vec(name: str, width: int) -> Any:
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, width])
+
+    parts = [
+        ("device", helper.make_node("Relu", ["x"], ["h1"]), "x", "h1", n),
+        ("cloud", helper.make_node("ReduceMax", ["h1"], ["y"], keepdims=1), "h1", "y", 1),
+    ]
+    segments = []
+    for tier, node, src, dst, width in parts:
+        graph = helper.make_graph([node], tier, [vec(src, n)], [vec(dst, width)])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
         onnx.save(model, directory / f"{tier}.onnx")
         segments.append(SegmentSpec(tier, f"{tier}.onnx", (src,), (dst,)))
@@ -220,20 +257,32 @@ def tcp_round_trips(payload_bytes: int, count: int) -> list[float]:
     return times
 
 
-class _Relay:
-    """A bare gRPC relay process (``grpc_relay.py``) to ``upstream``'s Probe echo, and a
-    stream through it: one round trip at a time, ``payload_bytes`` up and 8 bytes down."""
+@contextmanager
+def _relay_process(upstream: str) -> Iterator[str]:
+    """A bare gRPC relay process (``grpc_relay.py``) to ``upstream``; yields its address."""
+    process = subprocess.Popen(
+        [sys.executable, str(RELAY), upstream],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        yield f"127.0.0.1:{int(process.stdout.readline())}"
+    finally:
+        assert process.stdin is not None
+        process.stdin.close()
+        process.wait(10)
+        if process.stdout is not None:
+            process.stdout.close()
 
-    def __init__(self, upstream: str, payload_bytes: int) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, str(RELAY), upstream],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.process.stdout is not None
-        port = int(self.process.stdout.readline())
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
+
+class _Relay:
+    """A stream through a bare gRPC relay at ``address`` to an upstream ``Probe`` echo: one
+    round trip at a time, ``payload_bytes`` up and 8 bytes down."""
+
+    def __init__(self, address: str, payload_bytes: int) -> None:
+        self.channel = grpc.insecure_channel(address, options=channel_options())
         self._messages: queue.SimpleQueue[tier_pb2.ProbeMessage | None] = queue.SimpleQueue()
         self._call = tier_pb2_grpc.TierStub(self.channel).Probe(iter(self._messages.get, None))
         self._replies = iter(self._call)
@@ -253,16 +302,12 @@ class _Relay:
         self._messages.put(None)
         self._call.cancel()
         self.channel.close()
-        assert self.process.stdin is not None
-        self.process.stdin.close()
-        self.process.wait(10)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
 
 
 #: The chains measured side by side: tierflow's tiers plain, with mutual TLS on both hops,
-#: with Prometheus metrics on both servers, and the bare gRPC relay.
-CHAINS = ("tierflow", "mtls", "metrics", "relay")
+#: with Prometheus metrics on both servers, tierflow's device and cloud with a bare relay
+#: in the edge's place ("ends"), and the bare gRPC relay.
+CHAINS = ("tierflow", "mtls", "metrics", "ends", "relay")
 
 
 def overhead(
@@ -278,10 +323,12 @@ def overhead(
     medians; a ratio is the median of the rounds' ratios, with quartiles, so that a spell
     of load, which hits every chain of a round alike, cannot decide it. Overhead per hop
     of a tierflow chain = (end-to-end - every tier's compute and codec time) / 2; the
-    relay's = its round trip / 2 (two hops as well: device -> relay -> echo). Beside them,
-    a bare gRPC round trip to the edge's echo and a bare TCP round trip (the floor).
+    relay's = its round trip / 2 (two hops as well: device -> relay -> echo). The ends
+    chain (device -> bare relay -> cloud) counts as a tierflow chain. Beside them, a bare
+    gRPC round trip to the edge's echo and a bare TCP round trip (the floor).
     """
     plan_dir = _plan(work / f"plan-{size_name}", feature_bytes)
+    ends_dir = _ends_plan(work / f"plan-ends-{size_name}", feature_bytes)
     files = certificates(work)
     tls = ("--tls-cert", files["cert"], "--tls-key", files["key"], "--tls-ca", files["ca"])
     secure = RuntimeOptions(
@@ -304,7 +351,11 @@ def overhead(
             )
             for chain, edge in edges.items()
         }
-        relay = _Relay(edges["tierflow"], feature_bytes)
+        grace = ("--grace", "0.5", "--workers", "2")
+        cloud = stack.enter_context(ServeProcess("cloud", ends_dir, *grace, cwd=ends_dir))
+        in_edges_place = stack.enter_context(_relay_process(cloud.address))
+        devices["ends"] = stack.enter_context(DeviceClient(ends_dir, in_edges_place, window=1))
+        relay = _Relay(stack.enter_context(_relay_process(edges["tierflow"])), feature_bytes)
         stack.callback(relay.close)
 
         def hop(chain: str) -> float:
@@ -329,6 +380,7 @@ def overhead(
         grpc_ms = baseline_round_trips(edges["tierflow"], feature_bytes, count)
     tcp_ms = tcp_round_trips(feature_bytes, count)
     ratios = [a / b for a, b in zip(rounds_ms["tierflow"], rounds_ms["relay"], strict=True)]
+    ends = [a / b for a, b in zip(rounds_ms["ends"], rounds_ms["relay"], strict=True)]
     adds = {
         chain: _median(
             [a - b for a, b in zip(rounds_ms[chain], rounds_ms["tierflow"], strict=True)]
@@ -353,6 +405,9 @@ def overhead(
         "grpc_relay_per_hop_ms_p50": _median(rounds_ms["relay"]),
         "vs_relay_p50": _median(ratios),
         "vs_relay_quartiles": [round(float(q), 4) for q in np.percentile(ratios, [25, 50, 75])],
+        "ends_per_hop_ms_p50": _median(rounds_ms["ends"]),
+        "ends_vs_relay_p50": _median(ends),
+        "ends_vs_relay_quartiles": [round(float(q), 4) for q in np.percentile(ends, [25, 50, 75])],
         "tls_adds_ms_per_hop": adds["mtls"],
         "metrics_adds_ms_per_hop": adds["metrics"],
     }
@@ -535,6 +590,12 @@ def verdict(hop: dict[str, Any]) -> str:
             f"{ratio:.2f}x a bare gRPC relay per hop ({hop['overhead_per_hop_ms_p50']:.3f} "
             f"against {hop['grpc_relay_per_hop_ms_p50']:.3f} ms): {met} the {RELAY_GOAL}x goal; "
         )
+    ends = hop.get("ends_vs_relay_p50")
+    if ends is not None:
+        relay += (
+            f"with a bare relay in the edge's place, tierflow's device and cloud alone take "
+            f"{ends:.2f}x ({hop['ends_per_hop_ms_p50']:.3f} ms per hop); "
+        )
     return relay + _target_verdict(hop)
 
 
@@ -598,6 +659,7 @@ def main() -> int:
             "overhead/hop",
             "gRPC relay/hop",
             "ratio (quartiles)",
+            "ends alone",
             "+mTLS/hop",
             "+metrics/hop",
             "bare gRPC RT",
@@ -613,6 +675,7 @@ def main() -> int:
                 f"{hop['overhead_per_hop_ms_p50']:.3f} ms",
                 f"{hop['grpc_relay_per_hop_ms_p50']:.3f} ms",
                 f"{hop['vs_relay_p50']:.2f}x ({quartiles})",
+                f"{hop['ends_vs_relay_p50']:.2f}x",
                 f"{hop['tls_adds_ms_per_hop']:+.3f} ms",
                 f"{hop['metrics_adds_ms_per_hop']:+.3f} ms",
                 f"{hop['grpc_round_trip_ms_p50']:.3f} ms",
