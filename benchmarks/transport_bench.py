@@ -83,11 +83,15 @@ EDGE_STAGE_MS = 10.0
 TARGET_MS = 0.5
 
 
-def _plan(directory: Path, feature_bytes: int, edge_op: str = "Relu", cloud_steps: int = 0) -> Path:
+def _plan(
+    directory: Path, feature_bytes: int, edge_op: str | None = "Relu", cloud_steps: int = 0
+) -> Path:
     """device: x -> Relu -> h1 | edge: h1 -> OP -> h2 | cloud: h2 -> Sigmoid x N -> max -> y.
 
     Each crossing tensor is float32 of ``feature_bytes`` bytes; the compute is trivial
     (``cloud_steps`` Sigmoids give the cloud some), so what is measured is the transport.
+    ``edge_op`` None: the edge runs nothing, and the device's h1 crosses to the cloud as
+    it is, through whatever serves in the edge's place (the ends-alone chain's relay).
     """
     directory.mkdir(parents=True, exist_ok=True)
     n = feature_bytes // 4
@@ -95,54 +99,20 @@ def _plan(directory: Path, feature_bytes: int, edge_op: str = "Relu", cloud_step
     def vec(name: str, width: int) -> Any:
         return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, width])
 
+    to_cloud = "h1" if edge_op is None else "h2"
     chain = [helper.make_node("Sigmoid", [f"s{i}"], [f"s{i + 1}"]) for i in range(cloud_steps)]
     cloud_nodes = [
-        helper.make_node("Identity", ["h2"], ["s0"]),
+        helper.make_node("Identity", [to_cloud], ["s0"]),
         *chain,
         helper.make_node("ReduceMax", [f"s{cloud_steps}"], ["y"], keepdims=1),
     ]
-    parts = [
-        ("device", [helper.make_node("Relu", ["x"], ["h1"])], "x", "h1", n),
-        ("edge", [helper.make_node(edge_op, ["h1"], ["h2"])], "h1", "h2", n),
-        ("cloud", cloud_nodes, "h2", "y", 1),
-    ]
+    parts = [("device", [helper.make_node("Relu", ["x"], ["h1"])], "x", "h1", n)]
+    if edge_op is not None:
+        parts.append(("edge", [helper.make_node(edge_op, ["h1"], ["h2"])], "h1", "h2", n))
+    parts.append(("cloud", cloud_nodes, to_cloud, "y", 1))
     segments = []
     for tier, nodes, src, dst, width in parts:
         graph = helper.make_graph(nodes, tier, [vec(src, n)], [vec(dst, width)])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-        onnx.save(model, directory / f"{tier}.onnx")
-        segments.append(SegmentSpec(tier, f"{tier}.onnx", (src,), (dst,)))
-    plan = Plan(
-        "bench.onnx",
-        "0" * 64,
-        ("x",),
-        ("y",),
-        tuple(segments),
-        codec={"device-edge": "raw", "edge-cloud": "raw"},
-    )
-    save_plan(plan, directory)
-    return directory
-
-
-def _ends_plan(directory: Path, feature_bytes: int) -> Path:
-    """device: x -> Relu -> h1 | edge: nothing | cloud: h1 -> max -> y (raw codec).
-
-    The device's tensors cross to the cloud as they are, through whatever serves in the
-    edge's place: a bare relay, for the ends-alone chain.
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    n = feature_bytes // 4
-
-    def vec(name: str, width: int) -> Any:
-        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, width])
-
-    parts = [
-        ("device", helper.make_node("Relu", ["x"], ["h1"]), "x", "h1", n),
-        ("cloud", helper.make_node("ReduceMax", ["h1"], ["y"], keepdims=1), "h1", "y", 1),
-    ]
-    segments = []
-    for tier, node, src, dst, width in parts:
-        graph = helper.make_graph([node], tier, [vec(src, n)], [vec(dst, width)])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
         onnx.save(model, directory / f"{tier}.onnx")
         segments.append(SegmentSpec(tier, f"{tier}.onnx", (src,), (dst,)))
@@ -165,18 +135,21 @@ def _tiers(
     workers: int = 2,
     python: str | None = None,
     cloud_args: Sequence[str] = (),
+    edge: bool = True,
 ) -> Iterator[str]:
-    """A cloud and an edge; ``python``: another environment's interpreter to run them with."""
+    """A cloud and an edge, yielding the edge's address (``edge`` False: the cloud alone,
+    yielding its own); ``python``: another environment's interpreter to run them with."""
     grace = ("--grace", "0.5", "--workers", str(workers))
     # Run from the plan's folder, so that the interpreter's own install is what it imports.
     where: dict[str, Any] = {"python": (python or sys.executable,), "cwd": plan_dir}
-    with (
-        ServeProcess("cloud", plan_dir, *grace, *cloud_args, **where) as cloud,
-        ServeProcess(
+    with ServeProcess("cloud", plan_dir, *grace, *cloud_args, **where) as cloud:
+        if not edge:
+            yield cloud.address
+            return
+        with ServeProcess(
             "edge", plan_dir, *grace, "--upstream", cloud.address, *edge_args, **where
-        ) as edge,
-    ):
-        yield edge.address
+        ) as served:
+            yield served.address
 
 
 def _median(values: list[float]) -> float:
@@ -328,7 +301,7 @@ def overhead(
     gRPC round trip to the edge's echo and a bare TCP round trip (the floor).
     """
     plan_dir = _plan(work / f"plan-{size_name}", feature_bytes)
-    ends_dir = _ends_plan(work / f"plan-ends-{size_name}", feature_bytes)
+    ends_dir = _plan(work / f"plan-ends-{size_name}", feature_bytes, edge_op=None)
     files = certificates(work)
     tls = ("--tls-cert", files["cert"], "--tls-key", files["key"], "--tls-ca", files["ca"])
     secure = RuntimeOptions(
@@ -351,9 +324,8 @@ def overhead(
             )
             for chain, edge in edges.items()
         }
-        grace = ("--grace", "0.5", "--workers", "2")
-        cloud = stack.enter_context(ServeProcess("cloud", ends_dir, *grace, cwd=ends_dir))
-        in_edges_place = stack.enter_context(_relay_process(cloud.address))
+        cloud = stack.enter_context(_tiers(ends_dir, edge=False))
+        in_edges_place = stack.enter_context(_relay_process(cloud))
         devices["ends"] = stack.enter_context(DeviceClient(ends_dir, in_edges_place, window=1))
         relay = _Relay(stack.enter_context(_relay_process(edges["tierflow"])), feature_bytes)
         stack.callback(relay.close)
