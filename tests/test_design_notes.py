@@ -49,13 +49,17 @@ def test_every_referenced_note_is_defined_exactly_once() -> None:
     assert not missing, f"notes referred to but never written: {missing}"
 
 
-def test_notes_are_spelled_one_way() -> None:
-    offenders = [
+def _found(pattern: re.Pattern[str]) -> list[str]:
+    """Each match of ``pattern`` in the sources, as ``file: 'text'``."""
+    return [
         f"{name}: {match.group(0)!r}"
         for name, text in _sources().items()
-        for match in VARIANT.finditer(text)
+        for match in pattern.finditer(text)
     ]
-    assert not offenders
+
+
+def test_notes_are_spelled_one_way() -> None:
+    assert not _found(VARIANT)
 
 
 # The project's first design and style guide live outside the repository; what the code
@@ -64,9 +68,4 @@ OUTSIDE = re.compile(r"\.\./shared\b|\bSTYLE\.md\b|\bDESIGN\.md\b")
 
 
 def test_nothing_cites_a_file_outside_the_repository() -> None:
-    offenders = [
-        f"{name}: {match.group(0)!r}"
-        for name, text in _sources().items()
-        for match in OUTSIDE.finditer(text)
-    ]
-    assert not offenders
+    assert not _found(OUTSIDE)
