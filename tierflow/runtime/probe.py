@@ -56,14 +56,20 @@ class ProbeCredit:
         self._lock = threading.Lock()
 
     def draw(self, peer: str, wanted: int) -> int:
-        """Take up to ``wanted`` bytes of ``peer``'s allowance; return what was granted."""
+        """Take up to ``wanted`` bytes of ``peer``'s allowance; return what was granted
+        (never negative).
+
+        The clock is read under the lock: read before it, a draw could take a time older
+        than the one the draw before it stored, refill by a negative amount and grant a
+        negative count (which once reached ``bytes(size)`` in :func:`echo`).
+        """
         if wanted <= 0:
             return 0
-        now = self._clock()
         with self._lock:
+            now = self._clock()
             level, when = self._buckets.pop(peer, (float(self.allowance), now))
-            level = min(float(self.allowance), level + (now - when) * self.per_s)
-            granted = int(min(level, wanted))
+            level = min(float(self.allowance), level + max(now - when, 0.0) * self.per_s)
+            granted = max(int(min(level, wanted)), 0)
             self._buckets[peer] = (level - granted, now)  # re-inserted: most recent last
             while len(self._buckets) > _PEERS_KEPT:
                 del self._buckets[next(iter(self._buckets))]
@@ -88,7 +94,7 @@ def echo(
         sent += len(message.payload)
         wanted = min(max(message.reply_bytes, 0), MAX_PROBE_BYTES)
         own = min(wanted, sent)
-        size = own + credit.draw(peer, wanted - own)
+        size = own + max(credit.draw(peer, wanted - own), 0)
         sent -= own
         if len(zeros) != size:
             zeros = bytes(size)
