@@ -52,7 +52,13 @@ from tierflow.link.spec import LINKS
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
 from tierflow.rpc import tier_pb2
-from tierflow.runtime.pipeline import Answered, Onward, Pipeline, SessionStep
+from tierflow.runtime.pipeline import (
+    Answered,
+    Onward,
+    Pipeline,
+    SessionStep,
+    check_initial_state,
+)
 from tierflow.runtime.segment_runner import TierRunner
 from tierflow.runtime.segment_store import SegmentSource, tier_files
 from tierflow.transport.deadline import Deadline
@@ -263,6 +269,11 @@ class DeviceClient:
                 f"session {session!r}: a state value ({sorted(given)}) comes with the first "
                 f"request (position 0) only, this one is at position {position}"
             )
+        check_initial_state(
+            self.plans.plans[index].states,
+            [(k, v.dtype.name, tuple(v.shape)) for k, v in given.items()],
+            f"session {session!r}",
+        )
         owned = {s.input for s in self.pipeline.runner(index).states}
         passed = tier_pb2.Request()
         put_tensors(

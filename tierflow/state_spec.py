@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.errors import PlanError
+from tierflow.errors import PlanError, StateError
 
 #: A dimension in a recorded shape: a size, or None where the model leaves it symbolic.
 Dim = int | None
@@ -63,6 +63,25 @@ class StateSpec:
         if any(d is not None and d < 0 for d in self.shape):
             raise PlanError(
                 f"malformed plan: state {self.input!r} has a negative size in {list(self.shape)}"
+            )
+
+    def check_initial(self, dtype: str, shape: tuple[int, ...]) -> None:
+        """Raise a :class:`StateError` unless a session's first value of this state may be
+        ``dtype``/``shape``: a fixed state only (a growing one starts empty), its dtype
+        exactly (never cast), its sizes where the plan fixes them and 1 where it leaves
+        them symbolic (one sequence at a time, as the zeros it would start from)."""
+        dims = "x".join(str(d) for d in shape)
+        if self.grows is not None:
+            raise StateError(
+                f"state {self.input!r} grows with every step and starts empty; a session "
+                f"takes no first value for it (found {dtype}[{dims}])"
+            )
+        expected = tuple(1 if d is None else d for d in self.shape)
+        if dtype != self.dtype or tuple(shape) != expected:
+            want = "x".join(str(d) for d in expected)
+            raise StateError(
+                f"state {self.input!r}: a first value must be {self.dtype}[{want}], found "
+                f"{dtype}[{dims}]"
             )
 
     @property

@@ -52,6 +52,7 @@ from tierflow.rpc import tier_pb2
 from tierflow.runtime.segment_runner import SegmentRunner, TierRunner, emulate_slower
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, tier_files
 from tierflow.runtime.state import SessionStates
+from tierflow.state_spec import DecoderSpec, StateSpec
 from tierflow.transport.wire import decode_tensors, put_tensors, received
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,11 @@ class SessionStep:
                 f"session {request.session!r}: initial state comes with position 0 only, "
                 f"the request is at {request.position}"
             )
+        check_initial_state(
+            runner.plan.states,
+            [(t.name, t.dtype, tuple(t.shape)) for t in request.initial_state],
+            f"session {request.session!r}",
+        )
         owned = {s.input for s in runner.states}
         mine = [t for t in request.initial_state if t.name in owned]
         initial = decode_tensors(mine, max_bytes=max_bytes) if mine else {}
@@ -130,6 +136,71 @@ class SessionStep:
             request.keep_last,
             request.choices_only,
         )
+
+
+def check_initial_state(
+    specs: Sequence[StateSpec], given: Sequence[tuple[str, str, tuple[int, ...]]], what: str
+) -> None:
+    """Refuse first state values (name, dtype, shape) that no state of ``specs`` (a plan's
+    states, every tier's) takes,
+    that repeat, or that do not fit their state exactly (:meth:`StateSpec.check_initial`):
+    a value of another dtype is refused, never cast. Checked from the headers alone,
+    before anything is decoded, by every tier a session's first request reaches."""
+    states = {spec.input: spec for spec in specs}
+    names = [name for name, _, _ in given]
+    if len(set(names)) != len(names):
+        raise StateError(f"{what}: initial state {sorted(names)} names a state twice")
+    unknown = sorted(set(names) - set(states))
+    if unknown:
+        raise StateError(
+            f"{what}: initial state {unknown} is no state of the plan (its states: "
+            f"{sorted(states)})"
+        )
+    for name, dtype, shape in given:
+        states[name].check_initial(dtype, shape)
+
+
+def check_decoder_step(
+    decoder: DecoderSpec, features: Mapping[str, np.ndarray], position: int
+) -> None:
+    """Refuse a decoder step whose companions disagree with its ``position``
+    ([Note: a decoder step's companions]).
+
+    [Note: a decoder step's companions]
+    A decoder step after ``position`` tokens feeds T new tokens with ``attention_mask``
+    [1, position + T] and ``position_ids`` [[position .. position + T - 1]]
+    (:class:`~tierflow.state_spec.DecoderSpec`). Their shapes are symbolic in the model,
+    so the segment's input check cannot see that they disagree with the position; ONNX
+    Runtime then failed inside an attention node, which was answered INTERNAL (with its
+    own error line on the tier's stderr). The tier that reads them checks them first:
+    a client's mistake is an INVALID_INPUT (a :class:`~tierflow.errors.StateError`).
+    T is the tokens' length, or the position ids' where the tokens are not read here.
+    """
+    tokens = features.get(decoder.tokens)
+    ids = features.get(decoder.position_ids) if decoder.position_ids else None
+    mask = features.get(decoder.attention_mask) if decoder.attention_mask else None
+    length = None
+    if tokens is not None and tokens.ndim == 2:
+        length = int(tokens.shape[1])
+    elif ids is not None and ids.ndim == 2:
+        length = int(ids.shape[1])
+    if ids is not None:
+        expected = np.arange(position, position + (length or 0), dtype=np.int64)
+        if ids.ndim != 2 or ids.shape[1] != length or not np.array_equal(ids[0], expected):
+            raise StateError(
+                f"a step at position {position} of {length} token(s) has position_ids "
+                f"[[{position} .. {position + (length or 0) - 1}]], found shape "
+                f"{list(ids.shape)} starting at {ids.flat[0] if ids.size else None}"
+            )
+    if mask is not None:
+        width = int(mask.shape[-1]) if mask.ndim else -1
+        fits = width == position + length if length is not None else width > position
+        if not fits:
+            want = f"{position + length}" if length is not None else f"more than {position}"
+            raise StateError(
+                f"a step at position {position} needs an attention_mask of {want} "
+                f"positions, found {width}"
+            )
 
 
 def reply_codec(plan: Plan, link: str | None) -> CodecSpec:
@@ -324,6 +395,8 @@ class Pipeline:
             forward.tensors.extend(as_received)
             nbytes = sum(len(t.data) + len(t.params) for t in as_received)
             return Onward(forward, nbytes, key=key, features=features)
+        if session is not None and plan.decoder is not None:  # before the state is touched
+            check_decoder_step(plan.decoder, features, session.position)
         state = None
         if runner.states:
             if session is None:

@@ -182,6 +182,8 @@ class SegmentRunner:
             text = str(exc)
             if "INVALID_ARGUMENT" in text or "InvalidArgument" in type(exc).__name__:
                 raise InputError(f"segment {self.path.name} refused its inputs: {text}") from exc
+            # The one line a failed run leaves (ONNX Runtime's own is off: sessions.py).
+            logger.warning("segment %s failed: %s", self.path.name, text.strip()[:500])
             raise ModelError(f"segment {self.path.name} failed: {text}") from exc
         emulate_slower(self.slowdown, start, self._clock)
         return dict(zip(self.output_names, values, strict=True))

@@ -62,7 +62,11 @@ def session_options(threads: int, optimization: str = DEFAULT_OPTIMIZATION) -> o
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    options.log_severity_level = 3
+    # Fatal only: ONNX Runtime writes a coloured "[E:onnxruntime...]" line to stderr for
+    # every failed run. A failure reaches tierflow as an exception, which the caller
+    # translates and logs once (SegmentRunner.run); a client's bad step must not
+    # write lines to a tier's stderr that no log setting controls.
+    options.log_severity_level = 4
     return options
 
 

@@ -16,12 +16,20 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cache.memory import MemoryCache
 from tierflow.codec.spec import CodecSpec
-from tierflow.errors import InputError, PlanError
+from tierflow.errors import InputError, PlanError, StateError
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, SegmentSpec
 from tierflow.rpc import tier_pb2
-from tierflow.runtime.pipeline import Answered, Onward, Pipeline, reply_codec
+from tierflow.runtime.pipeline import (
+    Answered,
+    Onward,
+    Pipeline,
+    check_decoder_step,
+    check_initial_state,
+    reply_codec,
+)
 from tierflow.runtime.sessions import open_session
+from tierflow.state_spec import DecoderSpec, StateSpec
 from tierflow.transport.wire import put_tensors
 
 WIDTHS = (16, 12, 8, 4)  # x -> h1 -> h2 -> y
@@ -225,3 +233,58 @@ def test_answers_go_down_with_the_lossless_part_of_the_links_codec(
     plan = _plan_dir(tmp_path, {"device-edge": codec, "edge-cloud": codec})
     assert reply_codec(plan, "edge-cloud") == CodecSpec.parse(reply)
     assert reply_codec(plan, None) == CodecSpec.parse("raw")
+
+
+def _decoder() -> DecoderSpec:
+    return DecoderSpec("tokens", "logits", "attention_mask", "position_ids", 32, 64, 16)
+
+
+def test_a_decoder_step_whose_companions_fit_its_position_passes() -> None:
+    decoder = _decoder()
+    for position, tokens in ((0, [1, 2, 3]), (3, [4]), (4, [5, 6])):
+        check_decoder_step(decoder, decoder.step_feeds(tokens, position), position)
+    # A tier that reads the companions without the tokens takes the length from the ids.
+    feeds = decoder.step_feeds([7, 8], 5)
+    del feeds["tokens"]
+    check_decoder_step(decoder, feeds, 5)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"attention_mask": np.ones((1, 7), np.int64)},  # for position 6, not 5
+        {"attention_mask": np.ones((1, 3), np.int64)},
+        {"position_ids": np.array([[3]], np.int64)},
+        {"position_ids": np.array([[5, 6]], np.int64)},  # two ids for one token
+    ],
+)
+def test_a_decoder_step_whose_companions_disagree_with_its_position_is_invalid_input(
+    change: dict[str, np.ndarray],
+) -> None:
+    """Issue 28 finding 8: such a step failed inside ONNX Runtime and was answered INTERNAL."""
+    decoder = _decoder()
+    feeds = {**decoder.step_feeds([9], 5), **change}
+    with pytest.raises(StateError, match="position"):
+        check_decoder_step(decoder, feeds, 5)
+
+
+STATES = (
+    StateSpec("state", "stateN", "float32", (None, 8)),
+    StateSpec("past", "present", "float32", (1, 2, None, 4), grows=2),
+)
+
+
+def test_a_first_state_value_must_fit_its_state_exactly() -> None:
+    check_initial_state(STATES, [("state", "float32", (1, 8))], "session 's'")
+    check_initial_state(STATES, [], "session 's'")
+    wrong = [
+        ([("state", "float64", (1, 8))], "float32\\[1x8\\], found float64"),  # never cast
+        ([("state", "float32", (2, 8))], "found float32\\[2x8\\]"),
+        ([("state", "float32", (8,))], "found float32\\[8\\]"),
+        ([("elsewhere", "float32", (1, 8))], "no state of the plan"),  # no tier owns it
+        ([("past", "float32", (1, 2, 0, 4))], "starts empty"),
+        ([("state", "float32", (1, 8))] * 2, "twice"),
+    ]
+    for given, message in wrong:
+        with pytest.raises(StateError, match=message):
+            check_initial_state(STATES, given, "session 's'")

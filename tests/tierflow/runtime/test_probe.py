@@ -38,7 +38,6 @@ def test_many_asks_from_one_peer_get_one_allowance_in_all() -> None:
     assert granted == PROBE_ALLOWANCE
 
 
-
 def test_a_grant_is_never_negative_when_clock_readings_land_out_of_order() -> None:
     """Issue 28 finding 7: a draw whose clock reading is older than the one the draw
     before it stored (it read the clock first, outside the lock) refilled by a negative

@@ -162,3 +162,29 @@ def test_a_tier_runs_its_segments_and_forwards_what_later_ones_need(tmp_path: Pa
     assert outcome.final and outcome.exit == "e" and list(outcome.tensors) == ["e"]
     cloud = TierRunner(plan, tmp_path, "cloud")
     assert cloud.run(feeds).final
+
+
+def test_a_failed_run_leaves_tierflows_one_warning_and_no_line_of_onnx_runtimes(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 28 finding 8: ONNX Runtime wrote a coloured ``[E:onnxruntime...]`` line to the
+    tier's stderr for every failed run, beside tierflow's own handling of the failure."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["a", "b"], ["c"])],
+        "add",
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, ["n"]),
+            helper.make_tensor_value_info("b", TensorProto.FLOAT, ["m"]),
+        ],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, None)],
+    )
+    path = tmp_path / "add.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    runner = SegmentRunner(path)
+    feeds = {"a": np.ones(3, np.float32), "b": np.ones(4, np.float32)}  # shapes disagree
+    with caplog.at_level("WARNING", logger="tierflow.runtime.segment_runner"):
+        with pytest.raises(ModelError, match="add.onnx failed"):
+            runner.run(feeds)
+    assert "onnxruntime" not in capfd.readouterr().err
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "add.onnx failed" in caplog.records[0].getMessage()
