@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tierflow.cli import json_output
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.table import format_table
 from tierflow.errors import UsageError
@@ -266,7 +267,7 @@ def _run(args: argparse.Namespace) -> int:
                 if report is not None:
                     line = result.to_dict()
                     line["id"] = index
-                    report.write(json.dumps(line) + "\n")
+                    report.write(json_output.dumps(line) + "\n")
                     report.flush()
                 if result.error is not None:
                     logger.warning("[device] request %d failed: %s", index, result.error)
@@ -281,7 +282,7 @@ def _run(args: argparse.Namespace) -> int:
         write_outputs(args.output, ordered, plan, batch_added=batch_added, plan_dir=args.plan)
         partial.unlink(missing_ok=True)
     summary = summarize(results, elapsed)
-    print(json.dumps(summary) if args.json else _summary_table(summary))
+    print(json_output.dumps(summary) if args.json else _summary_table(summary))
     failed = sum(1 for r in results if r.error is not None)
     if failed:
         first = next(r.error for r in results if r.error is not None)

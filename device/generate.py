@@ -11,12 +11,12 @@ each link, and which tier ran which blocks. ``--json`` ends with one JSON line i
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from tierflow.cli import json_output
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.table import format_table
 from tierflow.device.commands import add_deadline_argument, add_plan_arguments, edge_address
@@ -233,7 +233,7 @@ def _generate(args: argparse.Namespace) -> int:
         line = report.to_dict()
         if tokenizer is not None:
             line["text"] = tokenizer.decode(report.tokens)
-        print(json.dumps(line))
+        print(json_output.dumps(line))
         return 0
     rows = [
         ("tokens", f"{len(report.tokens)} (stopped: {report.stopped})"),

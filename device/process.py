@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import logging
 import queue
 import signal
@@ -29,6 +28,7 @@ import threading
 from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Any
 
+from tierflow.cli import json_output
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.device.commands import (
     add_adaptation_arguments,
@@ -213,7 +213,7 @@ def _write(out: IO[str], index: int, source: str | int, result: Result) -> None:
     line["id"] = index
     line["source"] = source
     line["outputs"] = {name: array.tolist() for name, array in result.outputs.items()}
-    out.write(json.dumps(line) + "\n")
+    out.write(json_output.dumps(line) + "\n")
     out.flush()
 
 

@@ -139,6 +139,7 @@ from dataclasses import dataclass
 from tierflow.errors import UsageError
 from tierflow.link.spec import LINKS, LinkSpec
 from tierflow.plan import Plan, PlanSet
+from tierflow.transport.wire import MAX_FIGURE_BPS, MAX_FIGURE_BYTES, MAX_FIGURE_MS
 
 #: Decades of rate (or of RTT in ms) by which another region must be closer to switch.
 DEFAULT_MARGIN = 0.1
@@ -157,6 +158,10 @@ DEFAULT_HALF_LIFE_S = 0.2
 #: Two transfers in a row this many times off the estimate, the same way, are a change of
 #: rate ([Note: a change detector in the estimate]).
 DEFAULT_JUMP = 2.0
+
+
+#: The slowest rate a transfer may show and still count as evidence of a link's rate.
+MIN_RATE_BPS = 1.0
 
 
 class LinkEstimator:
@@ -196,8 +201,16 @@ class LinkEstimator:
         return 1.0 - 0.5 ** (max(now - since, 0.0) / self.half_life_s)
 
     def observe(self, now: float, nbytes: int, seconds: float) -> None:
-        """A transfer of ``nbytes`` bytes that spent ``seconds`` on the link, seen at ``now``."""
-        if nbytes <= 0 or not seconds > 0 or not math.isfinite(seconds):
+        """A transfer of ``nbytes`` bytes that spent ``seconds`` on the link, seen at ``now``.
+
+        A transfer outside physical bounds is ignored: more than
+        :data:`~tierflow.transport.wire.MAX_FIGURE_BYTES` bytes, longer than a day, or a
+        rate outside [:data:`MIN_RATE_BPS`, :data:`~tierflow.transport.wire.MAX_FIGURE_BPS`]
+        (a tier's reply reporting 2^62 bytes once moved the device's estimate).
+        """
+        if not 0 < nbytes <= MAX_FIGURE_BYTES or not 0 < seconds <= MAX_FIGURE_MS / 1e3:
+            return
+        if not MIN_RATE_BPS <= nbytes * 8.0 / seconds <= MAX_FIGURE_BPS:
             return
         # At least a tenth of full weight: a burst of transfers at one instant still counts.
         weight = max(self._weight(self._at, now), 0.1)
@@ -212,8 +225,9 @@ class LinkEstimator:
         self._at = now
 
     def observe_rtt(self, now: float, rtt_s: float) -> None:
-        """A round trip (a probe's, say) of ``rtt_s`` seconds, seen at ``now``."""
-        if not 0 <= rtt_s < math.inf:
+        """A round trip (a probe's, say) of ``rtt_s`` seconds, seen at ``now`` (ignored
+        unless within a day)."""
+        if not 0 <= rtt_s <= MAX_FIGURE_MS / 1e3:
             return
         weight = max(self._weight(self._rtt_at, now), 0.1)
         self._rtt_s += weight * (rtt_s - self._rtt_s)

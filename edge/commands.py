@@ -9,9 +9,9 @@ link to a running tier and prints it the way ``tierflow plan --link`` takes it.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 
+from tierflow.cli import json_output
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.table import format_table
 from tierflow.cloud.commands import add_cache_argument
@@ -108,7 +108,7 @@ def _probe(args: argparse.Namespace) -> int:
         security=Security.from_args(args),
     )
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json_output.dumps(result.to_dict(), indent=2))
         return 0
     samples = result.samples
     rows = [

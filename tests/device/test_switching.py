@@ -483,3 +483,25 @@ def test_a_replayed_drop_and_recovery_switches_once_each_way_and_sooner_when_pri
     assert priced.index(0) == 21 and plain.index(0) == 25
     # Back up, plan 0 is predicted 3x slower; the probes' 4 KiB at 20 Mbit/s are 50x off.
     assert priced.index(1, 21) == 33 and plain.index(1, 25) == 36
+
+
+def test_transfers_outside_physical_bounds_leave_the_estimate_alone() -> None:
+    """Issue 28 finding 5: a reply's 2^62 link bytes moved the device's estimate."""
+    estimator = LinkEstimator(LinkSpec(20e6, 0.01))
+    before = estimator.estimate()
+    for nbytes, seconds in [
+        (2**62, 0.001),  # 2^62 bytes: no message is that large
+        (10**9, 1e-9),  # 8e18 bit/s
+        (1000, float("nan")),
+        (1000, float("inf")),
+        (1000, 1e308),
+        (1000, -1.0),
+        (1, 1e5),  # below a bit per second
+        (-5, 0.01),
+    ]:
+        estimator.observe(1.0, nbytes, seconds)
+    estimator.observe_rtt(1.0, 1e308)
+    estimator.observe_rtt(1.0, float("nan"))
+    assert estimator.estimate() == before
+    estimator.observe(2.0, 25_000, 0.01)  # 20 Mbit/s: within bounds, counted
+    assert estimator.measured().rate_bps == pytest.approx(20e6)

@@ -20,6 +20,11 @@ prefixed ``tierflow_``; labels in brackets):
   last measured on a transfer up.
 - ``in_flight{tier}``: requests at this tier not yet answered (its queue depth).
 - ``exits_total{tier, exit}``, ``cache_hits_total{tier, answered_by}``.
+- ``peer_warnings_total{tier, kind}``: warnings about what peers sent, each counted though
+  few are logged ([Note: warnings about a peer] in tierflow/transport/peer_warnings.py):
+  ``reply_figures`` (a reply's figures no tier could measure, dropped: [Note: figures in
+  a reply]), ``undecodable`` (a message that does not parse), ``garbage_stream`` (a
+  stream closed for sending nothing else: [Note: garbage on a stream]).
 - ``segment_bytes{tier}``: bytes of segment files the tier holds (bounded by
   ``--segment-budget``); ``segment_fetches{tier}``: segment files it fetched from the tier
   above so far ([Note: segments on demand] in ``tierflow.runtime.segment_store``).
@@ -35,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from tierflow.errors import TransportError
 from tierflow.extras import import_extra
 from tierflow.rpc import tier_pb2
+from tierflow.transport.peer_warnings import WARNINGS
 
 if TYPE_CHECKING:
     from tierflow.runtime.segment_store import SegmentStore
@@ -119,6 +125,8 @@ class TierMetrics:
                 registry=reg,
             )
             fetches.labels(tier).set_function(lambda: _store_figure(segments(), "fetches"))
+        core = import_extra("prometheus_client.core", "--metrics-port")
+        reg.register(_PeerWarningsCollector(tier, core.CounterMetricFamily))
         self._server: Any = None
 
     # ------------------------------------------------------------------ observing
@@ -209,6 +217,24 @@ class TierMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _PeerWarningsCollector:
+    """``tierflow_peer_warnings_total``: the process's counts, read at each scrape."""
+
+    def __init__(self, tier: str, family: Any) -> None:
+        self.tier = tier
+        self._family = family
+
+    def collect(self) -> Any:
+        family = self._family(
+            "tierflow_peer_warnings",
+            "Warnings about what peers sent, by kind (few are logged)",
+            labels=["tier", "kind"],
+        )
+        for (tier, kind), count in sorted(WARNINGS.counts(self.tier).items()):
+            family.add_metric([tier, kind], count)
+        yield family
 
 
 def _store_figure(store: SegmentStore | None, what: str) -> float:

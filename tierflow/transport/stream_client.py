@@ -63,8 +63,9 @@ import grpc
 from tierflow.errors import DeadlineError, InputError, RemoteError, TransportError
 from tierflow.link.emulation import LinkShaper, ShapedQueue, Transfer
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.transport.peer_warnings import WARNINGS
 from tierflow.transport.security import Security, open_channel
-from tierflow.transport.wire import DEFAULT_MESSAGE_BYTES, grpc_options
+from tierflow.transport.wire import DEFAULT_MESSAGE_BYTES, clean_figures, grpc_options
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +175,7 @@ class _Stream:
                 if sent is None:
                     logger.debug("[%s] reply for %s came after its deadline", client.me, reply.id)
                     continue
+                client._check_figures(reply)
                 sent.future.set_result(reply)
             error = TransportError(f"the {client.peer} at {client.address} ended the stream")
         except grpc.RpcError as exc:
@@ -305,6 +307,23 @@ class StreamClient:
                 self._down = True
             elif state == grpc.ChannelConnectivity.IDLE:
                 self._down = False  # nothing is trying to connect: the next call will
+
+    def _check_figures(self, reply: tier_pb2.Reply) -> None:
+        """Drop the figures of ``reply`` no tier above could have measured, with a warning
+        ([Note: figures in a reply] in tierflow/transport/wire.py)."""
+        problems = clean_figures(reply, self.me)
+        if problems:
+            WARNINGS.warn(
+                logger,
+                self.me,
+                "reply_figures",
+                self.address,
+                "[%s] the %s at %s answered with figures no tier could measure, dropped: %s",
+                self.me,
+                self.peer,
+                self.address,
+                "; ".join(problems),
+            )
 
     def known_down(self) -> bool:
         """Whether the peer is known to be down ([Note: retries and failing fast])."""

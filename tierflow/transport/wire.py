@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -294,6 +294,28 @@ MAX_FIGURE_BYTES = 1 << 40
 MAX_FIGURE_BPS = 1e13
 
 
+def _timing_problem(timing: tier_pb2.TierTiming) -> str | None:
+    """Why a tier's timing cannot have been measured (None: it can)."""
+    for name in ("compute_ms", "codec_ms", "queue_ms"):
+        value = getattr(timing, name)
+        if not 0.0 <= value <= MAX_FIGURE_MS:  # NaN fails too
+            return f"the {timing.tier}'s {name} is {value!r}: not a time"
+    return None
+
+
+def _link_problem(stat: tier_pb2.LinkStat) -> str | None:
+    """Why a link's figures cannot have been measured (None: they can)."""
+    if not 0 <= stat.bytes <= MAX_FIGURE_BYTES:
+        return f"link {stat.link} reports {stat.bytes} bytes"
+    for name in ("send_ms", "queue_ms"):
+        value = getattr(stat, name)
+        if not 0.0 <= value <= MAX_FIGURE_MS:
+            return f"link {stat.link}'s {name} is {value!r}: not a time"
+    if not 0.0 <= stat.rate_bps <= MAX_FIGURE_BPS:
+        return f"link {stat.link}'s rate is {stat.rate_bps!r} bit/s"
+    return None
+
+
 def check_figures(message: tier_pb2.Request | tier_pb2.Reply) -> None:
     """Refuse timings and link figures no tier could have measured (an :class:`InputError`).
 
@@ -311,10 +333,9 @@ def check_figures(message: tier_pb2.Request | tier_pb2.Reply) -> None:
             f"{len(tiers)}: {sorted(set(tiers))[:6]}"
         )
     for timing in message.timings:
-        for name in ("compute_ms", "codec_ms", "queue_ms"):
-            value = getattr(timing, name)
-            if not 0.0 <= value <= MAX_FIGURE_MS:  # NaN fails too
-                raise InputError(f"the {timing.tier}'s {name} is {value!r}: not a time")
+        problem = _timing_problem(timing)
+        if problem is not None:
+            raise InputError(problem)
     links = [stat.link for stat in message.links]
     if len(links) > len(LINKS) or len(set(links)) != len(links) or not set(links) <= set(LINKS):
         raise InputError(
@@ -322,11 +343,77 @@ def check_figures(message: tier_pb2.Request | tier_pb2.Reply) -> None:
             f"{len(links)}: {sorted(set(links))[:6]}"
         )
     for stat in message.links:
-        if not 0 <= stat.bytes <= MAX_FIGURE_BYTES:
-            raise InputError(f"link {stat.link} reports {stat.bytes} bytes")
-        for name, top in (("send_ms", MAX_FIGURE_MS), ("queue_ms", MAX_FIGURE_MS)):
-            value = getattr(stat, name)
-            if not 0.0 <= value <= top:
-                raise InputError(f"link {stat.link}'s {name} is {value!r}: not a time")
-        if not 0.0 <= stat.rate_bps <= MAX_FIGURE_BPS:
-            raise InputError(f"link {stat.link}'s rate is {stat.rate_bps!r} bit/s")
+        problem = _link_problem(stat)
+        if problem is not None:
+            raise InputError(problem)
+
+
+def clean_figures(reply: tier_pb2.Reply, me: str) -> list[str]:
+    """Drop from ``reply`` the figures no tier above ``me`` could have measured; say why.
+
+    [Note: figures in a reply]
+    A reply carries each tier's timings and each link's figures, and the caller believes
+    them: the device reports them (``run --json``, ``--report``) and feeds its link
+    estimators with them; the edge's metrics count them. A tier that answered with NaN,
+    infinite, 1e308 or negative times, 20,000 timings or a link of 2^62 bytes was once
+    believed: ``run --json`` printed ``Infinity``, which is not JSON, and the device's
+    bandwidth estimate moved. So the client end of every stream (the device's and the
+    edge's, ``tierflow.transport.stream_client``) checks a reply's figures as a tier
+    checks a request's (:func:`check_figures`), but keeps the answer: the outputs were
+    made by the model, the figures only describe how. What fails is dropped, the whole
+    timing or link entry: a timing of a tier that is not above ``me`` (the tiers above
+    report their own; ``me`` adds its own after), a second timing of one tier, a link
+    not sent from a tier above ``me``, one given twice, and any entry with a time or
+    rate that is not finite, is negative or is beyond a day (:data:`MAX_FIGURE_MS`),
+    a rate beyond :data:`MAX_FIGURE_BPS` or a byte count beyond
+    :data:`MAX_FIGURE_BYTES`. Each reply with figures dropped is one warning, counted
+    in the metrics ([Note: warnings about a peer] in tierflow/transport/peer_warnings.py).
+    At most the first three reasons are returned, then how many more there were.
+    """
+    if not reply.timings and not reply.links:
+        return []
+    above = TIERS[TIERS.index(me) + 1 :] if me in TIERS else TIERS
+    problems: list[str] = []
+    seen: set[str] = set()
+    timings = []
+    for timing in reply.timings:
+        if timing.tier not in above or timing.tier in seen:
+            problem: str | None = f"a timing of {timing.tier[:32]!r} in a reply to the {me}"
+        else:
+            problem = _timing_problem(timing)
+        if problem is None:
+            seen.add(timing.tier)
+            timings.append(timing)
+        else:
+            problems.append(problem)
+    seen.clear()
+    links = []
+    for stat in reply.links:
+        if stat.link not in LINKS or stat.link.split("-")[0] not in above or stat.link in seen:
+            problem = f"a figure of link {stat.link[:32]!r} in a reply to the {me}"
+        else:
+            problem = _link_problem(stat)
+        if problem is None:
+            seen.add(stat.link)
+            links.append(stat)
+        else:
+            problems.append(problem)
+    if not problems:
+        return []
+    kept_timings = [_copy(timing, tier_pb2.TierTiming()) for timing in timings]
+    kept_links = [_copy(stat, tier_pb2.LinkStat()) for stat in links]
+    del reply.timings[:]
+    reply.timings.extend(kept_timings)
+    del reply.links[:]
+    reply.links.extend(kept_links)
+    if len(problems) > 3:
+        problems = [*problems[:3], f"and {len(problems) - 3} more"]
+    return problems
+
+
+_M = TypeVar("_M", tier_pb2.TierTiming, tier_pb2.LinkStat)
+
+
+def _copy(source: _M, into: _M) -> _M:
+    into.CopyFrom(source)
+    return into

@@ -247,3 +247,47 @@ def test_timings_and_link_figures_no_tier_could_measure_are_refused() -> None:
     ]:
         with pytest.raises(InputError, match=words):
             check_figures(message)
+
+
+def test_a_replys_figures_no_tier_above_could_measure_are_dropped_and_the_rest_kept() -> None:
+    """Issue 28 finding 5: NaN, infinite, 1e308 and negative times, 20,000 timings and
+    2^62 link bytes in a reply were believed."""
+    from tierflow.transport.wire import clean_figures
+
+    reply = tier_pb2.Reply(answered_by="cloud")
+    reply.outputs.add(name="y", dtype="float32", shape=[1], codec="raw", data=b"\0" * 4)
+    reply.timings.add(tier="cloud", compute_ms=2.0, codec_ms=0.5, queue_ms=0.1)
+    reply.timings.add(tier="cloud", compute_ms=1.0)  # a second cloud timing
+    reply.timings.add(tier="edge", compute_ms=1.0)  # the edge adds its own, later
+    reply.links.add(link="edge-cloud", bytes=2**62, send_ms=1.0, rate_bps=1e8)
+    outputs = list(reply.outputs)
+    assert clean_figures(reply, "edge") == [
+        "a timing of 'cloud' in a reply to the edge",
+        "a timing of 'edge' in a reply to the edge",
+        "a figure of link 'edge-cloud' in a reply to the edge",
+    ]
+    assert [(t.tier, t.compute_ms) for t in reply.timings] == [("cloud", 2.0)]
+    assert not reply.links and list(reply.outputs) == outputs
+
+    to_device = tier_pb2.Reply()
+    to_device.timings.add(tier="edge", compute_ms=1.0)
+    to_device.timings.add(tier="cloud", compute_ms=float("inf"))
+    to_device.links.add(link="edge-cloud", bytes=2**62, send_ms=1.0)
+    to_device.links.add(link="device-edge", bytes=100)  # the device measures its own
+    problems = clean_figures(to_device, "device")
+    assert problems[0] == "the cloud's compute_ms is inf: not a time"
+    assert problems[1] == f"link edge-cloud reports {2**62} bytes"
+    assert [t.tier for t in to_device.timings] == ["edge"] and not to_device.links
+
+    many = tier_pb2.Reply()
+    for value in (float("nan"), -1.0, 1e308, *([1.0] * 20_000)):
+        many.timings.add(tier="cloud", queue_ms=value)
+    problems = clean_figures(many, "edge")
+    assert len(problems) == 4 and problems[-1] == "and 19999 more"
+    assert [t.queue_ms for t in many.timings] == [1.0]
+
+    fine = tier_pb2.Reply()
+    fine.timings.add(tier="cloud", compute_ms=3.0)
+    fine.links.add(link="edge-cloud", bytes=4096, send_ms=0.3, rate_bps=1e8)
+    before = fine.SerializeToString()
+    assert clean_figures(fine, "device") == [] and fine.SerializeToString() == before
