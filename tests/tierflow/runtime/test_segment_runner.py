@@ -182,9 +182,11 @@ def test_a_failed_run_leaves_tierflows_one_warning_and_no_line_of_onnx_runtimes(
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     runner = SegmentRunner(path)
     feeds = {"a": np.ones(3, np.float32), "b": np.ones(4, np.float32)}  # shapes disagree
-    with caplog.at_level("WARNING", logger="tierflow.runtime.segment_runner"):
-        with pytest.raises(ModelError, match="add.onnx failed"):
-            runner.run(feeds)
+    with (
+        caplog.at_level("WARNING", logger="tierflow.runtime.segment_runner"),
+        pytest.raises(ModelError, match=r"add\.onnx failed"),
+    ):
+        runner.run(feeds)
     assert "onnxruntime" not in capfd.readouterr().err
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "add.onnx failed" in caplog.records[0].getMessage()
