@@ -61,6 +61,7 @@ from tierflow.runtime.pipeline import (
 )
 from tierflow.runtime.segment_runner import TierRunner
 from tierflow.runtime.segment_store import SegmentSource, tier_files
+from tierflow.runtime.state import check_session_id
 from tierflow.transport.deadline import Deadline
 from tierflow.transport.stream_client import StreamClient
 from tierflow.transport.wire import put_tensors
@@ -70,8 +71,6 @@ __all__ = ["DEFAULT_DEADLINE_S", "DEFAULT_RETRY_S", "DeviceClient", "Result", "T
 logger = logging.getLogger(__name__)
 
 DEFAULT_WINDOW = 16
-#: Longest session name (it travels with every request of the session).
-MAX_SESSION_CHARS = 256
 #: Sessions whose plan the client remembers (the least recently started forgotten first).
 _SESSIONS_KEPT = 10_000
 
@@ -258,10 +257,7 @@ class DeviceClient:
         is kept here if the device owns that state, else passed on to the tier that does."""
         if session is None:
             return None
-        if not session or len(session) > MAX_SESSION_CHARS:
-            raise StateError(
-                f"a session name must have 1 to {MAX_SESSION_CHARS} characters, got {len(session)}"
-            )
+        check_session_id(session)  # it travels with every request of the session
         states = {s.input for s in self.plans.plans[index].states}
         given = {name: np.asarray(v) for name, v in inputs.items() if name in states}
         if given and position != 0:

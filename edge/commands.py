@@ -48,6 +48,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="the cloud (needed if the plan uses it); replicas as a gRPC target list, "
         "ipv4:H1:P1,H2:P2 or dns:///NAME:PORT, balanced round robin",
     )
+    edge.add_argument(
+        "--upstream-token-file",
+        metavar="F",
+        help="the bearer token sent to the cloud, when --token-file lists this edge's "
+        "clients (default: --token-file, which then holds one token)",
+    )
     edge.set_defaults(handler=_serve)
 
     probe = subparsers.add_parser(
@@ -85,7 +91,9 @@ def _serve(args: argparse.Namespace) -> int:
         args, load_plan_set(args.plan, require_segments=False).default_plan
     )
     if args.upstream is not None:  # [Note: which tier answers] in tierflow.transport.address
-        check_answering_tier(args.upstream, "cloud", options.security, option="--upstream")
+        check_answering_tier(
+            args.upstream, "cloud", options.security.upstream(), option="--upstream"
+        )
     server = EdgeServer(
         args.plan,
         args.listen,

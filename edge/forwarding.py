@@ -85,7 +85,7 @@ class Forwarding:
             peer=self.peer,
             shaper=LinkShaper(link, options.links.get(link)),
             max_message_bytes=options.max_message_bytes,
-            security=options.security,
+            security=options.security.upstream(),
         )
         self._check(self.upstream.channel)
 

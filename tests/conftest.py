@@ -171,7 +171,8 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A throw-away CA, a server and a client certificate signed by it, and a rogue client.
 
     Keys: ``ca``, ``server_cert``, ``server_key``, ``client_cert``, ``client_key``,
-    ``rogue_cert``, ``rogue_key`` (the rogue is signed by another CA). The server's
+    ``client2_cert``, ``client2_key`` (a second client of the same CA), ``rogue_cert``,
+    ``rogue_key`` (the rogue is signed by another CA). The server's
     certificate names 127.0.0.1 and localhost. Needs the ``cryptography`` package (dev).
     """
     import datetime
@@ -240,12 +241,13 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for stem, issuer, issuer_key, server in (
         ("server", "tierflow test CA", ca_key, True),
         ("client", "tierflow test CA", ca_key, False),
+        ("client2", "tierflow test CA", ca_key, False),
         ("rogue", "another CA", rogue_ca_key, False),
     ):
         key = ec.generate_private_key(ec.SECP256R1())
         write(stem, certificate(stem, key, issuer, issuer_key, ca=False, server=server), key)
     files = {"ca": directory / "ca.pem"}
-    for stem in ("server", "client", "rogue"):
+    for stem in ("server", "client", "client2", "rogue"):
         files[f"{stem}_cert"] = directory / f"{stem}.pem"
         files[f"{stem}_key"] = directory / f"{stem}.key"
     return files

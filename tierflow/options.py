@@ -31,6 +31,7 @@ from tierflow.runtime.sessions import (
     add_optimization_argument,
     check_optimization,
 )
+from tierflow.runtime.state import DEFAULT_MEMORY_SHARE, default_state_budget
 from tierflow.transport.security import Security, add_security_arguments
 from tierflow.transport.wire import DEFAULT_MESSAGE_BYTES
 from tierflow.units import format_duration, format_size, parse_duration, parse_size
@@ -66,8 +67,10 @@ class RuntimeOptions:
     ``security``: TLS and tokens (``tierflow.transport.security``). ``providers``: ONNX
     Runtime execution providers in order of preference (``tierflow.runtime.providers``).
     ``state_budget``: bytes of session state the tier keeps, all sessions together (None:
-    no bound), and ``state_idle_s`` how long a session's state is kept without a request
-    ([Note: session state on a tier] in ``tierflow.runtime.state``).
+    no bound; by default a share of the machine's memory), ``state_share`` each owner's
+    part of it (None: an equal split among the owners holding state), and
+    ``state_idle_s`` how long a session's state is kept without a request ([Note: session
+    state on a tier] in ``tierflow.runtime.state``).
     ``segment_budget``: bytes of segment files the tier keeps (None: no bound; see
     [Note: segments on demand] in ``tierflow.runtime.segment_store``).
     """
@@ -86,7 +89,8 @@ class RuntimeOptions:
     security: Security = field(default_factory=Security)
     providers: tuple[str, ...] = (CPU,)
     segment_budget: int | None = None
-    state_budget: int | None = None
+    state_budget: int | None = field(default_factory=default_state_budget)
+    state_share: int | None = None
     state_idle_s: float = DEFAULT_STATE_IDLE_S
     stream_idle_s: float = DEFAULT_STREAM_IDLE_S
 
@@ -110,6 +114,8 @@ class RuntimeOptions:
             raise UsageError(f"segment_budget must be >= 0, got {self.segment_budget}")
         if self.state_budget is not None and self.state_budget < 0:
             raise UsageError(f"state_budget must be >= 0, got {self.state_budget}")
+        if self.state_share is not None and self.state_share < 1:
+            raise UsageError(f"state_share must be >= 1, got {self.state_share}")
         if not 0 < self.state_idle_s < float("inf"):
             raise UsageError(f"state_idle_s must be a positive number, got {self.state_idle_s}")
         if not 0 < self.stream_idle_s < float("inf"):
@@ -142,6 +148,7 @@ class RuntimeOptions:
             providers=args.providers,
             segment_budget=args.segment_budget,
             state_budget=args.state_budget,
+            state_share=args.state_share,
             state_idle_s=args.state_idle,
         )
 
@@ -221,8 +228,17 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, *, server: bool) -> N
         default=defaults.state_budget,
         metavar="SIZE",
         help="keep at most SIZE of session state (KV caches, recurrent states) on this tier, "
-        "least recently used sessions evicted; an evicted session is replayed by its device "
-        "(default: no bound)",
+        "least recently used sessions evicted, from callers over their share first; an "
+        f"evicted session is replayed by its device (default: {DEFAULT_MEMORY_SHARE * 100:.0f}%% "
+        f"of this machine's memory, {format_size(defaults.state_budget or 0)} here)",
+    )
+    parser.add_argument(
+        "--state-share",
+        type=parse_size,
+        default=defaults.state_share,
+        metavar="SIZE",
+        help="keep at most SIZE of session state for each caller (default: an equal split "
+        "of --state-budget among the callers holding state, applied when it is full)",
     )
     parser.add_argument(
         "--state-idle",

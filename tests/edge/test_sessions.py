@@ -27,6 +27,7 @@ from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import save_split_plan, split_model
 from tierflow.plan import load_plan
 from tierflow.runtime.sessions import open_session
+from tierflow.runtime.state import SESSION_OVERHEAD
 from tierflow.zoo.tiny_stateful import streaming_model
 
 pytestmark = pytest.mark.integration
@@ -178,7 +179,12 @@ def test_sessions_side_by_side_stay_apart_and_in_order(model: Path, tiers: Any) 
             np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
 
 
-@pytest.mark.parametrize("tiers", [("cloud", 2 * 8 * 4)], indirect=True)
+# Two sessions' 8-float states, with their ids, owner's name and overhead (of at most
+# 100 bytes of names: the cloud's owner is the device's address within the edge's).
+TWO_SESSIONS = int(2.5 * (8 * 4 + SESSION_OVERHEAD + 100))
+
+
+@pytest.mark.parametrize("tiers", [("cloud", TWO_SESSIONS)], indirect=True)
 def test_the_state_budget_evicts_the_least_recent_session_which_is_replayed(
     model: Path, tiers: Any
 ) -> None:
@@ -196,7 +202,7 @@ def test_the_state_budget_evicts_the_least_recent_session_which_is_replayed(
             results[n] += sessions[n].run(made[n][0][: CHUNKS // 2])
         assert states.position("b0") is None and states.position("b2") == CHUNKS // 2
         results[0] += sessions[0].run(made[0][0][CHUNKS // 2 :])  # b0 goes on: replayed
-    assert sessions[0].replays == 1 and states.nbytes <= 2 * 8 * 4
+    assert sessions[0].replays == 1 and states.nbytes <= TWO_SESSIONS and len(states) == 2
     expected = local_loop(model, *made[0])
     for result, want in zip(results[0], expected, strict=True):
         np.testing.assert_array_equal(result.unwrap().outputs["out"], want)

@@ -83,7 +83,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "plan_id", "segment", "tensors", "timings", "links", "deadline_unix_s", "session", "position", "initial_state", "keep_last", "choices_only")
+    __slots__ = ("id", "plan_id", "segment", "tensors", "timings", "links", "deadline_unix_s", "session", "position", "initial_state", "keep_last", "choices_only", "on_behalf_of")
     ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class Request(_message.Message):
     INITIAL_STATE_FIELD_NUMBER: _ClassVar[int]
     KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     CHOICES_ONLY_FIELD_NUMBER: _ClassVar[int]
+    ON_BEHALF_OF_FIELD_NUMBER: _ClassVar[int]
     id: str
     plan_id: str
     segment: int
@@ -108,7 +109,8 @@ class Request(_message.Message):
     initial_state: _containers.RepeatedCompositeFieldContainer[Tensor]
     keep_last: int
     choices_only: bool
-    def __init__(self, id: _Optional[str] = ..., plan_id: _Optional[str] = ..., segment: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[TierTiming, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStat, _Mapping]]] = ..., deadline_unix_s: _Optional[float] = ..., session: _Optional[str] = ..., position: _Optional[int] = ..., initial_state: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., keep_last: _Optional[int] = ..., choices_only: _Optional[bool] = ...) -> None: ...
+    on_behalf_of: str
+    def __init__(self, id: _Optional[str] = ..., plan_id: _Optional[str] = ..., segment: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[TierTiming, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStat, _Mapping]]] = ..., deadline_unix_s: _Optional[float] = ..., session: _Optional[str] = ..., position: _Optional[int] = ..., initial_state: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., keep_last: _Optional[int] = ..., choices_only: _Optional[bool] = ..., on_behalf_of: _Optional[str] = ...) -> None: ...
 
 class Reply(_message.Message):
     __slots__ = ("id", "plan_id", "outputs", "answered_by", "exit", "cache_hit", "timings", "links", "error", "fallback")

@@ -28,6 +28,12 @@ prefixed ``tierflow_``; labels in brackets):
 - ``segment_bytes{tier}``: bytes of segment files the tier holds (bounded by
   ``--segment-budget``); ``segment_fetches{tier}``: segment files it fetched from the tier
   above so far ([Note: segments on demand] in ``tierflow.runtime.segment_store``).
+- ``state_bytes{tier, identity}``, ``state_sessions{tier, identity}``: the session state
+  each owner holds now (everything counted against ``--state-budget``), for the owners
+  holding any; ``identity`` is the owner's name ([Note: who a caller is] in
+  ``tierflow.transport.callers``), never a token. ``state_evictions_total{tier}``: sessions
+  evicted or dropped idle so far ([Note: session state on a tier] in
+  ``tierflow.runtime.state``).
 """
 
 from __future__ import annotations
@@ -43,7 +49,10 @@ from tierflow.rpc import tier_pb2
 from tierflow.transport.peer_warnings import WARNINGS
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from tierflow.runtime.segment_store import SegmentStore
+    from tierflow.runtime.state import SessionStates
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +68,10 @@ class TierMetrics:
         tier: str,
         in_flight: Callable[[], float],
         segments: Callable[[], SegmentStore | None] | None = None,
+        states: Callable[[], SessionStates | None] | None = None,
     ) -> None:
-        """``segments`` gives the tier's segment store (None until it has one)."""
+        """``segments`` gives the tier's segment store, ``states`` its session state (each
+        None until it has one)."""
         prom = import_extra("prometheus_client", "--metrics-port")
         self.tier = tier
         self.registry = prom.CollectorRegistry()
@@ -127,6 +138,8 @@ class TierMetrics:
             fetches.labels(tier).set_function(lambda: _store_figure(segments(), "fetches"))
         core = import_extra("prometheus_client.core", "--metrics-port")
         reg.register(_PeerWarningsCollector(tier, core.CounterMetricFamily))
+        if states is not None:
+            reg.register(_StateCollector(tier, states))
         self._server: Any = None
 
     # ------------------------------------------------------------------ observing
@@ -241,3 +254,37 @@ def _store_figure(store: SegmentStore | None, what: str) -> float:
     if store is None:
         return 0.0
     return float(store.used_bytes if what == "used_bytes" else len(store.fetched))
+
+
+class _StateCollector:
+    """The session state each owner holds, read at each scrape (owners come and go)."""
+
+    def __init__(self, tier: str, states: Callable[[], SessionStates | None]) -> None:
+        self.tier = tier
+        self.states = states
+
+    def collect(self) -> Iterator[Any]:
+        core = import_extra("prometheus_client.core", "--metrics-port")
+        held = self.states()
+        owners = held.by_owner() if held is not None else {}
+        nbytes = core.GaugeMetricFamily(
+            "tierflow_state_bytes",
+            "Bytes of session state held, by owner (everything a session holds)",
+            labels=["tier", "identity"],
+        )
+        sessions = core.GaugeMetricFamily(
+            "tierflow_state_sessions", "Sessions held, by owner", labels=["tier", "identity"]
+        )
+        for owner, (count, size) in sorted(owners.items()):
+            nbytes.add_metric([self.tier, owner], size)
+            sessions.add_metric([self.tier, owner], count)
+        evictions = core.CounterMetricFamily(
+            "tierflow_state_evictions",
+            "Sessions evicted (budget, share) or dropped idle",
+            labels=["tier"],
+        )
+        evictions.add_metric([self.tier], held.evicted if held is not None else 0)
+        yield from (nbytes, sessions, evictions)
+
+    def describe(self) -> list[Any]:
+        return []  # collected at each scrape only: the owners change

@@ -51,7 +51,7 @@ from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.segment_runner import SegmentRunner, TierRunner, emulate_slower
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, tier_files
-from tierflow.runtime.state import SessionStates
+from tierflow.runtime.state import SessionStates, check_session_id
 from tierflow.state_spec import DecoderSpec, StateSpec
 from tierflow.transport.wire import decode_tensors, put_tensors, received
 
@@ -92,7 +92,8 @@ class SessionStep:
     """A request's place in its session ([Note: session state on a tier] in
     tierflow/runtime/state.py): its ``session``, the steps already kept (``position``),
     the first values of fixed states this tier owns (``initial``) and those it passes on
-    to the tiers after it (``passed_on``, as received)."""
+    to the tiers after it (``passed_on``, as received). ``owner``: whose session it is
+    ([Note: who a caller is] in tierflow/transport/callers.py; "" on the device)."""
 
     session: str
     position: int
@@ -102,16 +103,19 @@ class SessionStep:
     keep_last: int = 0
     #: A decoder step's answer carries each kept position's argmax, not its logits.
     choices_only: bool = False
+    owner: str = ""
 
     @classmethod
     def of_request(
-        cls, request: tier_pb2.Request, runner: TierRunner, max_bytes: int
+        cls, request: tier_pb2.Request, runner: TierRunner, max_bytes: int, owner: str = ""
     ) -> SessionStep | None:
-        """The session step a request from the tier below names (None: no session)."""
+        """The session step a request from the tier below names (None: no session), of
+        ``owner``'s session."""
         if not request.session:
             if request.initial_state:
                 raise StateError("a request carries initial state but names no session")
             return None
+        check_session_id(request.session)
         if request.initial_state and request.position != 0:
             raise StateError(
                 f"session {request.session!r}: initial state comes with position 0 only, "
@@ -135,6 +139,7 @@ class SessionStep:
             passed_on,
             request.keep_last,
             request.choices_only,
+            owner,
         )
 
 
@@ -254,7 +259,12 @@ class Pipeline:
         self._opened: dict[Path, SegmentRunner] = {}  # by segment file, shared by plans
         self._lock = threading.Lock()
         #: Each session's state of this tier's stateful segments.
-        self.states = SessionStates(tier, budget=options.state_budget, idle_s=options.state_idle_s)
+        self.states = SessionStates(
+            tier,
+            budget=options.state_budget,
+            share=options.state_share,
+            idle_s=options.state_idle_s,
+        )
 
     # ------------------------------------------------------------------ plans
 
@@ -405,12 +415,22 @@ class Pipeline:
                     "a request must name its session"
                 )
             state = self.states.inputs(
-                session.session, plan.plan_id, session.position, runner.states, session.initial
+                session.session,
+                plan.plan_id,
+                session.position,
+                runner.states,
+                session.initial,
+                owner=session.owner,
             )
         outcome = runner.run(features, checked=checked, state=state)
         if session is not None and runner.states and outcome.state:
             self.states.commit(
-                session.session, plan.plan_id, session.position, runner.states, outcome.state
+                session.session,
+                plan.plan_id,
+                session.position,
+                runner.states,
+                outcome.state,
+                owner=session.owner,
             )
         if outcome.final:
             if key is not None:
@@ -480,8 +500,8 @@ class Pipeline:
 def _onward(
     plan_id: str, segment: int, deadline_unix_s: float, session: SessionStep | None
 ) -> tier_pb2.Request:
-    """The request to the next tier, with its session step (if any) and the initial states
-    this tier did not own."""
+    """The request to the next tier, with its session step (if any, on behalf of its owner:
+    [Note: who a caller is]) and the initial states this tier did not own."""
     forward = tier_pb2.Request(plan_id=plan_id, segment=segment, deadline_unix_s=deadline_unix_s)
     if session is not None:
         forward.session = session.session
@@ -489,6 +509,7 @@ def _onward(
         forward.initial_state.extend(session.passed_on)
         forward.keep_last = session.keep_last
         forward.choices_only = session.choices_only
+        forward.on_behalf_of = session.owner
     return forward
 
 

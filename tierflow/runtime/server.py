@@ -38,6 +38,7 @@ from tierflow.errors import UsageError
 from tierflow.options import add_runtime_arguments
 from tierflow.runtime.limits import receive_limit
 from tierflow.runtime.service import TierService
+from tierflow.runtime.state import describe_state_budget
 from tierflow.transport.security import bind, server_options
 from tierflow.transport.wire import add_tier_servicer, grpc_options
 from tierflow.tuning import tune_for_latency
@@ -245,7 +246,10 @@ def serve_until_stopped(server: TierServer, grace: float, metrics_port: int | No
         if not 0 <= metrics_port <= 65535:
             raise UsageError(f"--metrics-port must be a port number, got {metrics_port}")
         metrics = TierMetrics(
-            service.tier, lambda: service.in_flight, segments=lambda: service.segments
+            service.tier,
+            lambda: service.in_flight,
+            segments=lambda: service.segments,
+            states=lambda: None if service.pipeline is None else service.pipeline.states,
         )
         service.metrics = metrics
     server.start()
@@ -263,6 +267,9 @@ def serve_until_stopped(server: TierServer, grace: float, metrics_port: int | No
                 server.stop(0)
                 raise
             print(f"tierflow {service.tier} metrics on http://{host}:{port}/metrics", flush=True)
+        if any(plan.states for plan in service.plans.plans):
+            budget = describe_state_budget(service.options)
+            print(f"tierflow {service.tier} session state: {budget}", flush=True)
         server.serve_until_signal(grace=grace)
     finally:
         if metrics is not None:

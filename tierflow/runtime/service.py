@@ -56,6 +56,7 @@ from tierflow.runtime.replies import StreamReplies
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, serve_segment
 from tierflow.runtime.streams import ProbeActivity, SessionOrder, StreamReader, Watched
 from tierflow.runtime.workers import WorkerPool
+from tierflow.transport.callers import caller_of, owner_of
 from tierflow.transport.wire import Undecodable, check_deadline, check_figures, error_to_proto
 
 if TYPE_CHECKING:
@@ -141,6 +142,8 @@ class TierService(tier_pb2_grpc.TierServicer):
         self._closed = threading.Event()
         self._watchdog: threading.Thread | None = None
         self.probe_credit = ProbeCredit()
+        #: The tokens that name callers ([Note: who a caller is] in tierflow/transport/callers.py).
+        self.tokens = options.security.tokens()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -253,10 +256,11 @@ class TierService(tier_pb2_grpc.TierServicer):
         that the returned generator (or one writer thread) drains.
         """
         self._admit(context)
+        caller = caller_of(context, self.tokens)
         spec = self.options.links.get(self.down_link)
         if send_response is None or spec is not None:
             shaper = LinkShaper(self.down_link, spec)
-            return self._serve_queued(request_iterator, context, shaper, send_response)
+            return self._serve_queued(request_iterator, context, shaper, send_response, caller)
         lock = threading.Lock()
 
         def write(reply: tier_pb2.Reply | None) -> None:
@@ -269,7 +273,9 @@ class TierService(tier_pb2_grpc.TierServicer):
 
         replies = StreamReplies(write, f"{self.tier}-replies", context)
         self._watch(replies)
-        reader = StreamReader(self, request_iterator, context, replies, finish=lambda: write(None))
+        reader = StreamReader(
+            self, request_iterator, context, replies, finish=lambda: write(None), caller=caller
+        )
         self._track(reader)
         reader.read()
         return None
@@ -285,13 +291,16 @@ class TierService(tier_pb2_grpc.TierServicer):
         context: grpc.ServicerContext,
         shaper: LinkShaper,
         send_response: Callable[[tier_pb2.Reply | None], None] | None,
+        caller: str,
     ) -> Iterator[tier_pb2.Reply] | None:
         """Replies through a queue, each leaving when the emulated reply link has carried
         it: the returned generator yields them to grpc, or (non-blocking form) this
         thread writes them."""
         queued: ShapedQueue[tier_pb2.Reply] = ShapedQueue(shaper)
         context.add_callback(queued.close)
-        reader = StreamReader(self, request_iterator, context, queued, finish=queued.close)
+        reader = StreamReader(
+            self, request_iterator, context, queued, finish=queued.close, caller=caller
+        )
         self._track(reader)
         reader.start()
         if send_response is None:
@@ -415,21 +424,22 @@ class TierService(tier_pb2_grpc.TierServicer):
             self._in_flight -= 1
 
     def handle(
-        self, request: tier_pb2.Request, received: float, later: Send
+        self, request: tier_pb2.Request, received: float, later: Send, caller: str = "local"
     ) -> tier_pb2.Reply | None:
-        """Take one request through the tier: its reply, or None when the next tier's reply
-        will come to ``later`` (from another thread)."""
+        """Take one request of ``caller`` ([Note: who a caller is]) through the tier: its
+        reply, or None when the next tier's reply will come to ``later`` (from another
+        thread)."""
         timing = tier_pb2.TierTiming(
             tier=self.tier, queue_ms=(time.perf_counter() - received) * 1e3
         )
         try:
-            reply = self._process(request, timing, later)
+            reply = self._process(request, timing, later, caller)
         except TierflowError as exc:
-            logger.info("[%s] request %s refused: %s", self.tier, request.id, exc)
+            logger.info("[%s] request %s of %s refused: %s", self.tier, request.id, caller, exc)
             reply = self.error_reply(request.id, exc)
             reply.timings.append(timing)
         except Exception as exc:
-            logger.exception("[%s] request %s failed", self.tier, request.id)
+            logger.exception("[%s] request %s of %s failed", self.tier, request.id, caller)
             reply = self.error_reply(request.id, exc)
             reply.timings.append(timing)
         if reply is not None:
@@ -437,7 +447,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         return reply
 
     def _process(
-        self, request: tier_pb2.Request, timing: tier_pb2.TierTiming, later: Send
+        self, request: tier_pb2.Request, timing: tier_pb2.TierTiming, later: Send, caller: str
     ) -> tier_pb2.Reply | None:
         """Steps 1-2 of [Note: a request at a tier]; None when the reply comes later."""
         pipeline = self.pipeline
@@ -451,7 +461,9 @@ class TierService(tier_pb2_grpc.TierServicer):
         with pipeline.holding(index):  # its segment files stay while it runs
             runner = pipeline.runner(index)
             features, codec_s = pipeline.decode(index, runner, request.segment, request.tensors)
-            session = SessionStep.of_request(request, runner, self.options.max_tensor_bytes)
+            owner = owner_of(caller, request.on_behalf_of)
+            limit = self.options.max_tensor_bytes
+            session = SessionStep.of_request(request, runner, limit, owner)
             hit, key = pipeline.cached(index, request.segment, features, session)
             step = hit or pipeline.run(
                 index,

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
@@ -86,9 +86,10 @@ class SessionOrder:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: dict[str, deque[Callable[[], None]]] = {}
+        self._waiting: dict[Hashable, deque[Callable[[], None]]] = {}
 
-    def run(self, session: str, work: Callable[[], None]) -> None:
+    def run(self, session: Hashable, work: Callable[[], None]) -> None:
+        """Run ``work`` for ``session`` (its key: the owner's names and the session id)."""
         with self._lock:
             queue = self._waiting.get(session)
             if queue is not None:
@@ -124,8 +125,10 @@ class StreamReader:
         context: grpc.ServicerContext,
         replies: StreamReplies | ShapedQueue[tier_pb2.Reply],
         finish: Callable[[], None],
+        caller: str = "local",
     ) -> None:
         self.service = service
+        self.caller = caller
         self.requests = requests
         self.context = context
         self.replies = replies
@@ -181,14 +184,18 @@ class StreamReader:
             self._reply(refused, received, own=True)
             return
         if request.session:  # [Note: a stream's requests run at once]: a session's in order
-            self.service.order.run(request.session, lambda: self._run(request, received))
+            key = (self.caller, request.on_behalf_of, request.session)
+            self.service.order.run(key, lambda: self._run(request, received))
         else:
             self._run(request, received)
 
     def _run(self, request: tier_pb2.Request, received: float) -> None:
         with self.service._running:
             reply = self.service.handle(
-                request, received, lambda later: self._reply(later, received, own=False)
+                request,
+                received,
+                lambda later: self._reply(later, received, own=False),
+                self.caller,
             )
         if reply is not None:
             self._reply(reply, received, own=True)

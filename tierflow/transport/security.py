@@ -18,8 +18,14 @@ service and the standard health service share it). See [Note: tier security].
   is given: plaintext beyond this machine must be asked for.
 * Bearer token (``--token-file``, for setups that terminate TLS elsewhere): clients send
   ``authorization: Bearer TOKEN`` with every call; a server interceptor compares it in
-  constant time and refuses every other call with UNAUTHENTICATED. The standard health
-  service is exempt, so that load balancers can ask it; it tells only SERVING or not.
+  constant time with every token the server's file lists and refuses every other call
+  with UNAUTHENTICATED. The standard health service is exempt, so that load balancers can
+  ask it; it tells only SERVING or not. A server's token file may list many clients, one
+  ``NAME TOKEN`` a line (the name is who the caller is: [Note: who a caller is] in
+  tierflow/transport/callers.py); a line of one word is a token without a name, as a
+  client's own token file holds its one token. Blank lines and lines starting with ``#``
+  are skipped. An edge sends the cloud the token of ``--upstream-token-file`` (default:
+  its ``--token-file``, which then must hold one token). Names, never tokens, are logged.
 * A port already in use (by another tierflow, which grpc would otherwise share through
   SO_REUSEPORT) is refused with one line before grpc tries to bind it.
 """
@@ -33,7 +39,7 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +51,8 @@ logger = logging.getLogger(__name__)
 
 #: Methods that answer without a bearer token (see [Note: tier security]).
 TOKEN_EXEMPT_PREFIX = "/grpc.health.v1.Health/"
-#: Longest token file read (a token is a line of text; a larger file is a mistake).
-MAX_TOKEN_BYTES = 4096
+#: Longest token file read (a line per client; a larger file is a mistake).
+MAX_TOKEN_FILE_BYTES = 1 << 20
 
 
 def _read(path: str, flag: str, limit: int | None = None) -> bytes:
@@ -57,6 +63,48 @@ def _read(path: str, flag: str, limit: int | None = None) -> bytes:
     if limit is not None and len(data) > limit:
         raise UsageError(f"{flag} {path}: expected at most {limit} bytes, found {len(data)}")
     return data
+
+
+@dataclass(frozen=True)
+class TokenTable:
+    """The bearer tokens a token file lists: ``(name, token)``, name None for a line of one
+    word ([Note: tier security]); parse with :meth:`parse`."""
+
+    entries: tuple[tuple[str | None, bytes], ...]
+
+    @classmethod
+    def parse(cls, data: bytes, path: str = "--token-file") -> TokenTable:
+        """The file's lines: ``TOKEN`` or ``NAME TOKEN``; blank and ``#`` lines skipped."""
+        entries: list[tuple[str | None, bytes]] = []
+        for number, line in enumerate(data.splitlines(), 1):
+            words = line.split()
+            if not words or words[0].startswith(b"#"):
+                continue
+            if len(words) > 2 or any(c < 0x21 or c > 0x7E for word in words for c in word):
+                raise UsageError(
+                    f"--token-file {path}, line {number}: expected TOKEN or NAME TOKEN, "
+                    "printable ASCII without spaces"
+                )
+            name = words[0].decode("ascii") if len(words) == 2 else None
+            entries.append((name, words[-1]))
+        if not entries:
+            raise UsageError(f"--token-file {path}: expected a token, found none")
+        names = [name for name, _ in entries if name is not None]
+        tokens = [token for _, token in entries]
+        if len(set(names)) != len(names) or len(set(tokens)) != len(tokens):
+            raise UsageError(f"--token-file {path}: a name or a token appears twice")
+        return cls(tuple(entries))
+
+    def match(self, header: bytes) -> tuple[bool, str | None]:
+        """Whether ``header`` (``Bearer TOKEN``) bears one of the tokens, and its name.
+
+        Every token is compared, in constant time, whichever matches.
+        """
+        found, name = False, None
+        for entry_name, token in self.entries:
+            if hmac.compare_digest(header, b"Bearer " + token):
+                found, name = True, entry_name
+        return found, name
 
 
 @dataclass(frozen=True)
@@ -73,6 +121,8 @@ class Security:
     token_file: str | None = None
     insecure: bool = False
     server_name: str | None = None
+    #: The token file an edge sends the cloud (None: ``token_file``).
+    upstream_token_file: str | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -103,20 +153,39 @@ class Security:
             token_file=args.token_file,
             insecure=bool(getattr(args, "insecure", False)),
             server_name=getattr(args, "tls_server_name", None),
+            upstream_token_file=getattr(args, "upstream_token_file", None),
         )
 
     def token(self) -> bytes | None:
-        """The bearer token (the token file's first line), or None without a token file."""
+        """The bearer token this client sends (None without a token file).
+
+        A client's token file holds one token: one word, or one ``NAME TOKEN`` line.
+        """
+        table = self.tokens()
+        if table is None:
+            return None
+        if len(table.entries) != 1:
+            raise UsageError(
+                f"--token-file {self.token_file}: a client sends one token, the file lists "
+                f"{len(table.entries)} (an edge whose file lists its clients sends the cloud "
+                "the token of --upstream-token-file)"
+            )
+        return table.entries[0][1]
+
+    def tokens(self) -> TokenTable | None:
+        """The tokens the token file lists, with their names (None without a token file)."""
         if self.token_file is None:
             return None
-        text = _read(self.token_file, "--token-file", MAX_TOKEN_BYTES).strip()
-        token = text.splitlines()[0].strip() if text else b""
-        if not token or any(c < 0x21 or c > 0x7E for c in token):
-            raise UsageError(
-                f"--token-file {self.token_file}: expected one line of printable ASCII "
-                "without spaces"
-            )
-        return token
+        return TokenTable.parse(
+            _read(self.token_file, "--token-file", MAX_TOKEN_FILE_BYTES), self.token_file
+        )
+
+    def upstream(self) -> Security:
+        """The setting of this tier's channel to the next tier: its own TLS files, and the
+        token of ``upstream_token_file`` when given."""
+        if self.upstream_token_file is None:
+            return self
+        return replace(self, token_file=self.upstream_token_file, upstream_token_file=None)
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """TLS credentials for a server port (None: plaintext)."""
@@ -144,8 +213,8 @@ class Security:
 
     def interceptors(self, tier: str) -> list[grpc.ServerInterceptor]:
         """Server interceptors that enforce this setting (the token check, if any)."""
-        token = self.token()
-        return [] if token is None else [TokenCheck(token, tier)]
+        tokens = self.tokens()
+        return [] if tokens is None else [TokenCheck(tokens, tier)]
 
 
 #: No TLS, no token, loopback only: what a server gets when nothing is said.
@@ -170,7 +239,8 @@ def add_security_arguments(parser: argparse.ArgumentParser, *, server: bool) -> 
         "--token-file",
         metavar="F",
         help=(
-            "serve only calls bearing this token (for TLS terminated elsewhere)"
+            "serve only calls bearing a token this file lists: one TOKEN, or a NAME TOKEN "
+            "line per client (for TLS terminated elsewhere)"
             if server
             else "send this bearer token with every call"
         ),
@@ -283,10 +353,10 @@ def open_channel(
 
 
 class TokenCheck(grpc.ServerInterceptor):
-    """Refuses calls without the bearer token (UNAUTHENTICATED); constant-time compare."""
+    """Refuses calls without one of the bearer tokens (UNAUTHENTICATED); constant-time compare."""
 
-    def __init__(self, token: bytes, tier: str) -> None:
-        self._expected = b"Bearer " + token
+    def __init__(self, tokens: TokenTable, tier: str) -> None:
+        self._tokens = tokens
         self._tier = tier
 
     def intercept_service(
@@ -297,11 +367,8 @@ class TokenCheck(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(TOKEN_EXEMPT_PREFIX):
             return handler
-        given = b""
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                given = value.encode("latin-1") if isinstance(value, str) else bytes(value)
-        if hmac.compare_digest(given, self._expected):
+        found, _ = self._tokens.match(bearer(handler_call_details.invocation_metadata))
+        if found:
             return handler
         logger.warning(
             "[%s] refused a call to %s: no valid bearer token",
@@ -309,6 +376,15 @@ class TokenCheck(grpc.ServerInterceptor):
             handler_call_details.method,
         )
         return _refusal(handler)
+
+
+def bearer(metadata: Any) -> bytes:
+    """The ``authorization`` value of a call's metadata (b"" if none)."""
+    given = b""
+    for key, value in metadata or ():
+        if key == "authorization":
+            given = value.encode("latin-1") if isinstance(value, str) else bytes(value)
+    return given
 
 
 def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

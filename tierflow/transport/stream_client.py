@@ -95,13 +95,17 @@ def channel_options(max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> list[tupl
     the shortest time a connection attempt may take, so it is left at grpc's 20 s: at
     100 ms, every attempt over a link with a 300 ms round trip timed out before the TLS and
     HTTP/2 handshakes could finish. Round robin only matters for a target with several
-    addresses ([Note: replicas]); with one it is the same as grpc's default.
+    addresses ([Note: replicas]); with one it is the same as grpc's default. Each channel
+    has connections of its own (grpc otherwise shares one among a process's channels to
+    the same address): on plaintext a connection is who the caller is ([Note: who a caller
+    is] in tierflow/transport/callers.py), so two clients in one process are two callers.
     """
     return [
         *grpc_options(max_message_bytes),
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2_000),
         ("grpc.service_config", _ROUND_ROBIN),
+        ("grpc.use_local_subchannel_pool", 1),
     ]
 
 

@@ -1,12 +1,24 @@
-"""A tier's session state ([Note: session state on a tier]): fresh starts, roll-backs, losses."""
+"""A tier's session state ([Note: session state on a tier]): fresh starts, roll-backs, losses,
+owners, budgets and shares."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tierflow.errors import StateError, StateLostError
-from tierflow.runtime.state import SessionStates, initial_value
+from tierflow.errors import InputError, StateError, StateLostError
+from tierflow.options import RuntimeOptions
+from tierflow.runtime.state import (
+    DEFAULT_MEMORY_SHARE,
+    MAX_SESSION_BYTES,
+    SESSION_OVERHEAD,
+    SessionStates,
+    check_session_id,
+    default_state_budget,
+    describe_state_budget,
+    initial_value,
+    machine_memory,
+)
 from tierflow.state_spec import StateSpec
 
 KV = StateSpec("past.0", "present.0", "float32", (1, 2, None, 4), grows=2)
@@ -41,7 +53,7 @@ def test_a_growing_state_is_cut_back_to_the_position_a_request_continues_from() 
     # Three drafted tokens were rejected: the next request continues from 4.
     rolled = states.inputs("s", "p1", 4, [KV])["past.0"]
     assert rolled.shape == (1, 2, 4, 4) and rolled.flags.c_contiguous
-    with pytest.raises(StateLostError, match="holds 7 steps"):
+    with pytest.raises(StateLostError, match="holds no state for session 's'"):
         states.inputs("s", "p1", 9, [KV])
 
 
@@ -50,7 +62,7 @@ def test_a_fixed_state_must_be_at_the_requests_step() -> None:
     after = states.commit("mic", "p1", 0, [RNN], {"state": np.zeros((2, 1, 3), np.float32)})
     assert after == 1
     states.inputs("mic", "p1", 1, [RNN])
-    with pytest.raises(StateLostError, match="at step 1"):
+    with pytest.raises(StateLostError, match="holds no state for session 'mic'"):
         states.inputs("mic", "p1", 2, [RNN])
 
 
@@ -67,16 +79,101 @@ def test_a_session_unknown_here_is_lost_and_one_of_another_plan_is_refused() -> 
 
 
 def test_the_budget_evicts_the_least_recently_used_sessions() -> None:
-    one = kv(8).nbytes
+    one = kv(8).nbytes + len("a") + SESSION_OVERHEAD  # everything a session holds counts
     states = SessionStates("edge", budget=2 * one)
     states.commit("a", "p", 0, [KV], {"past.0": kv(8)})
     states.commit("b", "p", 0, [KV], {"past.0": kv(8)})
+    assert states.nbytes == 2 * one
     states.inputs("a", "p", 8, [KV])  # a is used again: b is now the oldest
     states.commit("c", "p", 0, [KV], {"past.0": kv(8)})
     assert states.position("b") is None and states.position("a") == 8
     assert states.nbytes <= 2 * one and states.evicted == 1
     with pytest.raises(StateError, match="more than --state-budget"):
         states.commit("huge", "p", 0, [KV], {"past.0": kv(100)})
+
+
+def test_a_sessions_id_and_owner_count_against_the_budget() -> None:
+    """Issue 28, finding 3: 400 sessions with 1 MB ids once added 430 MB under a 1 MiB
+    budget. Ids are bounded, and what they hold is counted."""
+    states = SessionStates("edge", budget=64 << 10)
+    name = "n" * MAX_SESSION_BYTES
+    for i in range(400):
+        states.commit(
+            f"{i:03d}{name[3:]}",
+            "p",
+            0,
+            [RNN],
+            {"state": np.zeros((2, 1, 3), np.float32)},
+            owner="peer:" + "x" * 900,
+        )
+    assert states.nbytes <= 64 << 10
+    assert len(states) == (64 << 10) // (24 + MAX_SESSION_BYTES + 905 + SESSION_OVERHEAD)
+    with pytest.raises(InputError, match="1 to 128 bytes"):
+        check_session_id("é" * 65)  # 130 bytes in UTF-8
+    with pytest.raises(InputError, match="1 to 128 bytes"):
+        check_session_id("")
+    check_session_id("s" * 128)
+
+
+def test_a_session_belongs_to_its_owner() -> None:
+    """Issue 28, finding 1: another owner naming the same session id reads, overwrites and
+    resets nothing of it, and hears what a session that never existed answers."""
+    states = SessionStates("cloud")
+    states.commit("s", "p", 0, [KV], {"past.0": kv(5, 1.0)}, owner="token:alice")
+    with pytest.raises(StateLostError) as theirs:  # read
+        states.inputs("s", "p", 5, [KV], owner="token:mallory")
+    with pytest.raises(StateLostError) as never:
+        states.inputs("never", "p", 5, [KV], owner="token:mallory")
+    assert str(theirs.value) == str(never.value).replace("'never'", "'s'")
+    assert not any(ch.isdigit() for ch in str(theirs.value).split("idle for over")[0])
+    # overwrite and reset: mallory's own session of that id, alice's untouched
+    states.inputs("s", "p", 0, [KV], owner="token:mallory")
+    states.commit("s", "p", 0, [KV], {"past.0": kv(2, 9.0)}, owner="token:mallory")
+    mine = states.inputs("s", "p", 5, [KV], owner="token:alice")["past.0"]
+    np.testing.assert_array_equal(mine, kv(5, 1.0))
+    assert states.position("s", "token:mallory") == 2
+    states.drop("s", "token:mallory")
+    assert states.position("s", "token:alice") == 5
+    # A step count held is never told: a short state and a long one read the same.
+    with pytest.raises(StateLostError) as longer:
+        states.inputs("s", "p", 9, [KV], owner="token:alice")
+    assert str(longer.value) == str(theirs.value)
+
+
+def test_a_flooding_owner_evicts_its_own_sessions_not_anothers() -> None:
+    """Issue 28, finding 3: with a budget, eviction was global LRU, so one caller's flood
+    of sessions evicted another's; now it takes from owners over their share first."""
+    one = kv(8).nbytes + len("v0") + len("flood") + SESSION_OVERHEAD  # ids and owners alike
+    states = SessionStates("edge", budget=10 * one)
+    states.commit("v0", "p", 0, [KV], {"past.0": kv(8)}, owner="victm")
+    for i in range(100):  # the flood: every session newer than the victim's
+        states.commit(f"{i:02d}", "p", 0, [KV], {"past.0": kv(8)}, owner="flood")
+    assert states.position("v0", "victm") == 8
+    assert states.nbytes == 10 * one and states.by_owner()["flood"] == (9, 9 * one)
+    # The victim's own sessions beyond half the budget (an equal split) are its to lose.
+    for i in range(1, 9):
+        states.commit(f"v{i}", "p", 0, [KV], {"past.0": kv(8)}, owner="victm")
+    assert states.by_owner() == {"victm": (5, 5 * one), "flood": (5, 5 * one)}
+    assert states.position("v0", "victm") is None  # its oldest went first, not the flood's
+
+
+def test_an_explicit_share_caps_each_owner() -> None:
+    one = kv(8).nbytes + len("a") + len("alice") + SESSION_OVERHEAD
+    states = SessionStates("edge", budget=100 * one, share=3 * one)
+    for name in "abcde":
+        states.commit(name, "p", 0, [KV], {"past.0": kv(8)}, owner="alice")
+    states.commit("x", "p", 0, [KV], {"past.0": kv(8)}, owner="bobby")
+    assert states.by_owner() == {"alice": (3, 3 * one), "bobby": (1, one)}
+    assert states.position("a", "alice") is None and states.position("e", "alice") == 8
+    with pytest.raises(StateError, match="more than --state-share"):
+        states.commit("big", "p", 0, [KV], {"past.0": kv(100)}, owner="bobby")
+
+
+def test_the_default_budget_is_a_share_of_this_machines_memory() -> None:
+    assert default_state_budget() == int(machine_memory() * DEFAULT_MEMORY_SHARE)
+    assert 0 < default_state_budget() < machine_memory()
+    line = describe_state_budget(RuntimeOptions())
+    assert f"{DEFAULT_MEMORY_SHARE:.0%} of" in line and "shared equally" in line
 
 
 def test_idle_sessions_are_dropped() -> None:

@@ -1,0 +1,233 @@
+"""Many callers on one edge and one cloud (issue 28): a session belongs to its caller, and
+one caller's flood of sessions does not cost another its state."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tierflow.cloud.server import CloudServer
+from tierflow.device.client import DeviceClient
+from tierflow.device.sessions import StreamSession
+from tierflow.edge.server import EdgeServer
+from tierflow.errors import RemoteError
+from tierflow.options import RuntimeOptions
+from tierflow.transport.security import Security
+from tierflow.zoo.tiny_stateful import streaming_model
+
+from .test_sessions import chunks_and_state, local_loop, plan_at
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return streaming_model(tmp_path_factory.mktemp("stream") / "stream.onnx")
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+class Tiers:
+    """A cloud and any number of edges in front of it, each with its own settings."""
+
+    def __init__(self) -> None:
+        self.servers: list[Any] = []
+
+    def cloud(self, plan_dir: Path, **settings: Any) -> CloudServer:
+        cloud = CloudServer(plan_dir, options=RuntimeOptions(workers=2, **settings))
+        self.servers.append(cloud)
+        cloud.start()
+        return cloud
+
+    def edge(self, plan_dir: Path, cloud: CloudServer, **settings: Any) -> EdgeServer:
+        options = RuntimeOptions(workers=2, **settings)
+        edge = EdgeServer(plan_dir, upstream=cloud.address, options=options)
+        self.servers.append(edge)
+        edge.start()
+        return edge
+
+
+@pytest.fixture()
+def tiers() -> Iterator[Tiers]:
+    made = Tiers()
+    try:
+        yield made
+    finally:
+        for server in reversed(made.servers):
+            server.stop(0)
+
+
+def client(plan_dir: Path, edge: EdgeServer, security: Security) -> DeviceClient:
+    return DeviceClient(plan_dir, edge.address, options=RuntimeOptions(security=security), window=4)
+
+
+def attack(model: Path, plan_dir: Path, alice: DeviceClient, mallory: DeviceClient) -> None:
+    """Issue 28, finding 1: Mallory names Alice's session. Reading it finds what a session
+    that never existed finds, word for word; resetting and overwriting it make Mallory's
+    own; Alice's answers stay the local loop's, with no replay."""
+    chunks, state = chunks_and_state(0)
+    expected = local_loop(model, chunks, state)
+    session = StreamSession(alice, "mic-1", initial={"state": state})
+    results = list(session.run(chunks[:10]))
+    read = mallory.submit(chunks[10], session="mic-1", position=10).result()
+    never = mallory.submit(chunks[10], session="never", position=10).result()
+    for lost in (read, never):
+        assert isinstance(lost.error, RemoteError) and lost.error.code == "STATE_LOST"
+    assert str(read.error).replace("'mic-1'", "'never'") == str(never.error)
+    assert "10" not in str(read.error) and "step" not in str(read.error)
+    # Reset and overwrite: Mallory's own session of that name, from its own start.
+    other, other_state = chunks_and_state(1)
+    rogue = StreamSession(mallory, "mic-1", initial={"state": other_state})
+    mine = list(rogue.run(other[:12]))
+    for result, want in zip(mine, local_loop(model, other[:12], other_state), strict=True):
+        np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
+    results += session.run(chunks[10:])
+    assert session.replays == 0 and rogue.replays == 0
+    for result, want in zip(results, expected, strict=True):
+        np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
+
+
+@pytest.mark.parametrize("owner", ["edge", "cloud"])
+def test_two_tokens_through_two_edges_never_share_a_session(
+    model: Path, tmp_path: Path, tiers: Tiers, owner: str
+) -> None:
+    """Devices with their own named tokens behind one edge, and the same client name
+    behind two edges (each vouched for by its edge, with its own token at the cloud)."""
+    plan_dir = plan_at(model, tmp_path / "plan", owner)
+    cloud_tokens = write(tmp_path / "cloud", "edge-1 e1-secret\nedge-2 e2-secret\n")
+    cloud = tiers.cloud(plan_dir, security=Security(token_file=cloud_tokens))
+    clients = write(tmp_path / "clients", "# devices\nalice a-secret\nmallory m-secret\n")
+    edges = [
+        tiers.edge(
+            plan_dir,
+            cloud,
+            security=Security(
+                token_file=clients,
+                upstream_token_file=write(tmp_path / f"up{n}", f"e{n}-secret\n"),
+            ),
+        )
+        for n in (1, 2)
+    ]
+    alice = Security(token_file=write(tmp_path / "alice", "a-secret\n"))
+    mallory = Security(token_file=write(tmp_path / "mallory", "mallory m-secret\n"))
+    with client(plan_dir, edges[0], alice) as a, client(plan_dir, edges[0], mallory) as m:
+        attack(model, plan_dir, a, m)
+    # Alice again, behind the other edge: the same name, another edge's namespace.
+    with client(plan_dir, edges[0], alice) as a, client(plan_dir, edges[1], alice) as other:
+        attack(model, plan_dir, a, other)
+    held = (cloud if owner == "cloud" else edges[0]).service.pipeline.states  # type: ignore[union-attr]
+    owners = {o for o, s in held.held() if s == "mic-1"}
+    names = {'["token:alice", "token:edge-1"]', '["token:mallory", "token:edge-1"]'}
+    if owner == "cloud":
+        assert owners == names | {'["token:alice", "token:edge-2"]'}
+    else:
+        assert owners == {"token:alice", "token:mallory"}
+
+
+def test_two_client_certificates_never_share_a_session(
+    model: Path, tmp_path: Path, tiers: Tiers, tls_files: dict[str, Path]
+) -> None:
+    plan_dir = plan_at(model, tmp_path / "plan", "cloud")
+    server = Security(
+        tls_cert=str(tls_files["server_cert"]),
+        tls_key=str(tls_files["server_key"]),
+        tls_ca=str(tls_files["ca"]),
+    )
+    cloud = tiers.cloud(plan_dir, security=server)
+    edge = tiers.edge(plan_dir, cloud, security=server)
+
+    def certificate(who: str) -> Security:
+        return Security(
+            tls_cert=str(tls_files[f"{who}_cert"]),
+            tls_key=str(tls_files[f"{who}_key"]),
+            tls_ca=str(tls_files["ca"]),
+        )
+
+    alice, mallory = certificate("client"), certificate("client2")
+    with client(plan_dir, edge, alice) as a, client(plan_dir, edge, mallory) as m:
+        attack(model, plan_dir, a, m)
+    held = cloud.service.pipeline.states  # type: ignore[union-attr]
+    assert {o for o, s in held.held() if s == "mic-1"} == {
+        '["cert:CN=client", "cert:CN=server"]',
+        '["cert:CN=client2", "cert:CN=server"]',
+    }
+
+
+def test_two_devices_on_loopback_are_two_callers(model: Path, tmp_path: Path, tiers: Tiers) -> None:
+    """Plaintext on loopback: each connection is its own caller."""
+    plan_dir = plan_at(model, tmp_path / "plan", "cloud")
+    cloud = tiers.cloud(plan_dir)
+    edge = tiers.edge(plan_dir, cloud)
+    with client(plan_dir, edge, Security()) as a, client(plan_dir, edge, Security()) as m:
+        attack(model, plan_dir, a, m)
+
+
+def test_a_flood_of_sessions_costs_another_caller_nothing(
+    model: Path, tmp_path: Path, tiers: Tiers
+) -> None:
+    """Issue 28, findings 3 and 4: one device floods the cloud with new sessions while
+    another streams; under global LRU the victim's state was evicted again and again and
+    its replays failed. Now the flood evicts only its own sessions."""
+    plan_dir = plan_at(model, tmp_path / "plan", "cloud")
+    budget = 16 * (8 * 4 + 600)  # about sixteen sessions of the model's 8-float state
+    cloud = tiers.cloud(plan_dir, state_budget=budget)
+    edge = tiers.edge(plan_dir, cloud)
+    chunks, state = chunks_and_state(3)
+    chunks = (chunks * 2)[:50]
+    expected = local_loop(model, chunks, state)
+    stop = threading.Event()
+    flooded = [0]
+
+    def flood() -> None:
+        with client(plan_dir, edge, Security()) as flooder:
+            number = 0
+            while not stop.is_set():
+                tickets = [
+                    flooder.submit(chunks[0], session=f"flood-{number + i}") for i in range(8)
+                ]
+                number += len(tickets)
+                for ticket in tickets:
+                    assert ticket.result().ok
+                flooded[0] = number
+
+    thread = threading.Thread(target=flood)
+    thread.start()
+    try:
+        with client(plan_dir, edge, Security()) as victim:
+            session = StreamSession(victim, "victim", initial={"state": state})
+            results = []
+            for result in session.run(chunks):
+                results.append(result)
+                # Streaming at a device's pace: the flood runs in between.
+                stop.wait(0.01)
+    finally:
+        stop.set()
+        thread.join(30)
+    states = cloud.service.pipeline.states  # type: ignore[union-attr]
+    assert flooded[0] > 100, flooded[0]  # the flood filled the budget many times over
+    assert states.evicted > 50 and states.nbytes <= budget
+    assert [r.error for r in results if not r.ok] == [] and session.replays == 0
+    for result, want in zip(results, expected, strict=True):
+        np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
+
+
+def test_serve_says_its_state_budget_at_start(model: Path, tmp_path: Path, rt: Any) -> None:
+    """Issue 28, finding 3: the default budget was no bound; it is a stated share of the
+    machine's memory, printed as the tier starts."""
+    plan_dir = plan_at(model, tmp_path / "plan", "cloud")
+    with rt.processes() as serve:
+        cloud = serve("cloud", plan_dir)
+        default = cloud.read_line(30)
+        shared = serve("cloud", plan_dir, "--state-budget", "64MiB", "--state-share", "8MiB")
+        given = shared.read_line(30)
+    assert "session state: at most" in default and "25% of" in default, default
+    assert "shared equally among the callers" in default
+    assert "at most 64MiB, at most 8MiB for each caller" in given, given

@@ -1,0 +1,36 @@
+"""A tier's session state in its metrics: by owner's name, never by token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tierflow.runtime.metrics import TierMetrics
+from tierflow.runtime.state import SESSION_OVERHEAD, SessionStates
+from tierflow.state_spec import StateSpec
+
+prometheus = pytest.importorskip("prometheus_client")
+parser = pytest.importorskip("prometheus_client.parser")
+
+RNN = StateSpec("state", "stateN", "float32", (1, 8))
+
+
+def test_state_bytes_and_sessions_are_shown_by_owner() -> None:
+    states = SessionStates("cloud", budget=3 * (32 + 12 + SESSION_OVERHEAD))
+    value = {"state": np.zeros((1, 8), np.float32)}
+    for owner, name in (("token:alice", "s1"), ("token:alice", "s2"), ("token:bob", "s1")):
+        states.commit(name, "p", 0, [RNN], value, owner=owner)
+    states.commit("s3", "p", 0, [RNN], value, owner="token:bob")  # one over: alice's oldest
+    metrics = TierMetrics("cloud", lambda: 0.0, states=lambda: states)
+    text = prometheus.generate_latest(metrics.registry).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in parser.text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    one = 32 + len("s1") + len("token:alice") + SESSION_OVERHEAD
+    assert samples["tierflow_state_sessions", (("identity", "token:alice"), ("tier", "cloud"))] == 1
+    assert samples["tierflow_state_bytes", (("identity", "token:bob"), ("tier", "cloud"))] == (
+        2 * (one - 2)  # "token:bob" is two bytes shorter than "token:alice"
+    )
+    assert samples["tierflow_state_evictions_total", (("tier", "cloud"),)] == 1
