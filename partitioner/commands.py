@@ -227,6 +227,12 @@ def register(subparsers: Any) -> None:
         help="decoders: the prompt length whose prefill is priced (at most --context) "
         f"(default: {DecoderDefaults.prompt_tokens}, or --context if shorter)",
     )
+    plan.add_argument(
+        "--sampled",
+        action="store_true",
+        help="decoders: price sampled generation (each step's answer is the last position's "
+        "logits) instead of greedy (the token choice alone, 8 bytes)",
+    )
     slowdown = plan.add_argument(
         "--slowdown",
         type=slowdown_argument,
@@ -430,12 +436,14 @@ def parse_decoder_settings(args: argparse.Namespace) -> Any:
         context=context,
         max_tokens=DecoderDefaults.max_tokens if args.max_tokens is None else args.max_tokens,
         prompt_tokens=prompt,
+        sampled=bool(args.sampled),
     )
 
 
 def _decoder_only_options(args: argparse.Namespace) -> list[str]:
     given = [("--context", args.context), ("--max-tokens", args.max_tokens)]
     given.append(("--prompt-tokens", args.prompt_tokens))
+    given.append(("--sampled", True if args.sampled else None))
     return [flag for flag, value in given if value is not None]
 
 

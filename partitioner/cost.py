@@ -21,15 +21,16 @@ The device-edge link is used when the edge or the cloud has work (``a < last``):
 tensors of cut ``a`` cross it, encoded on the device and decoded on the edge; when the
 device has no work that is cut 0, the raw model inputs. The edge-cloud link is used when
 the cloud has work (``b < last``) and carries cut ``b``. The answer (the model outputs,
-small) comes back over every link used, uncompressed: one more serialisation and RTT/2
-per link. So a device-only plan pays no link at all, and a cloud-only plan pays the full
-round trip on both links. Codec speeds come from the sending tier's profile (encode) and
-the receiving tier's (decode); the compression ratio from the sender's, measured on the
-real features at that cut. An edge with no work (``a == b < last``) forwards what it
-receives as it came ([Note: an edge that runs nothing] in tierflow/plan.py): the
-device-edge codec crosses both links, encoded once on the device and decoded once on
-the cloud: such a plan pays no codec time on the edge, and the same bytes on both links
-(:func:`forwarded_plans` scores them for the search).
+small, or ``Problem.reply_bytes`` where the runtime answers less: a decoder's last
+position, or its token choice alone) comes back over every link used, uncompressed: one
+more serialisation and RTT/2 per link. So a device-only plan pays no link at all, and a
+cloud-only plan pays the full round trip on both links. Codec speeds come from the
+sending tier's profile (encode) and the receiving tier's (decode); the compression ratio
+from the sender's, measured on the real features at that cut. An edge with no work
+(``a == b < last``) forwards what it receives as it came ([Note: an edge that runs
+nothing] in tierflow/plan.py): the device-edge codec crosses both links, encoded once on the
+device and decoded once on the cloud: such a plan pays no codec time on the edge, and
+the same bytes on both links (:func:`forwarded_plans` scores them for the search).
 
 [Note: expected cost with early exits]
 A model may carry early exits (:class:`ExitPoint`): a head reads the tensor of one-tensor
@@ -122,6 +123,9 @@ class Problem:
     objective: str = "latency"
     codecs: tuple[str, ...] = ("raw",)
     exits: tuple[ExitPoint, ...] = ()
+    #: The answer's bytes back over each used link; None: the model outputs (the last
+    #: cut's tensors). A decoder's answer is smaller ([Note: pricing a decoder]).
+    reply_bytes: int | None = None
 
     def __post_init__(self) -> None:
         missing = [t for t in TIERS if t not in self.profiles]
@@ -153,6 +157,8 @@ class Problem:
                 )
         if not self.codecs:
             raise UsageError("no codec to choose from")
+        if self.reply_bytes is not None and self.reply_bytes < 0:
+            raise PlanError(f"reply_bytes must not be negative, got {self.reply_bytes}")
         self._check_exits()
 
     def _check_exits(self) -> None:
@@ -186,6 +192,13 @@ class Problem:
     @property
     def ncuts(self) -> int:
         return len(self.profiles["device"].cuts)
+
+    @property
+    def answer_bytes(self) -> int:
+        """What comes back over each used link ([Note: what crosses a link])."""
+        if self.reply_bytes is not None:
+            return self.reply_bytes
+        return self.profiles["device"].cuts[-1].nbytes
 
 
 @dataclass(frozen=True)
@@ -403,7 +416,7 @@ def _link_table(problem: Problem, name: str, reach: np.ndarray | None = None) ->
         wire_s=wire_bytes * 8.0 / link.rate_bps * weight,
         decode_s=decode_s,
         propagation_s=link.rtt_s,
-        reply_s=sender.cuts[-1].nbytes * 8.0 / link.rate_bps,
+        reply_s=problem.answer_bytes * 8.0 / link.rate_bps,
         reach=reach,
     )
 

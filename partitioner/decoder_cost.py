@@ -10,11 +10,20 @@ tier with work. Both are priced by :mod:`.cost` on profiles measured at their ow
 
 * *prefill* (the prompt's ``T`` tokens from an empty cache): each tier's compute at the
   prefill point, each used link carrying its cut's tensors at ``T`` (the prompt's hidden
-  states plus ``attention_mask`` and ``position_ids``) once, a full round trip, and the
-  logits [1, T, V] back. This is the time to first token (TTFT).
+  states plus the model inputs the next tiers rebuild their masks and position tables
+  from: [Note: derived tensors stay home] in :mod:`.cuts`) once, a full round trip, and
+  the answer back. This is the time to first token (TTFT).
 * *a decode step* (one token after a cache of the mean length): the same at the decode
   point; each used link carries one token's hidden state and the companions up, the
-  logits [1, 1, V] down, and pays its full RTT: the per-token time.
+  answer down, and pays its full RTT: the per-token time.
+
+The answer is what the runtime sends back (tier.proto: ``Request.keep_last``,
+``Request.choices_only``), not the model's logits output: a prefill answers its last
+position only, and a greedy generation (the default) answers each position's token
+choice, 8 bytes (int64); a sampled one (``plan --sampled``) the last position's logits,
+``vocab x 4`` bytes in float32 (:func:`answer_bytes`). With a vocabulary of 32,000 the
+logits of a 32-token prompt are 4 MB, its greedy answer 8 bytes. The compute still pays
+for the logits of every position, as the model computes them.
 
 The latency objective is ``TTFT + max_tokens x per-token``: the tables of the two are
 linear in every part (compute, codec times, wire, RTT), so their sum weighted by
@@ -71,6 +80,19 @@ def memory_table(prefill: Profile, decode: Profile, state_bytes: Sequence[int]) 
     return table
 
 
+#: A greedy step's answer: one token choice (int64) for the one position it needs.
+CHOICE_BYTES = 8
+
+
+def answer_bytes(decode: Profile, *, sampled: bool) -> int:
+    """What one step answers over each link it used ([Note: pricing a decoder]).
+
+    ``decode`` is profiled at one token (seq 1), so its output cut holds one position's
+    logits: what a sampled step needs back; a greedy one needs its choice alone.
+    """
+    return decode.cuts[-1].nbytes if sampled else CHOICE_BYTES
+
+
 def _combined_link(prefill: LinkTable, decode: LinkTable, tokens: int) -> LinkTable:
     return LinkTable(
         used=prefill.used | decode.used,
@@ -101,10 +123,17 @@ def decoder_tables(
     *,
     max_tokens: int,
     state_bytes: Sequence[int],
+    sampled: bool = False,
 ) -> DecoderTables:
-    """Tabulate both points and their sum over a generation; see [Note: pricing a decoder]."""
+    """Tabulate both points and their sum over a generation; see [Note: pricing a decoder].
+
+    ``sampled``: steps answer one position's logits, not its greedy choice.
+    """
     if max_tokens < 1:
         raise PlanError(f"max_tokens must be at least 1, got {max_tokens}")
+    answer = answer_bytes(decode.profiles["device"], sampled=sampled)
+    prefill = replace(prefill, reply_bytes=answer)
+    decode = replace(decode, reply_bytes=answer)
     at_prefill, at_decode = build_tables(prefill), build_tables(decode)
     memory = {t: memory_table(prefill.profiles[t], decode.profiles[t], state_bytes) for t in TIERS}
     at_prefill = replace(at_prefill, memory=memory)
@@ -129,7 +158,7 @@ class DecoderEstimate:
     step: Estimate
     max_tokens: int
     state_bytes: Mapping[str, int]
-    reply_bytes: int = 0  # one step's answer (the logits of one token), back over each link
+    reply_bytes: int = 0  # one step's answer (a choice, or one position's logits) per link
 
     @property
     def cuts(self) -> tuple[int, int]:
@@ -235,7 +264,7 @@ def decoder_estimate(
         step=estimate(tables.decode, a, b, codec),
         max_tokens=tables.max_tokens,
         state_bytes=held,
-        reply_bytes=tables.decode.problem.profiles["device"].cuts[-1].nbytes,
+        reply_bytes=tables.decode.problem.answer_bytes,
     )
 
 

@@ -2,7 +2,8 @@
 
 :func:`load_decoder` finds the state pairs and decoder tensors, analyses the model at the
 prefill and the decode point ([Note: decoder analysis points] in :mod:`.decoder_points`),
-the second with the first one's cuts, and keeps the model as shipped (``source``);
+the first with the second one's cuts and rebuilt tensors, and keeps the model as shipped
+(``source``);
 :func:`split_decoder` cuts segments out of ``source`` that run at any ``seq`` and
 ``past``.
 """
@@ -125,28 +126,34 @@ def load_decoder(
         raise ModelError(f"{path} has no growing state pair: it is no decoder")
     inputs = [value_sig(v) for v in source.graph.input]
     prefill_point, decode_point = analysis_points(settings)
-    prefill = load_model(
-        path,
-        sample=point_sample(inputs, decoder, states, prefill_point),
-        state=given,
-        fold=False,
-        max_cut_tensors=DECODER_MAX_CUT_TENSORS,
-    )
+    # The decode point finds the cuts and what tiers rebuild (a step per token is what a
+    # generation repeats: [Note: derived tensors stay home] in :mod:`.rebuild`); the
+    # prefill point takes both, so the two see the same cut sets.
     decode = load_model(
         path,
         sample=point_sample(inputs, decoder, states, decode_point, seed=1),
         state=given,
-        positions=[c.position for c in prefill.cuts],
         fold=False,
         max_cut_tensors=DECODER_MAX_CUT_TENSORS,
+        rebuild=True,
+    )
+    prefill = load_model(
+        path,
+        sample=point_sample(inputs, decoder, states, prefill_point),
+        state=given,
+        positions=[c.position for c in decode.cuts],
+        fold=False,
+        max_cut_tensors=DECODER_MAX_CUT_TENSORS,
+        rebuild=decode.rebuilt,
     )
     logger.info(
-        "[plan] %s is a decoder: %d state pairs, %d cuts, analysed at %s and %s",
+        "[plan] %s is a decoder: %d state pairs, %d cuts, analysed at %s and %s; tiers rebuild %s",
         path,
         len(states),
         len(prefill.cuts),
         prefill_point,
         decode_point,
+        ", ".join(decode.rebuilt) or "nothing",
     )
     return DecoderGraph(prefill, decode, source, decoder, settings, (prefill_point, decode_point))
 

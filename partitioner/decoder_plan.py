@@ -135,6 +135,7 @@ def rank_decoder(
         problem(decode),
         max_tokens=graph.settings.max_tokens,
         state_bytes=graph.state_bytes(),
+        sampled=graph.settings.sampled,
     )
     result = decoder_search(tables, top=options.top, context=graph.settings.context)
     return result, sorted(set(notes))

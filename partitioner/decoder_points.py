@@ -50,11 +50,14 @@ from tierflow.state_spec import DecoderSpec, StateSpec
 
 @dataclass(frozen=True)
 class DecoderSettings:
-    """``plan --context``, ``--max-tokens``, ``--prompt-tokens``, checked where they enter."""
+    """``plan --context``, ``--max-tokens``, ``--prompt-tokens``, ``--sampled``, checked
+    where they enter."""
 
     context: int = 2048
     max_tokens: int = 64
     prompt_tokens: int = 32
+    #: Generation samples (each step answers logits), not greedy (the choice alone).
+    sampled: bool = False
 
     def __post_init__(self) -> None:
         for name in ("context", "max_tokens", "prompt_tokens"):
@@ -68,11 +71,12 @@ class DecoderSettings:
                 "the prompt must fit the context the tiers hold"
             )
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | bool]:
         return {
             "context": self.context,
             "max_tokens": self.max_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "sampled": self.sampled,
         }
 
 

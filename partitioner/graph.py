@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from tierflow.partitioner.cuts import (
 from tierflow.partitioner.exits.metadata import ExitInfo
 from tierflow.partitioner.extract import SegmentExtractor
 from tierflow.partitioner.loading import drop_initializer_inputs, read_model, sort_nodes
+from tierflow.partitioner.rebuild import choose_rebuilt, rebuildable, rebuilt_sets
 from tierflow.partitioner.shapes import (
     branch_reads,
     branch_shaped,
@@ -107,6 +108,9 @@ class ModelGraph:
     exited_model: onnx.ModelProto | None = field(default=None, repr=False)
     state: tuple[StateSpec, ...] = ()
     spans: Mapping[str, Span] = field(default_factory=dict, repr=False)
+    #: Tensors each tier rebuilds from model inputs, never sent; see
+    #: [Note: derived tensors stay home] in :mod:`.rebuild`.
+    rebuilt: tuple[str, ...] = ()
 
     def states_between(self, start: int, end: int) -> tuple[StateSpec, ...]:
         """The state pairs the segment ``cuts[start]..cuts[end]`` owns."""
@@ -205,6 +209,7 @@ def load_model(
     state: Sequence[tuple[str, str]] = (),
     positions: Sequence[int] | None = None,
     fold: bool = True,
+    rebuild: bool | Collection[str] = False,
 ) -> ModelGraph:
     """Load an ONNX model as users have it and analyse it for cutting.
 
@@ -222,6 +227,9 @@ def load_model(
     ``fold`` False keeps Shape and Size nodes as they are: the graph is analysed at fixed
     shapes but its segments will run at others (a decoder: [Note: decoder analysis
     points] in :mod:`.decoder_points`), so what they compute must cross like any value.
+    ``rebuild`` True lets tiers rebuild what they can from the model inputs instead of
+    receiving it, chosen at this analysis; a collection names the tensors to rebuild
+    ([Note: derived tensors stay home] in :mod:`.rebuild`).
     """
     path = Path(path)
     if max_cut_tensors < 1:
@@ -282,7 +290,17 @@ def load_model(
         if name not in usage.constants and name in static
     }
     spans = state_spans(usage.uses, [n.output for n in graph.node], states, where=str(path))
-    sets = crossing_sets(graph, usage, [n for n in input_names if n not in kept])
+    travelling = [n for n in input_names if n not in kept]
+    sets = crossing_sets(graph, usage, travelling)
+    rebuilt: tuple[str, ...] = ()
+    if rebuild is not False:
+        cones = rebuildable(graph, usage, travelling)
+        rebuilt = (
+            choose_rebuilt(sets, cones, tensors)
+            if rebuild is True
+            else tuple(n for n in rebuild if n in cones)
+        )
+        sets = rebuilt_sets(sets, cones, rebuilt, travelling)
     # No cut carries a tensor whose shape follows a branch ([Note: shapes that follow a branch]).
     cuttable = {n: i for n, i in tensors.items() if n not in varying or n in output_names}
     cuts = candidate_cuts(
@@ -316,4 +334,5 @@ def load_model(
         usage=usage,
         state=states,
         spans=spans,
+        rebuilt=rebuilt,
     )

@@ -5,7 +5,9 @@ Fast to build (no torch, random weights), for tests and examples of state pairs:
 - :func:`tiny_decoder`: a decoder in the layout of [Note: one graph for prefill and
   decode] (:mod:`.bytelm`), ``blocks`` single-head attention blocks with a ReLU MLP,
   causal over its KV cache, masks and positions recomputed in every block from
-  ``attention_mask`` and ``position_ids``; symbolic ``batch``, ``seq``, ``past``.
+  ``attention_mask`` and ``position_ids``; symbolic ``batch``, ``seq``, ``past``. With
+  ``shared_tables`` it makes them once, as Hugging Face exports do: an expanded bool mask
+  and rotary tables (cos and sin of the positions) that every block reads.
 - :func:`streaming_model`: a chunk model with a recurrent ``state`` [1, H] -> ``stateN``
   read at its start and again near its end, so cuts between the two reads would separate
   the pair ([Note: state pairs] in :mod:`tierflow.state_pairs`).
@@ -58,8 +60,14 @@ def tiny_decoder(
     vocab: int = 16,
     seed: int = 0,
     batch_from_last_cache: bool = False,
+    shared_tables: bool = False,
 ) -> Path:
     """Write a ``blocks``-block decoder with vocabulary ``vocab`` to ``path``.
+
+    ``shared_tables``: the causal mask (Expand'ed to [batch, 1, seq, past + seq]) and
+    rotary tables (cos, sin [batch, seq, width]) are made once before the blocks, so they
+    cross every cut between blocks unless a tier rebuilds them ([Note: derived tensors
+    stay home] in :mod:`tierflow.partitioner.rebuild`).
 
     ``batch_from_last_cache`` reads the batch size for a reshape of the embeddings from the
     last block's cache, as torch.export's ONNX graphs do ([Note: state pairs in the cut
@@ -85,6 +93,7 @@ def tiny_decoder(
         batch = b.op("Shape", [f"past_key_values.{blocks - 1}.value"], start=0, end=1)
         rest = b.const("rest", np.array([-1, width], dtype=np.int64))
         x = b.op("Reshape", [x, b.op("Concat", [batch, rest], axis=0)])
+    tables = _shared_tables(b, width) if shared_tables else None
     for i in range(blocks):
         for kind, shape in (("key", past_shape), ("value", past_shape)):
             inputs.append(
@@ -97,15 +106,17 @@ def tiny_decoder(
                     f"present.{i}.{kind}", TensorProto.FLOAT, present_shape
                 )
             )
-        # The causal mask over cache and step, from the companions (as every block does).
-        total = b.op("Gather", [b.op("Shape", ["attention_mask"]), "one"])
-        keys = b.op("Range", ["zero", total, "one"])
-        queries = b.op("Unsqueeze", ["position_ids", "axis2"])
-        causal = b.op("LessOrEqual", [keys, queries])
-        present_mask = b.op("Equal", [b.op("Unsqueeze", ["attention_mask", "axis1"]), "one"])
-        allowed = b.op("And", [causal, present_mask])
-        q = b.op("MatMul", [x, b.weight(f"wq{i}", (width, width))])
-        k = b.op("Unsqueeze", [b.op("MatMul", [x, b.weight(f"wk{i}", (width, width))]), "axis1"])
+        if tables is None:
+            # The causal mask over cache and step, from the companions (every block).
+            allowed = _causal_mask(b)
+            q = b.op("MatMul", [x, b.weight(f"wq{i}", (width, width))])
+            k = b.op("MatMul", [x, b.weight(f"wk{i}", (width, width))])
+        else:
+            mask, cos, sin = tables
+            allowed = b.op("Squeeze", [mask, "axis1"])
+            q = _rotate(b, b.op("MatMul", [x, b.weight(f"wq{i}", (width, width))]), cos, sin)
+            k = _rotate(b, b.op("MatMul", [x, b.weight(f"wk{i}", (width, width))]), cos, sin)
+        k = b.op("Unsqueeze", [k, "axis1"])
         v = b.op("Unsqueeze", [b.op("MatMul", [x, b.weight(f"wv{i}", (width, width))]), "axis1"])
         k_all = b.op("Concat", [f"past_key_values.{i}.key", k], f"present.{i}.key", axis=2)
         v_all = b.op("Concat", [f"past_key_values.{i}.value", v], f"present.{i}.value", axis=2)
@@ -119,6 +130,39 @@ def tiny_decoder(
     b.op("MatMul", [x, b.weight("head", (width, vocab), 2.0)], "logits")
     graph = helper.make_graph(b.nodes, "tiny_decoder", inputs, outputs, initializer=b.weights)
     return _save(graph, path)
+
+
+def _causal_mask(b: _Builder) -> str:
+    """bool [batch, seq, past + seq]: key j visible to query i (causal, attention_mask 1)."""
+    total = b.op("Gather", [b.op("Shape", ["attention_mask"]), "one"])
+    keys = b.op("Range", ["zero", total, "one"])
+    queries = b.op("Unsqueeze", ["position_ids", "axis2"])
+    causal = b.op("LessOrEqual", [keys, queries])
+    present_mask = b.op("Equal", [b.op("Unsqueeze", ["attention_mask", "axis1"]), "one"])
+    return b.op("And", [causal, present_mask])
+
+
+def _shared_tables(b: _Builder, width: int) -> tuple[str, str, str]:
+    """The mask [batch, 1, seq, past + seq] and rotary cos, sin [batch, seq, width]."""
+    allowed = b.op("Unsqueeze", [_causal_mask(b), "axis1"])
+    shape = b.op("Shape", [allowed])
+    mask = b.op("Expand", [allowed, shape], "expanded_mask")
+    half = width // 2
+    inv_freq = (1.0 / 10000 ** (np.arange(half, dtype=np.float32) * 2 / width)).astype(np.float32)
+    b.const("inv_freq", np.concatenate([inv_freq, inv_freq]))
+    for name, value in (("start", 0), ("mid", half), ("end", width), ("axis", -1)):
+        b.const(f"slice_{name}", np.array([value], dtype=np.int64))
+    positions = b.op("Cast", [b.op("Unsqueeze", ["position_ids", "axis2"])], to=TensorProto.FLOAT)
+    angles = b.op("Mul", [positions, "inv_freq"])
+    return mask, b.op("Cos", [angles], "rotary_cos"), b.op("Sin", [angles], "rotary_sin")
+
+
+def _rotate(b: _Builder, x: str, cos: str, sin: str) -> str:
+    """Rotary position embedding: x * cos + rotate_half(x) * sin (halves swapped, negated)."""
+    first = b.op("Slice", [x, "slice_start", "slice_mid", "slice_axis"])
+    second = b.op("Slice", [x, "slice_mid", "slice_end", "slice_axis"])
+    rotated = b.op("Concat", [b.op("Neg", [second]), first], axis=-1)
+    return b.op("Add", [b.op("Mul", [x, cos]), b.op("Mul", [rotated, sin])])
 
 
 def streaming_model(

@@ -18,7 +18,8 @@ from tierflow.partitioner.profile import Profile
 LINKS = {"device-edge": LinkSpec(8e6, 0.030), "edge-cloud": LinkSpec(80e6, 0.020)}
 RAW = {"device-edge": "raw", "edge-cloud": "raw"}
 # Three blocks. Prefill of a 32-token prompt: hidden states of 32 x 256 B cross a cut, the
-# logits back are 32 x 1 KiB. A decode step: one token's hidden state, logits of 1 KiB.
+# model's logits are 32 x 1 KiB. A decode step: one token's hidden state, logits of 1 KiB.
+# What comes back is the runtime's answer: a greedy choice (8 B), or one row of logits.
 PREFILL_CUTS = [96, 8192, 8192, 32768]
 DECODE_CUTS = [24, 256, 256, 1024]
 WEIGHTS = [1000, 1000, 1000]
@@ -29,14 +30,16 @@ def _tiers(profile: Profile) -> dict[str, Profile]:
     return {"device": profile.emulate(4.0), "edge": profile.emulate(2.0), "cloud": profile}
 
 
-def _tables(profile_factory, max_tokens: int = 10, objective: str = "latency", memory=None):
+def _tables(
+    profile_factory, max_tokens: int = 10, objective: str = "latency", memory=None, sampled=False
+):
     prefill = profile_factory([0.004, 0.004, 0.004], PREFILL_CUTS, weights=WEIGHTS, peaks=[500] * 3)
     decode = profile_factory([0.001, 0.001, 0.001], DECODE_CUTS, weights=WEIGHTS, peaks=[100] * 3)
     problems = [
         Problem(_tiers(p), LINKS, memory=memory or {}, objective=objective, codecs=("raw",))
         for p in (prefill, decode)
     ]
-    return decoder_tables(*problems, max_tokens=max_tokens, state_bytes=KV)
+    return decoder_tables(*problems, max_tokens=max_tokens, state_bytes=KV, sampled=sampled)
 
 
 def test_cloud_only_sends_the_prompt_up_once_and_pays_the_round_trip_per_token(
@@ -46,14 +49,15 @@ def test_cloud_only_sends_the_prompt_up_once_and_pays_the_round_trip_per_token(
     plan = decoder_estimate(tables, 0, 0, RAW)
     assert plan.tiers == ("cloud",)
     both_rtts = 0.030 + 0.020
-    # The prompt's 96 bytes of ids and the 32 logits rows cross both links once.
-    prefill_wire = (96 + 32768) * 8 / 8e6 + (96 + 32768) * 8 / 80e6
+    # The prompt's 96 bytes of ids go up both links once, one greedy choice (8 B) comes
+    # back: the prefill answers its last position only, as a token (keep_last, choices_only).
+    prefill_wire = (96 + 8) * 8 / 8e6 + (96 + 8) * 8 / 80e6
     assert plan.ttft_s == pytest.approx(0.012 + prefill_wire + both_rtts)
-    step_wire = (24 + 1024) * 8 / 8e6 + (24 + 1024) * 8 / 80e6
+    step_wire = (24 + 8) * 8 / 8e6 + (24 + 8) * 8 / 80e6
     assert plan.per_token_s == pytest.approx(0.003 + step_wire + both_rtts)
     assert plan.generation_s == pytest.approx(plan.ttft_s + 10 * plan.per_token_s)
     assert plan.tokens_per_s == pytest.approx(10 / plan.generation_s)
-    assert plan.bytes_per_token() == {"device-edge": 24 + 1024, "edge-cloud": 24 + 1024}
+    assert plan.bytes_per_token() == {"device-edge": 24 + 8, "edge-cloud": 24 + 8}
     # The cloud holds every block's weights, KV cache and the larger activation peak.
     assert plan.memory_bytes["cloud"] == 3000 + 3 * 4096 + 500
     assert plan.state_bytes == {"device": 0, "edge": 0, "cloud": 3 * 4096}
@@ -65,11 +69,36 @@ def test_a_split_pays_one_hidden_state_and_one_round_trip_per_token_per_link(
     tables = _tables(profile_factory)
     plan = decoder_estimate(tables, 1, 3, RAW)  # device block 0, edge blocks 1-2
     assert plan.tiers == ("device", "edge")
-    assert plan.per_token_s == pytest.approx(0.004 + 0.002 * 2 + (256 + 1024) * 8 / 8e6 + 0.030)
-    assert plan.ttft_s == pytest.approx(0.016 + 0.008 * 2 + (8192 + 32768) * 8 / 8e6 + 0.030)
+    assert plan.per_token_s == pytest.approx(0.004 + 0.002 * 2 + (256 + 8) * 8 / 8e6 + 0.030)
+    assert plan.ttft_s == pytest.approx(0.016 + 0.008 * 2 + (8192 + 8) * 8 / 8e6 + 0.030)
     assert plan.memory_bytes["device"] == 1000 + 4096 + 500
     assert plan.memory_bytes["edge"] == 2000 + 2 * 4096 + 500
     assert plan.bytes_per_token()["edge-cloud"] == 0
+
+
+def test_sampled_steps_answer_one_row_of_logits_greedy_ones_a_choice(profile_factory) -> None:
+    greedy = decoder_estimate(_tables(profile_factory), 0, 0, RAW)
+    sampled = decoder_estimate(_tables(profile_factory, sampled=True), 0, 0, RAW)
+    # The last position's logits (1 KiB) come back, for the prompt as for every token;
+    # never the prompt's 32 rows (32 KiB).
+    assert sampled.bytes_per_token() == {"device-edge": 24 + 1024, "edge-cloud": 24 + 1024}
+    assert greedy.bytes_per_token() == {"device-edge": 24 + 8, "edge-cloud": 24 + 8}
+    extra = (1024 - 8) * 8 / 8e6 + (1024 - 8) * 8 / 80e6
+    assert sampled.ttft_s - greedy.ttft_s == pytest.approx(extra)
+    assert sampled.per_token_s - greedy.per_token_s == pytest.approx(extra)
+    assert sampled.prefill.links["device-edge"].reply_s == pytest.approx(1024 * 8 / 8e6)
+    assert greedy.prefill.links["device-edge"].reply_s == pytest.approx(8 * 8 / 8e6)
+    # The compute still pays for every position's logits (the model computes them).
+    assert sampled.prefill.compute_s == greedy.prefill.compute_s
+
+
+def test_a_problem_prices_the_answer_it_is_given(profile_factory) -> None:
+    profile = profile_factory([0.001], [24, 4000], weights=[10], peaks=[10])
+    whole = Problem(_tiers(profile), LINKS)
+    assert whole.answer_bytes == 4000  # the model outputs, by default
+    assert Problem(_tiers(profile), LINKS, reply_bytes=8).answer_bytes == 8
+    with pytest.raises(PlanError, match="reply_bytes must not be negative"):
+        Problem(_tiers(profile), LINKS, reply_bytes=-1)
 
 
 def test_the_search_minimises_ttft_plus_max_tokens_steps(profile_factory) -> None:

@@ -62,8 +62,10 @@ def test_analysis_points_tell_the_lengths_apart() -> None:
 
 
 def test_segments_keep_symbolic_lengths_and_own_their_blocks_caches(graph: DecoderGraph) -> None:
-    last = len(graph.prefill.cuts) - 1
-    segments = split_decoder(graph, (2, last - 4))
+    # Cuts where one hidden state crosses beside the model inputs.
+    inputs = {"input_ids", "attention_mask", "position_ids"}
+    clean = [c.index for c in graph.prefill.cuts[1:-1] if len(set(c.tensors) - inputs) == 1]
+    segments = split_decoder(graph, (clean[1], clean[-2]))
     assert [spec.tier for spec, _ in segments] == ["device", "edge", "cloud"]
     owned = [s.input for spec, _ in segments for s in spec.state]
     assert sorted(owned) == sorted(s.input for s in graph.states)
@@ -169,6 +171,18 @@ def test_decoder_plan_json_report(decoder_path: Path, tmp_path: Path, capsys: An
     assert best["generation_s"] == pytest.approx(best["ttft_s"] + 4 * best["per_token_s"])
     assert report["verified"]["bitwise_equal"] is True
     assert set(report["baselines"]) == {"device-only", "edge-only", "cloud-only"}
+    # Greedy steps answer their choice (8 B); sampled ones the last position's 16 logits.
+    assert report["decoder"]["sampled"] is False
+    code = main(["plan", str(decoder_path), "-o", str(tmp_path / "s"), "--context", "16",
+                 "--max-tokens", "4", "--json", "--sampled"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    sampled = json.loads(out)
+    assert sampled["decoder"]["sampled"] is True
+    for point in ("prefill", "step"):
+        greedy_link = report["baselines"]["cloud-only"][point]["links"]["device-edge"]
+        sampled_link = sampled["baselines"]["cloud-only"][point]["links"]["device-edge"]
+        assert sampled_link["reply_s"] == pytest.approx(greedy_link["reply_s"] * 16 * 4 / 8)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,114 @@
+"""Tensors tiers rebuild from model inputs: a decoder's mask and rotary tables ([Note: derived
+tensors stay home])."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierflow.partitioner.decoder_graph import DecoderGraph, load_decoder, split_decoder
+from tierflow.partitioner.decoder_points import DecoderSettings, point_sample
+from tierflow.partitioner.graph import load_model
+from tierflow.partitioner.rebuild import Cone, choose_rebuilt, rebuilt_sets
+from tierflow.partitioner.state_verify import chain_step, verify_decoder, whole_step
+from tierflow.partitioner.stateful import value_sig
+from tierflow.partitioner.tensors import TensorInfo
+from tierflow.zoo.tiny_stateful import tiny_decoder
+
+SETTINGS = DecoderSettings(context=64, max_tokens=8, prompt_tokens=5)
+INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+@pytest.fixture(scope="module")
+def shared_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_decoder(tmp_path_factory.mktemp("shared") / "d.onnx", shared_tables=True)
+
+
+@pytest.fixture(scope="module")
+def graph(shared_path: Path) -> DecoderGraph:
+    return load_decoder(shared_path, SETTINGS)
+
+
+def _info(name: str, nbytes: int) -> TensorInfo:
+    return TensorInfo(name, "uint8", (nbytes,))
+
+
+def test_a_tensor_is_rebuilt_when_its_roots_cost_no_more_than_it() -> None:
+    cones = {
+        "cos": Cone(frozenset({"position_ids"}), frozenset({1}), frozenset()),
+        "mask": Cone(frozenset({"attention_mask"}), frozenset({2}), frozenset()),
+    }
+    tensors = {
+        n: _info(n, b)
+        for n, b in [("position_ids", 8), ("attention_mask", 80), ("cos", 256), ("mask", 10),
+                     ("hidden", 3584)]
+    }  # fmt: skip
+    sets = [INPUTS, ("cos", "mask", "hidden"), ("cos", "mask", "hidden"), ("logits",)]
+    # The rotary table (256 B) comes from 8 B of position_ids; the bool mask (10 B) would
+    # need the int64 attention_mask (80 B), so it still crosses.
+    assert choose_rebuilt(sets, cones, tensors) == ("cos",)
+    rebuilt = rebuilt_sets(sets, cones, ("cos",), INPUTS)
+    assert rebuilt[1] == rebuilt[2] == ("position_ids", "mask", "hidden")
+    assert rebuilt[0] == INPUTS and rebuilt[-1] == ("logits",)
+    # A root that crosses beside it anyway costs nothing more.
+    sets = [INPUTS, ("attention_mask", "mask", "hidden"), ("logits",)]
+    assert choose_rebuilt(sets, cones, tensors) == ("mask",)
+    assert rebuilt_sets(sets, cones, ("mask",), INPUTS)[1] == ("attention_mask", "hidden")
+    # A root stays live from the start to the last cut whose tensor it rebuilds.
+    sets = [INPUTS, ("hidden",), ("cos", "hidden"), ("hidden",), ("logits",)]
+    assert rebuilt_sets(sets, cones, ("cos",), INPUTS)[1:4] == [
+        ("position_ids", "hidden"),
+        ("position_ids", "hidden"),
+        ("hidden",),
+    ]
+
+
+def test_the_rotary_tables_never_cross_a_cut_and_position_ids_do(graph: DecoderGraph) -> None:
+    assert {"rotary_cos", "rotary_sin"} <= set(graph.decode.rebuilt)
+    assert graph.prefill.rebuilt == graph.decode.rebuilt
+    for prefill, decode in zip(graph.prefill.cuts, graph.decode.cuts, strict=True):
+        assert prefill.tensors == decode.tensors
+        assert not {"rotary_cos", "rotary_sin"} & set(prefill.tensors)
+    # From the model inputs to the last block: position_ids in the tables' place, beside
+    # the mask (a bool a key, where attention_mask would take eight bytes).
+    last_read = max(i for i, node in enumerate(graph.prefill.nodes) if "rotary_sin" in node.input)
+    before = [c for c in graph.prefill.cuts if c.position <= last_read]
+    assert len(before) > 3 and all("position_ids" in c.tensors for c in before)
+    assert any("expanded_mask" in c.tensors for c in before)
+
+
+def test_a_split_rebuilding_the_tables_is_bit_exact_and_sends_fewer_bytes(
+    graph: DecoderGraph, shared_path: Path
+) -> None:
+    cuts = graph.prefill.cuts
+    inputs = [value_sig(v) for v in graph.source.graph.input]
+    sample = point_sample(inputs, graph.decoder, graph.states, graph.points[1], seed=1)
+    sent = load_model(
+        shared_path,
+        sample=sample,
+        positions=[c.position for c in graph.decode.cuts],
+        fold=False,
+        max_cut_tensors=16,
+    )
+    assert sent.rebuilt == ()
+    between = [c.index for c in cuts if "expanded_mask" in c.tensors]
+    for index in between:
+        before, after = sent.cuts[index], graph.decode.cuts[index]
+        if {"rotary_cos", "rotary_sin"} <= set(before.tensors):
+            assert after.nbytes == before.nbytes - 2 * 8 * 4 + 8  # cos, sin [1, 1, 8] out; ids in
+    pairs = [(between[0], between[-1]), (between[len(between) // 2], len(cuts) - 1)]
+    outputs = [o.name for o in graph.source.graph.output]
+    for a, b in pairs:
+        segments = split_decoder(graph, (a, b))
+        assert all("rotary_cos" not in spec.inputs for spec, _ in segments)
+        check = verify_decoder(
+            whole_step(graph.source),
+            chain_step(segments),
+            graph.decoder,
+            graph.states,
+            outputs,
+            [3, 1, 4, 1, 5],
+            8,
+        )
+        assert check.bitwise_equal and check.max_abs_diff == 0.0
