@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -18,7 +19,22 @@ from . import layers
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _warm_matplotlib()
     layers.install()
+
+
+def _warm_matplotlib() -> None:
+    """Load matplotlib's font list before the fast-test guard is installed.
+
+    matplotlib builds its font cache the first time it is imported with an empty
+    ``MPLCONFIGDIR`` (a fresh machine, a fresh CI runner), and building it runs
+    ``fc-list``: a process, which the guard (tests/layers.py) would pin on whichever fast
+    test happened to import matplotlib first. The cache is the environment's, not the
+    test's, so it is built here, once per test process, before any test runs; an
+    environment without matplotlib (runtime-only) skips this.
+    """
+    if importlib.util.find_spec("matplotlib") is not None:
+        import matplotlib.font_manager  # noqa: F401  (builds or loads the font cache)
 
 
 @pytest.hookimpl(wrapper=True)
