@@ -37,11 +37,19 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.demos.local import EMULATION  # the tiers as tierflow demo's
 from tierflow.errors import PlanError
 from tierflow.link.spec import LINKS, TIERS, LinkSpec
 from tierflow.units import parse_size
 
+#: How the generation demo emulates its tiers on one machine, as ``tierflow demo``'s
+#: ``EMULATION``: ONNX Runtime threads, and how many times slower than this machine each
+#: tier runs. A phone-class device (20x one core here), an edge box on site (2x), a cloud
+#: core. (The digits demo's device is slower: see [Note: the demo's margin].)
+EMULATION: dict[str, tuple[int, float]] = {
+    "device": (1, 20.0),
+    "edge": (1, 2.0),
+    "cloud": (1, 1.0),
+}
 #: Wi-Fi to an edge 30 ms away (a real round trip, so that round trips are what a token
 #: costs), and the demo's metro link on to the cloud.
 DEFAULT_LINKS: dict[str, str] = {"device-edge": "20mbit,30ms", "edge-cloud": "200mbit,20ms"}

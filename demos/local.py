@@ -11,7 +11,8 @@ What it does, in order (each step prints what it measured):
 3. profiles both on this machine, emulating a slow device, a medium edge and a fast
    cloud (fewer threads, and a slowdown factor that the runtimes reproduce by sleeping);
 4. plans them for emulated links, with the frame declared an image input (so sending it
-   as PNG is among the exact candidates), and prints the ranked tables;
+   as PNG is among the exact candidates), prints the ranked tables, and says what it
+   chose and why (its prediction against each single tier's);
 5. writes six plans — tierflow's choice, the same with early exits, device-only,
    edge-only, cloud-only and ``cloud-only-jpeg`` (the frame uploaded as JPEG quality 90,
    what a camera app does today) — and for each starts the cloud and the edge as two
@@ -55,15 +56,28 @@ from tierflow.tuning import tune_for_latency
 logger = logging.getLogger(__name__)
 
 # How the demo emulates its three tiers on one machine: ONNX Runtime threads, and how
-# many times slower than this machine each tier runs.
+# many times slower than this machine each tier runs. See [Note: the demo's margin].
 EMULATION: dict[str, tuple[int, float]] = {
-    "device": (1, 20.0),
+    "device": (1, 50.0),
     "edge": (1, 2.0),
     "cloud": (1, 1.0),
 }
-# A phone-class device (20x slower than one core here), an edge box on the same site
-# (2x), a cloud core; Wi-Fi to that edge (20 Mbit/s up, 4 ms round trip), a metro/WAN
-# link from there to the cloud.
+# A low-power camera device (50x slower than one core here), an edge box on the same
+# site (2x), a cloud core; Wi-Fi to that edge (20 Mbit/s up, 4 ms round trip), a
+# metro/WAN link from there to the cloud.
+#
+# [Note: the demo's margin]
+# The demo shows a split, so its setting must make the split win by a margin that this
+# machine's speed and load cannot flip. The link's costs are fixed (a 4 ms round trip)
+# while compute scales with the machine: on a fast, idle machine a 20x device computed
+# the whole model in about 6.4 ms, and device-only beat device -> edge (about 7.5 ms,
+# mostly the round trip) in 3 runs of 3. Load only slows compute, which favours the
+# split; a faster machine is what flips it. At 50x the device's whole model costs 2.5x
+# the split on this 2-core machine (about 37 against 15 ms predicted), and about 1.6x on
+# a machine three times as fast (its camera stage, a fifth of the model, stays on the
+# device). A slower device still would widen the margin, but the uploads' PNG encoding
+# runs on it too, and the whole demo's run time grows with it. The demo prints its choice
+# and this comparison (:func:`choice_note`), so a run that chose otherwise says why.
 DEFAULT_LINKS: dict[str, str] = {"device-edge": "20mbit,4ms", "edge-cloud": "200mbit,20ms"}
 SERVER_START_TIMEOUT_S = 60.0
 # The camera frame is pixel / 255 on three channels; frames for the planner's sample.
@@ -312,6 +326,7 @@ def _demo(
     for note in notes:
         print(f"  {note}")
     print(_indent(plan_table(result, {})))
+    print(f"  {choice_note(result)}")
     exit_probe = FidelityProbe(
         exit_graph, sample_requests(exit_graph.inputs, sample), images=options.images
     )
@@ -361,6 +376,35 @@ def _demo(
     for note in notes:
         print(f"  {note}")
     return runs, notes
+
+
+def choice_note(result: Any) -> str:
+    """What the planner chose and why, in one sentence: its parts, against each single tier.
+
+    ``result`` is the planner's ``SearchResult``. See [Note: the demo's margin].
+    """
+    best = result.best
+    parts = []
+    for tier in TIERS:  # in the order a request meets them
+        if tier in best.tiers:
+            parts.append(f"{tier} computes {best.compute_s[tier] * 1e3:.1f} ms")
+        for name, cost in best.links.items():
+            if name.startswith(f"{tier}-") and cost.used:
+                parts.append(
+                    f"{name} carries {cost.bytes:,.0f} B as {cost.codec} "
+                    f"in {cost.total_s * 1e3:.1f} ms"
+                )
+    against = []
+    for name, baseline in result.baselines.items():
+        if baseline.tiers == best.tiers and baseline.cuts == best.cuts:
+            continue
+        ratio = baseline.latency_s / best.latency_s if best.latency_s > 0 else float("inf")
+        against.append(f"{name} {baseline.latency_s * 1e3:.1f} ms ({ratio:.2f}x)")
+    text = (
+        f"chose {' -> '.join(best.tiers)}, predicted {best.latency_s * 1e3:.1f} ms "
+        f"({', '.join(parts)})"
+    )
+    return text + (f"; against {', '.join(against)}" if against else "")
 
 
 def _legend(window: int) -> str:

@@ -119,8 +119,10 @@ def test_demo_runs_every_strategy_and_stops_its_processes(
     # Exact plans agree with the exact model on every request.
     for name in ("tierflow", "device-only", "edge-only", "cloud-only"):
         assert rows[name]["agreement"] == 1.0, rows[name]
-    # The camera frames make a split worth it: tierflow's plan uses two tiers or more.
+    # The camera frames and the slow device make a split worth it, by a margin this
+    # machine's speed and load cannot flip ([Note: the demo's margin]); the demo says why.
     assert len(rows["tierflow"]["tiers"]) >= 2, rows["tierflow"]
+    assert "chose device -> " in steps and "against device-only " in steps
     assert rows["tierflow+exits"]["exits"] > 0  # the plan with exits answered some early
     assert rows["device-only"]["answered_by"] == {"device": 24}
     assert rows["device-only"]["bytes_per_request"]["device-edge"] == 0

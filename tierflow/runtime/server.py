@@ -39,6 +39,7 @@ from tierflow.options import add_runtime_arguments
 from tierflow.runtime.limits import receive_limit
 from tierflow.runtime.service import TierService
 from tierflow.runtime.state import describe_state_budget
+from tierflow.transport.address import listen_address
 from tierflow.transport.security import bind, server_options
 from tierflow.transport.wire import add_tier_servicer, grpc_options
 from tierflow.tuning import tune_for_latency
@@ -214,6 +215,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--listen",
+        type=listen_address,
         default="127.0.0.1:0",
         metavar="HOST:PORT",
         help="address to serve on (port 0: one the OS picks, printed when serving)",

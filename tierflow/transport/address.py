@@ -80,6 +80,23 @@ class Address:
         return self.target
 
 
+def listen_address(text: str) -> str:
+    """Read ``--listen``: ``HOST:PORT`` with a port 0-65535 (0: one the OS picks), or a
+    ``unix:`` socket; gRPC would take a larger port modulo 65536 and serve on another."""
+    target = text.strip()
+    if target.startswith(("unix:", "unix-abstract:")):
+        return target
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"--listen {shown(text)}: expected HOST:PORT, like 127.0.0.1:50051")
+    if int(port) > 65535:
+        raise UsageError(
+            f"--listen {shown(text)}: the port {shown(port)} is not a port number "
+            "(1-65535, or 0 for one the OS picks)"
+        )
+    return target
+
+
 def answering_tier(
     address: Address, security: Security | None = None, timeout: float = ANSWER_TIMEOUT_S
 ) -> str | None:

@@ -453,6 +453,11 @@ def bind(server: grpc.Server, listen: str, security: Security | None, tier: str)
         host, sep, port_text = listen.rpartition(":")
     if not sep or not port_text.isdigit():
         raise UsageError(f"--listen {listen!r}: expected HOST:PORT")
+    if int(port_text) > 65535:  # gRPC would take it modulo 65536, and serve elsewhere
+        raise UsageError(
+            f"--listen {listen!r}: the port {port_text} is not a port number "
+            "(1-65535, or 0 for one the OS picks)"
+        )
     if not security.tls and not security.insecure and not is_loopback(host):
         raise UsageError(
             f"refusing to serve the {tier} on {listen} in plaintext: give --tls-cert and "

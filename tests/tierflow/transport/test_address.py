@@ -6,7 +6,8 @@ import pytest
 
 from tierflow.cli.main import build_parser, main
 from tierflow.errors import UsageError
-from tierflow.transport.address import Address
+from tierflow.transport.address import Address, listen_address
+from tierflow.transport.security import bind
 
 
 @pytest.mark.parametrize(
@@ -74,3 +75,25 @@ def test_an_address_without_a_port_is_one_line_before_any_network(
     err = capsys.readouterr().err
     assert ": error: address " in err and "has no port" in err
     assert err.count("\n") == 1 and "reach" not in err
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:99999", "127.0.0.1:115588", "127.0.0.1:65536"])
+def test_a_listen_port_beyond_65535_is_refused_not_wrapped(
+    capsys: pytest.CaptureFixture[str], listen: str
+) -> None:
+    """gRPC takes the port modulo 65536: 99999 served on 34463, and 115588 reported 50052
+    "in use". The command line refuses it before loading anything; so does the server."""
+    assert main(["serve", "cloud", "--plan", "missing/", "--listen", listen]) == 2
+    err = capsys.readouterr().err
+    assert f"--listen '{listen}': the port" in err and "is not a port number" in err
+    assert err.count("\n") == 1
+    with pytest.raises(UsageError, match="is not a port number"):
+        bind(None, listen, None, "cloud")  # type: ignore[arg-type]  # refused before use
+
+
+def test_a_listen_port_within_range_is_taken_as_written() -> None:
+    assert listen_address(" 127.0.0.1:0 ") == "127.0.0.1:0"
+    assert listen_address("[::1]:65535") == "[::1]:65535"
+    assert listen_address("unix:/run/tierflow.sock") == "unix:/run/tierflow.sock"
+    with pytest.raises(UsageError, match="expected HOST:PORT"):
+        listen_address("50051")
