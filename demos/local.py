@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from tierflow.cli.helptext import HelpFormatter, examples
+from tierflow.cli.paths import output_file
 from tierflow.codec.base import ImageNorm
 from tierflow.errors import UsageError
 from tierflow.link.spec import LINKS, TIERS, LinkOption, LinkSpec, apply_links
@@ -198,7 +199,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--results-md",
-        type=Path,
+        type=output_file,
         default=None,
         metavar="FILE.md",
         help="also write the results (table, comparisons, predictions) as Markdown to "

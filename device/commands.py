@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierflow.cli import json_output
 from tierflow.cli.helptext import HelpFormatter, examples
+from tierflow.cli.paths import output_file
 from tierflow.cli.table import format_table
 from tierflow.errors import UsageError
 from tierflow.link.spec import LINKS, TIERS
@@ -66,8 +67,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="IN.npz",
         help="the requests: one array per model input, leading request axis",
     )
-    parser.add_argument("--output", metavar="OUT.npz", help="where to write the outputs")
-    parser.add_argument("--report", metavar="R.jsonl", help="one JSON line per request")
+    parser.add_argument(
+        "--output", type=output_file, metavar="OUT.npz", help="where to write the outputs"
+    )
+    parser.add_argument(
+        "--report", type=output_file, metavar="R.jsonl", help="one JSON line per request"
+    )
     parser.add_argument(
         "--json", action="store_true", help="print the summary as one JSON object, not a table"
     )

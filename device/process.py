@@ -30,6 +30,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from tierflow.cli import json_output
 from tierflow.cli.helptext import HelpFormatter, examples
+from tierflow.cli.paths import output_file_or_stdout
 from tierflow.device.commands import (
     add_adaptation_arguments,
     add_deadline_argument,
@@ -80,7 +81,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "folder of PNG/JPEG images read in name order, or - for .npy arrays on stdin",
     )
     parser.add_argument(
-        "--results", default="-", metavar="R.jsonl", help="one JSON line per result (- stdout)"
+        "--results",
+        type=output_file_or_stdout,
+        default="-",
+        metavar="R.jsonl",
+        help="one JSON line per result (- stdout)",
     )
     parser.add_argument(
         "--watch", action="store_true", help="keep watching the folder for new images"

@@ -17,6 +17,7 @@ from typing import Any
 
 from tierflow.cli.arguments import add_deprecated
 from tierflow.cli.helptext import HelpFormatter, examples
+from tierflow.cli.paths import output_file, output_folder
 from tierflow.codec.base import CodecSpec
 from tierflow.errors import UsageError, shown
 from tierflow.link.spec import LINKS, LinkOption, LinkSpec, apply_links, check_link, check_tier
@@ -70,7 +71,12 @@ def register(subparsers: Any) -> None:
     )
     _model_options(profile)
     profile.add_argument(
-        "-o", "--output", required=True, metavar="PROFILE.json", help="the profile to write"
+        "-o",
+        "--output",
+        type=output_file,
+        required=True,
+        metavar="PROFILE.json",
+        help="the profile to write",
     )
     profile.add_argument(
         "--threads", type=int, default=DEFAULT_THREADS, help="ONNX Runtime intra-op threads"
@@ -124,6 +130,7 @@ def register(subparsers: Any) -> None:
     plan.add_argument(
         "-o",
         "--output",
+        type=output_folder,
         required=True,
         metavar="PLAN_DIR",
         help="the plan directory to write (a plan already there is replaced)",
@@ -476,8 +483,6 @@ def run_profile(args: argparse.Namespace) -> int:
     _positive(args.slowdown, "--slowdown")
     _positive(args.time_budget, "--time-budget")
     _shapes(args.shape)
-    if Path(args.output).is_dir():
-        raise UsageError(f"-o {args.output}: is a directory; expected a PROFILE.json file name")
     from tierflow.partitioner.decoder_graph import inspect_decoder
 
     if inspect_decoder(args.model) is not None:

@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from tierflow.cli.helptext import HelpFormatter, examples
+from tierflow.cli.paths import output_file
 from tierflow.errors import UsageError
 
 
@@ -63,7 +64,9 @@ def register(subparsers: Any) -> None:
     add.add_argument(
         "--data", required=True, metavar="CALIB.npz", help="inputs (leading request axis)"
     )
-    add.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="model to write")
+    add.add_argument(
+        "-o", "--output", type=output_file, required=True, metavar="OUT.onnx", help="model to write"
+    )
     add.add_argument(
         "--at", default=None, metavar="CUT", help="tensor name or cut index (default: chosen)"
     )

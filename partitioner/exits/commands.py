@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from tierflow.cli.helptext import HelpFormatter, examples
+from tierflow.cli.paths import output_file
 from tierflow.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,12 @@ def register(subparsers: Any) -> None:
         help="calibration inputs (leading request axis), optionally with 'labels'",
     )
     add.add_argument(
-        "-o", "--output", required=True, metavar="OUT.onnx", help="the model with exits to write"
+        "-o",
+        "--output",
+        type=output_file,
+        required=True,
+        metavar="OUT.onnx",
+        help="the model with exits to write",
     )
     target = add.add_mutually_exclusive_group()
     target.add_argument(
