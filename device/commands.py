@@ -23,12 +23,14 @@ from tierflow.cli import json_output
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.paths import output_file
 from tierflow.cli.table import format_table
+from tierflow.device.fallback import runs_on_device_only
 from tierflow.errors import UsageError
 from tierflow.link.spec import LINKS, TIERS
 from tierflow.options import RuntimeOptions, add_runtime_arguments
-from tierflow.plan import load_plan_set
+from tierflow.plan import PlanSet, load_plan_set
 from tierflow.transport.address import Address, check_answering_tier
 from tierflow.transport.deadline import DEFAULT_DEADLINE, Deadline
+from tierflow.transport.reach import check_reachable
 from tierflow.units import format_duration, format_rate, format_size, parse_duration
 
 if TYPE_CHECKING:
@@ -124,6 +126,20 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_session(args: argparse.Namespace, plans: PlanSet) -> None:
+    """A plan that keeps state between requests needs ``--session``: refused once, up front.
+
+    Without it every request would fail for that same reason, one line each.
+    """
+    stateful = next((plan for plan in plans.plans if plan.states), None)
+    if stateful is not None and not args.session:
+        pairs = ", ".join(f"{s.input} <- {s.output}" for s in stateful.states)
+        raise UsageError(
+            f"the plan in {args.plan} keeps state between requests ({pairs}): its requests "
+            "are one session's chunks, in order; give --session NAME"
+        )
+
+
 def add_deadline_argument(parser: argparse.ArgumentParser, help: str) -> None:
     """``--deadline``, as ``run`` and ``device`` take it ([Note: one deadline] in
     ``tierflow.transport.deadline``)."""
@@ -136,14 +152,18 @@ def add_deadline_argument(parser: argparse.ArgumentParser, help: str) -> None:
     )
 
 
-def edge_address(args: argparse.Namespace, options: RuntimeOptions) -> str | None:
+def edge_address(args: argparse.Namespace, options: RuntimeOptions, plans: PlanSet) -> str | None:
     """``--edge`` for the device client, once it is known that an edge answers there.
 
-    A cloud answering at the address fails here, in one line ([Note: which tier
-    answers] in ``tierflow.transport.address``).
+    An edge that cannot be reached fails here, in one line, unless ``plans`` holds a
+    device-only plan to fall back on ([Note: reaching a tier first] in
+    ``tierflow.transport.reach``, [Note: device fallback]); a cloud answering at the address
+    fails too ([Note: which tier answers] in ``tierflow.transport.address``).
     """
     if args.edge is None:
         return None
+    if not any(runs_on_device_only(plan) for plan in plans.plans):
+        check_reachable(str(args.edge), options.security, option="--edge")
     check_answering_tier(args.edge, "edge", options.security, option="--edge")
     return str(args.edge.target)
 
@@ -208,7 +228,9 @@ def _run(args: argparse.Namespace) -> int:
 
     tune_for_latency()
 
-    plan = load_plan_set(args.plan, require_segments=False).default_plan
+    plans = load_plan_set(args.plan, require_segments=False)
+    check_session(args, plans)
+    plan = plans.default_plan
     partial = partial_path(args.output) if args.output else None
     rows: dict[int, dict[str, np.ndarray]] = {}  # answered requests' OUT.npz rows
     if args.session and args.resume:
@@ -233,7 +255,7 @@ def _run(args: argparse.Namespace) -> int:
     options = RuntimeOptions.from_args(args, plan)
     with DeviceClient(
         args.plan,
-        edge_address(args, options),
+        edge_address(args, options, plans),
         options=options,
         window=args.window,
         deadline_s=args.deadline,

@@ -207,11 +207,11 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = args.prompt_ids
     if args.seed is not None and args.temperature <= 0:
         raise UsageError("--seed goes with --temperature above 0 (greedy needs no seed)")
-    plan = load_plan_set(args.plan, require_segments=False).default_plan
-    options = RuntimeOptions.from_args(args, plan)
+    plans = load_plan_set(args.plan, require_segments=False)
+    options = RuntimeOptions.from_args(args, plans.default_plan)
     with DeviceClient(
         args.plan,
-        edge_address(args, options),
+        edge_address(args, options, plans),
         options=options,
         window=1,
         deadline_s=args.deadline,

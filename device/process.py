@@ -35,6 +35,7 @@ from tierflow.device.commands import (
     add_adaptation_arguments,
     add_deadline_argument,
     add_plan_arguments,
+    check_session,
     edge_address,
 )
 from tierflow.errors import UsageError
@@ -130,11 +131,13 @@ def _device(args: argparse.Namespace) -> int:
     from tierflow.device.sources import open_source, source_kind
 
     source_kind(args.source)  # a bad --source fails before the plan loads
-    plan = load_plan_set(args.plan, require_segments=False).default_plan
+    plans = load_plan_set(args.plan, require_segments=False)
+    check_session(args, plans)
+    plan = plans.default_plan
     stop = threading.Event()
     count = failed = 0
     options = RuntimeOptions.from_args(args, plan)
-    edge = edge_address(args, options)
+    edge = edge_address(args, options, plans)
     with contextlib.ExitStack() as stack:
         results: IO[str] = sys.stdout
         if args.results != "-":

@@ -212,6 +212,8 @@ def open_source(
     if watch and kind != "folder":
         raise UsageError("--watch watches a folder; --source is not one")
     if kind == "folder":
+        # Every image needs Pillow to be read: missing, it is one line now, not one per frame.
+        import_extra("PIL.Image", "--source DIR (reading its images)")
         return folder_frames(text, watch=watch, stop=stop, poll_s=poll_s)
     if kind == "camera":
         return camera_frames(text, stop=stop)

@@ -30,6 +30,7 @@ from tierflow.errors import TransportError, UsageError, shown
 from tierflow.link.spec import LinkSpec, check_link
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.transport.address import Address
+from tierflow.transport.reach import connect
 from tierflow.transport.security import Security, open_channel
 from tierflow.transport.stream_client import channel_options
 from tierflow.units import format_duration, format_rate
@@ -119,30 +120,6 @@ class _Echo:
         self._call.cancel()
 
 
-def _connect(channel: grpc.Channel, address: Address, timeout: float) -> None:
-    """Wait until ``channel`` is connected; a failed attempt fails at once."""
-    states: queue.SimpleQueue[grpc.ChannelConnectivity] = queue.SimpleQueue()
-    channel.subscribe(states.put, try_to_connect=True)
-    try:
-        ends = time.monotonic() + timeout
-        while True:
-            try:
-                state = states.get(timeout=max(ends - time.monotonic(), 0.0))
-            except queue.Empty:
-                raise TransportError(
-                    f"cannot reach a tier at {address} within {timeout:g} s"
-                ) from None
-            if state == grpc.ChannelConnectivity.READY:
-                return
-            if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-                raise TransportError(
-                    f"cannot reach a tier at {address}: the connection failed (nothing "
-                    "listens there, or its TLS settings differ from these)"
-                )
-    finally:
-        channel.unsubscribe(states.put)
-
-
 def probe(
     address: Address | str,
     *,
@@ -164,7 +141,7 @@ def probe(
         raise UsageError("probe needs at least one ping, one transfer and one payload byte")
     channel = open_channel(address.target, security, channel_options())
     try:
-        _connect(channel, address, connect_timeout)
+        connect(channel, str(address), security, connect_timeout)
         echo = _Echo(channel, timeout)
         try:
             for _ in range(3):  # warm-up: connection windows, allocations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -77,3 +78,47 @@ def test_a_device_keeps_its_plan_when_its_client_is_not_adaptive(tmp_path: Path)
         assert device.client.selector is not None  # a set with regions switches
     with Device(DeviceClient(tmp_path, edge, adaptive=False, idle_probe_s=None)) as device:
         assert device.client.selector is None and device.plan == with_edge
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_stateful_plan_without_a_session_is_refused_once_before_sending(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """Every request would fail for that same reason, one line each (issue 30, item 11)."""
+    from tierflow.cli.main import main
+    from tierflow.state_spec import StateSpec
+
+    state = StateSpec("h_in", "h_out", "float32", (1, 4))
+    segment = SegmentSpec("device", "s.onnx", ("x", "h_in"), ("y", "h_out"), state=(state,))
+    plan = Plan("m.onnx", "0" * 64, ("x",), ("y",), (segment,), state_pairs=(("h_in", "h_out"),))
+    save_plan(plan, tmp_path)
+    argv = [*COMMANDS[command], "--plan", str(tmp_path)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"tierflow {command}: error: the plan in {tmp_path} keeps state between requests "
+        "(h_in <- h_out): its requests are one session's chunks, in order; give --session NAME\n"
+    )
+
+
+def test_a_folder_source_without_pillow_fails_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A runtime-only install has no Pillow: each frame failed separately (issue 30, 11)."""
+    from tierflow.cli.main import main
+
+    plan_dir, frames = tmp_path / "plan", tmp_path / "frames"
+    plan_dir.mkdir()
+    frames.mkdir()
+    for name in ("a.png", "b.png", "c.png"):
+        (frames / name).write_bytes(b"not read")
+    save_plan(_plan(_matmul_segments(plan_dir)), plan_dir)
+    monkeypatch.setitem(sys.modules, "PIL", None)  # as if Pillow were not installed
+    monkeypatch.delitem(sys.modules, "PIL.Image", raising=False)
+    results = tmp_path / "results.jsonl"
+    argv = ["device", "--plan", str(plan_dir), "--source", str(frames), "--results", str(results)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "tierflow device: error: --source DIR (reading its images) needs PIL, which is not "
+        "installed: pip install 'tierflow[image]'\n"
+    )

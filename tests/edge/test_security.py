@@ -211,7 +211,7 @@ def test_a_second_server_on_a_port_in_use_fails_with_one_line(tmp_path: Path, rt
         command = [sys.executable, "-m", "tierflow.cli", "serve", "cloud"]
         command += ["--plan", str(split.plan_dir), "--listen", cloud.address]
         done = subprocess.run(command, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 2
+        assert done.returncode == 1  # a failure while it ran ([Note: exit statuses])
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and "in use" in lines[0], done.stderr
     finally:
@@ -235,4 +235,13 @@ def test_the_command_line_serves_and_probes_over_mutual_tls(
         address = f"127.0.0.1:{cloud.address.rsplit(':', 1)[1]}"
         assert main(["probe", address, *probe_args, *client_flags]) == 0
         assert '"link": "edge-cloud"' in capsys.readouterr().out
-        assert main(["probe", address, *probe_args]) == 2  # plaintext: refused
+        # Plaintext against TLS, a name the certificate does not carry, and nothing
+        # listening are three messages, each one line ([Note: reaching a tier first]).
+        assert main(["probe", address, *probe_args]) == 1  # a failure while it ran
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "something listens there, but not plaintext gRPC" in err
+        wrong_name = [*client_flags, "--tls-server-name", "elsewhere.example"]
+        assert main(["probe", address, *probe_args, *wrong_name]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "the TLS handshake failed" in err
+        assert "does not name 'elsewhere.example'" in err

@@ -2,9 +2,18 @@
 
 Each subcommand lives with the code it drives and contributes a ``register(subparsers)``
 function; this module only wires them together, configures logging, and turns every
-:class:`~tierflow.errors.TierflowError` into one line on stderr and exit status 2; a
-missing optional module becomes one such line naming the extra to install (a command
-may name the extra it needs with ``set_defaults(extra=...)``).
+:class:`~tierflow.errors.TierflowError` into one line on stderr and an exit status
+(:func:`exit_status`); a missing optional module becomes one such line naming the extra
+to install (a command may name the extra it needs with ``set_defaults(extra=...)``).
+
+[Note: exit statuses]
+0: done. 1: the command was right but the work failed while it ran: a tier could not be
+reached or went away, a request failed or missed its deadline, a tier lost a session's
+state, a cache backend failed (``TransportError``, ``StateLostError``, ``CacheError``;
+``run`` and ``device`` also exit 1 when any request failed). Running it again may work. 2:
+what was given is wrong: a flag or its value, a model, profile or plan that cannot be
+used, inputs that do not fit, a missing extra; running it again as it is will not work.
+130: interrupted. A script can so tell "retry later" from "fix the command".
 Subcommand modules import heavy libraries (onnx, torch) inside their handlers, so
 ``tierflow serve edge`` never imports them.
 """
@@ -22,7 +31,7 @@ from tierflow import __version__
 from tierflow.cli.arguments import ArgumentParser, OptionError
 from tierflow.cli.config import add_config_option, apply_config, check_config_used
 from tierflow.cli.helptext import HelpFormatter, examples
-from tierflow.errors import TierflowError
+from tierflow.errors import CacheError, StateLostError, TierflowError, TransportError
 from tierflow.extras import missing_extra
 
 # Modules that define ``register(subparsers)``, in the order their commands are listed.
@@ -43,6 +52,10 @@ CONFIG_COMMANDS: tuple[str, ...] = ("serve edge", "serve cloud", "run", "device"
 
 logger = logging.getLogger(__name__)
 
+#: The exit status of a failure while the work ran, and of a usage error ([Note: exit statuses]).
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
 #: gRPC C-core's log level in tierflow's processes unless GRPC_VERBOSITY says otherwise.
 GRPC_LOG_DEFAULT = "ERROR"
 
@@ -62,6 +75,13 @@ def quiet_grpc_core() -> None:
     os.environ.setdefault("GRPC_VERBOSITY", GRPC_LOG_DEFAULT)
 
 
+def exit_status(error: TierflowError) -> int:
+    """1 for a failure while the work ran, 2 for what was given ([Note: exit statuses])."""
+    if isinstance(error, (TransportError, StateLostError, CacheError)):
+        return EXIT_FAILED
+    return EXIT_USAGE
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="tierflow",
@@ -75,7 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
             "tierflow serve cloud --plan plan/ --listen 127.0.0.1:50052",
             "tierflow serve edge --plan plan/ --listen 127.0.0.1:50051 --upstream 127.0.0.1:50052",
             "tierflow run --plan plan/ --edge 127.0.0.1:50051 --input in.npz --output out.npz",
-        ),
+        )
+        + "\n\nexit status: 0 done; 1 the work failed while it ran (a tier unreachable or "
+        "gone, a request failed or missed its deadline): running it again may work; 2 what "
+        "was given is wrong (a flag, a model, a plan, the inputs); 130 interrupted",
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"tierflow {__version__}")
@@ -108,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = args.handler(args)
     except TierflowError as exc:
         print(f"tierflow {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return exit_status(exc)
     except ModuleNotFoundError as exc:  # an extra is not installed: say which, no traceback
         missing = missing_extra(exc, getattr(args, "extra", None))
         if missing is None:

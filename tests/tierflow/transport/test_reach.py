@@ -1,0 +1,92 @@
+"""A tier that cannot be reached is one line before the first request ([Note: reaching a
+tier first]); the TLS cases, which need a server, are in tests/edge/test_security.py."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tierflow.cli.main import main
+from tierflow.errors import TransportError
+from tierflow.plan import Plan, SegmentSpec, save_plan
+from tierflow.transport.reach import _host_port, check_reachable
+
+
+@pytest.fixture
+def dead_address() -> Iterator[str]:
+    """An address where nothing listens: a port held (bound, never listening) meanwhile."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{held.getsockname()[1]}"
+
+
+def _device_edge_plan(directory: Path) -> Path:
+    """A two-segment plan, x -> h on the device, h -> y on the edge."""
+    directory.mkdir()
+    specs = []
+    for tier, (src, dst) in {"device": ("x", "h"), "edge": ("h", "y")}.items():
+        weights = numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", [src, "w"], [dst])],
+            "g",
+            [helper.make_tensor_value_info(src, TensorProto.FLOAT, [1, 4])],
+            [helper.make_tensor_value_info(dst, TensorProto.FLOAT, [1, 4])],
+            [weights],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        onnx.save(model, directory / f"{tier}.onnx")
+        specs.append(SegmentSpec(tier, f"{tier}.onnx", (src,), (dst,)))
+    save_plan(Plan("m.onnx", "0" * 64, ("x",), ("y",), tuple(specs)), directory)
+    np.savez(directory.parent / "in.npz", x=np.ones((5, 1, 4), np.float32))
+    return directory
+
+
+def test_nothing_listening_is_said_so(dead_address: str) -> None:
+    with pytest.raises(TransportError) as caught:
+        check_reachable(dead_address, option="--edge")
+    assert str(caught.value) == (
+        f"--edge cannot reach a tier at {dead_address}: nothing listens there (connection refused)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("address", "found"),
+    [
+        ("127.0.0.1:50051", ("127.0.0.1", 50051)),
+        ("[::1]:7", ("::1", 7)),
+        ("dns:///edge.local:50051", None),
+        ("ipv4:10.0.0.5:1,10.0.0.6:1", None),
+        ("unix:/run/t.sock", None),
+    ],
+)
+def test_only_a_plain_host_and_port_is_checked_over_tcp(
+    address: str, found: tuple[str, int] | None
+) -> None:
+    assert _host_port(address) == found
+
+
+@pytest.mark.parametrize("command", ["run", "device"])
+def test_a_dead_edge_fails_the_command_once_before_any_request(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, dead_address: str, command: str
+) -> None:
+    """``run`` printed one line per request and wrote outputs full of NaN."""
+    plan_dir = _device_edge_plan(tmp_path / "plan")
+    output = tmp_path / "out.npz"
+    argv = ["--plan", str(plan_dir), "--edge", dead_address]
+    if command == "run":
+        argv = ["run", *argv, "--input", str(tmp_path / "in.npz"), "--output", str(output)]
+    else:
+        argv = ["device", *argv, "--source", str(tmp_path), "--results", str(output)]
+    assert main(argv) == 1  # a failure while it ran, not a usage error
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"tierflow {command}: error: --edge cannot reach a tier at {dead_address}: "
+        "nothing listens there (connection refused)\n"
+    )
+    assert not output.exists() and captured.out == ""
