@@ -30,13 +30,13 @@ def test_an_existing_file_as_plan_dir_fails_at_once_with_one_line(
     code = main(["plan", str(model), "-o", str(taken)])
     out, err = capsys.readouterr()
     assert code == 2
-    message = f"-o {taken}: exists and is not a directory; a plan is a directory"
+    message = f"cannot write '{taken}': it is a file; expected a folder"
     assert err == f"tierflow plan: error: {message}\n"
     assert "profiling" not in out + err  # no work was done first
     code = main(["plan", str(model), "-o", str(taken / "inside")])
-    assert code == 2 and "is a file, not a directory" in capsys.readouterr().err
+    assert code == 2 and f"'{taken}' is not a folder" in capsys.readouterr().err
     code = main(["profile", str(model), "-o", str(tmp_path)])
-    assert code == 2 and "is a directory" in capsys.readouterr().err
+    assert code == 2 and "it is a folder; expected a file name" in capsys.readouterr().err
 
 
 def test_replanning_leaves_exactly_the_new_plan(model: Path, tmp_path: Path, capsys: Any) -> None:
