@@ -18,7 +18,7 @@ Each trace is played once per strategy:
 
 - every plan of the set alone (``static A``, ``static B``, ...; ``adaptive=False``),
 - ``adaptive``: the device estimates the link from its transfers and switches plans
-  ([Note: switching plans on the device] in ``tierflow.device.client``), and runs a
+  ([Note: switching plans on the device] in ``tierflow.device.adaptation``), and runs a
   request on its device-only plan while uploads queued on the link would make it wait
   longer ([Note: a backlog on the link] in ``tierflow.device.switching``),
 

@@ -499,7 +499,7 @@ def throughput(count: int, work: Path) -> dict[str, Any]:
 
 
 #: The slowdown of the cloud and the workers compared: issue 18's goal is >= 2.5x from 1 to
-#: 4 workers; see [Note: a stream's requests run at once] in tierflow/runtime/service.py.
+#: 4 workers; see [Note: a stream's requests run at once] in tierflow/runtime/streams.py.
 CLOUD_SLOWDOWN = 30.0
 WORKERS_COMPARED = (1, 4)
 WORKERS_GOAL = 2.5

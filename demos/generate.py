@@ -12,7 +12,7 @@ What it does, in order (each step prints what it measured):
 4. runs four strategies, streaming each one's text as it arrives: cloud-only (the large
    model in the cloud), device-only (the small model on the device), the planner's split
    of the large model, and the split with the small model drafting on the device
-   ([Note: speculation] in tierflow/device/speculation.py). The cloud and the edge run as
+   ([Note: speculation] in device/speculation.py). The cloud and the edge run as
    two real processes for each plan; this process is the device;
 5. ends with one table measured in the same run: time to first token, ms per token,
    tokens per second, round trips and bytes per token per link, drafts kept, and

@@ -23,7 +23,7 @@ hidden states on both links and in compute; the round trips are those cloud-only
 Cloud-only is then over the cloud's budget: it is the comparison with a cloud that holds
 the whole model. The small model (two blocks, about 1 MiB with its KV cache) fits the
 device: device-only runs it, and it drafts for the split ([Note: speculation] in
-tierflow/device/speculation.py).
+device/speculation.py).
 """
 
 from __future__ import annotations

@@ -5,26 +5,26 @@ When the plan set has several plans with rate regions, the device keeps a
 :class:`~tierflow.device.switching.LinkEstimator` per link, fed passively from each
 answered request's measured transfer (bytes over transfer time, per link), and asks a
 :class:`~tierflow.device.switching.PlanSelector` which plan the next request runs
-([Note: switching with hysteresis] in tierflow/device/switching.py). Each request names
+([Note: switching with hysteresis] in device/switching.py). Each request names
 its plan on the wire and the tiers serve every plan of the set, so requests in flight
 finish on the plan they started with. A plan's device sessions open on its first request
 (segment files shared between plans are opened once). Its result names the plan
 (``plan``) and, at a switch, why (``switch``). ``adaptive=False`` keeps the default plan.
 Before each choice the device-edge estimate is also bounded by the requests still on that
-link ([Note: censored rate evidence] in tierflow/device/switching.py): one unanswered for
+link ([Note: censored rate evidence] in device/switching.py): one unanswered for
 longer than its upload at the estimated rate plus ``ANSWER_MARGIN`` times the slowest of
 the last ``ANSWER_TIMES_KEPT`` answers' time after their upload lowers the estimate at
 once, so a sudden drop turns the next requests, not only those sent after the slow
 uploads are answered (at the first choice, when the bound alone shows the current plan
 costly: [Note: a bound needs no second look] there). And while uploads are still queued
 on that link, a request may run on a plan that keeps off it ([Note: a backlog on the
-link] in tierflow/device/switching.py); its result names that detour in ``switch``.
+link] in device/switching.py); its result names that detour in ``switch``.
 
 [Note: idle probes on the device]
 With a plan set that switches, the device also probes the device-edge link while it is
 idle (``idle_probe_s``, default 1 s; None: never), so that the first request after a pause
 runs on a plan chosen for the link as it is now ([Note: idle probes] in
-tierflow/device/probing.py).
+device/probing.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 #: A link's assumed rate before any transfer, when the plan names none (bits/s).
 DEFAULT_PRIOR_BPS = 100e6
 #: Answers whose time after crossing the device-edge link bounds the next ones'
-#: ([Note: censored rate evidence] in tierflow/device/switching.py): the slowest counts,
+#: ([Note: censored rate evidence] in device/switching.py): the slowest counts,
 #: times ANSWER_MARGIN, so that a tier a little slower than of late is not taken for a
 #: slow link.
 ANSWER_TIMES_KEPT = 8
@@ -218,7 +218,7 @@ class Adaptation:
     def _backlog(self, now: float, rate_bps: float) -> float:
         """Seconds the device-edge link still needs for the uploads not answered yet.
 
-        See [Note: a backlog on the link] in tierflow/device/switching.py: from what the
+        See [Note: a backlog on the link] in device/switching.py: from what the
         device handed to the link, when, and whether it has begun to cross by ``now``, at
         the estimated rate. Call with ``_lock`` held.
         """

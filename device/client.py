@@ -88,10 +88,10 @@ class DeviceClient:
     and nothing sent (``answered_by`` "device", ``cache_hit``); every answer is stored
     when its result is read. When the plan directory also holds a device-only plan,
     requests the edge cannot take are answered with it ([Note: device fallback] in
-    tierflow/device/fallback.py); while the cloud is missing, plans that do not need it
+    device/fallback.py); while the cloud is missing, plans that do not need it
     answer ([Note: losing a tier] there). With a plan set that switches, the plan is
     chosen per request ([Note: switching plans on the device] in
-    tierflow/device/adaptation.py; ``adaptive=False`` keeps the default plan). Use as a
+    device/adaptation.py; ``adaptive=False`` keeps the default plan). Use as a
     context manager, or call :meth:`close`.
     """
 

@@ -5,7 +5,7 @@
 token, each a request of one session whose KV cache stays on the tiers that made it
 ([Note: session state on a tier] in tierflow/runtime/state.py). With a draft model
 (:class:`LocalDecoder`, run on the device) it speculates ([Note: speculation] in
-tierflow/device/speculation.py): several tokens per round trip, the same greedy output.
+device/speculation.py): several tokens per round trip, the same greedy output.
 
 [Note: replaying a session]
 A tier that no longer holds a session's state at the request's position answers

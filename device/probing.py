@@ -1,7 +1,7 @@
 """Keeping the device-edge estimate fresh while nothing crosses the link: idle probes.
 
 The device learns its links passively, from the transfers of real requests
-([Note: switching plans on the device] in ``tierflow.device.client``). A device that
+([Note: switching plans on the device] in ``tierflow.device.adaptation``). A device that
 sends nothing for a while learns nothing, and its first request after a pause would run
 on a plan chosen for the link as it was. An :class:`IdleProber` fills the gap: once the
 link has carried no request for ``idle_s`` seconds it sends one small probe over the

@@ -6,7 +6,7 @@ one request at the next position; the tier that owns the model's state feeds it 
 chunk to chunk ([Note: session state on a tier] in tierflow/runtime/state.py), so the
 answers equal a local loop that feeds each state output back, bit for bit at the
 runtime's settings. When a tier answers STATE_LOST, the session is replayed from its
-first chunk ([Note: replaying a session] in tierflow/device/generation.py): the chunks
+first chunk ([Note: replaying a session] in device/generation.py): the chunks
 answered since are sent again in order (their answers are not yielded twice), then the
 lost one and those after it, whose answers are the ones yielded. ``keep`` bounds the
 chunks the device holds for that (None: all); a loss beyond them fails the rest of the

@@ -14,7 +14,7 @@ the request's scores at that exit (checked and found not confident enough) are t
 answer, marked with ``Reply.fallback`` (why), never cached. Otherwise the reply is an
 ``UPSTREAM_UNAVAILABLE`` error: the device, which still holds the request's inputs,
 finishes it with a plan of its set that does not need the missing tier ([Note: losing a
-tier] in tierflow/device/fallback.py). The features computed here are not sent back: the
+tier] in device/fallback.py). The features computed here are not sent back: the
 device would need the missing tier's segment files to use them, and a plan without that
 tier reproduces the model from the inputs bit for bit anyway.
 

@@ -3,7 +3,7 @@
 A camera app uploads its frame as JPEG; ``tierflow plan --image-input NAME`` lets a plan
 do the same: where the model inputs cross a link (the device runs nothing; an edge that
 runs nothing either forwards them to the cloud as they came), input NAME may travel as
-``jpeg:Q``, ``webp:Q`` or ``png`` ([Note: image codecs] in :mod:`tierflow.codec.base`;
+``jpeg:Q``, ``webp:Q`` or ``png`` ([Note: image codecs] in :mod:`tierflow.codec.image`;
 [Note: image inputs] in :mod:`tierflow.plan`). The planner measures each image codec's
 size and speed on the sample's images (:func:`measure_image_codecs`, [Note: image codec
 figures]) and, like any lossy codec, its fidelity end to end; ``png`` is exact only for

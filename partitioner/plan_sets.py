@@ -11,7 +11,7 @@ the device-only part of two plans that cut the device at the same place is one f
 ``plan.json`` records each file's sha256 and size (``tierflow.plan.save_plan_set``): a
 tier started without the files fetches and checks them, and the device prices a switch
 to a plan whose files it lacks by the time that fetch takes ([Note: switching with
-hysteresis] in ``tierflow/device/switching.py``; [Note: segments on demand] in
+hysteresis] in ``device/switching.py``; [Note: segments on demand] in
 ``tierflow/runtime/segment_store.py``). The choice of plans itself stays pure and knows no files.
 """
 

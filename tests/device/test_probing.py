@@ -2,7 +2,7 @@
 
 Its loop runs on the test's thread with the clock moved by its own waits, and a probe
 round goes to an in-process echo, so the schedule and the figures are exact, whatever
-the load. See [Note: idle probes] in tierflow/device/probing.py;
+the load. See [Note: idle probes] in device/probing.py;
 tests/edge/test_idle_probe.py runs probes against a real edge.
 """
 

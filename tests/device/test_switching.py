@@ -220,7 +220,7 @@ def test_the_hold_counts_from_when_the_current_plan_stopped_fitting() -> None:
     assert not selector.choose(0.6, _point(8e6)).switched  # the hold starts again
 
 
-# [Note: a backlog on the link] in tierflow/device/switching.py
+# [Note: a backlog on the link] in device/switching.py
 
 
 def test_the_backlog_is_what_a_fifo_link_still_has_to_send_at_the_estimated_rate() -> None:

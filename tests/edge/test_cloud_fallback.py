@@ -1,7 +1,7 @@
 """Losing the cloud mid-stream: the edge answers what it can, the device finishes the rest.
 
-See [Note: answering without the next tier] in tierflow/edge/forwarding.py and [Note: losing a
-tier] in tierflow/device/fallback.py.
+See [Note: answering without the next tier] in edge/forwarding.py and [Note: losing a
+tier] in device/fallback.py.
 """
 
 from __future__ import annotations

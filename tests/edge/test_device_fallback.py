@@ -1,6 +1,6 @@
 """Device fallback: with the edge gone the device answers alone, then uses the edge again.
 
-See [Note: device fallback] in tierflow/device/fallback.py.
+See [Note: device fallback] in device/fallback.py.
 """
 
 from __future__ import annotations

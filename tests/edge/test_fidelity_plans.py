@@ -4,7 +4,7 @@ The model is an MLP whose first input element is a large constant it ignores, so
 the input flips answers while fp16 does not; the device is made slow and the links
 narrow, so sending the input compressed is what the planner wants. Both sides run at
 the tiers' ONNX Runtime optimisation level (see [Note: optimization level and
-exactness] in tierflow/runtime/segment_runner.py).
+exactness] in tierflow/runtime/sessions.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ and the device run no segment) serves a small CNN through three tiers: a lossy c
 applied once (the outputs are the model's on the once-decoded input, bit for bit), the
 cloud receives the device's bytes, and an exact codec stays bit-exact. References run
 at the tiers' optimisation level and thread count (see [Note: optimization level and
-exactness] in tierflow/runtime/segment_runner.py).
+exactness] in tierflow/runtime/sessions.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Idle probes: an idle device keeps its device-edge estimate fresh, a busy one never probes.
 
-See [Note: idle probes] in tierflow/device/probing.py.
+See [Note: idle probes] in device/probing.py.
 """
 
 from __future__ import annotations

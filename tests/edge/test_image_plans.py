@@ -4,7 +4,7 @@ A CNN reads 32x32 crops of scikit-learn's sample photos, normalised as ImageNet 
 expect. The partitioner plans it with ``--image-input``; the device encodes the input as
 an image, the edge decodes it back into the model's tensor. References run at the tiers'
 optimisation level and thread count (see [Note: optimization level and exactness] in
-tierflow/runtime/segment_runner.py).
+tierflow/runtime/sessions.py).
 """
 
 from __future__ import annotations

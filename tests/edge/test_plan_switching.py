@@ -1,6 +1,6 @@
 """Switching plans mid-stream: the device-edge rate drops 100x and comes back.
 
-See [Note: switching plans on the device] in tierflow/device/adaptation.py.
+See [Note: switching plans on the device] in device/adaptation.py.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ any segment file in it may be evicted, also those it started with. Without a bud
 nothing is evicted.
 
 How the device weighs a fetch when it switches plans, and when it fetches ahead, is in
-[Note: switching plans on the device] (``tierflow.device.client``).
+[Note: switching plans on the device] (``tierflow.device.adaptation``).
 """
 
 from __future__ import annotations

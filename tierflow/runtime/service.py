@@ -14,7 +14,7 @@ requests run at once] (tierflow/runtime/streams.py); how replies are written in
 1. Refuse it if the tier is not ready, the plan id is not one of the tier's plan set, or
    its deadline has passed. Each request names its plan, so requests in flight finish on
    the plan they started with while the device switches ([Note: switching with
-   hysteresis] in tierflow/device/switching.py).
+   hysteresis] in device/switching.py).
 2. Take it through the pipeline: decode (headers checked first), cache, segments and
    exits; the answer goes back down, or the request goes up through the forwarder.
 Every request gets exactly one reply: any failure becomes a ``Reply`` with a typed

@@ -26,7 +26,7 @@ the session's state (tokens for a decoder, chunks for a streaming model).
   nothing about other callers' sessions. The device then replays the session from
   position 0 with what it holds (a decoder's tokens so far, a stream's chunks), so a lost
   state costs time, never a wrong answer ([Note: replaying a session] in
-  tierflow/device/generation.py).
+  device/generation.py).
 * A session belongs to one plan; naming it with another plan is a
   :class:`~tierflow.errors.StateError`, as is a session whose state alone would not fit
   the budget or the owner's share.
