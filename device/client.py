@@ -197,6 +197,7 @@ class DeviceClient:
         position: int = 0,
         keep_last: int = 0,
         choices_only: bool = False,
+        replay_to: int = 0,
     ) -> Ticket:
         """Run the device's part now and send the rest on; errors end up in the Result.
 
@@ -210,7 +211,9 @@ class DeviceClient:
         value of a fixed-shape state, which goes to the tier that owns it. A session
         keeps the plan it started on. ``keep_last``: a decoder step's answer keeps the
         logits of its last positions only (0: all); ``choices_only``: it carries each
-        position's argmax in their place (tier.proto: Request.choices_only).
+        position's argmax in their place (tier.proto: Request.choices_only). ``replay_to``:
+        the request is a replay's, rebuilding the session up to that position ([Note:
+        replaying a session] in tierflow/device/generation.py).
         """
         if session is None:
             index, switch = self.adaptation.choose()
@@ -220,7 +223,9 @@ class DeviceClient:
         plan = self.plans.plans[index]
         try:
             with self.pipeline.holding(index):
-                step = self._step(index, session, position, inputs, keep_last, choices_only)
+                step = self._step(
+                    index, session, position, inputs, keep_last, choices_only, replay_to
+                )
                 ticket = self._submit(inputs, index, step=step)
         except TierflowError as exc:  # its segments could not be fetched
             request_id, started = str(next(self._ids)), time.perf_counter()
@@ -252,6 +257,7 @@ class DeviceClient:
         inputs: Mapping[str, np.ndarray],
         keep_last: int = 0,
         choices_only: bool = False,
+        replay_to: int = 0,
     ) -> SessionStep | None:
         """The device's session step for a request; a state value in ``inputs`` (position 0)
         is kept here if the device owns that state, else passed on to the tier that does."""
@@ -279,7 +285,13 @@ class DeviceClient:
         )
         mine = {k: v for k, v in given.items() if k in owned}
         return SessionStep(
-            session, position, mine, list(passed.initial_state), keep_last, choices_only
+            session,
+            position,
+            mine,
+            list(passed.initial_state),
+            keep_last,
+            choices_only,
+            replay_to=replay_to,
         )
 
     def _submit(

@@ -11,10 +11,14 @@ device/speculation.py): several tokens per round trip, the same greedy output.
 A tier that no longer holds a session's state at the request's position answers
 STATE_LOST (evicted, idle too long, restarted). The device holds what it needs to rebuild
 the state: for a decoder, the tokens fed so far; for a streaming model, the chunks sent so
-far (``tierflow.device.sessions``). It sends them again from position 0 in one request (a
-decoder's replay is one prefill of every token so far) and goes on: each tier starts the
-session afresh at position 0, and recomputes exactly what it held, so the answers are the
-same as without the loss, later.
+far (``tierflow.device.sessions``). It sends them again from position 0 and goes on: a
+decoder's replay is one request (one prefill of every token so far); a stream's is its
+chunks again, in order, a window of them in flight, and each tier holds a session's state
+while a request of it waits there (``SessionStates.hold`` in tierflow/runtime/state.py),
+so the replay is not evicted chunk by chunk under pressure; one that loses its state all
+the same starts over, a few times at most. Each tier starts the session afresh at
+position 0, and recomputes exactly what it held, so the answers are the same as without
+the loss, later.
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ answers equal a local loop that feeds each state output back, bit for bit at the
 runtime's settings. When a tier answers STATE_LOST, the session is replayed from its
 first chunk ([Note: replaying a session] in device/generation.py): the chunks
 answered since are sent again in order (their answers are not yielded twice), then the
-lost one and those after it, whose answers are the ones yielded. ``keep`` bounds the
+lost one and those after it, whose answers are the ones yielded. The tier holds the
+session's state while its chunks wait there (``SessionStates.hold``), so a replay, whose
+chunks fill the window, completes under eviction pressure; one that loses its state
+again all the same starts over, ``REPLAY_TRIES`` times at most. ``keep`` bounds the
 chunks the device holds for that (None: all); a loss beyond them fails the rest of the
 session with a :class:`~tierflow.errors.StateLostError` rather than give a different answer.
 """
@@ -34,6 +37,9 @@ from tierflow.plan import Plan
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+#: Times a session is replayed for one loss before its chunk fails: a replay whose state
+#: is lost again starts over ([Note: replaying a session] in tierflow/device/generation.py).
+REPLAY_TRIES = 3
 Inputs = Mapping[str, np.ndarray]
 
 
@@ -122,11 +128,11 @@ class StreamSession:
             self._first += 1
         return self._submit(inputs, position)
 
-    def _submit(self, inputs: Inputs, position: int) -> Ticket:
+    def _submit(self, inputs: Inputs, position: int, replay_to: int = 0) -> Ticket:
         if self._lost is not None:  # the session cannot go on: fail the rest as it did
             return _failed_ticket(position, self._lost)
         feeds = {**inputs, **self.initial} if position == 0 else inputs
-        return self.client.submit(feeds, session=self.name, position=position)
+        return self.client.submit(feeds, session=self.name, position=position, replay_to=replay_to)
 
     def _settle(self, in_flight: collections.deque[tuple[T, int, Ticket]]) -> tuple[T, Result]:
         """The oldest chunk's Result, the session replayed first if a tier lost it."""
@@ -140,53 +146,72 @@ class StreamSession:
         for _, _, pending in later:
             pending.result()
         in_flight.clear()
-        result = self._replay(position, result)
-        for it, pos, _ in later:
-            in_flight.append((it, pos, self._resend(pos)))
+        result, resent = self._replay(position, result, [pos for _, pos, _ in later])
+        for (it, pos, _), again in zip(later, resent, strict=True):
+            in_flight.append((it, pos, again))
         return item, result
 
-    def _replay(self, position: int, lost: Result) -> Result:
-        """Send chunks 0..position-1 again, then chunk ``position``; its Result."""
+    def _replay(self, position: int, lost: Result, after: list[int]) -> tuple[Result, list[Ticket]]:
+        """Send chunks 0..position-1 again, then chunk ``position`` and the chunks ``after``
+        it: chunk ``position``'s Result, and the tickets of those after.
+
+        They go out one stream, each sent before the ones ahead of it are answered, so a
+        request of the session waits at the tier all along and the tier holds its state
+        ([Note: replaying a session] in tierflow/device/generation.py).
+        """
         if self._lost is not None or self._first > 0:  # the first chunks are gone
             self._lost = self._lost or StateLostError(
                 f"session {self.name!r}: a tier lost its state ({lost.error}), and the device "
                 f"keeps only the last {self.keep} chunks, not the {position} before this "
                 "one that rebuild it"
             )
-            return _failed(lost, self._lost)
-        self.replays += 1
-        logger.info(
-            "[device] session %s: a tier lost its state (%s); replaying %d chunks",
-            self.name,
-            lost.error,
-            position,
-        )
-        window: collections.deque[Ticket] = collections.deque()
-        try:
+            return _failed(lost, self._lost), [self._resend(pos) for pos in after]
+        result = lost
+        for _ in range(REPLAY_TRIES):  # a replay that lost its state again starts over
+            self.replays += 1
+            logger.info(
+                "[device] session %s: a tier lost its state (%s); replaying %d chunks",
+                self.name,
+                result.error,
+                position,
+            )
+            window: collections.deque[Ticket] = collections.deque()
+            failed: TierflowError | None = None
+            end = max([position, *after]) + 1  # the tier holds the session until then
             for earlier in range(position):
-                window.append(self._resend(earlier))
-                while len(window) >= self.client.window:
-                    _checked(window.popleft().result())
-            while window:
-                _checked(window.popleft().result())
-        except TierflowError as exc:
+                window.append(self._resend(earlier, end))
+                while len(window) >= self.client.window and failed is None:
+                    failed = _error(window.popleft().result())
+                if failed is not None:
+                    break
+            if failed is None:
+                ticket = self._resend(position, end)
+                resent = [self._resend(pos, end) for pos in after]
+                while window and failed is None:
+                    failed = _error(window.popleft().result())
+                result = ticket.result()
+                if failed is None and not _state_lost(result):
+                    return result, resent
+                window.extend(resent)
             for pending in window:
                 pending.result()
-            return replace(lost, error=exc, outputs={})
-        return self._resend(position).result()
+            if failed is not None:
+                result = replace(lost, error=failed, outputs={})
+                if not (isinstance(failed, RemoteError) and failed.code == "STATE_LOST"):
+                    break
+        return result, [self._resend(pos) for pos in after]
 
-    def _resend(self, position: int) -> Ticket:
-        return self._submit(self._sent[position - self._first], position)
+    def _resend(self, position: int, replay_to: int = 0) -> Ticket:
+        return self._submit(self._sent[position - self._first], position, replay_to)
 
 
 def _state_lost(result: Result) -> bool:
     return isinstance(result.error, RemoteError) and result.error.code == "STATE_LOST"
 
 
-def _checked(result: Result) -> None:
+def _error(result: Result) -> TierflowError | None:
     """A replayed chunk's answer is not kept; its failure ends the replay."""
-    if result.error is not None:
-        raise result.error
+    return result.error
 
 
 def _failed(result: Result, error: StateLostError) -> Result:

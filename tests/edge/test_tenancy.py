@@ -231,3 +231,54 @@ def test_serve_says_its_state_budget_at_start(model: Path, tmp_path: Path, rt: A
     assert "session state: at most" in default and "25% of" in default, default
     assert "shared equally among the callers" in default
     assert "at most 64MiB, at most 8MiB for each caller" in given, given
+
+
+def test_a_streams_replay_completes_when_every_caller_is_over_its_share(
+    model: Path, tmp_path: Path, tiers: Tiers
+) -> None:
+    """Issue 28, finding 4: a stream's replay went chunk by chunk and its chunks were
+    evicted again (45 of 50 failed). Six callers flood a cloud that keeps four sessions,
+    so every caller is over its equal share and the victim's state is lost between its
+    chunks (sent at a device's pace) again and again; but its state is held while its
+    chunks wait at the tier, so each replay completes: no chunk fails."""
+    plan_dir = plan_at(model, tmp_path / "plan", "cloud")
+    budget = 4 * (8 * 4 + 600)
+    cloud = tiers.cloud(plan_dir, state_budget=budget)
+    edge = tiers.edge(plan_dir, cloud)
+    chunks, state = chunks_and_state(5)
+    chunks = (chunks * 2)[:50]
+    expected = local_loop(model, chunks, state)
+    stop = threading.Event()
+
+    def flood(number: int) -> None:
+        with client(plan_dir, edge, Security()) as flooder:
+            sent = 0
+            while not stop.is_set():
+                tickets = [
+                    flooder.submit(chunks[0], session=f"f{number}-{sent + i}") for i in range(4)
+                ]
+                sent += len(tickets)
+                for ticket in tickets:
+                    ticket.result()
+
+    def paced() -> Iterator[dict[str, np.ndarray]]:
+        for chunk in chunks:
+            stop.wait(0.02)  # a device's pace: its session waits at the tier in between
+            yield chunk
+
+    threads = [threading.Thread(target=flood, args=(n,)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    try:
+        with client(plan_dir, edge, Security()) as victim:
+            session = StreamSession(victim, "victim", initial={"state": state})
+            results = list(session.run(paced()))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert session.replays >= 1  # the pressure was real: its state was lost
+    assert [r.error for r in results if not r.ok] == []
+    for result, want in zip(results, expected, strict=True):
+        np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
+    assert cloud.service.pipeline.states.nbytes <= budget  # type: ignore[union-attr]

@@ -83,7 +83,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "plan_id", "segment", "tensors", "timings", "links", "deadline_unix_s", "session", "position", "initial_state", "keep_last", "choices_only", "on_behalf_of")
+    __slots__ = ("id", "plan_id", "segment", "tensors", "timings", "links", "deadline_unix_s", "session", "position", "initial_state", "keep_last", "choices_only", "on_behalf_of", "replay_to")
     ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class Request(_message.Message):
     KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     CHOICES_ONLY_FIELD_NUMBER: _ClassVar[int]
     ON_BEHALF_OF_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_TO_FIELD_NUMBER: _ClassVar[int]
     id: str
     plan_id: str
     segment: int
@@ -110,7 +111,8 @@ class Request(_message.Message):
     keep_last: int
     choices_only: bool
     on_behalf_of: str
-    def __init__(self, id: _Optional[str] = ..., plan_id: _Optional[str] = ..., segment: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[TierTiming, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStat, _Mapping]]] = ..., deadline_unix_s: _Optional[float] = ..., session: _Optional[str] = ..., position: _Optional[int] = ..., initial_state: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., keep_last: _Optional[int] = ..., choices_only: _Optional[bool] = ..., on_behalf_of: _Optional[str] = ...) -> None: ...
+    replay_to: int
+    def __init__(self, id: _Optional[str] = ..., plan_id: _Optional[str] = ..., segment: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[TierTiming, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStat, _Mapping]]] = ..., deadline_unix_s: _Optional[float] = ..., session: _Optional[str] = ..., position: _Optional[int] = ..., initial_state: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., keep_last: _Optional[int] = ..., choices_only: _Optional[bool] = ..., on_behalf_of: _Optional[str] = ..., replay_to: _Optional[int] = ...) -> None: ...
 
 class Reply(_message.Message):
     __slots__ = ("id", "plan_id", "outputs", "answered_by", "exit", "cache_hit", "timings", "links", "error", "fallback")

@@ -104,6 +104,8 @@ class SessionStep:
     #: A decoder step's answer carries each kept position's argmax, not its logits.
     choices_only: bool = False
     owner: str = ""
+    #: A replay's request: the session is rebuilt up to this position (0: not a replay).
+    replay_to: int = 0
 
     @classmethod
     def of_request(
@@ -140,6 +142,7 @@ class SessionStep:
             request.keep_last,
             request.choices_only,
             owner,
+            max(request.replay_to, 0),
         )
 
 
@@ -431,6 +434,7 @@ class Pipeline:
                 runner.states,
                 outcome.state,
                 owner=session.owner,
+                replay_to=session.replay_to,
             )
         if outcome.final:
             if key is not None:
@@ -510,6 +514,7 @@ def _onward(
         forward.keep_last = session.keep_last
         forward.choices_only = session.choices_only
         forward.on_behalf_of = session.owner
+        forward.replay_to = session.replay_to
     return forward
 
 

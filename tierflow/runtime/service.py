@@ -56,7 +56,7 @@ from tierflow.runtime.replies import StreamReplies
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, serve_segment
 from tierflow.runtime.streams import ProbeActivity, SessionOrder, StreamReader, Watched
 from tierflow.runtime.workers import WorkerPool
-from tierflow.transport.callers import caller_of, owner_of
+from tierflow.transport.callers import MAX_BEHALF_BYTES, caller_of, owner_of
 from tierflow.transport.wire import Undecodable, check_deadline, check_figures, error_to_proto
 
 if TYPE_CHECKING:
@@ -418,6 +418,15 @@ class TierService(tier_pb2_grpc.TierServicer):
             return error
         return None
 
+    def hold(self, request: tier_pb2.Request, caller: str) -> Callable[[], None]:
+        """Hold the state of the session ``request`` names while it waits and runs here
+        (:meth:`~tierflow.runtime.state.SessionStates.hold`); call what it returns after."""
+        pipeline = self.pipeline
+        if pipeline is None or len(request.on_behalf_of.encode()) > MAX_BEHALF_BYTES:
+            return _nothing  # refused when it runs
+        owner = owner_of(caller, request.on_behalf_of)
+        return pipeline.states.hold(request.session, owner)
+
     def answered(self) -> None:
         """A request counted by :meth:`admit_request` got its reply."""
         with self._count_lock:
@@ -530,6 +539,10 @@ class TierService(tier_pb2_grpc.TierServicer):
             yield from echo(self.tier, messages, context, self.probe_credit)
         finally:
             self._untrack(watched)
+
+
+def _nothing() -> None:
+    pass
 
 
 # grpc calls a handler marked so with a third argument, a function that writes one reply

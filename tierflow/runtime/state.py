@@ -39,9 +39,13 @@ Everything a session holds counts: its arrays, its id and owner's name, and
 an equal split of the budget among the owners holding state. When the budget is passed,
 sessions are evicted least recently used first, but first from owners over their share,
 then from those over an equal split: one caller flooding the tier with sessions evicts
-its own, not another's. Requests of a session run one at a time and in order on every
-tier ([Note: a stream's requests run at once] in tierflow/runtime/streams.py), so a
-session's state is never used by two steps at once.
+its own, not another's. A session with a request waiting or running here is held
+(:meth:`SessionStates.hold`), and so is one a replay is rebuilding (its requests say up
+to which position: ``replay_to``) until the replay gets there, for ``PIN_S`` at most; a
+held session is evicted only when nothing else is left, so a replay under pressure
+completes. Requests of a session run one at a time
+and in order on every tier ([Note: a stream's requests run at once] in
+tierflow/runtime/streams.py), so a session's state is never used by two steps at once.
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ MAX_SESSION_BYTES = 128
 SESSION_OVERHEAD = 512
 #: The share of this machine's memory a tier keeps for session state by default.
 DEFAULT_MEMORY_SHARE = 0.25
+#: Seconds a replay's session is held at most without getting to its end (a device that
+#: went away mid-replay does not hold it longer).
+PIN_S = 30.0
 #: Where cgroup v2 says how much memory this process may use.
 _CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")
 
@@ -175,6 +182,8 @@ class SessionStates:
         self._kept: OrderedDict[Key, _Kept] = OrderedDict()  # least recently used first
         self._owned: dict[str, list[int]] = {}  # owner -> [sessions, bytes]
         self._total = 0
+        self._held: dict[Key, int] = {}  # sessions with requests waiting here: evicted last
+        self._pinned: dict[Key, float] = {}  # sessions a replay rebuilds, until when
         self._lock = threading.Lock()
         self.evicted = 0
 
@@ -276,10 +285,12 @@ class SessionStates:
         outputs: Mapping[str, np.ndarray],
         *,
         owner: str = "",
+        replay_to: int = 0,
     ) -> int:
         """Keep ``outputs`` (by state input name) as ``owner``'s ``session``'s state after the
         step at ``position``; return the new position (a growing state's length, else one
-        step on)."""
+        step on). ``replay_to``: the step is a replay's, which rebuilds the session up to
+        that position; the session is held until it gets there (for ``PIN_S`` at most)."""
         growing = [outputs[s.input].shape[s.grows] for s in specs if s.grows is not None]
         after = growing[0] if growing else position + 1
         values = {s.input: outputs[s.input] for s in specs}
@@ -296,9 +307,34 @@ class SessionStates:
         with self._lock:
             self._pop(key)
             self._put(key, kept)
+            if replay_to > after:
+                self._pinned[key] = kept.used + PIN_S
             self._expire(kept.used)
             self._make_room(key)
         return after
+
+    def hold(self, session: str, owner: str = "") -> Callable[[], None]:
+        """Mark ``owner``'s ``session`` as having a request waiting or running here, until
+        the returned function is called: a held session is evicted only when no other is
+        left to evict, so a session whose requests follow one another (a stream, a
+        replay: [Note: replaying a session] in tierflow/device/generation.py) keeps its
+        state from one to the next under pressure."""
+        key = (owner, session)
+        with self._lock:
+            self._held[key] = self._held.get(key, 0) + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            with self._lock:
+                count = self._held.pop(key) - 1
+                if count:
+                    self._held[key] = count
+
+        return release
 
     def drop(self, session: str, owner: str | None = None) -> None:
         """Forget ``owner``'s ``session`` (``owner`` None: every owner's of that id)."""
@@ -318,6 +354,7 @@ class SessionStates:
         self._total += kept.nbytes
 
     def _pop(self, key: Key) -> _Kept | None:
+        self._pinned.pop(key, None)
         kept = self._kept.pop(key, None)
         if kept is not None:
             owned = self._owned[kept.owner]
@@ -353,26 +390,34 @@ class SessionStates:
     def _make_room(self, keep: Key) -> None:
         """Evict sessions (not ``keep``) until ``keep``'s owner is within ``share`` and all
         are within the budget: least recently used first, from owners over their share
-        first, then from those over an equal split, then any."""
-        if self.share is not None:
-            self._trim(keep, lambda owner: owner == keep[0], self.share, "--state-share")
-        if self.budget is None or self._total <= self.budget:
-            return
-        equal = self.budget // max(len(self._owned), 1)
-        for share in (self.share, equal, 0):
-            if share is not None:
-                self._trim(keep, lambda owner: True, share, "--state-budget")
-                if self._total <= self.budget:
-                    return
+        first, then from those over an equal split, then any; sessions held (a request of
+        theirs waiting here) only when no other is left to evict."""
+        for spare_held in (True, False):
+            if self.share is not None:
+                mine = (lambda owner: owner == keep[0], self.share, "--state-share")
+                self._trim(keep, *mine, spare_held)
+            if self.budget is None or self._total <= self.budget:
+                continue
+            equal = self.budget // max(len(self._owned), 1)
+            for share in (self.share, equal, 0):
+                if share is not None:
+                    self._trim(keep, lambda owner: True, share, "--state-budget", spare_held)
+                    if self._total <= self.budget:
+                        break
 
-    def _trim(self, keep: Key, whose: Callable[[str], bool], share: int, why: str) -> None:
+    def _trim(
+        self, keep: Key, whose: Callable[[str], bool], share: int, why: str, spare_held: bool
+    ) -> None:
         """Evict, least recently used first, sessions of owners chosen by ``whose`` holding
         more than ``share`` bytes, until they hold no more (or, for the budget, until the
-        budget holds)."""
+        budget holds); with ``spare_held``, not the sessions held or pinned by a replay."""
+        now = self._clock()
         for key in list(self._kept):
             if why == "--state-budget" and self._total <= (self.budget or 0):
                 return
             owner = key[0]
             if key == keep or not whose(owner) or self._owned[owner][1] <= share:
+                continue
+            if spare_held and (key in self._held or self._pinned.get(key, 0.0) > now):
                 continue
             self._evict(key, why)

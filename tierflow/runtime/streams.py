@@ -76,6 +76,10 @@ class ProbeActivity:
         return now - self._active
 
 
+def _nothing() -> None:
+    pass
+
+
 class SessionOrder:
     """Runs each session's requests one at a time, in the order they were read.
 
@@ -185,18 +189,24 @@ class StreamReader:
             return
         if request.session:  # [Note: a stream's requests run at once]: a session's in order
             key = (self.caller, request.on_behalf_of, request.session)
-            self.service.order.run(key, lambda: self._run(request, received))
+            release = self.service.hold(request, self.caller)
+            self.service.order.run(key, lambda: self._run(request, received, release))
         else:
             self._run(request, received)
 
-    def _run(self, request: tier_pb2.Request, received: float) -> None:
-        with self.service._running:
-            reply = self.service.handle(
-                request,
-                received,
-                lambda later: self._reply(later, received, own=False),
-                self.caller,
-            )
+    def _run(
+        self, request: tier_pb2.Request, received: float, release: Callable[[], None] = _nothing
+    ) -> None:
+        try:
+            with self.service._running:
+                reply = self.service.handle(
+                    request,
+                    received,
+                    lambda later: self._reply(later, received, own=False),
+                    self.caller,
+                )
+        finally:
+            release()  # this tier's step of the session is done (its state kept)
         if reply is not None:
             self._reply(reply, received, own=True)
 

@@ -11,6 +11,7 @@ from tierflow.options import RuntimeOptions
 from tierflow.runtime.state import (
     DEFAULT_MEMORY_SHARE,
     MAX_SESSION_BYTES,
+    PIN_S,
     SESSION_OVERHEAD,
     SessionStates,
     check_session_id,
@@ -186,3 +187,31 @@ def test_idle_sessions_are_dropped() -> None:
     with pytest.raises(StateLostError):
         states.inputs("old", "p", 2, [KV])
     assert states.inputs("new", "p", 2, [KV])["past.0"].shape[2] == 2
+
+
+def test_a_held_or_replaying_session_is_evicted_last() -> None:
+    """Issue 28, finding 4: a session whose next request waits here, or which a replay is
+    rebuilding (until it gets there, for PIN_S at most), is spared while others are left."""
+    clock = Clock()
+    one = kv(8).nbytes + len("s0") + len("o0") + SESSION_OVERHEAD
+    states = SessionStates("edge", budget=3 * one, clock=clock)
+    release = states.hold("s0", "o0")  # a request of s0 waits here
+    states.commit("s0", "p", 0, [KV], {"past.0": kv(8)}, owner="o0")
+    states.commit("s1", "p", 0, [KV], {"past.0": kv(8)}, owner="o1", replay_to=20)  # 8 of 20
+    for i in range(2, 9):  # everyone over an equal share: LRU but held ones
+        states.commit(f"s{i}", "p", 0, [KV], {"past.0": kv(8)}, owner=f"o{i}")
+    assert states.position("s0", "o0") == 8 and states.position("s1", "o1") == 8
+    release()
+    release()  # twice is once
+    states.commit("s9", "p", 0, [KV], {"past.0": kv(8)}, owner="o9")
+    assert states.position("s0", "o0") is None and states.position("s1", "o1") == 8
+    clock.now += PIN_S + 1  # the replay never came back
+    states.commit("sa", "p", 0, [KV], {"past.0": kv(8)}, owner="oa")
+    assert states.position("s1", "o1") is None
+    # Nothing else left: a held session is evicted too; the budget is a bound.
+    both = [states.hold("sa", "oa"), states.hold("sb", "ob"), states.hold("sc", "oc")]
+    for name in ("sb", "sc", "sd"):
+        states.commit(name, "p", 0, [KV], {"past.0": kv(8)}, owner="o" + name[1])
+    assert states.nbytes <= 3 * one and states.position("sd", "od") == 8
+    for release in both:
+        release()
