@@ -213,7 +213,7 @@ class DeviceClient:
         logits of its last positions only (0: all); ``choices_only``: it carries each
         position's argmax in their place (tier.proto: Request.choices_only). ``replay_to``:
         the request is a replay's, rebuilding the session up to that position ([Note:
-        replaying a session] in tierflow/device/generation.py).
+        replaying a session] in device/generation.py).
         """
         if session is None:
             index, switch = self.adaptation.choose()

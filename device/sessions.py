@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 #: Times a session is replayed for one loss before its chunk fails: a replay whose state
-#: is lost again starts over ([Note: replaying a session] in tierflow/device/generation.py).
+#: is lost again starts over ([Note: replaying a session] in device/generation.py).
 REPLAY_TRIES = 3
 Inputs = Mapping[str, np.ndarray]
 
@@ -157,7 +157,7 @@ class StreamSession:
 
         They go out one stream, each sent before the ones ahead of it are answered, so a
         request of the session waits at the tier all along and the tier holds its state
-        ([Note: replaying a session] in tierflow/device/generation.py).
+        ([Note: replaying a session] in device/generation.py).
         """
         if self._lost is not None or self._first > 0:  # the first chunks are gone
             self._lost = self._lost or StateLostError(

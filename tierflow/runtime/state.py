@@ -317,7 +317,7 @@ class SessionStates:
         """Mark ``owner``'s ``session`` as having a request waiting or running here, until
         the returned function is called: a held session is evicted only when no other is
         left to evict, so a session whose requests follow one another (a stream, a
-        replay: [Note: replaying a session] in tierflow/device/generation.py) keeps its
+        replay: [Note: replaying a session] in device/generation.py) keeps its
         state from one to the next under pressure."""
         key = (owner, session)
         with self._lock:
