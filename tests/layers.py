@@ -2,10 +2,11 @@
 or a server, sleep, or train or export a model.
 
 ``pytest -m "not integration"`` is what a developer runs on every change (the README's
-"Set up and run"), so it must stay fast and deterministic: pure functions and in-process
-fakes, no real processes, servers, Redis, namespaces or trained models. A test that does
-one of those things belongs to the integration layer. This guard makes that rule checked
-rather than remembered. While a fast test sets up and runs, it records every process started
+"Two commands"; docs/testing.md), so it must stay fast and deterministic: pure functions
+and in-process fakes, no real processes, servers, Redis, namespaces or trained models. A
+test that does one of those things belongs to the integration layer. This guard makes
+that rule checked rather than remembered. While a fast test sets up and runs, it records
+every process started
 (``subprocess``, ``os.fork``/``posix_spawn``/``system``, ``multiprocessing``), every gRPC
 server created, every listening socket, every ``time.sleep`` on the test's own threads,
 every torch backward pass or export, and a first import of torch; then it fails the test
