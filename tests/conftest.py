@@ -48,6 +48,15 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     return (yield from layers.guarded(item, "the test"))
 
 
+@pytest.fixture(autouse=True)
+def _peer_warnings_logged_afresh() -> None:
+    """Each test sees the first warning about a peer logged, whatever tests warned before it
+    in this process ([Note: warnings about a peer] in tierflow/transport/peer_warnings.py)."""
+    from tierflow.transport.peer_warnings import WARNINGS
+
+    WARNINGS.forget()
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))

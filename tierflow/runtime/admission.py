@@ -26,9 +26,20 @@ per peer is a cap on all of them together: a tierflow device keeps one stream to
 edge (one per replica with ``ipv4:A,B`` targets) plus a short probe now and then, so set
 ``--max-streams-per-peer`` to the devices expected behind one address, with headroom.
 And one host must not hold the cap with streams it never uses: a stream that has nothing
-in flight and has sent nothing for ``--stream-idle`` seconds (default 60) is cancelled,
-its place given back. tierflow's own clients close and reopen a stream of theirs that
-has been idle for half that (``tierflow.transport.stream_client``), so they never meet it.
+in flight and has sent no well-formed message for ``--stream-idle`` seconds (default 60)
+is cancelled, its place given back; one that sends only garbage is closed sooner
+([Note: garbage on a stream] in ``tierflow.runtime.streams``). tierflow's own clients
+close and reopen a stream of theirs that has been idle for half that
+(``tierflow.transport.stream_client``), so they never meet it.
+
+Nor may a few hosts hold the global cap between them: four hosts at the default cap per
+peer (256) once filled the default global cap (1024), and every other host's devices
+were refused. So the last quarter of the global places is a reserve
+(:func:`reserve_of`): while it is being used, a peer is given a place only if it holds
+fewer streams than places remain free. A host holding its cap per peer is refused new
+streams as before; hosts that have filled the open three quarters get a shrinking share
+of the reserve (the first about half of it, the next a quarter, ...); and a host with
+few streams (one device, or a few behind a NAT) still gets in while any place is free.
 """
 
 from __future__ import annotations
@@ -54,6 +65,11 @@ def peer_host(peer: str) -> str:
     return peer
 
 
+def reserve_of(max_streams: int) -> int:
+    """The global places kept for peers with few streams ([Note: stream admission])."""
+    return max_streams // 4
+
+
 class StreamAdmission:
     """Counts a tier's open streams per peer and in all ([Note: stream admission]).
 
@@ -67,6 +83,7 @@ class StreamAdmission:
         self.tier = tier
         self.max_streams = max_streams
         self.max_per_peer = max_per_peer
+        self.reserve = reserve_of(max_streams)
         self._lock = threading.Lock()
         self._open: Counter[str] = Counter()
         self._total = 0
@@ -78,15 +95,23 @@ class StreamAdmission:
     def admit(self, peer: str) -> str | None:
         """Take a place for a stream from ``peer`` (a host), or say why there is none."""
         with self._lock:
-            if self._open[peer] >= self.max_per_peer:
+            held = self._open[peer]
+            if held >= self.max_per_peer:
                 return (
-                    f"{OVERLOADED}: the {self.tier} serves {self._open[peer]} streams from "
+                    f"{OVERLOADED}: the {self.tier} serves {held} streams from "
                     f"{peer} already (at most {self.max_per_peer} per peer)"
                 )
-            if self._total >= self.max_streams:
+            free = self.max_streams - self._total
+            if free <= 0:
                 return (
                     f"{OVERLOADED}: the {self.tier} serves {self._total} streams already "
                     f"(at most {self.max_streams})"
+                )
+            if free <= self.reserve and held >= free:
+                return (
+                    f"{OVERLOADED}: the {self.tier} has {free} places left of "
+                    f"{self.max_streams}, kept for peers holding fewer streams than that; "
+                    f"{peer} holds {held}"
                 )
             self._open[peer] += 1
             self._total += 1

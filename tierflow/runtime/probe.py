@@ -23,6 +23,7 @@ import grpc
 
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.admission import peer_host
+from tierflow.transport.peer_warnings import WARNINGS
 from tierflow.transport.wire import Undecodable
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,9 @@ def echo(
     sent = 0  # bytes the caller sent on this stream and has not had back yet
     for message in messages:
         if isinstance(message, Undecodable):  # see tierflow.transport.wire.add_tier_servicer
-            logger.warning("[%s] %s from %s", tier, message.message, context.peer())
+            WARNINGS.warn(  # [Note: warnings about a peer]
+                logger, tier, "undecodable", peer, "[%s] %s from %s", tier, message.message, peer
+            )
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, message.message)
             return  # abort raises; this is for the type checker
         sent += len(message.payload)

@@ -21,6 +21,18 @@ run one at a time, in the order they were read (:class:`SessionOrder`): each con
 state the one before left, and an edge passes them on in that order.
 Every request read is counted in flight at once, so a stopping tier ([Note: stopping a
 tier] in tierflow/runtime/server.py) answers every request sent before it began to stop.
+
+[Note: garbage on a stream]
+A message that does not parse, or a request that names no plan the tier serves, is
+garbage: it is answered at once with a typed error (CODEC, PLAN_MISMATCH), as every
+message is, but it is not activity. Only a well-formed request keeps a stream from the
+idle watchdog ([Note: stream admission] in tierflow/runtime/admission.py): 256 streams
+sending 4 undecodable bytes every 5 s were once never idle, and held a host's every
+place. A stream that sends :data:`GARBAGE_LIMIT` garbage messages in a row is closed
+after answering the last of them (cancelled: its client sees CANCELLED), with one
+warning counted (``garbage_stream``). Warnings about garbage are logged at most once per
+peer every 10 s and each counted in the metrics ([Note: warnings about a peer] in
+tierflow/transport/peer_warnings.py): one line a message once wrote 1,792 lines in 32 s.
 """
 
 from __future__ import annotations
@@ -35,16 +47,21 @@ from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from tierflow.errors import CodecError, TransportError
+from tierflow.errors import CodecError, PlanError, TierflowError, TransportError
 from tierflow.link.emulation import ShapedQueue
 from tierflow.rpc import tier_pb2
+from tierflow.runtime.admission import peer_host
 from tierflow.runtime.replies import StreamReplies
+from tierflow.transport.peer_warnings import WARNINGS
 from tierflow.transport.wire import Undecodable, error_to_proto
 
 if TYPE_CHECKING:
     from tierflow.runtime.service import TierService
 
 logger = logging.getLogger(__name__)
+
+#: Garbage messages in a row after which a stream is closed ([Note: garbage on a stream]).
+GARBAGE_LIMIT = 4
 
 
 class Watched(Protocol):
@@ -69,7 +86,8 @@ class ProbeActivity:
         self, messages: Iterator[tier_pb2.ProbeMessage | Undecodable]
     ) -> Iterator[tier_pb2.ProbeMessage | Undecodable]:
         for message in messages:
-            self._active = time.monotonic()
+            if not isinstance(message, Undecodable):  # [Note: garbage on a stream]
+                self._active = time.monotonic()
             yield message
 
     def idle_for(self, now: float) -> float:
@@ -142,6 +160,8 @@ class StreamReader:
         self._ended = False  # no more requests will be read
         self._finished = False
         self._active = time.monotonic()  # when a request was last read or answered
+        self._garbage = 0  # garbage messages read in a row ([Note: garbage on a stream])
+        self._plans = {plan.plan_id for plan in service.plans.plans}
         self.on_finish: Callable[[], None] | None = None
         shaped = isinstance(replies, ShapedQueue) and replies.shaper is not None
         self._shaped = shaped and replies.shaper.spec is not None  # type: ignore[union-attr]
@@ -166,17 +186,20 @@ class StreamReader:
             self._end()
             return
         received = time.perf_counter()
+        garbage = self._garbage_in(request)
+        closing = False
         with self._lock:
             self._open += 1
-            self._active = time.monotonic()
-        if isinstance(request, Undecodable):  # see tierflow.transport.wire.add_tier_servicer
-            logger.warning(
-                "[%s] %s from %s", self.service.tier, request.message, self.context.peer()
-            )
-            self._submit(self.read)
-            self._put(self.service.error_reply("", CodecError(request.message)), own=True)
-            self._done()
+            if garbage is None:
+                self._garbage = 0
+                self._active = time.monotonic()
+            else:
+                self._garbage += 1
+                closing = self._garbage >= GARBAGE_LIMIT
+        if garbage is not None:
+            self._answer_garbage(request, garbage, closing)
             return
+        assert isinstance(request, tier_pb2.Request)  # Undecodable is garbage
         refusal = self.service.admit_request()
         if not self._submit(self.read):  # the pool is shut down: the tier is stopping
             refusal = refusal or error_to_proto(
@@ -193,6 +216,59 @@ class StreamReader:
             self.service.order.run(key, lambda: self._run(request, received, release))
         else:
             self._run(request, received)
+
+    def _garbage_in(self, request: tier_pb2.Request | Undecodable) -> TierflowError | None:
+        """Why ``request`` is garbage, as the error that answers it (None: well-formed)."""
+        if isinstance(request, Undecodable):  # see tierflow.transport.wire.add_tier_servicer
+            return CodecError(request.message)
+        if request.plan_id not in self._plans:
+            served = ", ".join(sorted(self._plans))
+            return PlanError(
+                f"the {self.service.tier} serves plans {served}, the request names plan "
+                f"{request.plan_id[:64] or '(none)'}"
+            )
+        return None
+
+    def _answer_garbage(
+        self, request: tier_pb2.Request | Undecodable, error: TierflowError, closing: bool
+    ) -> None:
+        """Answer a garbage message; close the stream after the last one it may send
+        ([Note: garbage on a stream])."""
+        service, peer = self.service, self.context.peer()
+        if isinstance(request, Undecodable):
+            WARNINGS.warn(
+                logger,
+                service.tier,
+                "undecodable",
+                peer_host(peer),
+                "[%s] %s from %s",
+                service.tier,
+                request.message,
+                peer,
+            )
+        if not closing:
+            self._submit(self.read)
+        request_id = "" if isinstance(request, Undecodable) else request.id
+        reply = service.error_reply(request_id, error)
+        if service.metrics is not None:
+            service.metrics.observe(reply, service.down_link, reply.ByteSize())
+        self._put(reply, own=True)
+        if closing:
+            WARNINGS.warn(
+                logger,
+                service.tier,
+                "garbage_stream",
+                peer_host(peer),
+                "[%s] stream from %s closed: %d messages in a row that were not requests "
+                "for a plan served here (last: %s)",
+                service.tier,
+                peer,
+                GARBAGE_LIMIT,
+                error,
+            )
+            self.context.cancel()
+            self._end()
+        self._done(active=False)
 
     def _run(
         self, request: tier_pb2.Request, received: float, release: Callable[[], None] = _nothing
@@ -240,12 +316,14 @@ class StreamReader:
         with self._lock:
             return 0.0 if self._open or self._ended else now - self._active
 
-    def _done(self, read: bool = True) -> None:
-        """One request answered (``read``) or the reading ended: finish if both are over."""
+    def _done(self, read: bool = True, active: bool = True) -> None:
+        """One request answered (``read``; ``active``: a well-formed one) or the reading
+        ended: finish if both are over."""
         with self._lock:
             if read:
                 self._open -= 1
-                self._active = time.monotonic()
+                if active:
+                    self._active = time.monotonic()
             if not self._ended or self._open > 0 or self._finished:
                 return
             self._finished = True

@@ -73,6 +73,12 @@ class PeerWarnings:
             logger.warning(message, *args)
         return True
 
+    def forget(self) -> None:
+        """Forget when each peer was last logged about (the counts stay): the next warning
+        about any peer is logged. Tests start each so, whatever ran before them."""
+        with self._lock:
+            self._last.clear()
+
     def counts(self, tier: str | None = None) -> dict[tuple[str, str], int]:
         """Warnings so far by (tier, kind); only ``tier``'s when given."""
         with self._lock:
