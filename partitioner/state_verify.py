@@ -34,6 +34,8 @@ class StatefulCheck:
     max_abs_diff: float
     steps: int
     tokens: tuple[int, ...] = ()
+    #: A decoder's: whether the chain chose the whole model's token at every step.
+    same_tokens: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -43,6 +45,8 @@ class StatefulCheck:
         }
         if self.tokens:
             data["tokens"] = list(self.tokens)
+        if self.same_tokens is not None:
+            data["same_tokens"] = self.same_tokens
         return data
 
 
@@ -153,6 +157,13 @@ def verify_decoder(
 ) -> StatefulCheck:
     """Prefill ``prompt`` and decode ``max_tokens - 1`` greedy tokens through both."""
     tokens: list[int] = []
+    chosen: list[int] = []  # the chain's own choices, on the whole model's tokens
+
+    def chained(feeds: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        got = chain(feeds)
+        if decoder.logits in got:
+            chosen.append(int(np.argmax(np.asarray(got[decoder.logits])[0, -1])))
+        return got
 
     def feeds_for(step: int, last: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray] | None:
         if last is not None:
@@ -164,8 +175,10 @@ def verify_decoder(
         return decoder.step_feeds([tokens[-1]], len(prompt) + step - 1)
 
     first = {s.input: initial_state(s) for s in states}
-    check, _ = lockstep(whole, chain, states, outputs, feeds_for, first)
-    return StatefulCheck(check.bitwise_equal, check.max_abs_diff, check.steps, tuple(tokens))
+    check, _ = lockstep(whole, chained, states, outputs, feeds_for, first)
+    return StatefulCheck(
+        check.bitwise_equal, check.max_abs_diff, check.steps, tuple(tokens), chosen == tokens
+    )
 
 
 def unit_state_bytes(graph: ModelGraph) -> list[int]:
