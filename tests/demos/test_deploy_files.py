@@ -50,3 +50,7 @@ def test_unit_and_config(tier: str, tmp_path: Path) -> None:
         assert args.tls_cert and args.tls_key and args.tls_ca and not args.insecure
     if tier == "edge":
         assert args.upstream
+    # Each file starts a runtime-only install (pip install ./tierflow, no extras): the
+    # metrics port needs prometheus_client, so it stays commented out (issue 30, 14).
+    assert args.metrics_port is None, f"{tier}.toml sets metrics-port, which needs an extra"
+    assert "# metrics-port = " in (DEMOS / f"{tier}.toml").read_text()

@@ -101,3 +101,47 @@ def test_import_extra_raises_a_typed_error() -> None:
         finally:
             del EXTRA_OF_MODULE["tierflow_no_such_module"]
     assert import_extra("json", "parsing").dumps([]) == "[]"
+
+
+#: The distributions that install the ``cv2`` module (each writes the same files).
+_CV2 = {"opencv-python", "opencv-python-headless", "opencv-contrib-python"}
+
+
+def _cv2_packages(requirement: str, extras: dict[str, list[str]], seen: set[str]) -> set[str]:
+    """The cv2 distributions ``requirement`` brings: itself, or through its own
+    requirements as installed here (their metadata), or through tierflow's extras."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    parsed = Requirement(requirement)
+    name = parsed.name.lower().replace("_", "-")
+    if name == "tierflow":
+        return set().union(
+            *(_cv2_packages(r, extras, seen) for e in parsed.extras for r in extras[e])
+        )
+    if name in _CV2:
+        return {name}
+    if name in seen:
+        return set()
+    seen.add(name)
+    try:
+        needs = metadata.requires(name) or []
+    except metadata.PackageNotFoundError:
+        return set()
+    found = set()
+    for need in needs:
+        if "extra ==" not in need:
+            found |= _cv2_packages(need.split(";")[0], extras, seen)
+    return found
+
+
+def test_no_extra_installs_two_packages_that_write_cv2() -> None:
+    """``all`` had camera's opencv-python-headless and, through models' rapid-* packages,
+    opencv-python: both write cv2, and whichever came last won each file (issue 30, 14)."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    assert extras["camera"] == ["opencv-python-headless>=4.8"]  # a device: no GUI libraries
+    for extra, requirements in extras.items():
+        found = set().union(*(_cv2_packages(r, extras, set()) for r in requirements))
+        assert len(found) <= 1, f"the {extra} extra installs {sorted(found)}, all writing cv2"
