@@ -31,7 +31,7 @@ from tierflow.plan import PlanSet, load_plan_set
 from tierflow.transport.address import Address, check_answering_tier
 from tierflow.transport.deadline import DEFAULT_DEADLINE, Deadline
 from tierflow.transport.reach import check_reachable
-from tierflow.units import format_duration, format_rate, format_size, parse_duration
+from tierflow.units import format_duration, format_rate, format_size, positive_seconds
 
 if TYPE_CHECKING:
     import numpy as np
@@ -185,7 +185,7 @@ def add_adaptation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--retry",
-        type=_positive_duration,
+        type=positive_seconds,
         default="1s",
         metavar="DURATION",
         help="while the cloud is missing and the device uses plans without it, one request "
@@ -193,17 +193,10 @@ def add_adaptation_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive_duration(text: str) -> float:
-    seconds = parse_duration(text)
-    if not seconds > 0:
-        raise UsageError(f"expected a positive duration like '500ms' or '2s', got {text!r}")
-    return seconds
-
-
 def _idle_probe(text: str) -> float | None:
     if text.strip().lower() == "off":
         return None
-    return _positive_duration(text)
+    return positive_seconds(text)
 
 
 def _cache_argument(text: str) -> Any:

@@ -34,7 +34,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "with its KV cache): prefill the prompt, then generate token by token, each tier "
         "keeping its blocks' KV cache for the session. With --draft, a small model of the "
         "same vocabulary drafts several tokens on the device and the tiers check them in "
-        "one pass: fewer round trips, the same greedy output.",
+        "one pass: fewer round trips, the same greedy output. Emulated links "
+        "(--link-emulation, --emulate-link) shape only what this process sends: give the "
+        "same to serve edge and serve cloud, or the replies cross unshaped.",
         epilog=examples(
             'tierflow generate --plan plan/ --edge 127.0.0.1:50051 --prompt "def fib(n):" '
             "--tokenizer tok.json --max-tokens 64",

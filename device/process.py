@@ -41,7 +41,7 @@ from tierflow.device.commands import (
 from tierflow.errors import UsageError
 from tierflow.options import RuntimeOptions, add_runtime_arguments
 from tierflow.plan import load_plan_set
-from tierflow.units import parse_duration
+from tierflow.units import positive_seconds
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -92,7 +92,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--watch", action="store_true", help="keep watching the folder for new images"
     )
     parser.add_argument(
-        "--poll", type=parse_duration, default="500ms", help="how often --watch looks"
+        "--poll",
+        type=positive_seconds,
+        default="500ms",
+        metavar="DURATION",
+        help="how often --watch looks",
     )
     parser.add_argument(
         "--image-norm",

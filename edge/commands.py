@@ -12,6 +12,7 @@ import argparse
 import logging
 
 from tierflow.cli import json_output
+from tierflow.cli.arguments import add_deprecated
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.table import format_table
 from tierflow.cloud.commands import add_cache_argument
@@ -73,7 +74,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "address", type=Address.parse, metavar="HOST:PORT", help="the tier to measure"
     )
     probe.add_argument("--json", action="store_true", help="print JSON (plan --link reads it)")
-    probe.add_argument("--link", help="name the link (default: from the tier that answers)")
+    link_name = probe.add_argument(
+        "--link-name",
+        dest="link",
+        metavar="NAME",
+        help="name the link, device-edge or edge-cloud (default: from the tier that answers); "
+        "elsewhere --link is a link's rate and RTT",
+    )
+    add_deprecated(probe, "--link", link_name)  # [Note: deprecated spellings]
     probe.add_argument("--pings", type=int, default=20, help="small round trips for the RTT")
     probe.add_argument(
         "--payload", type=parse_size, default="2MiB", metavar="SIZE", help="bytes per rate transfer"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,10 +18,17 @@ from tierflow.cli.arguments import add_deprecated
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.paths import output_file, output_folder
 from tierflow.codec.base import CodecSpec
+from tierflow.codec.spec import CODEC_FORMS, EXACT_PLANNER_CODECS, LOSSY_PLANNER_CODECS
 from tierflow.errors import UsageError, shown
 from tierflow.link.spec import LINKS, LinkOption, LinkSpec, apply_links, check_link, check_tier
 from tierflow.runtime.providers import add_providers_argument
-from tierflow.units import format_duration, format_size, parse_size
+from tierflow.units import (
+    format_duration,
+    format_size,
+    parse_size,
+    parse_slowdown,
+    positive_seconds,
+)
 
 DEFAULT_THREADS = 1
 DEFAULT_TIME_BUDGET_S = 20.0
@@ -83,15 +89,16 @@ def register(subparsers: Any) -> None:
     )
     profile.add_argument(
         "--slowdown",
-        type=float,
-        default=1.0,
-        help="emulate a machine this many times slower than this one",
+        type=parse_slowdown,
+        default="1",
+        metavar="X",
+        help="emulate a machine X times slower than this one (8 or 8x)",
     )
     profile.add_argument(
         "--time-budget",
-        type=float,
-        default=DEFAULT_TIME_BUDGET_S,
-        metavar="SECONDS",
+        type=positive_seconds,
+        default=f"{DEFAULT_TIME_BUDGET_S:g}s",
+        metavar="DURATION",
         help="time for repeated measurements (fixed costs come on top)",
     )
     add_providers_argument(profile)
@@ -172,9 +179,12 @@ def register(subparsers: Any) -> None:
     plan.add_argument(
         "--codec",
         default="auto",
-        help="feature codec on every link: raw, zstd, fp16, fp16+zstd, int8, int8+zstd "
-        "(zstd level as zstd:9), or auto to let the cost model pick per link among those "
-        "the fidelity budget allows",
+        metavar="CODEC",
+        help="feature codec on every link. auto: the cost model picks per link among "
+        f"{', '.join(EXACT_PLANNER_CODECS)}, and under a lossy --fidelity budget also "
+        f"{', '.join(LOSSY_PLANNER_CODECS)} (with --image-input, an image input may go as "
+        f"png, or jpeg:Q/webp:Q under a lossy budget); or one codec for every link: "
+        f"{CODEC_FORMS}",
     )
     plan.add_argument(
         "--fidelity",
@@ -367,15 +377,7 @@ def memory_argument(text: str) -> tuple[str, int]:
 def slowdown_argument(text: str) -> tuple[str, float]:
     """One ``plan --slowdown TIER=X`` value: how much slower than this machine a tier is."""
     tier, value = _pair(text, "--slowdown", "TIER=X, like device=4")
-    try:
-        slowdown = float(value)
-    except ValueError as exc:
-        raise UsageError(
-            f"malformed --slowdown {shown(text)}: {shown(value)} is not a number"
-        ) from exc
-    if not 0 < slowdown < math.inf:
-        raise UsageError(f"malformed --slowdown {shown(text)}: a slowdown must be positive")
-    return check_tier(tier), slowdown
+    return check_tier(tier), parse_slowdown(value)
 
 
 def profile_argument(text: str) -> tuple[str, Path]:

@@ -34,7 +34,14 @@ from tierflow.runtime.sessions import (
 from tierflow.runtime.state import DEFAULT_MEMORY_SHARE, default_state_budget
 from tierflow.transport.security import Security, add_security_arguments
 from tierflow.transport.wire import DEFAULT_MESSAGE_BYTES
-from tierflow.units import format_duration, format_size, parse_duration, parse_size
+from tierflow.units import (
+    format_duration,
+    format_size,
+    parse_seconds,
+    parse_size,
+    parse_slowdown,
+    positive_seconds,
+)
 
 #: Requests a tier accepts in flight (all streams together) before answering OVERLOADED.
 DEFAULT_MAX_IN_FLIGHT = 1024
@@ -175,10 +182,10 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, *, server: bool) -> N
         )
     parser.add_argument(
         "--slowdown",
-        type=float,
-        default=defaults.slowdown,
+        type=parse_slowdown,
+        default=f"{defaults.slowdown:g}",
         metavar="X",
-        help="emulate a tier X times slower than this machine (its compute and its codec "
+        help="emulate a tier X times slower than this machine, 8 or 8x (its compute and its codec "
         "work; plan --slowdown TIER=X says the same for planning)",
     )
     add_optimization_argument(parser)
@@ -207,15 +214,15 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, *, server: bool) -> N
         )
         parser.add_argument(
             "--reply-timeout",
-            type=float,
-            default=defaults.reply_timeout,
-            metavar="S",
-            help="seconds a reply waits for a client that does not read it before its "
+            type=positive_seconds,
+            default=format_duration(defaults.reply_timeout),
+            metavar="DURATION",
+            help="how long a reply waits for a client that does not read it before its "
             "stream is cancelled",
         )
         parser.add_argument(
             "--stream-idle",
-            type=parse_duration,
+            type=parse_seconds,
             default=format_duration(defaults.stream_idle_s),
             metavar="DURATION",
             help="close a stream with nothing in flight after this long without a message "
@@ -242,7 +249,7 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, *, server: bool) -> N
     )
     parser.add_argument(
         "--state-idle",
-        type=parse_duration,
+        type=parse_seconds,
         default=format_duration(defaults.state_idle_s),
         metavar="DURATION",
         help="drop a session's state after this long without a request (e.g. 90s, 3600s)",

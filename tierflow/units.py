@@ -100,6 +100,59 @@ def parse_duration(text: str) -> float:
     return value * _DURATION_UNITS[unit]
 
 
+def parse_seconds(text: str) -> float:
+    """A duration option's value in seconds: ``500ms``, ``2s``, ``300us``, or a bare
+    number of seconds (``10``), never negative.
+
+    [Note: durations on the command line]
+    Every option that takes a time (``--grace``, ``--deadline``, ``--reply-timeout``,
+    ``--stream-idle``, ``--state-idle``, ``--retry``, ``--idle-probe``, ``--poll``,
+    ``profile --time-budget``) reads it here, so they all take the same forms: a number
+    with a unit, or a bare number meaning seconds, the unit these options are spoken of
+    in. (``--grace 10s`` was refused while ``--stream-idle 60`` was refused for lacking a
+    unit.) A link's round trip inside ``--link`` is no option of its own and keeps its
+    unit: ``20mbit,4`` would be ambiguous between the rate's and the RTT's scale.
+    """
+    stripped = text.strip()
+    try:
+        seconds = float(stripped)
+    except ValueError:
+        seconds = parse_duration(stripped)
+    else:
+        if not math.isfinite(seconds):
+            raise UsageError(f"malformed duration {shown(text)}: the number is too large")
+    if seconds < 0:
+        raise UsageError(f"a duration cannot be negative, got {shown(text)}")
+    return seconds
+
+
+def positive_seconds(text: str) -> float:
+    """:func:`parse_seconds`, above zero ([Note: durations on the command line])."""
+    seconds = parse_seconds(text)
+    if not seconds > 0:
+        raise UsageError(f"expected a positive duration like '500ms', '2s' or 2, got {shown(text)}")
+    return seconds
+
+
+def parse_slowdown(text: str) -> float:
+    """How many times slower than this machine a tier runs: ``8`` or ``8x``, above 0.
+
+    One form for every ``--slowdown`` (``serve``, ``run``, ``profile``, and ``plan
+    --slowdown TIER=X`` for each tier's part).
+    """
+    stripped = text.strip()
+    number = stripped[:-1] if stripped[-1:] in ("x", "X") else stripped
+    try:
+        factor = float(number)
+    except ValueError:
+        raise UsageError(
+            f"malformed slowdown {shown(text)}: expected how many times slower, like 8 or 8x"
+        ) from None
+    if not 0 < factor < math.inf:
+        raise UsageError(f"malformed slowdown {shown(text)}: a slowdown must be positive")
+    return factor
+
+
 def parse_size(text: str) -> int:
     """Return a size in bytes from text like ``64MiB``; the unit is required.
 

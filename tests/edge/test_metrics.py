@@ -143,6 +143,6 @@ def test_metrics_port_without_the_extra_is_one_line(tmp_path: Path, rt: Any) -> 
     )
     assert done.returncode == 2
     assert done.stderr.strip() == (
-        "tierflow serve: error: --metrics-port needs prometheus_client, which is not "
+        "tierflow serve cloud: error: --metrics-port needs prometheus_client, which is not "
         "installed: pip install 'tierflow[metrics]'"
     )

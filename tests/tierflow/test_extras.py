@@ -65,7 +65,8 @@ def test_planning_commands_name_the_extra(tmp_path: Path, argv: list[str], extra
     assert "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
-    assert lines[0].startswith(f"tierflow {argv[0]}: error: ")
+    command = " ".join(argv[:2] if argv[0] == "exits" else argv[:1])
+    assert lines[0].startswith(f"tierflow {command}: error: ")
     assert f"pip install 'tierflow[{extra}]'" in lines[0]
 
 

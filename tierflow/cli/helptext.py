@@ -5,14 +5,19 @@ every option; defaults show one way, ``(default: X)`` after the option's help. N
 shown where there is nothing to say: a required option, one without a default, a flag,
 an empty repeatable option, or help that already says its default in that form.
 Descriptions are wrapped paragraph by paragraph, unless already broken into lines (a
-module docstring, the examples).
+module docstring, the examples). An option's value is named by its ``metavar``, or by its
+kind (``N`` for a whole number, ``NUMBER``, ``PATH``), never by argparse's default, the
+option's name in capitals (``--grace GRACE``).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 EXAMPLES_HEADING = "examples:"
+#: An option's value, named by its type where the option names it no other way.
+VALUE_NAMES: dict[object, str] = {int: "N", float: "NUMBER", Path: "PATH"}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -30,6 +35,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         ):
             return action.help
         return super()._get_help_string(action)
+
+    def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
+        return VALUE_NAMES.get(action.type, "VALUE")
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         """Wrap one-line paragraphs; keep paragraphs already broken into lines as written."""

@@ -48,7 +48,7 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 # Commands that also read their options from ``--config FILE.toml`` (see tierflow/cli/config.py).
-CONFIG_COMMANDS: tuple[str, ...] = ("serve edge", "serve cloud", "run", "device")
+CONFIG_COMMANDS: tuple[str, ...] = ("serve edge", "serve cloud", "run", "device", "generate")
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,28 @@ def build_parser() -> argparse.ArgumentParser:
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
     add_config_option(parser, CONFIG_COMMANDS)
+    for leaf in _commands(parser).values():
+        leaf.set_defaults(command_prog=leaf.prog)
     return parser
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[tuple[str, ...], argparse.ArgumentParser]:
+    """Every command's own parser by its words (``("serve", "edge")``), nested ones included."""
+    found: dict[tuple[str, ...], argparse.ArgumentParser] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                inner = _commands(sub)
+                found.update({(name, *words): p for words, p in inner.items()} or {(name,): sub})
+    return found
+
+
+def command_prog(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str:
+    """The command ``argv`` names, as every error line starts (``tierflow serve edge``),
+    read from its words alone: for errors found before argparse has parsed it."""
+    words = tuple(word for word in argv if not word.startswith("-"))
+    best = max((w for w in _commands(parser) if words[: len(w)] == w), key=len, default=None)
+    return parser.prog if best is None else f"{parser.prog} {' '.join(best)}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,29 +138,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = apply_config(parser, argv)
     except TierflowError as exc:
-        print(f"tierflow: error: {exc}", file=sys.stderr)
+        print(f"{command_prog(parser, argv)}: error: {exc}", file=sys.stderr)
         return 2
     try:
         args = parser.parse_args(argv)
     except OptionError as exc:  # a value its option's parser refused: one line
         print(f"{exc.prog}: error: {exc}", file=sys.stderr)
         return 2
+    prog = args.command_prog  # every line below starts as argparse's own errors do
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         check_config_used(args, config)
         result = args.handler(args)
     except TierflowError as exc:
-        print(f"tierflow {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return exit_status(exc)
     except ModuleNotFoundError as exc:  # an extra is not installed: say which, no traceback
         missing = missing_extra(exc, getattr(args, "extra", None))
         if missing is None:
             raise
-        print(f"tierflow {args.command}: error: {missing}", file=sys.stderr)
+        print(f"{prog}: error: {missing}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"tierflow {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     return int(result or 0)
 

@@ -67,7 +67,8 @@ LOW_BIT_CODECS: tuple[str, ...] = (
     "drop+sparse+int4+zstd",
 )
 
-_VALID_FORMS = (
+#: Every codec the grammar takes, in words (errors and `plan --codec` help say it).
+CODEC_FORMS = (
     "raw, zstd, zstd:LEVEL, shuffle+zstd[:LEVEL]; a quantiser (fp16, int8, int8c, int4, "
     "int2) optionally followed by +zstd[:LEVEL] or +shuffle+zstd[:LEVEL]; any of these "
     "after drop+ and/or sparse+ (e.g. int8c+zstd, sparse+int4+zstd, drop+zstd); "
@@ -141,7 +142,7 @@ class CodecSpec:
         name, sep, quality = parts[0].partition(":")
         if name in IMAGE_CODECS:
             if len(parts) > 1 or (name in QUALITY_CODECS) != bool(sep):
-                raise UsageError(f"malformed codec {shown(text)}: expected one of {_VALID_FORMS}")
+                raise UsageError(f"malformed codec {shown(text)}: expected one of {CODEC_FORMS}")
             if sep and not (quality.isdigit() and 1 <= int(quality) <= 100):
                 raise UsageError(
                     f"malformed codec {shown(text)}: {name} quality must be within 1..100"
@@ -158,7 +159,7 @@ class CodecSpec:
             quant = parts.pop(0)
         compress, level = _parse_compressor(parts, text)
         if not (drop or sparse or quant != "none" or compress != "none"):
-            raise UsageError(f"malformed codec {shown(text)}: expected one of {_VALID_FORMS}")
+            raise UsageError(f"malformed codec {shown(text)}: expected one of {CODEC_FORMS}")
         return cls(quant, compress, level, sparse=sparse, drop=drop)
 
     @classmethod
@@ -236,7 +237,7 @@ def _parse_compressor(parts: list[str], text: str) -> tuple[str, int]:
     if parts and parts[0].startswith("zstd"):
         name, sep, level_text = parts.pop(0).partition(":")
         if name != "zstd" or (sep and not level_text.isdigit()):
-            raise UsageError(f"malformed codec {shown(text)}: expected one of {_VALID_FORMS}")
+            raise UsageError(f"malformed codec {shown(text)}: expected one of {CODEC_FORMS}")
         compress = "zstd" if compress == "none" else compress
         if sep:
             level = int(level_text)
@@ -246,7 +247,7 @@ def _parse_compressor(parts: list[str], text: str) -> tuple[str, int]:
                     f"{MIN_LEVEL}..{MAX_LEVEL}, got {level}"
                 )
     if parts:
-        raise UsageError(f"malformed codec {shown(text)}: expected one of {_VALID_FORMS}")
+        raise UsageError(f"malformed codec {shown(text)}: expected one of {CODEC_FORMS}")
     return compress, level
 
 

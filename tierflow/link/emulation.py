@@ -231,7 +231,9 @@ def add_link_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="{off,plan,trace=FILE.csv}",
         help="shape every link this process sends on: 'off' leaves them alone, 'plan' uses "
         "the plan's rates and RTTs, 'trace=FILE.csv' replays SECONDS,RATE,RTT lines (e.g. "
-        "3,2mbit,30ms: from 3 s on) from when each link opens",
+        "3,2mbit,30ms: from 3 s on) from when each link opens. A process shapes only what "
+        "it sends: set the same on every process (the device's run, device or generate, "
+        "and serve edge and serve cloud) for a link to be shaped both ways",
     )
     emulate = parser.add_argument(
         "--emulate-link",

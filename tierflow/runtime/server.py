@@ -43,6 +43,7 @@ from tierflow.transport.address import listen_address
 from tierflow.transport.security import bind, server_options
 from tierflow.transport.wire import add_tier_servicer, grpc_options
 from tierflow.tuning import tune_for_latency
+from tierflow.units import parse_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +222,11 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="address to serve on (port 0: one the OS picks, printed when serving)",
     )
     parser.add_argument(
-        "--grace", type=float, default=5.0, help="seconds open streams get to finish on shutdown"
+        "--grace",
+        type=parse_seconds,
+        default="5s",
+        metavar="DURATION",
+        help="how long open streams get to finish on shutdown",
     )
     add_runtime_arguments(parser, server=True)
     parser.add_argument(

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from tierflow.errors import InputError, UsageError
-from tierflow.units import format_duration, parse_duration
+from tierflow.units import format_duration, parse_seconds
 
 #: Seconds a request may take when no ``--deadline`` is given.
 DEFAULT_DEADLINE_S = 30.0
@@ -43,8 +43,9 @@ class Deadline:
 
     @classmethod
     def parse(cls, text: str) -> Deadline:
-        """Read ``--deadline`` text like ``5s`` or ``500ms``."""
-        return cls(parse_duration(text))
+        """Read ``--deadline`` text like ``5s``, ``500ms`` or ``5`` (seconds; [Note:
+        durations on the command line] in tierflow/units.py)."""
+        return cls(parse_seconds(text))
 
     @classmethod
     def of(cls, value: Deadline | float) -> Deadline:

@@ -65,4 +65,4 @@ def test_a_server_that_exits_says_why_from_its_log(tmp_path: Path) -> None:
 def test_a_real_server_with_a_missing_plan_fails_with_its_error_line(tmp_path: Path) -> None:
     with pytest.raises(TransportError, match="exited with status 2") as failure:
         ServeProcess("cloud", tmp_path / "no-plan")
-    assert "tierflow serve: error:" in str(failure.value)
+    assert "tierflow serve cloud: error:" in str(failure.value)
