@@ -12,11 +12,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
 from tierflow.device.client import DeviceClient
 from tierflow.plan import load_plan
+from tierflow.rpc import tier_pb2
+from tierflow.transport.wire import grpc_options
 
 pytestmark = pytest.mark.integration
 
@@ -64,6 +67,13 @@ def test_edge_and_cloud_metrics(tmp_path: Path, rt: Any) -> None:
         samples = split.sample(seed=5, count=12)
         with DeviceClient(split.plan_dir, edge.address, window=4) as device:
             results = list(device.run_stream(samples))
+        with grpc.insecure_channel(cloud.address, options=grpc_options()) as channel:
+            raw = channel.stream_stream(
+                "/tierflow.rpc.Tier/Infer",
+                request_serializer=None,
+                response_deserializer=tier_pb2.Reply.FromString,
+            )  # three messages that do not parse: counted, one line logged
+            assert len(list(raw(iter([b"\xff\xff\xff"] * 3), timeout=10))) == 3
         edge_seen = _scrape(edge_metrics)
         cloud_seen = _scrape(cloud_metrics)
 
@@ -106,6 +116,9 @@ def test_edge_and_cloud_metrics(tmp_path: Path, rt: Any) -> None:
     files = sum((split.plan_dir / s.file).stat().st_size for s in segments)
     assert _total(edge_seen, "tierflow_segment_bytes", tier="edge") == files
     assert _total(cloud_seen, "tierflow_segment_fetches", tier="cloud") == 0
+    undecodable = {"tier": "cloud", "kind": "undecodable"}
+    assert _total(cloud_seen, "tierflow_peer_warnings_total", **undecodable) == 3
+    assert _total(edge_seen, "tierflow_peer_warnings_total") == 0
 
 
 def test_metrics_port_without_the_extra_is_one_line(tmp_path: Path, rt: Any) -> None:

@@ -24,7 +24,9 @@ prefixed ``tierflow_``; labels in brackets):
   few are logged ([Note: warnings about a peer] in tierflow/transport/peer_warnings.py):
   ``reply_figures`` (a reply's figures no tier could measure, dropped: [Note: figures in
   a reply]), ``undecodable`` (a message that does not parse), ``garbage_stream`` (a
-  stream closed for sending nothing else: [Note: garbage on a stream]).
+  stream closed for sending nothing else: [Note: garbage on a stream]), ``slow_reader``
+  (a stream cancelled for not reading its replies: [Note: slow readers]),
+  ``reply_not_delivered`` (a reply its stream could no longer take).
 - ``segment_bytes{tier}``: bytes of segment files the tier holds (bounded by
   ``--segment-budget``); ``segment_fetches{tier}``: segment files it fetched from the tier
   above so far ([Note: segments on demand] in ``tierflow.runtime.segment_store``).

@@ -57,6 +57,7 @@ from tierflow.runtime.segment_store import SegmentSource, SegmentStore, serve_se
 from tierflow.runtime.streams import ProbeActivity, SessionOrder, StreamReader, Watched
 from tierflow.runtime.workers import WorkerPool
 from tierflow.transport.callers import MAX_BEHALF_BYTES, caller_of, owner_of
+from tierflow.transport.peer_warnings import WARNINGS
 from tierflow.transport.wire import Undecodable, check_deadline, check_figures, error_to_proto
 
 if TYPE_CHECKING:
@@ -269,7 +270,7 @@ class TierService(tier_pb2_grpc.TierServicer):
                     send_response(reply)
                 except Exception as exc:  # the reply is lost; the request still counts as done
                     if reply is not None:  # expected when the device went away: one line
-                        logger.warning("[%s] reply %s not delivered: %r", self.tier, reply.id, exc)
+                        self._reply_lost(context, reply, exc)
 
         replies = StreamReplies(write, f"{self.tier}-replies", context)
         self._watch(replies)
@@ -279,6 +280,24 @@ class TierService(tier_pb2_grpc.TierServicer):
         self._track(reader)
         reader.read()
         return None
+
+    def _reply_lost(
+        self, context: grpc.ServicerContext, reply: tier_pb2.Reply, exc: Exception
+    ) -> None:
+        """One (rate-limited) line for a reply its stream could not take ([Note: warnings
+        about a peer] in tierflow/transport/peer_warnings.py)."""
+        peer = context.peer()
+        WARNINGS.warn(
+            logger,
+            self.tier,
+            "reply_not_delivered",
+            peer_host(peer),
+            "[%s] reply %s to %s not delivered: %r",
+            self.tier,
+            reply.id,
+            peer,
+            exc,
+        )
 
     @property
     def down_link(self) -> str:
@@ -309,7 +328,7 @@ class TierService(tier_pb2_grpc.TierServicer):
             try:
                 send_response(reply)
             except Exception as exc:  # the reply is lost; the request still counts as done
-                logger.warning("[%s] reply %s not delivered: %r", self.tier, reply.id, exc)
+                self._reply_lost(context, reply, exc)
         with contextlib.suppress(Exception):
             send_response(None)
         return None
@@ -373,11 +392,16 @@ class TierService(tier_pb2_grpc.TierServicer):
                 if started is None or now - started <= limit or replies.cancelled:
                     continue
                 replies.cancelled = True
-                logger.warning(
+                peer = replies.context.peer()
+                WARNINGS.warn(  # [Note: warnings about a peer]
+                    logger,
+                    self.tier,
+                    "slow_reader",
+                    peer_host(peer),
                     "[%s] stream from %s cancelled: a reply waited %.1f s for it to read "
                     "(--reply-timeout)",
                     self.tier,
-                    replies.context.peer(),
+                    peer,
                     now - started,
                 )
                 replies.context.cancel()
