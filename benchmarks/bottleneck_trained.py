@@ -1,29 +1,29 @@
 """Learned bottlenecks on the comparison benchmark's trained ImageNet classifiers.
 
-    python benchmarks/bottleneck_trained.py                        # EfficientNet-Lite0
-    python benchmarks/bottleneck_trained.py --model mobilenet-v2   # MobileNetV2
-    python benchmarks/bottleneck_trained.py --quick    # fewer views, one bottleneck
+    python -m benchmarks.bottleneck_trained                        # EfficientNet-Lite0
+    python -m benchmarks.bottleneck_trained --model mobilenet-v2   # MobileNetV2
+    python -m benchmarks.bottleneck_trained --quick    # fewer views, one bottleneck
 
-``bottleneck_bench.py`` measures the learned bottleneck (``tierflow bottleneck add``) on
-the page orientation model; this does the same on ``run.py``'s ImageNet classifiers
+``bottleneck.py`` measures the learned bottleneck (``tierflow bottleneck add``) on
+the page orientation model; this does the same on ``comparison/run.py``'s ImageNet classifiers
 (weights shipped in packages) so the issue's question, what the bottleneck reaches on
 each trained model, is answered there too. It trains each configuration on
-the planner's views of the shipped photos (``bench_models.planner_sample``: never
+the planner's views of the shipped photos (``lib.models.planner_sample``: never
 measured), grafts it, splits the grafted model at its codes, and measures on the very
-held-out views ``run.py``'s rows are measured on (``bench_models.requests``, the first
+held-out views ``comparison/run.py``'s rows are measured on (``lib.models.requests``, the first
 300): bytes (zstd frame plus a 64-byte header), fidelity (top-1 agreement with the
 exact model) with its 95% lower bound, and the device's and cloud's CPU time here
-(``bottleneck_bench.bottleneck_points``).
+(``benchmarks.bottleneck.bottleneck_points``).
 
-Latency is composed as ``run.py`` composes its rows (``bench_emulation``: device 10x
+Latency is composed as ``comparison/run.py`` composes its rows (``lib.emulation``: device 10x
 slower than this machine, the codes crossing device-edge at each rate and forwarded to
 the cloud, one RTT per link, the rest of the model on the cloud at 1x), and the rows
-(``tierflow-bottleneck``, one per configuration and rate) are folded into ``run.py``'s
-results (``bench_fidelity.bottleneck_rows``). Their parts were measured by this script,
-the uploads they are compared with by ``run.py``: both are medians of the calling
+(``tierflow-bottleneck``, one per configuration and rate) are folded into ``comparison/run.py``'s
+results (``comparison.fidelity.bottleneck_rows``). Their parts were measured by this script,
+the uploads they are compared with by ``comparison/run.py``: both are medians of the calling
 thread's CPU time on this machine. The text model is not covered: the bottleneck
 grafts convolutions on an image feature map. Writes ``results/bottleneck_trained.json``
-(EfficientNet-Lite0) or ``results/bottleneck_trained-NAME.json``, which ``run.py``
+(EfficientNet-Lite0) or ``results/bottleneck_trained-NAME.json``, which ``comparison/run.py``
 folds in.
 """
 
@@ -41,15 +41,12 @@ from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+from benchmarks import bottleneck as bottleneck_bench
+from benchmarks.lib import RESULTS
+from benchmarks.lib import emulation as emu
+from benchmarks.lib import models as bench_models
 
-import bench_emulation as emu  # noqa: E402
-import bench_models  # noqa: E402
-import bottleneck_bench  # noqa: E402
-
-logger = logging.getLogger("benchmarks.bottleneck_trained")
+logger = logging.getLogger(__name__)
 
 Config = tuple[str | None, int, int]
 # Per model, (cut tensor or None for the tool's choice, code channels, bits), full run
@@ -80,10 +77,10 @@ CONFIGS: dict[str, tuple[tuple[Config, ...], tuple[Config, ...]]] = {
 
 
 def out_json(model: str) -> Path:
-    """Where a run on ``model`` is written (and where ``run.py`` finds it)."""
+    """Where a run on ``model`` is written (and where ``comparison/run.py`` finds it)."""
     if model == bench_models.IMAGENET_MODEL.name:
-        return HERE / "results" / "bottleneck_trained.json"
-    return HERE / "results" / f"bottleneck_trained-{model}.json"
+        return RESULTS / "bottleneck_trained.json"
+    return RESULTS / f"bottleneck_trained-{model}.json"
 
 
 # Views: (calibration, held-out, timed).
@@ -94,7 +91,7 @@ VIEWS_QUICK = (64, 24, 4)
 def rows_for(
     model: str, points: list[dict[str, Any]], requests: int, source: str
 ) -> list[dict[str, Any]]:
-    """``tierflow-bottleneck`` rows at every benchmark rate, composed as ``run.py`` does."""
+    """``tierflow-bottleneck`` rows at every benchmark rate, composed as the comparison does."""
     from tierflow.partitioner.fidelity import lower_confidence_bound
 
     device = emu.TIER_SPECS["device"].slowdown
@@ -150,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         "--model",
         choices=[m.name for m in bench_models.IMAGENET_MODELS],
         default=bench_models.IMAGENET_MODEL.name,
-        help="which of run.py's ImageNet classifiers",
+        help="which of the comparison's ImageNet classifiers",
     )
     parser.add_argument("--out", type=Path, default=None, help="default: results/ by model")
     parser.add_argument("--steps", type=int, default=None, help="training steps (400 full)")
@@ -178,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             path, calib, held, exact, configs, steps, 3, Path(scratch), timed, input_name="input"
         )
     record = {
-        "command": " ".join(["python benchmarks/bottleneck_trained.py", *sys.argv[1:]])
+        "command": " ".join(["python -m benchmarks.bottleneck_trained", *sys.argv[1:]])
         if argv is None
-        else " ".join(["python benchmarks/bottleneck_trained.py", *argv]),
+        else " ".join(["python -m benchmarks.bottleneck_trained", *argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "model": model.name,
         "model_file": path.name,

@@ -32,10 +32,10 @@ cache); the devices run in this process. Four parts, each with its own counts as
 Every server's stderr is kept, one log per start (``--logs``, a new folder by default);
 each part's logs are summed up in chaos.json (lines per level, the commonest messages,
 tracebacks and errors quoted). Prints a table per part and writes
-``benchmarks/results/chaos.json`` and the chaos section of ``benchmarks/RESULTS.md``
-(which ``run.py`` copies from chaos.json when it rewrites that file). Usage::
+``benchmarks/results/chaos.json`` and the chaos section of ``benchmarks/results/RESULTS.md``
+(which ``comparison/run.py`` copies from chaos.json when it rewrites that file). Usage::
 
-    python benchmarks/chaos.py [--requests 100000] [--streams 256] [--fuzz 10000]
+    python -m benchmarks.chaos [--requests 100000] [--streams 256] [--fuzz 10000]
                                [--tls-rounds 40] [--parts faults,streams,fuzz,tls]
 
 Needs ``redis-server`` on the PATH and the ``cryptography`` package (the ``dev`` extra).
@@ -71,6 +71,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from benchmarks import lib
 from tierflow.cli.table import format_table
 from tierflow.device.client import DeviceClient, Result, Ticket
 from tierflow.errors import DeadlineError, RemoteError
@@ -84,7 +85,7 @@ from tierflow.transport.security import Security
 from tierflow.transport.stream_client import channel_options
 from tierflow.transport.wire import put_tensors
 
-RESULTS = Path(__file__).resolve().parent / "results" / "chaos.json"
+RESULTS = lib.RESULTS / "chaos.json"
 INPUTS = 64  # distinct inputs, each with its reference answer; request i uses i % INPUTS
 
 
@@ -1128,13 +1129,13 @@ def markdown(results: dict[str, Any]) -> list[str]:
     lines = [
         f"{SECTION}\n",
         "From `"
-        + f"python benchmarks/chaos.py {results.get('command', '')}".strip()
+        + f"python -m benchmarks.chaos {results.get('command', '')}".strip()
         + "`"
         + " (counts in `flags` of chaos.json)"
         + f" on {results.get('date', '?')} ({machine.get('cpus')} cores, shared; 1-minute "
         f"load average {machine.get('load_average_at_start', ['?'])[0]} at the start). "
         "Real `tierflow serve` processes and `redis-server` on 127.0.0.1; the devices run in "
-        "the benchmark's process. Raw figures: `results/chaos.json`.\n",
+        "the benchmark's process. Raw figures: `chaos.json`.\n",
     ]
     f = results.get("faults")
     if f:
@@ -1322,7 +1323,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         saved = json.loads(args.output.read_text())
         _print(saved)
-        update_results_md(RESULTS.parent.parent / "RESULTS.md", markdown(saved))
+        update_results_md(RESULTS.parent / "RESULTS.md", markdown(saved))
         return 0
     logging.basicConfig(level=logging.ERROR, format="%(message)s")
     # SIGTERM unwinds like Ctrl-C, so that the servers and Redis are stopped on the way out.
@@ -1363,8 +1364,8 @@ def main(argv: list[str] | None = None) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=1) + "\n")
     if args.output == RESULTS:
-        update_results_md(RESULTS.parent.parent / "RESULTS.md", markdown(results))
-        print(f"\nwrote {args.output} and the chaos section of benchmarks/RESULTS.md")
+        update_results_md(RESULTS.parent / "RESULTS.md", markdown(results))
+        print(f"\nwrote {args.output} and the chaos section of benchmarks/results/RESULTS.md")
     else:
         print(f"\nwrote {args.output}")
     return 0

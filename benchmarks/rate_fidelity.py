@@ -1,8 +1,8 @@
 """Rate against fidelity on trained models: bytes per request for every codec at every cut.
 
-    python benchmarks/rate_fidelity.py              # the committed run (~13 min, 2 shared cores)
-    python benchmarks/rate_fidelity.py --quick      # fewer requests (~7 min)
-    python benchmarks/rate_fidelity.py --report-only  # redraw from the JSON, no measuring
+    python -m benchmarks.rate_fidelity              # the committed run (~13 min, 2 shared cores)
+    python -m benchmarks.rate_fidelity --quick      # fewer requests (~7 min)
+    python -m benchmarks.rate_fidelity --report-only  # redraw from the JSON, no measuring
 
 Random-weight networks say nothing about fidelity, so this measures the two trained
 models tierflow has (real weights only):
@@ -25,7 +25,7 @@ held-out requests whose top-1 class equals the exact model's, measured by the pl
 own :class:`~tierflow.partitioner.fidelity_probe.FidelityProbe` (the device's segment,
 the codec applied for real, the rest of the model). At the input it adds JPEG's quality
 sweep, WebP and PNG (the image travels as an image, as ``--image-input`` plans send it),
-and for ``orientation`` the learned bottlenecks of ``bottleneck_bench.py``'s committed
+and for ``orientation`` the learned bottlenecks of ``bottleneck.py``'s committed
 run (``results/bottleneck.json``). Two Pareto fronts are marked: bytes against fidelity
 (which sending the logits always wins), and the same counting the device's compute.
 
@@ -38,7 +38,7 @@ request), so they share its fidelity measurement.
 Bytes are what crosses the device-edge link; whether fewer bytes make a faster plan also
 depends on the device's compute before the cut (``prefix_ms_here``, the median ONNX
 Runtime time of the device's segment on one core of this machine; the device is emulated
-10x slower, see ``bottleneck_bench.py`` for composed latencies). Writes
+10x slower, see ``bottleneck.py`` for composed latencies). Writes
 ``results/rate_fidelity.json``, one plot per model, ``RATE_FIDELITY.md``, and the
 delimited rate-fidelity section of ``RESULTS.md``.
 """
@@ -59,15 +59,14 @@ from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+from benchmarks.lib import RESULTS
+from benchmarks.lib.report import replace_section
 
-logger = logging.getLogger("benchmarks.rate_fidelity")
+logger = logging.getLogger(__name__)
 
-RESULTS_JSON = HERE / "results" / "rate_fidelity.json"
-REPORT_MD = HERE / "RATE_FIDELITY.md"
-SECTION_START = "<!-- rate-fidelity:start (written by benchmarks/rate_fidelity.py) -->"
+RESULTS_JSON = RESULTS / "rate_fidelity.json"
+REPORT_MD = RESULTS / "RATE_FIDELITY.md"
+SECTION_START = "<!-- rate-fidelity:start (written by python -m benchmarks.rate_fidelity) -->"
 SECTION_END = "<!-- rate-fidelity:end -->"
 MODELS = ("orientation", "digits-camera", "layout")
 IMAGE_CODECS = (
@@ -242,8 +241,7 @@ def sent_bytes(
 
 def prefix_ms(subject: Subject, cut: int, requests: int = 5, repeats: int = 3) -> float:
     """Median CPU time here of the device's segment ``[0, cut)`` (the runtime's session)."""
-    from bench_splits import cpu_ms
-
+    from benchmarks.lib.splits import cpu_ms
     from tierflow.partitioner.split import extract_segment
     from tierflow.runtime.sessions import open_session
 
@@ -341,7 +339,7 @@ def judged(subject: Subject, probe: Any, a: int, codec: str) -> tuple[float, boo
 
 
 def bottleneck_points(path: Path) -> list[dict[str, Any]]:
-    """The learned bottlenecks of ``bottleneck_bench.py``'s committed run, as points."""
+    """The learned bottlenecks of ``bottleneck.py``'s committed run, as points."""
     if not path.exists():
         return []
     data = json.loads(path.read_text())
@@ -357,7 +355,7 @@ def bottleneck_points(path: Path) -> list[dict[str, Any]]:
             "fidelity": b["fidelity"],
             "bit_exact": False,
             "prefix_ms_here": b["device_ms_here"],
-            "source": "results/bottleneck.json",
+            "source": "bottleneck.json",
             "requests": data.get("heldout_pages"),
         }
         for b in data.get("bottlenecks", [])
@@ -365,14 +363,14 @@ def bottleneck_points(path: Path) -> list[dict[str, Any]]:
 
 
 def split_verdict(path: Path) -> dict[str, Any] | None:
-    """From ``bottleneck_bench.py``'s run: the best split against JPEG per rate, and why."""
+    """From ``bottleneck.py``'s run: the best split against JPEG per rate, and why."""
     if not path.exists():
         return None
     data = json.loads(path.read_text())
     if "physics" not in data:
         return None
     return {
-        "source": "results/bottleneck.json",
+        "source": "bottleneck.json",
         "sentence": data["physics"]["sentence"],
         "rates": [
             {
@@ -402,7 +400,7 @@ def split_verdict(path: Path) -> dict[str, Any] | None:
 
 
 def verdict_lines(record: dict[str, Any]) -> list[str]:
-    """The split-against-JPEG verdict of ``bottleneck_bench.py`` for this model, if any."""
+    """The split-against-JPEG verdict of ``bottleneck.py`` for this model, if any."""
     verdict = record.get("split_verdict")
     if not verdict or not verdict["rates"]:
         return []
@@ -411,7 +409,7 @@ def verdict_lines(record: dict[str, Any]) -> list[str]:
     top = max(rates, key=lambda v: v["speedup_vs_jpeg90"])
     lines = [
         f"- **{record['model']}, split plans against the JPEG upload** (latency composed by "
-        f"`bottleneck_bench.py`, {verdict['source']}): the best split at any rate from "
+        f"`python -m benchmarks.bottleneck`, {verdict['source']}): the best split at any rate from "
         f"{rates[0]['bandwidth_mbit']:g} to {rates[-1]['bandwidth_mbit']:g} Mbit/s is "
         f"{best['speedup_vs_jpeg_same_fidelity']:.2f}x the fastest JPEG as faithful "
         f"({best['bottleneck']} against {best['jpeg_same_fidelity']} at "
@@ -574,7 +572,7 @@ def plot(record: dict[str, Any], folder: Path) -> str | None:
     path = folder / f"rate_fidelity_{record['model']}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return os.path.relpath(path, HERE)
+    return os.path.relpath(path, RESULTS)
 
 
 def _front_rows(record: dict[str, Any], flag: str = "pareto") -> list[str]:
@@ -633,10 +631,10 @@ def results_section(data: dict[str, Any]) -> list[str]:
     lines = [
         SECTION_START,
         "## Rate against fidelity (trained models)\n",
-        "From `python benchmarks/rate_fidelity.py"
+        "From `python -m benchmarks.rate_fidelity"
         f"{' --quick' if any(r['quick'] for r in data['models']) else ''}` "
         f"(last run {data['date']}); every point, the cuts measured and how: "
-        "[RATE_FIDELITY.md](RATE_FIDELITY.md), raw figures in `results/rate_fidelity.json`.\n",
+        "[RATE_FIDELITY.md](RATE_FIDELITY.md), raw figures in `rate_fidelity.json`.\n",
         *summary_lines(data),
         "",
     ]
@@ -651,10 +649,10 @@ def markdown(data: dict[str, Any]) -> str:
     """RATE_FIDELITY.md: method, per model the Pareto front and every point."""
     lines = [
         "# Rate against fidelity on trained models\n",
-        "Generated by `python benchmarks/rate_fidelity.py"
+        "Generated by `python -m benchmarks.rate_fidelity"
         f"{' --quick' if any(r['quick'] for r in data['models']) else ''}` "
         f"(last run {data['date']}; each model's own date below). Raw figures: "
-        "`results/rate_fidelity.json`. Method: the docstring of `benchmarks/rate_fidelity.py`; "
+        "`rate_fidelity.json`. Method: the docstring of `benchmarks/rate_fidelity.py`; "
         "fidelity is the share of held-out requests whose top-1 class equals the exact "
         "model's, measured end to end by the planner's `FidelityProbe`; bytes are the "
         "encoded tensors the device sends per request (mean): payload and codec "
@@ -701,13 +699,9 @@ def markdown(data: dict[str, Any]) -> str:
 def write_reports(data: dict[str, Any], out: Path) -> None:
     """The JSON, and (for the committed results folder) RATE_FIDELITY.md and RESULTS.md."""
     (out / "rate_fidelity.json").write_text(json.dumps(data, indent=1))
-    if out.resolve() == (HERE / "results").resolve():
-        import bench_report
-
+    if out.resolve() == RESULTS.resolve():
         REPORT_MD.write_text(markdown(data))
-        bench_report.replace_section(
-            HERE / "RESULTS.md", SECTION_START, SECTION_END, results_section(data)
-        )
+        replace_section(RESULTS / "RESULTS.md", SECTION_START, SECTION_END, results_section(data))
 
 
 def report_only(out: Path) -> int:
@@ -729,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer held-out requests")
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--out", type=Path, default=HERE / "results", help="JSON and plots")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON and plots")
     parser.add_argument(
         "--report-only",
         action="store_true",
@@ -806,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
         print("with device compute:")
         print("\n".join(_front_rows(record, "pareto_compute")))
     data = {
-        "command": "python benchmarks/rate_fidelity.py" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.rate_fidelity" + (" --quick" if args.quick else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "quick": args.quick,
         "seconds": time.perf_counter() - started,

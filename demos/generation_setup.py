@@ -1,7 +1,7 @@
 """The byte decoder family on three tiers: its plans, its prompts, and measured generations.
 
 Shared by ``tierflow demo --generate`` (:mod:`.generate`, tiers as processes) and
-``benchmarks/generation_bench.py`` (tiers in-process, links swept): both plan the large
+``python -m benchmarks.generation`` (tiers in-process, links swept): both plan the large
 model and the small one the same way (:func:`plan_family`), feed the same held-out
 prompts (:func:`heldout_prompts`), and measure a generation the same way
 (:func:`measure`), against the large model's own greedy output computed here

@@ -56,7 +56,7 @@ climbed out of that plan's, at a median 1.2x the oracle's latency and up to 2.1x
 fade to 1.3 Mbit/s found the device uploading 23 KiB per request for 0.6 s). Priced, the
 requests on another plan than the device's own estimate gave fell from 37 and 38 (+8.2
 and +8.1 ms per answered request over the oracle) to 25 and 26 (+2.9 and +2.1 ms) in the
-next full run (``benchmarks/ADAPTATION.md``, "gap per answered request"). This does
+next full run (``benchmarks/results/ADAPTATION.md``, "gap per answered request"). This does
 not make the selector flap: flapping needs each of two plans to look the slower one on
 its side of the margin, and the cost model prices both sides alike, so near where
 their predictions cross the excess is small and the hold full; where one plan is much

@@ -58,7 +58,7 @@ from tierflow.image_norm import NormSpec
 #: The image codecs ``--codec auto`` adds for image inputs: JPEG's quality sweep, WebP, PNG.
 #: The sweep goes down to quality 5: what an app tuned for a slow link uploads, and on
 #: a robust task (page orientation) quality 10 is as faithful as quality 90
-#: (benchmarks/RATE_FIDELITY.md); the benchmarks' lowest JPEG baseline is quality 5.
+#: (benchmarks/results/RATE_FIDELITY.md); the benchmarks' lowest JPEG baseline is quality 5.
 IMAGE_CANDIDATES: tuple[str, ...] = (
     "jpeg:5",
     "jpeg:10",

@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
-
-import adaptation_stats as stats  # noqa: E402
-import adaptation_traces as traces  # noqa: E402
-
-from tierflow.link.trace import parse_trace  # noqa: E402
+from benchmarks.adaptation import stats, traces
+from tierflow.link.trace import parse_trace
 
 
 def test_the_bursty_trace_is_the_same_for_a_seed_and_differs_across_seeds() -> None:

@@ -3,18 +3,13 @@ functions of results.json rows, fed synthetic rows."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
-
-import bench_fidelity  # noqa: E402
-import bench_fronts  # noqa: E402
+from benchmarks.comparison import fidelity as bench_fidelity
+from benchmarks.comparison import fronts as bench_fronts
 
 
 def _row(
@@ -136,8 +131,8 @@ def test_section_reads_the_table() -> None:
 def test_trained_bottleneck_rows_compose_as_run_py_and_fold_the_fastest(tmp_path: Path) -> None:
     import json
 
-    import bench_emulation as emu
-    import bottleneck_trained
+    from benchmarks import bottleneck_trained
+    from benchmarks.lib import emulation as emu
 
     point = {
         "at": "t",

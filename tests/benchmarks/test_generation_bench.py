@@ -10,11 +10,9 @@ from typing import Any
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
+from benchmarks.generation import report
 
-import generation_report as report  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 MIB = 2**20
 BUDGETS = {"device": 2 * MIB, "edge": 2 * MIB, "cloud": 2 * MIB}
@@ -160,11 +158,13 @@ def test_quick_run_writes_results_and_judges_them(byte_family: Any, tmp_path: Pa
     done = subprocess.run(
         [
             sys.executable,
-            str(BENCHMARKS / "generation_bench.py"),
+            "-m",
+            "benchmarks.generation",
             "--quick",
             "--out",
             str(tmp_path),
         ],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,

@@ -44,7 +44,7 @@ MODELS = {
 # tierflow's plans under the lower budgets (the rest of the rate-fidelity front).
 TRAINED_MODELS = {"demo-digits", "digits-camera", "efficientnet-lite0", "minilm-topics"}
 LOWER_BUDGETS = {"tierflow-budget-98", "tierflow-budget-95", "tierflow-budget-90"}
-# Folded in from bottleneck_bench.py's committed results/bottleneck.json.
+# Folded in from bottleneck.py's committed results/bottleneck.json.
 BOTTLENECK_MODEL = "orientation"
 CONTRACT = (
     "model",
@@ -56,10 +56,6 @@ CONTRACT = (
     "last_cut",
     "fidelity",
 )
-
-BENCHMARKS = ROOT / "benchmarks"
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
 
 
 # One quick run takes about a minute, more on a fresh machine (the demo model is trained
@@ -77,7 +73,7 @@ def quick_run(
     out = tmp_path_factory.mktemp("bench")
     env = dict(os.environ, MPLBACKEND="Agg")
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.comparison", "--quick", "--out", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -353,8 +349,8 @@ def test_compose_adds_compute_codec_and_link_costs() -> None:
     """A plan's latency is each tier's compute times its slowdown plus each used link's
     encode, decode, serialisation both ways and one RTT ([Note: how plans are measured])."""
     import numpy as np
-    from bench_measure import CodecSample, Measurements, compose
 
+    from benchmarks.comparison.measure import CodecSample, Measurements, compose
     from tierflow.link.spec import LinkSpec
 
     m = Measurements("m", last=3, requests=2, cuts=(0, 1, 3))
@@ -391,8 +387,8 @@ def test_compose_charges_an_edge_that_runs_nothing_no_codec_time() -> None:
     that runs nothing] in tierflow/plan.py): one encode on the device, one decode on the
     cloud, the device-edge codec's bytes on both links, as the cost model charges."""
     import numpy as np
-    from bench_measure import CodecSample, Measurements, best_plan, compose
 
+    from benchmarks.comparison.measure import CodecSample, Measurements, best_plan, compose
     from tierflow.link.spec import LinkSpec
 
     m = Measurements("m", last=3, requests=2, cuts=(0, 3))
@@ -442,7 +438,7 @@ def _row(
 def test_verdict_compares_only_baselines_of_equal_or_better_fidelity() -> None:
     """A faster lossy baseline is no failure of an exact plan; a faster exact one is, and a
     point whose tierflow plan is slower than an equally faithful baseline fails."""
-    from bench_fidelity import verdict
+    from benchmarks.comparison.fidelity import verdict
 
     def row(model: str, strategy: str, ms: float, fidelity: float) -> dict[str, Any]:
         return _row(strategy, ms, fidelity, model, mbit=10.0)
@@ -469,7 +465,7 @@ def test_verdict_compares_only_baselines_of_equal_or_better_fidelity() -> None:
 def test_verdict_judges_each_fidelity_level_of_tierflow() -> None:
     """With an exact and a budgeted plan, a baseline must beat the fastest tierflow plan of
     at most its own fidelity to count against tierflow."""
-    from bench_fidelity import verdict
+    from benchmarks.comparison.fidelity import verdict
 
     def row(model: str, strategy: str, ms: float, fidelity: float) -> dict[str, Any]:
         return _row(strategy, ms, fidelity, model)
@@ -498,7 +494,7 @@ def test_verdict_judges_each_fidelity_level_of_tierflow() -> None:
 
 
 def test_split_goal_counts_only_lossy_splits_of_trained_models_within_the_rates() -> None:
-    from bench_fidelity import split_goal
+    from benchmarks.comparison.fidelity import split_goal
 
     def row(strategy: str, mbit: float, ms: float, cuts: list[int], codec: dict[str, str],
             trained: bool = True, fidelity: float = 1.0) -> dict[str, Any]:  # fmt: skip
@@ -537,7 +533,7 @@ def test_the_plan_at_top1_100_is_tierflows_plan_at_the_highest_level() -> None:
     tierflow's rows: at level 1.000 it, not the slow low-bit split, is tierflow's best plan,
     and an upload of that fidelity must beat it to count; without it the same upload beats
     the low-bit split there."""
-    from bench_fidelity import TIERFLOW, VERDICT_STRATEGIES, verdict
+    from benchmarks.comparison.fidelity import TIERFLOW, VERDICT_STRATEGIES, verdict
 
     for name in ("tierflow-budget-100", "tierflow-budget-90"):
         assert name in TIERFLOW and name in VERDICT_STRATEGIES
@@ -559,10 +555,10 @@ def test_the_plan_at_top1_100_is_tierflows_plan_at_the_highest_level() -> None:
 
 
 def test_bottleneck_fold_keeps_each_strategy_once_per_rate(tmp_path: Path) -> None:
-    """bottleneck_bench.py's rows become one row per strategy and rate: the fastest
+    """bottleneck.py's rows become one row per strategy and rate: the fastest
     bottleneck, the fastest low-bit split of at least 99% agreement, the planner's budgeted
     plan with its codecs, and the uploads under results.json's names."""
-    from bench_fidelity import bottleneck_rows
+    from benchmarks.comparison.fidelity import bottleneck_rows
 
     def row(strategy: str, ms: float, fidelity: float, codec: str, **extra: Any) -> dict[str, Any]:
         return {**_row(strategy, ms, fidelity), "codec": codec, "cuts": [0, 0], **extra}
@@ -594,7 +590,7 @@ def test_bottleneck_fold_keeps_each_strategy_once_per_rate(tmp_path: Path) -> No
     assert set(by_name) == {
         "tierflow-bottleneck",
         "tierflow-lowbit",
-        "tierflow-budget-98",  # bottleneck_bench.py plans tierflow-budget under top1=98%
+        "tierflow-budget-98",  # bottleneck.py plans tierflow-budget under top1=98%
         "tierflow-budget-100",
         "cloud-only-jpeg",
         "cloud-only-jpeg-q10",

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
 
 
 def _point(name: str, nbytes: float, fidelity: float, device_ms: float) -> dict[str, Any]:
@@ -19,7 +14,7 @@ def _point(name: str, nbytes: float, fidelity: float, device_ms: float) -> dict[
 
 
 def test_pareto_fronts_with_and_without_device_compute() -> None:
-    from rate_fidelity import mark_pareto
+    from benchmarks.rate_fidelity import mark_pareto
 
     points = [
         _point("jpeg:10", 3000, 1.0, 0.0),
@@ -36,8 +31,7 @@ def test_pareto_fronts_with_and_without_device_compute() -> None:
 
 
 def test_sent_bytes_counts_the_image_as_an_image_and_exact_codecs_round_trip() -> None:
-    from rate_fidelity import IMAGENET, sent_bytes
-
+    from benchmarks.rate_fidelity import IMAGENET, sent_bytes
     from tierflow.codec.base import ImageNorm
 
     rng = np.random.default_rng(0)
@@ -55,8 +49,8 @@ def test_sent_bytes_counts_the_image_as_an_image_and_exact_codecs_round_trip() -
 
 
 def test_results_section_replaces_its_own_block(tmp_path: Path) -> None:
-    from bench_report import replace_section
-    from rate_fidelity import SECTION_END, SECTION_START
+    from benchmarks.lib.report import replace_section
+    from benchmarks.rate_fidelity import SECTION_END, SECTION_START
 
     path = tmp_path / "RESULTS.md"
     path.write_text("# results\n\nbody\n")
@@ -79,7 +73,7 @@ def _row(strategy: str, ms: float, fidelity: float, codec: str) -> dict[str, Any
 
 
 def test_verdict_matches_each_split_with_the_fastest_jpeg_as_faithful() -> None:
-    import bottleneck_bench
+    from benchmarks import bottleneck as bottleneck_bench
 
     rows = [
         _row("cloud-only-jpeg", 120.0, 1.0, "jpeg:90"),
@@ -133,9 +127,8 @@ def _chain_model(path: Path) -> None:
 
 
 def test_compose_adds_tiers_codecs_and_links_as_the_cost_model(tmp_path: Path) -> None:
-    import bench_emulation as emu
-    from bench_splits import Parts, lowbit_row
-
+    from benchmarks.lib import emulation as emu
+    from benchmarks.lib.splits import Parts, lowbit_row
     from tierflow.link.spec import LinkSpec
     from tierflow.partitioner.graph import load_model
 
@@ -194,7 +187,7 @@ def test_compose_adds_tiers_codecs_and_links_as_the_cost_model(tmp_path: Path) -
 def test_report_only_refreshes_the_bottleneck_points_and_verdict(tmp_path: Path) -> None:
     import json
 
-    from rate_fidelity import markdown, report_only
+    from benchmarks.rate_fidelity import markdown, report_only
 
     measured = {
         "cut": 0,
@@ -262,8 +255,7 @@ def test_report_only_refreshes_the_bottleneck_points_and_verdict(tmp_path: Path)
 
 def test_held_out_pages_are_rendered_apart_from_the_calibration_pages() -> None:
     """The bench's two seeds render different pages; a page in both sets is refused."""
-    import bottleneck_bench
-
+    from benchmarks import bottleneck as bottleneck_bench
     from tierflow.zoo import samples
 
     calibration, _ = samples.rotated_pages(3, size=32, seed=bottleneck_bench.CALIBRATION_SEED)
@@ -276,7 +268,7 @@ def test_held_out_pages_are_rendered_apart_from_the_calibration_pages() -> None:
 def test_the_committed_run_measures_fidelity_on_enough_held_out_pages() -> None:
     """Fidelity to about +-1%: at least 256 held-out pages, the planner's calibration at
     least as large as before, and a planner row at top1=100% beside the stated budget."""
-    import bottleneck_bench
+    from benchmarks import bottleneck as bottleneck_bench
 
     calibration, held, timed = bottleneck_bench.PAGES_FULL
     assert held >= 256 and calibration >= 160 and timed <= held
@@ -289,8 +281,7 @@ def test_the_committed_run_measures_fidelity_on_enough_held_out_pages() -> None:
 def test_input_codecs_are_measured_on_every_page_and_timed_on_the_first() -> None:
     """Every codec of the sweep gets bytes and fidelity over all pages (the exact model
     agrees with itself through the near-lossless ones), times over the timed pages only."""
-    import bottleneck_bench
-
+    from benchmarks import bottleneck as bottleneck_bench
     from tierflow.zoo import real
 
     if not real.available(bottleneck_bench.MODEL):
@@ -314,8 +305,7 @@ def test_input_codecs_are_measured_on_every_page_and_timed_on_the_first() -> Non
 def test_the_layout_detector_is_judged_by_its_boxes() -> None:
     """An exact crossing keeps every box; a crushing JPEG loses some: box agreement, not
     top-1 over every anchor (which any change would break)."""
-    from rate_fidelity import judged, layout
-
+    from benchmarks.rate_fidelity import judged, layout
     from tierflow.partitioner.fidelity_probe import FidelityProbe
     from tierflow.zoo import real
 

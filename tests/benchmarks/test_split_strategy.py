@@ -1,23 +1,17 @@
 """tierflow-split's device memory budget, the split goal's codec kinds, and folding one
-model's rows from another run (``run.py --refold --fold-from``)."""
+model's rows from another run (``comparison/run.py --refold --fold-from``)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
-
-from tierflow.codec.base import CodecStats  # noqa: E402
-from tierflow.link.spec import LinkSpec  # noqa: E402
-from tierflow.partitioner.cost import Problem, build_tables  # noqa: E402
-from tierflow.partitioner.profile import CutProfile, MachineInfo, Profile, UnitProfile  # noqa: E402
-from tierflow.partitioner.search import search  # noqa: E402
+from tierflow.codec.base import CodecStats
+from tierflow.link.spec import LinkSpec
+from tierflow.partitioner.cost import Problem, build_tables
+from tierflow.partitioner.profile import CutProfile, MachineInfo, Profile, UnitProfile
+from tierflow.partitioner.search import search
 
 
 def _profile(weights: list[int], peaks: list[int]) -> Profile:
@@ -33,7 +27,7 @@ def _profile(weights: list[int], peaks: list[int]) -> Profile:
 
 
 def test_device_budget_is_a_fraction_of_the_whole_model_and_rules_out_device_only() -> None:
-    from strategies import device_memory_budget
+    from benchmarks.comparison.strategies import device_memory_budget
 
     # A camera stem whose input peak dominates, then layers whose weights do.
     profile = _profile([600, 10_000, 400_000, 500_000], [600_000, 100_000, 50_000, 20_000])
@@ -67,7 +61,7 @@ def _row(strategy: str, codec: dict[str, str], ms: float, fidelity: float = 1.0)
 
 
 def test_split_goal_counts_low_bit_and_learned_codecs_only() -> None:
-    from bench_fidelity import split_goal
+    from benchmarks.comparison.fidelity import split_goal
 
     jpeg = _row("cloud-only-jpeg", {"device-edge": "jpeg:90", "edge-cloud": "jpeg:90"}, 60.0)
     fp16 = _row("tierflow-split", {"device-edge": "fp16"}, 20.0)
@@ -84,7 +78,7 @@ def test_split_goal_counts_low_bit_and_learned_codecs_only() -> None:
 
 
 def test_fold_models_takes_every_row_of_the_new_runs_models_and_names_the_run() -> None:
-    from run import FOLDED, fold_models
+    from benchmarks.comparison.run import FOLDED, fold_models
 
     old = [
         {"model": "a", "strategy": "tierflow", "p50_ms": 1.0},
@@ -115,7 +109,7 @@ def test_fold_models_takes_every_row_of_the_new_runs_models_and_names_the_run() 
 
 
 def test_a_model_new_to_the_run_is_folded_in_at_its_place_in_the_suite() -> None:
-    from run import fold_models
+    from benchmarks.comparison.run import fold_models
 
     old = [{"model": m, "strategy": "tierflow"} for m in ("efficientnet-lite0", "minilm-topics")]
     meta = {
@@ -132,7 +126,7 @@ def test_a_model_new_to_the_run_is_folded_in_at_its_place_in_the_suite() -> None
 
 
 def test_label_rows_fills_what_a_row_lacks_from_its_model() -> None:
-    from run import is_folded, label_rows
+    from benchmarks.comparison.run import is_folded, label_rows
 
     rows: list[dict[str, Any]] = [
         {"model": "real", "strategy": "tierflow-exits"},
@@ -159,8 +153,8 @@ def test_a_trained_models_exit_rows_stand_on_300_distinct_requests_in_a_full_run
     run walks as many distinct held-out requests as the model's other rows (it walked 15)."""
     import argparse
 
-    import bench_models
-    from run import TRAINED_FIDELITY_REQUESTS, exit_workload_size, parse_args
+    from benchmarks.comparison.run import TRAINED_FIDELITY_REQUESTS, exit_workload_size, parse_args
+    from benchmarks.lib import models as bench_models
 
     full, quick = parse_args([]), parse_args(["--quick"])
     models = {m.name: m for m in bench_models.suite(quick=False)}
@@ -175,10 +169,11 @@ def test_a_trained_models_exit_rows_stand_on_300_distinct_requests_in_a_full_run
 
 
 def test_a_refold_takes_transport_from_transport_bench_once() -> None:
-    from run import HERE, _transport_again
+    from benchmarks.comparison.run import _transport_again
+    from benchmarks.lib import RESULTS
 
-    if not (HERE / "results" / "transport.json").is_file():
-        pytest.skip("no saved transport_bench.py run in benchmarks/results/")
+    if not (RESULTS / "transport.json").is_file():
+        pytest.skip("no saved transport run in benchmarks/results/")
     heading = "### Transport overhead per hop and pipelined throughput"
     kept = f"## Overheads and limits\n\n{heading}\n\nold figures\n\n### Codec ratio\n\nkept\n"
     extras: dict[str, Any] = {"transport": {"overhead": []}}

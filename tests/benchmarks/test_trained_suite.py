@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
-
-import bench_models  # noqa: E402
+from benchmarks.lib import models as bench_models
 
 
 def test_the_full_suite_is_trained_but_for_one_timing_model() -> None:

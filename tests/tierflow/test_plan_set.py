@@ -70,7 +70,7 @@ def test_a_plan_set_round_trips_and_loads_its_default_plan(tmp_path: Path) -> No
 
 def test_a_plan_id_is_computed_once_and_stays_out_of_equality() -> None:
     # Every tier looks each request's plan up by id: an id hashed again on every access
-    # cost 45 us per plan and request (found by transport_bench.py --against).
+    # cost 45 us per plan and request (found by python -m benchmarks.transport --against).
     plans = _set()
     first = plans.plans[0]
     assert first.plan_id is first.plan_id  # kept, not hashed again

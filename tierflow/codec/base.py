@@ -67,11 +67,11 @@ The decoded tensor has ``dtype`` and ``shape`` exactly.
   channel decodes to its value exactly.
 * ``shuffle``: the bytes of each stored element are transposed into byte planes (all
   first bytes, then all second bytes, ...) before zstd: the exponent bytes of floats are
-  alike, so the planes usually compress better (see benchmarks/codec_bench.py). It is
+  alike, so the planes usually compress better (see benchmarks/codec_speed.py). It is
   lossless and costs one copy each way. With ``sparse`` only the values are shuffled;
   packed codes are single bytes, so there is nothing to shuffle.
 
-Measured on the demo model's trained features (benchmarks/demo_codec_bench.py, 17 cuts,
+Measured on the demo model's trained features (benchmarks/demo_codecs.py, 17 cuts,
 360 held-out requests; medians over the cuts, bytes against fp32): ``int8+zstd`` 6.3x,
 ``int4+zstd`` 9.2x and ``int2+zstd`` 18.5x fewer bytes; ``int4`` changed no answer,
 ``int2`` 0.8 points of accuracy at its worst cut. ``sparse+`` and ``drop+`` add little

@@ -29,10 +29,10 @@ pixels decodes to within one float32 rounding, and bit for bit when it was compu
 the decoder does (float32 ``(pixel / scale - mean) / std``, mean and std float32);
 values between pixel levels move by at most ``0.5 / (scale * std)``, and values outside
 the pixels' range saturate. ``jpeg`` and ``webp`` are lossy with no fixed bound (their
-error is measured: :func:`measure`, benchmarks/image_codec_bench.py). ``CodecSpec.lossless``
+error is measured: :func:`measure`, benchmarks/image_codecs.py). ``CodecSpec.lossless``
 is True for ``png``; ``CodecSpec.bit_exact`` only for the codecs without a quantiser.
 
-Libraries, chosen by measurement (benchmarks/image_codec_bench.py: twelve 224x224 crops
+Libraries, chosen by measurement (benchmarks/image_codecs.py: twelve 224x224 crops
 of scikit-learn's two sample photos, quality 90, 4:2:0, one core, medians): simplejpeg
 1.9 (libjpeg-turbo) encodes and decodes in 0.28 + 0.37 ms, Pillow 13 (also
 libjpeg-turbo, through its own image object) in 0.47 + 0.70 ms, for the same bytes

@@ -1,0 +1,1 @@
+"""The live adaptation benchmark (``python -m benchmarks.adaptation``) and its pure parts."""

@@ -1,0 +1,1 @@
+"""The generation benchmark (``python -m benchmarks.generation``) and its pure parts."""
