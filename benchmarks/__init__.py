@@ -10,7 +10,8 @@ Run a suite from the repository's root as a module, e.g. ``python -m benchmarks.
 - :mod:`benchmarks.rate_fidelity`, :mod:`benchmarks.bottleneck` and
   :mod:`benchmarks.bottleneck_trained`: bytes against fidelity, learned bottlenecks;
 - :mod:`benchmarks.transport`, :mod:`benchmarks.chaos`, :mod:`benchmarks.cache`,
-  :mod:`benchmarks.planning`, :mod:`benchmarks.exits`: the runtime's overheads and limits;
+  :mod:`benchmarks.planning`, :mod:`benchmarks.exits`, :mod:`benchmarks.tenancy`: the
+  runtime's overheads, limits and isolation;
 - :mod:`benchmarks.codec_speed`, :mod:`benchmarks.demo_codecs`,
   :mod:`benchmarks.image_codecs`: the codecs.
 

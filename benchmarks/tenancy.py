@@ -1,7 +1,7 @@
 """Many tenants on one edge and one cloud (issue 28, item 8): a multi-tenant load test.
 
-    python benchmarks/tenancy_bench.py            # 32 clients under 8 identities (~2 min)
-    python benchmarks/tenancy_bench.py --quick    # 16 clients, fewer tokens (~1 min)
+    python -m benchmarks.tenancy            # 32 clients under 8 identities (~2 min)
+    python -m benchmarks.tenancy --quick    # 16 clients, fewer tokens (~1 min)
 
 Eight identities (named bearer tokens on the edge; the edge holds its own token at the
 cloud and vouches for each device: [Note: who a caller is] in
@@ -21,8 +21,8 @@ outputs against a local loop feeding the state back), lost sessions (a victim re
 that failed), cross-identity successes (an attacker's read answered with anything but
 STATE_LOST, or a victim's answer changed), each victim's ms per token (or per chunk)
 loaded against alone, its replays, and each tier's peak session state (sampled every
-10 ms) against its budget. Results go to ``benchmarks/TENANCY.md`` and a section of
-``RESULTS.md``.
+10 ms) against its budget. Results go to ``benchmarks/results/TENANCY.md`` and a section of
+``RESULTS.md`` there.
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import bench_report
 import numpy as np
 
+from benchmarks.lib import RESULTS
+from benchmarks.lib.report import replace_section
 from tierflow.cli.table import format_table
 from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
@@ -64,7 +65,6 @@ from tierflow.transport.security import Security
 from tierflow.units import format_size
 from tierflow.zoo.tiny_stateful import streaming_model, tiny_decoder
 
-HERE = Path(__file__).resolve().parent
 IDENTITIES = 8
 CONTEXT = 128
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -458,7 +458,7 @@ def markdown(results: dict[str, Any]) -> str:
         [
             "# Many tenants on one edge and one cloud",
             "",
-            "`python benchmarks/tenancy_bench.py`"
+            "`python -m benchmarks.tenancy`"
             + (" --quick" if results["quick"] else "")
             + f": {results['date']}, {results['machine']}, {results['seconds']} s.",
             "",
@@ -495,20 +495,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = run(args.quick, Path(tmp))
     print(tables(results))
     if not args.no_write:
-        (HERE / "TENANCY.md").write_text(markdown(results))
+        (RESULTS / "TENANCY.md").write_text(markdown(results))
         section = [
             SECTION_START,
             "## Many tenants on one edge and one cloud (issue 28)",
             "",
-            f"`python benchmarks/tenancy_bench.py`, {results['date']}; "
-            "see [TENANCY.md](TENANCY.md).",
+            f"`python -m benchmarks.tenancy`, {results['date']}; see [TENANCY.md](TENANCY.md).",
             "",
             "```",
             *tables(results).splitlines(),
             "```",
             SECTION_END,
         ]
-        bench_report.replace_section(HERE / "RESULTS.md", SECTION_START, SECTION_END, section)
+        replace_section(RESULTS / "RESULTS.md", SECTION_START, SECTION_END, section)
     return 0
 
 
