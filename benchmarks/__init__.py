@@ -7,6 +7,7 @@ Run a suite from the repository's root as a module, e.g. ``python -m benchmarks.
   (``results/RESULTS.md``, ``results.json``, ``results_meta.json`` and its plots);
 - :mod:`benchmarks.adaptation`: live plan switching while the uplink drifts;
 - :mod:`benchmarks.generation`: a decoder split over three tiers, with and without drafts;
+- :mod:`benchmarks.decoder_cost`: a decoder plan's predicted cost against what it measures;
 - :mod:`benchmarks.rate_fidelity`, :mod:`benchmarks.bottleneck` and
   :mod:`benchmarks.bottleneck_trained`: bytes against fidelity, learned bottlenecks;
 - :mod:`benchmarks.transport`, :mod:`benchmarks.chaos`, :mod:`benchmarks.cache`,

@@ -8,8 +8,8 @@ measured, with the parts of a step: each tier's compute as the runtime timed it,
 rest (links, propagation, gRPC). Under a loaded machine the compute is what drifts from
 the profile; the links follow the model.
 
-    python benchmarks/decoder_cost_bench.py PLAN_DIR [PLAN_DIR ...] --prompt-tokens 32 \
-        --max-tokens 32 --runs 3 --write benchmarks/DECODER_COST.md
+    python -m benchmarks.decoder_cost PLAN_DIR [PLAN_DIR ...] --prompt-tokens 32 \
+        --max-tokens 32 --runs 3 --write benchmarks/results/DECODER_COST.md
 
 Plans are made beforehand, for example for a Qwen2-shaped decoder (hidden 896, 4 blocks,
 vocabulary 32,000; ``tierflow.zoo.hf_decoders``)::
