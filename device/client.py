@@ -41,11 +41,11 @@ from tierflow.device.probing import DEFAULT_IDLE_S
 from tierflow.device.results import DEFAULT_DEADLINE_S, Result, Ticket
 from tierflow.errors import (
     InputError,
-    RemoteError,
     StateError,
     TierflowError,
     TransportError,
     UsageError,
+    is_upstream_gone,
 )
 from tierflow.link.emulation import LinkShaper
 from tierflow.link.spec import LINKS
@@ -450,7 +450,7 @@ class DeviceClient:
         edge missing ([Note: device fallback]): the device-only plan. Failing those, the
         device's own exit scores (``unconfident``). None: no way to answer here.
         """
-        if isinstance(cause, RemoteError) and cause.code == "UPSTREAM_UNAVAILABLE":
+        if is_upstream_gone(cause):
             self.tiers.lose_cloud(str(cause))
             index = self.tiers.cloud_free_plan() if self.tiers.cloud_free else None
             why = str(cause)

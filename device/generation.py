@@ -39,12 +39,12 @@ from tierflow.device.client import DeviceClient
 from tierflow.device.results import Result
 from tierflow.device.speculation import AcceptanceMeter, sample, verify_greedy, verify_sampled
 from tierflow.errors import (
-    DeadlineError,
     InputError,
     PlanError,
-    RemoteError,
     StateError,
     TransportError,
+    is_missing,
+    is_state_lost,
 )
 from tierflow.greedy import decoder_of_session, session_step
 from tierflow.link.spec import LINKS
@@ -121,7 +121,7 @@ class TierDecoder:
                 f"{self.decoder.context} (plan --context)"
             )
         result = self._submit(tokens, position, keep, choices_only)
-        if _state_lost(result):
+        if is_state_lost(result.error):
             # [Note: replaying a session]: every token so far again, from position 0.
             self.replays += 1
             logger.info(
@@ -152,7 +152,7 @@ class TierDecoder:
             )
             result = ticket.result()
             self.results.append(result)
-            if not _tier_missing(result) or time.monotonic() + wait > ends:
+            if not is_missing(result.error) or time.monotonic() + wait > ends:
                 return result
             self.retries += 1
             logger.info("[device] session %s: %s; trying again", self.session, result.error)
@@ -163,18 +163,6 @@ class TierDecoder:
 #: Backoff between tries of a step while a tier is missing.
 _FIRST_RETRY_S = 0.1
 _LAST_RETRY_S = 1.0
-
-
-def _state_lost(result: Result) -> bool:
-    return isinstance(result.error, RemoteError) and result.error.code == "STATE_LOST"
-
-
-def _tier_missing(result: Result) -> bool:
-    """Whether a step failed because a tier is not there (not a bad request, not late)."""
-    error = result.error
-    if isinstance(error, RemoteError):
-        return error.code in ("UNAVAILABLE", "UPSTREAM_UNAVAILABLE")
-    return isinstance(error, TransportError) and not isinstance(error, DeadlineError)
 
 
 class LocalDecoder:

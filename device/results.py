@@ -18,15 +18,12 @@ from typing import Any
 import numpy as np
 
 from tierflow.codec.base import DEFAULT_MAX_TENSOR_BYTES
-from tierflow.errors import DeadlineError, TierflowError, TransportError
+from tierflow.errors import DeadlineError, TierflowError, TransportError, is_gone
 from tierflow.link.spec import LINKS, TIERS
 from tierflow.rpc import tier_pb2
 from tierflow.transport.deadline import DEFAULT_DEADLINE_S
 from tierflow.transport.stream_client import Sent
 from tierflow.transport.wire import decode_tensors, error_from_proto
-
-#: Error codes of a reply that mean a tier is gone: the edge (stopping) or the one after it.
-TIER_GONE = ("UNAVAILABLE", "UPSTREAM_UNAVAILABLE")
 
 
 @dataclass(frozen=True)
@@ -227,7 +224,7 @@ class Ticket:
                 ms["queue"] += link.queue_ms
         if reply.HasField("error"):
             error = error_from_proto(reply.error)
-            if error.code in TIER_GONE and self._fallback is not None:
+            if is_gone(error) and self._fallback is not None:
                 answer = self._fallback(error)
                 if answer is not None:
                     return answer

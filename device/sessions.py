@@ -30,7 +30,7 @@ import numpy as np
 
 from tierflow.device.client import DeviceClient
 from tierflow.device.results import Result, Ticket
-from tierflow.errors import RemoteError, StateLostError, TierflowError, UsageError
+from tierflow.errors import StateLostError, TierflowError, UsageError, is_state_lost
 from tierflow.npz import read_arrays
 from tierflow.plan import Plan
 
@@ -138,7 +138,7 @@ class StreamSession:
         """The oldest chunk's Result, the session replayed first if a tier lost it."""
         item, position, ticket = in_flight.popleft()
         result = ticket.result()
-        if not _state_lost(result):
+        if not is_state_lost(result.error):
             return item, result
         # Every chunk after this one ran (or will) on the lost state too: wait them out,
         # rebuild the state up to this chunk, then send this one and those after again.
@@ -190,23 +190,19 @@ class StreamSession:
                 while window and failed is None:
                     failed = _error(window.popleft().result())
                 result = ticket.result()
-                if failed is None and not _state_lost(result):
+                if failed is None and not is_state_lost(result.error):
                     return result, resent
                 window.extend(resent)
             for pending in window:
                 pending.result()
             if failed is not None:
                 result = replace(lost, error=failed, outputs={})
-                if not (isinstance(failed, RemoteError) and failed.code == "STATE_LOST"):
+                if not is_state_lost(failed):
                     break
         return result, [self._resend(pos) for pos in after]
 
     def _resend(self, position: int, replay_to: int = 0) -> Ticket:
         return self._submit(self._sent[position - self._first], position, replay_to)
-
-
-def _state_lost(result: Result) -> bool:
-    return isinstance(result.error, RemoteError) and result.error.code == "STATE_LOST"
 
 
 def _error(result: Result) -> TierflowError | None:

@@ -37,7 +37,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tierflow.errors import DeadlineError, RemoteError, TierflowError, TransportError
+from tierflow.errors import TierflowError, TransportError, is_gone, is_missing
 from tierflow.link.emulation import LinkShaper
 from tierflow.options import RuntimeOptions
 from tierflow.rpc import tier_pb2
@@ -49,18 +49,9 @@ from tierflow.transport.wire import decode_tensors, error_from_proto, error_to_p
 
 logger = logging.getLogger(__name__)
 
-#: Error codes from the next tier that mean it is gone ([Note: answering without the next tier]).
-_GONE_CODES = (tier_pb2.ErrorCode.UNAVAILABLE, tier_pb2.ErrorCode.UPSTREAM_UNAVAILABLE)
 #: How long an edge waits at start for the cloud's health check (see
 #: [Note: checking the next tier at start]).
 UPSTREAM_CHECK_S = 3.0
-
-
-def _is_gone(exc: BaseException) -> bool:
-    """Whether a failure to forward means the next tier is gone (not late, not busy)."""
-    if isinstance(exc, RemoteError):
-        return exc.code in ("UNAVAILABLE", "UPSTREAM_UNAVAILABLE")
-    return isinstance(exc, TransportError) and not isinstance(exc, DeadlineError)
 
 
 class Forwarding:
@@ -164,11 +155,12 @@ class Forwarding:
         gone: TierflowError | None = None
         try:
             reply = sent.future.result()
-            if reply.HasField("error") and reply.error.code in _GONE_CODES:
-                gone = error_from_proto(reply.error)
+            if reply.HasField("error"):  # [Note: answering without the next tier]
+                answered = error_from_proto(reply.error)
+                gone = answered if is_gone(answered) else None
         except TierflowError as exc:
             reply = _error_reply(request_id, exc, self.tier)
-            gone = exc if _is_gone(exc) else None
+            gone = exc if is_missing(exc) else None
         except Exception as exc:  # a cancelled future, a bug: still one reply
             reply = _error_reply(request_id, exc, self.tier)
         if gone is not None:

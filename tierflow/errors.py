@@ -118,6 +118,36 @@ class RemoteError(TransportError):
         self.tier = tier
 
 
+# How a tier reads another tier's failure: by the wire code of a RemoteError, here once.
+
+#: Wire codes that mean a tier is gone: the one called (``UNAVAILABLE``, an edge stopping)
+#: or the one after it (``UPSTREAM_UNAVAILABLE``). Not late, not a bad request.
+GONE_CODES = ("UNAVAILABLE", "UPSTREAM_UNAVAILABLE")
+
+
+def is_state_lost(error: BaseException | None) -> bool:
+    """Whether another tier answered that it no longer holds a session's state there."""
+    return isinstance(error, RemoteError) and error.code == "STATE_LOST"
+
+
+def is_upstream_gone(error: BaseException | None) -> bool:
+    """Whether the next tier answered that the tier after it is gone (the cloud, to a device)."""
+    return isinstance(error, RemoteError) and error.code == "UPSTREAM_UNAVAILABLE"
+
+
+def is_gone(error: BaseException | None) -> bool:
+    """Whether another tier answered that a tier is gone (one of :data:`GONE_CODES`)."""
+    return isinstance(error, RemoteError) and error.code in GONE_CODES
+
+
+def is_missing(error: BaseException | None) -> bool:
+    """Whether a failure means a tier is not there: it said so (:func:`is_gone`), or it
+    could not be reached or went away (not late, not a bad request)."""
+    if isinstance(error, RemoteError):
+        return error.code in GONE_CODES
+    return isinstance(error, TransportError) and not isinstance(error, DeadlineError)
+
+
 #: Most characters of a value an error message quotes (see :func:`shown`).
 SHOWN_CHARS = 60
 
