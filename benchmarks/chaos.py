@@ -68,15 +68,15 @@ from typing import Any
 
 import grpc
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
 
 from benchmarks import lib
+from benchmarks.lib.plans import Stage, chain_plan
 from tierflow.cli.table import format_table
 from tierflow.device.client import DeviceClient, Result, Ticket
 from tierflow.errors import DeadlineError, RemoteError
 from tierflow.options import RuntimeOptions
-from tierflow.plan import Plan, SegmentSpec, load_plan, save_plan
+from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.processes import ServeProcess
 from tierflow.runtime.segment_runner import TierRunner
@@ -94,73 +94,44 @@ INPUTS = 64  # distinct inputs, each with its reference answer; request i uses i
 
 def _mlp_plan(directory: Path) -> Path:
     """x[1,64] -> Gemm+Relu | Gemm+Relu | Gemm -> y[1,10]: device | edge | cloud."""
-    directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     weights = {
         "w1": rng.standard_normal((64, 64)).astype(np.float32) / 8,
         "w2": rng.standard_normal((64, 64)).astype(np.float32) / 8,
         "w3": rng.standard_normal((10, 64)).astype(np.float32) / 8,
     }
-    nodes = [
-        helper.make_node("Gemm", ["x", "w1"], ["a"], transB=1),
-        helper.make_node("Relu", ["a"], ["h1"]),
-        helper.make_node("Gemm", ["h1", "w2"], ["b"], transB=1),
-        helper.make_node("Relu", ["b"], ["h2"]),
-        helper.make_node("Gemm", ["h2", "w3"], ["y"], transB=1),
+    stages = [
+        Stage(
+            "device",
+            [
+                helper.make_node("Gemm", ["x", "w1"], ["a"], transB=1),
+                helper.make_node("Relu", ["a"], ["h1"]),
+            ],
+            "h1",
+            64,
+        ),
+        Stage(
+            "edge",
+            [
+                helper.make_node("Gemm", ["h1", "w2"], ["b"], transB=1),
+                helper.make_node("Relu", ["b"], ["h2"]),
+            ],
+            "h2",
+            64,
+        ),
+        Stage("cloud", [helper.make_node("Gemm", ["h2", "w3"], ["y"], transB=1)], "y", 10),
     ]
-    parts = [("device", [0, 1], "x", "h1", 64), ("edge", [2, 3], "h1", "h2", 64)]
-    parts.append(("cloud", [4], "h2", "y", 10))
-    return _write(directory, nodes, weights, parts, 64)
+    return chain_plan(directory, 64, stages, weights)
 
 
 def _wide_plan(directory: Path, width: int) -> Path:
     """x[1,W] -> Relu | Sigmoid | ReduceMax -> y: features of 4 W bytes, trivial compute."""
-    directory.mkdir(parents=True, exist_ok=True)
-    nodes = [
-        helper.make_node("Relu", ["x"], ["h1"]),
-        helper.make_node("Sigmoid", ["h1"], ["h2"]),
-        helper.make_node("ReduceMax", ["h2"], ["y"], keepdims=1),
+    stages = [
+        Stage("device", [helper.make_node("Relu", ["x"], ["h1"])], "h1", width),
+        Stage("edge", [helper.make_node("Sigmoid", ["h1"], ["h2"])], "h2", width),
+        Stage("cloud", [helper.make_node("ReduceMax", ["h2"], ["y"], keepdims=1)], "y", 1),
     ]
-    parts = [("device", [0], "x", "h1", width), ("edge", [1], "h1", "h2", width)]
-    parts.append(("cloud", [2], "h2", "y", 1))
-    return _write(directory, nodes, {}, parts, width)
-
-
-def _write(
-    directory: Path,
-    nodes: list[Any],
-    weights: dict[str, np.ndarray],
-    parts: list[tuple[str, list[int], str, str, int]],
-    width: int,
-) -> Path:
-    def vec(name: str, size: int) -> Any:
-        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, size])
-
-    def model(picked: list[Any], src: str, dst: str, size_in: int, size_out: int) -> Any:
-        used = {i for node in picked for i in node.input}
-        inits = [numpy_helper.from_array(w, n) for n, w in weights.items() if n in used]
-        graph = helper.make_graph(picked, "g", [vec(src, size_in)], [vec(dst, size_out)], inits)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-
-    onnx.save(model(nodes, "x", "y", width, parts[-1][4]), directory / "model.onnx")
-    segments, size_in = [], width
-    for tier, picked, src, dst, size_out in parts:
-        onnx.save(
-            model([nodes[i] for i in picked], src, dst, size_in, size_out),
-            directory / f"{tier}.onnx",
-        )
-        segments.append(SegmentSpec(tier, f"{tier}.onnx", (src,), (dst,)))
-        size_in = size_out
-    plan = Plan(
-        "model.onnx",
-        "0" * 64,
-        ("x",),
-        ("y",),
-        tuple(segments),
-        codec={"device-edge": "raw", "edge-cloud": "raw"},
-    )
-    save_plan(plan, directory)
-    return directory
+    return chain_plan(directory, width, stages)
 
 
 class Reference:

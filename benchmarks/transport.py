@@ -60,15 +60,14 @@ from typing import Any
 
 import grpc
 import numpy as np
-import onnx
-from onnx import TensorProto, helper
+from onnx import helper
 
 from benchmarks import lib
 from benchmarks.chaos import certificates
+from benchmarks.lib.plans import Stage, chain_plan
 from tierflow.cli.table import format_table
 from tierflow.device.client import DeviceClient, Result
 from tierflow.options import RuntimeOptions
-from tierflow.plan import Plan, SegmentSpec, save_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.admission import StreamAdmission
 from tierflow.runtime.processes import ServeProcess
@@ -93,12 +92,7 @@ def _plan(
     ``edge_op`` None: the edge runs nothing, and the device's h1 crosses to the cloud as
     it is, through whatever serves in the edge's place (the ends-alone chain's relay).
     """
-    directory.mkdir(parents=True, exist_ok=True)
     n = feature_bytes // 4
-
-    def vec(name: str, width: int) -> Any:
-        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, width])
-
     to_cloud = "h1" if edge_op is None else "h2"
     chain = [helper.make_node("Sigmoid", [f"s{i}"], [f"s{i + 1}"]) for i in range(cloud_steps)]
     cloud_nodes = [
@@ -106,26 +100,11 @@ def _plan(
         *chain,
         helper.make_node("ReduceMax", [f"s{cloud_steps}"], ["y"], keepdims=1),
     ]
-    parts = [("device", [helper.make_node("Relu", ["x"], ["h1"])], "x", "h1", n)]
+    stages = [Stage("device", [helper.make_node("Relu", ["x"], ["h1"])], "h1", n)]
     if edge_op is not None:
-        parts.append(("edge", [helper.make_node(edge_op, ["h1"], ["h2"])], "h1", "h2", n))
-    parts.append(("cloud", cloud_nodes, to_cloud, "y", 1))
-    segments = []
-    for tier, nodes, src, dst, width in parts:
-        graph = helper.make_graph(nodes, tier, [vec(src, n)], [vec(dst, width)])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-        onnx.save(model, directory / f"{tier}.onnx")
-        segments.append(SegmentSpec(tier, f"{tier}.onnx", (src,), (dst,)))
-    plan = Plan(
-        "bench.onnx",
-        "0" * 64,
-        ("x",),
-        ("y",),
-        tuple(segments),
-        codec={"device-edge": "raw", "edge-cloud": "raw"},
-    )
-    save_plan(plan, directory)
-    return directory
+        stages.append(Stage("edge", [helper.make_node(edge_op, ["h1"], ["h2"])], "h2", n))
+    stages.append(Stage("cloud", cloud_nodes, "y", 1))
+    return chain_plan(directory, n, stages)
 
 
 @contextmanager
