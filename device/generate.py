@@ -14,16 +14,19 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tierflow.cli import json_output
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.table import format_table
 from tierflow.device.commands import add_deadline_argument, add_plan_arguments, edge_address
-from tierflow.errors import MissingExtraError, UsageError
+from tierflow.errors import MissingExtraError, TierflowError, UsageError
 from tierflow.options import RuntimeOptions, add_runtime_arguments
 from tierflow.plan import load_plan_set
 from tierflow.units import format_size
+
+if TYPE_CHECKING:
+    from tierflow.device.generation import GenerationReport
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -191,9 +194,16 @@ class _Printer:
         self.stream.flush()
 
 
+def _json_line(report: GenerationReport, tokenizer: Tokenizer | None) -> dict[str, Any]:
+    line = report.to_dict()
+    if tokenizer is not None:
+        line["text"] = tokenizer.decode(report.tokens)
+    return line
+
+
 def _generate(args: argparse.Namespace) -> int:
     from tierflow.device.client import DeviceClient
-    from tierflow.device.generation import Generator, layer_ranges
+    from tierflow.device.generation import GenerationReport, Generator, layer_ranges
     from tierflow.tuning import tune_for_latency
 
     tune_for_latency()
@@ -209,33 +219,42 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = args.prompt_ids
     if args.seed is not None and args.temperature <= 0:
         raise UsageError("--seed goes with --temperature above 0 (greedy needs no seed)")
-    plans = load_plan_set(args.plan, require_segments=False)
-    options = RuntimeOptions.from_args(args, plans.default_plan)
-    with DeviceClient(
-        args.plan,
-        edge_address(args, options, plans),
-        options=options,
-        window=1,
-        deadline_s=args.deadline,
-        adaptive=False,
-    ) as client:
-        generator = Generator(
-            client,
-            draft=args.draft,
-            draft_tokens=args.draft_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
-            fallback_draft=args.fallback == "draft",
-        )
-        out = sys.stderr if args.json else sys.stdout
-        printer: Callable[[int, bool], None] = _Printer(tokenizer, out)
-        report = generator.generate(prompt, args.max_tokens, stop=args.stop, on_token=printer)
+    out = sys.stderr if args.json else sys.stdout
+    generator: Generator | None = None
+    try:
+        plans = load_plan_set(args.plan, require_segments=False)
+        options = RuntimeOptions.from_args(args, plans.default_plan)
+        with DeviceClient(
+            args.plan,
+            edge_address(args, options, plans),
+            options=options,
+            window=1,
+            deadline_s=args.deadline,
+            adaptive=False,
+        ) as client:
+            generator = Generator(
+                client,
+                draft=args.draft,
+                draft_tokens=args.draft_tokens,
+                temperature=args.temperature,
+                seed=args.seed,
+                fallback_draft=args.fallback == "draft",
+            )
+            printer: Callable[[int, bool], None] = _Printer(tokenizer, out)
+            report = generator.generate(prompt, args.max_tokens, stop=args.stop, on_token=printer)
+    except TierflowError as exc:
+        # --json still ends with its line: the tokens made before the failure, and why.
+        if args.json:
+            failed = generator.report if generator is not None else None
+            if failed is None:
+                failed = GenerationReport(prompt=list(prompt), stopped="error", error=str(exc))
+            if failed.tokens:
+                print(file=out, flush=True)  # end the line of tokens printed as they came
+            print(json_output.dumps(_json_line(failed, tokenizer)), flush=True)
+        raise
     print(file=out, flush=True)
     if args.json:
-        line = report.to_dict()
-        if tokenizer is not None:
-            line["text"] = tokenizer.decode(report.tokens)
-        print(json_output.dumps(line))
+        print(json_output.dumps(_json_line(report, tokenizer)))
         return 0
     rows = [
         ("tokens", f"{len(report.tokens)} (stopped: {report.stopped})"),

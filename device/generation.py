@@ -40,8 +40,10 @@ from tierflow.device.results import Result
 from tierflow.device.speculation import AcceptanceMeter, sample, verify_greedy, verify_sampled
 from tierflow.errors import (
     InputError,
+    ModelError,
     PlanError,
     StateError,
+    TierflowError,
     TransportError,
     is_missing,
     is_state_lost,
@@ -233,9 +235,14 @@ class GenerationReport:
     bytes_per_token: dict[str, float] = field(default_factory=dict)
     tiers: dict[str, list[int]] = field(default_factory=dict)
     draft_only: list[int] = field(default_factory=list)  # indices made by the draft alone
-    stopped: str = "max-tokens"
+    stopped: str = "max-tokens"  # or "stop-token", or "error" (then ``error`` says why)
+    error: str | None = None
+    draft_dropped: str | None = None  # why the draft stopped helping, if it did
 
     def to_dict(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {} if self.error is None else {"error": self.error}
+        if self.draft_dropped is not None:
+            extra["draft_dropped"] = self.draft_dropped
         return {
             "prompt": self.prompt,
             "tokens": self.tokens,
@@ -254,6 +261,7 @@ class GenerationReport:
             "tiers": self.tiers,
             "draft_only": self.draft_only,
             "stopped": self.stopped,
+            **extra,
         }
 
 
@@ -300,6 +308,11 @@ class Generator:
             raise InputError("--fallback draft needs a draft model (--draft SMALL.onnx)")
         self.meter = AcceptanceMeter()
         self._draft_fed: list[int] = []  # the tokens in the draft's KV cache, in order
+        #: The generation under way or last done; after a failure, the tokens made before
+        #: it, ``stopped`` "error" and the ``error`` (``generate --json`` prints it).
+        self.report: GenerationReport | None = None
+        #: Why the draft was dropped during the generation (None: it was not).
+        self.draft_error: str | None = None
 
     def generate(
         self,
@@ -327,6 +340,7 @@ class Generator:
                 f"{len(ids) + max_tokens - 1}; the plan was made for --context {context}"
             )
         report = GenerationReport(prompt=ids, tiers=_tiers_and_layers(self.client))
+        self.report = report
         stop_set = set(stop)
         started = time.perf_counter()
 
@@ -352,13 +366,26 @@ class Generator:
                 going = self._round(sequence, emit, max_tokens - len(report.tokens))
         except TransportError as exc:
             if not (self.fallback_draft and self.draft is not None):
+                self._failed(report, exc, started)
                 raise
             logger.warning("[device] %s; going on with the draft model alone", exc)
             report.stopped = "max-tokens"
-            self._draft_alone(sequence, report, emit, max_tokens)
+            try:
+                self._draft_alone(sequence, report, emit, max_tokens)
+            except TierflowError as failure:
+                self._failed(report, failure, started)
+                raise
+        except TierflowError as exc:
+            self._failed(report, exc, started)
+            raise
         elapsed = (time.perf_counter() - started) * 1e3
         self._fill(report, elapsed)
         return report
+
+    def _failed(self, report: GenerationReport, error: Exception, started: float) -> None:
+        """Keep what a failed generation made, and why it stopped, in ``report``."""
+        report.stopped, report.error = "error", str(error)
+        self._fill(report, (time.perf_counter() - started) * 1e3)
 
     def _round(self, sequence: list[int], emit: Callable[[int], bool], room: int) -> bool:
         """One round trip of the large model: a plain step, or a speculated one."""
@@ -374,13 +401,25 @@ class Generator:
         draft_start = draft.seconds
         drafts: list[int] = []
         draft_logits: list[np.ndarray] = []
-        scores = self._draft_next(sequence)
-        for i in range(k):
-            token = sample(scores, self.temperature, self.rng)
-            drafts.append(token)
-            draft_logits.append(scores)
-            if i + 1 < k:
-                scores = self._draft_next([*sequence, *drafts])
+        try:
+            scores = self._draft_next(sequence)
+            for i in range(k):
+                token = sample(scores, self.temperature, self.rng)
+                drafts.append(token)
+                draft_logits.append(scores)
+                if i + 1 < k:
+                    scores = self._draft_next([*sequence, *drafts])
+        except ModelError as exc:
+            # The draft is a helper: one that cannot go on (a draft with fewer positions
+            # than this generation needs fails past its last) leaves the large model to
+            # go on alone, as without --draft, instead of ending the generation.
+            logger.warning(
+                "[device] the draft model failed at position %d (%s); going on without it",
+                len(sequence) - 1,
+                exc,
+            )
+            self.draft, self.draft_error = None, f"at position {len(sequence) - 1}: {exc}"
+            return self._round(sequence, emit, room)
         draft_s = draft.seconds - draft_start
         trip = time.perf_counter()
         if self.temperature <= 0:
@@ -444,6 +483,7 @@ class Generator:
         report.drafted = self.meter.drafted
         report.accepted = self.meter.accepted
         report.judged = self.meter.judged
+        report.draft_dropped = self.draft_error
         count = max(len(report.tokens), 1)
         report.bytes_per_token = {
             link: sum(r.bytes.get(link, 0) for r in results) / count for link in LINKS

@@ -61,6 +61,7 @@ def tiny_decoder(
     seed: int = 0,
     batch_from_last_cache: bool = False,
     shared_tables: bool = False,
+    positions: int | None = None,
 ) -> Path:
     """Write a ``blocks``-block decoder with vocabulary ``vocab`` to ``path``.
 
@@ -68,6 +69,9 @@ def tiny_decoder(
     rotary tables (cos, sin [batch, seq, width]) are made once before the blocks, so they
     cross every cut between blocks unless a tier rebuilds them ([Note: derived tensors
     stay home] in :mod:`tierflow.partitioner.rebuild`).
+
+    ``positions``: learned position embeddings for that many positions (a table gathered by
+    ``position_ids``, as GPT-2's): ONNX Runtime fails on a step at a later position.
 
     ``batch_from_last_cache`` reads the batch size for a reshape of the embeddings from the
     last block's cache, as torch.export's ONNX graphs do ([Note: state pairs in the cut
@@ -89,6 +93,9 @@ def tiny_decoder(
     b.const("masked", np.array(-1e9, dtype=np.float32))
     b.const("scale", np.array(1.0 / np.sqrt(width), dtype=np.float32))
     x = b.op("Gather", [b.weight("embed", (vocab, width), 2.0), "input_ids"], "embedded")
+    if positions is not None:
+        table = b.weight("position_embed", (positions, width), 0.5)
+        x = b.op("Add", [x, b.op("Gather", [table, "position_ids"])])
     if batch_from_last_cache:
         batch = b.op("Shape", [f"past_key_values.{blocks - 1}.value"], start=0, end=1)
         rest = b.const("rest", np.array([-1, width], dtype=np.int64))

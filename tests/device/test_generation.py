@@ -16,7 +16,7 @@ from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.device.generation import Generator
 from tierflow.edge.server import EdgeServer
-from tierflow.errors import InputError, PlanError, StateError
+from tierflow.errors import InputError, PlanError, StateError, TransportError
 from tierflow.greedy import reference_generate
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.decoder_graph import load_decoder, split_decoder
@@ -251,3 +251,46 @@ def test_a_prompt_through_a_hugging_face_tokenizer(
     line = json.loads(out.strip().splitlines()[-1])
     assert line["prompt"] == PROMPT and line["tokens"] == reference(models, 6)
     assert line["text"] == " ".join(f"w{t}" for t in line["tokens"])
+
+
+def test_a_draft_with_fewer_positions_is_dropped_and_the_generation_goes_on(
+    models: dict[str, Path], tiers: Any, tmp_path: Path
+) -> None:
+    """A draft of 12 positions on a 20-token generation aborted it (issue 30, item 12)."""
+    short = tiny_decoder(tmp_path / "short.onnx", blocks=2, vocab=32, seed=3, positions=12)
+    _, edge = tiers
+    with DeviceClient(models["plan"], edge.address) as client:
+        generator = Generator(client, draft=short, draft_tokens=3)
+        report = generator.generate(PROMPT, 20)
+    assert report.tokens == reference(models, 20)  # the large model's own greedy output
+    assert report.drafted > 0 and report.draft_dropped is not None
+    assert "at position 1" in report.draft_dropped and generator.draft is None
+
+
+def test_a_failed_generation_keeps_the_tokens_it_made_and_why(models: dict[str, Path]) -> None:
+    """``generate --json`` prints them: a failed run printed nothing on stdout."""
+    options = RuntimeOptions(workers=2)
+    cloud = CloudServer(models["plan"], options=options)
+    cloud.start()
+    edge = EdgeServer(models["plan"], upstream=cloud.address, options=options)
+    edge.start()
+    try:
+        with DeviceClient(models["plan"], edge.address, deadline_s=5.0) as client:
+            generator = Generator(client)
+
+            def stop_tiers(token: int, draft_only: bool) -> None:
+                if len(generator.target.fed) >= len(PROMPT) + 4 and edge.port:
+                    edge.stop(0)
+                    cloud.stop(0)
+                    edge.port = 0
+
+            with pytest.raises(TransportError):
+                generator.generate(PROMPT, 20, on_token=stop_tiers)
+    finally:
+        edge.stop(0)
+        cloud.stop(0)
+    failed = generator.report
+    assert failed is not None and failed.stopped == "error" and failed.error
+    assert 4 <= len(failed.tokens) < 20
+    assert failed.tokens == reference(models, 20)[: len(failed.tokens)]
+    assert failed.to_dict()["error"] == failed.error

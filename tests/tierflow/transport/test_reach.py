@@ -3,6 +3,7 @@ tier first]); the TLS cases, which need a server, are in tests/edge/test_securit
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,22 +72,31 @@ def test_only_a_plain_host_and_port_is_checked_over_tcp(
     assert _host_port(address) == found
 
 
-@pytest.mark.parametrize("command", ["run", "device"])
+@pytest.mark.parametrize("command", ["run", "device", "generate"])
 def test_a_dead_edge_fails_the_command_once_before_any_request(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, dead_address: str, command: str
 ) -> None:
-    """``run`` printed one line per request and wrote outputs full of NaN."""
+    """``run`` printed one line per request and wrote outputs full of NaN; ``generate``
+    waited out its whole deadline."""
     plan_dir = _device_edge_plan(tmp_path / "plan")
     output = tmp_path / "out.npz"
     argv = ["--plan", str(plan_dir), "--edge", dead_address]
     if command == "run":
         argv = ["run", *argv, "--input", str(tmp_path / "in.npz"), "--output", str(output)]
-    else:
+    elif command == "device":
         argv = ["device", *argv, "--source", str(tmp_path), "--results", str(output)]
+    else:  # generate waited out its whole --deadline (30 s) for a refused connection
+        argv = ["generate", *argv, "--prompt-ids", "1,2", "--json"]
     assert main(argv) == 1  # a failure while it ran, not a usage error
     captured = capsys.readouterr()
     assert captured.err == (
         f"tierflow {command}: error: --edge cannot reach a tier at {dead_address}: "
         "nothing listens there (connection refused)\n"
     )
-    assert not output.exists() and captured.out == ""
+    assert not output.exists()
+    if command == "generate":  # --json still ends with its line: no tokens, and why
+        line = json.loads(captured.out.strip().splitlines()[-1])
+        assert line["tokens"] == [] and line["stopped"] == "error"
+        assert "nothing listens there" in line["error"]
+    else:
+        assert captured.out == ""
