@@ -98,6 +98,33 @@ def decoder_of(
     )
 
 
+#: Operators that pass ``position_ids`` on as the same indices (to a table's Gather).
+_SAME_INDICES = ("Cast", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten")
+
+
+def learned_positions(model: onnx.ModelProto, position_ids: str | None) -> int | None:
+    """How many positions a decoder's learned position table holds, if it has one.
+
+    A GPT-2-style decoder gathers rows of a weight table with ``position_ids`` (directly or
+    through casts and reshapes): past its last row, ONNX Runtime fails on the step. None
+    when no such table is read (rotary or ALiBi positions have no such limit).
+    """
+    if position_ids is None:
+        return None
+    tables = {t.name: t for t in model.graph.initializer}
+    carrying = {position_ids}
+    found: list[int] = []
+    for node in model.graph.node:  # in order: a chain's links come before its uses
+        if node.op_type in _SAME_INDICES and node.input and node.input[0] in carrying:
+            carrying.update(node.output)
+        elif node.op_type == "Gather" and len(node.input) == 2 and node.input[1] in carrying:
+            table = tables.get(node.input[0])
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            if table is not None and axis == 0 and table.dims:
+                found.append(int(table.dims[0]))
+    return min(found) if found else None
+
+
 def inspect_decoder(
     path: str | Path, given: Sequence[tuple[str, str]] = (), settings: DecoderSettings | None = None
 ) -> DecoderSpec | None:
@@ -124,6 +151,13 @@ def load_decoder(
     decoder = decoder_of(source, states, settings, where=str(path))
     if decoder is None:
         raise ModelError(f"{path} has no growing state pair: it is no decoder")
+    positions = learned_positions(source, decoder.position_ids)
+    if positions is not None and settings.context > positions:
+        raise PlanError(
+            f"--context {settings.context}: {path.name} has position embeddings for "
+            f"{positions} positions, and a generation past them would fail in ONNX Runtime; "
+            f"give --context {positions} or less"
+        )
     inputs = [value_sig(v) for v in source.graph.input]
     prefill_point, decode_point = analysis_points(settings)
     # The decode point finds the cuts and what tiers rebuild (a step per token is what a

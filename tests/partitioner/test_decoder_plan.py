@@ -257,3 +257,25 @@ def test_profile_refuses_a_decoder_in_one_line(
     _, err = capsys.readouterr()
     assert code == 2
     assert "is a decoder: `tierflow plan` profiles it here" in err and err.count("\n") == 1
+
+
+def test_a_context_past_the_models_position_table_is_refused_at_plan_time(
+    tmp_path: Path, capsys: Any
+) -> None:
+    """plan --context 300 on a model with 256 positions was accepted, and generation died
+    at position 256 in ONNX Runtime (issue 30, item 12)."""
+    from tierflow.errors import PlanError
+    from tierflow.partitioner.decoder_graph import learned_positions
+
+    path = tiny_decoder(tmp_path / "gpt2ish.onnx", blocks=2, vocab=16, positions=256)
+    model = onnx.load(str(path))
+    assert learned_positions(model, "position_ids") == 256
+    assert (
+        learned_positions(onnx.load(str(tiny_decoder(tmp_path / "r.onnx"))), "position_ids") is None
+    )
+    with pytest.raises(PlanError, match="has position embeddings for 256 positions"):
+        load_decoder(path, DecoderSettings(context=300))
+    assert load_decoder(path, DecoderSettings(context=256, max_tokens=8)).decoder.context == 256
+    assert main(["plan", str(path), "-o", str(tmp_path / "plan"), "--context", "300"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "give --context 256 or less" in err
