@@ -109,7 +109,7 @@ def run_decoder_plan(
         f"\n{result.considered} plans scored for {goal}, {result.feasible} fit the budgets; "
         "compute and link bytes per token, memory per tier with its KV cache:"
     )
-    print(decoder_table(result, memory))
+    print(decoder_table(result, memory, graph.unit_blocks()))
     best = result.best
     held = ", ".join(
         f"{t} {format_size(best.memory_bytes[t])} (KV {format_size(best.state_bytes[t])})"

@@ -11,6 +11,7 @@ the first with the second one's cuts and rebuilt tensors, and keeps the model as
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 #: tensors an exporter computes once and every block reads (sizes of seq and past, which
 #: stay values in a graph that runs at any length: [Note: decoder analysis points]).
 DECODER_MAX_CUT_TENSORS = 8
+#: A block's number in its KV cache's names (``past_key_values.3.key``).
+_LAYER = re.compile(r"\d+")
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,6 +62,21 @@ class DecoderGraph:
     @property
     def states(self) -> tuple[StateSpec, ...]:
         return self.prefill.state
+
+    def unit_blocks(self) -> list[tuple[int, ...]]:
+        """Each unit's blocks: the layer numbers of the KV caches it keeps (``past.3.key``)."""
+        return [
+            tuple(
+                sorted(
+                    {
+                        int(found.group())
+                        for s in self.prefill.states_between(i, i + 1)
+                        if (found := _LAYER.search(s.input)) is not None
+                    }
+                )
+            )
+            for i in range(self.prefill.unit_count())
+        ]
 
     def state_bytes(self) -> list[int]:
         """Each unit's state at ``--context`` (its blocks' KV cache), in bytes."""

@@ -7,14 +7,15 @@ stderr so stdout stays clean for ``--json``.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 from tierflow.cli.table import format_table
 from tierflow.link.spec import LINKS, TIERS
-from tierflow.partitioner.cost import Estimate
+from tierflow.partitioner.cost import Estimate, spans
 from tierflow.partitioner.decoder_cost import DecoderEstimate, DecoderResult
 from tierflow.partitioner.grid import GridChoice
 from tierflow.partitioner.search import SearchResult
@@ -230,8 +231,28 @@ def region_tables(choice: GridChoice) -> str:
     return "\n\n".join(blocks)
 
 
-def decoder_table(result: DecoderResult, memory: Mapping[str, int]) -> str:
+def block_ranges(estimate: Estimate, unit_blocks: Sequence[Sequence[int]]) -> str:
+    """Which blocks (KV layers) each tier holds in ``estimate``, like ``D- E0-3 C4-7``."""
+    cells = []
+    for tier, (start, end) in spans(*estimate.cuts, estimate.last).items():
+        held = sorted({b for unit in unit_blocks[start:end] for b in unit})
+        groups = []
+        for _, run in itertools.groupby(enumerate(held), lambda pair: pair[1] - pair[0]):
+            values = [v for _, v in run]
+            groups.append(str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}")
+        cells.append(f"{tier[0].upper()}{','.join(groups) or '-'}")
+    return " ".join(cells)
+
+
+def decoder_table(
+    result: DecoderResult,
+    memory: Mapping[str, int],
+    unit_blocks: Sequence[Sequence[int]] | None = None,
+) -> str:
     """A decoder's ranked plans and baselines: TTFT, ms per token, bytes per token, memory.
+
+    ``unit_blocks`` (:meth:`DecoderGraph.unit_blocks`) adds a ``blocks`` column: the
+    transformer blocks, by their KV caches' numbers, each tier holds (``D- E0-3 C4-7``).
 
     Compute is per token (the decode step) on each tier; each link shows its codec and
     the bytes it carries per token (up and down); ``generation`` is TTFT plus
@@ -241,6 +262,7 @@ def decoder_table(result: DecoderResult, memory: Mapping[str, int]) -> str:
     headers = [
         "plan",
         "units",
+        *(["blocks"] if unit_blocks is not None else []),
         *(f"{tier} ms/tok" for tier in TIERS),
         *(f"{name} B/tok" for name in LINKS),
         "TTFT ms",
@@ -270,6 +292,7 @@ def decoder_table(result: DecoderResult, memory: Mapping[str, int]) -> str:
         return [
             label,
             _split(step),
+            *([block_ranges(step, unit_blocks)] if unit_blocks is not None else []),
             *compute,
             *links,
             _ms(e.ttft_s),

@@ -279,3 +279,21 @@ def test_a_context_past_the_models_position_table_is_refused_at_plan_time(
     assert main(["plan", str(path), "-o", str(tmp_path / "plan"), "--context", "300"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "give --context 256 or less" in err
+
+
+def test_the_decoder_table_says_which_blocks_each_tier_holds(graph: DecoderGraph) -> None:
+    """Its units column (D0-3 E3-12) counted the cut search's units, not blocks."""
+    from tierflow.partitioner.cost import Estimate
+    from tierflow.partitioner.report import block_ranges
+
+    blocks = graph.unit_blocks()  # the fixture's decoder has 3 blocks
+    held = [b for unit in blocks for b in unit]
+    assert held == [0, 1, 2]
+    last = len(blocks)
+    # The edge holds the units up to and including block 1's; the cloud the rest.
+    cut = 1 + max(i for i, unit in enumerate(blocks) if 1 in unit)
+    estimate = Estimate((0, cut), last, 0.0, 0.0, {}, {}, {}, True)
+    assert block_ranges(estimate, blocks) == "D- E0-1 C2"
+    assert block_ranges(Estimate((last, last), last, 0.0, 0.0, {}, {}, {}, True), blocks) == (
+        "D0-2 E- C-"
+    )
