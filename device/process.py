@@ -132,9 +132,9 @@ def _device(args: argparse.Namespace) -> int:
     from tierflow.device.app import Device
     from tierflow.device.client import DeviceClient
     from tierflow.device.sessions import StreamSession
-    from tierflow.device.sources import open_source, source_kind
+    from tierflow.device.sources import check_source, open_source
 
-    source_kind(args.source)  # a bad --source fails before the plan loads
+    check_source(args.source, watch=args.watch)  # before the plan loads and the edge is reached
     plans = load_plan_set(args.plan, require_segments=False)
     check_session(args, plans)
     plan = plans.default_plan

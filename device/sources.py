@@ -199,6 +199,23 @@ def read_npy(stream: BinaryIO, what: str) -> np.ndarray | None:
     return array.reshape(shape, order="F" if fortran_order else "C")
 
 
+def check_source(text: str, *, watch: bool = False) -> str:
+    """``--source TEXT``'s kind, once what reading it needs is known to be here.
+
+    Called before the device connects: a wrong source, ``--watch`` on what is no folder,
+    or a missing library is one line, not one per frame (a folder's images need Pillow,
+    a camera OpenCV).
+    """
+    kind = source_kind(text)
+    if watch and kind != "folder":
+        raise UsageError("--watch watches a folder; --source is not one")
+    if kind == "folder":
+        import_extra("PIL.Image", "--source DIR (reading its images)")
+    elif kind == "camera":
+        import_extra("cv2", "--source CAMERA")
+    return kind
+
+
 def open_source(
     text: str,
     *,
@@ -208,12 +225,8 @@ def open_source(
     poll_s: float = DEFAULT_POLL_S,
 ) -> Iterator[Frame]:
     """The frames of ``--source TEXT`` (see the module docstring)."""
-    kind = source_kind(text)
-    if watch and kind != "folder":
-        raise UsageError("--watch watches a folder; --source is not one")
+    kind = check_source(text, watch=watch)
     if kind == "folder":
-        # Every image needs Pillow to be read: missing, it is one line now, not one per frame.
-        import_extra("PIL.Image", "--source DIR (reading its images)")
         return folder_frames(text, watch=watch, stop=stop, poll_s=poll_s)
     if kind == "camera":
         return camera_frames(text, stop=stop)

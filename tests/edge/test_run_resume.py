@@ -82,7 +82,11 @@ def test_resume_needs_a_stopped_run(tmp_path: Path, rt: Any) -> None:
 
 
 @pytest.mark.integration
-def test_every_request_failing_still_writes_the_outputs(tmp_path: Path, rt: Any) -> None:
+def test_an_edge_nobody_serves_fails_the_run_once_before_any_request(
+    tmp_path: Path, rt: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It printed one line per request and wrote outputs full of NaN (issue 30, item 11;
+    [Note: reaching a tier first] in tierflow/transport/reach.py)."""
     split = rt.cnn(tmp_path / "plan")
     np.savez(tmp_path / "in.npz", x=np.zeros((3, 3, 8, 8), np.float32))
     out = tmp_path / "out.npz"
@@ -90,8 +94,9 @@ def test_every_request_failing_still_writes_the_outputs(tmp_path: Path, rt: Any)
     command += ["--edge", f"127.0.0.1:{rt.free_port()}", "--output", str(out)]
     command += ["--deadline", "2s"]
     assert main(command) == 1
-    with np.load(out) as written:
-        assert written["y"].shape == (3, 10) and np.isnan(written["y"]).all()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nothing listens there" in err
+    assert not out.exists()
 
 
 def test_partial_files_drop_a_cut_short_record(tmp_path: Path) -> None:
