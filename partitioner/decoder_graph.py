@@ -264,4 +264,16 @@ def _extractor(graph: DecoderGraph) -> SegmentExtractor:
     }
     # The model's own value infos stay as they are; the cut tensors' (symbolic) types and
     # shapes are declared only where a segment takes or makes them.
-    return SegmentExtractor(model, boundary=crossing_infos(shapes, *graph.points))
+    batch = _batch_name(model, graph.decoder.tokens)
+    return SegmentExtractor(model, boundary=crossing_infos(shapes, *graph.points, batch=batch))
+
+
+def _batch_name(model: onnx.ModelProto, tokens: str) -> str | None:
+    """The symbolic name of the token input's first axis, if it has one ([Note: a split
+    decoder's batch axis] in :mod:`.decoder_points`)."""
+    for value in model.graph.input:
+        if value.name == tokens:
+            dims = value.type.tensor_type.shape.dim
+            if dims and dims[0].dim_param:
+                return str(dims[0].dim_param)
+    return None

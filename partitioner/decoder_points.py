@@ -32,6 +32,16 @@ so ONNX Runtime optimises its nodes as it does the model's (declared shapes unlo
 fusions at "extended": the family's large decoder differed by 3e-6 in its logits until
 they went). A split is so bit-exact at "basic" and below, and at "extended" and "all"
 wherever no fusion spans a cut ([Note: cut sets]).
+
+[Note: a split decoder's batch axis]
+Both points run one sequence, so a crossing tensor's first axis is 1 at both and would be
+declared fixed: a tier could then never run the steps of several sessions as one call
+([Note: the step batcher] in tierflow/runtime/batching.py). When the model's token input
+has a symbolic first axis (Hugging Face's layout: every input and output is batch-first),
+the first axis of every crossing tensor of rank 2 or more that is 1 at both points takes
+that name. A scalar or a rank-1 size crossing a cut stays fixed. Were a tensor's first
+axis not the batch after all, a batched call's outputs would not have one row per step
+and the tier runs those steps one at a time (``tierflow.runtime.batching.split``).
 """
 
 from __future__ import annotations
@@ -155,11 +165,13 @@ def crossing_infos(
     shapes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...], str]],
     prefill: Point,
     decode: Point,
+    batch: str | None = None,
 ) -> dict[str, onnx.ValueInfoProto]:
     """Value infos for tensors crossing cuts, from their shapes at the two points.
 
     ``shapes[name]`` is ``(prefill shape, decode shape, numpy dtype)``; see
-    [Note: decoder analysis points].
+    [Note: decoder analysis points]. ``batch``: the model's symbolic batch dimension, the
+    name a crossing tensor's first axis takes (see [Note: a split decoder's batch axis]).
     """
     infos: dict[str, onnx.ValueInfoProto] = {}
     for name, (at_prefill, at_decode, dtype) in shapes.items():
@@ -171,6 +183,8 @@ def crossing_infos(
         dims: list[int | str | None] = []
         for a, b in zip(at_prefill, at_decode, strict=True):
             dims.append(a if a == b else (_named((a, b), prefill, decode) or None))
+        if batch and len(dims) >= 2 and dims[0] == 1:
+            dims[0] = batch
         elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
         infos[name] = onnx.helper.make_tensor_value_info(name, elem, dims)
     return infos

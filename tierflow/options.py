@@ -53,6 +53,11 @@ DEFAULT_STREAM_IDLE_S = 60.0
 #: Seconds a tier keeps a session's state without a request (see
 #: [Note: session state on a tier] in tierflow/runtime/state.py).
 DEFAULT_STATE_IDLE_S = 600.0
+#: Decode steps of different sessions run as one call at most; 1 turns batching off (see
+#: [Note: the step batcher] in tierflow/runtime/batching.py).
+DEFAULT_MAX_BATCH = 16
+#: The longest ``--batch-delay`` accepted: a step waits at most this for company.
+MAX_BATCH_DELAY_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,10 @@ class RuntimeOptions:
     state on a tier] in ``tierflow.runtime.state``).
     ``segment_budget``: bytes of segment files the tier keeps (None: no bound; see
     [Note: segments on demand] in ``tierflow.runtime.segment_store``).
+    ``max_batch``: decode steps of different sessions run as one call at most (1: none),
+    ``batch_delay_s`` how long a step may wait for company when other sessions are
+    active, ``batch_padding`` whether steps of different past lengths are padded into one
+    call (not bit-exact; [Note: batching exactness] in ``tierflow.runtime.batching``).
     """
 
     threads: int = 1
@@ -100,6 +109,9 @@ class RuntimeOptions:
     state_share: int | None = None
     state_idle_s: float = DEFAULT_STATE_IDLE_S
     stream_idle_s: float = DEFAULT_STREAM_IDLE_S
+    max_batch: int = DEFAULT_MAX_BATCH
+    batch_delay_s: float = 0.0
+    batch_padding: bool = False
 
     def __post_init__(self) -> None:
         if self.threads < 0:
@@ -127,6 +139,13 @@ class RuntimeOptions:
             raise UsageError(f"state_idle_s must be a positive number, got {self.state_idle_s}")
         if not 0 < self.stream_idle_s < float("inf"):
             raise UsageError(f"stream_idle_s must be a positive number, got {self.stream_idle_s}")
+        if self.max_batch < 1:
+            raise UsageError(f"max_batch must be >= 1 (1: no batching), got {self.max_batch}")
+        if not 0 <= self.batch_delay_s <= MAX_BATCH_DELAY_S:
+            raise UsageError(
+                f"batch_delay_s must be between 0 and {MAX_BATCH_DELAY_S:g} s, "
+                f"got {self.batch_delay_s}"
+            )
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
         object.__setattr__(self, "providers", tuple(self.providers))
 
@@ -157,6 +176,9 @@ class RuntimeOptions:
             state_budget=args.state_budget,
             state_share=args.state_share,
             state_idle_s=args.state_idle,
+            max_batch=getattr(args, "max_batch", defaults.max_batch),
+            batch_delay_s=getattr(args, "batch_delay", defaults.batch_delay_s),
+            batch_padding=getattr(args, "batch_padding", defaults.batch_padding),
         )
 
 
@@ -254,5 +276,39 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, *, server: bool) -> N
         metavar="DURATION",
         help="drop a session's state after this long without a request (e.g. 90s, 3600s)",
     )
+    add_batch_arguments(parser, defaults)
     add_link_arguments(parser)
     add_security_arguments(parser, server=server)
+
+
+def add_batch_arguments(parser: argparse.ArgumentParser, defaults: RuntimeOptions) -> None:
+    """``--max-batch``, ``--batch-delay`` and ``--batch-padding`` ([Note: the step batcher]
+    in tierflow/runtime/batching.py)."""
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=defaults.max_batch,
+        metavar="N",
+        help="run the queued decode steps of up to N sessions as one ONNX Runtime call "
+        "(1: no batching); a step that finds the tier idle runs at once, and batches "
+        "grow up to the steps in flight (--workers on a server)",
+    )
+    parser.add_argument(
+        "--batch-delay",
+        type=parse_duration,
+        default=format_duration(defaults.batch_delay_s),
+        metavar="DURATION",
+        help="wait up to this long for the other active sessions' steps before running "
+        f"a smaller batch (at most {format_duration(MAX_BATCH_DELAY_S)}; a lone session "
+        "never waits)",
+    )
+    parser.add_argument(
+        "--batch-padding",
+        action="store_true",
+        default=defaults.batch_padding,
+        help="also batch steps of different past lengths, left-padding their KV caches "
+        "and masks: more steps share a call, but each pays for the padding's compute and "
+        "its logits differ from running alone in the last bits (about 3e-6), so greedy "
+        "tokens can differ; for Hugging Face style decoders only (default: only steps "
+        "of the same shapes, bit-exact)",
+    )

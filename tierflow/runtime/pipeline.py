@@ -425,7 +425,13 @@ class Pipeline:
                 session.initial,
                 owner=session.owner,
             )
-        outcome = runner.run(features, checked=checked, state=state)
+        outcome = runner.run(
+            features,
+            checked=checked,
+            state=state,
+            member=session.session if session is not None else "",
+            deadline_unix_s=deadline_unix_s,
+        )
         if session is not None and runner.states and outcome.state:
             self.states.commit(
                 session.session,

@@ -59,6 +59,7 @@ from tierflow.errors import InputError, ModelError, PlanError
 from tierflow.link.spec import TIERS
 from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec
+from tierflow.runtime.batching import Outputs, Padding, StepBatcher
 from tierflow.runtime.sessions import open_session
 from tierflow.state_spec import StateSpec
 
@@ -154,6 +155,13 @@ class SegmentRunner:
             shape = tuple(d if isinstance(d, int) and d >= 0 else None for d in arg.shape)
             self.inputs[arg.name] = InputSpec(arg.name, dtype, shape)
         self.output_names = [arg.name for arg in self.session.get_outputs()]
+        #: Every input and output has a symbolic first axis: steps could share a call
+        #: ([Note: batching exactness] in tierflow/runtime/batching.py).
+        self.symbolic_batch = all(spec.shape[:1] == (None,) for spec in self.inputs.values())
+        self.symbolic_batch = self.symbolic_batch and all(
+            len(arg.shape) > 0 and not isinstance(arg.shape[0], int)
+            for arg in self.session.get_outputs()
+        )
 
     def check_inputs(self, feeds: Mapping[str, np.ndarray]) -> None:
         """Raise an :class:`InputError` naming what was expected and what was found."""
@@ -281,6 +289,45 @@ class TierRunner:
             for name in spec.inputs:
                 if name in self._needed and name not in self._input_specs:
                     self._input_specs[name] = runner.inputs[name]
+        #: Runs the steps of many sessions in one call, where the plan allows it
+        #: ([Note: the step batcher] in tierflow/runtime/batching.py); None otherwise.
+        self.batcher = self._batcher(options or RuntimeOptions())
+
+    def _batcher(self, options: RuntimeOptions) -> StepBatcher | None:
+        """A batcher for a decoder plan's segments that batch ([Note: batching exactness])."""
+        decoder = self.plan.decoder
+        if options.max_batch <= 1 or decoder is None or not self.segments:
+            return None
+        if any(spec.exits for _, spec, _ in self.segments):
+            return None
+        if not all(runner.symbolic_batch for _, _, runner in self.segments):
+            return None
+        padding = None
+        growing = tuple((s.input, s.output, s.grows) for s in self.states if s.grows is not None)
+        mask = decoder.attention_mask
+        whole = len(growing) == len(self.states)  # every state a KV cache
+        if options.batch_padding and mask is not None and mask in self._needed and whole:
+            padding = Padding(mask, growing)
+        final = self.end >= len(self.plan.segments)
+        self._returned = (
+            *(self.plan.outputs if final else self._forwarded),
+            *(s.output for s in self.states),
+        )
+        return StepBatcher(
+            self._through,
+            name=f"the {self.tier}",
+            max_batch=options.max_batch,
+            delay_s=options.batch_delay_s,
+            padding=padding,
+        )
+
+    def _through(self, env: Mapping[str, np.ndarray]) -> Outputs:
+        """This tier's segments on ``env`` (one step, or a batch of them): what the step
+        returns (model outputs or forwarded tensors) and its new states."""
+        values = dict(env)
+        for _, spec, runner in self.segments:
+            values.update(runner.run({name: values[name] for name in spec.inputs}, checked=True))
+        return {name: values[name] for name in self._returned}
 
     def required_names(self, index: int) -> tuple[str, ...]:
         """Tensors a request entering at segment ``index`` must carry (``Plan.carried``)."""
@@ -310,13 +357,16 @@ class TierRunner:
         *,
         checked: bool = False,
         state: Mapping[str, np.ndarray] | None = None,
+        member: str = "",
+        deadline_unix_s: float = 0.0,
     ) -> Outcome:
         """Run this tier's segments on ``tensors``; stop at the first confident exit.
 
         ``checked``: the caller has checked every tensor against :meth:`input_specs`
         already (a server, before decoding), so the segments need not check again.
         ``state``: the value of each of :attr:`states`' inputs for this step; the outcome
-        carries what they become.
+        carries what they become. ``member`` (the step's session) and ``deadline_unix_s``
+        are for the batcher, when the tier has one ([Note: the step batcher]).
         """
         env = dict(tensors)
         if self.states:
@@ -326,6 +376,8 @@ class TierRunner:
                     "a request must name a session"
                 )
             env.update(state)
+        if self.batcher is not None:
+            return self._batched(env, tensors, checked, member, deadline_unix_s)
         last = len(self.plan.segments) - 1
         start = time.perf_counter()
         exits: list[str] = []
@@ -355,6 +407,37 @@ class TierRunner:
             exits_checked=exits,
             unconfident=unconfident,
             state=self._kept(env),
+        )
+
+    def _batched(
+        self,
+        env: dict[str, np.ndarray],
+        tensors: Mapping[str, np.ndarray],
+        checked: bool,
+        member: str,
+        deadline_unix_s: float,
+    ) -> Outcome:
+        """:meth:`run` through the batcher: the step's tensors checked here, alone, so a
+        bad one fails its own step before it joins a batch."""
+        assert self.batcher is not None
+        if not checked:
+            for name, spec in self._input_specs.items():
+                if name not in tensors:
+                    self.check_names(set(tensors), segment=self.start)  # raises
+                value = tensors[name]
+                spec.check(value.dtype.name, tuple(value.shape), f"the {self.tier}'s")
+        start = time.perf_counter()
+        values = self.batcher.run(env, member=member, deadline_unix_s=deadline_unix_s)
+        elapsed = time.perf_counter() - start
+        final = self.end >= len(self.plan.segments)
+        names = self.plan.outputs if final else self._forwarded
+        return Outcome(
+            {name: values[name] for name in names},
+            final,
+            None,
+            self.end,
+            elapsed,
+            state=self._kept(values),
         )
 
     def _kept(self, env: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -1,0 +1,250 @@
+"""The step batcher: grouping, stacking and splitting, and batches of a real decoder that
+answer each step bit for bit as it runs alone ([Note: batching exactness]).
+
+A batch forms when steps queue behind a running call; the tests make that happen without
+timing: the first call, inside the batcher, submits the other steps from threads and waits
+until they have queued, so what the batcher does next is fixed, not a race.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierflow.errors import DeadlineError, InputError, ModelError
+from tierflow.options import RuntimeOptions
+from tierflow.runtime.batching import (
+    Padding,
+    StepBatcher,
+    group_key,
+    pad,
+    split,
+    stack,
+    unpad,
+)
+from tierflow.runtime.segment_runner import SegmentRunner
+from tierflow.zoo.tiny_stateful import tiny_decoder
+
+BLOCKS = 2
+WIDTH = 8
+VOCAB = 16
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> SegmentRunner:
+    path = tiny_decoder(
+        tmp_path_factory.mktemp("batch") / "d.onnx", blocks=BLOCKS, width=WIDTH, vocab=VOCAB
+    )
+    return SegmentRunner(path, RuntimeOptions())
+
+
+def step(past: int, token: int, seed: int, seq: int = 1) -> dict[str, np.ndarray]:
+    """One session's decode step after ``past`` tokens, with a random KV cache."""
+    rng = np.random.default_rng(seed)
+    feeds = {
+        "input_ids": np.full((1, seq), token, dtype=np.int64),
+        "attention_mask": np.ones((1, past + seq), dtype=np.int64),
+        "position_ids": np.arange(past, past + seq, dtype=np.int64).reshape(1, seq),
+    }
+    for i in range(BLOCKS):
+        for kind in ("key", "value"):
+            value = rng.standard_normal((1, 1, past, WIDTH)).astype(np.float32)
+            feeds[f"past_key_values.{i}.{kind}"] = value
+    return feeds
+
+
+def padding() -> Padding:
+    states = tuple(
+        (f"past_key_values.{i}.{k}", f"present.{i}.{k}", 2)
+        for i in range(BLOCKS)
+        for k in ("key", "value")
+    )
+    return Padding("attention_mask", states)
+
+
+# ---------------------------------------------------------------------- pure parts
+
+
+def test_steps_group_by_every_shape_but_the_batch_axis() -> None:
+    a, b = step(5, 1, 0), step(5, 2, 1)
+    assert group_key(a) == group_key(b)
+    assert group_key(a) == group_key(stack([a, b]))  # the batch axis is not part of it
+    assert group_key(a) != group_key(step(6, 1, 0))  # another past length
+    assert group_key(a) != group_key(step(5, 1, 0, seq=3))  # a draft round of 3
+    as_int32 = {**a, "input_ids": a["input_ids"].astype(np.int32)}
+    assert group_key(a) != group_key(as_int32)
+
+
+def test_with_padding_past_lengths_group_but_step_lengths_do_not() -> None:
+    spec = padding()
+    assert group_key(step(5, 1, 0), spec) == group_key(step(9, 1, 0), spec)
+    assert group_key(step(5, 1, 0), spec) != group_key(step(5, 1, 0, seq=2), spec)
+
+
+def test_stack_and_split_are_inverse_and_split_checks_the_batch_axis() -> None:
+    members = [step(4, t, t) for t in range(3)]
+    stacked = stack(members)
+    assert stacked["input_ids"].shape == (3, 1)
+    parts = split(stacked, [1, 1, 1])
+    for part, member in zip(parts, members, strict=True):
+        assert all(np.array_equal(part[n], member[n]) for n in member)
+    with pytest.raises(ModelError, match="expected 3 rows on axis 0"):
+        split({"x": np.zeros((2, 4))}, [1, 1, 1])
+    with pytest.raises(ModelError, match="expected 2 rows"):
+        split({"scalar": np.float32(1.0) * np.ones(())}, [1, 1])
+
+
+def test_padding_fills_the_front_and_unpad_gives_each_member_its_own_back() -> None:
+    spec = padding()
+    short, long = step(3, 1, 0), step(7, 2, 1)
+    (padded_short, padded_long), extras = pad([short, long], spec)
+    assert extras == [4, 0]
+    assert padded_long is long or padded_long == long
+    cache = padded_short["past_key_values.0.key"]
+    assert cache.shape == (1, 1, 7, WIDTH) and not cache[:, :, :4].any()
+    assert np.array_equal(cache[:, :, 4:], short["past_key_values.0.key"])
+    assert padded_short["attention_mask"].tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]]
+    outputs = {"present.0.key": np.ones((1, 1, 8, WIDTH)), **padded_short}
+    own = unpad(outputs, short, 4, spec)
+    assert own["present.0.key"].shape == (1, 1, 4, WIDTH)
+    assert np.array_equal(own["attention_mask"], short["attention_mask"])
+
+
+# ---------------------------------------------------------------------- the batcher
+
+
+def run_queued(
+    batcher: StepBatcher,
+    first: Mapping[str, np.ndarray],
+    others: Sequence[tuple[Mapping[str, np.ndarray], float]],
+    member_run: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]],
+    calls: list[int],
+) -> list[dict[str, np.ndarray] | BaseException]:
+    """Run ``first``; while its call runs, the ``others`` (feeds, deadline) queue behind it.
+
+    Returns each step's outputs or error, ``first`` first; ``calls`` gets each call's rows.
+    """
+    results: list[dict[str, np.ndarray] | BaseException] = [ValueError("not run")] * (
+        1 + len(others)
+    )
+
+    def submit(i: int, feeds: Mapping[str, np.ndarray], deadline: float) -> None:
+        try:
+            results[i] = batcher.run(feeds, member=f"s{i}", deadline_unix_s=deadline)
+        except Exception as exc:
+            results[i] = exc
+
+    threads = [
+        threading.Thread(target=submit, args=(i + 1, feeds, deadline))
+        for i, (feeds, deadline) in enumerate(others)
+    ]
+
+    def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        calls.append(int(next(iter(feeds.values())).shape[0]))
+        if len(calls) == 1:  # the first call: the others arrive while it runs
+            for thread in threads:
+                thread.start()
+            with batcher._cond:
+                assert batcher._cond.wait_for(lambda: len(batcher._queue) == len(others), 30)
+        return member_run(feeds)
+
+    batcher._run = run
+    submit(0, first, 0.0)
+    for thread in threads:
+        thread.join(30)
+    return results
+
+
+def test_an_idle_batcher_runs_a_step_at_once_alone(runner: SegmentRunner) -> None:
+    calls: list[int] = []
+
+    def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        calls.append(1)
+        return runner.run(feeds)
+
+    batcher = StepBatcher(run, name="test", max_batch=8, delay_s=0.05)
+    feeds = step(4, 3, 0)
+    out = batcher.run(feeds, member="s")
+    out = batcher.run(feeds, member="s")  # the one session active: no wait for company
+    assert calls == [1, 1] and batcher.stats.batched == 0
+    assert np.array_equal(out["logits"], runner.run(feeds)["logits"])
+
+
+def test_queued_steps_of_one_group_share_one_call_and_match_running_alone(
+    runner: SegmentRunner,
+) -> None:
+    batcher = StepBatcher(runner.run, name="test", max_batch=8)
+    first = step(6, 1, 0)
+    others = [(step(6, t, t), 0.0) for t in range(2, 6)]
+    calls: list[int] = []
+    results = run_queued(batcher, first, others, runner.run, calls)
+    assert calls == [1, 4]  # the first alone (the tier was idle), then the four together
+    for result, feeds in zip(results, [first, *[f for f, _ in others]], strict=True):
+        assert isinstance(result, dict)
+        alone = runner.run(feeds)
+        for name in runner.output_names:  # bit for bit, logits and new caches alike
+            assert np.array_equal(result[name], alone[name]), name
+    assert batcher.stats.largest == 4 and batcher.stats.batched == 4
+
+
+def test_other_groups_wait_for_the_next_call_and_the_oldest_goes_first(
+    runner: SegmentRunner,
+) -> None:
+    batcher = StepBatcher(runner.run, name="test", max_batch=2)
+    others = [
+        (step(5, 1, 1), 0.0),  # oldest queued: its group goes next
+        (step(9, 1, 2), 0.0),  # another past length: not with it
+        (step(5, 2, 3), 0.0),
+        (step(5, 3, 4), 0.0),  # over --max-batch 2: the call after
+    ]
+    calls: list[int] = []
+    results = run_queued(batcher, step(5, 4, 0), others, runner.run, calls)
+    assert calls == [1, 2, 1, 1]
+    assert all(isinstance(r, dict) for r in results)
+
+
+def test_a_member_that_fails_fails_alone_with_its_own_error(runner: SegmentRunner) -> None:
+    batcher = StepBatcher(runner.run, name="test", max_batch=8)
+    good = [step(4, t, t) for t in (1, 2)]
+    bad = step(4, VOCAB + 50, 9)  # a token past the vocabulary: the embedding fails
+    expired = step(4, 3, 3)
+    others = [(good[1], 0.0), (bad, 0.0), (expired, 1.0)]  # 1.0: long past
+    calls: list[int] = []
+    results = run_queued(batcher, good[0], others, runner.run, calls)
+    assert isinstance(results[2], InputError | ModelError)
+    assert isinstance(results[3], DeadlineError)
+    for result, feeds in zip(results[:2], good, strict=True):
+        assert isinstance(result, dict)
+        assert np.array_equal(result["logits"], runner.run(feeds)["logits"])
+    assert calls == [1, 2, 1, 1]  # the batch of two failed, then each alone
+
+
+def test_a_tier_runner_batches_only_what_it_can(tmp_path: Path) -> None:
+    from tierflow.partitioner.decoder_graph import load_decoder, split_decoder
+    from tierflow.partitioner.decoder_points import DecoderSettings
+    from tierflow.partitioner.split import save_split_plan
+    from tierflow.plan import load_plan
+    from tierflow.runtime.segment_runner import TierRunner
+
+    model = tiny_decoder(tmp_path / "d.onnx", blocks=2, vocab=VOCAB)
+    graph = load_decoder(model, DecoderSettings(context=32, max_tokens=4, prompt_tokens=2))
+    last = len(graph.prefill.cuts) - 1
+    save_split_plan(
+        graph.prefill,
+        split_decoder(graph, (0, 0)),
+        tmp_path / "plan",
+        cuts=(0, 0),
+        decoder=graph.decoder,
+    )
+    plan = load_plan(tmp_path / "plan")
+    assert last > 0
+    cloud = TierRunner(plan, tmp_path / "plan", "cloud", RuntimeOptions())
+    assert cloud.batcher is not None and cloud.batcher.padding is None
+    padded = TierRunner(plan, tmp_path / "plan", "cloud", RuntimeOptions(batch_padding=True))
+    assert padded.batcher is not None and padded.batcher.padding is not None
+    assert TierRunner(plan, tmp_path / "plan", "cloud", RuntimeOptions(max_batch=1)).batcher is None
+    assert TierRunner(plan, tmp_path / "plan", "edge", RuntimeOptions()).batcher is None

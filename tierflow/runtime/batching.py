@@ -1,0 +1,400 @@
+"""Batched steps: the concurrent decode steps of many sessions in one ONNX Runtime call.
+
+A decoder's decode step reads all of its segment's weights to make one token: it is
+bound by memory, not arithmetic, so a tier that runs the steps of many sessions together
+gets several tokens for little more than the price of one (continuous batching, as in
+Orca and vLLM). :class:`StepBatcher` does that for one tier's share of one plan
+(:class:`~tierflow.runtime.segment_runner.TierRunner` holds one when the plan allows it);
+:func:`group_key`, :func:`stack` and :func:`split` are its pure parts.
+
+[Note: batching exactness]
+Which groupings ONNX Runtime (1.32, CPU, "extended") keeps bit-identical to each step
+run alone, measured on a decoder with Qwen2-0.5B's block shapes (hidden 896, 12 blocks,
+GQA 14/2 heads, 32k vocabulary; ``benchmarks/qwen_shaped.py``) and on the tiny test
+decoder (``tierflow.zoo.tiny_stateful``), at 1 and 2 intra-op threads:
+
+* steps whose every input has the same shape but for the batch axis (same past length,
+  same step length): decode steps of 2, 4 and 8 sessions at past 64, and prefills of 4
+  prompts of 64, differ from the same steps alone by exactly 0.0 in every output (logits
+  and new KV caches), at both thread counts and on both models. The rows of a batch never
+  meet: every MatMul multiplies each row by the same weights with the same inner loop
+  over K (MLAS splits a GEMM among threads by rows and columns, never along K), and
+  attention, softmax and the norms work per row over the same lengths;
+* sessions of different past lengths left-padded to the longest (KV cache zeros, mask 0
+  there) are not: the Qwen2-shaped decoder's logits differ by up to 2.7e-6 (argmax the
+  same in 4 of 4 at each thread count), and padding one session alone, with no batch,
+  already differs by 2.6e-6: a softmax over a longer row, its masked terms exactly 0,
+  still sums in another order. Worse, padding is only correct for a model whose causal
+  mask compares cache indices, as Hugging Face's models do; the test decoder and the
+  byte decoders compare ``position_ids`` with cache indices (ALiBi), so padding them
+  changes the function (logits off by 0.3, argmax changed in 1 of 4).
+
+So the default groups only steps whose tensors have the same shapes but for axis 0
+(:func:`group_key`): exact, whatever the model. ``--batch-padding`` also groups decoder
+steps of different past lengths, left-padding their caches and masks (:func:`pad`): more
+steps share a call, but each costs the padding's compute and its answers are no longer
+bit-identical (token agreement measured like a lossy codec's); it is for Hugging Face
+style decoders only. A batch is only formed for a decoder plan's segments whose every
+input and output has a symbolic first (batch) axis and no early exit: a graph whose axis
+0 is not the batch (a streaming model's time axis) would be stacked wrongly without
+failing, so nothing else is batched.
+
+[Note: the step batcher]
+A tier's steps of one plan reach :meth:`StepBatcher.run` from its worker threads. One
+batch of a runner runs at a time (the intra-op threads, ``--threads``, give it the
+cores): a step that finds none running runs at once, alone, so an idle tier adds no
+wait and a lone session pays only a lock. Steps that arrive while a batch runs queue;
+when it ends, the thread whose step is next in line takes the oldest queued step and
+every later queued step of the same group (:func:`group_key`), up to ``--max-batch``, in
+the order they came, and runs them as one call: their tensors stacked on axis 0 (the
+sessions' KV caches gathered), the outputs and new caches split back per step. Steps of
+other groups wait for the next call; the oldest step always goes next, so no session
+starves and each session's steps keep their order (a session has one step in flight,
+[Note: a stream's requests run at once] in tierflow/runtime/streams.py). With
+``--batch-delay`` D > 0 the thread forming a batch waits up to D while fewer steps are
+queued than sessions ran a step in the last second (and the batch is not full), so
+lockstep sessions that were split once come back together, and the steps crossing from
+the tier below one by one meet again; a lone session never waits. A step whose deadline passed while
+it queued fails alone (DEADLINE_EXCEEDED); a batch whose call fails is run again one
+step at a time, so the step with the bad tensor fails alone, with its own typed error,
+and the others get their answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tierflow.errors import DeadlineError, ModelError
+
+logger = logging.getLogger(__name__)
+
+Feeds = Mapping[str, np.ndarray]
+Outputs = dict[str, np.ndarray]
+#: How long a session counts as active for ``--batch-delay`` ([Note: the step batcher]).
+ACTIVE_S = 1.0
+
+
+@dataclass(frozen=True)
+class Padding:
+    """How to left-pad a decoder's steps of different past lengths into one batch.
+
+    ``mask``: the attention mask input [batch, past + seq]; ``states``: each growing
+    state's input, output and growing axis (a KV cache [batch, heads, past, dim]).
+    """
+
+    mask: str
+    states: tuple[tuple[str, str, int], ...]
+
+
+def group_key(feeds: Feeds, padding: Padding | None = None) -> Hashable:
+    """What steps must share to run as one call: every tensor's dtype and shape but for
+    axis 0 ([Note: batching exactness]); with ``padding``, the past length is not part of it."""
+    grows = {name: axis for name, _, axis in padding.states} if padding else {}
+    if padding is not None:
+        grows[padding.mask] = 1
+    key = []
+    for name in sorted(feeds):
+        value = feeds[name]
+        dims = list(value.shape[1:])
+        axis = grows.get(name)
+        if axis is not None:
+            dims[axis - 1] = -1
+        key.append((name, value.dtype.str, tuple(dims)))
+    if padding is not None:  # the step's length: the mask minus a state's past
+        mask = feeds.get(padding.mask)
+        state = feeds.get(padding.states[0][0]) if padding.states else None
+        if mask is None or state is None:
+            return ("unpadded", tuple(key))
+        key.append(("seq", "", (mask.shape[1] - state.shape[padding.states[0][2]],)))
+    return tuple(key)
+
+
+def stack(members: Sequence[Feeds]) -> dict[str, np.ndarray]:
+    """The members' tensors concatenated on axis 0, in member order."""
+    first = members[0]
+    return {name: np.concatenate([m[name] for m in members], axis=0) for name in first}
+
+
+def split(outputs: Mapping[str, np.ndarray], sizes: Sequence[int]) -> list[Outputs]:
+    """Cut each output on axis 0 back into the members' parts (views, no copies).
+
+    A :class:`ModelError` when an output's axis 0 is not the batch (its length is not the
+    members' total): the graph did not keep rows apart, and nothing is answered from it.
+    """
+    total = sum(sizes)
+    for name, value in outputs.items():
+        if value.ndim == 0 or value.shape[0] != total:
+            raise ModelError(
+                f"output {name!r} of a batch of {len(sizes)} steps has shape "
+                f"{list(value.shape)}: expected {total} rows on axis 0"
+            )
+    parts: list[Outputs] = []
+    start = 0
+    for size in sizes:
+        parts.append({name: value[start : start + size] for name, value in outputs.items()})
+        start += size
+    return parts
+
+
+def pad(members: Sequence[Feeds], padding: Padding) -> tuple[list[Feeds], list[int]]:
+    """The members left-padded to the longest past ([Note: batching exactness]): zeros in
+    each growing state and in the mask before what each member has; and each member's pad."""
+    axis0 = padding.states[0]
+    pasts = [m[axis0[0]].shape[axis0[2]] for m in members]
+    longest = max(pasts)
+    padded: list[Feeds] = []
+    for member, past in zip(members, pasts, strict=True):
+        extra = longest - past
+        out = dict(member)
+        if extra:
+            for name, _, axis in padding.states:
+                out[name] = _left_pad(member[name], axis, extra)
+            out[padding.mask] = _left_pad(member[padding.mask], 1, extra)
+        padded.append(out)
+    return padded, [longest - past for past in pasts]
+
+
+def unpad(outputs: Outputs, original: Feeds, extra: int, padding: Padding) -> Outputs:
+    """A padded member's outputs as its own: growing states without the padding, the mask
+    it came with."""
+    if not extra:
+        return outputs
+    out = dict(outputs)
+    for _, name, axis in padding.states:
+        if name in out:
+            cut = [slice(None)] * out[name].ndim
+            cut[axis] = slice(extra, None)
+            out[name] = out[name][tuple(cut)]
+    if padding.mask in out:
+        out[padding.mask] = np.asarray(original[padding.mask])
+    return out
+
+
+def _left_pad(value: np.ndarray, axis: int, extra: int) -> np.ndarray:
+    widths = [(0, 0)] * value.ndim
+    widths[axis] = (extra, 0)
+    return np.pad(value, widths)
+
+
+@dataclass
+class _Step:
+    feeds: Feeds
+    key: Hashable
+    member: str
+    deadline_unix_s: float
+    result: Outputs | None = None
+    error: BaseException | None = None
+    done: bool = False
+    rows: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        first = next(iter(self.feeds.values()), None)
+        self.rows = int(first.shape[0]) if first is not None and first.ndim else 1
+
+
+@dataclass
+class BatchStats:
+    """What a batcher did: calls made, steps run, the largest batch, steps run in batches."""
+
+    calls: int = 0
+    steps: int = 0
+    largest: int = 0
+    batched: int = 0
+    sizes: dict[int, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "calls": self.calls,
+            "steps": self.steps,
+            "largest": self.largest,
+            "batched": self.batched,
+            "sizes": {str(k): v for k, v in sorted(self.sizes.items())},
+        }
+
+
+class StepBatcher:
+    """Runs ``run`` on steps of many threads, grouped into batches ([Note: the step batcher]).
+
+    ``run`` takes one feed dict (stacked or not) and returns the outputs, rows on axis 0.
+    ``max_batch`` steps at most share a call; ``delay_s`` is ``--batch-delay``;
+    ``padding`` (``--batch-padding``) groups steps of different past lengths.
+    """
+
+    def __init__(
+        self,
+        run: Callable[[Feeds], Outputs],
+        *,
+        name: str,
+        max_batch: int,
+        delay_s: float = 0.0,
+        padding: Padding | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self._run = run
+        self.name = name
+        self.max_batch = max_batch
+        self.delay_s = delay_s
+        self.padding = padding
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._queue: deque[_Step] = deque()
+        self._busy = False
+        self._active: dict[str, float] = {}  # member -> when it last ran a step
+        self.stats = BatchStats()
+
+    def run(self, feeds: Feeds, *, member: str = "", deadline_unix_s: float = 0.0) -> Outputs:
+        """Run one step, alone or in a batch; its outputs, or its own error raised."""
+        step = _Step(feeds, group_key(feeds, self.padding), member, deadline_unix_s)
+        with self._cond:
+            self._queue.append(step)
+            self._cond.notify_all()  # a leader waiting out --batch-delay counts it
+            while not step.done and self._busy:
+                self._cond.wait()
+            if not step.done:
+                self._busy = True
+        if not step.done:
+            self._lead(step)
+        if step.error is not None:
+            raise step.error
+        assert step.result is not None
+        return step.result
+
+    def _lead(self, mine: _Step) -> None:
+        """Run batches until ``mine`` is answered, then hand the lead on."""
+        try:
+            while not mine.done:
+                batch = self._take()
+                if batch:
+                    self._call(batch)
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def _take(self) -> list[_Step]:
+        """The next batch: the oldest queued step and the later ones of its group."""
+        with self._cond:
+            if self.delay_s > 0 and self._queue:
+                ends = self._clock() + self.delay_s
+                while self._group_size() < min(self.max_batch, self._expected()):
+                    left = ends - self._clock()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+            batch = self._gather()
+            now = self._clock()
+            for step in batch:
+                self._active[step.member] = now
+        return self._live(batch)
+
+    def _gather(self) -> list[_Step]:
+        """Take the oldest queued step and its group's later steps off the queue; hold the lock."""
+        if not self._queue:
+            return []
+        key = self._queue[0].key
+        batch: list[_Step] = []
+        rest: deque[_Step] = deque()
+        for step in self._queue:
+            if step.key == key and len(batch) < self.max_batch:
+                batch.append(step)
+            else:
+                rest.append(step)
+        self._queue = rest
+        return batch
+
+    def queued(self) -> int:
+        """Steps waiting for a call now."""
+        with self._cond:
+            return len(self._queue)
+
+    def _group_size(self) -> int:
+        """Steps queued now, of every group: once each active session has one queued, no
+        more company is coming; hold the lock."""
+        return len(self._queue)
+
+    def _expected(self) -> int:
+        """Sessions that ran a step in the last :data:`ACTIVE_S`; hold the lock."""
+        now = self._clock()
+        for member, when in list(self._active.items()):
+            if now - when > ACTIVE_S:
+                del self._active[member]
+        return len(self._active)
+
+    def _live(self, batch: list[_Step]) -> list[_Step]:
+        """``batch`` without the steps whose deadline passed while they queued."""
+        now = time.time()
+        live = []
+        for step in batch:
+            if step.deadline_unix_s and now > step.deadline_unix_s:
+                self._finish(
+                    step,
+                    error=DeadlineError(
+                        f"the step's deadline passed while it queued for a batch on {self.name}"
+                    ),
+                )
+            else:
+                live.append(step)
+        return live
+
+    def _call(self, batch: list[_Step]) -> None:
+        """Run ``batch`` as one call; if it fails, each step alone."""
+        stats = self.stats
+        stats.calls += 1
+        stats.steps += len(batch)
+        stats.largest = max(stats.largest, len(batch))
+        stats.sizes[len(batch)] = stats.sizes.get(len(batch), 0) + 1
+        if len(batch) == 1:
+            self._alone(batch[0])
+            return
+        stats.batched += len(batch)
+        try:
+            parts = self._batched(batch)
+        except Exception as exc:
+            logger.info(
+                "[%s] a batch of %d steps failed (%s); running them one by one",
+                self.name,
+                len(batch),
+                exc,
+            )
+            for step in batch:
+                self._alone(step)
+            return
+        for step, part in zip(batch, parts, strict=True):
+            self._finish(step, result=part)
+
+    def _batched(self, batch: list[_Step]) -> list[Outputs]:
+        feeds: list[Feeds] = [step.feeds for step in batch]
+        extras = [0] * len(batch)
+        if self.padding is not None:
+            feeds, extras = pad(feeds, self.padding)
+        parts = split(self._run(stack(feeds)), [step.rows for step in batch])
+        if self.padding is not None:
+            parts = [
+                unpad(part, step.feeds, extra, self.padding)
+                for part, step, extra in zip(parts, batch, extras, strict=True)
+            ]
+        return parts
+
+    def _alone(self, step: _Step) -> None:
+        try:
+            result = self._run(step.feeds)
+        except BaseException as exc:  # the step's own error, raised in its own thread
+            self._finish(step, error=exc)
+            return
+        self._finish(step, result=result)
+
+    def _finish(
+        self, step: _Step, *, result: Outputs | None = None, error: BaseException | None = None
+    ) -> None:
+        with self._cond:
+            step.result, step.error, step.done = result, error, True
+            self._cond.notify_all()
