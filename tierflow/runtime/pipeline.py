@@ -429,7 +429,7 @@ class Pipeline:
             features,
             checked=checked,
             state=state,
-            member=session.session if session is not None else "",
+            member=f"{session.owner}/{session.session}" if session is not None else "",
             deadline_unix_s=deadline_unix_s,
         )
         if session is not None and runner.states and outcome.state:
