@@ -9,14 +9,16 @@ Orca and vLLM). :class:`StepBatcher` does that for one tier's share of one plan
 
 [Note: batching exactness]
 Which groupings ONNX Runtime (1.32, CPU, "extended") keeps bit-identical to each step
-run alone, measured on a decoder with Qwen2-0.5B's block shapes (hidden 896, 12 blocks,
-GQA 14/2 heads, 32k vocabulary; ``benchmarks/qwen_shaped.py``) and on the tiny test
-decoder (``tierflow.zoo.tiny_stateful``), at 1 and 2 intra-op threads:
+run alone, measured on a decoder with Qwen2-0.5B's block shapes (hidden 896, GQA 14/2
+heads, MLP 4864) with 12 blocks and a 32k vocabulary, random weights, exported by optimum
+(``tierflow.zoo.hf_decoders``, as ``benchmarks/batching_bench.py`` builds it) and by
+torch's TorchScript exporter, and on the tiny test decoder
+(``tierflow.zoo.tiny_stateful``), at 1 and 2 intra-op threads:
 
 * steps whose every input has the same shape but for the batch axis (same past length,
   same step length): decode steps of 2, 4 and 8 sessions at past 64, and prefills of 4
   prompts of 64, differ from the same steps alone by exactly 0.0 in every output (logits
-  and new KV caches), at both thread counts and on both models. The rows of a batch never
+  and new KV caches), at both thread counts and on all three. The rows of a batch never
   meet: every MatMul multiplies each row by the same weights with the same inner loop
   over K (MLAS splits a GEMM among threads by rows and columns, never along K), and
   attention, softmax and the norms work per row over the same lengths;
@@ -33,8 +35,8 @@ So the default groups only steps whose tensors have the same shapes but for axis
 (:func:`group_key`): exact, whatever the model. ``--batch-padding`` also groups decoder
 steps of different past lengths, left-padding their caches and masks (:func:`pad`): more
 steps share a call, but each costs the padding's compute and its answers are no longer
-bit-identical (token agreement measured like a lossy codec's); it is for Hugging Face
-style decoders only. A batch is only formed for a decoder plan's segments whose every
+bit-identical (its token agreement end to end is not measured yet); it is for Hugging
+Face style decoders only. A batch is only formed for a decoder plan's segments whose every
 input and output has a symbolic first (batch) axis and no early exit: a graph whose axis
 0 is not the batch (a streaming model's time axis) would be stacked wrongly without
 failing, so nothing else is batched.
