@@ -295,7 +295,7 @@ def add_batch_arguments(parser: argparse.ArgumentParser, defaults: RuntimeOption
     )
     parser.add_argument(
         "--batch-delay",
-        type=parse_duration,
+        type=parse_seconds,
         default=format_duration(defaults.batch_delay_s),
         metavar="DURATION",
         help="wait up to this long for the other active sessions' steps before running "
