@@ -11,7 +11,7 @@ Orca and vLLM). :class:`StepBatcher` does that for one tier's share of one plan
 Which groupings ONNX Runtime (1.32, CPU, "extended") keeps bit-identical to each step
 run alone, measured on a decoder with Qwen2-0.5B's block shapes (hidden 896, GQA 14/2
 heads, MLP 4864) with 12 blocks and a 32k vocabulary, random weights, exported by optimum
-(``tierflow.zoo.hf_decoders``, as ``benchmarks/batching_bench.py`` builds it) and by
+(``tierflow.zoo.hf_decoders``, as ``benchmarks/batching.py`` builds it) and by
 torch's TorchScript exporter, and on the tiny test decoder
 (``tierflow.zoo.tiny_stateful``), at 1 and 2 intra-op threads:
 

@@ -1,7 +1,8 @@
 """Batched decoding benchmark: 1-16 concurrent generate sessions, batched and not, against ORT.
 
-    python benchmarks/batching_bench.py            # 1, 2, 4, 8, 16 sessions (~25 min)
-    python benchmarks/batching_bench.py --quick    # 1, 4, 8 sessions, fewer tokens
+    python -m benchmarks.batching            # 1, 2, 4, 8, 16 sessions (~25 min)
+    python -m benchmarks.batching --quick    # 1, 4, 8 sessions, fewer tokens
+    python -m benchmarks.batching --render   # the committed results rendered again
 
 The decoder has Qwen2-0.5B's block shapes (hidden 896, 14/2 heads, MLP 4864) with 12
 blocks and a 32k vocabulary, random weights, built from a transformers config and exported
@@ -43,10 +44,12 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent
-RESULTS = ROOT / "results" / "batching.json"
-PLOT = ROOT / "results" / "batching.png"
-REPORT = ROOT / "BATCHING.md"
+from benchmarks.lib import RESULTS as FOLDER
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = FOLDER / "batching.json"
+PLOT = FOLDER / "batching.png"
+REPORT = FOLDER / "BATCHING.md"
 THREADS = 2
 WORKERS = 16
 #: The batched runs' second --batch-delay: lockstep sessions otherwise fall into turns.
@@ -258,7 +261,8 @@ def child(what: str, target: Path, counts: Sequence[int], args: argparse.Namespa
     """Run one configuration in a child process (its own memory), its JSON result back."""
     command = [
         sys.executable,
-        __file__,
+        "-m",
+        "benchmarks.batching",
         "--child",
         what,
         "--target",
@@ -278,7 +282,7 @@ def child(what: str, target: Path, counts: Sequence[int], args: argparse.Namespa
         "--batch-delay-ms",
         str(args.batch_delay_ms),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
     if done.returncode != 0:
         raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -360,39 +364,42 @@ def table(results: dict[str, Any]) -> list[str]:
 
 
 def goals(results: dict[str, Any]) -> list[str]:
+    """Issue 29's goals, judged on each batched run (the default delay 0 and 5 ms)."""
     ceiling_by = {r["sessions"]: r["tokens_per_s"] for r in results["ceiling"]["rows"]}
     out = []
     for where in ("cloud", "split"):
-        name = f"{where}, batched, delay {DELAY_MS:g} ms"
-        batched = {r["sessions"]: r for r in results["runs"][name]["rows"]}
-        default = {
-            r["sessions"]: r for r in results["runs"][f"{where}, batched, delay 0 ms"]["rows"]
-        }
         plain = {r["sessions"]: r for r in results["runs"][f"{where}, not batched"]["rows"]}
-        if 8 in batched and 1 in batched:
-            gain = batched[8]["tokens_per_s"] / batched[1]["tokens_per_s"]
-            out.append(
-                f"- {where}: 8 sessions {gain:.2f}x one session's tokens/s (goal >= 3x): "
-                f"{'met' if gain >= 3 else 'NOT met'}"
-            )
-        for n in (8, 16):
-            if n in batched:
-                share = batched[n]["tokens_per_s"] / ceiling_by[n]
+        for delay in (0.0, DELAY_MS):
+            name = f"{where}, batched, delay {delay:g} ms"
+            batched = {r["sessions"]: r for r in results["runs"][name]["rows"]}
+            if not any(r["cloud_batches"] for r in batched.values()):
+                out.append(f"- {name}: the cloud formed no batches (see the note below)")
+                continue
+            if 8 in batched and 1 in batched:
+                gain = batched[8]["tokens_per_s"] / batched[1]["tokens_per_s"]
+                met = "met" if gain >= 3 else "NOT met"
                 out.append(
-                    f"- {where}: {n} sessions at {100 * share:.0f}% of the ORT ceiling "
-                    f"(goal >= 80%): {'met' if share >= 0.8 else 'NOT met'}"
+                    f"- {name}: 8 sessions {gain:.2f}x one session's tokens/s (>= 3x): {met}"
                 )
-        same = all(r["identical"] for r in [*batched.values(), *default.values()])
-        out.append(
-            f"- {where}: every batched session token-identical to the unsplit model: "
-            f"{'met' if same else 'NOT met'}"
-        )
-        if 1 in default and 1 in plain:
-            a, b = default[1]["p50_ms"], plain[1]["p50_ms"]
+            for n in (8, 16):
+                if n in batched:
+                    share = batched[n]["tokens_per_s"] / ceiling_by[n]
+                    met = "met" if share >= 0.8 else "NOT met"
+                    out.append(
+                        f"- {name}: {n} sessions at {100 * share:.0f}% of the ORT ceiling "
+                        f"(>= 80%): {met}"
+                    )
+            same = all(r["identical"] for r in batched.values())
             out.append(
-                f"- {where}: one session's p50 {a:.1f} ms/token batched, {b:.1f} not "
-                f"(goal: no worse; {100 * (a / b - 1):+.1f}%)"
+                f"- {name}: every session token-identical to the unsplit model: "
+                f"{'met' if same else 'NOT met'}"
             )
+            if 1 in batched and 1 in plain:
+                a, b = batched[1]["p50_ms"], plain[1]["p50_ms"]
+                out.append(
+                    f"- {name}: one session's p50 {a:.1f} ms/token, {b:.1f} not batched "
+                    f"(no worse: {'met' if a <= b else 'NOT met'}, {100 * (a / b - 1):+.1f}%)"
+                )
     return out
 
 
@@ -431,25 +438,41 @@ def plot(results: dict[str, Any], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+NOTES = [
+    "Reading it: this machine's two cores are shared with other jobs (the load average",
+    "was 15-20 through the run), so ONNX Runtime alone took 449 ms for one decode step",
+    "that issue 29 measured at 25 ms here when idle, and single figures move by 2x from row to",
+    "the next; compare rows measured close together and the batch sizes, not absolute",
+    "times. The split plan's cloud formed no batches: optimum's graph computes shape",
+    "scalars (the batch size and step length, rank 0) once near its start and every",
+    "block reads them, so they cross the cuts, and a scalar cannot be stacked; the tiers",
+    "see that (an input without a symbolic batch axis) and run each step alone, exactly",
+    "as before ([Note: batching exactness], [Note: a split decoder's batch axis]). The",
+    "split rows so measure the same path three times over.",
+]
+
+
 def render(results: dict[str, Any]) -> None:
     settings = results["settings"]
     lines = [
         "# Batched decoding",
         "",
-        "`python benchmarks/batching_bench.py` (see its docstring), run "
+        "`python -m benchmarks.batching` (see its docstring), run "
         f"{settings['when']} on {settings['cpus']} CPUs "
         f"(load {settings['load']:.2f} at the start), "
         f"ONNX Runtime {settings['threads']} intra-op threads on every tier, --workers "
         f"{settings['workers']}, prompts of {settings['prompt']} tokens, {settings['tokens']} "
         "tokens per session.",
         "",
-        "![tokens/s](results/batching.png)",
+        "![tokens/s](batching.png)",
         "",
         *table(results),
         "",
         "Goals:",
         "",
         *goals(results),
+        "",
+        *NOTES,
         "",
     ]
     REPORT.write_text("\n".join(lines))
@@ -468,6 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batch-delay-ms", type=float, default=0.0)
+    parser.add_argument("--render", action="store_true", help="re-render the saved results")
     parser.add_argument("--child", choices=("sessions", "ceiling", "references"))
     parser.add_argument("--target")
     args = parser.parse_args(argv)
@@ -481,6 +505,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             out = references(target, counts[0], args)
         print(json.dumps(out))
+        return 0
+    if args.render:  # the committed results, rendered again
+        results = json.loads(RESULTS.read_text())
+        plot(results, PLOT)
+        render(results)
         return 0
     if args.quick:
         args.sessions, args.tokens = "1,4,8", 12
