@@ -424,7 +424,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         axis.plot(
             [r["sessions"] for r in rows],
             [r["tokens_per_s"] for r in rows],
-            "-o" if "not" not in name else ":x",
+            ":x" if "not" in name else ("--s" if "delay 0 " in name else "-o"),
             color=styles[where],
             label=name,
         )
