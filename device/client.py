@@ -38,7 +38,7 @@ from tierflow.device.fallback import (
     runs_on_device_only,
 )
 from tierflow.device.probing import DEFAULT_IDLE_S
-from tierflow.device.results import DEFAULT_DEADLINE_S, Result, Ticket
+from tierflow.device.results import DEFAULT_DEADLINE_S, Result, Ticket, local_ms
 from tierflow.errors import (
     InputError,
     StateError,
@@ -462,8 +462,7 @@ class DeviceClient:
                 return None
             name, scores = unconfident
             total = (time.perf_counter() - started) * 1e3
-            ms = {"device": 0.0, "edge": 0.0, "cloud": 0.0, "total": total}
-            ms.update(queue=0.0, network=total)
+            ms = local_ms(total, device=0.0, network=total)
             return Result(
                 request_id,
                 {name: scores},
@@ -493,16 +492,14 @@ class DeviceClient:
                 outcome = runner.run(dict(arrays))
         except TierflowError as exc:
             total = (time.perf_counter() - started) * 1e3
-            ms = {"device": total, "edge": 0.0, "cloud": 0.0, "total": total}
-            ms.update(queue=0.0, network=0.0)
+            ms = local_ms(total, device=total)
             logger.warning("[device] request %s: the device-only plan failed too", request_id)
             return Result(request_id, bytes=bytes_, rate_bps=rates, ms=ms, error=exc)
         assert outcome.final, "a device-only plan ends on the device"
         total = (time.perf_counter() - started) * 1e3
         # Time spent trying the edge is waiting, not the device's work.
         device_ms = (time.perf_counter() - run_start) * 1e3
-        ms = {"device": device_ms, "edge": 0.0, "cloud": 0.0, "total": total}
-        ms.update(queue=0.0, network=max(total - device_ms, 0.0))
+        ms = local_ms(total, device=device_ms, network=max(total - device_ms, 0.0))
         timings = {
             "device": {
                 "compute_ms": outcome.compute_s * 1e3,
@@ -568,8 +565,7 @@ class DeviceClient:
         cache_hit: bool = False,
     ) -> Ticket:
         total = (time.perf_counter() - started) * 1e3
-        ms = {"device": total, "edge": 0.0, "cloud": 0.0, "total": total}
-        ms.update(queue=0.0, network=0.0)
+        ms = local_ms(total, device=total)
         result = Result(
             request_id,
             outputs or {},

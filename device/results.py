@@ -269,9 +269,24 @@ class Ticket:
         links: dict[str, dict[str, float]],
     ) -> Result:
         total = ((self._arrived or time.perf_counter()) - self._started) * 1e3
-        ms = {"device": self._device_ms, "edge": 0.0, "cloud": 0.0, "total": total}
-        ms.update(queue=0.0, network=0.0)
+        ms = local_ms(total, device=self._device_ms)
         return Result(self.id, bytes=bytes_, rate_bps=rates, ms=ms, error=error, links=links)
+
+
+def local_ms(total: float, *, device: float, network: float = 0.0) -> dict[str, float]:
+    """A request's timing figures (``Result.ms``) when no other tier worked on it.
+
+    Of ``total`` ms, ``device`` were the device's work and ``network`` waiting for a tier
+    that did not answer; no other tier and no queue took any.
+    """
+    return {
+        "device": device,
+        "edge": 0.0,
+        "cloud": 0.0,
+        "total": total,
+        "queue": 0.0,
+        "network": network,
+    }
 
 
 def add_link(
