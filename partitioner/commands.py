@@ -562,6 +562,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from tierflow.partitioner.report import Progress, exits_cell, plan_table
     from tierflow.partitioner.shapes import load_sample
     from tierflow.partitioner.split import check_plan_dir
+    from tierflow.partitioner.weights import available_memory, check_planning_memory
 
     links, assumed = plan_links(args.link)
     memory = dict(args.memory)
@@ -576,6 +577,7 @@ def run_plan(args: argparse.Namespace) -> int:
     check_plan_dir(args.output)
     states = parse_states(args.state)
     settings = parse_decoder_settings(args)
+    check_planning_memory(Path(args.model), available_memory())
     decoder = inspect_decoder(args.model, states, settings)
     if decoder is not None:
         return run_decoder_plan(args, links, memory, emulation, budget, settings)

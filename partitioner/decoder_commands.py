@@ -68,7 +68,11 @@ def run_decoder_plan(
         fidelity=budget,
     )
     codecs = decoder_codecs(options)
-    graph = load_decoder(args.model, settings, parse_states(args.state))
+    analysing = Progress("analysing", every_s=0.0)
+    try:
+        graph = load_decoder(args.model, settings, parse_states(args.state), analysing)
+    finally:
+        analysing.close()
     progress = Progress("profiling here")
     try:
         profiles, notes = decoder_profiles(

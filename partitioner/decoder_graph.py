@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from tierflow.partitioner.loading import drop_initializer_inputs, read_model, so
 from tierflow.partitioner.split import Segment, segment_names
 from tierflow.partitioner.stateful import graph_states, rebind_state_shapes, value_sig
 from tierflow.partitioner.tensors import first_line
+from tierflow.partitioner.weights import check_graph
 from tierflow.plan import SegmentSpec
 from tierflow.state_pairs import find_decoder
 from tierflow.state_spec import DecoderSpec, StateSpec
@@ -159,10 +160,18 @@ def inspect_decoder(
 
 
 def load_decoder(
-    path: str | Path, settings: DecoderSettings, given: Sequence[tuple[str, str]] = ()
+    path: str | Path,
+    settings: DecoderSettings,
+    given: Sequence[tuple[str, str]] = (),
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> DecoderGraph:
-    """Analyse the decoder at ``path`` at its prefill and decode points."""
+    """Analyse the decoder at ``path`` at its prefill and decode points.
+
+    ``progress(done, total, what)`` hears of each step (a large model's take minutes).
+    """
     path = Path(path)
+    say = progress or (lambda done, total, what: None)
+    say(0, 3, "reading the graph and checking its weights")
     source = read_source(path)
     states = graph_states(source, given, where=str(path))
     rebind_state_shapes(source, states, where=str(path))
@@ -181,6 +190,7 @@ def load_decoder(
     # The decode point finds the cuts and what tiers rebuild (a step per token is what a
     # generation repeats: [Note: derived tensors stay home] in :mod:`.rebuild`); the
     # prefill point takes both, so the two see the same cut sets.
+    say(1, 3, f"shapes, cuts and what tiers rebuild at the decode point (past {decode_point.past})")
     decode = load_model(
         path,
         sample=point_sample(inputs, decoder, states, decode_point, seed=1),
@@ -189,6 +199,7 @@ def load_decoder(
         max_cut_tensors=DECODER_MAX_CUT_TENSORS,
         rebuild=True,
     )
+    say(2, 3, f"shapes at the prefill point (seq {prefill_point.seq})")
     prefill = load_model(
         path,
         sample=point_sample(inputs, decoder, states, prefill_point),
@@ -198,6 +209,7 @@ def load_decoder(
         max_cut_tensors=DECODER_MAX_CUT_TENSORS,
         rebuild=decode.rebuilt,
     )
+    say(3, 3, f"{len(prefill.cuts)} cuts")
     logger.info(
         "[plan] %s is a decoder: %d state pairs, %d cuts, analysed at %s and %s; tiers rebuild %s",
         path,
@@ -233,7 +245,7 @@ def split_decoder(graph: DecoderGraph, cut_indices: Sequence[int]) -> list[Segme
         try:
             model = extractor.extract(inputs, outputs)
             model.graph.name = f"{graph.source.graph.name or 'decoder'}[{start}:{end}]"
-            onnx.checker.check_model(model)
+            check_graph(model)
         except (ModelError, ValueError, onnx.checker.ValidationError) as exc:
             raise ModelError(
                 f"cannot cut decoder segment {start}..{end}: {first_line(exc)}"

@@ -1,6 +1,7 @@
 """Graph analysis of an ONNX model: the analysed :class:`ModelGraph` and :func:`load_model`.
 
-Pure analysis: :func:`load_model` reads the model file (and its external data) and returns
+Pure analysis: :func:`load_model` reads the model file (its external data stays where it
+lies, [Note: weights stay on disk]) and returns
 a :class:`ModelGraph`; nothing is written. The planner profiles the "units" between
 consecutive cuts and scores pairs of cuts; :mod:`tierflow.partitioner.split` turns a pair
 into segment models. The steps live beside this module: reading the file
@@ -59,6 +60,7 @@ from tierflow.partitioner.stateful import (
     states_within,
 )
 from tierflow.partitioner.tensors import TensorInfo, first_line, node_uses, np_dtype_name
+from tierflow.partitioner.weights import check_graph
 from tierflow.state_spec import StateSpec
 
 __all__ = [
@@ -237,7 +239,7 @@ def load_model(
     model, sha256 = read_model(path)
     sort_nodes(model, path)
     try:
-        onnx.checker.check_model(model)
+        check_graph(model)
     except (onnx.checker.ValidationError, ValueError) as exc:
         raise ModelError(f"invalid ONNX graph in {path}: {first_line(exc)}") from exc
 

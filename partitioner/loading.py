@@ -1,7 +1,8 @@
 """Reading a model file as users have it: parse, external data, hash, node order.
 
-:func:`read_model` parses the ``.onnx`` file, loads weights kept in external data files
-beside it and hashes everything it read (the sha256 a plan and a profile are tied to);
+:func:`read_model` parses the ``.onnx`` file, checks the weights kept in external data
+files beside it (leaving them there) and hashes everything it read (the sha256 a plan
+and a profile are tied to);
 :func:`sort_nodes` puts the nodes in topological order; :func:`drop_initializer_inputs`
 stops initializers from posing as inputs. :func:`tierflow.partitioner.graph.load_model`
 calls them before fixing shapes (:mod:`tierflow.partitioner.shapes`).
@@ -15,21 +16,24 @@ import logging
 from pathlib import Path
 
 import onnx
-import onnx.external_data_helper
 from google.protobuf.message import DecodeError
 
 from tierflow.errors import ModelError
-from tierflow.partitioner.tensors import all_tensors, first_line, node_uses
+from tierflow.partitioner.tensors import first_line, node_uses
+from tierflow.partitioner.weights import anchor, weight_files_digest
 
 logger = logging.getLogger(__name__)
 
 
 def read_model(path: Path) -> tuple[onnx.ModelProto, str]:
-    """Parse the model, load its external data, and hash the bytes it came from.
+    """Parse the model's graph, check its external data, and hash the bytes it came from.
 
-    The hash is sha256 of the .onnx file when the weights are inside it; with external
-    data it also covers each data file, in sorted location order, each preceded by its
-    location, so moving weights between files changes it.
+    Weights in external data files stay there: each such tensor keeps its reference, with
+    its location made absolute ([Note: weights stay on disk] in :mod:`.weights`), so the
+    proto holds the graph and the weights inside the .onnx file only. The hash is sha256
+    of the .onnx file when the weights are inside it; with external data it also covers
+    each data file, in sorted location order, each preceded by its location, so moving
+    weights between files changes it. A data file missing or too short is a ModelError.
     """
     try:
         raw = path.read_bytes()
@@ -48,33 +52,9 @@ def read_model(path: Path) -> tuple[onnx.ModelProto, str]:
     if not model.HasField("graph") or not model.opset_import:
         raise ModelError(f"{path} is not an ONNX model: it has no graph or no opset import")
     digest = hashlib.sha256(raw)
-    locations = sorted(
-        {
-            onnx.external_data_helper.ExternalDataInfo(t).location
-            for t in all_tensors(model.graph)
-            if onnx.external_data_helper.uses_external_data(t)
-        }
-    )
-    for location in locations:
-        if Path(location).is_absolute() or ".." in Path(location).parts:
-            raise ModelError(
-                f"{path} names external data {location!r} outside its directory; "
-                "expected a file name beside the model"
-            )
-        data_path = path.parent / location
-        try:
-            data = data_path.read_bytes()
-        except OSError as exc:
-            raise ModelError(
-                f"{path} keeps weights in external file {location!r}, which cannot be read: {exc}"
-            ) from exc
-        digest.update(b"\0" + location.encode() + b"\0")
-        digest.update(data)
-    if locations:
-        try:
-            onnx.external_data_helper.load_external_data_for_model(model, str(path.parent))
-        except (OSError, ValueError, onnx.checker.ValidationError) as exc:
-            raise ModelError(f"cannot load the external data of {path}: {first_line(exc)}") from exc
+    del raw
+    files = anchor(model, path)
+    weight_files_digest(files, digest, path.parent.resolve())
     return model, digest.hexdigest()
 
 

@@ -141,11 +141,9 @@ def make_session(
     Profiling with other session options than the runtimes would time a different
     program: see [Note: optimization level and exactness] in tierflow/runtime/sessions.py.
     """
-    from tierflow.runtime.sessions import open_session
+    from tierflow.partitioner.weights import open_model_session
 
-    return open_session(
-        model.SerializeToString(), threads=threads, providers=providers, what="a segment"
-    )
+    return open_model_session(model, threads=threads, providers=providers, what="a segment")
 
 
 def run_session(

@@ -415,6 +415,7 @@ def _measure(
     Returns the dtype and shape each one actually had. Graph optimizations are off so
     every intermediate exists as the graph names it.
     """
+    from tierflow.partitioner.weights import session_source
     from tierflow.runtime.sessions import open_session
 
     graph = model.graph
@@ -423,10 +424,12 @@ def _measure(
     original = len(graph.output)
     graph.output.extend(onnx.ValueInfoProto(name=n) for n in extra)
     try:
-        data = model.SerializeToString()
+        data, folder = session_source(model)
     finally:
         del graph.output[original:]
-    session = open_session(data, threads=0, optimization="disabled", what=str(path))
+    session = open_session(
+        data, threads=0, optimization="disabled", what=str(path), weights_folder=folder
+    )
     try:
         wanted = [o.name for o in session.get_outputs()]
         values = session.run(wanted, dict(feeds))

@@ -29,13 +29,11 @@ from tierflow.errors import ModelError, PlanError, UsageError
 from tierflow.link.spec import LINKS, TIERS, LinkSpec
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.tensors import first_line
+from tierflow.partitioner.weights import PROTOBUF_LIMIT, check_graph, open_model_session
+from tierflow.partitioner.weights import save_model as save_weighted_model
 from tierflow.plan import PLAN_FILE, DecoderSpec, Plan, SegmentSpec, TensorShape, save_plan
-from tierflow.runtime.sessions import open_session
 
 logger = logging.getLogger(__name__)
-
-# Protobuf cannot serialize one message over 2 GiB; bigger segments keep weights outside.
-_PROTOBUF_LIMIT = 2**31 - 1
 
 Segment = tuple[SegmentSpec, onnx.ModelProto]
 
@@ -62,8 +60,10 @@ def extract_segment(graph: ModelGraph, start: int, end: int) -> onnx.ModelProto:
     segment.ir_version = graph.model.ir_version
     segment.graph.name = f"{graph.model.graph.name or 'model'}[{first.position}:{last.position}]"
     try:
-        if segment.ByteSize() <= _PROTOBUF_LIMIT:
-            onnx.checker.check_model(segment)
+        # A segment over protobuf's limit has its weights inline (an inline model is under
+        # it, [Note: weights stay on disk]); the checker cannot serialize it.
+        if segment.ByteSize() <= PROTOBUF_LIMIT:
+            check_graph(segment)
     except onnx.checker.ValidationError as exc:
         raise ModelError(
             f"segment {start}..{end} of {graph.path} is not a valid model: {first_line(exc)}"
@@ -131,8 +131,8 @@ def session(model: onnx.ModelProto, *, level: str = "disabled") -> Any:
     "extended" and "all" may not (see [Note: cut sets]). ONNX Runtime picks the thread
     count (one per core).
     """
-    return open_session(
-        model.SerializeToString(),
+    return open_model_session(
+        model,
         threads=0,
         optimization=level,
         what=f"model {model.graph.name!r} in ONNX Runtime",
@@ -236,25 +236,14 @@ def verify_split(
 def write_segments(segments: Iterable[Segment], plan_dir: str | Path) -> None:
     """Write each segment as ``plan_dir/<spec.file>``, weights embedded.
 
-    A segment over protobuf's 2 GiB limit keeps its weights in ``<file>.data`` beside it.
+    A segment of a model whose weights lie in data files, or one over protobuf's 2 GiB
+    limit, keeps its weights in ``<file>.data`` beside it ([Note: weights stay on disk]).
     """
     directory = Path(plan_dir)
     directory.mkdir(parents=True, exist_ok=True)
     for spec, model in segments:
         path = directory / spec.file
-        try:
-            if model.ByteSize() > _PROTOBUF_LIMIT:
-                onnx.save_model(
-                    model,
-                    str(path),
-                    save_as_external_data=True,
-                    all_tensors_to_one_file=True,
-                    location=spec.file + ".data",
-                )
-            else:
-                onnx.save_model(model, str(path))
-        except (OSError, ValueError) as exc:
-            raise PlanError(f"cannot write segment {path}: {exc}") from exc
+        save_weighted_model(model, path)
         logger.info("[split] wrote %s (%s, %d nodes)", path, spec.tier, len(model.graph.node))
 
 

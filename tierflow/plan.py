@@ -43,6 +43,8 @@ PLAN_FORMAT = "tierflow.plan/1"
 #: A plan set (``tierflow plan --adaptive``): several plans, each with its rate region.
 PLAN_SET_FORMAT = "tierflow.plan/2"
 PLAN_FILE = "plan.json"
+#: The suffix of the file beside a segment that holds its weights.
+DATA_SUFFIX = ".data"
 #: Largest plan.json read (a real one is a few kB; estimates and calibration add little).
 MAX_PLAN_BYTES = 16 * 1024 * 1024
 #: Deepest nesting of JSON objects and lists accepted in plan.json (a real one has 5).
@@ -157,6 +159,27 @@ class SegmentSpec:
     state: tuple[StateSpec, ...] = ()
     sha256: str | None = field(default=None, compare=False)
     size: int | None = field(default=None, compare=False)
+    data_sha256: str | None = field(default=None, compare=False)
+    data_size: int | None = field(default=None, compare=False)
+
+    @property
+    def data_file(self) -> str | None:
+        """The file beside the segment that holds its weights (``<file>.data``), if any.
+
+        A segment of a model whose weights lie in external data files keeps its own in
+        ``<file>.data`` (``plan.json``: ``"data": {"sha256", "bytes"}``); the two travel
+        and are checked together ([Note: weights stay on disk] in
+        tierflow/partitioner/weights.py).
+        """
+        return self.file + DATA_SUFFIX if self.data_sha256 is not None else None
+
+    def data_spec(self) -> SegmentSpec | None:
+        """The data file as a file of its own (for the segment store), if the segment has one."""
+        if self.data_file is None:
+            return None
+        return SegmentSpec(
+            self.tier, self.data_file, (), (), sha256=self.data_sha256, size=self.data_size
+        )
 
     def to_dict(self) -> dict[str, Any]:
         data = self.computes()
@@ -164,6 +187,8 @@ class SegmentSpec:
             data["sha256"] = self.sha256
         if self.size is not None:
             data["bytes"] = self.size
+        if self.data_sha256 is not None:
+            data["data"] = {"sha256": self.data_sha256, "bytes": self.data_size}
         return data
 
     def computes(self) -> dict[str, Any]:
@@ -233,6 +258,22 @@ class SegmentSpec:
             raise PlanError(
                 f"malformed plan: segment {file} bytes must be a whole number >= 0, got {size!r}"
             )
+        weights = data.get("data")
+        data_sha256 = data_size = None
+        if weights is not None:
+            if (
+                not isinstance(weights, dict)
+                or not isinstance(weights.get("sha256"), str)
+                or _SHA256.fullmatch(weights["sha256"]) is None
+                or not isinstance(weights.get("bytes"), int)
+                or isinstance(weights["bytes"], bool)
+                or weights["bytes"] < 0
+            ):
+                raise PlanError(
+                    f"malformed plan: segment {file} data must be an object with a sha256 of "
+                    f"64 lowercase hex digits and whole bytes >= 0, got {weights!r}"
+                )
+            data_sha256, data_size = weights["sha256"], weights["bytes"]
         return cls(
             tier=tier,
             file=file,
@@ -242,6 +283,8 @@ class SegmentSpec:
             state=tuple(StateSpec.from_dict(s) for s in state),
             sha256=sha256,
             size=size,
+            data_sha256=data_sha256,
+            data_size=data_size,
         )
 
 
@@ -729,7 +772,8 @@ def file_digest(path: Path) -> tuple[str, int]:
 def with_digests(
     plan: Plan, directory: Path, known: dict[str, tuple[str, int]] | None = None
 ) -> Plan:
-    """``plan`` with the sha256 and size of every segment file found in ``directory``.
+    """``plan`` with the sha256 and size of every segment file found in ``directory``,
+    and of its ``.data`` (its weights) when it has one.
 
     A segment whose file is not there keeps what it had. ``known`` caches digests by file
     name across the plans of a set (they share files).
@@ -737,12 +781,15 @@ def with_digests(
     known = {} if known is None else known
     segments = []
     for segment in plan.segments:
-        path = directory / segment.file
-        if segment.file not in known and path.is_file():
-            known[segment.file] = file_digest(path)
+        for name in (segment.file, segment.file + DATA_SUFFIX):
+            if name not in known and (directory / name).is_file():
+                known[name] = file_digest(directory / name)
         if segment.file in known:
             sha256, size = known[segment.file]
             segment = replace(segment, sha256=sha256, size=size)
+            if segment.file + DATA_SUFFIX in known:
+                data_sha256, data_size = known[segment.file + DATA_SUFFIX]
+                segment = replace(segment, data_sha256=data_sha256, data_size=data_size)
         segments.append(segment)
     return replace(plan, segments=tuple(segments))
 

@@ -51,7 +51,7 @@ def run_model(
     Intermediate tensors are added as graph outputs for the run. Rows go in batches of 64
     when every input's leading dimension is dynamic, else in batches of that dimension.
     """
-    from tierflow.runtime.sessions import open_session
+    from tierflow.partitioner.weights import open_model_session
 
     proto = onnx.ModelProto()
     proto.CopyFrom(model)
@@ -59,9 +59,7 @@ def run_model(
     for name in outputs:
         if name not in present:
             proto.graph.output.append(onnx.ValueInfoProto(name=name))
-    session = open_session(
-        proto.SerializeToString(), threads=0, optimization="all", what="the model"
-    )
+    session = open_model_session(proto, threads=0, optimization="all", what="the model")
     batch = _BATCH
     for item in proto.graph.input:
         dims = item.type.tensor_type.shape.dim

@@ -104,6 +104,68 @@ def test_an_edge_with_only_plan_json_fetches_its_segment_and_answers_bit_exact(
         np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
 
 
+def _weights_beside(plan_dir: Path) -> Plan:
+    """Rewrite the plan's segments with their weights in ``<file>.data``, as a large model's."""
+    plan = load_plan(plan_dir)
+    for spec in plan.segments:
+        path = plan_dir / spec.file
+        onnx.save_model(
+            onnx.load(path),
+            path,
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=spec.file + ".data",
+            size_threshold=0,
+        )
+    save_plan(plan, plan_dir)
+    return load_plan(plan_dir)
+
+
+@pytest.mark.integration
+def test_a_segment_whose_weights_lie_beside_it_travels_with_them(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
+    plan = _weights_beside(split.plan_dir)
+    for spec in plan.segments:
+        assert spec.data_file is not None
+        data = split.plan_dir / spec.data_file
+        assert (spec.data_sha256, spec.data_size) == (_sha256(data), data.stat().st_size)
+    edge_dir = _bare(split.plan_dir, tmp_path / "edge")
+    device_dir = _bare(split.plan_dir, tmp_path / "device")
+    samples = split.sample(seed=53, count=2)
+    with _cloud_and_edge(split.plan_dir, edge_dir) as (_cloud, edge):
+        with DeviceClient(device_dir, edge.address, deadline_s=10.0) as device:
+            results = [device.infer(feeds) for feeds in samples]
+        store = edge.service.segments
+        assert store is not None
+        edge_spec, device_spec = plan.segments[1], plan.segments[0]
+        assert [r.file for r in store.fetched] == [
+            edge_spec.file,
+            edge_spec.data_file,
+            device_spec.file,
+            device_spec.data_file,
+        ]
+    assert sorted(p.name for p in device_dir.iterdir()) == sorted(
+        [PLAN_FILE, device_spec.file, str(device_spec.data_file)]
+    )
+    for feeds, result in zip(samples, results, strict=True):
+        np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
+    # A weights file that differs from plan.json's sha256 is refused like a segment.
+    cloud_data = split.plan_dir / str(edge_spec.data_file)
+    cloud_data.write_bytes(cloud_data.read_bytes()[:-4] + b"\0\0\0\1")
+    again = _bare(split.plan_dir, tmp_path / "edge2")
+    cloud = CloudServer(split.plan_dir, options=OPTIONS)
+    cloud.start()
+    try:
+        edge2 = EdgeServer(again, upstream=cloud.address, options=OPTIONS)
+        with pytest.raises(SegmentError, match=rf"{edge_spec.data_file} .*sha256 .*refused"):
+            edge2.start()
+        edge2.stop(0)
+    finally:
+        cloud.stop(0.5)
+    # The segment came and stays; its weights were refused and are not there.
+    assert sorted(p.name for p in again.iterdir()) == sorted([edge_spec.file, PLAN_FILE])
+
+
 @pytest.mark.integration
 def test_a_device_with_only_plan_json_fetches_through_an_edge_that_lacks_it_too(
     tmp_path: Path, rt: Any

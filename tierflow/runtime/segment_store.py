@@ -33,6 +33,11 @@ is evicted fails with a ``SegmentError``. With a budget the plan directory *is* 
 any segment file in it may be evicted, also those it started with. Without a budget
 nothing is evicted.
 
+A segment whose weights lie in ``FILE.data`` beside it ([Note: weights stay on disk] in
+tierflow/partitioner/weights.py) is two files of the store: ``plan.json`` records the
+data file's sha256 and size too, both are fetched and checked alike, held together and
+evicted together (``on_evict`` names the segment).
+
 How the device weighs a fetch when it switches plans, and when it fetches ahead, is in
 [Note: switching plans on the device] (``tierflow.device.adaptation``).
 """
@@ -54,7 +59,7 @@ import grpc
 
 from tierflow.errors import SegmentError, TransportError
 from tierflow.link.emulation import LinkShaper
-from tierflow.plan import PlanSet, SegmentSpec, file_digest
+from tierflow.plan import DATA_SUFFIX, PlanSet, SegmentSpec, file_digest
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.units import format_size, parse_size
 
@@ -274,10 +279,19 @@ class SegmentStore:
         self.source = source
         self.on_evict = on_evict
         self.specs: dict[str, SegmentSpec] = {}
+        # A segment's weights file (<file>.data) is a file of the store too, fetched,
+        # held and evicted with its segment ([Note: segments on demand]).
+        self.partner: dict[str, str] = {}
         for plan in plans.plans:
             for spec in plan.segments:
-                if spec.file not in self.specs or self.specs[spec.file].sha256 is None:
-                    self.specs[spec.file] = spec
+                for one in (spec, spec.data_spec()):
+                    if one is not None and (
+                        one.file not in self.specs or self.specs[one.file].sha256 is None
+                    ):
+                        self.specs[one.file] = one
+                if spec.data_file is not None:
+                    self.partner[spec.file] = spec.data_file
+                    self.partner[spec.data_file] = spec.file
         self.fetched: list[FetchReport] = []
         self.evicted: list[str] = []
         self._lock = threading.Condition()
@@ -306,18 +320,33 @@ class SegmentStore:
         with self._lock:
             return file in self._sizes
 
+    def _with_partners(self, files: Iterable[str]) -> list[str]:
+        """``files`` and the weights file of each segment among them, in order, once each."""
+        names: list[str] = []
+        for name in files:
+            names.append(name)
+            if name in self.partner:
+                names.append(self.partner[name])
+        return list(dict.fromkeys(names))
+
     def missing_bytes(self, files: Iterable[str]) -> int:
         """Bytes a fetch of the files not held here would bring (size 0 if unrecorded)."""
         with self._lock:
-            return sum(self.specs[name].size or 0 for name in set(files) if name not in self._sizes)
+            return sum(
+                self.specs[name].size or 0
+                for name in set(self._with_partners(files))
+                if name not in self._sizes
+            )
 
     def fits(self, files: Iterable[str], keep: Iterable[str] = ()) -> bool:
         """Whether the missing ``files`` fit the budget without evicting ``keep`` or a held file."""
         if self.budget is None:
             return True
         with self._lock:
-            wanted = set(files)
-            stay = (set(keep) | {n for n, c in self._holds.items() if c}) & set(self._sizes)
+            wanted = set(self._with_partners(files))
+            stay = (
+                set(self._with_partners(keep)) | {n for n, c in self._holds.items() if c}
+            ) & set(self._sizes)
             need = sum(self.specs[n].size or 0 for n in wanted - set(self._sizes))
             kept = sum(self._sizes[n] for n in stay | (wanted & set(self._sizes)))
             return kept + sum(self._fetching.values()) + need <= self.budget
@@ -330,7 +359,7 @@ class SegmentStore:
         Without a budget nothing is ever evicted, so files already here need no hold (the
         request path asks for one per request).
         """
-        names = files if isinstance(files, (list, tuple)) else list(files)
+        names = self._with_partners(files)
         if self.budget is None and all(name in self._sizes for name in names):
             return contextlib.nullcontext()  # reading a dict needs no lock
         return self._holding(names)
@@ -410,12 +439,18 @@ class SegmentStore:
             self._evict(victim)
 
     def _evict(self, name: str) -> None:
-        size = self._sizes.pop(name)
-        (self.directory / name).unlink(missing_ok=True)
-        self.evicted.append(name)
-        logger.info("[%s] segment %s evicted (%s)", self.tier, name, format_size(size))
+        """Delete ``name``, and its segment or weights file with it (never held apart)."""
+        partner = self.partner.get(name)
+        for one in (name, partner):
+            if one is None or one not in self._sizes:
+                continue
+            size = self._sizes.pop(one)
+            (self.directory / one).unlink(missing_ok=True)
+            self.evicted.append(one)
+            logger.info("[%s] segment %s evicted (%s)", self.tier, one, format_size(size))
+        segment = partner if partner is not None and name.endswith(DATA_SUFFIX) else name
         if self.on_evict is not None:
-            self.on_evict(name)
+            self.on_evict(segment)
 
 
 def add_segment_budget_argument(parser: argparse.ArgumentParser) -> None:

@@ -77,8 +77,12 @@ def open_session(
     optimization: str = DEFAULT_OPTIMIZATION,
     providers: Sequence[str] = (CPU,),
     what: str | None = None,
+    weights_folder: str | None = None,
 ) -> ort.InferenceSession:
     """An ONNX Runtime session on ``model`` (a file, or a serialised ModelProto).
+
+    ``weights_folder``: where a serialised model's external data files lie (their
+    locations are relative to it); a file's lie beside it.
 
     Options as :func:`session_options` makes them; ``providers`` are ONNX Runtime's
     execution providers in order of preference (``tierflow.runtime.providers``). Any failure to
@@ -87,6 +91,10 @@ def open_session(
     """
     source = model if isinstance(model, bytes) else str(model)
     options = session_options(threads, optimization)
+    if weights_folder is not None:
+        options.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", weights_folder
+        )
     try:
         return ort.InferenceSession(source, options, providers=list(providers))
     except Exception as exc:  # onnxruntime raises its own pybind exception types
