@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from tierflow.errors import UsageError
+from tierflow.errors import PlanError, UsageError
 from tierflow.link.spec import LINKS, TIERS, LinkSpec
 from tierflow.units import format_duration, format_size
 
@@ -36,6 +36,26 @@ def _refuse(args: argparse.Namespace, budget: Any) -> None:
     for given, option, why in reasons:
         if given:
             raise UsageError(f"{option} does not apply to a decoder: {why}")
+
+
+def _refuse_budgets_nothing_fits(graph: Any, memory: Mapping[str, int], context: int) -> None:
+    """Budgets on every tier that together hold less than the weights and the KV cache.
+
+    Checked once the graph is read, before profiling (minutes for a large model): no
+    split can fit them, whatever the tiers measure. The search still checks each plan.
+    """
+    if any(tier not in memory for tier in TIERS):
+        return
+    weights = graph.prefill.weight_bytes(0, len(graph.prefill.cuts) - 1)
+    kv = sum(graph.state_bytes())
+    total = sum(memory[tier] for tier in TIERS)
+    if weights + kv > total:
+        limits = ", ".join(f"{tier} {format_size(memory[tier])}" for tier in TIERS)
+        raise PlanError(
+            f"no plan fits the memory budgets ({limits}; {format_size(total)} in all): the "
+            f"model's weights are {format_size(weights)} and its KV cache at --context "
+            f"{context} {format_size(kv)}"
+        )
 
 
 def run_decoder_plan(
@@ -73,6 +93,7 @@ def run_decoder_plan(
         graph = load_decoder(args.model, settings, parse_states(args.state), analysing)
     finally:
         analysing.close()
+    _refuse_budgets_nothing_fits(graph, memory, settings.context)
     progress = Progress("profiling here")
     try:
         profiles, notes = decoder_profiles(

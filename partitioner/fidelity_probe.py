@@ -35,6 +35,7 @@ from tierflow.partitioner.image_inputs import crossed_with
 from tierflow.partitioner.split import extract_segment, session
 from tierflow.partitioner.tensors import first_line
 from tierflow.plan import Plan, load_plan
+from tierflow.runtime.sessions import open_session
 
 logger = logging.getLogger(__name__)
 
@@ -279,13 +280,8 @@ def _plan_sessions(plan: Plan, plan_dir: Path, level: str) -> list[Any]:
 
 
 def _load_session(path: Path, level: str) -> Any:
-    import onnx
-
-    try:
-        model = onnx.load(str(path))
-    except (OSError, ValueError) as exc:
-        raise PlanError(f"cannot read segment {path}: {exc}") from exc
-    return session(model, level=level)
+    """A segment file's session, opened from the file (its weights may lie beside it)."""
+    return open_session(path, threads=0, optimization=level, what=f"segment {path}")
 
 
 def run_plan_dir(plan: Plan, sessions: Sequence[Any], request: Mapping[str, np.ndarray]) -> Request:
@@ -330,18 +326,12 @@ def plan_fidelity(
     ``metric`` is ``top1`` (the share of requests whose argmax agrees: the benchmarks'
     ``fidelity`` field), ``rel`` or ``exact``; both sides run at ONNX Runtime ``level``.
     """
-    import onnx
-
     directory = Path(plan_dir)
     plan = load_plan(directory)
     budget = {"top1": FidelityBudget("top1", 1.0), "rel": FidelityBudget("rel", 0.0)}.get(
         metric, FidelityBudget()
     )
-    try:
-        reference_model = onnx.load(str(model))
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot read model {model}: {exc}") from exc
-    whole = session(reference_model, level=level)
+    whole = open_session(model, threads=0, optimization=level, what=f"model {model}")
     infos = [_Info.of(arg) for arg in whole.get_inputs()]
     requests = sample_requests(infos, sample)
     sessions = _plan_sessions(plan, directory, level)

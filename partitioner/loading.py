@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 
 from tierflow.errors import ModelError
 from tierflow.partitioner.tensors import first_line, node_uses
-from tierflow.partitioner.weights import anchor, weight_files_digest
+from tierflow.partitioner.weights import SPILL_BYTES, anchor, spill, weight_files_digest
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +52,11 @@ def read_model(path: Path) -> tuple[onnx.ModelProto, str]:
     if not model.HasField("graph") or not model.opset_import:
         raise ModelError(f"{path} is not an ONNX model: it has no graph or no opset import")
     digest = hashlib.sha256(raw)
+    large = len(raw) > SPILL_BYTES
     del raw
     files = anchor(model, path)
+    if large:
+        model = spill(model)
     weight_files_digest(files, digest, path.parent.resolve())
     return model, digest.hexdigest()
 

@@ -202,7 +202,8 @@ def test_bad_decoder_options_are_one_line_errors(
     code = main(["plan", str(decoder_path), "-o", str(tmp_path / "p"), *extra])
     _, err = capsys.readouterr()
     assert code == 2
-    (line,) = [line for line in err.splitlines() if not line.startswith("profiling here")]
+    progress = ("analysing", "profiling here")
+    (line,) = [line for line in err.splitlines() if not line.startswith(progress)]
     assert message in line
 
 
@@ -297,3 +298,13 @@ def test_the_decoder_table_says_which_blocks_each_tier_holds(graph: DecoderGraph
     assert block_ranges(Estimate((last, last), last, 0.0, 0.0, {}, {}, {}, True), blocks) == (
         "D0-2 E- C-"
     )
+
+
+def test_budgets_that_cannot_hold_the_weights_are_refused_before_profiling(
+    decoder_path: Path, tmp_path: Path, capsys: Any
+) -> None:
+    budgets = [f"--memory={t}=1KiB" for t in ("device", "edge", "cloud")]
+    code = main(["plan", str(decoder_path), "-o", str(tmp_path / "p"), *budgets])
+    _, err = capsys.readouterr()
+    assert code == 2 and "profiling here" not in err and "Traceback" not in err
+    assert "3KiB in all): the model's weights are" in err

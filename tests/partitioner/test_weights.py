@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cli.main import main
 from tierflow.errors import ModelError
-from tierflow.partitioner import weights
+from tierflow.partitioner import loading, weights
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.loading import read_model
 from tierflow.partitioner.split import split_model, verify_split, write_segments
@@ -138,3 +138,27 @@ def test_planning_what_this_machine_cannot_hold_is_refused_before_any_work(
     assert code != 0 and not (tmp_path / "plan").exists()
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "needs about" in err and "256MiB available" in err
+
+
+def test_a_large_model_with_weights_inside_plans_with_them_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _mlp(tmp_path / "m" / "model.onnx")
+    inline = tmp_path / "inline.onnx"
+    onnx.save_model(onnx.load(str(path)), str(inline))  # the weights inside the file
+    monkeypatch.setattr(loading, "SPILL_BYTES", 1024)  # "large": this one is 48 KiB
+    model, sha256 = read_model(inline)
+    assert sha256 == hashlib.sha256(inline.read_bytes()).hexdigest()
+    assert len(list(external_tensors(model))) == 3 and model.ByteSize() < 4096
+    graph = load_model(inline)
+    segments = split_model(graph, [1, 2])
+    assert verify_split(graph, segments).bitwise_equal
+    write_segments(segments, tmp_path / "plan")
+    assert sorted(p.name for p in (tmp_path / "plan").iterdir()) == [
+        "00-device.onnx",
+        "00-device.onnx.data",
+        "01-edge.onnx",
+        "01-edge.onnx.data",
+        "02-cloud.onnx",
+        "02-cloud.onnx.data",
+    ]
