@@ -85,9 +85,12 @@ def main() -> int:
     start = text.find("{\n")
     if run["exit_status"] == 0 and start >= 0:
         report = json.JSONDecoder().raw_decode(text[start:])[0]
-        best = report.get("best") or {}
-        result["plan"]["chosen"] = {
-            key: best.get(key) for key in ("tiers", "ttft_s", "per_token_s", "memory_bytes")
+        best = (report.get("ranked") or [{}])[0]
+        keys = ("cuts", "codec", "ttft_s", "per_token_s", "tokens_per_s", "bytes_per_token")
+        result["plan"]["chosen"] = {key: best.get(key) for key in keys}
+        result["plan"]["predicted_baselines"] = {
+            name: {key: e.get(key) for key in ("ttft_s", "per_token_s")}
+            for name, e in (report.get("baselines") or {}).items()
         }
         result["plan"]["verified"] = report.get("verified")
         files = sorted(p.name for p in plan_dir.iterdir())
