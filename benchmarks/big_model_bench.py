@@ -6,7 +6,7 @@ exports it with optimum (:mod:`tierflow.zoo.hf_decoders`; the ``hf`` extra), the
 
 * the export's and the plan's wall time and peak memory (maximum resident set size),
 * the plan's peak memory over the model's weight bytes (goal: at most 2.5, [Note: weights
-  stay on disk] in tierflow/partitioner/weights.py) and its time (goal: 15 minutes on
+  stay on disk] in partitioner/weights.py) and its time (goal: 15 minutes on
   2 cores),
 * the plan it chose (tiers, predicted time to first token and per token) and whether it
   verified bit for bit.
@@ -15,7 +15,7 @@ Usage::
 
     python benchmarks/big_model_bench.py [--work DIR] [--context 2048]
 
-It writes ``benchmarks/results/big_model.json``. The export takes about 6 minutes and
+It writes ``big_model.json`` in the results folder beside it. The export takes about 6 minutes and
 5.5 GB; it is kept in ``--work`` and reused.
 """
 

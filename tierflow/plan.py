@@ -169,7 +169,7 @@ class SegmentSpec:
         A segment of a model whose weights lie in external data files keeps its own in
         ``<file>.data`` (``plan.json``: ``"data": {"sha256", "bytes"}``); the two travel
         and are checked together ([Note: weights stay on disk] in
-        tierflow/partitioner/weights.py).
+        partitioner/weights.py).
         """
         return self.file + DATA_SUFFIX if self.data_sha256 is not None else None
 

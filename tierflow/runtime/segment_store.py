@@ -34,7 +34,7 @@ any segment file in it may be evicted, also those it started with. Without a bud
 nothing is evicted.
 
 A segment whose weights lie in ``FILE.data`` beside it ([Note: weights stay on disk] in
-tierflow/partitioner/weights.py) is two files of the store: ``plan.json`` records the
+partitioner/weights.py) is two files of the store: ``plan.json`` records the
 data file's sha256 and size too, both are fetched and checked alike, held together and
 evicted together (``on_evict`` names the segment).
 
