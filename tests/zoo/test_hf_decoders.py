@@ -55,11 +55,12 @@ def _generate(plan_dir: Path, prompt: list[int], tokens: int) -> Generation:
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(900)  # the export imports torch and transformers: minutes on a busy machine
 def test_an_optimum_export_with_external_data_splits_and_generates_identically(
     tmp_path: Path, capsys: Any
 ) -> None:
     shape = DecoderShape("qwen2", hidden=64, layers=3, heads=4, kv_heads=2, vocab=512)
-    path = export_decoder(shape, tmp_path / "qwen2", external_data=True, timeout=240)
+    path = export_decoder(shape, tmp_path / "qwen2", external_data=True, timeout=600)
     assert (path.parent / "model.onnx_data").stat().st_size > 4 * shape.parameters
     plan_dir = tmp_path / "plan"
     lengths = ["--context", "128", "--prompt-tokens", "8", "--max-tokens", "8"]
