@@ -251,7 +251,7 @@ def open_model_session(model: onnx.ModelProto, **options: Any) -> Any:
 
 #: Planning's peak memory per byte of weights, and what it needs besides (the planner's
 #: own code and libraries), measured on Qwen2-0.5B's shapes ([Note: weights stay on disk];
-#: benchmarks/big_model_bench.py): what :func:`check_planning_memory` asks for.
+#: benchmarks/big_model.py): what :func:`check_planning_memory` asks for.
 PLANNING_MEMORY_PER_WEIGHT_BYTE = 2.0
 PLANNING_MEMORY_BASE = 512 << 20
 # A graph file up to this size is parsed to find its weights files; a larger one holds

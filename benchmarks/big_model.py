@@ -13,7 +13,7 @@ exports it with optimum (:mod:`tierflow.zoo.hf_decoders`; the ``hf`` extra), the
 
 Usage::
 
-    python benchmarks/big_model_bench.py [--work DIR] [--context 2048]
+    python -m benchmarks.big_model [--work DIR] [--context 2048]
 
 It writes ``big_model.json`` in the results folder beside it. The export takes about 6 minutes and
 5.5 GB; it is kept in ``--work`` and reused.
