@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from tierflow.errors import is_upstream_gone
 from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2
 from tierflow.transport.wire import error_from_proto
@@ -133,8 +134,9 @@ class MissingTiers:
         if reply.fallback:
             self.lose_cloud(f"{reply.answered_by}: {reply.fallback}")
         elif reply.HasField("error"):
-            if reply.error.code == tier_pb2.ErrorCode.UPSTREAM_UNAVAILABLE:
-                self.lose_cloud(str(error_from_proto(reply.error)))
+            error = error_from_proto(reply.error)
+            if is_upstream_gone(error):
+                self.lose_cloud(str(error))
         elif reply.answered_by == "cloud" and self.cloud_missing is not None:
             with self._lock:
                 self.cloud_missing = None
