@@ -47,7 +47,6 @@ from tierflow.errors import (
     UsageError,
     is_upstream_gone,
 )
-from tierflow.link.emulation import LinkShaper
 from tierflow.link.spec import LINKS
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
@@ -60,8 +59,9 @@ from tierflow.runtime.pipeline import (
     check_initial_state,
 )
 from tierflow.runtime.segment_runner import TierRunner
-from tierflow.runtime.segment_store import SegmentSource, tier_files
+from tierflow.runtime.segment_store import tier_files
 from tierflow.runtime.state import check_session_id
+from tierflow.runtime.upstream import connect, segment_source
 from tierflow.transport.deadline import Deadline
 from tierflow.transport.stream_client import StreamClient
 from tierflow.transport.wire import put_tensors
@@ -133,17 +133,8 @@ class DeviceClient:
                     "the plan runs segments on the edge or the cloud; give the edge's "
                     "address (--edge HOST:PORT)"
                 )
-            self.stream = StreamClient(
-                edge,
-                me="device",
-                peer="edge",
-                shaper=LinkShaper("device-edge", options.links.get("device-edge")),
-                max_message_bytes=options.max_message_bytes,
-                security=options.security,
-            )
-        source = None
-        if self.stream is not None:
-            source = SegmentSource(self.stream.channel, "edge", known_down=self.stream.known_down)
+            self.stream = connect(edge, me="device", peer="edge", options=options)
+        source = None if self.stream is None else segment_source(self.stream)
         self.pipeline = Pipeline("device", plans, plan_dir, options, cache=cache, source=source)
         self.segments = self.pipeline.segments
         self._fetching_ahead = threading.Lock()  # one fetch ahead at a time

@@ -38,12 +38,12 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierflow.errors import TierflowError, TransportError, is_gone, is_missing
-from tierflow.link.emulation import LinkShaper
 from tierflow.options import RuntimeOptions
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.pipeline import Answered, Onward, Pipeline
 from tierflow.runtime.segment_store import SegmentSource
 from tierflow.runtime.service import Send
+from tierflow.runtime.upstream import connect, segment_source
 from tierflow.transport.stream_client import Sent, StreamClient
 from tierflow.transport.wire import decode_tensors, error_from_proto, error_to_proto
 
@@ -69,15 +69,7 @@ class Forwarding:
     def open(self, tier: str, options: RuntimeOptions) -> None:
         """Open the channel and its stream; warn if the next tier does not answer yet."""
         self.tier = tier
-        link = "edge-cloud" if tier == "edge" else "device-edge"
-        self.upstream = StreamClient(
-            self.address,
-            me=tier,
-            peer=self.peer,
-            shaper=LinkShaper(link, options.links.get(link)),
-            max_message_bytes=options.max_message_bytes,
-            security=options.security.upstream(),
-        )
+        self.upstream = connect(self.address, me=tier, peer=self.peer, options=options)
         self._check(self.upstream.channel)
 
     def _check(self, channel: grpc.Channel) -> None:
@@ -100,8 +92,7 @@ class Forwarding:
 
     def segment_source(self) -> SegmentSource:
         assert self.upstream is not None, "open first"
-        stream = self.upstream
-        return SegmentSource(stream.channel, stream.peer, known_down=stream.known_down)
+        return segment_source(self.upstream)
 
     def close(self, timeout: float) -> None:
         if self.upstream is not None:
