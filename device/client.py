@@ -57,6 +57,7 @@ from tierflow.runtime.pipeline import (
     Pipeline,
     SessionStep,
     check_initial_state,
+    split_first_state,
 )
 from tierflow.runtime.segment_runner import TierRunner
 from tierflow.runtime.segment_store import tier_files
@@ -267,14 +268,9 @@ class DeviceClient:
             [(k, v.dtype.name, tuple(v.shape)) for k, v in given.items()],
             f"session {session!r}",
         )
-        owned = {s.input for s in self.pipeline.runner(index).states}
+        mine, others = split_first_state(self.pipeline.runner(index), given)
         passed = tier_pb2.Request()
-        put_tensors(
-            passed.initial_state,
-            {k: v for k, v in given.items() if k not in owned},
-            CodecSpec.parse("zstd"),
-        )
-        mine = {k: v for k, v in given.items() if k in owned}
+        put_tensors(passed.initial_state, others, CodecSpec.parse("zstd"))
         return SessionStep(
             session,
             position,

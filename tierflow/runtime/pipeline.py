@@ -38,6 +38,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -56,6 +57,9 @@ from tierflow.state_spec import DecoderSpec, StateSpec
 from tierflow.transport.wire import decode_tensors, put_tensors, received
 
 logger = logging.getLogger(__name__)
+
+#: A first state value as a tier holds it: an array on the device, a wire tensor above.
+Value = TypeVar("Value")
 
 
 @dataclass
@@ -128,10 +132,10 @@ class SessionStep:
             [(t.name, t.dtype, tuple(t.shape)) for t in request.initial_state],
             f"session {request.session!r}",
         )
-        owned = {s.input for s in runner.states}
-        mine = [t for t in request.initial_state if t.name in owned]
-        initial = decode_tensors(mine, max_bytes=max_bytes) if mine else {}
-        passed_on = [t for t in request.initial_state if t.name not in owned]
+        # Named once each: check_initial_state refused a state named twice.
+        mine, passed = split_first_state(runner, {t.name: t for t in request.initial_state})
+        initial = decode_tensors(list(mine.values()), max_bytes=max_bytes) if mine else {}
+        passed_on = list(passed.values())
         if request.keep_last < 0:
             raise StateError(f"keep_last must not be negative, got {request.keep_last}")
         return cls(
@@ -144,6 +148,17 @@ class SessionStep:
             owner,
             max(request.replay_to, 0),
         )
+
+
+def split_first_state(
+    runner: TierRunner, given: Mapping[str, Value]
+) -> tuple[dict[str, Value], dict[str, Value]]:
+    """A session's first state values by name, split into those of the states ``runner``
+    holds on this tier (kept here) and the rest (passed on to the tiers after it); each
+    in the order given. The device splits arrays, the tiers above it the wire tensors."""
+    owned = {s.input for s in runner.states}
+    mine = {name: value for name, value in given.items() if name in owned}
+    return mine, {name: value for name, value in given.items() if name not in owned}
 
 
 def check_initial_state(
