@@ -1,6 +1,6 @@
 """The comparison benchmark: tierflow against device-only, cloud-only and single-split.
 
-    python -m benchmarks.comparison            # full run (~20 min), writes benchmarks/RESULTS.md
+    python -m benchmarks.comparison            # full run (~20 min): benchmarks/results/RESULTS.md
     python -m benchmarks.comparison --quick    # small models, 3 bandwidths, a couple of minutes
     python -m benchmarks.comparison --refold   # fold bottleneck.py's rows in again, no measuring
     python -m benchmarks.comparison --models digits-camera --no-overheads --out /tmp/dc
