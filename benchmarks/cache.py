@@ -248,7 +248,7 @@ def bench_model(
     online = ApproxCache(BUDGET, target=args.target)
     caches.append((f"approx:target={args.target:g}", online, lambda: online.approx_hits))
     if redis_url is not None:
-        from tierflow.cloud.cache_redis import RedisCache
+        from tierflow.cache.redis import RedisCache
 
         shared = RedisCache(redis_url, BUDGET, namespace=f"bench-{label}")
         shared.clear()

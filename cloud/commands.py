@@ -1,36 +1,18 @@
 """``tierflow serve cloud``: finish the model and answer, until SIGTERM or SIGINT.
 
-The options every server takes are in ``tierflow.runtime.server``; ``--cache`` (which the edge's
-server takes too) builds an in-process cache (``tierflow.cache.config``) or the Redis
-cache replicas share (``cache_redis`` beside this module).
+The options every server takes, ``--cache`` among them, are in ``tierflow.runtime.server``;
+``--cache`` builds an in-process cache (``tierflow.cache.config``) or the Redis cache
+replicas share (``tierflow.cache.redis``).
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from tierflow.cli.helptext import examples
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
-from tierflow.runtime.server import add_serve_parser, serve_until_stopped
-
-
-def _cache_argument(text: str) -> Any:
-    # The cache modules are imported only when the option is given.
-    from tierflow.cache.config import cache_spec_argument
-
-    return cache_spec_argument(text)
-
-
-def add_cache_argument(parser: argparse.ArgumentParser) -> None:
-    """``--cache``, for the servers of both tiers."""
-    parser.add_argument(
-        "--cache",
-        type=_cache_argument,
-        default="off",
-        help="feature cache: off | exact:SIZE[,ttl=DUR] | approx:SIZE[,...] | redis://...",
-    )
+from tierflow.runtime.server import add_cache_argument, add_serve_parser, serve_until_stopped
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tierflow.cloud.cache_redis import build_server_cache
+    from tierflow.cache.redis import build_server_cache
     from tierflow.cloud.server import CloudServer
 
     options = RuntimeOptions.from_args(

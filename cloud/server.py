@@ -2,7 +2,7 @@
 
 The cloud is the last tier: it never forwards. Requests go through
 ``tierflow.runtime.service`` ([Note: a request at a tier]); a feature cache (the interface in
-``tierflow.cache.base``; in-process ones in the core, Redis in ``cache_redis`` beside this) is
+``tierflow.cache.base``; in-process ones and Redis in ``tierflow.cache``) is
 consulted before any segment runs. ``tierflow serve cloud`` (``tierflow.cloud.commands``)
 runs one of these until it is stopped.
 """

@@ -1,9 +1,9 @@
 """``tierflow serve edge`` and ``tierflow probe``.
 
 The server runs until SIGTERM or SIGINT and then stops gracefully; the options it shares
-with ``tierflow serve cloud`` are in ``tierflow.runtime.server``, and ``--cache`` is the cloud's
-(``tierflow.cloud.commands``: the shared Redis cache lives there). ``probe`` measures the
-link to a running tier and prints it the way ``tierflow plan --link`` takes it.
+with ``tierflow serve cloud``, ``--cache`` among them, are in ``tierflow.runtime.server``.
+``probe`` measures the link to a running tier and prints it the way ``tierflow plan --link``
+takes it.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from tierflow.cli import json_output
 from tierflow.cli.arguments import add_deprecated
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.table import format_table
-from tierflow.cloud.commands import add_cache_argument
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
-from tierflow.runtime.server import add_serve_parser, serve_until_stopped
+from tierflow.runtime.server import add_cache_argument, add_serve_parser, serve_until_stopped
 from tierflow.transport.address import Address, check_answering_tier
 from tierflow.transport.security import Security, add_security_arguments
 from tierflow.units import format_duration, format_rate, parse_size
@@ -92,7 +91,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tierflow.cloud.cache_redis import build_server_cache
+    from tierflow.cache.redis import build_server_cache
     from tierflow.edge.server import EdgeServer
 
     options = RuntimeOptions.from_args(

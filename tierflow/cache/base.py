@@ -5,8 +5,8 @@ nearly for the approximate cache) returns the stored answer without running the 
 the model. The tier service (``tierflow.runtime.service``) only knows this protocol, so it lives
 in the core, and so do the in-process exact and approximate caches
 (``tierflow.cache.memory``, ``tierflow.cache.approx``), which every tier may keep (the
-device too: ``run --cache``); the Redis cache that replicas share lives with the cloud
-(``tierflow.cloud.cache_redis``).
+device too: ``run --cache``), and the Redis cache that server replicas share
+(``tierflow.cache.redis``).
 """
 
 from __future__ import annotations

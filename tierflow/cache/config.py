@@ -16,12 +16,12 @@ Spec forms (sizes, durations and rates as :mod:`tierflow.units` reads them)::
                                           (also rediss:// for TLS and unix://; other
                                           query parameters go to the redis client);
                                           entries authenticated with the key in FILE,
-                                          see tierflow.cloud.cache_redis
+                                          see tierflow.cache.redis
 
 A tier calls :func:`parse_cache_spec` on the option's text (or uses
 :func:`cache_spec_argument` as an argparse ``type=``) and builds the cache once at
 start-up: the device (``run --cache``) with :func:`build_cache`, which makes the
-in-process caches; the servers with ``tierflow.cloud.cache_redis.build_server_cache``,
+in-process caches; the servers with ``tierflow.cache.redis.build_server_cache``,
 which adds Redis (and is where an unreachable Redis is reported).
 """
 
@@ -254,7 +254,7 @@ def build_cache(spec: CacheSpec, *, clock: Clock | None = None) -> FeatureCache 
             clock=clock or time.monotonic,
         )
     raise UsageError(
-        "a Redis cache is shared by servers (tierflow.cloud.cache_redis.build_server_cache); "
+        "a Redis cache is shared by servers (tierflow.cache.redis.build_server_cache); "
         f"here the cache is exact: or approx:, found {redact(spec.url or '')!r}"
     )
 

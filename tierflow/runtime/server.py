@@ -29,6 +29,7 @@ import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -235,6 +236,24 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="serve Prometheus metrics on http://HOST:N/metrics, HOST as in --listen "
         "(0 picks a port; needs pip install 'tierflow[metrics]')",
+    )
+
+
+def _cache_argument(text: str) -> Any:
+    # The cache modules are imported only when the option is given.
+    from tierflow.cache.config import cache_spec_argument
+
+    return cache_spec_argument(text)
+
+
+def add_cache_argument(parser: argparse.ArgumentParser) -> None:
+    """``--cache``, for the servers of both tiers (``tierflow.cache.redis.build_server_cache``
+    builds it)."""
+    parser.add_argument(
+        "--cache",
+        type=_cache_argument,
+        default="off",
+        help="feature cache: off | exact:SIZE[,ttl=DUR] | approx:SIZE[,...] | redis://...",
     )
 
 

@@ -16,7 +16,7 @@ from tierflow.cache.config import (
     parse_cache_spec,
 )
 from tierflow.cache.memory import MemoryCache
-from tierflow.cloud.cache_redis import RedisCache, build_server_cache
+from tierflow.cache.redis import RedisCache, build_server_cache
 from tierflow.errors import CacheError, UsageError
 
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierflow.cache.base import CacheAnswer, cache_key
-from tierflow.cloud.cache_redis import RedisCache, decode_answer, encode_answer
+from tierflow.cache.redis import RedisCache, decode_answer, encode_answer
 from tierflow.errors import CacheError
 
 redis = pytest.importorskip("redis")
@@ -187,7 +187,7 @@ def test_a_cloud_starts_without_redis_and_uses_it_once_it_answers(
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with caplog.at_level(logging.WARNING, logger="tierflow.cloud.cache_redis"):
+    with caplog.at_level(logging.WARNING, logger="tierflow.cache.redis"):
         cache = RedisCache(
             f"redis://127.0.0.1:{port}/0", 1 << 20, namespace=namespace, cooldown_s=0.2
         )
@@ -221,7 +221,7 @@ def test_a_stalled_redis_is_a_miss_not_a_failure(
     cache.store(key, feats, answer(4))
     try:
         admin.execute_command("CLIENT", "PAUSE", 600, "ALL")
-        with caplog.at_level(logging.WARNING, logger="tierflow.cloud.cache_redis"):
+        with caplog.at_level(logging.WARNING, logger="tierflow.cache.redis"):
             assert cache.lookup(key, feats) is None
             cache.store(cache_key("m", "p", 0, features(5)), features(5), answer(5))
     finally:
