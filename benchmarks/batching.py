@@ -116,11 +116,11 @@ def prompts(count: int, length: int, vocab: int = 32000) -> list[list[int]]:
 
 def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) -> dict[str, Any]:
     """Serve ``plan`` here (cloud, edge, device) and generate with N sessions at once."""
-    from tierflow.cloud.server import CloudServer
     from tierflow.device.client import DeviceClient
     from tierflow.device.generation import TierDecoder
-    from tierflow.edge.server import EdgeServer
+    from tierflow.edge.forwarding import Forwarding
     from tierflow.options import RuntimeOptions
+    from tierflow.runtime.server import TierServer
 
     options = RuntimeOptions(
         threads=args.threads,
@@ -128,9 +128,9 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
         max_batch=args.max_batch,
         batch_delay_s=args.batch_delay_ms / 1e3,
     )
-    cloud = CloudServer(plan, options=options)
+    cloud = TierServer.from_plan("cloud", plan, options=options)
     cloud.start()
-    edge = EdgeServer(plan, upstream=cloud.address, options=options)
+    edge = TierServer.from_plan("edge", plan, forwarder=Forwarding(cloud.address), options=options)
     edge.start()
     texts = prompts(max(counts), args.prompt)
     rows = []

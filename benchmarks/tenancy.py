@@ -49,17 +49,17 @@ import numpy as np
 from benchmarks.lib import RESULTS
 from benchmarks.lib.report import replace_section
 from tierflow.cli.table import format_table
-from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.device.generation import Generator
 from tierflow.device.sessions import StreamSession
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.greedy import reference_generate
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.decoder_graph import load_decoder, split_decoder
 from tierflow.partitioner.decoder_points import DecoderSettings
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import save_split_plan, split_model
+from tierflow.runtime.server import TierServer
 from tierflow.runtime.sessions import open_session
 from tierflow.transport.security import Security
 from tierflow.units import format_size
@@ -109,14 +109,16 @@ class Pair:
         edge_security = Security(
             token_file=str(root / "clients"), upstream_token_file=str(root / "up")
         )
-        self.cloud = CloudServer(
+        self.cloud = TierServer.from_plan(
+            "cloud",
             plan_dir,
             options=RuntimeOptions(workers=2, state_budget=budget, security=cloud_security),
         )
         self.cloud.start()
-        self.edge = EdgeServer(
+        self.edge = TierServer.from_plan(
+            "edge",
             plan_dir,
-            upstream=self.cloud.address,
+            forwarder=Forwarding(self.cloud.address),
             options=RuntimeOptions(workers=2, state_budget=budget, security=edge_security),
         )
         self.edge.start()

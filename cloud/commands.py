@@ -36,15 +36,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _serve(args: argparse.Namespace) -> int:
     from tierflow.cache.redis import build_server_cache
-    from tierflow.cloud.server import CloudServer
+    from tierflow.runtime.server import TierServer
 
     options = RuntimeOptions.from_args(
         args, load_plan_set(args.plan, require_segments=False).default_plan
     )
-    server = CloudServer(
-        args.plan,
-        args.listen,
-        cache=build_server_cache(args.cache),
-        options=options,
+    server = TierServer.from_plan(
+        "cloud", args.plan, args.listen, cache=build_server_cache(args.cache), options=options
     )
     return serve_until_stopped(server, args.grace, args.metrics_port)

@@ -92,7 +92,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _serve(args: argparse.Namespace) -> int:
     from tierflow.cache.redis import build_server_cache
-    from tierflow.edge.server import EdgeServer
+    from tierflow.edge.forwarding import Forwarding
+    from tierflow.runtime.server import TierServer
 
     options = RuntimeOptions.from_args(
         args, load_plan_set(args.plan, require_segments=False).default_plan
@@ -101,10 +102,11 @@ def _serve(args: argparse.Namespace) -> int:
         check_answering_tier(
             args.upstream, "cloud", options.security.upstream(), option="--upstream"
         )
-    server = EdgeServer(
+    server = TierServer.from_plan(
+        "edge",
         args.plan,
         args.listen,
-        None if args.upstream is None else args.upstream.target,
+        forwarder=None if args.upstream is None else Forwarding(args.upstream.target),
         cache=build_server_cache(args.cache),
         options=options,
     )

@@ -2,8 +2,8 @@
 
 The composed measurements of ``comparison.measure`` leave out what only the real runtime
 has: protobuf serialisation, gRPC, threads handing requests over, the link shaper's
-sleeps. Here a strategy's plan is written as a real plan directory, a ``CloudServer``
-and an ``EdgeServer`` serve it on 127.0.0.1 (port 0) with the emulated links and
+sleeps. Here a strategy's plan is written as a real plan directory, a cloud and an
+edge ``TierServer`` serve it on 127.0.0.1 (port 0) with the emulated links and
 slowdowns, and a ``DeviceClient`` sends the requests one at a time (window 1: latency,
 not throughput). The p50 of the device's wall time is compared with the composed p50
 of the same plan on the same requests.
@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.link.spec import LINKS, LinkSpec
 from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec, save_plan
+from tierflow.runtime.server import TierServer
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +65,15 @@ def serving(
     def options(tier: str) -> RuntimeOptions:
         return RuntimeOptions(slowdown=slowdown[tier], links=links, workers=1)
 
-    cloud = CloudServer(plan_dir, "127.0.0.1:0", options=options("cloud"))
-    edge: EdgeServer | None = None
+    cloud = TierServer.from_plan("cloud", plan_dir, "127.0.0.1:0", options=options("cloud"))
+    edge: TierServer | None = None
     try:
         cloud.start()
-        edge = EdgeServer(
+        edge = TierServer.from_plan(
+            "edge",
             plan_dir,
             "127.0.0.1:0",
-            upstream=cloud.address,
+            forwarder=Forwarding(cloud.address),
             cache=cache,
             options=options("edge"),
         )

@@ -100,8 +100,8 @@ def runtime_section(rows: Sequence[Row]) -> list[str]:
         out.append("Not run (`--no-extras`).\n")
         return out
     out.append(
-        "Each plan written as a plan directory and served by a `CloudServer` and an "
-        "`EdgeServer` on 127.0.0.1 with the emulated links (the runtime's link shaper) and "
+        "Each plan written as a plan directory and served by a cloud and an edge "
+        "`TierServer` on 127.0.0.1 with the emulated links (the runtime's link shaper) and "
         "slowdowns (the runtime's sleeps), a `DeviceClient` sending requests one at a time; "
         "p50 of the device's wall time. tierflow-exits runs as a plan with exit segments (each "
         "piece extracted from the model with the grafted heads, exits marked in `plan.json`) "

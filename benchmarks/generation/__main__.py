@@ -13,7 +13,7 @@ prompts (the standard library's own sources, never trained on): cloud-only (the 
 model in the cloud), device-only (the small model on the device), the planner's split of
 the large model, and the split with the small model drafting on the device
 (``--draft-tokens auto``). The cloud and the edge run in this process
-(``CloudServer``/``EdgeServer``, each with its slowdown), so that each tier's session
+(a cloud and an edge ``TierServer``, each with its slowdown), so that each tier's session
 state can be read (``pipeline.states.nbytes``); the device-edge link is emulated at every
 point of the grid (``RuntimeOptions(links=...)``), the edge-cloud link stays the demo's
 200 Mbit/s, 20 ms.
@@ -146,9 +146,9 @@ def run_strategy(
     max_tokens: int,
 ) -> dict[str, Any]:
     """One strategy at one link, on in-process tiers started for it and stopped after."""
-    from tierflow.cloud.server import CloudServer
     from tierflow.device.client import DeviceClient
-    from tierflow.edge.server import EdgeServer
+    from tierflow.edge.forwarding import Forwarding
+    from tierflow.runtime.server import TierServer
 
     plan_dir = plans.plan_dir(strategy)
     estimate = plans.estimate(strategy)
@@ -158,9 +158,14 @@ def run_strategy(
     cloud = edge = None
     try:
         if strategy != "device-only":
-            cloud = CloudServer(plan_dir, options=_options("cloud", links))
+            cloud = TierServer.from_plan("cloud", plan_dir, options=_options("cloud", links))
             cloud.start()
-            edge = EdgeServer(plan_dir, upstream=cloud.address, options=_options("edge", links))
+            edge = TierServer.from_plan(
+                "edge",
+                plan_dir,
+                forwarder=Forwarding(cloud.address),
+                options=_options("edge", links),
+            )
             edge.start()
             probe.tiers = {"edge": edge.service.pipeline, "cloud": cloud.service.pipeline}
         draft_s = 0.0

@@ -11,11 +11,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from onnx import TensorProto, helper, numpy_helper
 
-from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.plan import Plan, SegmentSpec, save_plan
 from tierflow.runtime.segment_runner import SegmentRunner
+from tierflow.runtime.server import TierServer
 
 pytestmark = pytest.mark.integration
 
@@ -50,9 +50,9 @@ def _cloud_only_plan(directory: Path) -> Path:
 
 def test_health_says_serving_once_loaded_and_an_empty_edge_forwards(tmp_path: Path) -> None:
     plan_dir = _cloud_only_plan(tmp_path / "plan")
-    cloud = CloudServer(plan_dir)
+    cloud = TierServer.from_plan("cloud", plan_dir)
     cloud.start()
-    edge = EdgeServer(plan_dir, upstream=cloud.address)
+    edge = TierServer.from_plan("edge", plan_dir, forwarder=Forwarding(cloud.address))
     edge.start()
     try:
         with grpc.insecure_channel(cloud.address) as channel:

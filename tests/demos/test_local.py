@@ -11,13 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tierflow.cloud.server import CloudServer
 from tierflow.demos.local import RESULT_HEADERS
 from tierflow.device.client import DeviceClient
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.link.spec import LINKS
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan
+from tierflow.runtime.server import TierServer
 from tierflow.runtime.sessions import open_session
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -52,9 +52,11 @@ def test_lossy_codecs_keep_the_top1_class_on_the_held_out_set(
     expected = _full_model_top1(demo.model_path, images)
     plan = _three_tier_plan(demo.model_path, tmp_path, codec)
     options = RuntimeOptions(workers=2)
-    cloud = CloudServer(tmp_path, options=options)
+    cloud = TierServer.from_plan("cloud", tmp_path, options=options)
     cloud.start()
-    edge = EdgeServer(tmp_path, upstream=cloud.address, options=options)
+    edge = TierServer.from_plan(
+        "edge", tmp_path, forwarder=Forwarding(cloud.address), options=options
+    )
     edge.start()
     try:
         with DeviceClient(tmp_path, edge.address, window=16) as client:

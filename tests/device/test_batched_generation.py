@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
-from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.device.generation import Generator
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import RemoteError
 from tierflow.greedy import reference_generate
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.decoder_graph import load_decoder, split_decoder
 from tierflow.partitioner.decoder_points import DecoderSettings
 from tierflow.partitioner.split import save_split_plan
+from tierflow.runtime.server import TierServer
 from tierflow.zoo.tiny_stateful import tiny_decoder
 
 pytestmark = pytest.mark.integration
@@ -54,14 +54,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture()
-def tiers(request: Any, models: dict[str, Path]) -> Iterator[tuple[Path, CloudServer, EdgeServer]]:
+def tiers(request: Any, models: dict[str, Path]) -> Iterator[tuple[Path, TierServer, TierServer]]:
     plan = models[request.param]
     # A tiny model's steps take well under a millisecond: --batch-delay lets the sessions'
     # steps meet on every tier, where a real model's long steps make them queue.
     options = RuntimeOptions(workers=8, max_batch=8, batch_delay_s=0.02)
-    cloud = CloudServer(plan, options=options)
+    cloud = TierServer.from_plan("cloud", plan, options=options)
     cloud.start()
-    edge = EdgeServer(plan, upstream=cloud.address, options=options)
+    edge = TierServer.from_plan("edge", plan, forwarder=Forwarding(cloud.address), options=options)
     edge.start()
     try:
         yield plan, cloud, edge
@@ -70,7 +70,7 @@ def tiers(request: Any, models: dict[str, Path]) -> Iterator[tuple[Path, CloudSe
         cloud.stop(0)
 
 
-def cloud_batches(cloud: CloudServer) -> int:
+def cloud_batches(cloud: TierServer) -> int:
     """Steps the cloud ran in batches of more than one."""
     pipeline = cloud.service.pipeline
     assert pipeline is not None
@@ -81,7 +81,7 @@ def cloud_batches(cloud: CloudServer) -> int:
 
 @pytest.mark.parametrize("tiers", ["split", "cloud"], indirect=True)
 def test_concurrent_sessions_are_token_identical_to_running_alone(
-    models: dict[str, Path], tiers: tuple[Path, CloudServer, EdgeServer]
+    models: dict[str, Path], tiers: tuple[Path, TierServer, TierServer]
 ) -> None:
     plan, cloud, edge = tiers
     outputs: dict[int, list[int] | BaseException] = {}
@@ -108,7 +108,7 @@ def test_concurrent_sessions_are_token_identical_to_running_alone(
 
 @pytest.mark.parametrize("tiers", ["cloud"], indirect=True)
 def test_a_session_whose_step_fails_fails_alone(
-    models: dict[str, Path], tiers: tuple[Path, CloudServer, EdgeServer]
+    models: dict[str, Path], tiers: tuple[Path, TierServer, TierServer]
 ) -> None:
     plan, _, edge = tiers
     outputs: dict[int, list[int] | BaseException] = {}

@@ -179,10 +179,10 @@ def test_tierflow_run_on_a_device_only_plan(
 def test_requests_queued_behind_a_backlog_are_answered_on_the_device(tmp_path: Path) -> None:
     """[Note: a backlog on the link]: at 2 kbit/s each upload waits behind the last one,
     so the device answers alone until the link has drained, then goes back to the edge."""
-    from tierflow.edge.server import EdgeServer
     from tierflow.link.spec import LinkSpec
     from tierflow.options import RuntimeOptions
     from tierflow.plan import PlanSet, save_plan_set
+    from tierflow.runtime.server import TierServer
 
     plan_dir = _chain_plan(tmp_path / "plan", ["device", "edge"])
     split = load_plan(plan_dir)
@@ -198,7 +198,7 @@ def test_requests_queued_behind_a_backlog_are_answered_on_the_device(tmp_path: P
     local = Plan(*_identity(split), alone, estimate={"latency_s": 0.06})
     regions = (({"device-edge": slow},), ({"device-edge": LinkSpec(1.0, 0.0)},))
     save_plan_set(PlanSet((remote, local), regions), plan_dir)
-    edge = EdgeServer(plan_dir, "127.0.0.1:0")
+    edge = TierServer.from_plan("edge", plan_dir, "127.0.0.1:0")
     edge.start()
     try:
         options = RuntimeOptions(links={"device-edge": slow})

@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 
 from tierflow.cli.main import main
-from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.device.generation import Generator
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import InputError, PlanError, StateError, TransportError
 from tierflow.greedy import reference_generate
 from tierflow.options import RuntimeOptions
@@ -23,6 +22,7 @@ from tierflow.partitioner.decoder_graph import load_decoder, split_decoder
 from tierflow.partitioner.decoder_points import DecoderSettings
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import save_split_plan, split_model
+from tierflow.runtime.server import TierServer
 from tierflow.zoo.tiny_stateful import streaming_model, tiny_decoder
 
 pytestmark = pytest.mark.integration
@@ -59,11 +59,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture()
-def tiers(models: dict[str, Path]) -> Iterator[tuple[CloudServer, EdgeServer]]:
+def tiers(models: dict[str, Path]) -> Iterator[tuple[TierServer, TierServer]]:
     options = RuntimeOptions(workers=2)
-    cloud = CloudServer(models["plan"], options=options)
+    cloud = TierServer.from_plan("cloud", models["plan"], options=options)
     cloud.start()
-    edge = EdgeServer(models["plan"], upstream=cloud.address, options=options)
+    edge = TierServer.from_plan(
+        "edge", models["plan"], forwarder=Forwarding(cloud.address), options=options
+    )
     edge.start()
     try:
         yield cloud, edge
@@ -206,9 +208,11 @@ def test_a_prompt_in_bytes_and_a_tokenizer_that_does_not_load(
 
 def test_with_the_tiers_gone_the_draft_goes_on_alone_marked(models: dict[str, Path]) -> None:
     options = RuntimeOptions(workers=2)
-    cloud = CloudServer(models["plan"], options=options)
+    cloud = TierServer.from_plan("cloud", models["plan"], options=options)
     cloud.start()
-    edge = EdgeServer(models["plan"], upstream=cloud.address, options=options)
+    edge = TierServer.from_plan(
+        "edge", models["plan"], forwarder=Forwarding(cloud.address), options=options
+    )
     edge.start()
     try:
         with DeviceClient(models["plan"], edge.address, deadline_s=5.0) as client:
@@ -270,9 +274,11 @@ def test_a_draft_with_fewer_positions_is_dropped_and_the_generation_goes_on(
 def test_a_failed_generation_keeps_the_tokens_it_made_and_why(models: dict[str, Path]) -> None:
     """``generate --json`` prints them: a failed run printed nothing on stdout."""
     options = RuntimeOptions(workers=2)
-    cloud = CloudServer(models["plan"], options=options)
+    cloud = TierServer.from_plan("cloud", models["plan"], options=options)
     cloud.start()
-    edge = EdgeServer(models["plan"], upstream=cloud.address, options=options)
+    edge = TierServer.from_plan(
+        "edge", models["plan"], forwarder=Forwarding(cloud.address), options=options
+    )
     edge.start()
     try:
         with DeviceClient(models["plan"], edge.address, deadline_s=5.0) as client:

@@ -21,11 +21,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cache.base import FeatureCache
-from tierflow.cloud.server import CloudServer
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec, save_plan
 from tierflow.runtime.processes import ServeProcess
+from tierflow.runtime.server import TierServer
 from tierflow.runtime.sessions import open_session
 
 
@@ -222,16 +222,18 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_tiers(
     plan_dir: Path, *, cache: FeatureCache | None = None, **settings: Any
-) -> Iterator[tuple[str, EdgeServer, CloudServer]]:
+) -> Iterator[tuple[str, TierServer, TierServer]]:
     """A cloud and an edge server in this process on free ports; stopped afterwards.
 
     ``settings`` are :class:`RuntimeOptions` fields, the same for both tiers (``links``,
     ``optimization``, ``slowdown``, ``security``, ...); ``workers`` is 2 unless given.
     """
     options = RuntimeOptions(**{"workers": 2, **settings})
-    cloud = CloudServer(plan_dir, "127.0.0.1:0", cache=cache, options=options)
+    cloud = TierServer.from_plan("cloud", plan_dir, "127.0.0.1:0", cache=cache, options=options)
     cloud.start()
-    edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, options=options)
+    edge = TierServer.from_plan(
+        "edge", plan_dir, "127.0.0.1:0", forwarder=Forwarding(cloud.address), options=options
+    )
     try:
         edge.start()
         yield edge.address, edge, cloud

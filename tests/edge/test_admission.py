@@ -14,13 +14,13 @@ import grpc
 import numpy as np
 import pytest
 
-from tierflow.cloud.server import CloudServer
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import RemoteError
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.segment_runner import TierRunner
+from tierflow.runtime.server import TierServer
 from tierflow.transport.stream_client import StreamClient
 from tierflow.transport.wire import decode_tensors, grpc_options, put_tensors
 
@@ -37,10 +37,14 @@ def _device_request(plan_dir: Path, feeds: dict[str, np.ndarray]) -> tier_pb2.Re
 
 
 @contextlib.contextmanager
-def _tiers(plan_dir: Path, options: RuntimeOptions) -> Iterator[EdgeServer]:
-    cloud = CloudServer(plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=2))
+def _tiers(plan_dir: Path, options: RuntimeOptions) -> Iterator[TierServer]:
+    cloud = TierServer.from_plan(
+        "cloud", plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=2)
+    )
     cloud.start()
-    edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, options=options)
+    edge = TierServer.from_plan(
+        "edge", plan_dir, "127.0.0.1:0", forwarder=Forwarding(cloud.address), options=options
+    )
     try:
         edge.start()
         yield edge
@@ -167,7 +171,7 @@ def test_idle_streams_are_closed_and_their_places_given_back(tmp_path: Path, rt:
     devices behind the same address until --stream-idle closes them."""
     split = rt.cnn(tmp_path / "plan")
     options = RuntimeOptions(workers=1, max_streams_per_peer=4, stream_idle_s=1.0)
-    cloud = CloudServer(split.plan_dir, "127.0.0.1:0", options=options)
+    cloud = TierServer.from_plan("cloud", split.plan_dir, "127.0.0.1:0", options=options)
     cloud.start()
     channel = grpc.insecure_channel(cloud.address, options=grpc_options())
     stub = tier_pb2_grpc.TierStub(channel)

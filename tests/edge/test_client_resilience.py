@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from tierflow.device.client import DeviceClient
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import TransportError
 from tierflow.options import RuntimeOptions
+from tierflow.runtime.server import TierServer
 
 pytestmark = pytest.mark.integration
 
@@ -112,8 +113,12 @@ def test_requests_sent_before_the_edge_is_up_are_sent_again(tmp_path: Path, rt: 
     ):
         ticket = device.submit(feeds)  # refused: nothing listens yet
         time.sleep(0.15)
-        edge = EdgeServer(
-            split.plan_dir, f"127.0.0.1:{port}", cloud.address, options=RuntimeOptions(workers=1)
+        edge = TierServer.from_plan(
+            "edge",
+            split.plan_dir,
+            f"127.0.0.1:{port}",
+            forwarder=Forwarding(cloud.address),
+            options=RuntimeOptions(workers=1),
         )
         edge.start()
         try:

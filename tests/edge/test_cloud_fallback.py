@@ -15,13 +15,13 @@ import numpy as np
 import onnx.utils
 import pytest
 
-from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient, Result
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import RemoteError
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan_set
 from tierflow.rpc import tier_pb2
+from tierflow.runtime.server import TierServer
 from tierflow.runtime.sessions import open_session
 
 OPTIONS = RuntimeOptions(workers=2)
@@ -108,7 +108,13 @@ def test_with_an_exit_on_the_edge_the_edge_answers_from_it(tmp_path: Path, rt: A
     samples = split.sample(seed=52, count=20)
     with rt.processes() as start:
         cloud = start("cloud", split.plan_dir)
-        edge = EdgeServer(split.plan_dir, "127.0.0.1:0", cloud.address, options=OPTIONS)
+        edge = TierServer.from_plan(
+            "edge",
+            split.plan_dir,
+            "127.0.0.1:0",
+            forwarder=Forwarding(cloud.address),
+            options=OPTIONS,
+        )
         edge.start()
         try:
             with DeviceClient(split.plan_dir, edge.address, window=4, deadline_s=10.0) as device:
@@ -144,9 +150,11 @@ def test_a_device_edge_plan_takes_over_while_the_cloud_is_gone(tmp_path: Path, r
     conv1 = model.segments[0]
     normal, pair = _with_plan(split, conv1, SegmentSpec("edge", "rest.onnx", ("h1",), ("y",)))
     samples = split.sample(seed=53, count=16)
-    cloud = CloudServer(split.plan_dir, "127.0.0.1:0", options=OPTIONS)
+    cloud = TierServer.from_plan("cloud", split.plan_dir, "127.0.0.1:0", options=OPTIONS)
     cloud.start()
-    edge = EdgeServer(split.plan_dir, "127.0.0.1:0", cloud.address, options=OPTIONS)
+    edge = TierServer.from_plan(
+        "edge", split.plan_dir, "127.0.0.1:0", forwarder=Forwarding(cloud.address), options=OPTIONS
+    )
     edge.start()
     try:
         with DeviceClient(
@@ -154,7 +162,7 @@ def test_a_device_edge_plan_takes_over_while_the_cloud_is_gone(tmp_path: Path, r
         ) as device:
             assert device.fallback_plan is None  # no device-only plan in this set
             results = list(device.run_stream(_killing(samples, 5, lambda: cloud.stop(0.2))))
-            cloud = CloudServer(split.plan_dir, cloud.address, options=OPTIONS)
+            cloud = TierServer.from_plan("cloud", split.plan_dir, cloud.address, options=OPTIONS)
             cloud.start()
             back = _until_cloud(device, samples[0])
     finally:
@@ -173,9 +181,11 @@ def test_a_device_edge_plan_takes_over_while_the_cloud_is_gone(tmp_path: Path, r
 @pytest.mark.integration
 def test_without_a_plan_that_skips_the_cloud_requests_fail_typed(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
-    cloud = CloudServer(split.plan_dir, "127.0.0.1:0", options=OPTIONS)
+    cloud = TierServer.from_plan("cloud", split.plan_dir, "127.0.0.1:0", options=OPTIONS)
     cloud.start()
-    edge = EdgeServer(split.plan_dir, "127.0.0.1:0", cloud.address, options=OPTIONS)
+    edge = TierServer.from_plan(
+        "edge", split.plan_dir, "127.0.0.1:0", forwarder=Forwarding(cloud.address), options=OPTIONS
+    )
     edge.start()
     cloud.stop(0.2)
     try:

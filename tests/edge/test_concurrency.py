@@ -12,12 +12,12 @@ import grpc
 import numpy as np
 import pytest
 
-from tierflow.cloud.server import CloudServer
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.pipeline import Pipeline
 from tierflow.runtime.segment_runner import TierRunner
+from tierflow.runtime.server import TierServer
 from tierflow.transport.wire import grpc_options, put_tensors
 
 pytestmark = pytest.mark.integration
@@ -71,7 +71,7 @@ def test_one_streams_requests_run_side_by_side_up_to_the_workers(
     one after the other (issue 18, part 4: it did, whatever --workers said)."""
     split = rt.cnn(tmp_path / "plan")
     slow = Slow(monkeypatch, 0.2)
-    cloud = CloudServer(split.plan_dir, options=RuntimeOptions(workers=workers))
+    cloud = TierServer.from_plan("cloud", split.plan_dir, options=RuntimeOptions(workers=workers))
     cloud.start()
     channel = grpc.insecure_channel(cloud.address, options=grpc_options())
     try:
@@ -93,7 +93,7 @@ def test_a_stopping_tier_answers_every_request_sent_before_it_began_to_stop(
     the last was done)."""
     split = rt.cnn(tmp_path / "plan")
     Slow(monkeypatch, 0.1)
-    cloud = CloudServer(split.plan_dir, options=RuntimeOptions(workers=2))
+    cloud = TierServer.from_plan("cloud", split.plan_dir, options=RuntimeOptions(workers=2))
     cloud.start()
     channel = grpc.insecure_channel(cloud.address, options=grpc_options())
     requests = cloud_requests(split.plan_dir, 20)

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from tierflow.device.client import DeviceClient
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import TransportError
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan, save_plan_set
+from tierflow.runtime.server import TierServer
 from tierflow.runtime.sessions import open_session
 
 pytestmark = pytest.mark.integration
@@ -45,7 +46,13 @@ def test_the_device_answers_alone_while_the_edge_is_down(tmp_path: Path, rt: Any
     samples = split.sample(seed=31, count=9)
     options = RuntimeOptions(workers=2)
     with rt.tiers(split.plan_dir) as (_, _, cloud):
-        edge = EdgeServer(split.plan_dir, "127.0.0.1:0", cloud.address, options=options)
+        edge = TierServer.from_plan(
+            "edge",
+            split.plan_dir,
+            "127.0.0.1:0",
+            forwarder=Forwarding(cloud.address),
+            options=options,
+        )
         edge.start()
         address = edge.address
         with DeviceClient(split.plan_dir, address, window=1, deadline_s=10.0) as device:
@@ -53,7 +60,13 @@ def test_the_device_answers_alone_while_the_edge_is_down(tmp_path: Path, rt: Any
             before = [device.infer(feeds) for feeds in samples[:3]]
             edge.stop(0.5)
             during = [device.submit(feeds).result() for feeds in samples[3:6]]
-            edge = EdgeServer(split.plan_dir, address, cloud.address, options=options)
+            edge = TierServer.from_plan(
+                "edge",
+                split.plan_dir,
+                address,
+                forwarder=Forwarding(cloud.address),
+                options=options,
+            )
             edge.start()
             try:
                 after = []

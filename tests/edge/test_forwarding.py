@@ -22,15 +22,15 @@ import onnx
 import pytest
 
 from tierflow.cache.memory import MemoryCache
-from tierflow.cloud.server import CloudServer
 from tierflow.codec.base import ImageNorm, decode, encode
 from tierflow.device.client import DeviceClient
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.fidelity_probe import plan_fidelity, run_plan_dir
 from tierflow.partitioner.split import session
 from tierflow.plan import Plan, SegmentSpec, load_plan, save_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.runtime.server import TierServer
 from tierflow.runtime.sessions import open_session
 from tierflow.transport.wire import grpc_options, to_proto
 
@@ -132,10 +132,15 @@ def test_a_forwarding_edge_with_a_cache_answers_repeats_and_forwards_the_rest(
     plan_dir, model = _cloud_only(rt, tmp_path, "jpeg:30", "jpeg:30")
     feeds, other = _requests(2)
     options = RuntimeOptions(workers=2)
-    cloud = CloudServer(plan_dir, "127.0.0.1:0", options=options)
+    cloud = TierServer.from_plan("cloud", plan_dir, "127.0.0.1:0", options=options)
     cloud.start()
-    edge = EdgeServer(
-        plan_dir, "127.0.0.1:0", cloud.address, cache=MemoryCache(1 << 20), options=options
+    edge = TierServer.from_plan(
+        "edge",
+        plan_dir,
+        "127.0.0.1:0",
+        forwarder=Forwarding(cloud.address),
+        cache=MemoryCache(1 << 20),
+        options=options,
     )
     try:
         edge.start()

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import InputError
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
@@ -47,8 +47,12 @@ def test_poison_deadlines_are_refused_and_deadlines_still_hold(tmp_path: Path, r
     good = _edge_request(split.plan_dir, split.sample(0)[0])
     with rt.processes() as start:
         cloud = start("cloud", split.plan_dir)
-        edge = EdgeServer(
-            split.plan_dir, "127.0.0.1:0", cloud.address, options=RuntimeOptions(workers=2)
+        edge = TierServer.from_plan(
+            "edge",
+            split.plan_dir,
+            "127.0.0.1:0",
+            forwarder=Forwarding(cloud.address),
+            options=RuntimeOptions(workers=2),
         )
         edge.start()
         channel = grpc.insecure_channel(edge.address, options=grpc_options())

@@ -17,9 +17,10 @@ import pytest
 
 from tierflow.cli.main import main
 from tierflow.device.client import DeviceClient
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.options import RuntimeOptions
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.runtime.server import TierServer
 from tierflow.transport.peer_warnings import WARNINGS
 from tierflow.transport.wire import GRPC_OPTIONS, MAX_FIGURE_BPS, add_tier_servicer
 
@@ -65,8 +66,12 @@ def hostile(tmp_path: Path, rt: Any) -> Iterator[tuple[Any, str]]:
     split = rt.cnn(tmp_path / "plan")
     with rt.tiers(split.plan_dir) as (_, _, cloud):
         above, above_address = _relay(cloud.address)
-        edge = EdgeServer(
-            split.plan_dir, "127.0.0.1:0", above_address, options=RuntimeOptions(workers=2)
+        edge = TierServer.from_plan(
+            "edge",
+            split.plan_dir,
+            "127.0.0.1:0",
+            forwarder=Forwarding(above_address),
+            options=RuntimeOptions(workers=2),
         )
         edge.start()
         below, below_address = _relay(edge.address)

@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 
 from tierflow.device.client import DeviceClient, Result
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import TransportError
 from tierflow.link.spec import LINKS, LinkSpec
 from tierflow.options import RuntimeOptions
+from tierflow.runtime.server import TierServer
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +69,13 @@ def test_requests_that_never_left_report_no_bytes(tmp_path: Path, rt: Any) -> No
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         nowhere = f"127.0.0.1:{holder.getsockname()[1]}"
-        edge = EdgeServer(split.plan_dir, "127.0.0.1:0", nowhere, options=RuntimeOptions(workers=2))
+        edge = TierServer.from_plan(
+            "edge",
+            split.plan_dir,
+            "127.0.0.1:0",
+            forwarder=Forwarding(nowhere),
+            options=RuntimeOptions(workers=2),
+        )
         edge.start()
         try:
             with DeviceClient(split.plan_dir, edge.address, deadline_s=10.0) as device:

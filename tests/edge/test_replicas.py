@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient, Result
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import RemoteError, TransportError, UsageError
 from tierflow.options import RuntimeOptions
+from tierflow.runtime.server import TierServer
 from tierflow.transport.security import Security
 
 pytestmark = pytest.mark.integration
@@ -132,8 +132,11 @@ def test_replicas_over_mutual_tls_are_checked_against_one_name(
         )
     )
     clouds = [
-        CloudServer(
-            split.plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=1, security=server)
+        TierServer.from_plan(
+            "cloud",
+            split.plan_dir,
+            "127.0.0.1:0",
+            options=RuntimeOptions(workers=1, security=server),
         )
         for _ in range(2)
     ]
@@ -141,14 +144,22 @@ def test_replicas_over_mutual_tls_are_checked_against_one_name(
         cloud.start()
     targets = "ipv4:" + ",".join(cloud.address for cloud in clouds)
     try:
-        unnamed = EdgeServer(
-            split.plan_dir, "127.0.0.1:0", targets, options=RuntimeOptions(security=server)
+        unnamed = TierServer.from_plan(
+            "edge",
+            split.plan_dir,
+            "127.0.0.1:0",
+            forwarder=Forwarding(targets),
+            options=RuntimeOptions(security=server),
         )
         with pytest.raises(UsageError, match="--tls-server-name"):
             unnamed.start()
         named = Security(**{**server.to_dict(), "server_name": "localhost"})
-        edge = EdgeServer(
-            split.plan_dir, "127.0.0.1:0", targets, options=RuntimeOptions(security=named)
+        edge = TierServer.from_plan(
+            "edge",
+            split.plan_dir,
+            "127.0.0.1:0",
+            forwarder=Forwarding(targets),
+            options=RuntimeOptions(security=named),
         )
         edge.start()
         try:

@@ -16,8 +16,9 @@ import pytest
 
 from tierflow.cli.main import main
 from tierflow.device.progress import PartialWriter, partial_path, read_partial
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.options import RuntimeOptions
+from tierflow.runtime.server import TierServer
 
 
 def _records(path: Path) -> int:
@@ -34,8 +35,12 @@ def test_a_killed_run_keeps_its_answers_and_resume_finishes_it(tmp_path: Path, r
     partial = partial_path(out)
     with rt.processes() as start:
         cloud = start("cloud", split.plan_dir)
-        edge = EdgeServer(
-            split.plan_dir, "127.0.0.1:0", cloud.address, options=RuntimeOptions(workers=1)
+        edge = TierServer.from_plan(
+            "edge",
+            split.plan_dir,
+            "127.0.0.1:0",
+            forwarder=Forwarding(cloud.address),
+            options=RuntimeOptions(workers=1),
         )
         edge.start()
         command = [sys.executable, "-m", "tierflow.cli", "run", "--plan", str(split.plan_dir)]

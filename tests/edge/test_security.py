@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.edge.probe import probe
 from tierflow.errors import TransportError, UsageError
 from tierflow.options import RuntimeOptions
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.probe import PROBE_ALLOWANCE
+from tierflow.runtime.server import TierServer
 from tierflow.transport.security import Security, open_channel
 from tierflow.transport.stream_client import channel_options
 
@@ -141,12 +141,12 @@ def test_security_settings_are_checked(tmp_path: Path, tls_files: dict[str, Path
 @pytest.mark.integration
 def test_plaintext_beyond_loopback_needs_insecure(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
-    cloud = CloudServer(split.plan_dir, "0.0.0.0:0")
+    cloud = TierServer.from_plan("cloud", split.plan_dir, "0.0.0.0:0")
     with pytest.raises(UsageError, match="--insecure"):
         cloud.start()
     cloud.stop(0)
     insecure = RuntimeOptions(security=Security(insecure=True))
-    cloud = CloudServer(split.plan_dir, "0.0.0.0:0", options=insecure)
+    cloud = TierServer.from_plan("cloud", split.plan_dir, "0.0.0.0:0", options=insecure)
     cloud.start()
     cloud.stop(0)
 
@@ -154,7 +154,9 @@ def test_plaintext_beyond_loopback_needs_insecure(tmp_path: Path, rt: Any) -> No
 @pytest.mark.integration
 def test_a_probe_is_sent_no_more_than_it_sends(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
-    cloud = CloudServer(split.plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=1))
+    cloud = TierServer.from_plan(
+        "cloud", split.plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=1)
+    )
     cloud.start()
     channel = grpc.insecure_channel(cloud.address, options=channel_options())
     try:
@@ -179,7 +181,9 @@ def test_many_probe_streams_from_one_peer_share_one_allowance(tmp_path: Path, rt
     """200 streams on one connection, each asking 64 KiB and sending nothing, used to get
     13 MB back for 17 KB sent (issue 20, item 11): the allowance is per peer, not stream."""
     split = rt.cnn(tmp_path / "plan")
-    cloud = CloudServer(split.plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=1))
+    cloud = TierServer.from_plan(
+        "cloud", split.plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=1)
+    )
     cloud.start()
     channel = grpc.insecure_channel(cloud.address, options=channel_options())
     stub = tier_pb2_grpc.TierStub(channel)
@@ -201,10 +205,14 @@ def test_many_probe_streams_from_one_peer_share_one_allowance(tmp_path: Path, rt
 @pytest.mark.integration
 def test_a_second_server_on_a_port_in_use_fails_with_one_line(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
-    cloud = CloudServer(split.plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=1))
+    cloud = TierServer.from_plan(
+        "cloud", split.plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=1)
+    )
     cloud.start()
     try:
-        second = CloudServer(split.plan_dir, cloud.address, options=RuntimeOptions(workers=1))
+        second = TierServer.from_plan(
+            "cloud", split.plan_dir, cloud.address, options=RuntimeOptions(workers=1)
+        )
         with pytest.raises(TransportError, match="in use"):
             second.start()
         second.stop(0)

@@ -21,9 +21,8 @@ import numpy as np
 import onnx.utils
 import pytest
 
-from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import SegmentError, TransportError
 from tierflow.link.spec import LinkSpec
 from tierflow.options import RuntimeOptions
@@ -38,6 +37,7 @@ from tierflow.plan import (
     save_plan_set,
 )
 from tierflow.runtime.segment_store import PART_SUFFIX, SegmentSource, SegmentStore
+from tierflow.runtime.server import TierServer
 from tierflow.transport.security import Security, open_channel
 from tierflow.transport.stream_client import channel_options
 
@@ -58,11 +58,13 @@ def _cloud_and_edge(
     *,
     edge: RuntimeOptions = OPTIONS,
     cloud: RuntimeOptions = OPTIONS,
-) -> Iterator[tuple[CloudServer, EdgeServer]]:
+) -> Iterator[tuple[TierServer, TierServer]]:
     """A cloud serving ``cloud_dir`` and an edge on ``edge_dir`` above it, both started."""
-    upper = CloudServer(cloud_dir, options=cloud)
+    upper = TierServer.from_plan("cloud", cloud_dir, options=cloud)
     upper.start()
-    server = EdgeServer(edge_dir, upstream=upper.address, options=edge)
+    server = TierServer.from_plan(
+        "edge", edge_dir, forwarder=Forwarding(upper.address), options=edge
+    )
     try:
         server.start()
         yield upper, server
@@ -153,10 +155,12 @@ def test_a_segment_whose_weights_lie_beside_it_travels_with_them(tmp_path: Path,
     cloud_data = split.plan_dir / str(edge_spec.data_file)
     cloud_data.write_bytes(cloud_data.read_bytes()[:-4] + b"\0\0\0\1")
     again = _bare(split.plan_dir, tmp_path / "edge2")
-    cloud = CloudServer(split.plan_dir, options=OPTIONS)
+    cloud = TierServer.from_plan("cloud", split.plan_dir, options=OPTIONS)
     cloud.start()
     try:
-        edge2 = EdgeServer(again, upstream=cloud.address, options=OPTIONS)
+        edge2 = TierServer.from_plan(
+            "edge", again, forwarder=Forwarding(cloud.address), options=OPTIONS
+        )
         with pytest.raises(SegmentError, match=rf"{edge_spec.data_file} .*sha256 .*refused"):
             edge2.start()
         edge2.stop(0)
@@ -199,10 +203,12 @@ def test_a_segment_whose_hash_is_wrong_is_refused_and_never_used(tmp_path: Path,
     data = bytearray(path.read_bytes())
     data[-20] ^= 0x01
     path.write_bytes(bytes(data))
-    cloud = CloudServer(split.plan_dir, options=OPTIONS)
+    cloud = TierServer.from_plan("cloud", split.plan_dir, options=OPTIONS)
     cloud.start()
     try:
-        edge = EdgeServer(edge_dir, upstream=cloud.address, options=OPTIONS)
+        edge = TierServer.from_plan(
+            "edge", edge_dir, forwarder=Forwarding(cloud.address), options=OPTIONS
+        )
         with pytest.raises(SegmentError, match=rf"{edge_file} .*sha256 .*refused, not used"):
             edge.start()
         edge.stop(0)
@@ -217,7 +223,7 @@ def test_a_tier_refuses_a_segment_its_plans_do_not_name_or_with_another_hash(
 ) -> None:
     split = rt.cnn(tmp_path / "plan")
     plan = load_plan(split.plan_dir)
-    cloud = CloudServer(split.plan_dir, options=OPTIONS)
+    cloud = TierServer.from_plan("cloud", split.plan_dir, options=OPTIONS)
     cloud.start()
     try:
         with grpc.insecure_channel(cloud.address) as channel:
@@ -242,7 +248,7 @@ def test_an_interrupted_fetch_resumes_where_it_broke_off(tmp_path: Path, rt: Any
     edge_dir = _bare(split.plan_dir, tmp_path / "edge")
     # A slow link, so that the chunks are still to come when the cloud goes (10 ms each).
     slow = RuntimeOptions(workers=2, links={"edge-cloud": LinkSpec(512 * 8 * 100)})
-    servers = [CloudServer(split.plan_dir, options=slow)]
+    servers = [TierServer.from_plan("cloud", split.plan_dir, options=slow)]
     servers[0].start()
     address = servers[0].address
     seen: list[int] = []
@@ -251,7 +257,7 @@ def test_an_interrupted_fetch_resumes_where_it_broke_off(tmp_path: Path, rt: Any
         seen.append(held)
         if len(servers) == 1:  # after the first chunk: the cloud restarts, the stream breaks
             servers[0].stop(0)
-            servers.append(CloudServer(split.plan_dir, address, options=slow))
+            servers.append(TierServer.from_plan("cloud", split.plan_dir, address, options=slow))
             servers[1].start()
 
     try:
@@ -281,7 +287,7 @@ def test_a_part_left_by_a_stopped_tier_is_resumed(tmp_path: Path, rt: Any) -> No
     half = spec.size // 2
     whole = (split.plan_dir / spec.file).read_bytes()
     (edge_dir / (spec.file + PART_SUFFIX)).write_bytes(whole[:half])
-    cloud = CloudServer(split.plan_dir, options=OPTIONS)
+    cloud = TierServer.from_plan("cloud", split.plan_dir, options=OPTIONS)
     cloud.start()
     try:
         with grpc.insecure_channel(cloud.address) as channel:
@@ -359,12 +365,13 @@ def test_a_budgeted_edge_stays_within_it_while_plans_alternate(tmp_path: Path, r
 def test_a_segment_larger_than_the_budget_is_a_typed_error(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
     edge_dir = _bare(split.plan_dir, tmp_path / "edge")
-    cloud = CloudServer(split.plan_dir, options=OPTIONS)
+    cloud = TierServer.from_plan("cloud", split.plan_dir, options=OPTIONS)
     cloud.start()
     try:
-        edge = EdgeServer(
+        edge = TierServer.from_plan(
+            "edge",
             edge_dir,
-            upstream=cloud.address,
+            forwarder=Forwarding(cloud.address),
             options=RuntimeOptions(workers=2, segment_budget=100),
         )
         with pytest.raises(SegmentError, match="does not fit --segment-budget"):
@@ -510,7 +517,7 @@ def test_the_least_recently_used_file_goes_first_but_never_a_held_one(
     size = {s.file: s.size or 0 for s in plan.segments}
     budget = size[first] + max(size[second], size[third])
     edge_dir = _bare(split.plan_dir, tmp_path / "edge")
-    cloud = CloudServer(split.plan_dir, options=OPTIONS)
+    cloud = TierServer.from_plan("cloud", split.plan_dir, options=OPTIONS)
     cloud.start()
     try:
         with grpc.insecure_channel(cloud.address) as channel:
@@ -670,7 +677,7 @@ def test_an_edge_whose_upstream_is_not_there_says_so_and_never_says_it_went_away
     the cloud say it was never reached."""
     split = rt.cnn(tmp_path / "plan")
     nowhere = f"127.0.0.1:{rt.free_port()}"
-    edge = EdgeServer(split.plan_dir, upstream=nowhere)
+    edge = TierServer.from_plan("edge", split.plan_dir, forwarder=Forwarding(nowhere))
     with caplog.at_level("WARNING"):
         edge.start()
     try:

@@ -10,9 +10,8 @@ import grpc
 import numpy as np
 import pytest
 
-from tierflow.cloud.server import CloudServer
 from tierflow.codec.spec import CodecSpec
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.decoder_graph import load_decoder, split_decoder
 from tierflow.partitioner.decoder_points import DecoderSettings
@@ -20,6 +19,7 @@ from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import save_split_plan, split_model
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.runtime.server import TierServer
 from tierflow.transport.wire import grpc_options, put_tensors
 from tierflow.zoo.tiny_stateful import streaming_model, tiny_decoder
 
@@ -39,7 +39,7 @@ def _code(reply: tier_pb2.Reply) -> str:
 
 
 @pytest.fixture(scope="module")
-def decoder_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, EdgeServer]]:
+def decoder_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, TierServer]]:
     """A decoder that runs whole on the edge: the device sends tokens and companions raw."""
     root = tmp_path_factory.mktemp("decoder")
     model = tiny_decoder(root / "decoder.onnx", blocks=2, vocab=16, seed=1)
@@ -49,7 +49,7 @@ def decoder_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
     assert [spec.tier for spec, _ in segments] == ["edge"]
     plan_dir = root / "plan"
     save_split_plan(graph.prefill, segments, plan_dir, cuts=cuts, decoder=graph.decoder)
-    edge = EdgeServer(plan_dir, options=RuntimeOptions(workers=2))
+    edge = TierServer.from_plan("edge", plan_dir, options=RuntimeOptions(workers=2))
     edge.start()
     try:
         yield load_plan(plan_dir).plan_id, edge
@@ -66,7 +66,7 @@ def _step(
 
 
 def test_a_step_whose_position_disagrees_with_its_mask_is_invalid_input(
-    decoder_edge: tuple[str, EdgeServer], capfd: pytest.CaptureFixture[str]
+    decoder_edge: tuple[str, TierServer], capfd: pytest.CaptureFixture[str]
 ) -> None:
     plan_id, edge = decoder_edge
     decoder = edge.service.plan.decoder
@@ -93,16 +93,18 @@ def test_a_step_whose_position_disagrees_with_its_mask_is_invalid_input(
 
 
 @pytest.fixture(scope="module")
-def stream_tiers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, EdgeServer]]:
+def stream_tiers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, TierServer]]:
     """The streaming model with its state on the cloud: the edge only forwards."""
     root = tmp_path_factory.mktemp("stream")
     graph = load_model(streaming_model(root / "stream.onnx"))
     segments = split_model(graph, (0, 0))
     save_split_plan(graph, segments, root / "plan", cuts=(0, 0))
     options = RuntimeOptions(workers=2)
-    cloud = CloudServer(root / "plan", options=options)
+    cloud = TierServer.from_plan("cloud", root / "plan", options=options)
     cloud.start()
-    edge = EdgeServer(root / "plan", upstream=cloud.address, options=options)
+    edge = TierServer.from_plan(
+        "edge", root / "plan", forwarder=Forwarding(cloud.address), options=options
+    )
     edge.start()
     try:
         yield load_plan(root / "plan").plan_id, edge
@@ -119,7 +121,7 @@ def _first_chunk(plan_id: str, ident: str, state: dict[str, np.ndarray]) -> tier
 
 
 def test_initial_state_is_checked_against_the_plan_and_never_cast(
-    stream_tiers: tuple[str, EdgeServer],
+    stream_tiers: tuple[str, TierServer],
 ) -> None:
     plan_id, edge = stream_tiers
     replies = _ask(

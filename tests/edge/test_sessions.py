@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 
 from tierflow.cli.main import main
-from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.device.sessions import StreamSession
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import RemoteError, StateLostError
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import save_split_plan, split_model
 from tierflow.plan import load_plan
+from tierflow.runtime.server import TierServer
 from tierflow.runtime.sessions import open_session
 from tierflow.runtime.state import SESSION_OVERHEAD
 from tierflow.zoo.tiny_stateful import streaming_model
@@ -71,13 +71,15 @@ def local_loop(model: Path, chunks: list[dict[str, np.ndarray]], state: np.ndarr
 @pytest.fixture()
 def tiers(
     request: Any, model: Path, tmp_path: Path
-) -> Iterator[tuple[Path, CloudServer, EdgeServer]]:
+) -> Iterator[tuple[Path, TierServer, TierServer]]:
     owner, budget = request.param
     plan_dir = plan_at(model, tmp_path / "plan", owner)
     options = RuntimeOptions(workers=3, state_budget=budget)
-    cloud = CloudServer(plan_dir, options=options)
+    cloud = TierServer.from_plan("cloud", plan_dir, options=options)
     cloud.start()
-    edge = EdgeServer(plan_dir, upstream=cloud.address, options=options)
+    edge = TierServer.from_plan(
+        "edge", plan_dir, forwarder=Forwarding(cloud.address), options=options
+    )
     edge.start()
     try:
         yield plan_dir, cloud, edge
@@ -86,7 +88,7 @@ def tiers(
         cloud.stop(0)
 
 
-def owner_of(cloud: CloudServer, edge: EdgeServer) -> Any:
+def owner_of(cloud: TierServer, edge: TierServer) -> Any:
     """The pipeline of the tier that keeps the plan's state."""
     (owner,) = [s.tier for s in cloud.service.plan.segments if s.state]
     server = cloud if owner == "cloud" else edge
@@ -295,9 +297,11 @@ def test_the_published_vad_whose_graph_sits_in_one_if_plans_and_streams_exactly(
         out, state = session.run(["output", "stateN"], feeds)
         expected.append(out)
     options = RuntimeOptions(workers=2)
-    cloud = CloudServer(tmp_path / "plan", options=options)
+    cloud = TierServer.from_plan("cloud", tmp_path / "plan", options=options)
     cloud.start()
-    edge = EdgeServer(tmp_path / "plan", upstream=cloud.address, options=options)
+    edge = TierServer.from_plan(
+        "edge", tmp_path / "plan", forwarder=Forwarding(cloud.address), options=options
+    )
     edge.start()
     try:
         requests = [{k: np.asarray(arrays[k][i]) for k in ("input", "sr")} for i in range(12)]
@@ -314,11 +318,13 @@ def test_the_published_vad_whose_graph_sits_in_one_if_plans_and_streams_exactly(
 def test_a_session_stays_on_one_replica_of_an_upstream_list(model: Path, tmp_path: Path) -> None:
     plan_dir = plan_at(model, tmp_path / "plan", "cloud")
     options = RuntimeOptions(workers=2)
-    replicas = [CloudServer(plan_dir, options=options) for _ in range(2)]
+    replicas = [TierServer.from_plan("cloud", plan_dir, options=options) for _ in range(2)]
     for replica in replicas:
         replica.start()
     targets = ",".join(r.address for r in replicas)
-    edge = EdgeServer(plan_dir, upstream=f"ipv4:{targets}", options=options)
+    edge = TierServer.from_plan(
+        "edge", plan_dir, forwarder=Forwarding(f"ipv4:{targets}"), options=options
+    )
     edge.start()
     try:
         outcomes = {}

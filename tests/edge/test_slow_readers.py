@@ -18,13 +18,13 @@ import grpc
 import numpy as np
 import pytest
 
-from tierflow.cloud.server import CloudServer
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.link.spec import LinkSpec
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.segment_runner import TierRunner
+from tierflow.runtime.server import TierServer
 from tierflow.transport.stream_client import StreamClient
 from tierflow.transport.wire import decode_tensors, grpc_options, put_tensors
 
@@ -42,11 +42,13 @@ def _device_request(plan_dir: Path, feeds: dict[str, np.ndarray], rid: str) -> t
 
 
 @contextlib.contextmanager
-def _tiers(plan_dir: Path, links: dict[str, LinkSpec]) -> Iterator[EdgeServer]:
+def _tiers(plan_dir: Path, links: dict[str, LinkSpec]) -> Iterator[TierServer]:
     options = RuntimeOptions(workers=2, reply_timeout=REPLY_TIMEOUT_S, links=links)
-    cloud = CloudServer(plan_dir, "127.0.0.1:0", options=options)
+    cloud = TierServer.from_plan("cloud", plan_dir, "127.0.0.1:0", options=options)
     cloud.start()
-    edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, options=options)
+    edge = TierServer.from_plan(
+        "edge", plan_dir, "127.0.0.1:0", forwarder=Forwarding(cloud.address), options=options
+    )
     try:
         edge.start()
         yield edge

@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.device.sessions import StreamSession
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import RemoteError
 from tierflow.options import RuntimeOptions
+from tierflow.runtime.server import TierServer
 from tierflow.transport.security import Security
 from tierflow.zoo.tiny_stateful import streaming_model
 
@@ -41,15 +41,19 @@ class Tiers:
     def __init__(self) -> None:
         self.servers: list[Any] = []
 
-    def cloud(self, plan_dir: Path, **settings: Any) -> CloudServer:
-        cloud = CloudServer(plan_dir, options=RuntimeOptions(workers=2, **settings))
+    def cloud(self, plan_dir: Path, **settings: Any) -> TierServer:
+        cloud = TierServer.from_plan(
+            "cloud", plan_dir, options=RuntimeOptions(workers=2, **settings)
+        )
         self.servers.append(cloud)
         cloud.start()
         return cloud
 
-    def edge(self, plan_dir: Path, cloud: CloudServer, **settings: Any) -> EdgeServer:
+    def edge(self, plan_dir: Path, cloud: TierServer, **settings: Any) -> TierServer:
         options = RuntimeOptions(workers=2, **settings)
-        edge = EdgeServer(plan_dir, upstream=cloud.address, options=options)
+        edge = TierServer.from_plan(
+            "edge", plan_dir, forwarder=Forwarding(cloud.address), options=options
+        )
         self.servers.append(edge)
         edge.start()
         return edge
@@ -65,7 +69,7 @@ def tiers() -> Iterator[Tiers]:
             server.stop(0)
 
 
-def client(plan_dir: Path, edge: EdgeServer, security: Security) -> DeviceClient:
+def client(plan_dir: Path, edge: TierServer, security: Security) -> DeviceClient:
     return DeviceClient(plan_dir, edge.address, options=RuntimeOptions(security=security), window=4)
 
 

@@ -12,10 +12,9 @@ import onnx
 import pytest
 
 from tierflow.cli.main import main
-from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
 from tierflow.device.generation import Generator
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.greedy import reference_generate
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.decoder_graph import DecoderGraph, load_decoder, split_decoder
@@ -24,6 +23,7 @@ from tierflow.partitioner.split import save_split_plan
 from tierflow.partitioner.state_verify import chain_step, verify_decoder, whole_step
 from tierflow.partitioner.tensors import tensor_nbytes
 from tierflow.plan import load_plan
+from tierflow.runtime.server import TierServer
 from tierflow.zoo.precision import PRECISIONS, convert
 from tierflow.zoo.tiny_stateful import tiny_decoder
 
@@ -101,9 +101,11 @@ def test_a_lower_precision_decoder_served_on_three_tiers_generates_its_own_token
         decoder=graph.decoder,
     )
     prompt = [3, 1, 4, 1, 5, 9]
-    cloud = CloudServer(plan_dir, options=RuntimeOptions())
+    cloud = TierServer.from_plan("cloud", plan_dir, options=RuntimeOptions())
     cloud.start()
-    edge = EdgeServer(plan_dir, upstream=cloud.address, options=RuntimeOptions())
+    edge = TierServer.from_plan(
+        "edge", plan_dir, forwarder=Forwarding(cloud.address), options=RuntimeOptions()
+    )
     edge.start()
     try:
         with DeviceClient(plan_dir, edge.address) as client:

@@ -6,9 +6,11 @@ reports SERVING; on SIGTERM or SIGINT it stops as [Note: stopping a tier] says.
 Message-size limits are set explicitly on the server (``tierflow.transport.wire.grpc_options``),
 the same as on every channel.
 
-The edge and the cloud each own their server class and their ``tierflow serve TIER``
-command (``tierflow.edge`` and ``tierflow.cloud``); what they share, the options every
-server takes and the run until a signal, is here.
+One server class serves every tier: :meth:`TierServer.from_plan` configures it by role
+(``"edge"`` or ``"cloud"``), and a role differs only by its forwarder (the edge's
+``tierflow.edge.forwarding.Forwarding``; the cloud has none). Each tier owns its
+``tierflow serve TIER`` command (``tierflow.edge.commands``, ``tierflow.cloud.commands``);
+what they share, the options every server takes and the run until a signal, is here.
 
 [Note: stopping a tier]
 At once: health reports NOT_SERVING, no new stream is accepted, and every new request on
@@ -28,17 +30,20 @@ import signal
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tierflow.cache.base import FeatureCache
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.errors import UsageError
-from tierflow.options import add_runtime_arguments
+from tierflow.options import RuntimeOptions, add_runtime_arguments
+from tierflow.plan import load_plan_set
 from tierflow.runtime.limits import receive_limit
-from tierflow.runtime.service import TierService
+from tierflow.runtime.service import Forwarder, TierService
 from tierflow.runtime.state import describe_state_budget
 from tierflow.transport.address import listen_address
 from tierflow.transport.security import bind, server_options
@@ -60,10 +65,41 @@ _EXIT_MARGIN_S = 0.9
 class TierServer:
     """Serves one :class:`TierService` on ``listen`` (``HOST:PORT``; port 0 picks one).
 
-    The service's ``options.security`` says whether the port is TLS and which clients it
-    serves ([Note: tier security] in ``tierflow.transport.security``); by default plaintext on
+    ``tierflow serve TIER`` as an object: ``start()`` returns the port, ``stop()`` ends it;
+    :meth:`from_plan` makes one for a tier's role from a plan directory. The service's
+    ``options.security`` says whether the port is TLS and which clients it serves
+    ([Note: tier security] in ``tierflow.transport.security``); by default plaintext on
     loopback.
     """
+
+    @classmethod
+    def from_plan(
+        cls,
+        tier: str,
+        plan_dir: str | Path,
+        listen: str = "127.0.0.1:0",
+        *,
+        forwarder: Forwarder | None = None,
+        cache: FeatureCache | None = None,
+        options: RuntimeOptions | None = None,
+    ) -> TierServer:
+        """The server of ``tier`` (``"edge"`` or ``"cloud"``) for the plan in ``plan_dir``.
+
+        ``forwarder`` passes requests on to the next tier (the edge's, to the cloud, is
+        ``tierflow.edge.forwarding.Forwarding``; needed when the plan runs segments above
+        this tier; the cloud has none). ``cache`` is an optional feature cache consulted
+        before the tier's segments run; ``options`` say how to run (threads, emulated
+        links, limits, TLS, ...).
+        """
+        service = TierService(
+            tier,
+            load_plan_set(plan_dir, require_segments=False),
+            plan_dir,
+            forwarder=forwarder,
+            cache=cache,
+            options=options,
+        )
+        return cls(service, listen)
 
     def __init__(self, service: TierService, listen: str) -> None:
         self.service = service

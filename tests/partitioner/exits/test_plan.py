@@ -15,9 +15,8 @@ from onnx import helper
 from torch import nn
 
 from tierflow.cli.main import main
-from tierflow.cloud.server import CloudServer
 from tierflow.device.client import DeviceClient
-from tierflow.edge.server import EdgeServer
+from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import PlanError
 from tierflow.link.spec import LinkSpec
 from tierflow.options import RuntimeOptions
@@ -31,6 +30,7 @@ from tierflow.partitioner.profile import load_profile, profile_model, save_profi
 from tierflow.partitioner.report import exits_cell, plan_table
 from tierflow.partitioner.search import search
 from tierflow.plan import load_plan, save_plan
+from tierflow.runtime.server import TierServer
 from tierflow.runtime.sessions import open_session
 from tierflow.zoo.models import export_onnx
 
@@ -234,9 +234,17 @@ def test_the_trunk_is_planned_and_the_exit_found(models: dict[str, Path], tmp_pa
 
 
 def _serve(plan_dir: Path, feeds: list[dict[str, np.ndarray]]) -> list[Any]:
-    cloud = CloudServer(plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=2))
+    cloud = TierServer.from_plan(
+        "cloud", plan_dir, "127.0.0.1:0", options=RuntimeOptions(workers=2)
+    )
     cloud.start()
-    edge = EdgeServer(plan_dir, "127.0.0.1:0", cloud.address, options=RuntimeOptions(workers=2))
+    edge = TierServer.from_plan(
+        "edge",
+        plan_dir,
+        "127.0.0.1:0",
+        forwarder=Forwarding(cloud.address),
+        options=RuntimeOptions(workers=2),
+    )
     try:
         edge.start()
         with DeviceClient(plan_dir, edge.address, window=4) as device:
