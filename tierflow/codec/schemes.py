@@ -1,6 +1,6 @@
 """The codec's schemes: the quantisers and the lossless compressor behind the interface.
 
-:mod:`tierflow.codec.base` is the interface (:class:`~tierflow.codec.base.CodecSpec`, ``encode``,
+:mod:`tierflow.codec.base` is the interface (:class:`~tierflow.codec.spec.CodecSpec`, ``encode``,
 ``decode``, ``measure``); each scheme here is a small class or pair of functions it
 dispatches to. A :class:`Quantiser` turns a float array into stored elements plus
 parameters and back (:class:`Fp16`; :class:`Affine` codes of 8 bits per tensor or per
@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import zstandard
 
+from tierflow.codec.spec import CodecSpec
 from tierflow.errors import CodecError
-
-if TYPE_CHECKING:
-    from tierflow.codec.base import CodecSpec
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,7 +1,7 @@
 """The codec's pipeline for tensors: drop constant channels, skip zeros, quantise, compress.
 
 :mod:`tierflow.codec.base` is the interface; this module runs the stages a
-:class:`~tierflow.codec.base.CodecSpec` names, in order on the sender and in reverse on the
+:class:`~tierflow.codec.spec.CodecSpec` names, in order on the sender and in reverse on the
 receiver: ``drop`` (channels constant on the tensor leave the payload; their values go
 in ``params``), ``sparse`` (a bitmap of the nonzero elements, then those elements only),
 the quantiser and the compressor (:mod:`tierflow.codec.schemes`). :func:`layout` reads
@@ -14,7 +14,7 @@ Only numpy and zstandard are needed: every tier imports this module.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,10 +27,8 @@ from tierflow.codec.schemes import (
     shuffle_bytes,
     unshuffle_bytes,
 )
+from tierflow.codec.spec import CodecSpec
 from tierflow.errors import CodecError
-
-if TYPE_CHECKING:
-    from tierflow.codec.base import CodecSpec
 
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _NO_VALUES = np.zeros(0, np.float32)
