@@ -1,6 +1,6 @@
 """``tierflow serve cloud``: finish the model and answer, until SIGTERM or SIGINT.
 
-The options every server takes, ``--cache`` among them, are in ``tierflow.runtime.server``;
+The options every server takes, ``--cache`` among them, are in ``tierflow.cli.serve``;
 ``--cache`` builds an in-process cache (``tierflow.cache.config``) or the Redis cache
 replicas share (``tierflow.cache.redis``).
 """
@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 
 from tierflow.cli.helptext import examples
+from tierflow.cli.serve import add_cache_argument, add_serve_parser
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
-from tierflow.runtime.server import add_cache_argument, add_serve_parser, serve_until_stopped
+from tierflow.runtime.server import serve_until_stopped
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

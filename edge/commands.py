@@ -1,7 +1,7 @@
 """``tierflow serve edge`` and ``tierflow probe``.
 
 The server runs until SIGTERM or SIGINT and then stops gracefully; the options it shares
-with ``tierflow serve cloud``, ``--cache`` among them, are in ``tierflow.runtime.server``.
+with ``tierflow serve cloud``, ``--cache`` among them, are in ``tierflow.cli.serve``.
 ``probe`` measures the link to a running tier and prints it the way ``tierflow plan --link``
 takes it.
 """
@@ -14,10 +14,11 @@ import logging
 from tierflow.cli import json_output
 from tierflow.cli.arguments import add_deprecated
 from tierflow.cli.helptext import HelpFormatter, examples
+from tierflow.cli.serve import add_cache_argument, add_serve_parser
 from tierflow.cli.table import format_table
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
-from tierflow.runtime.server import add_cache_argument, add_serve_parser, serve_until_stopped
+from tierflow.runtime.server import serve_until_stopped
 from tierflow.transport.address import Address, check_answering_tier
 from tierflow.transport.security import Security, add_security_arguments
 from tierflow.units import format_duration, format_rate, parse_size

@@ -10,7 +10,8 @@ One server class serves every tier: :meth:`TierServer.from_plan` configures it b
 (``"edge"`` or ``"cloud"``), and a role differs only by its forwarder (the edge's
 ``tierflow.edge.forwarding.Forwarding``; the cloud has none). Each tier owns its
 ``tierflow serve TIER`` command (``tierflow.edge.commands``, ``tierflow.cloud.commands``);
-what they share, the options every server takes and the run until a signal, is here.
+the options every server takes are declared in ``tierflow.cli.serve``, and the run until a
+signal is here.
 
 [Note: stopping a tier]
 At once: health reports NOT_SERVING, no new stream is accepted, and every new request on
@@ -23,33 +24,27 @@ anything still holds it then (a segment still running, a stuck writer), it exits
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
 import threading
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tierflow.cache.base import FeatureCache
-from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.errors import UsageError
-from tierflow.options import RuntimeOptions, add_runtime_arguments
+from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
 from tierflow.runtime.limits import receive_limit
 from tierflow.runtime.service import Forwarder, TierService
 from tierflow.runtime.state import describe_state_budget
-from tierflow.transport.address import listen_address
 from tierflow.transport.security import bind, server_options
 from tierflow.transport.wire import add_tier_servicer, grpc_options
 from tierflow.tuning import tune_for_latency
-from tierflow.units import parse_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -203,94 +198,6 @@ def _exit_after(seconds: float, tier: str) -> None:
     timer = threading.Timer(seconds, exit_now)
     timer.daemon = True
     timer.start()
-
-
-# The ``serve`` command of each top-level parser, and its TIER subcommands.
-_SERVE_TIERS: weakref.WeakKeyDictionary[
-    argparse.ArgumentParser, argparse._SubParsersAction[argparse.ArgumentParser]
-] = weakref.WeakKeyDictionary()
-
-
-def add_serve_parser(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-    tier: str,
-    help: str,
-    *,
-    description: str,
-    epilog: str,
-) -> argparse.ArgumentParser:
-    """``tierflow serve TIER``: one tier's subcommand, with the options every server takes.
-
-    The first tier to call this creates the ``serve`` command; the tier's own options
-    (``--upstream``, ``--cache``) and its handler are for the caller to add.
-    """
-    serve = subparsers.choices.get("serve")
-    if serve is None:
-        serve = subparsers.add_parser(
-            "serve",
-            help="run the edge or the cloud tier of a plan",
-            description="Serve one tier of a plan over gRPC until SIGTERM or SIGINT: the "
-            "edge takes devices' streams and forwards to the cloud, the cloud answers. Each "
-            "prints one line saying where it serves once its segment is loaded.",
-            epilog=examples(
-                "tierflow serve cloud --plan plan/ --listen 127.0.0.1:50052",
-                "tierflow serve edge --plan plan/ --listen 127.0.0.1:50051 "
-                "--upstream 127.0.0.1:50052",
-            ),
-            formatter_class=HelpFormatter,
-        )
-        _SERVE_TIERS[serve] = serve.add_subparsers(dest="tier", metavar="TIER", required=True)
-    parser = _SERVE_TIERS[serve].add_parser(
-        tier, help=help, description=description, epilog=epilog, formatter_class=HelpFormatter
-    )
-    _add_server_arguments(parser)
-    return parser
-
-
-def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--plan", required=True, metavar="PLAN_DIR", help="the plan directory `tierflow plan` wrote"
-    )
-    parser.add_argument(
-        "--listen",
-        type=listen_address,
-        default="127.0.0.1:0",
-        metavar="HOST:PORT",
-        help="address to serve on (port 0: one the OS picks, printed when serving)",
-    )
-    parser.add_argument(
-        "--grace",
-        type=parse_seconds,
-        default="5s",
-        metavar="DURATION",
-        help="how long open streams get to finish on shutdown",
-    )
-    add_runtime_arguments(parser, server=True)
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        metavar="N",
-        help="serve Prometheus metrics on http://HOST:N/metrics, HOST as in --listen "
-        "(0 picks a port; needs pip install 'tierflow[metrics]')",
-    )
-
-
-def _cache_argument(text: str) -> Any:
-    # The cache modules are imported only when the option is given.
-    from tierflow.cache.config import cache_spec_argument
-
-    return cache_spec_argument(text)
-
-
-def add_cache_argument(parser: argparse.ArgumentParser) -> None:
-    """``--cache``, for the servers of both tiers (``tierflow.cache.redis.build_server_cache``
-    builds it)."""
-    parser.add_argument(
-        "--cache",
-        type=_cache_argument,
-        default="off",
-        help="feature cache: off | exact:SIZE[,ttl=DUR] | approx:SIZE[,...] | redis://...",
-    )
 
 
 def serve_until_stopped(server: TierServer, grace: float, metrics_port: int | None = None) -> int:
