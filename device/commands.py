@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 from tierflow.cli import json_output
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.paths import output_file
+from tierflow.cli.runtime_arguments import add_runtime_arguments
 from tierflow.cli.table import format_table
 from tierflow.device.fallback import runs_on_device_only
 from tierflow.errors import UsageError
 from tierflow.link.spec import LINKS, TIERS
-from tierflow.options import RuntimeOptions, add_runtime_arguments
+from tierflow.options import RuntimeOptions
 from tierflow.plan import PlanSet, load_plan_set
 from tierflow.transport.address import Address, check_answering_tier
 from tierflow.transport.deadline import DEFAULT_DEADLINE, Deadline

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tierflow.cli import json_output
 from tierflow.cli.helptext import HelpFormatter, examples
+from tierflow.cli.runtime_arguments import add_runtime_arguments
 from tierflow.cli.table import format_table
 from tierflow.device.commands import add_deadline_argument, add_plan_arguments, edge_address
 from tierflow.errors import MissingExtraError, TierflowError, UsageError
-from tierflow.options import RuntimeOptions, add_runtime_arguments
+from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
 from tierflow.units import format_size
 

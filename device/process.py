@@ -31,6 +31,7 @@ from typing import IO, TYPE_CHECKING, Any
 from tierflow.cli import json_output
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.paths import output_file_or_stdout
+from tierflow.cli.runtime_arguments import add_runtime_arguments
 from tierflow.device.commands import (
     add_adaptation_arguments,
     add_deadline_argument,
@@ -39,7 +40,7 @@ from tierflow.device.commands import (
     edge_address,
 )
 from tierflow.errors import UsageError
-from tierflow.options import RuntimeOptions, add_runtime_arguments
+from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
 from tierflow.units import positive_seconds
 

@@ -4,10 +4,10 @@ The runners, the tier service, the servers and the device client all read the sa
 settings (ONNX Runtime threads and optimization level, emulated slowdown and links, size
 limits, TLS and tokens); they take them as one frozen value instead of each repeating
 the keyword list. ``tierflow serve``, ``run`` and ``device`` declare their flags with
-:func:`add_runtime_arguments`, whose defaults are read from ``RuntimeOptions()`` (so
-``--help`` shows the defaults a library user gets, written once), and make the value
-with :meth:`RuntimeOptions.from_args`; a library user makes one directly, or varies one
-with :func:`dataclasses.replace`.
+``tierflow.cli.runtime_arguments.add_runtime_arguments``, whose defaults are read from
+``RuntimeOptions()`` (so ``--help`` shows the defaults a library user gets, written once),
+and make the value with :meth:`RuntimeOptions.from_args`; a library user makes one
+directly, or varies one with :func:`dataclasses.replace`.
 """
 
 from __future__ import annotations
@@ -19,29 +19,19 @@ from types import MappingProxyType
 
 from tierflow.codec.base import DEFAULT_MAX_TENSOR_BYTES
 from tierflow.errors import UsageError
-from tierflow.link.emulation import add_link_arguments, resolve_links
+from tierflow.link.emulation import resolve_links
 from tierflow.link.spec import LinkSpec
 from tierflow.link.trace import LinkTrace
 from tierflow.plan import Plan
 from tierflow.runtime.admission import DEFAULT_MAX_STREAMS, DEFAULT_MAX_STREAMS_PER_PEER
-from tierflow.runtime.providers import CPU, add_providers_argument
-from tierflow.runtime.segment_store import add_segment_budget_argument
+from tierflow.runtime.providers import CPU
 from tierflow.runtime.sessions import (
     DEFAULT_OPTIMIZATION,
-    add_optimization_argument,
     check_optimization,
 )
-from tierflow.runtime.state import DEFAULT_MEMORY_SHARE, default_state_budget
-from tierflow.transport.security import Security, add_security_arguments
+from tierflow.runtime.state import default_state_budget
+from tierflow.transport.security import Security
 from tierflow.transport.wire import DEFAULT_MESSAGE_BYTES
-from tierflow.units import (
-    format_duration,
-    format_size,
-    parse_seconds,
-    parse_size,
-    parse_slowdown,
-    positive_seconds,
-)
 
 #: Requests a tier accepts in flight (all streams together) before answering OVERLOADED.
 DEFAULT_MAX_IN_FLIGHT = 1024
@@ -153,7 +143,8 @@ class RuntimeOptions:
     def from_args(cls, args: argparse.Namespace, plan: Plan) -> RuntimeOptions:
         """The options a runtime command was given (links resolved against ``plan``).
 
-        ``args`` comes from a parser set up by :func:`add_runtime_arguments`; options a
+        ``args`` comes from a parser set up by
+        ``tierflow.cli.runtime_arguments.add_runtime_arguments``; options a
         command does not have (``run`` has no ``--workers``) keep their defaults.
         """
         defaults = cls()
@@ -162,7 +153,7 @@ class RuntimeOptions:
             slowdown=args.slowdown,
             optimization=args.optimization,
             workers=getattr(args, "workers", defaults.workers),
-            links=resolve_links(plan, args.link_emulation, args.emulate_link),
+            links=resolve_links(plan.links, args.link_emulation, args.emulate_link),
             max_tensor_bytes=getattr(args, "max_tensor_bytes", defaults.max_tensor_bytes),
             max_streams=getattr(args, "max_streams", defaults.max_streams),
             max_streams_per_peer=getattr(
@@ -180,135 +171,3 @@ class RuntimeOptions:
             batch_delay_s=getattr(args, "batch_delay", defaults.batch_delay_s),
             batch_padding=getattr(args, "batch_padding", defaults.batch_padding),
         )
-
-
-def add_runtime_arguments(parser: argparse.ArgumentParser, *, server: bool) -> None:
-    """The flags of a :class:`RuntimeOptions`, with its defaults, for ``serve`` (``server``)
-    or for ``run`` and ``device``.
-
-    The defaults are ``RuntimeOptions()``'s, so ``--help`` shows what a library user gets.
-    """
-    defaults = RuntimeOptions()
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=defaults.threads,
-        help="ONNX Runtime intra-op threads per request (0: one per core)",
-    )
-    if server:
-        parser.add_argument(
-            "--workers",
-            type=int,
-            default=defaults.workers,
-            help="requests run at once (the pipeline's depth on this tier) (default: one per core)",
-        )
-    parser.add_argument(
-        "--slowdown",
-        type=parse_slowdown,
-        default=f"{defaults.slowdown:g}",
-        metavar="X",
-        help="emulate a tier X times slower than this machine, 8 or 8x (its compute and its codec "
-        "work; plan --slowdown TIER=X says the same for planning)",
-    )
-    add_optimization_argument(parser)
-    add_providers_argument(parser)
-    if server:
-        parser.add_argument(
-            "--max-tensor-bytes",
-            type=parse_size,
-            default=format_size(defaults.max_tensor_bytes),
-            metavar="SIZE",
-            help="largest decoded tensor accepted",
-        )
-        parser.add_argument(
-            "--max-streams",
-            type=int,
-            default=defaults.max_streams,
-            metavar="N",
-            help="streams served at once, all peers together; more are refused OVERLOADED",
-        )
-        parser.add_argument(
-            "--max-streams-per-peer",
-            type=int,
-            default=defaults.max_streams_per_peer,
-            metavar="N",
-            help="streams served at once from one host; more are refused OVERLOADED",
-        )
-        parser.add_argument(
-            "--reply-timeout",
-            type=positive_seconds,
-            default=format_duration(defaults.reply_timeout),
-            metavar="DURATION",
-            help="how long a reply waits for a client that does not read it before its "
-            "stream is cancelled",
-        )
-        parser.add_argument(
-            "--stream-idle",
-            type=parse_seconds,
-            default=format_duration(defaults.stream_idle_s),
-            metavar="DURATION",
-            help="close a stream with nothing in flight after this long without a message "
-            "(its client opens another when it has a request)",
-        )
-    add_segment_budget_argument(parser)
-    parser.add_argument(
-        "--state-budget",
-        type=parse_size,
-        default=defaults.state_budget,
-        metavar="SIZE",
-        help="keep at most SIZE of session state (KV caches, recurrent states) on this tier, "
-        "least recently used sessions evicted, from callers over their share first; an "
-        f"evicted session is replayed by its device (default: {DEFAULT_MEMORY_SHARE * 100:.0f}%% "
-        f"of this machine's memory, {format_size(defaults.state_budget or 0)} here)",
-    )
-    parser.add_argument(
-        "--state-share",
-        type=parse_size,
-        default=defaults.state_share,
-        metavar="SIZE",
-        help="keep at most SIZE of session state for each caller (default: an equal split "
-        "of --state-budget among the callers holding state, applied when it is full)",
-    )
-    parser.add_argument(
-        "--state-idle",
-        type=parse_seconds,
-        default=format_duration(defaults.state_idle_s),
-        metavar="DURATION",
-        help="drop a session's state after this long without a request (e.g. 90s, 3600s)",
-    )
-    add_batch_arguments(parser, defaults)
-    add_link_arguments(parser)
-    add_security_arguments(parser, server=server)
-
-
-def add_batch_arguments(parser: argparse.ArgumentParser, defaults: RuntimeOptions) -> None:
-    """``--max-batch``, ``--batch-delay`` and ``--batch-padding`` ([Note: the step batcher]
-    in tierflow/runtime/batching.py)."""
-    parser.add_argument(
-        "--max-batch",
-        type=int,
-        default=defaults.max_batch,
-        metavar="N",
-        help="run the queued decode steps of up to N sessions as one ONNX Runtime call "
-        "(1: no batching); a step that finds the tier idle runs at once, and batches "
-        "grow up to the steps in flight (--workers on a server)",
-    )
-    parser.add_argument(
-        "--batch-delay",
-        type=parse_seconds,
-        default=format_duration(defaults.batch_delay_s),
-        metavar="DURATION",
-        help="wait up to this long for the other active sessions' steps before running "
-        f"a smaller batch (at most {format_duration(MAX_BATCH_DELAY_S)}; a lone session "
-        "never waits)",
-    )
-    parser.add_argument(
-        "--batch-padding",
-        action="store_true",
-        default=defaults.batch_padding,
-        help="also batch steps of different past lengths, left-padding their KV caches "
-        "and masks: more steps share a call, but each pays for the padding's compute and "
-        "its logits differ from running alone in the last bits (about 3e-6), so greedy "
-        "tokens can differ; for Hugging Face style decoders only (default: only steps "
-        "of the same shapes, bit-exact)",
-    )

@@ -12,7 +12,7 @@ import weakref
 from typing import Any
 
 from tierflow.cli.helptext import HelpFormatter, examples
-from tierflow.options import add_runtime_arguments
+from tierflow.cli.runtime_arguments import add_runtime_arguments
 from tierflow.transport.address import listen_address
 from tierflow.units import parse_seconds
 

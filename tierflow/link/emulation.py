@@ -31,20 +31,16 @@ learned that, and must not undo it.
 
 from __future__ import annotations
 
-import argparse
-import functools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from tierflow.cli.arguments import add_deprecated
 from tierflow.errors import UsageError, shown
 from tierflow.link.spec import LINKS, LinkOption, LinkSpec, apply_links
 from tierflow.link.trace import LinkTrace, load_trace
-from tierflow.plan import Plan
 from tierflow.rpc import tier_pb2
 
 T = TypeVar("T")
@@ -217,40 +213,13 @@ class LinkEmulation:
         return f"trace={self.trace_file}" if self.mode == "trace" else self.mode
 
 
-def add_link_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--link-emulation`` and ``--emulate-link``, as every runtime command takes them.
-
-    ``--link`` is the old spelling of ``--emulate-link`` ([Note: deprecated spellings] in
-    ``tierflow.cli.arguments``): ``plan --link`` says which link to plan for, and a
-    runtime's link is the one it emulates.
-    """
-    parser.add_argument(
-        "--link-emulation",
-        type=LinkEmulation.parse,
-        default="off",
-        metavar="{off,plan,trace=FILE.csv}",
-        help="shape every link this process sends on: 'off' leaves them alone, 'plan' uses "
-        "the plan's rates and RTTs, 'trace=FILE.csv' replays SECONDS,RATE,RTT lines (e.g. "
-        "3,2mbit,30ms: from 3 s on) from when each link opens. A process shapes only what "
-        "it sends: set the same on every process (the device's run, device or generate, "
-        "and serve edge and serve cloud) for a link to be shaped both ways",
-    )
-    emulate = parser.add_argument(
-        "--emulate-link",
-        type=functools.partial(LinkOption.parse, option="--emulate-link"),
-        action="append",
-        default=[],
-        metavar="NAME=RATE[,RTT]",
-        help="shape one link to a fixed rate and RTT whatever --link-emulation says, e.g. "
-        "device-edge=20mbit,10ms (repeatable; without an RTT the link keeps the plan's)",
-    )
-    add_deprecated(parser, "--link", emulate)
-
-
 def resolve_links(
-    plan: Plan, emulation: LinkEmulation, pinned: Sequence[LinkOption] = ()
+    plan_links: Mapping[str, LinkSpec],
+    emulation: LinkEmulation,
+    pinned: Sequence[LinkOption] = (),
 ) -> dict[str, LinkSpec | LinkTrace]:
-    """The links to emulate, by name ([Note: emulated links]).
+    """The links to emulate, by name, for a plan whose links are ``plan_links``
+    ([Note: emulated links]).
 
     [Note: emulated links]
     ``--link-emulation`` says what every link is shaped to: nothing (``off``), the plan's
@@ -265,7 +234,7 @@ def resolve_links(
         trace = load_trace(emulation.trace_file)
         links = {name: trace for name in LINKS}
     elif emulation.mode == "plan":
-        links = {name: plan.links[name] for name in LINKS if name in plan.links}
-    fixed = apply_links(plan.links, pinned)
+        links = {name: plan_links[name] for name in LINKS if name in plan_links}
+    fixed = apply_links(plan_links, pinned)
     links.update({option.name: fixed[option.name] for option in pinned})
     return links

@@ -109,13 +109,13 @@ def test_resolve_links_uses_the_plan_and_overrides() -> None:
         links={"device-edge": LinkSpec(20e6, 0.01), "edge-cloud": LinkSpec(1e9, 0.02)},
     )
     off, by_plan = LinkEmulation.parse("off"), LinkEmulation.parse("plan")
-    assert resolve_links(plan, off) == {}
-    links = resolve_links(plan, by_plan, [LinkOption.parse("edge-cloud=100mbit,5ms")])
+    assert resolve_links(plan.links, off) == {}
+    links = resolve_links(plan.links, by_plan, [LinkOption.parse("edge-cloud=100mbit,5ms")])
     assert links["device-edge"] == LinkSpec(20e6, 0.01)
     assert links["edge-cloud"] == LinkSpec(100e6, 0.005)
     # A pinned link is shaped without a mode; the others stay unshaped; a rate alone
     # keeps the plan's RTT ([Note: emulated links] in tierflow.link.emulation).
-    assert resolve_links(plan, off, [LinkOption.parse("device-edge=1mbit")]) == {
+    assert resolve_links(plan.links, off, [LinkOption.parse("device-edge=1mbit")]) == {
         "device-edge": LinkSpec(1e6, 0.01)
     }
     with pytest.raises(UsageError):

@@ -110,9 +110,9 @@ def test_resolve_links_with_a_trace_shapes_every_link_but_the_pinned(tmp_path: P
     path = tmp_path / "t.csv"
     path.write_text("0,1mbit,5ms\n2,3mbit,5ms\n")
     traced = LinkEmulation.parse(f"trace={path}")
-    links = resolve_links(_plan(), traced)
+    links = resolve_links(_plan().links, traced)
     assert links["device-edge"] == links["edge-cloud"] == load_trace(path)
-    pinned = resolve_links(_plan(), traced, [LinkOption.parse("edge-cloud=100mbit")])
+    pinned = resolve_links(_plan().links, traced, [LinkOption.parse("edge-cloud=100mbit")])
     assert pinned["edge-cloud"] == LinkSpec(100e6, 0.02)
     assert isinstance(pinned["device-edge"], LinkTrace)
     for mode in ("trace", "trace=", "plan=x.csv", "replay=x.csv"):
@@ -120,4 +120,4 @@ def test_resolve_links_with_a_trace_shapes_every_link_but_the_pinned(tmp_path: P
             LinkEmulation.parse(mode)
     path.write_text("0,1mbit,5ms\n2,3mbit\n")
     with pytest.raises(UsageError, match="line 2"):
-        resolve_links(_plan(), traced)
+        resolve_links(_plan().links, traced)

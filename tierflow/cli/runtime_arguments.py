@@ -1,0 +1,188 @@
+"""The flags of a :class:`~tierflow.options.RuntimeOptions`, as ``serve``, ``run``,
+``device`` and ``generate`` declare them (``RuntimeOptions.from_args`` reads them back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+from tierflow.cli.arguments import add_deprecated
+from tierflow.link.emulation import LinkEmulation
+from tierflow.link.spec import LinkOption
+from tierflow.options import MAX_BATCH_DELAY_S, RuntimeOptions
+from tierflow.runtime.providers import add_providers_argument
+from tierflow.runtime.segment_store import add_segment_budget_argument
+from tierflow.runtime.sessions import add_optimization_argument
+from tierflow.runtime.state import DEFAULT_MEMORY_SHARE
+from tierflow.transport.security import add_security_arguments
+from tierflow.units import (
+    format_duration,
+    format_size,
+    parse_seconds,
+    parse_size,
+    parse_slowdown,
+    positive_seconds,
+)
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser, *, server: bool) -> None:
+    """The flags of a :class:`RuntimeOptions`, with its defaults, for ``serve`` (``server``)
+    or for ``run`` and ``device``.
+
+    The defaults are ``RuntimeOptions()``'s, so ``--help`` shows what a library user gets.
+    """
+    defaults = RuntimeOptions()
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=defaults.threads,
+        help="ONNX Runtime intra-op threads per request (0: one per core)",
+    )
+    if server:
+        parser.add_argument(
+            "--workers",
+            type=int,
+            default=defaults.workers,
+            help="requests run at once (the pipeline's depth on this tier) (default: one per core)",
+        )
+    parser.add_argument(
+        "--slowdown",
+        type=parse_slowdown,
+        default=f"{defaults.slowdown:g}",
+        metavar="X",
+        help="emulate a tier X times slower than this machine, 8 or 8x (its compute and its codec "
+        "work; plan --slowdown TIER=X says the same for planning)",
+    )
+    add_optimization_argument(parser)
+    add_providers_argument(parser)
+    if server:
+        parser.add_argument(
+            "--max-tensor-bytes",
+            type=parse_size,
+            default=format_size(defaults.max_tensor_bytes),
+            metavar="SIZE",
+            help="largest decoded tensor accepted",
+        )
+        parser.add_argument(
+            "--max-streams",
+            type=int,
+            default=defaults.max_streams,
+            metavar="N",
+            help="streams served at once, all peers together; more are refused OVERLOADED",
+        )
+        parser.add_argument(
+            "--max-streams-per-peer",
+            type=int,
+            default=defaults.max_streams_per_peer,
+            metavar="N",
+            help="streams served at once from one host; more are refused OVERLOADED",
+        )
+        parser.add_argument(
+            "--reply-timeout",
+            type=positive_seconds,
+            default=format_duration(defaults.reply_timeout),
+            metavar="DURATION",
+            help="how long a reply waits for a client that does not read it before its "
+            "stream is cancelled",
+        )
+        parser.add_argument(
+            "--stream-idle",
+            type=parse_seconds,
+            default=format_duration(defaults.stream_idle_s),
+            metavar="DURATION",
+            help="close a stream with nothing in flight after this long without a message "
+            "(its client opens another when it has a request)",
+        )
+    add_segment_budget_argument(parser)
+    parser.add_argument(
+        "--state-budget",
+        type=parse_size,
+        default=defaults.state_budget,
+        metavar="SIZE",
+        help="keep at most SIZE of session state (KV caches, recurrent states) on this tier, "
+        "least recently used sessions evicted, from callers over their share first; an "
+        f"evicted session is replayed by its device (default: {DEFAULT_MEMORY_SHARE * 100:.0f}%% "
+        f"of this machine's memory, {format_size(defaults.state_budget or 0)} here)",
+    )
+    parser.add_argument(
+        "--state-share",
+        type=parse_size,
+        default=defaults.state_share,
+        metavar="SIZE",
+        help="keep at most SIZE of session state for each caller (default: an equal split "
+        "of --state-budget among the callers holding state, applied when it is full)",
+    )
+    parser.add_argument(
+        "--state-idle",
+        type=parse_seconds,
+        default=format_duration(defaults.state_idle_s),
+        metavar="DURATION",
+        help="drop a session's state after this long without a request (e.g. 90s, 3600s)",
+    )
+    add_batch_arguments(parser, defaults)
+    add_link_arguments(parser)
+    add_security_arguments(parser, server=server)
+
+
+def add_batch_arguments(parser: argparse.ArgumentParser, defaults: RuntimeOptions) -> None:
+    """``--max-batch``, ``--batch-delay`` and ``--batch-padding`` ([Note: the step batcher]
+    in tierflow/runtime/batching.py)."""
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=defaults.max_batch,
+        metavar="N",
+        help="run the queued decode steps of up to N sessions as one ONNX Runtime call "
+        "(1: no batching); a step that finds the tier idle runs at once, and batches "
+        "grow up to the steps in flight (--workers on a server)",
+    )
+    parser.add_argument(
+        "--batch-delay",
+        type=parse_seconds,
+        default=format_duration(defaults.batch_delay_s),
+        metavar="DURATION",
+        help="wait up to this long for the other active sessions' steps before running "
+        f"a smaller batch (at most {format_duration(MAX_BATCH_DELAY_S)}; a lone session "
+        "never waits)",
+    )
+    parser.add_argument(
+        "--batch-padding",
+        action="store_true",
+        default=defaults.batch_padding,
+        help="also batch steps of different past lengths, left-padding their KV caches "
+        "and masks: more steps share a call, but each pays for the padding's compute and "
+        "its logits differ from running alone in the last bits (about 3e-6), so greedy "
+        "tokens can differ; for Hugging Face style decoders only (default: only steps "
+        "of the same shapes, bit-exact)",
+    )
+
+
+def add_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--link-emulation`` and ``--emulate-link``, as every runtime command takes them.
+
+    ``--link`` is the old spelling of ``--emulate-link`` ([Note: deprecated spellings] in
+    ``tierflow.cli.arguments``): ``plan --link`` says which link to plan for, and a
+    runtime's link is the one it emulates.
+    """
+    parser.add_argument(
+        "--link-emulation",
+        type=LinkEmulation.parse,
+        default="off",
+        metavar="{off,plan,trace=FILE.csv}",
+        help="shape every link this process sends on: 'off' leaves them alone, 'plan' uses "
+        "the plan's rates and RTTs, 'trace=FILE.csv' replays SECONDS,RATE,RTT lines (e.g. "
+        "3,2mbit,30ms: from 3 s on) from when each link opens. A process shapes only what "
+        "it sends: set the same on every process (the device's run, device or generate, "
+        "and serve edge and serve cloud) for a link to be shaped both ways",
+    )
+    emulate = parser.add_argument(
+        "--emulate-link",
+        type=functools.partial(LinkOption.parse, option="--emulate-link"),
+        action="append",
+        default=[],
+        metavar="NAME=RATE[,RTT]",
+        help="shape one link to a fixed rate and RTT whatever --link-emulation says, e.g. "
+        "device-edge=20mbit,10ms (repeatable; without an RTT the link keeps the plan's)",
+    )
+    add_deprecated(parser, "--link", emulate)
