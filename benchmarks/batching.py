@@ -210,7 +210,7 @@ def _rss() -> int:
 
 def ceiling(model: Path, counts: Sequence[int], args: argparse.Namespace) -> dict[str, Any]:
     """ONNX Runtime alone: the unsplit model's decode step for N sequences as one call."""
-    from tierflow.runtime.sessions import open_session
+    from tierflow.onnxrt.inference import open_session
 
     session = open_session(model, threads=args.threads, what="the decoder")
     past = args.prompt + args.tokens // 2

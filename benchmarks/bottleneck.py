@@ -112,8 +112,8 @@ OUTPUT_DISTILLATION = False
 
 
 def _session(model: Any) -> Any:
-    """The tiers' session: one intra-op thread, 'extended' (tierflow.runtime.sessions)."""
-    from tierflow.runtime.sessions import open_session
+    """The tiers' session: one intra-op thread, 'extended' (tierflow.onnxrt.inference)."""
+    from tierflow.onnxrt.inference import open_session
 
     return open_session(model if isinstance(model, bytes) else model.SerializeToString())
 

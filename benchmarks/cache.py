@@ -58,7 +58,7 @@ from tierflow.cache.approx import (
 from tierflow.cache.base import CacheAnswer, FeatureCache, cache_key
 from tierflow.cache.memory import MemoryCache
 from tierflow.cli.table import format_table
-from tierflow.runtime.sessions import open_session
+from tierflow.onnxrt.inference import open_session
 from tierflow.units import format_size
 
 RESULTS = lib.RESULTS / "cache.json"

@@ -75,12 +75,12 @@ from benchmarks.lib.plans import Stage, chain_plan
 from tierflow.cli.table import format_table
 from tierflow.device.client import DeviceClient, Result, Ticket
 from tierflow.errors import DeadlineError, RemoteError
+from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.processes import ServeProcess
 from tierflow.runtime.segment_runner import TierRunner
-from tierflow.runtime.sessions import open_session
 from tierflow.transport.security import Security
 from tierflow.transport.stream_client import channel_options
 from tierflow.transport.wire import put_tensors

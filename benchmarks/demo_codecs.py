@@ -31,9 +31,9 @@ import onnxruntime as ort
 from benchmarks import lib
 from tierflow.cli.table import format_table
 from tierflow.codec.base import LOW_BIT_CODECS, decode, encode
+from tierflow.onnxrt.inference import open_session
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import extract_segment
-from tierflow.runtime.sessions import open_session
 from tierflow.zoo.digits import build_demo_model
 
 CODECS: tuple[str, ...] = (

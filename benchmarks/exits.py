@@ -39,12 +39,12 @@ import onnx.utils
 
 from benchmarks import lib
 from tierflow.cli.table import format_table
+from tierflow.onnxrt.inference import open_session
 from tierflow.partitioner.exits.add import add_exits, simulate_exits
 from tierflow.partitioner.exits.cost import exit_cut_indices, expected_compute_fraction
 from tierflow.partitioner.exits.metadata import ExitedModel, ExitInfo
 from tierflow.partitioner.exits.points import exit_candidates
 from tierflow.partitioner.graph import load_model
-from tierflow.runtime.sessions import open_session
 from tierflow.zoo.digits import build_demo_model
 
 logger = logging.getLogger(__name__)

@@ -242,8 +242,8 @@ def sent_bytes(
 def prefix_ms(subject: Subject, cut: int, requests: int = 5, repeats: int = 3) -> float:
     """Median CPU time here of the device's segment ``[0, cut)`` (the runtime's session)."""
     from benchmarks.lib.splits import cpu_ms
+    from tierflow.onnxrt.inference import open_session
     from tierflow.partitioner.split import extract_segment
-    from tierflow.runtime.sessions import open_session
 
     if cut == 0:
         return 0.0

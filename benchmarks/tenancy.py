@@ -54,13 +54,13 @@ from tierflow.device.generation import Generator
 from tierflow.device.sessions import StreamSession
 from tierflow.edge.forwarding import Forwarding
 from tierflow.greedy import reference_generate
+from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.decoder_graph import load_decoder, split_decoder
 from tierflow.partitioner.decoder_points import DecoderSettings
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import save_split_plan, split_model
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.sessions import open_session
 from tierflow.transport.security import Security
 from tierflow.units import format_size
 from tierflow.zoo.tiny_stateful import streaming_model, tiny_decoder

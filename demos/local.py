@@ -465,7 +465,7 @@ def _comparisons(runs: Sequence[StrategyRun], estimates: Mapping[str, Any]) -> l
 
 def _top1(model_path: Path, frames: np.ndarray) -> np.ndarray:
     """The exact model's top-1 class for each frame, in ONNX Runtime, in batches."""
-    from tierflow.runtime.sessions import open_session
+    from tierflow.onnxrt.inference import open_session
     from tierflow.zoo.digits_camera import FRAME_INPUT, frame_tensor
 
     session = open_session(model_path)

@@ -50,9 +50,9 @@ from tierflow.errors import (
 )
 from tierflow.greedy import decoder_of_session, session_step
 from tierflow.link.spec import LINKS
+from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.runtime.segment_runner import emulate_slower
-from tierflow.runtime.sessions import open_session
 from tierflow.runtime.state import SessionStates
 from tierflow.state_spec import DecoderSpec, StateSpec
 

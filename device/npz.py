@@ -21,8 +21,8 @@ import numpy as np
 from tierflow.device.client import Result
 from tierflow.errors import UsageError
 from tierflow.npz import read_requests
+from tierflow.onnxrt.inference import open_session
 from tierflow.plan import Plan
-from tierflow.runtime.sessions import open_session
 
 
 def input_ranks(

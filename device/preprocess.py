@@ -27,8 +27,8 @@ from tierflow.codec.base import ImageNorm
 from tierflow.errors import InputError, UsageError
 from tierflow.extras import import_extra
 from tierflow.image_norm import NormSpec, parse_norm
+from tierflow.onnxrt.inference import open_session
 from tierflow.plan import Plan
-from tierflow.runtime.sessions import open_session
 
 
 @dataclass(frozen=True)

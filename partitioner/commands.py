@@ -21,7 +21,7 @@ from tierflow.codec.base import CodecSpec
 from tierflow.codec.spec import CODEC_FORMS, EXACT_PLANNER_CODECS, LOSSY_PLANNER_CODECS
 from tierflow.errors import UsageError, shown
 from tierflow.link.spec import LINKS, LinkOption, LinkSpec, apply_links, check_link, check_tier
-from tierflow.runtime.providers import add_providers_argument
+from tierflow.onnxrt.providers import add_providers_argument
 from tierflow.units import (
     format_duration,
     format_size,

@@ -29,13 +29,13 @@ from tierflow import npz
 from tierflow.codec.base import CodecSpec, ImageNorm
 from tierflow.errors import InputError, ModelError, PlanError
 from tierflow.link.spec import TIERS, link_between
+from tierflow.onnxrt.inference import open_session
 from tierflow.partitioner.fidelity import FidelityBudget, FidelityScore, score
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.image_inputs import crossed_with
 from tierflow.partitioner.split import extract_segment, session
 from tierflow.partitioner.tensors import first_line
 from tierflow.plan import Plan, load_plan
-from tierflow.runtime.sessions import open_session
 
 logger = logging.getLogger(__name__)
 

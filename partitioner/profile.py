@@ -53,6 +53,7 @@ import numpy as np
 from tierflow.codec import base as codec_lib
 from tierflow.codec.base import PLANNER_CODECS, CodecStats
 from tierflow.errors import ModelError, ProfileError
+from tierflow.onnxrt.providers import CPU
 from tierflow.partitioner.codec_pruning import CutTraits, pruned_by, skipped_stats, widest_float
 from tierflow.partitioner.profile_data import (
     PROFILE_FORMAT,
@@ -63,7 +64,6 @@ from tierflow.partitioner.profile_data import (
     load_profile,
     save_profile,
 )
-from tierflow.runtime.providers import CPU
 
 if TYPE_CHECKING:
     import onnx
@@ -139,7 +139,7 @@ def make_session(
     """An ONNX Runtime session exactly as the tiers run one (same options, level, providers).
 
     Profiling with other session options than the runtimes would time a different
-    program: see [Note: optimization level and exactness] in tierflow/runtime/sessions.py.
+    program: see [Note: optimization level and exactness] in tierflow/onnxrt/inference.py.
     """
     from tierflow.partitioner.weights import open_model_session
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from tierflow.codec.base import CodecStats
 from tierflow.errors import ProfileError, TierflowError
-from tierflow.runtime.providers import CPU
-from tierflow.runtime.providers import describe as describe_providers
+from tierflow.onnxrt.providers import CPU
+from tierflow.onnxrt.providers import describe as describe_providers
 
 if TYPE_CHECKING:
     from tierflow.partitioner.graph import ModelGraph

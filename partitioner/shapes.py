@@ -415,8 +415,8 @@ def _measure(
     Returns the dtype and shape each one actually had. Graph optimizations are off so
     every intermediate exists as the graph names it.
     """
+    from tierflow.onnxrt.inference import open_session
     from tierflow.partitioner.weights import session_source
-    from tierflow.runtime.sessions import open_session
 
     graph = model.graph
     declared = {v.name for v in graph.output}

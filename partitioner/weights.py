@@ -241,9 +241,9 @@ def save_model(model: onnx.ModelProto, path: Path) -> None:
 def open_model_session(model: onnx.ModelProto, **options: Any) -> Any:
     """An ONNX Runtime session on an in-memory model whose weights may lie in data files.
 
-    ``options`` are :func:`tierflow.runtime.sessions.open_session`'s.
+    ``options`` are :func:`tierflow.onnxrt.inference.open_session`'s.
     """
-    from tierflow.runtime.sessions import open_session
+    from tierflow.onnxrt.inference import open_session
 
     data, folder = session_source(model)
     return open_session(data, weights_folder=folder, **options)

@@ -78,10 +78,10 @@ def build_model(path: Path) -> None:
 def prepare(work: Path) -> dict[str, Any]:
     """Model, an edge|cloud plan (lossless zstd on the wire), inputs and references."""
 
+    from tierflow.onnxrt.inference import open_session
     from tierflow.partitioner.graph import load_model
     from tierflow.partitioner.split import save_split_plan, split_model
     from tierflow.runtime.segment_runner import SegmentRunner
-    from tierflow.runtime.sessions import open_session
 
     work.mkdir(parents=True, exist_ok=True)
     model_path = work / "model.onnx"
@@ -98,7 +98,7 @@ def prepare(work: Path) -> dict[str, Any]:
     x = rng.standard_normal((REQUESTS, *INPUT_SHAPE)).astype(np.float32)
     np.savez(work / "in.npz", x=x)
     # The unsplit model at the tiers' optimisation level and thread count (see
-    # [Note: optimization level and exactness] in tierflow/runtime/sessions.py).
+    # [Note: optimization level and exactness] in tierflow/onnxrt/inference.py).
     whole = open_session(model_path)
     reference = np.stack([whole.run(["y"], {"x": row})[0] for row in x])
     np.save(work / "reference.npy", reference)

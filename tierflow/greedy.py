@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tierflow.errors import InputError, ModelError
-from tierflow.runtime.sessions import DEFAULT_OPTIMIZATION, open_session
+from tierflow.onnxrt.inference import DEFAULT_OPTIMIZATION, open_session
 from tierflow.state_pairs import find_decoder, find_state_pairs, ort_sig
 from tierflow.state_spec import DecoderSpec, StateSpec
 
@@ -163,7 +163,7 @@ def reference_generate(
 
     One session at the tiers' settings (``threads``, ``optimization``: ONNX Runtime's last
     bits depend on both, [Note: optimization level and exactness] in
-    :mod:`tierflow.runtime.sessions`). The decoder tensors and state pairs are found by
+    :mod:`tierflow.onnxrt.inference`). The decoder tensors and state pairs are found by
     name ([Note: state pairs] in :mod:`tierflow.state_pairs`).
     """
     session = open_session(

@@ -22,17 +22,21 @@ from tierflow.errors import UsageError
 from tierflow.link.emulation import resolve_links
 from tierflow.link.spec import LinkSpec
 from tierflow.link.trace import LinkTrace
-from tierflow.plan import Plan
-from tierflow.runtime.admission import DEFAULT_MAX_STREAMS, DEFAULT_MAX_STREAMS_PER_PEER
-from tierflow.runtime.providers import CPU
-from tierflow.runtime.sessions import (
+from tierflow.onnxrt.inference import (
     DEFAULT_OPTIMIZATION,
     check_optimization,
 )
+from tierflow.onnxrt.providers import CPU
+from tierflow.plan import Plan
 from tierflow.runtime.state import default_state_budget
 from tierflow.transport.security import Security
 from tierflow.transport.wire import DEFAULT_MESSAGE_BYTES
 
+#: Streams a tier serves at once, all peers together ([Note: stream admission] in
+#: tierflow/runtime/admission.py).
+DEFAULT_MAX_STREAMS = 1024
+#: Streams a tier serves at once from one peer (host).
+DEFAULT_MAX_STREAMS_PER_PEER = 256
 #: Requests a tier accepts in flight (all streams together) before answering OVERLOADED.
 DEFAULT_MAX_IN_FLIGHT = 1024
 #: Seconds a reply may wait for its client to read before the stream is cancelled.
@@ -57,7 +61,7 @@ class RuntimeOptions:
     ``threads``: ONNX Runtime intra-op threads per request (0: one per core).
     ``slowdown``: run this many times slower than this machine (emulation; >= 1).
     ``optimization``: ONNX Runtime level ([Note: optimization level and exactness] in
-    ``tierflow.runtime.sessions``). ``workers``: requests a server runs at once (None: one per
+    ``tierflow.onnxrt.inference``). ``workers``: requests a server runs at once (None: one per
     core). ``links``: the links to emulate by name, fixed or traced (``tierflow.link.emulation``),
     read-only.
     ``max_tensor_bytes`` / ``max_message_bytes``: the largest decoded tensor and gRPC
@@ -67,7 +71,7 @@ class RuntimeOptions:
     ``reply_timeout``: seconds a reply may wait for a client that does not read before
     its stream is cancelled ([Note: slow readers] in ``tierflow.runtime.replies``).
     ``security``: TLS and tokens (``tierflow.transport.security``). ``providers``: ONNX
-    Runtime execution providers in order of preference (``tierflow.runtime.providers``).
+    Runtime execution providers in order of preference (``tierflow.onnxrt.providers``).
     ``state_budget``: bytes of session state the tier keeps, all sessions together (None:
     no bound; by default a share of the machine's memory), ``state_share`` each owner's
     part of it (None: an equal split among the owners holding state), and

@@ -736,7 +736,7 @@ def with_tensors(plan: Plan, directory: Path) -> Plan:
     """
     if plan.tensors or not all((directory / s.file).is_file() for s in plan.segments):
         return plan
-    from tierflow.runtime.sessions import open_session
+    from tierflow.onnxrt.inference import open_session
     from tierflow.state_pairs import ort_sig
 
     found: dict[str, TensorShape] = {}

@@ -364,7 +364,7 @@ def _prefill(session: Any, ids: np.ndarray) -> np.ndarray:
 
 
 def _session(path: Path) -> Any:
-    from tierflow.runtime.sessions import open_session
+    from tierflow.onnxrt.inference import open_session
 
     return open_session(path, threads=1, what=f"decoder {path}")
 

@@ -336,7 +336,7 @@ def _build_into(
 
 def onnx_accuracy(model_path: Path, images: np.ndarray, labels: np.ndarray) -> float:
     """Top-1 accuracy of the ONNX model at ``model_path`` on rows ``images`` [N,1,32,32]."""
-    from tierflow.runtime.sessions import open_session
+    from tierflow.onnxrt.inference import open_session
 
     session = open_session(
         model_path, threads=0, optimization="all", what=f"the demo model {model_path}"

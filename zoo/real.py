@@ -150,7 +150,7 @@ def model_labels(name: str) -> tuple[str, ...]:
     Paddle exports keep them under the ``character`` key, one per line; the OCR
     recogniser's CTC index 0 is the blank and index i > 0 is ``labels[i - 1]``.
     """
-    from tierflow.runtime.sessions import open_session
+    from tierflow.onnxrt.inference import open_session
 
     session = open_session(
         model_path(name), threads=0, optimization="all", what=f"real model {name!r}"

@@ -342,7 +342,7 @@ def check_answers(
     run: Run, model_path: Path, requests: Sequence[Mapping[str, np.ndarray]]
 ) -> dict[str, int]:
     """Compare every answer with the unsplit model's, bit for bit; drops the outputs."""
-    from tierflow.runtime.sessions import open_session
+    from tierflow.onnxrt.inference import open_session
 
     session = open_session(model_path, threads=1)
     names = [o.name for o in session.get_outputs()]

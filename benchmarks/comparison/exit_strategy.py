@@ -40,8 +40,8 @@ from tierflow.cache.base import CacheAnswer, cache_key
 from tierflow.cache.memory import MemoryCache
 from tierflow.codec import base as codec_lib
 from tierflow.link.spec import LinkSpec
+from tierflow.onnxrt.inference import open_session
 from tierflow.runtime.segment_runner import exit_confidence
-from tierflow.runtime.sessions import open_session
 
 logger = logging.getLogger(__name__)
 

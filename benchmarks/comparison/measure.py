@@ -42,7 +42,7 @@ import onnxruntime as ort
 
 from tierflow.codec import base as codec_lib
 from tierflow.link.spec import LinkSpec
-from tierflow.runtime.sessions import open_session
+from tierflow.onnxrt.inference import open_session
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ does for emulated tiers.
 
 Plans are then **measured independently of those profiles**: the actual segment files
 (cut out by the partitioner's `extract_segment`, which `split_model` writes into plan
-directories) run in ONNX Runtime sessions configured as the runtime's (`tierflow.runtime.sessions`,
+directories) run in ONNX Runtime sessions configured as the runtime's (`tierflow.onnxrt.inference`,
 1 intra-op thread) on every request, and each request's real crossing tensors are encoded
 and decoded with every codec. A plan's latency for one request is composed from that
 request's measured stage times — the calling thread's CPU time, which is what a dedicated

@@ -101,8 +101,8 @@ class Parts:
         if start >= end:
             return 0.0
         if (start, end) not in self._segments:
+            from tierflow.onnxrt.inference import open_session
             from tierflow.partitioner.split import extract_segment
-            from tierflow.runtime.sessions import open_session
 
             session = open_session(extract_segment(self.graph, start, end).SerializeToString())
             names = [i.name for i in session.get_inputs()]

@@ -15,10 +15,10 @@ from tierflow.demos.local import RESULT_HEADERS
 from tierflow.device.client import DeviceClient
 from tierflow.edge.forwarding import Forwarding
 from tierflow.link.spec import LINKS
+from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.sessions import open_session
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

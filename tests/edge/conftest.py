@@ -22,11 +22,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cache.base import FeatureCache
 from tierflow.edge.forwarding import Forwarding
+from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec, save_plan
 from tierflow.runtime.processes import ServeProcess
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.sessions import open_session
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Split:
     def reference(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The unsplit model's outputs, run at the tiers' optimization level.
 
-        See [Note: optimization level and exactness] in tierflow/runtime/sessions.py.
+        See [Note: optimization level and exactness] in tierflow/onnxrt/inference.py.
         """
         session = open_session(self.model_path)
         names = [o.name for o in session.get_outputs()]

@@ -18,11 +18,11 @@ import pytest
 from tierflow.device.client import DeviceClient, Result
 from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import RemoteError
+from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan_set
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.sessions import open_session
 
 OPTIONS = RuntimeOptions(workers=2)
 

@@ -17,10 +17,10 @@ import pytest
 from tierflow.device.client import DeviceClient
 from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import TransportError
+from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan, save_plan_set
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.sessions import open_session
 
 pytestmark = pytest.mark.integration
 

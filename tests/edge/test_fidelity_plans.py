@@ -4,7 +4,7 @@ The model is an MLP whose first input element is a large constant it ignores, so
 the input flips answers while fp16 does not; the device is made slow and the links
 narrow, so sending the input compressed is what the planner wants. Both sides run at
 the tiers' ONNX Runtime optimisation level (see [Note: optimization level and
-exactness] in tierflow/runtime/sessions.py).
+exactness] in tierflow/onnxrt/inference.py).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from onnx import TensorProto, helper, numpy_helper
 from tierflow.codec.base import CodecSpec
 from tierflow.device.client import DeviceClient
 from tierflow.link.spec import LinkSpec
+from tierflow.onnxrt.inference import open_session
 from tierflow.partitioner.fidelity import FidelityBudget
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.planner import PlanOptions, make_plan
 from tierflow.partitioner.profile import profile_model
-from tierflow.runtime.sessions import open_session
 
 pytestmark = pytest.mark.integration
 

@@ -5,7 +5,7 @@ and the device run no segment) serves a small CNN through three tiers: a lossy c
 applied once (the outputs are the model's on the once-decoded input, bit for bit), the
 cloud receives the device's bytes, and an exact codec stays bit-exact. References run
 at the tiers' optimisation level and thread count (see [Note: optimization level and
-exactness] in tierflow/runtime/sessions.py).
+exactness] in tierflow/onnxrt/inference.py).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from tierflow.cache.memory import MemoryCache
 from tierflow.codec.base import ImageNorm, decode, encode
 from tierflow.device.client import DeviceClient
 from tierflow.edge.forwarding import Forwarding
+from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.fidelity_probe import plan_fidelity, run_plan_dir
 from tierflow.partitioner.split import session
 from tierflow.plan import Plan, SegmentSpec, load_plan, save_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.sessions import open_session
 from tierflow.transport.wire import grpc_options, to_proto
 
 pytestmark = pytest.mark.integration

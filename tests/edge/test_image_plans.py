@@ -4,7 +4,7 @@ A CNN reads 32x32 crops of scikit-learn's sample photos, normalised as ImageNet 
 expect. The partitioner plans it with ``--image-input``; the device encodes the input as
 an image, the edge decodes it back into the model's tensor. References run at the tiers'
 optimisation level and thread count (see [Note: optimization level and exactness] in
-tierflow/runtime/sessions.py).
+tierflow/onnxrt/inference.py).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from onnx import TensorProto, helper, numpy_helper
 from tierflow.codec.base import ImageNorm, decode, encode
 from tierflow.device.client import DeviceClient
 from tierflow.link.spec import LinkSpec
+from tierflow.onnxrt.inference import open_session
 from tierflow.partitioner.fidelity import FidelityBudget
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.planner import PlanOptions, make_plan
 from tierflow.partitioner.profile import profile_model
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.runtime.sessions import open_session
 from tierflow.transport.wire import grpc_options, to_proto
 
 pytestmark = pytest.mark.integration

@@ -32,6 +32,7 @@ import pytest
 from tierflow.codec.base import EXACT_PLANNER_CODECS, PLANNER_CODECS, CodecSpec
 from tierflow.device.client import DeviceClient
 from tierflow.link.spec import LinkSpec
+from tierflow.onnxrt.inference import open_session
 from tierflow.partitioner.codec_pruning import CutTraits
 from tierflow.partitioner.cost import Problem, build_tables, estimate
 from tierflow.partitioner.fidelity import FidelityBudget
@@ -39,7 +40,6 @@ from tierflow.partitioner.fidelity_probe import FidelityProbe, sample_requests
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.planner import PlanOptions, make_plan, rank, write_plan
 from tierflow.partitioner.profile import Profile, capture_features, profile_model
-from tierflow.runtime.sessions import open_session
 
 pytestmark = pytest.mark.integration
 

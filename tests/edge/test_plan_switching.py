@@ -15,9 +15,9 @@ import onnx.utils
 import pytest
 
 from tierflow.link.spec import LinkSpec
+from tierflow.onnxrt.inference import open_session
 from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan_set
 from tierflow.runtime.segment_runner import SegmentRunner, TierRunner
-from tierflow.runtime.sessions import open_session
 
 
 def _plan_set(split: Any) -> tuple[Plan, Plan]:

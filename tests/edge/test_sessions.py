@@ -21,12 +21,12 @@ from tierflow.device.client import DeviceClient
 from tierflow.device.sessions import StreamSession
 from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import RemoteError, StateLostError
+from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import save_split_plan, split_model
 from tierflow.plan import load_plan
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.sessions import open_session
 from tierflow.runtime.state import SESSION_OVERHEAD
 from tierflow.zoo.tiny_stateful import streaming_model
 

@@ -9,8 +9,8 @@ import pytest
 
 from tierflow.cli.main import main
 from tierflow.greedy import Generation, greedy_generate, reference_generate
+from tierflow.onnxrt.inference import open_session
 from tierflow.plan import load_plan
-from tierflow.runtime.sessions import open_session
 
 LENGTHS = ["--context", "128", "--prompt-tokens", "8", "--max-tokens", "8"]
 

@@ -13,11 +13,11 @@ import pytest
 from tierflow.cli.main import main
 from tierflow.errors import UsageError
 from tierflow.greedy import greedy_generate, reference_generate
+from tierflow.onnxrt.inference import open_session
 from tierflow.partitioner.decoder_graph import DecoderGraph, load_decoder, split_decoder
 from tierflow.partitioner.decoder_points import DecoderSettings, analysis_points
 from tierflow.partitioner.state_verify import chain_step, verify_decoder, whole_step
 from tierflow.plan import load_plan
-from tierflow.runtime.sessions import open_session
 from tierflow.zoo.tiny_stateful import tiny_decoder
 
 SETTINGS = DecoderSettings(context=64, max_tokens=8, prompt_tokens=5)

@@ -10,8 +10,8 @@ import pytest
 
 from tierflow.cli.main import main
 from tierflow.greedy import initial_state
+from tierflow.onnxrt.inference import open_session
 from tierflow.plan import load_plan
-from tierflow.runtime.sessions import open_session
 from tierflow.zoo import real_stateful
 
 pytest.importorskip("silero_vad", reason="silero-vad is not installed (a dev dependency)")

@@ -12,12 +12,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cli.main import main
 from tierflow.errors import ModelError
+from tierflow.onnxrt.inference import open_session
 from tierflow.partitioner import loading, weights
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.loading import read_model
 from tierflow.partitioner.split import split_model, verify_split, write_segments
 from tierflow.partitioner.weights import check_graph, external_tensors, open_model_session
-from tierflow.runtime.sessions import open_session
 
 
 def _mlp(path: Path, *, in_constant: bool = False) -> Path:

@@ -15,7 +15,7 @@ from tierflow.greedy import (
     reference_generate,
     session_step,
 )
-from tierflow.runtime.sessions import open_session
+from tierflow.onnxrt.inference import open_session
 from tierflow.zoo.tiny_stateful import tiny_decoder
 
 

@@ -84,7 +84,7 @@ def test_the_import_graph_is_read_from_the_source() -> None:
     assert "tierflow.runtime.service" in graph["tierflow.edge.forwarding"]
     assert "tierflow.cache.base.FeatureCache" in graph["tierflow.runtime.service"]
     assert "tierflow.device.client.DeviceClient" in graph["tierflow.demos.local"]
-    assert "onnxruntime" in graph["tierflow.runtime.sessions"]
+    assert "onnxruntime" in graph["tierflow.onnxrt.inference"]
     assert not _in_core("tierflow.cloud.commands") and _in_core("tierflow.rpc.tier_pb2")
 
 

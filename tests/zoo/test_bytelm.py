@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tierflow.greedy import decoder_of_session, initial_state, reference_generate, session_step
-from tierflow.runtime.sessions import open_session
+from tierflow.onnxrt.inference import open_session
 from tierflow.zoo import byte_corpus
 from tierflow.zoo.bytelm_family import recipe_key
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tierflow.runtime.sessions import open_session
+from tierflow.onnxrt.inference import open_session
 from tierflow.zoo import digits_camera
 
 pytestmark = pytest.mark.slow

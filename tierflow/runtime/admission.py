@@ -47,10 +47,6 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-#: Streams a tier serves at once, all peers together.
-DEFAULT_MAX_STREAMS = 1024
-#: Streams a tier serves at once from one peer (host).
-DEFAULT_MAX_STREAMS_PER_PEER = 256
 #: Marks the refusal's message, so that clients can tell it from other RESOURCE_EXHAUSTED.
 OVERLOADED = "OVERLOADED"
 

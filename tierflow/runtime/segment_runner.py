@@ -7,7 +7,7 @@ forward the named tensors to the next tier.
 
 See [Note: what crosses to the next tier] in tierflow/plan.py for which tensors are forwarded and
 [Note: exit confidence] for how an exit decides; sessions are opened by
-``tierflow.runtime.sessions``, whose [Note: optimization level and exactness] says which ONNX
+``tierflow.onnxrt.inference``, whose [Note: optimization level and exactness] says which ONNX
 Runtime setting keeps splits bit-exact. How to run (threads, slowdown, level) comes in one
 :class:`~tierflow.options.RuntimeOptions`.
 
@@ -57,10 +57,10 @@ import numpy as np
 
 from tierflow.errors import InputError, ModelError, PlanError
 from tierflow.link.spec import TIERS
+from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec
 from tierflow.runtime.batching import Outputs, Padding, StepBatcher
-from tierflow.runtime.sessions import open_session
 from tierflow.state_spec import StateSpec
 
 logger = logging.getLogger(__name__)
@@ -190,7 +190,8 @@ class SegmentRunner:
             text = str(exc)
             if "INVALID_ARGUMENT" in text or "InvalidArgument" in type(exc).__name__:
                 raise InputError(f"segment {self.path.name} refused its inputs: {text}") from exc
-            # The one line a failed run leaves (ONNX Runtime's own is off: sessions.py).
+            # The one line a failed run leaves (ONNX Runtime's own is off:
+            # tierflow/onnxrt/inference.py).
             logger.warning("segment %s failed: %s", self.path.name, text.strip()[:500])
             raise ModelError(f"segment {self.path.name} failed: {text}") from exc
         emulate_slower(self.slowdown, start, self._clock)

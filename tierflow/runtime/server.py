@@ -237,7 +237,9 @@ def serve_until_stopped(server: TierServer, grace: float, metrics_port: int | No
                 raise
             print(f"tierflow {service.tier} metrics on http://{host}:{port}/metrics", flush=True)
         if any(plan.states for plan in service.plans.plans):
-            budget = describe_state_budget(service.options)
+            budget = describe_state_budget(
+                service.options.state_budget, service.options.state_share
+            )
             print(f"tierflow {service.tier} session state: {budget}", flush=True)
         server.serve_until_signal(grace=grace)
     finally:

@@ -45,13 +45,13 @@ from tierflow.errors import (
 )
 from tierflow.link.emulation import LinkShaper, ShapedQueue
 from tierflow.link.spec import TIERS
+from tierflow.onnxrt.providers import describe as describe_providers
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.admission import StreamAdmission, peer_host
 from tierflow.runtime.pipeline import Answered, Onward, Pipeline, SessionStep
 from tierflow.runtime.probe import ProbeCredit, echo
-from tierflow.runtime.providers import describe as describe_providers
 from tierflow.runtime.replies import StreamReplies
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, serve_segment
 from tierflow.runtime.streams import ProbeActivity, SessionOrder, StreamReader, Watched

@@ -58,16 +58,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tierflow.errors import InputError, StateError, StateLostError
 from tierflow.state_spec import StateSpec
 from tierflow.units import format_size
-
-if TYPE_CHECKING:
-    from tierflow.options import RuntimeOptions
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +98,9 @@ def default_state_budget() -> int:
     return int(machine_memory() * DEFAULT_MEMORY_SHARE)
 
 
-def describe_state_budget(options: RuntimeOptions) -> str:
-    """One line saying how much session state a tier keeps and each owner's share of it."""
-    budget = options.state_budget
+def describe_state_budget(budget: int | None, share: int | None) -> str:
+    """One line saying how much session state a tier keeps (``budget`` bytes, None: no
+    bound) and each owner's share of it (``share``, None: an equal split)."""
     if budget is None:
         kept = "no bound on session state"
     else:
@@ -112,8 +108,8 @@ def describe_state_budget(options: RuntimeOptions) -> str:
         memory = machine_memory()
         if budget == int(memory * DEFAULT_MEMORY_SHARE):
             kept += f" ({DEFAULT_MEMORY_SHARE:.0%} of {format_size(memory)} of memory)"
-    if options.state_share is not None:
-        return f"{kept}, at most {format_size(options.state_share)} for each caller"
+    if share is not None:
+        return f"{kept}, at most {format_size(share)} for each caller"
     return f"{kept}, shared equally among the callers holding state when full"
 
 

@@ -19,6 +19,7 @@ from tierflow.device.client import DeviceClient
 from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import PlanError
 from tierflow.link.spec import LinkSpec
+from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.cost import ExitPoint, Problem, build_tables, estimate
 from tierflow.partitioner.exits.add import add_exits
@@ -31,7 +32,6 @@ from tierflow.partitioner.report import exits_cell, plan_table
 from tierflow.partitioner.search import search
 from tierflow.plan import load_plan, save_plan
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.sessions import open_session
 from tierflow.zoo.models import export_onnx
 
 from ..conftest import MakeProfile

@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tierflow.cache.memory import MemoryCache
 from tierflow.codec.spec import CodecSpec
 from tierflow.errors import InputError, PlanError, StateError
+from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, SegmentSpec
 from tierflow.rpc import tier_pb2
@@ -28,7 +29,6 @@ from tierflow.runtime.pipeline import (
     check_initial_state,
     reply_codec,
 )
-from tierflow.runtime.sessions import open_session
 from tierflow.state_spec import DecoderSpec, StateSpec
 from tierflow.transport.wire import put_tensors
 

@@ -173,7 +173,8 @@ def test_an_explicit_share_caps_each_owner() -> None:
 def test_the_default_budget_is_a_share_of_this_machines_memory() -> None:
     assert default_state_budget() == int(machine_memory() * DEFAULT_MEMORY_SHARE)
     assert 0 < default_state_budget() < machine_memory()
-    line = describe_state_budget(RuntimeOptions())
+    defaults = RuntimeOptions()
+    line = describe_state_budget(defaults.state_budget, defaults.state_share)
     assert f"{DEFAULT_MEMORY_SHARE:.0%} of" in line and "shared equally" in line
 
 

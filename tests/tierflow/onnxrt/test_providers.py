@@ -11,8 +11,8 @@ from onnx import ModelProto, TensorProto, helper
 
 from tierflow.cli.main import main
 from tierflow.errors import ProviderError, UsageError
+from tierflow.onnxrt.providers import CPU, available, describe, parse_providers
 from tierflow.partitioner.profile import make_session
-from tierflow.runtime.providers import CPU, available, describe, parse_providers
 
 
 def test_cpu_and_auto() -> None:

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from tierflow.errors import ModelError, UsageError
-from tierflow.runtime.sessions import OPTIMIZATION_LEVELS, open_session, session_options
+from tierflow.onnxrt.inference import OPTIMIZATION_LEVELS, open_session, session_options
 
 ROOT = Path(__file__).resolve().parents[3]
 # Everything that runs models: the packages, the benchmarks and the scripts.
@@ -87,5 +87,5 @@ def _calls_and_names() -> tuple[list[str], list[str]]:
 
 def test_sessions_are_opened_and_levels_named_in_one_place() -> None:
     calls, assigned = _calls_and_names()
-    assert calls == ["tierflow/runtime/sessions.py"]
-    assert assigned == ["tierflow/runtime/sessions.py"]
+    assert calls == ["tierflow/onnxrt/inference.py"]
+    assert assigned == ["tierflow/onnxrt/inference.py"]

@@ -27,7 +27,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from tierflow.errors import ModelError, UsageError
-from tierflow.runtime.providers import CPU
+from tierflow.onnxrt.providers import CPU
 
 #: ONNX Runtime graph optimization levels by name ([Note: optimization level and exactness]).
 OPTIMIZATION_LEVELS: dict[str, ort.GraphOptimizationLevel] = {
@@ -85,7 +85,7 @@ def open_session(
     locations are relative to it); a file's lie beside it.
 
     Options as :func:`session_options` makes them; ``providers`` are ONNX Runtime's
-    execution providers in order of preference (``tierflow.runtime.providers``). Any failure to
+    execution providers in order of preference (``tierflow.onnxrt.providers``). Any failure to
     load becomes a :class:`ModelError` that names ``what`` (by default the file, or "the
     model").
     """
