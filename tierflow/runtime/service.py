@@ -54,7 +54,7 @@ from tierflow.runtime.pipeline import Answered, Onward, Pipeline, SessionStep
 from tierflow.runtime.probe import ProbeCredit, echo
 from tierflow.runtime.replies import StreamReplies
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, serve_segment
-from tierflow.runtime.streams import ProbeActivity, SessionOrder, StreamReader, Watched
+from tierflow.runtime.streams import ProbeActivity, Send, SessionOrder, StreamReader, Watched
 from tierflow.runtime.workers import WorkerPool
 from tierflow.transport.callers import MAX_BEHALF_BYTES, caller_of, owner_of
 from tierflow.transport.peer_warnings import WARNINGS
@@ -64,8 +64,6 @@ if TYPE_CHECKING:
     from tierflow.runtime.metrics import TierMetrics
 
 logger = logging.getLogger(__name__)
-
-Send = Callable[[tier_pb2.Reply], None]
 
 
 class Forwarder(Protocol):
@@ -132,7 +130,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         # Threads that read streams and run requests ([Note: a stream's requests run at
         # once]): one reading each open stream, plus the requests running.
         self.pool = WorkerPool(options.max_streams + self.workers, f"{tier}-work")
-        self._running = threading.BoundedSemaphore(self.workers)
+        self.running = threading.BoundedSemaphore(self.workers)
         self.order = SessionOrder()
         self._in_flight = 0
         self._count_lock = threading.Lock()
@@ -345,7 +343,7 @@ class TierService(tier_pb2_grpc.TierServicer):
                 yield reply
                 watched.write_started = None
         finally:
-            self._unwatch(watched)
+            self.unwatch(watched)
 
     def _watch(self, replies: StreamReplies) -> None:
         """Have :meth:`_watch_writes` look after this stream's writes."""
@@ -361,7 +359,7 @@ class TierService(tier_pb2_grpc.TierServicer):
             )
             self._watchdog.start()
 
-    def _unwatch(self, replies: StreamReplies) -> None:
+    def unwatch(self, replies: StreamReplies) -> None:
         with self._count_lock:
             self._streams.discard(replies)
 

@@ -56,9 +56,48 @@ from tierflow.transport.peer_warnings import WARNINGS
 from tierflow.transport.wire import Undecodable, error_to_proto
 
 if TYPE_CHECKING:
-    from tierflow.runtime.service import TierService
+    from tierflow.plan import PlanSet
+    from tierflow.runtime.metrics import TierMetrics
+    from tierflow.runtime.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
+
+#: Where a reply that comes later (from the next tier) goes.
+Send = Callable[[tier_pb2.Reply], None]
+
+
+class StreamHost(Protocol):
+    """What a :class:`StreamReader` needs of the tier it reads for: the public face of
+    :class:`~tierflow.runtime.service.TierService`, so that this module does not import it."""
+
+    tier: str
+    plans: PlanSet
+    plan_id: str
+    metrics: TierMetrics | None
+    pool: WorkerPool
+    order: SessionOrder
+    #: Held while a request runs: at most ``workers`` at once.
+    running: threading.BoundedSemaphore
+
+    @property
+    def down_link(self) -> str: ...
+
+    def admit_request(self) -> tier_pb2.Error | None: ...
+
+    def hold(self, request: tier_pb2.Request, caller: str) -> Callable[[], None]: ...
+
+    def answered(self) -> None: ...
+
+    def handle(
+        self, request: tier_pb2.Request, received: float, later: Send, caller: str = "local"
+    ) -> tier_pb2.Reply | None: ...
+
+    def error_reply(
+        self, request_id: str, exc: BaseException, code: str | None = None
+    ) -> tier_pb2.Reply: ...
+
+    def unwatch(self, replies: StreamReplies) -> None: ...
+
 
 #: Garbage messages in a row after which a stream is closed ([Note: garbage on a stream]).
 GARBAGE_LIMIT = 4
@@ -142,7 +181,7 @@ class StreamReader:
 
     def __init__(
         self,
-        service: TierService,
+        service: StreamHost,
         requests: Iterator[tier_pb2.Request | Undecodable],
         context: grpc.ServicerContext,
         replies: StreamReplies | ShapedQueue[tier_pb2.Reply],
@@ -274,7 +313,7 @@ class StreamReader:
         self, request: tier_pb2.Request, received: float, release: Callable[[], None] = _nothing
     ) -> None:
         try:
-            with self.service._running:
+            with self.service.running:
                 reply = self.service.handle(
                     request,
                     received,
@@ -332,5 +371,5 @@ class StreamReader:
         with contextlib.suppress(Exception):
             if isinstance(self.replies, StreamReplies):
                 self.replies.close()
-                self.service._unwatch(self.replies)
+                self.service.unwatch(self.replies)
             self._finish()
