@@ -228,7 +228,7 @@ def attack(pair: Pair, stop: threading.Event, counts: dict[str, int], sessions: 
     """Name each victim's stream session at a position it may hold (a read), and now and
     then at position 0 and 1 (a reset and a write). The decoder's sessions are not named:
     its first segment keeps state on the device, so a device cannot form another's step;
-    the tiers' check is the same for both (tierflow/runtime/state.py)."""
+    the tiers' check is the same for both (tierflow/state/store.py)."""
     reads = successes = refused = 0
     with pair.client("attacker") as streamer:
         rng = np.random.default_rng(7)

@@ -61,8 +61,8 @@ from tierflow.runtime.pipeline import (
 )
 from tierflow.runtime.segment_runner import TierRunner
 from tierflow.runtime.segment_store import tier_files
-from tierflow.runtime.state import check_session_id
 from tierflow.runtime.upstream import connect, segment_source
+from tierflow.state.store import check_session_id
 from tierflow.transport.deadline import Deadline
 from tierflow.transport.stream_client import StreamClient
 from tierflow.transport.wire import put_tensors
@@ -199,7 +199,7 @@ class DeviceClient:
 
         ``session`` names the session of a stateful plan and ``position`` the steps its
         state holds before this request ([Note: session state on a tier] in
-        tierflow/runtime/state.py); at position 0, ``inputs`` may also hold the first
+        tierflow/state/store.py); at position 0, ``inputs`` may also hold the first
         value of a fixed-shape state, which goes to the tier that owns it. A session
         keeps the plan it started on. ``keep_last``: a decoder step's answer keeps the
         logits of its last positions only (0: all); ``choices_only``: it carries each

@@ -3,7 +3,7 @@
 :class:`Generator` drives a decoder plan (``plan.json``'s ``decoder``) through a
 :class:`~tierflow.device.client.DeviceClient`: a prefill of the prompt, then one step per
 token, each a request of one session whose KV cache stays on the tiers that made it
-([Note: session state on a tier] in tierflow/runtime/state.py). With a draft model
+([Note: session state on a tier] in tierflow/state/store.py). With a draft model
 (:class:`LocalDecoder`, run on the device) it speculates ([Note: speculation] in
 device/speculation.py): several tokens per round trip, the same greedy output.
 
@@ -14,7 +14,7 @@ the state: for a decoder, the tokens fed so far; for a streaming model, the chun
 far (``tierflow.device.sessions``). It sends them again from position 0 and goes on: a
 decoder's replay is one request (one prefill of every token so far); a stream's is its
 chunks again, in order, a window of them in flight, and each tier holds a session's state
-while a request of it waits there (``SessionStates.hold`` in tierflow/runtime/state.py),
+while a request of it waits there (``SessionStates.hold`` in tierflow/state/store.py),
 so the replay is not evicted chunk by chunk under pressure; one that loses its state all
 the same starts over, a few times at most. Each tier starts the session afresh at
 position 0, and recomputes exactly what it held, so the answers are the same as without
@@ -53,8 +53,8 @@ from tierflow.link.spec import LINKS
 from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.runtime.segment_runner import emulate_slower
-from tierflow.runtime.state import SessionStates
-from tierflow.state_spec import DecoderSpec, StateSpec
+from tierflow.state.spec import DecoderSpec, StateSpec
+from tierflow.state.store import SessionStates
 
 logger = logging.getLogger(__name__)
 

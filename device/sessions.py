@@ -3,7 +3,7 @@
 A :class:`StreamSession` sends a session's chunks (``run --session``'s IN.npz rows, a
 ``tierflow device`` source, an app's frames) with up to ``window`` in flight. Each chunk is
 one request at the next position; the tier that owns the model's state feeds it back from
-chunk to chunk ([Note: session state on a tier] in tierflow/runtime/state.py), so the
+chunk to chunk ([Note: session state on a tier] in tierflow/state/store.py), so the
 answers equal a local loop that feeds each state output back, bit for bit at the
 runtime's settings. When a tier answers STATE_LOST, the session is replayed from its
 first chunk ([Note: replaying a session] in device/generation.py): the chunks

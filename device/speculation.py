@@ -19,7 +19,7 @@ gives the large model's distribution at each of the ``K + 1`` positions.
   al., 2023; Chen et al., 2023), which keeps the large model's distribution exactly.
 
 Every tier cuts its KV cache back to the kept length on the next request ([Note: session
-state on a tier] in tierflow/runtime/state.py), so rejected tokens leave no trace.
+state on a tier] in tierflow/state/store.py), so rejected tokens leave no trace.
 
 ``--draft-tokens auto`` picks ``K`` from the acceptance rate ``a`` seen so far and the
 measured costs: a round trip of the large model takes ``r`` and a draft step ``d``, so

@@ -428,7 +428,7 @@ def _load_graph(args: argparse.Namespace, sample: Any = None) -> Any:
 
 def parse_states(values: Sequence[str]) -> list[tuple[str, str]]:
     """The ``--state IN=OUT`` patterns, checked before any model is read."""
-    from tierflow.state_pairs import parse_state_option
+    from tierflow.state.pairs import parse_state_option
 
     return [parse_state_option(text) for text in values]
 

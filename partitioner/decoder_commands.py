@@ -1,7 +1,7 @@
 """``tierflow plan`` for a decoder: what it refuses, what it runs, and what it prints.
 
 :func:`~tierflow.partitioner.commands.run_plan` hands a model over here once its graph
-shows a growing state pair ([Note: state pairs] in :mod:`tierflow.state_pairs`). The
+shows a growing state pair ([Note: state pairs] in :mod:`tierflow.state.pairs`). The
 options were parsed there; onnx and onnxruntime are imported inside.
 """
 

@@ -35,7 +35,7 @@ per second, and the pipelined rate (the slowest tier or link of a step) is what
 concurrent sessions share.
 
 Memory per tier is its weights, plus the state its blocks keep for one session at
-``--context`` (the KV cache: :meth:`~tierflow.state_spec.StateSpec.nbytes`), plus the
+``--context`` (the KV cache: :meth:`~tierflow.state.spec.StateSpec.nbytes`), plus the
 larger of its activation peaks at the two points. Cloud-only (the prompt goes up, every
 token comes down) and device-only are plans like any other.
 """

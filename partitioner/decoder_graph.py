@@ -36,8 +36,8 @@ from tierflow.partitioner.stateful import graph_states, rebind_state_shapes, val
 from tierflow.partitioner.tensors import first_line
 from tierflow.partitioner.weights import check_graph
 from tierflow.plan import SegmentSpec
-from tierflow.state_pairs import find_decoder
-from tierflow.state_spec import DecoderSpec, StateSpec
+from tierflow.state.pairs import find_decoder
+from tierflow.state.spec import DecoderSpec, StateSpec
 
 logger = logging.getLogger(__name__)
 

@@ -54,8 +54,8 @@ import onnx
 import onnx.helper
 
 from tierflow.errors import ModelError, UsageError
-from tierflow.state_pairs import TensorSig
-from tierflow.state_spec import DecoderSpec, StateSpec
+from tierflow.state.pairs import TensorSig
+from tierflow.state.spec import DecoderSpec, StateSpec
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ from tierflow.partitioner.stateful import (
 )
 from tierflow.partitioner.tensors import TensorInfo, first_line, node_uses, np_dtype_name
 from tierflow.partitioner.weights import check_graph
-from tierflow.state_spec import StateSpec
+from tierflow.state.spec import StateSpec
 
 __all__ = [
     "DEFAULT_MAX_CUT_TENSORS",

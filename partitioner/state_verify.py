@@ -23,7 +23,7 @@ from tierflow.greedy import StepFn, initial_state
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.split import Segment, session
 from tierflow.partitioner.tensors import first_line
-from tierflow.state_spec import DecoderSpec, StateSpec
+from tierflow.state.spec import DecoderSpec, StateSpec
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """State pairs in graph analysis: finding them in an ONNX graph, and where cuts may not go.
 
-The pairs themselves are found by :mod:`tierflow.state_pairs` ([Note: state pairs]); this
+The pairs themselves are found by :mod:`tierflow.state.pairs` ([Note: state pairs]); this
 module reads their signatures from the graph (:func:`graph_states`), finds the node span
 each pair needs on one tier (:func:`state_spans`), the positions no cut may take
 (:func:`forbidden_positions`) and which pairs a segment owns (:func:`states_within`).
@@ -44,8 +44,8 @@ import onnx.helper
 from tierflow.errors import ModelError
 from tierflow.partitioner.shapes import declared_dims
 from tierflow.partitioner.tensors import np_dtype_name
-from tierflow.state_pairs import TensorSig, find_state_pairs
-from tierflow.state_spec import StateSpec
+from tierflow.state.pairs import TensorSig, find_state_pairs
+from tierflow.state.spec import StateSpec
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import numpy as np
 
 from tierflow.errors import InputError, ModelError
 from tierflow.onnxrt.inference import DEFAULT_OPTIMIZATION, open_session
-from tierflow.state_pairs import find_decoder, find_state_pairs, ort_sig
-from tierflow.state_spec import DecoderSpec, StateSpec
+from tierflow.state.pairs import find_decoder, find_state_pairs, ort_sig
+from tierflow.state.spec import DecoderSpec, StateSpec
 
 #: One request of a stateful model: feeds in, outputs out (a session, or a chain of them).
 StepFn = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
@@ -164,7 +164,7 @@ def reference_generate(
     One session at the tiers' settings (``threads``, ``optimization``: ONNX Runtime's last
     bits depend on both, [Note: optimization level and exactness] in
     :mod:`tierflow.onnxrt.inference`). The decoder tensors and state pairs are found by
-    name ([Note: state pairs] in :mod:`tierflow.state_pairs`).
+    name ([Note: state pairs] in :mod:`tierflow.state.pairs`).
     """
     session = open_session(
         model, threads=threads, optimization=optimization, what=f"decoder {model}"

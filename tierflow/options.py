@@ -28,7 +28,7 @@ from tierflow.onnxrt.inference import (
 )
 from tierflow.onnxrt.providers import CPU
 from tierflow.plan import Plan
-from tierflow.runtime.state import default_state_budget
+from tierflow.state.store import default_state_budget
 from tierflow.transport.security import Security
 from tierflow.transport.wire import DEFAULT_MESSAGE_BYTES
 
@@ -45,7 +45,7 @@ DEFAULT_REPLY_TIMEOUT_S = 5.0
 #: [Note: stream admission] in tierflow/runtime/admission.py).
 DEFAULT_STREAM_IDLE_S = 60.0
 #: Seconds a tier keeps a session's state without a request (see
-#: [Note: session state on a tier] in tierflow/runtime/state.py).
+#: [Note: session state on a tier] in tierflow/state/store.py).
 DEFAULT_STATE_IDLE_S = 600.0
 #: Decode steps of different sessions run as one call at most; 1 turns batching off (see
 #: [Note: the step batcher] in tierflow/runtime/batching.py).
@@ -76,7 +76,7 @@ class RuntimeOptions:
     no bound; by default a share of the machine's memory), ``state_share`` each owner's
     part of it (None: an equal split among the owners holding state), and
     ``state_idle_s`` how long a session's state is kept without a request ([Note: session
-    state on a tier] in ``tierflow.runtime.state``).
+    state on a tier] in ``tierflow.state.store``).
     ``segment_budget``: bytes of segment files the tier keeps (None: no bound; see
     [Note: segments on demand] in ``tierflow.runtime.segment_store``).
     ``max_batch``: decode steps of different sessions run as one call at most (1: none),

@@ -21,7 +21,7 @@ import numpy as np
 from tierflow.codec.base import CodecSpec, ImageNorm
 from tierflow.errors import PlanError, TierflowError, UsageError
 from tierflow.link.spec import LINKS, TIERS, LinkSpec
-from tierflow.state_spec import DecoderSpec, StateSpec
+from tierflow.state.spec import DecoderSpec, StateSpec
 
 __all__ = [
     "PLAN_FILE",
@@ -148,7 +148,7 @@ class SegmentSpec:
     ``state`` lists the state pairs the segment owns (:class:`StateSpec`): each pair's
     input is among ``inputs`` and its output among ``outputs``, but the tier running the
     segment feeds the input from its session store and keeps the output there; neither
-    crosses a link ([Note: state pairs] in :mod:`tierflow.state_pairs`).
+    crosses a link ([Note: state pairs] in :mod:`tierflow.state.pairs`).
     """
 
     tier: str
@@ -462,7 +462,7 @@ class Plan:
         that a segment at ``index`` or later reads, plus every model output already
         computed before ``index`` (the answer must contain all model outputs). A state
         input is never carried: the tier that owns it feeds it ([Note: state pairs] in
-        tierflow/state_pairs.py).
+        tierflow/state/pairs.py).
         """
         available = set(self.inputs)
         for spec in self.segments[:index]:
@@ -737,7 +737,7 @@ def with_tensors(plan: Plan, directory: Path) -> Plan:
     if plan.tensors or not all((directory / s.file).is_file() for s in plan.segments):
         return plan
     from tierflow.onnxrt.inference import open_session
-    from tierflow.state_pairs import ort_sig
+    from tierflow.state.pairs import ort_sig
 
     found: dict[str, TensorShape] = {}
     for spec in plan.segments:

@@ -7,7 +7,7 @@ planning, serving and memory) with random weights, and exports it the way users 
 hub model: optimum's ONNX exporter (``optimum-cli export onnx --task
 text-generation-with-past``), giving ``model.onnx`` with ``input_ids``, ``attention_mask``,
 ``position_ids`` and ``past_key_values.N.key``/``.value`` in, ``logits`` and
-``present.N.key``/``.value`` out ([Note: state pairs] in tierflow/state_pairs.py), and the
+``present.N.key``/``.value`` out ([Note: state pairs] in tierflow/state/pairs.py), and the
 weights in ``model.onnx_data`` beside it once they pass 2 GB.
 
 See [Note: the export toolchain].

@@ -5,7 +5,7 @@ time) is a voice activity detector run on 512-sample chunks of 16 kHz audio; it 
 an LSTM state from chunk to chunk: inputs ``input`` [batch, 512], ``state`` [2, batch,
 128] and ``sr`` (the sample rate, a scalar), outputs ``output`` [batch, 1] (speech
 probability) and ``stateN``, the next chunk's state. The pair ``state -> stateN`` is
-found by name ([Note: state pairs] in :mod:`tierflow.state_pairs`), so ``tierflow plan``
+found by name ([Note: state pairs] in :mod:`tierflow.state.pairs`), so ``tierflow plan``
 keeps it on one tier.
 
 The package ships several exports of the same network; :data:`VARIANTS` names the ones

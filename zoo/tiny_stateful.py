@@ -10,7 +10,7 @@ Fast to build (no torch, random weights), for tests and examples of state pairs:
   and rotary tables (cos and sin of the positions) that every block reads.
 - :func:`streaming_model`: a chunk model with a recurrent ``state`` [1, H] -> ``stateN``
   read at its start and again near its end, so cuts between the two reads would separate
-  the pair ([Note: state pairs] in :mod:`tierflow.state_pairs`).
+  the pair ([Note: state pairs] in :mod:`tierflow.state.pairs`).
 
 Both are saved as one ``.onnx`` file; only onnx and numpy are needed.
 """

@@ -86,7 +86,7 @@ def test_a_stateful_plan_without_a_session_is_refused_once_before_sending(
 ) -> None:
     """Every request would fail for that same reason, one line each (issue 30, item 11)."""
     from tierflow.cli.main import main
-    from tierflow.state_spec import StateSpec
+    from tierflow.state.spec import StateSpec
 
     state = StateSpec("h_in", "h_out", "float32", (1, 4))
     segment = SegmentSpec("device", "s.onnx", ("x", "h_in"), ("y", "h_out"), state=(state,))

@@ -27,7 +27,7 @@ from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import save_split_plan, split_model
 from tierflow.plan import load_plan
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.state import SESSION_OVERHEAD
+from tierflow.state.store import SESSION_OVERHEAD
 from tierflow.zoo.tiny_stateful import streaming_model
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ from tierflow.onnxrt.inference import add_optimization_argument
 from tierflow.onnxrt.providers import add_providers_argument
 from tierflow.options import MAX_BATCH_DELAY_S, RuntimeOptions
 from tierflow.runtime.segment_store import add_segment_budget_argument
-from tierflow.runtime.state import DEFAULT_MEMORY_SHARE
+from tierflow.state.store import DEFAULT_MEMORY_SHARE
 from tierflow.transport.security import add_security_arguments
 from tierflow.units import (
     format_duration,

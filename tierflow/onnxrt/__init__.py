@@ -3,5 +3,5 @@
 
 Below the plan and the runtime, so that checking a plan's segment files and planning open
 their models the way a tier does. "Session" elsewhere in tierflow means a caller's
-session (its state on a tier, ``tierflow.runtime.state``), never an ONNX Runtime one.
+session (its state on a tier, ``tierflow.state.store``), never an ONNX Runtime one.
 """

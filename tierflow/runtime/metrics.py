@@ -35,7 +35,7 @@ prefixed ``tierflow_``; labels in brackets):
   holding any; ``identity`` is the owner's name ([Note: who a caller is] in
   ``tierflow.transport.callers``), never a token. ``state_evictions_total{tier}``: sessions
   evicted or dropped idle so far ([Note: session state on a tier] in
-  ``tierflow.runtime.state``).
+  ``tierflow.state.store``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from tierflow.runtime.segment_store import SegmentStore
-    from tierflow.runtime.state import SessionStates
+    from tierflow.state.store import SessionStates
 
 logger = logging.getLogger(__name__)
 

@@ -52,8 +52,8 @@ from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.segment_runner import SegmentRunner, TierRunner, emulate_slower
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, tier_files
-from tierflow.runtime.state import SessionStates, check_session_id
-from tierflow.state_spec import DecoderSpec, StateSpec
+from tierflow.state.spec import DecoderSpec, StateSpec
+from tierflow.state.store import SessionStates, check_session_id
 from tierflow.transport.wire import decode_tensors, put_tensors, received
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class Onward:
 @dataclass(frozen=True)
 class SessionStep:
     """A request's place in its session ([Note: session state on a tier] in
-    tierflow/runtime/state.py): its ``session``, the steps already kept (``position``),
+    tierflow/state/store.py): its ``session``, the steps already kept (``position``),
     the first values of fixed states this tier owns (``initial``) and those it passes on
     to the tiers after it (``passed_on``, as received). ``owner``: whose session it is
     ([Note: who a caller is] in tierflow/transport/callers.py; "" on the device)."""
@@ -192,7 +192,7 @@ def check_decoder_step(
     [Note: a decoder step's companions]
     A decoder step after ``position`` tokens feeds T new tokens with ``attention_mask``
     [1, position + T] and ``position_ids`` [[position .. position + T - 1]]
-    (:class:`~tierflow.state_spec.DecoderSpec`). Their shapes are symbolic in the model,
+    (:class:`~tierflow.state.spec.DecoderSpec`). Their shapes are symbolic in the model,
     so the segment's input check cannot see that they disagree with the position; ONNX
     Runtime then failed inside an attention node, which was answered INTERNAL (with its
     own error line on the tier's stderr). The tier that reads them checks them first:

@@ -61,7 +61,7 @@ from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec
 from tierflow.runtime.batching import Outputs, Padding, StepBatcher
-from tierflow.state_spec import StateSpec
+from tierflow.state.spec import StateSpec
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class Outcome:
     #: edge/forwarding.py). None when no exit was checked, or one was taken.
     unconfident: tuple[str, np.ndarray] | None = None
     #: The state outputs of this tier's segments, by the state input they feed next
-    #: ([Note: session state on a tier] in tierflow/runtime/state.py).
+    #: ([Note: session state on a tier] in tierflow/state/store.py).
     state: dict[str, np.ndarray] = field(default_factory=dict)
 
 
@@ -277,7 +277,7 @@ class TierRunner:
             self.segments.append((index, spec, runner))
         self.end = self.segments[-1][0] + 1 if self.segments else self.start
         #: The state pairs of this tier's segments ([Note: state pairs] in
-        #: tierflow/state_pairs.py): fed by the caller, never carried by a request.
+        #: tierflow/state/pairs.py): fed by the caller, never carried by a request.
         self.states: tuple[StateSpec, ...] = tuple(
             state for _, spec, _ in self.segments for state in spec.state
         )

@@ -41,7 +41,7 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
 from tierflow.runtime.limits import receive_limit
 from tierflow.runtime.service import Forwarder, TierService
-from tierflow.runtime.state import describe_state_budget
+from tierflow.state.store import describe_state_budget
 from tierflow.transport.security import bind, server_options
 from tierflow.transport.wire import add_tier_servicer, grpc_options
 from tierflow.tuning import tune_for_latency

@@ -442,7 +442,7 @@ class TierService(tier_pb2_grpc.TierServicer):
 
     def hold(self, request: tier_pb2.Request, caller: str) -> Callable[[], None]:
         """Hold the state of the session ``request`` names while it waits and runs here
-        (:meth:`~tierflow.runtime.state.SessionStates.hold`); call what it returns after."""
+        (:meth:`~tierflow.state.store.SessionStates.hold`); call what it returns after."""
         pipeline = self.pipeline
         if pipeline is None or len(request.on_behalf_of.encode()) > MAX_BEHALF_BYTES:
             return _nothing  # refused when it runs

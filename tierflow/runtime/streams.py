@@ -16,7 +16,7 @@ itself and writes its reply. A request so waits for no thread hand-over on its w
 through the tier (each costs 0.03-0.1 ms on a small machine, as much as the codec and
 compute of a 100 KB feature), and the stream's next request is read while it runs. When
 ``workers`` requests are running already, a request waits for one of them to finish.
-The requests of one session ([Note: session state on a tier] in tierflow/runtime/state.py)
+The requests of one session ([Note: session state on a tier] in tierflow/state/store.py)
 run one at a time, in the order they were read (:class:`SessionOrder`): each continues the
 state the one before left, and an edge passes them on in that order.
 Every request read is counted in flight at once, so a stopping tier ([Note: stopping a

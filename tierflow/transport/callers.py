@@ -3,7 +3,7 @@
 [Note: who a caller is]
 A tier serves many devices (and a cloud many edges), and a session's state is a user's
 prompt; it belongs to the caller that made it ([Note: session state on a tier] in
-tierflow/runtime/state.py). A stream's caller is named once, as it opens, from what the
+tierflow/state/store.py). A stream's caller is named once, as it opens, from what the
 transport proved about it ([Note: tier security] in tierflow/transport/security.py):
 
 * ``cert:SUBJECT``: under mutual TLS, the subject of the client's certificate;

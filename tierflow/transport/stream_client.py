@@ -40,7 +40,7 @@ dies, its stream breaks and its requests in flight fail as above (typed errors; 
 never reached it are sent again); the stream opened next in its place goes to a live
 replica, since round robin picks only among connected ones. A replica that comes back
 gets streams again as others break, not at once. The requests of a session
-([Note: session state on a tier] in tierflow/runtime/state.py) all take the same stream,
+([Note: session state on a tier] in tierflow/state/store.py) all take the same stream,
 so that its state stays on one replica; when that replica dies, the replica its next
 request reaches holds no state for it and the device replays the session.
 """

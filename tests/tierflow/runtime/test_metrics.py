@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from tierflow.runtime.metrics import TierMetrics
-from tierflow.runtime.state import SESSION_OVERHEAD, SessionStates
-from tierflow.state_spec import StateSpec
+from tierflow.state.spec import StateSpec
+from tierflow.state.store import SESSION_OVERHEAD, SessionStates
 
 prometheus = pytest.importorskip("prometheus_client")
 parser = pytest.importorskip("prometheus_client.parser")

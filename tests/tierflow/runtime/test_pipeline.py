@@ -29,7 +29,7 @@ from tierflow.runtime.pipeline import (
     check_initial_state,
     reply_codec,
 )
-from tierflow.state_spec import DecoderSpec, StateSpec
+from tierflow.state.spec import DecoderSpec, StateSpec
 from tierflow.transport.wire import put_tensors
 
 WIDTHS = (16, 12, 8, 4)  # x -> h1 -> h2 -> y

@@ -45,7 +45,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tierflow.errors import ModelError, UsageError
-from tierflow.state_spec import DecoderSpec, StateSpec
+from tierflow.state.spec import DecoderSpec, StateSpec
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tierflow.errors import ModelError, UsageError
-from tierflow.state_pairs import (
+from tierflow.state.pairs import (
     TensorSig,
     find_decoder,
     find_state_pairs,

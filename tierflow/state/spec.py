@@ -3,7 +3,7 @@
 A stateful model takes a tensor it produced on its previous request (a decoder's KV cache,
 a streaming model's recurrent state): a *state pair* is that input and the output that
 replaces it. The planner keeps each pair on one tier, and the tier keeps the state per
-session; see [Note: state pairs] in :mod:`tierflow.state_pairs` for how pairs are found and
+session; see [Note: state pairs] in :mod:`tierflow.state.pairs` for how pairs are found and
 the planner's notes for how they are priced. These records are the contract between the
 planner, which writes them, and the runtime, which reads them; reading needs numpy only.
 """

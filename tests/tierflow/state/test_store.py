@@ -8,7 +8,8 @@ import pytest
 
 from tierflow.errors import InputError, StateError, StateLostError
 from tierflow.options import RuntimeOptions
-from tierflow.runtime.state import (
+from tierflow.state.spec import StateSpec
+from tierflow.state.store import (
     DEFAULT_MEMORY_SHARE,
     MAX_SESSION_BYTES,
     PIN_S,
@@ -20,7 +21,6 @@ from tierflow.runtime.state import (
     initial_value,
     machine_memory,
 )
-from tierflow.state_spec import StateSpec
 
 KV = StateSpec("past.0", "present.0", "float32", (1, 2, None, 4), grows=2)
 RNN = StateSpec("state", "stateN", "float32", (2, None, 3))

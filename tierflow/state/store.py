@@ -1,7 +1,7 @@
 """Session state on the tier that made it: each stateful segment's state, kept per session.
 
 [Note: session state on a tier]
-A stateful segment owns state pairs ([Note: state pairs] in tierflow/state_pairs.py): an
+A stateful segment owns state pairs ([Note: state pairs] in tierflow/state/pairs.py): an
 input fed with what the segment output on the session's previous request (a decoder's KV
 cache, a streaming model's recurrent state). The tier running the segment keeps that
 output per session here, and feeds it back on the session's next request; it never
@@ -62,7 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from tierflow.errors import InputError, StateError, StateLostError
-from tierflow.state_spec import StateSpec
+from tierflow.state.spec import StateSpec
 from tierflow.units import format_size
 
 logger = logging.getLogger(__name__)
