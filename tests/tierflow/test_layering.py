@@ -6,7 +6,9 @@ a lazy import cannot hide a dependency. The core is ``tierflow/``; the runtime t
 offline planner, torch or onnx (``zoo/``, ``tierflow.zoo``, holds the models built with
 torch, beside the demos and benchmarks that use them; no tier loads it). The CLI names its
 command modules as strings (``tierflow.cli.main.COMMAND_MODULES``), so wiring commands is
-no import of a tier.
+no import of a tier. Inside the core, :data:`CORE_LAYERS` orders the sub-packages and
+modules, and no import (not even one inside a function or under TYPE_CHECKING) may go up
+that order or close a circle.
 """
 
 from __future__ import annotations
@@ -76,6 +78,31 @@ def _within(name: str, roots: tuple[str, ...]) -> bool:
 
 def _in_core(module: str) -> bool:
     return module.startswith("tierflow") and not _within(module, ABOVE_CORE)
+
+
+# The core's layers, lowest first: a module imports only from its own layer and the layers
+# below, so the core is a one-way stack (docs/design.md, "Layout"). A root names a module
+# or a package with everything in it; ``tierflow`` alone is the package's __init__.
+CORE_LAYERS: tuple[tuple[str, ...], ...] = (
+    (
+        "tierflow",
+        "tierflow.errors",
+        "tierflow.units",
+        "tierflow.extras",
+        "tierflow.tuning",
+        "tierflow.npz",
+        "tierflow.rpc",
+    ),
+    ("tierflow.link",),
+    ("tierflow.codec", "tierflow.image_norm", "tierflow.cache"),
+    ("tierflow.transport",),
+    ("tierflow.onnxrt",),
+    ("tierflow.state",),
+    ("tierflow.plan", "tierflow.greedy"),
+    ("tierflow.options",),
+    ("tierflow.runtime",),
+    ("tierflow.cli",),
+)
 
 
 def test_the_import_graph_is_read_from_the_source() -> None:
@@ -158,3 +185,86 @@ def test_the_planner_needs_onnx_and_never_torch() -> None:
         if _within(module, ("tierflow.partitioner",)) and module not in TRAINING_COMMANDS
     }
     assert {module: names for module, names in wrong.items() if names} == {}
+
+
+def _core_edges(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Each core module and the core modules it imports (any import: at load, under
+    TYPE_CHECKING or inside a function). ``from a.b import c`` names ``a.b.c``: the
+    module if there is one, else the name ``c`` in ``a.b``."""
+    edges: dict[str, set[str]] = {}
+    for module, names in graph.items():
+        if not _in_core(module):
+            continue
+        targets = {name if name in graph else name.rpartition(".")[0] for name in names}
+        edges[module] = {t for t in targets if t in graph and _in_core(t) and t != module}
+    return edges
+
+
+def _layer(module: str) -> int:
+    matches = [
+        (len(root), index)
+        for index, roots in enumerate(CORE_LAYERS)
+        for root in roots
+        if module == root or (root != "tierflow" and module.startswith(root + "."))
+    ]
+    assert matches, f"{module} is in no layer of CORE_LAYERS"
+    return max(matches)[1]
+
+
+def test_the_core_is_a_one_way_stack() -> None:
+    edges = _core_edges(_imports())
+    assert "tierflow.runtime.pipeline" in edges and "tierflow.plan" in edges["tierflow.options"]
+    upward = {
+        module: sorted(t for t in targets if _layer(t) > _layer(module))
+        for module, targets in edges.items()
+    }
+    assert {module: targets for module, targets in upward.items() if targets} == {}
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(edges):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            module, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(edges.get(target, ())))))
+                elif target in on_stack:
+                    low[module] = min(low[module], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[module])
+            if low[module] == index[module]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == module:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_core_has_no_import_cycles() -> None:
+    """Not even through imports under TYPE_CHECKING or inside functions: each is a
+    dependency all the same, and a circle makes the order of loading matter."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles(_core_edges(_imports())) == []
