@@ -32,6 +32,7 @@ import os
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -57,19 +58,10 @@ DELAY_MS = 5.0
 
 
 def shape() -> Any:
-    from tierflow.zoo.hf_decoders import DecoderShape
+    """Qwen2-0.5B's blocks, 12 of them, with a 32k vocabulary (0.95 GB)."""
+    from tierflow.zoo.hf_decoders import QWEN2_0_5B
 
-    return DecoderShape(
-        arch="qwen2",
-        hidden=896,
-        layers=12,
-        heads=14,
-        kv_heads=2,
-        vocab=32000,
-        intermediate=4864,
-        max_positions=4096,
-        tied=True,
-    )
+    return dataclasses.replace(QWEN2_0_5B, layers=12, vocab=32000, max_positions=4096)
 
 
 def build(workdir: Path, prompt: int, tokens: int) -> dict[str, Path]:
