@@ -198,5 +198,7 @@ def format_size(nbytes: float) -> str:
     """Print a byte count with a binary unit, for tables."""
     for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.3g}{unit}"
+            # Three significant digits, and whole units from 100 up: 1010MiB, not 1.01e+03MiB.
+            value = nbytes / scale
+            return f"{value:.0f}{unit}" if abs(value) >= 100 else f"{value:.3g}{unit}"
     return f"{int(nbytes)}B"

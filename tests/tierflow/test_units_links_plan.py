@@ -150,6 +150,10 @@ def test_format_size_uses_binary_units() -> None:
     assert format_size(64 * 2**20) == "64MiB"
     assert format_size(3 * 2**30) == "3GiB"
     assert parse_size(format_size(64 * 2**20)) == 64 * 2**20
+    # From 100 units up, whole units, never exponent notation (a decoder's 1.01e+03MiB).
+    assert format_size(1010 * 2**20) == "1010MiB"
+    assert format_size(1023.9 * 2**20) == "1024MiB"
+    assert format_size(515.4 * 2**20) == "515MiB"
 
 
 # --------------------------------------------------------------------------- links
