@@ -488,6 +488,22 @@ def markdown(results: dict[str, Any]) -> str:
     )
 
 
+def results_section(results: dict[str, Any]) -> list[str]:
+    """RESULTS.md's section for a run: written here, and drawn again from ``tenancy.json`` by
+    the comparison's report, which rewrites RESULTS.md whole."""
+    return [
+        SECTION_START,
+        "## Many tenants on one edge and one cloud (issue 28)",
+        "",
+        f"`python -m benchmarks.tenancy`, {results['date']}; see [TENANCY.md](TENANCY.md).",
+        "",
+        "```",
+        *tables(results).splitlines(),
+        "```",
+        SECTION_END,
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 clients, fewer tokens")
@@ -498,18 +514,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(tables(results))
     if not args.no_write:
         (RESULTS / "TENANCY.md").write_text(markdown(results))
-        section = [
-            SECTION_START,
-            "## Many tenants on one edge and one cloud (issue 28)",
-            "",
-            f"`python -m benchmarks.tenancy`, {results['date']}; see [TENANCY.md](TENANCY.md).",
-            "",
-            "```",
-            *tables(results).splitlines(),
-            "```",
-            SECTION_END,
-        ]
-        replace_section(RESULTS / "RESULTS.md", SECTION_START, SECTION_END, section)
+        (RESULTS / "tenancy.json").write_text(json.dumps(results, indent=1) + "\n")
+        replace_section(
+            RESULTS / "RESULTS.md", SECTION_START, SECTION_END, results_section(results)
+        )
     return 0
 
 

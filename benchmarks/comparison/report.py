@@ -407,6 +407,7 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any], sections: Sequence[st
     out.extend(sections)
     out.extend(rate_fidelity_section())
     out.extend(generation_section())
+    out.extend(tenancy_section())
     return "\n".join(out) + "\n"
 
 
@@ -416,6 +417,16 @@ def generation_section() -> list[str]:
     if not path.exists():
         return []
     return ["", *generation_report.results_section(json.loads(path.read_text()))]
+
+
+def tenancy_section() -> list[str]:
+    """The multi-tenant benchmark's section from its last committed run (none if absent)."""
+    path = RESULTS / "tenancy.json"
+    if not path.exists():
+        return []
+    from benchmarks import tenancy
+
+    return ["", *tenancy.results_section(json.loads(path.read_text()))]
 
 
 def trained_line(rows: Sequence[Row]) -> str:

@@ -829,6 +829,22 @@ def _transport_again(kept: str, extras: dict[str, Any]) -> str:
     return kept[:start] + "\n".join(lines).rstrip("\n") + "\n\n" + kept[end:]
 
 
+#: Where the sections that markdown() appends anew from their own suites' JSON begin
+#: (rate_fidelity, generation, tenancy), as a run of those suites wrote them into RESULTS.md.
+APPENDED_SECTION_MARKS = (
+    "<!-- rate-fidelity:start",
+    "## Rate against fidelity",
+    "<!-- generation:start",
+    "<!-- tenancy-bench: start",
+)
+
+
+def without_appended_sections(kept: str) -> str:
+    """``kept`` cut before the first section that markdown() appends again, wherever it is."""
+    found = [kept.index(mark) for mark in APPENDED_SECTION_MARKS if mark in kept]
+    return kept[: min(found)].rstrip("\n") + "\n" if found else kept
+
+
 def refold(out: Path, fold_from: Path | None = None) -> int:
     """Fold ``results/bottleneck.json`` again into the run in ``out``, measuring nothing.
 
@@ -868,10 +884,7 @@ def refold(out: Path, fold_from: Path | None = None) -> int:
     data["method"] = old[old.index("## How it was measured") : old.index("## Summary")].rstrip()
     kept = old[old.index("## Overheads and limits") :]
     kept = _transport_again(kept, extras)
-    for mark in ("<!-- rate-fidelity:start", "## Rate against fidelity", "<!-- generation:start"):
-        if mark in kept:  # markdown() appends rate_fidelity.py's and generation/__main__.py's anew
-            kept = kept[: kept.index(mark)].rstrip("\n") + "\n"
-            break
+    kept = without_appended_sections(kept)
     sections = bench_sections.fidelity_section(rows, data["verdict"], source, data["split_goal"])
     sections += bench_sections.jpeg_sweep_section(rows)
     sections += bench_fronts.section(rows, bench_fronts.plot_fronts(rows, out, out))

@@ -183,3 +183,27 @@ def test_a_refold_takes_transport_from_transport_bench_once() -> None:
     assert again.endswith("\n\n### Codec ratio\n\nkept\n")
     assert "date" in extras["transport"]
     assert _transport_again(again, extras) == again
+
+
+def test_a_refold_draws_every_appended_section_once_from_its_json() -> None:
+    from benchmarks.comparison.report import tenancy_section
+    from benchmarks.comparison.run import without_appended_sections
+    from benchmarks.lib import RESULTS
+
+    kept = (
+        "## Overheads and limits\n\nkept\n\n<!-- generation:start -->\nold\n"
+        "<!-- tenancy-bench: start -->\nold\n<!-- tenancy-bench: end -->\n"
+    )
+    assert without_appended_sections(kept) == "## Overheads and limits\n\nkept\n"
+    # The earliest mark cuts, whichever comes first in the text.
+    late = "kept\n<!-- tenancy-bench: start -->\nx\n<!-- rate-fidelity:start -->\ny\n"
+    assert without_appended_sections(late) == "kept\n"
+    assert without_appended_sections("kept\n") == "kept\n"
+    if not (RESULTS / "tenancy.json").is_file():
+        pytest.skip("no saved tenancy run in benchmarks/results/")
+    # Drawn again from tenancy.json, the section is the one the run wrote into RESULTS.md.
+    drawn = "\n".join(tenancy_section()[1:])
+    written = (RESULTS / "RESULTS.md").read_text()
+    start = written.index("<!-- tenancy-bench: start -->")
+    end = written.index("<!-- tenancy-bench: end -->") + len("<!-- tenancy-bench: end -->")
+    assert drawn == written[start:end]
