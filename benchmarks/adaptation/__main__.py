@@ -843,6 +843,7 @@ def machine() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.adaptation",
         description=(__doc__ or "").split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -340,6 +340,7 @@ def render(results: dict[str, Any], out: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.generation",
         description=(__doc__ or "").splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -9,7 +9,11 @@ edits ``sys.path``; each module at the top of the package is a suite that
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "benchmarks"
@@ -127,3 +131,18 @@ def test_every_result_is_in_the_one_results_folder() -> None:
         and PACKAGE / "results" not in p.parents
     ]
     assert not stray, stray
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("suite", ["adaptation", "comparison", "generation"])
+def test_a_package_suite_names_its_command_in_its_help(suite: str) -> None:
+    """A suite run as ``python -m benchmarks.SUITE`` says so in its usage, not ``__main__.py``."""
+    result = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{suite}", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert result.stdout.startswith(f"usage: python -m benchmarks.{suite} ")
+    assert "__main__" not in result.stdout
