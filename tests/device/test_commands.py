@@ -5,10 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cli.main import build_parser
 from tierflow.device.app import Device
@@ -17,6 +14,8 @@ from tierflow.device.probing import DEFAULT_IDLE_S
 from tierflow.errors import UsageError
 from tierflow.link.spec import LinkSpec
 from tierflow.plan import Plan, PlanSet, SegmentSpec, save_plan, save_plan_set
+
+from ..tiny_plans import matmul_chain
 
 COMMANDS = {
     "run": ["run", "--plan", "p", "--input", "in.npz"],
@@ -38,21 +37,9 @@ def test_idle_probe_and_retry_default_to_the_clients_and_can_be_set(command: str
 
 
 def _matmul_segments(directory: Path) -> tuple[SegmentSpec, SegmentSpec]:
-    """Two tiny segments x -> h -> y, written into ``directory``."""
-    specs = []
-    for name, (src, dst) in {"s0.onnx": ("x", "h"), "s1.onnx": ("h", "y")}.items():
-        weights = numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
-        graph = helper.make_graph(
-            [helper.make_node("MatMul", [src, "w"], [dst])],
-            "g",
-            [helper.make_tensor_value_info(src, TensorProto.FLOAT, [1, 4])],
-            [helper.make_tensor_value_info(dst, TensorProto.FLOAT, [1, 4])],
-            [weights],
-        )
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-        onnx.save(model, directory / name)
-        specs.append(SegmentSpec("device", name, (src,), (dst,)))
-    return specs[0], specs[1]
+    """Two tiny segments x -> h -> y, both on the device, written into ``directory``."""
+    first, second = matmul_chain(directory, [("device", "s0.onnx"), ("device", "s1.onnx")])
+    return first, second
 
 
 def _plan(segments: tuple[SegmentSpec, ...]) -> Plan:

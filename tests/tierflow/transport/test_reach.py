@@ -9,14 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cli.main import main
 from tierflow.errors import TransportError
-from tierflow.plan import Plan, SegmentSpec, save_plan
+from tierflow.plan import Plan, save_plan
 from tierflow.transport.reach import _host_port, check_reachable
+
+from ...tiny_plans import matmul_chain
 
 
 @pytest.fixture
@@ -30,19 +30,7 @@ def dead_address() -> Iterator[str]:
 def _device_edge_plan(directory: Path) -> Path:
     """A two-segment plan, x -> h on the device, h -> y on the edge."""
     directory.mkdir()
-    specs = []
-    for tier, (src, dst) in {"device": ("x", "h"), "edge": ("h", "y")}.items():
-        weights = numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
-        graph = helper.make_graph(
-            [helper.make_node("MatMul", [src, "w"], [dst])],
-            "g",
-            [helper.make_tensor_value_info(src, TensorProto.FLOAT, [1, 4])],
-            [helper.make_tensor_value_info(dst, TensorProto.FLOAT, [1, 4])],
-            [weights],
-        )
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-        onnx.save(model, directory / f"{tier}.onnx")
-        specs.append(SegmentSpec(tier, f"{tier}.onnx", (src,), (dst,)))
+    specs = matmul_chain(directory, [("device", "device.onnx"), ("edge", "edge.onnx")])
     save_plan(Plan("m.onnx", "0" * 64, ("x",), ("y",), tuple(specs)), directory)
     np.savez(directory.parent / "in.npz", x=np.ones((5, 1, 4), np.float32))
     return directory
