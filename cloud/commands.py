@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 
 from tierflow.cli.helptext import examples
+from tierflow.cli.runtime_arguments import runtime_options
 from tierflow.cli.serve import add_cache_argument, add_serve_parser
-from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
 from tierflow.runtime.server import serve_until_stopped
 
@@ -32,16 +32,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
     )
     add_cache_argument(cloud)
-    cloud.set_defaults(handler=_serve, upstream=None)
+    cloud.set_defaults(handler=_serve, upstream=None, upstream_token_file=None)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from tierflow.cache.redis import build_server_cache
     from tierflow.runtime.server import TierServer
 
-    options = RuntimeOptions.from_args(
-        args, load_plan_set(args.plan, require_segments=False).default_plan
-    )
+    plan = load_plan_set(args.plan, require_segments=False).default_plan
+    options = runtime_options(args, plan, server=True)
     server = TierServer.from_plan(
         "cloud", args.plan, args.listen, cache=build_server_cache(args.cache), options=options
     )

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierflow.cli import json_output
+from tierflow.cli.arguments import argument_type
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.paths import output_file
-from tierflow.cli.runtime_arguments import add_runtime_arguments
+from tierflow.cli.runtime_arguments import add_runtime_arguments, runtime_options
 from tierflow.cli.table import format_table
 from tierflow.device.fallback import runs_on_device_only
 from tierflow.errors import UsageError
@@ -202,9 +203,9 @@ def _idle_probe(text: str) -> float | None:
 
 def _cache_argument(text: str) -> Any:
     # The cache modules are imported only when the option is given.
-    from tierflow.cache.config import cache_spec_argument
+    from tierflow.cache.config import parse_cache_spec
 
-    spec = cache_spec_argument(text)
+    spec = argument_type(parse_cache_spec)(text)
     if spec.kind == "redis":
         raise argparse.ArgumentTypeError(
             "a Redis cache is shared by servers; the device keeps exact: or approx:"
@@ -246,7 +247,7 @@ def _run(args: argparse.Namespace) -> int:
     elif partial is not None:
         partial.unlink(missing_ok=True)  # a fresh run
     results: list[Result] = []
-    options = RuntimeOptions.from_args(args, plan)
+    options = runtime_options(args, plan, server=False)
     with DeviceClient(
         args.plan,
         edge_address(args, options, plans),

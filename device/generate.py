@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tierflow.cli import json_output
 from tierflow.cli.helptext import HelpFormatter, examples
-from tierflow.cli.runtime_arguments import add_runtime_arguments
+from tierflow.cli.runtime_arguments import add_runtime_arguments, runtime_options
 from tierflow.cli.table import format_table
 from tierflow.device.commands import add_deadline_argument, add_plan_arguments, edge_address
 from tierflow.errors import MissingExtraError, TierflowError, UsageError
-from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
 from tierflow.units import format_size
 
@@ -224,7 +223,7 @@ def _generate(args: argparse.Namespace) -> int:
     generator: Generator | None = None
     try:
         plans = load_plan_set(args.plan, require_segments=False)
-        options = RuntimeOptions.from_args(args, plans.default_plan)
+        options = runtime_options(args, plans.default_plan, server=False)
         with DeviceClient(
             args.plan,
             edge_address(args, options, plans),

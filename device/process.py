@@ -31,7 +31,7 @@ from typing import IO, TYPE_CHECKING, Any
 from tierflow.cli import json_output
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.paths import output_file_or_stdout
-from tierflow.cli.runtime_arguments import add_runtime_arguments
+from tierflow.cli.runtime_arguments import add_runtime_arguments, runtime_options
 from tierflow.device.commands import (
     add_adaptation_arguments,
     add_deadline_argument,
@@ -40,7 +40,6 @@ from tierflow.device.commands import (
     edge_address,
 )
 from tierflow.errors import UsageError
-from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
 from tierflow.units import positive_seconds
 
@@ -141,7 +140,7 @@ def _device(args: argparse.Namespace) -> int:
     plan = plans.default_plan
     stop = threading.Event()
     count = failed = 0
-    options = RuntimeOptions.from_args(args, plan)
+    options = runtime_options(args, plan, server=False)
     edge = edge_address(args, options, plans)
     with contextlib.ExitStack() as stack:
         results: IO[str] = sys.stdout

@@ -14,13 +14,16 @@ import logging
 from tierflow.cli import json_output
 from tierflow.cli.arguments import add_deprecated
 from tierflow.cli.helptext import HelpFormatter, examples
+from tierflow.cli.runtime_arguments import (
+    add_security_arguments,
+    runtime_options,
+    security_from_args,
+)
 from tierflow.cli.serve import add_cache_argument, add_serve_parser
 from tierflow.cli.table import format_table
-from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
 from tierflow.runtime.server import serve_until_stopped
 from tierflow.transport.address import Address, check_answering_tier
-from tierflow.transport.security import Security, add_security_arguments
 from tierflow.units import format_duration, format_rate, parse_size
 
 logger = logging.getLogger(__name__)
@@ -96,9 +99,8 @@ def _serve(args: argparse.Namespace) -> int:
     from tierflow.edge.forwarding import Forwarding
     from tierflow.runtime.server import TierServer
 
-    options = RuntimeOptions.from_args(
-        args, load_plan_set(args.plan, require_segments=False).default_plan
-    )
+    plan = load_plan_set(args.plan, require_segments=False).default_plan
+    options = runtime_options(args, plan, server=True)
     if args.upstream is not None:  # [Note: which tier answers] in tierflow.transport.address
         check_answering_tier(
             args.upstream, "cloud", options.security.upstream(), option="--upstream"
@@ -123,7 +125,7 @@ def _probe(args: argparse.Namespace) -> int:
         pings=args.pings,
         payload_bytes=args.payload,
         transfers=args.transfers,
-        security=Security.from_args(args),
+        security=security_from_args(args, server=False),
     )
     if args.json:
         print(json_output.dumps(result.to_dict(), indent=2))

@@ -17,11 +17,11 @@ from typing import Any
 from tierflow.cli.arguments import add_deprecated
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.paths import output_file, output_folder
+from tierflow.cli.runtime_arguments import add_providers_argument
 from tierflow.codec.base import CodecSpec
 from tierflow.codec.spec import CODEC_FORMS, EXACT_PLANNER_CODECS, LOSSY_PLANNER_CODECS
 from tierflow.errors import UsageError, shown
 from tierflow.link.spec import LINKS, LinkOption, LinkSpec, apply_links, check_link, check_tier
-from tierflow.onnxrt.providers import add_providers_argument
 from tierflow.units import (
     format_duration,
     format_size,

@@ -3,23 +3,23 @@
 The runners, the tier service, the servers and the device client all read the same
 settings (ONNX Runtime threads and optimization level, emulated slowdown and links, size
 limits, TLS and tokens); they take them as one frozen value instead of each repeating
-the keyword list. ``tierflow serve``, ``run`` and ``device`` declare their flags with
+the keyword list. This module knows nothing of a command line: ``tierflow serve``,
+``run``, ``device`` and ``generate`` declare their flags with
 ``tierflow.cli.runtime_arguments.add_runtime_arguments``, whose defaults are read from
 ``RuntimeOptions()`` (so ``--help`` shows the defaults a library user gets, written once),
-and make the value with :meth:`RuntimeOptions.from_args`; a library user makes one
-directly, or varies one with :func:`dataclasses.replace`.
+and make the value from the parsed flags with
+``tierflow.cli.runtime_arguments.runtime_options``; a library user makes one directly, or
+varies one with :func:`dataclasses.replace`.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from tierflow.codec.base import DEFAULT_MAX_TENSOR_BYTES
 from tierflow.errors import UsageError
-from tierflow.link.emulation import resolve_links
 from tierflow.link.spec import LinkSpec
 from tierflow.link.trace import LinkTrace
 from tierflow.onnxrt.inference import (
@@ -27,7 +27,6 @@ from tierflow.onnxrt.inference import (
     check_optimization,
 )
 from tierflow.onnxrt.providers import CPU
-from tierflow.plan import Plan
 from tierflow.state.store import default_state_budget
 from tierflow.transport.security import Security
 from tierflow.transport.wire import DEFAULT_MESSAGE_BYTES
@@ -142,36 +141,3 @@ class RuntimeOptions:
             )
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
         object.__setattr__(self, "providers", tuple(self.providers))
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, plan: Plan) -> RuntimeOptions:
-        """The options a runtime command was given (links resolved against ``plan``).
-
-        ``args`` comes from a parser set up by
-        ``tierflow.cli.runtime_arguments.add_runtime_arguments``; options a
-        command does not have (``run`` has no ``--workers``) keep their defaults.
-        """
-        defaults = cls()
-        return cls(
-            threads=args.threads,
-            slowdown=args.slowdown,
-            optimization=args.optimization,
-            workers=getattr(args, "workers", defaults.workers),
-            links=resolve_links(plan.links, args.link_emulation, args.emulate_link),
-            max_tensor_bytes=getattr(args, "max_tensor_bytes", defaults.max_tensor_bytes),
-            max_streams=getattr(args, "max_streams", defaults.max_streams),
-            max_streams_per_peer=getattr(
-                args, "max_streams_per_peer", defaults.max_streams_per_peer
-            ),
-            reply_timeout=getattr(args, "reply_timeout", defaults.reply_timeout),
-            stream_idle_s=getattr(args, "stream_idle", defaults.stream_idle_s),
-            security=Security.from_args(args),
-            providers=args.providers,
-            segment_budget=args.segment_budget,
-            state_budget=args.state_budget,
-            state_share=args.state_share,
-            state_idle_s=args.state_idle,
-            max_batch=getattr(args, "max_batch", defaults.max_batch),
-            batch_delay_s=getattr(args, "batch_delay", defaults.batch_delay_s),
-            batch_padding=getattr(args, "batch_padding", defaults.batch_padding),
-        )

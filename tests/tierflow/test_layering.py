@@ -16,6 +16,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tierflow.cli.main import COMMAND_MODULES
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Source folder -> the package it becomes (pyproject.toml's package-dir).
@@ -213,12 +215,75 @@ def _layer(module: str) -> int:
 
 def test_the_core_is_a_one_way_stack() -> None:
     edges = _core_edges(_imports())
-    assert "tierflow.runtime.pipeline" in edges and "tierflow.plan" in edges["tierflow.options"]
+    assert "tierflow.runtime.pipeline" in edges
+    assert "tierflow.transport.security" in edges["tierflow.options"]
     upward = {
         module: sorted(t for t in targets if _layer(t) > _layer(module))
         for module, targets in edges.items()
     }
     assert {module: targets for module, targets in upward.items() if targets} == {}
+
+
+# Programs of their own, with their own command line: the child process that exports a
+# Hugging Face decoder (``python -m tierflow.zoo.hf_decoders``), not a tierflow command.
+OWN_PROGRAMS = ("tierflow.zoo.hf_decoders",)
+# What declares a flag or a parser: ``parser.add_argument(...)`` and its kin.
+FLAG_CALLS = frozenset(
+    {
+        "add_argument",
+        "add_argument_group",
+        "add_mutually_exclusive_group",
+        "add_subparsers",
+        "add_parser",
+        "ArgumentParser",
+    }
+)
+
+
+def _in_cli(module: str) -> bool:
+    """``tierflow.cli``, the command modules it wires (``COMMAND_MODULES``), and the
+    helpers of their handlers, named ``*commands`` (``tierflow.partitioner.decoder_commands``)."""
+    return (
+        _within(module, ("tierflow.cli",))
+        or module in COMMAND_MODULES
+        or module.rpartition(".")[2].endswith("commands")
+    )
+
+
+def _declares_flags(path: Path) -> list[str]:
+    """The calls in ``path`` that declare flags or parsers (their names, with line numbers)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in FLAG_CALLS:
+                found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_flags_are_declared_only_in_the_cli() -> None:
+    """No module but the CLI's imports argparse or declares a flag ([Note: flags only in
+    cli] in tierflow/cli/runtime_arguments.py): the core offers parsers and typed values,
+    and ``tierflow.cli.runtime_arguments.runtime_options`` builds a ``RuntimeOptions``."""
+    graph = _imports()
+    assert (
+        "argparse" in graph["tierflow.cli.serve"] and "argparse" in graph["tierflow.device.process"]
+    )
+    assert _in_cli("tierflow.edge.commands") and not _in_cli("tierflow.edge.forwarding")
+    assert _declares_flags(ROOT / "tierflow/cli/serve.py")
+    wrong: dict[str, list[str]] = {}
+    for folder in PACKAGES:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            module = _module_name(path)
+            if _in_cli(module) or module in OWN_PROGRAMS:
+                continue
+            found = _declares_flags(path) + (
+                ["import argparse"] if "argparse" in graph[module] else []
+            )
+            if found:
+                wrong[module] = found
+    assert wrong == {}
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:

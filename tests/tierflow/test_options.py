@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from tierflow.cli.main import build_parser
+from tierflow.cli.runtime_arguments import runtime_options
 from tierflow.errors import UsageError
 from tierflow.link.spec import LinkSpec
 from tierflow.options import DEFAULT_MAX_IN_FLIGHT, RuntimeOptions
@@ -58,7 +59,7 @@ def test_serve_and_run_build_the_options_from_their_flags() -> None:
     flags += " --link-emulation plan --emulate-link device-edge=1mbit,4ms --token-file t"
     flags += " --reply-timeout 2.5"
     serve = parser.parse_args(["serve", "edge", "--plan", "p", *flags.split()])
-    options = RuntimeOptions.from_args(serve, PLAN)
+    options = runtime_options(serve, PLAN, server=True)
     assert (options.threads, options.slowdown, options.workers) == (3, 4.0, 5)
     assert (options.optimization, options.max_tensor_bytes) == ("basic", 1 << 20)
     assert dict(options.links) == {
@@ -70,11 +71,11 @@ def test_serve_and_run_build_the_options_from_their_flags() -> None:
     assert options.reply_timeout == 2.5
 
     run = parser.parse_args(["run", "--plan", "p", "--input", "in.npz", "--slowdown", "20"])
-    device = RuntimeOptions.from_args(run, PLAN)
+    device = runtime_options(run, PLAN, server=False)
     assert device == RuntimeOptions(slowdown=20.0)  # no --workers: the default stays
     bad = parser.parse_args(["serve", "cloud", "--plan", "p", "--workers", "0"])
     with pytest.raises(UsageError, match="workers must be >= 1"):
-        RuntimeOptions.from_args(bad, PLAN)
+        runtime_options(bad, PLAN, server=True)
 
 
 def test_runtime_flags_default_to_runtime_options() -> None:
@@ -85,14 +86,15 @@ def test_runtime_flags_default_to_runtime_options() -> None:
     and ``--max-tensor-bytes`` the codec's bound, not a second literal.
     """
     parser = build_parser()
-    for argv in (
-        ["serve", "edge", "--plan", "p"],
-        ["serve", "cloud", "--plan", "p"],
-        ["run", "--plan", "p", "--input", "in.npz"],
-        ["device", "--plan", "p", "--source", "-"],
-        ["generate", "--plan", "p", "--prompt-ids", "1,2"],
+    for argv, server in (
+        (["serve", "edge", "--plan", "p"], True),
+        (["serve", "cloud", "--plan", "p"], True),
+        (["run", "--plan", "p", "--input", "in.npz"], False),
+        (["device", "--plan", "p", "--source", "-"], False),
+        (["generate", "--plan", "p", "--prompt-ids", "1,2"], False),
     ):
-        assert RuntimeOptions.from_args(parser.parse_args(argv), PLAN) == RuntimeOptions(), argv
+        options = runtime_options(parser.parse_args(argv), PLAN, server=server)
+        assert options == RuntimeOptions(), argv
     serve = parser.parse_args(["serve", "edge", "--plan", "p"])
     assert serve.workers is None and serve.max_tensor_bytes == RuntimeOptions().max_tensor_bytes
 
@@ -104,12 +106,17 @@ def test_old_link_spelling_on_a_runtime_still_works_with_a_notice(
     parser = build_parser()
     old = ["--link", "device-edge=1mbit,4ms", "--link", "edge-cloud=5mbit"]
     new = ["--emulate-link", "device-edge=1mbit,4ms", "--emulate-link", "edge-cloud=5mbit"]
-    for command in (["serve", "edge", "--plan", "p"], ["run", "--plan", "p", "--input", "i"]):
+    for command, server in (
+        (["serve", "edge", "--plan", "p"], True),
+        (["run", "--plan", "p", "--input", "i"], False),
+    ):
         before = parser.parse_args([*command, *old])
         notice = capsys.readouterr().err
         after = parser.parse_args([*command, *new])
         assert before.emulate_link == after.emulate_link
-        assert RuntimeOptions.from_args(before, PLAN) == RuntimeOptions.from_args(after, PLAN)
+        assert runtime_options(before, PLAN, server=server) == runtime_options(
+            after, PLAN, server=server
+        )
         assert notice.count("\n") == 1 and "--link is deprecated" in notice
         assert "--emulate-link" in notice and capsys.readouterr().err == ""
 
@@ -123,5 +130,5 @@ def test_an_emulated_link_needs_no_other_flag() -> None:
     args = parser.parse_args(
         ["run", "--plan", "p", "--input", "i", "--emulate-link", "device-edge=2mbit"]
     )
-    options = RuntimeOptions.from_args(args, PLAN)
+    options = runtime_options(args, PLAN, server=False)
     assert dict(options.links) == {"device-edge": LinkSpec(2e6, 0.01)}  # the plan's RTT kept

@@ -18,8 +18,8 @@ Spec forms (sizes, durations and rates as :mod:`tierflow.units` reads them)::
                                           entries authenticated with the key in FILE,
                                           see tierflow.cache.redis
 
-A tier calls :func:`parse_cache_spec` on the option's text (or uses
-:func:`cache_spec_argument` as an argparse ``type=``) and builds the cache once at
+A tier parses the option's text with :func:`parse_cache_spec` (the command line's
+``--cache`` does, in ``tierflow.cli``) and builds the cache once at
 start-up: the device (``run --cache``) with :func:`build_cache`, which makes the
 in-process caches; the servers with ``tierflow.cache.redis.build_server_cache``,
 which adds Redis (and is where an unreachable Redis is reported).
@@ -27,7 +27,6 @@ which adds Redis (and is where an unreachable Redis is reported).
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Mapping
@@ -224,14 +223,6 @@ def parse_cache_spec(text: str) -> CacheSpec:
         target=target,
         dim=int(dim),
     )
-
-
-def cache_spec_argument(text: str) -> CacheSpec:
-    """:func:`parse_cache_spec` as an argparse ``type=``, so mistakes print as usage errors."""
-    try:
-        return parse_cache_spec(text)
-    except UsageError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def build_cache(spec: CacheSpec, *, clock: Clock | None = None) -> FeatureCache | None:

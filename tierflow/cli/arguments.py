@@ -21,11 +21,14 @@ accepted the same way, with the same notice.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from tierflow.errors import TierflowError, UsageError
+
+T = TypeVar("T")
 
 #: The attribute of an action added by :func:`add_deprecated`: the flag that replaces it.
 REPLACED_BY = "replaced_by"
@@ -56,6 +59,22 @@ class ArgumentParser(argparse.ArgumentParser):
             raise
         except TierflowError as exc:
             raise OptionError(str(exc), self.prog) from exc
+
+
+def argument_type(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """``parse`` as an argparse ``type=`` whose refusal argparse reports itself, after the
+    command's usage (``argument --cache: ...``): a :class:`UsageError` it raises becomes an
+    ``ArgumentTypeError``. For the parsers of the core, which know nothing of argparse
+    ([Note: flags only in cli] in ``tierflow.cli.runtime_arguments``)."""
+
+    @functools.wraps(parse)
+    def parsed(text: str) -> T:
+        try:
+            return parse(text)
+        except UsageError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    return parsed
 
 
 def deprecation_notice(old: str, new: str, where: str = "") -> str:

@@ -1,5 +1,16 @@
 """The flags of a :class:`~tierflow.options.RuntimeOptions`, as ``serve``, ``run``,
-``device`` and ``generate`` declare them (``RuntimeOptions.from_args`` reads them back).
+``device`` and ``generate`` declare them, and the value made from them.
+
+[Note: flags only in cli]
+Command-line flags are declared in ``tierflow/cli/`` and in the command modules it wires
+(``tierflow.cli.main.COMMAND_MODULES``), nowhere else: the core below ``cli`` offers plain
+parsers that raise :class:`~tierflow.errors.UsageError` (``parse_providers``,
+``parse_cache_spec``, ``LinkOption.parse``...) and typed values (:class:`RuntimeOptions`,
+:class:`~tierflow.transport.security.Security`), and knows nothing of argparse
+(tests/tierflow/test_layering.py checks). :func:`runtime_options` and
+:func:`security_from_args` read each flag by name into those values, once, for a server's
+flags or a client's (``server``), so a flag renamed here is a mistake mypy and the tests
+see, not a default silently kept.
 """
 
 from __future__ import annotations
@@ -7,15 +18,15 @@ from __future__ import annotations
 import argparse
 import functools
 
-from tierflow.cli.arguments import add_deprecated
-from tierflow.link.emulation import LinkEmulation
+from tierflow.cli.arguments import add_deprecated, argument_type
+from tierflow.link.emulation import LinkEmulation, resolve_links
 from tierflow.link.spec import LinkOption
-from tierflow.onnxrt.inference import add_optimization_argument
-from tierflow.onnxrt.providers import add_providers_argument
+from tierflow.onnxrt.inference import DEFAULT_OPTIMIZATION, OPTIMIZATION_LEVELS
+from tierflow.onnxrt.providers import DEFAULT_PROVIDERS, available, describe, parse_providers
 from tierflow.options import MAX_BATCH_DELAY_S, RuntimeOptions
-from tierflow.runtime.segment_store import add_segment_budget_argument
+from tierflow.plan import Plan
 from tierflow.state.store import DEFAULT_MEMORY_SHARE
-from tierflow.transport.security import add_security_arguments
+from tierflow.transport.security import Security
 from tierflow.units import (
     format_duration,
     format_size,
@@ -186,3 +197,128 @@ def add_link_arguments(parser: argparse.ArgumentParser) -> None:
         "device-edge=20mbit,10ms (repeatable; without an RTT the link keeps the plan's)",
     )
     add_deprecated(parser, "--link", emulate)
+
+
+def add_optimization_argument(parser: argparse.ArgumentParser) -> None:
+    """``--optimization``, for every command that runs segments ([Note: optimization level
+    and exactness] in ``tierflow.onnxrt.inference``)."""
+    parser.add_argument(
+        "--optimization",
+        choices=tuple(OPTIMIZATION_LEVELS),
+        default=DEFAULT_OPTIMIZATION,
+        help="ONNX Runtime graph optimization; 'extended' or lower makes split outputs "
+        "bit-identical to the unsplit model's, 'all' is faster",
+    )
+
+
+def add_providers_argument(parser: argparse.ArgumentParser) -> None:
+    """``--providers``, for every command that runs segments (checked as it is parsed,
+    by ``tierflow.onnxrt.providers.parse_providers``)."""
+    parser.add_argument(
+        "--providers",
+        type=argument_type(parse_providers),
+        default=DEFAULT_PROVIDERS,
+        metavar="LIST",
+        help="ONNX Runtime execution providers in order of preference, like cuda,cpu or "
+        "tensorrt,cuda,cpu or coreml; auto: all this onnxruntime offers "
+        f"(here: {describe(available())})",
+    )
+
+
+def add_segment_budget_argument(parser: argparse.ArgumentParser) -> None:
+    """``--segment-budget``, for every command that runs segments of a plan ([Note:
+    segments on demand] in ``tierflow.runtime.segment_store``)."""
+    parser.add_argument(
+        "--segment-budget",
+        type=parse_size,
+        metavar="SIZE",
+        help="keep at most SIZE of segment files, least recently used evicted; files "
+        "missing from the plan directory are fetched from the tier above (default: no bound)",
+    )
+
+
+def add_security_arguments(parser: argparse.ArgumentParser, *, server: bool) -> None:
+    """``--tls-cert``, ``--tls-key``, ``--tls-ca``, ``--token-file``, ``--tls-server-name``
+    (and a server's ``--insecure``): a :class:`Security` ([Note: tier security])."""
+    group = parser.add_argument_group("security (TLS between tiers, tokens)")
+    group.add_argument("--tls-cert", metavar="PEM", help="this tier's certificate (TLS)")
+    group.add_argument("--tls-key", metavar="KEY", help="the private key of --tls-cert")
+    group.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        help=(
+            "CA that signs the clients' certificates: only they are served (mutual TLS)"
+            if server
+            else "CA that signed the server's certificate (default: the system's roots)"
+        ),
+    )
+    group.add_argument(
+        "--token-file",
+        metavar="F",
+        help=(
+            "serve only calls bearing a token this file lists: one TOKEN, or a NAME TOKEN "
+            "line per client (for TLS terminated elsewhere)"
+            if server
+            else "send this bearer token with every call"
+        ),
+    )
+    group.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="the name the next tier's certificate must carry, when its address does not "
+        "say it (needed with TLS for a list of replicas, ipv4:H1:P1,H2:P2)",
+    )
+    if server:
+        group.add_argument(
+            "--insecure",
+            action="store_true",
+            help="allow plaintext on addresses other than loopback (without TLS flags)",
+        )
+
+
+def security_from_args(args: argparse.Namespace, *, server: bool) -> Security:
+    """The :class:`Security` that :func:`add_security_arguments` (``server`` as given
+    there) put on ``args``. A server's ``upstream_token_file`` is the edge's
+    ``--upstream-token-file`` (``serve cloud`` sets it to None: it has no next tier)."""
+    return Security(
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+        token_file=args.token_file,
+        insecure=args.insecure if server else False,
+        server_name=args.tls_server_name,
+        upstream_token_file=args.upstream_token_file if server else None,
+    )
+
+
+def runtime_options(args: argparse.Namespace, plan: Plan, *, server: bool) -> RuntimeOptions:
+    """The :class:`RuntimeOptions` a runtime command was given ([Note: flags only in cli]).
+
+    ``args`` comes from a parser set up by :func:`add_runtime_arguments` with the same
+    ``server``; a client (``run``, ``device``, ``generate``) has no server's flags and
+    keeps ``RuntimeOptions()``'s for them. Links are resolved against ``plan``'s.
+    """
+    defaults = RuntimeOptions()
+    return RuntimeOptions(
+        threads=args.threads,
+        slowdown=args.slowdown,
+        optimization=args.optimization,
+        providers=args.providers,
+        links=resolve_links(plan.links, args.link_emulation, args.emulate_link),
+        security=security_from_args(args, server=server),
+        segment_budget=args.segment_budget,
+        state_budget=args.state_budget,
+        state_share=args.state_share,
+        state_idle_s=args.state_idle,
+        max_batch=args.max_batch,
+        batch_delay_s=args.batch_delay,
+        batch_padding=args.batch_padding,
+        workers=args.workers if server else defaults.workers,
+        max_tensor_bytes=args.max_tensor_bytes if server else defaults.max_tensor_bytes,
+        max_streams=args.max_streams if server else defaults.max_streams,
+        max_streams_per_peer=(
+            args.max_streams_per_peer if server else defaults.max_streams_per_peer
+        ),
+        reply_timeout=args.reply_timeout if server else defaults.reply_timeout,
+        stream_idle_s=args.stream_idle if server else defaults.stream_idle_s,
+    )

@@ -11,6 +11,7 @@ import argparse
 import weakref
 from typing import Any
 
+from tierflow.cli.arguments import argument_type
 from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.runtime_arguments import add_runtime_arguments
 from tierflow.transport.address import listen_address
@@ -88,9 +89,9 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _cache_argument(text: str) -> Any:
     # The cache modules are imported only when the option is given.
-    from tierflow.cache.config import cache_spec_argument
+    from tierflow.cache.config import parse_cache_spec
 
-    return cache_spec_argument(text)
+    return argument_type(parse_cache_spec)(text)
 
 
 def add_cache_argument(parser: argparse.ArgumentParser) -> None:

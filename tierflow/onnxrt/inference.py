@@ -20,7 +20,6 @@ count must match too: ORT's last bits change with it.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -101,14 +100,3 @@ def open_session(
         name = what or ("the model" if isinstance(model, bytes) else str(model))
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"cannot load {name}: {reason}") from exc
-
-
-def add_optimization_argument(parser: argparse.ArgumentParser) -> None:
-    """``--optimization``, for every command that runs segments."""
-    parser.add_argument(
-        "--optimization",
-        choices=tuple(OPTIMIZATION_LEVELS),
-        default=DEFAULT_OPTIMIZATION,
-        help="ONNX Runtime graph optimization; 'extended' or lower makes split outputs "
-        "bit-identical to the unsplit model's, 'all' is faster",
-    )

@@ -17,7 +17,6 @@ differently (see [Note: optimization level and exactness] for the CPU conditions
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
 import onnxruntime as ort
@@ -94,23 +93,3 @@ def parse_providers(text: str) -> tuple[str, ...]:
         if provider not in providers:
             providers.append(provider)
     return tuple(providers)
-
-
-def add_providers_argument(parser: argparse.ArgumentParser) -> None:
-    """``--providers``, for every command that runs segments (checked as it is parsed)."""
-    parser.add_argument(
-        "--providers",
-        type=_providers_argument,
-        default=DEFAULT_PROVIDERS,
-        metavar="LIST",
-        help="ONNX Runtime execution providers in order of preference, like cuda,cpu or "
-        "tensorrt,cuda,cpu or coreml; auto: all this onnxruntime offers "
-        f"(here: {describe(available())})",
-    )
-
-
-def _providers_argument(text: str) -> tuple[str, ...]:
-    try:
-        return parse_providers(text)
-    except ProviderError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc

@@ -44,7 +44,6 @@ How the device weighs a fetch when it switches plans, and when it fetches ahead,
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -61,7 +60,7 @@ from tierflow.errors import SegmentError, TransportError
 from tierflow.link.emulation import LinkShaper
 from tierflow.plan import DATA_SUFFIX, PlanSet, SegmentSpec, file_digest
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.units import format_size, parse_size
+from tierflow.units import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -451,17 +450,6 @@ class SegmentStore:
         segment = partner if partner is not None and name.endswith(DATA_SUFFIX) else name
         if self.on_evict is not None:
             self.on_evict(segment)
-
-
-def add_segment_budget_argument(parser: argparse.ArgumentParser) -> None:
-    """``--segment-budget``, for every command that runs segments of a plan."""
-    parser.add_argument(
-        "--segment-budget",
-        type=parse_size,
-        metavar="SIZE",
-        help="keep at most SIZE of segment files, least recently used evicted; files "
-        "missing from the plan directory are fetched from the tier above (default: no bound)",
-    )
 
 
 def tier_files(plans: PlanSet, index: int, tier: str) -> list[str]:

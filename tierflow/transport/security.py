@@ -32,7 +32,6 @@ service and the standard health service share it). See [Note: tier security].
 
 from __future__ import annotations
 
-import argparse
 import errno
 import hmac
 import ipaddress
@@ -143,19 +142,6 @@ class Security:
             raise UsageError(f"security settings: unknown fields {sorted(unknown)}")
         return cls(**data)
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Security:
-        """The setting :func:`add_security_arguments` put on ``args``."""
-        return cls(
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            tls_ca=args.tls_ca,
-            token_file=args.token_file,
-            insecure=bool(getattr(args, "insecure", False)),
-            server_name=getattr(args, "tls_server_name", None),
-            upstream_token_file=getattr(args, "upstream_token_file", None),
-        )
-
     def token(self) -> bytes | None:
         """The bearer token this client sends (None without a token file).
 
@@ -219,44 +205,6 @@ class Security:
 
 #: No TLS, no token, loopback only: what a server gets when nothing is said.
 PLAINTEXT = Security()
-
-
-def add_security_arguments(parser: argparse.ArgumentParser, *, server: bool) -> None:
-    """``--tls-cert``, ``--tls-key``, ``--tls-ca``, ``--token-file`` (and ``--insecure``)."""
-    group = parser.add_argument_group("security (TLS between tiers, tokens)")
-    group.add_argument("--tls-cert", metavar="PEM", help="this tier's certificate (TLS)")
-    group.add_argument("--tls-key", metavar="KEY", help="the private key of --tls-cert")
-    group.add_argument(
-        "--tls-ca",
-        metavar="PEM",
-        help=(
-            "CA that signs the clients' certificates: only they are served (mutual TLS)"
-            if server
-            else "CA that signed the server's certificate (default: the system's roots)"
-        ),
-    )
-    group.add_argument(
-        "--token-file",
-        metavar="F",
-        help=(
-            "serve only calls bearing a token this file lists: one TOKEN, or a NAME TOKEN "
-            "line per client (for TLS terminated elsewhere)"
-            if server
-            else "send this bearer token with every call"
-        ),
-    )
-    group.add_argument(
-        "--tls-server-name",
-        metavar="NAME",
-        help="the name the next tier's certificate must carry, when its address does not "
-        "say it (needed with TLS for a list of replicas, ipv4:H1:P1,H2:P2)",
-    )
-    if server:
-        group.add_argument(
-            "--insecure",
-            action="store_true",
-            help="allow plaintext on addresses other than loopback (without TLS flags)",
-        )
 
 
 # ---------------------------------------------------------------------- channels

@@ -12,11 +12,11 @@ from tierflow.cache.base import CacheAnswer, cache_key
 from tierflow.cache.config import (
     CacheSpec,
     build_cache,
-    cache_spec_argument,
     parse_cache_spec,
 )
 from tierflow.cache.memory import MemoryCache
 from tierflow.cache.redis import RedisCache, build_server_cache
+from tierflow.cli.arguments import argument_type
 from tierflow.errors import CacheError, UsageError
 
 
@@ -76,8 +76,8 @@ def test_documented_forms_parse(text: str, expected: CacheSpec) -> None:
 def test_bad_specs_say_what_was_expected(text: str, match: str) -> None:
     with pytest.raises(UsageError, match=match):
         parse_cache_spec(text)
-    with pytest.raises(argparse.ArgumentTypeError):
-        cache_spec_argument(text)
+    with pytest.raises(argparse.ArgumentTypeError, match=match):
+        argument_type(parse_cache_spec)(text)  # as --cache reads it
 
 
 def test_build_cache_makes_working_caches() -> None:

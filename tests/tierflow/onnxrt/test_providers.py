@@ -88,7 +88,7 @@ def test_each_offered_provider_runs_a_model(alias: str) -> None:
 def test_serve_and_run_take_providers(tmp_path: Path, command: list[str]) -> None:
     """The runtime commands carry --providers into RuntimeOptions, and on to every session."""
     from tierflow.cli.main import build_parser
-    from tierflow.options import RuntimeOptions
+    from tierflow.cli.runtime_arguments import runtime_options
     from tierflow.plan import Plan, SegmentSpec
 
     args = build_parser().parse_args([*command, "--plan", str(tmp_path), "--providers", "auto"])
@@ -100,7 +100,7 @@ def test_serve_and_run_take_providers(tmp_path: Path, command: list[str]) -> Non
         outputs=("y",),
         segments=(SegmentSpec("cloud", "s.onnx", ("x",), ("y",)),),
     )
-    options = RuntimeOptions.from_args(args, plan)
+    options = runtime_options(args, plan, server=command[0] == "serve")
     assert options.providers == available()
 
 
