@@ -20,7 +20,6 @@ its place, so the stream goes on.
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from tierflow.device.client import DeviceClient, Result, Ticket
+from tierflow.device.in_flight import InFlight, tagged
 from tierflow.device.preprocess import Preprocess, plan_preprocess, read_image
 from tierflow.device.sessions import StreamSession
 from tierflow.device.sources import Frame
@@ -130,19 +130,8 @@ class Device:
         Every frame taken from ``frames`` is answered (or fails) before this ends, so a
         caller that stops the iterable gets every result of what was submitted.
         """
-        in_flight: collections.deque[tuple[T, Ticket]] = collections.deque()
-        window = self.client.window
-        for frame in frames:
-            while len(in_flight) >= window:
-                item, ticket = in_flight.popleft()
-                yield item, ticket.result()
-            in_flight.append((frame, self.submit(frame)))  # type: ignore[arg-type]
-            while in_flight and in_flight[0][1].done():
-                item, ticket = in_flight.popleft()
-                yield item, ticket.result()
-        while in_flight:
-            item, ticket = in_flight.popleft()
-            yield item, ticket.result()
+        window: InFlight[tuple[T, Ticket], tuple[T, Result]] = tagged(self.client.window)
+        yield from window.stream(frames, lambda frame: (frame, self.submit(frame)))  # type: ignore[arg-type]
 
 
 def _failed(frame: Any, started: float, error: TierflowError) -> Ticket:

@@ -16,7 +16,6 @@ fails every request in flight at once (see ``tierflow.transport.stream_client``)
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import itertools
@@ -37,6 +36,7 @@ from tierflow.device.fallback import (
     device_only,
     runs_on_device_only,
 )
+from tierflow.device.in_flight import tickets
 from tierflow.device.probing import DEFAULT_IDLE_S
 from tierflow.device.results import DEFAULT_DEADLINE_S, Result, Ticket, local_ms
 from tierflow.errors import (
@@ -577,12 +577,4 @@ class DeviceClient:
 
         Failed requests are yielded too (``Result.error``): the stream goes on.
         """
-        in_flight: collections.deque[Ticket] = collections.deque()
-        for inputs in requests:
-            while len(in_flight) >= self.window:
-                yield in_flight.popleft().result()
-            in_flight.append(self.submit(inputs))
-            while in_flight and in_flight[0].done():
-                yield in_flight.popleft().result()
-        while in_flight:
-            yield in_flight.popleft().result()
+        yield from tickets(self.window).stream(requests, self.submit)

@@ -18,7 +18,6 @@ exits with status 0 (1 if any request failed). A second signal is not caught.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import logging
 import queue
@@ -47,6 +46,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from tierflow.device.client import Result, Ticket
+    from tierflow.device.in_flight import InFlight
     from tierflow.device.sources import Frame
     from tierflow.runtime.metrics import TierMetrics
 
@@ -131,6 +131,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _device(args: argparse.Namespace) -> int:
     from tierflow.device.app import Device
     from tierflow.device.client import DeviceClient
+    from tierflow.device.in_flight import tagged
     from tierflow.device.sessions import StreamSession
     from tierflow.device.sources import check_source, open_source
 
@@ -160,8 +161,8 @@ def _device(args: argparse.Namespace) -> int:
                 image_norm=args.image_norm,
             )
         )
-        in_flight: collections.deque[tuple[Frame, Ticket]] = collections.deque()
-        metrics = _start_metrics(args, lambda: len(in_flight))
+        window: InFlight[tuple[Frame, Ticket], tuple[Frame, Result]] = tagged(args.window)
+        metrics = _start_metrics(args, lambda: len(window))
         if metrics is not None:
             stack.callback(metrics.stop)
         stack.enter_context(_stop_on_signals(stop))
@@ -178,10 +179,6 @@ def _device(args: argparse.Namespace) -> int:
                 failed += 1
                 logger.warning("[device] %s failed: %s", frame.source, result.error)
 
-        def answer() -> None:
-            frame, ticket = in_flight.popleft()
-            record(frame, ticket.result())
-
         if args.session:  # one session's chunks, in order, replayed if a tier loses them
             readable = (f for f in _handed_over(frames, stop, args.window) if f is not None)
             session = StreamSession(device.client, args.session)
@@ -190,13 +187,13 @@ def _device(args: argparse.Namespace) -> int:
         else:
             for item in _handed_over(frames, stop, args.window):
                 if item is not None:
-                    while len(in_flight) >= args.window:
-                        answer()
-                    in_flight.append((item, device.submit(item)))
-                while in_flight and in_flight[0][1].done():
-                    answer()
-            while in_flight:
-                answer()
+                    for frame, result in window.room():
+                        record(frame, result)
+                    window.add((item, device.submit(item)))
+                for frame, result in window.ready():
+                    record(frame, result)
+            for frame, result in window.drain():
+                record(frame, result)
     ended = "stopped" if stop.is_set() else "source ended"
     print(f"tierflow device: {ended}; {count} results, {failed} failed", file=sys.stderr)
     return 1 if failed else 0

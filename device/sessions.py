@@ -29,6 +29,7 @@ from typing import TypeVar
 import numpy as np
 
 from tierflow.device.client import DeviceClient
+from tierflow.device.in_flight import InFlight, tickets
 from tierflow.device.results import Result, Ticket
 from tierflow.errors import StateLostError, TierflowError, UsageError, is_state_lost
 from tierflow.npz import read_arrays
@@ -99,26 +100,23 @@ class StreamSession:
         self, items: Iterable[T], prepare: Callable[[T], Inputs]
     ) -> Iterator[tuple[T, Result]]:
         """One Result per item, with the item it answers; ``prepare`` gives its inputs."""
-        window = self.client.window
-        in_flight: collections.deque[tuple[T, int, Ticket]] = collections.deque()
+        window: InFlight[tuple[T, int, Ticket], tuple[T, Result]] = InFlight(
+            self.client.window, lambda entry: self._settle(entry, window), _chunk_done
+        )
         for item in items:
-            while len(in_flight) >= window:
-                yield self._settle(in_flight)
+            yield from window.room()
             try:
                 inputs = prepare(item)
             except TierflowError as exc:  # a frame that cannot be read takes no position
-                while in_flight:
-                    yield self._settle(in_flight)
+                yield from window.drain()
                 started = time.perf_counter()
                 failed = Result("unread", error=exc, ms={"total": 0.0, "device": 0.0})
                 yield item, Ticket(failed.id, started, 0.0, result=failed).result()
                 continue
             position, self._next = self._next, self._next + 1
-            in_flight.append((item, position, self._send(inputs, position)))
-            while in_flight and in_flight[0][2].done():
-                yield self._settle(in_flight)
-        while in_flight:
-            yield self._settle(in_flight)
+            window.add((item, position, self._send(inputs, position)))
+            yield from window.ready()
+        yield from window.drain()
 
     def _send(self, inputs: Inputs, position: int) -> Ticket:
         """Chunk ``position``, kept for a replay (the first with the initial state)."""
@@ -134,21 +132,25 @@ class StreamSession:
         feeds = {**inputs, **self.initial} if position == 0 else inputs
         return self.client.submit(feeds, session=self.name, position=position, replay_to=replay_to)
 
-    def _settle(self, in_flight: collections.deque[tuple[T, int, Ticket]]) -> tuple[T, Result]:
-        """The oldest chunk's Result, the session replayed first if a tier lost it."""
-        item, position, ticket = in_flight.popleft()
+    def _settle(
+        self,
+        chunk: tuple[T, int, Ticket],
+        window: InFlight[tuple[T, int, Ticket], tuple[T, Result]],
+    ) -> tuple[T, Result]:
+        """The oldest chunk's Result (taken from ``window``), the session replayed first if
+        a tier lost it."""
+        item, position, ticket = chunk
         result = ticket.result()
         if not is_state_lost(result.error):
             return item, result
         # Every chunk after this one ran (or will) on the lost state too: wait them out,
         # rebuild the state up to this chunk, then send this one and those after again.
-        later = [(it, pos, t) for it, pos, t in in_flight]
+        later = window.take()
         for _, _, pending in later:
             pending.result()
-        in_flight.clear()
         result, resent = self._replay(position, result, [pos for _, pos, _ in later])
         for (it, pos, _), again in zip(later, resent, strict=True):
-            in_flight.append((it, pos, again))
+            window.add((it, pos, again))
         return item, result
 
     def _replay(self, position: int, lost: Result, after: list[int]) -> tuple[Result, list[Ticket]]:
@@ -175,26 +177,25 @@ class StreamSession:
                 result.error,
                 position,
             )
-            window: collections.deque[Ticket] = collections.deque()
+            window = tickets(self.client.window)
             failed: TierflowError | None = None
             end = max([position, *after]) + 1  # the tier holds the session until then
             for earlier in range(position):
-                window.append(self._resend(earlier, end))
-                while len(window) >= self.client.window and failed is None:
-                    failed = _error(window.popleft().result())
+                window.add(self._resend(earlier, end))
+                failed = _first_error(window.room())
                 if failed is not None:
                     break
             if failed is None:
                 ticket = self._resend(position, end)
                 resent = [self._resend(pos, end) for pos in after]
-                while window and failed is None:
-                    failed = _error(window.popleft().result())
+                failed = _first_error(window.drain())
                 result = ticket.result()
                 if failed is None and not is_state_lost(result.error):
                     return result, resent
-                window.extend(resent)
-            for pending in window:
-                pending.result()
+                for again in resent:
+                    window.add(again)
+            for _ in window.drain():  # waited out
+                pass
             if failed is not None:
                 result = replace(lost, error=failed, outputs={})
                 if not is_state_lost(failed):
@@ -205,9 +206,14 @@ class StreamSession:
         return self._submit(self._sent[position - self._first], position, replay_to)
 
 
-def _error(result: Result) -> TierflowError | None:
-    """A replayed chunk's answer is not kept; its failure ends the replay."""
-    return result.error
+def _first_error(results: Iterator[Result]) -> TierflowError | None:
+    """A replayed chunk's answer is not kept; its failure ends the replay (the results
+    after it are left to settle)."""
+    return next((result.error for result in results if result.error is not None), None)
+
+
+def _chunk_done(chunk: tuple[T, int, Ticket]) -> bool:
+    return chunk[2].done()
 
 
 def _failed(result: Result, error: StateLostError) -> Result:
