@@ -1,18 +1,28 @@
 """Concurrent generation through tiers that batch decode steps ([Note: the step batcher] in
 tierflow/runtime/batching.py): every session's greedy output is the unsplit model's own,
-batched or not, and a session whose step fails fails alone."""
+batched or not, with drafts and across a lost state; batches grow past ``--workers``; and
+a session whose step fails (a bad tensor, a lost state, a deadline) fails alone.
+
+Whether steps meet in a batch depends on timing; where a test needs a batch it makes one
+without a race: the sessions wait for each other (a barrier), then the first step to
+reach the cloud's batcher holds its call until the others have queued behind it
+(:func:`gate`), so the next call takes them all.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tierflow.device.client import DeviceClient
-from tierflow.device.generation import Generator
+from tierflow.device.generation import Generator, TierDecoder
 from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import RemoteError
 from tierflow.greedy import reference_generate
@@ -20,6 +30,7 @@ from tierflow.options import RuntimeOptions
 from tierflow.partitioner.decoder_graph import load_decoder, split_decoder
 from tierflow.partitioner.decoder_points import DecoderSettings
 from tierflow.partitioner.split import save_split_plan
+from tierflow.runtime.batching import StepBatcher
 from tierflow.runtime.server import TierServer
 from tierflow.zoo.tiny_stateful import tiny_decoder
 
@@ -48,17 +59,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     model = tiny_decoder(root / "model.onnx", blocks=6, vocab=VOCAB, seed=1)
     return {
         "model": model,
+        "same": tiny_decoder(root / "same.onnx", blocks=6, vocab=VOCAB, seed=1),
         "split": decoder_plan(model, root / "split", "split"),
         "cloud": decoder_plan(model, root / "cloud", "cloud"),
     }
 
 
-@pytest.fixture()
-def tiers(request: Any, models: dict[str, Path]) -> Iterator[tuple[Path, TierServer, TierServer]]:
-    plan = models[request.param]
-    # A tiny model's steps take well under a millisecond: --batch-delay lets the sessions'
-    # steps meet on every tier, where a real model's long steps make them queue.
-    options = RuntimeOptions(workers=8, max_batch=8, batch_delay_s=0.02)
+@contextlib.contextmanager
+def serving(plan: Path, options: RuntimeOptions) -> Iterator[tuple[Path, TierServer, TierServer]]:
     cloud = TierServer.from_plan("cloud", plan, options=options)
     cloud.start()
     edge = TierServer.from_plan("edge", plan, forwarder=Forwarding(cloud.address), options=options)
@@ -70,13 +78,69 @@ def tiers(request: Any, models: dict[str, Path]) -> Iterator[tuple[Path, TierSer
         cloud.stop(0)
 
 
-def cloud_batches(cloud: TierServer) -> int:
-    """Steps the cloud ran in batches of more than one."""
-    pipeline = cloud.service.pipeline
+@pytest.fixture()
+def tiers(request: Any, models: dict[str, Path]) -> Iterator[tuple[Path, TierServer, TierServer]]:
+    # A tiny model's steps take well under a millisecond: --batch-delay lets the sessions'
+    # steps meet on every tier, where a real model's long steps make them queue.
+    options = RuntimeOptions(workers=8, max_batch=8, batch_delay_s=0.02)
+    with serving(models[request.param], options) as served:
+        yield served
+
+
+def batcher_of(server: TierServer) -> StepBatcher:
+    pipeline = server.service.pipeline
     assert pipeline is not None
     batcher = pipeline.runner(0).batcher
     assert batcher is not None
-    return batcher.stats.batched
+    return batcher
+
+
+def cloud_batches(cloud: TierServer) -> int:
+    """Steps the cloud ran in batches of more than one."""
+    return batcher_of(cloud).stats.batched
+
+
+def gate(
+    batcher: StepBatcher, others: int, calls: list[tuple[int, ...]] | None = None
+) -> Callable[[], None]:
+    """Once armed (call what it returns), the batcher's next call waits until ``others``
+    steps have queued behind it (at most 20 s), so the call after takes them together.
+    ``calls`` gets each call's ``position_ids`` shape ([rows, step length])."""
+    run = batcher._run
+    armed = threading.Event()
+    done = threading.Event()
+
+    def gated(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if calls is not None:
+            calls.append(tuple(feeds["position_ids"].shape))
+        if armed.is_set() and not done.is_set():
+            done.set()
+            ends = time.monotonic() + 20
+            while batcher.queued() < others and time.monotonic() < ends:
+                time.sleep(0.005)
+        return run(feeds)
+
+    batcher._run = gated
+    return armed.set
+
+
+def lockstep(count: int, step: Callable[[int], object]) -> dict[int, object]:
+    """``count`` sessions: each runs ``step(i)`` (its whole generation) on its own thread;
+    what each returned, or raised."""
+    outputs: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            outputs[i] = step(i)
+        except Exception as exc:
+            outputs[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return outputs
 
 
 @pytest.mark.parametrize("tiers", ["split", "cloud"], indirect=True)
@@ -145,3 +209,177 @@ def test_a_session_whose_step_fails_fails_alone(
     for i in range(3):
         expected = reference_generate(models["model"], PROMPTS[i], TOKENS, context=CONTEXT).tokens
         assert outputs[i] == list(expected), f"session {i}"
+
+
+def test_batches_outgrow_the_workers(models: dict[str, Path]) -> None:
+    """Eight sessions through a cloud with two workers (the default on a 2-core machine):
+    a batch of all eight forms ([Note: a worker lent while a step queues]); before, a
+    batch was capped by the workers."""
+    prompt = PROMPTS[0]
+    options = RuntimeOptions(workers=2, max_batch=8)
+    with serving(models["cloud"], options) as (plan, cloud, edge):
+        arm = gate(batcher_of(cloud), 7)
+        prefilled = threading.Barrier(8, action=arm)
+        with DeviceClient(plan, edge.address) as client:
+
+            def session(i: int) -> list[int]:
+                decoder = TierDecoder(client)
+                made = [int(decoder.choose(prompt, 0, keep=1)[-1])]
+                prefilled.wait(60)  # every session at the same position: one group
+                for _ in range(3):
+                    position = len(prompt) + len(made) - 1
+                    made.append(int(decoder.choose([made[-1]], position, keep=1)[-1]))
+                return made
+
+            outputs = lockstep(8, session)
+        sizes = batcher_of(cloud).stats.sizes
+    expected = reference_generate(models["model"], prompt, 4, context=CONTEXT).tokens
+    assert all(outputs[i] == list(expected) for i in range(8)), outputs
+    assert max(sizes) > 2, sizes
+
+
+def test_draft_rounds_batch_and_stay_token_identical(models: dict[str, Path]) -> None:
+    """A draft round is a step of several positions: four sessions' rounds of 1 + 3
+    positions share the cloud's calls, and every session's output is the model's own."""
+    options = RuntimeOptions(workers=2, max_batch=8)
+    calls: list[tuple[int, ...]] = []
+    with serving(models["split"], options) as (plan, cloud, edge):
+        arm = gate(batcher_of(cloud), 3, calls)
+        prefilled = threading.Barrier(4, action=arm)
+
+        def wait_at_first(token: int, draft_only: bool) -> None:
+            if not prefilled.broken and prefilled.n_waiting < 4:
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    prefilled.wait(60)
+                prefilled.abort()  # once: later tokens go straight on
+
+        with DeviceClient(plan, edge.address) as client:
+
+            def session(i: int) -> list[int]:
+                generator = Generator(client, draft=models["same"], draft_tokens=3)
+                report = generator.generate(PROMPTS[0], TOKENS, on_token=wait_at_first)
+                assert report.drafted > 0 and report.accepted == report.drafted
+                return report.tokens
+
+            outputs = lockstep(4, session)
+    expected = reference_generate(models["model"], PROMPTS[0], TOKENS, context=CONTEXT).tokens
+    assert all(outputs[i] == list(expected) for i in range(4)), outputs
+    assert (3, 4) in calls, calls  # three draft rounds of 4 positions in one call
+
+
+def test_lost_states_are_replayed_in_batches_and_the_output_does_not_change(
+    models: dict[str, Path],
+) -> None:
+    """Two of four sessions lose their cloud state mid-generation: each replays (its own
+    STATE_LOST, the others go on), the replays and the steps share calls, and every
+    session's output is the model's own ([Note: replaying a session])."""
+    options = RuntimeOptions(workers=2, max_batch=8)
+    with serving(models["split"], options) as (plan, cloud, edge):
+        batcher = batcher_of(cloud)
+        arm = gate(batcher, 3)
+        generators: list[Generator] = []
+        batched: list[int] = []
+
+        def drop_two() -> None:
+            pipeline = cloud.service.pipeline
+            assert pipeline is not None
+            for generator in generators[:2]:
+                pipeline.states.drop(generator.target.session)
+            batched.append(batcher.stats.batched)
+            arm()
+
+        midway = threading.Barrier(4, action=drop_two)
+
+        with DeviceClient(plan, edge.address) as client:
+            generators.extend(Generator(client) for _ in range(4))
+
+            def session(i: int) -> tuple[list[int], int]:
+                generator = generators[i]
+
+                def wait_midway(token: int, draft_only: bool) -> None:
+                    if len(generator.target.fed) == len(PROMPTS[0]) + 4:
+                        midway.wait(60)
+
+                report = generator.generate(PROMPTS[0], TOKENS, on_token=wait_midway)
+                return report.tokens, report.replays
+
+            outputs = lockstep(4, session)
+        after = batcher.stats.batched
+    expected = reference_generate(models["model"], PROMPTS[0], TOKENS, context=CONTEXT).tokens
+    assert [outputs[i] for i in range(4)] == [
+        (list(expected), 1),
+        (list(expected), 1),
+        (list(expected), 0),
+        (list(expected), 0),
+    ]
+    assert after > batched[0]  # the two replays, or the two steps, shared a call
+
+
+def test_a_member_fails_alone_with_its_own_error(models: dict[str, Path]) -> None:
+    """Six sessions step at the same position while the cloud's batcher is held: one
+    with a token past the vocabulary (INVALID_INPUT), one whose state the cloud lost
+    (STATE_LOST), one whose deadline passes while it queues (DEADLINE_EXCEEDED); each
+    fails alone, and the three others are answered as if alone."""
+    options = RuntimeOptions(workers=2, max_batch=8)
+    prompt = PROMPTS[0]
+    with serving(models["cloud"], options) as (plan, cloud, edge):
+        batcher = batcher_of(cloud)
+        run = batcher._run
+        held, release = threading.Event(), threading.Event()
+        armed = threading.Event()
+
+        def gated(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+            if armed.is_set() and not held.is_set():
+                held.set()
+                assert release.wait(30)
+            return run(feeds)
+
+        batcher._run = gated
+        with (
+            DeviceClient(plan, edge.address) as client,
+            DeviceClient(plan, edge.address, deadline_s=2.0) as hurried,
+        ):
+            decoder = client.plan.decoder
+            assert decoder is not None
+            who = ["good-0", "good-1", "good-2", "bad", "lost", "late"]
+            firsts = {}
+            for name in who:
+                via = hurried if name == "late" else client
+                feeds = decoder.step_feeds(prompt, 0)
+                answer = via.submit(feeds, session=name, position=0, keep_last=1, choices_only=True)
+                firsts[name] = int(answer.result().unwrap().outputs["logits"].reshape(-1)[-1])
+            pipeline = cloud.service.pipeline
+            assert pipeline is not None
+            pipeline.states.drop("lost")
+            position = len(prompt)
+
+            def step(name: str) -> Any:
+                via = hurried if name == "late" else client
+                token = VOCAB + 7 if name == "bad" else firsts[name]
+                feeds = decoder.step_feeds([token], position)
+                return via.submit(feeds, session=name, position=position, choices_only=True)
+
+            armed.set()
+            first = step("good-0")
+            assert held.wait(30)  # good-0's call holds the batcher; the others queue
+            tickets = {name: step(name) for name in who[1:]}
+            ends = time.monotonic() + 30
+            while batcher.queued() < 4 and time.monotonic() < ends:  # lost: refused before
+                time.sleep(0.005)
+            time.sleep(2.5)  # past late's deadline (2 s), in the queue
+            release.set()
+            results = {"good-0": first.result(), **{n: t.result() for n, t in tickets.items()}}
+    expected = reference_generate(models["model"], prompt, 2, context=CONTEXT).tokens
+    for name in who[:3]:
+        assert results[name].error is None, results[name].error
+        assert int(results[name].outputs["logits"].reshape(-1)[-1]) == expected[1]
+    codes = {}
+    for name in ("bad", "lost", "late"):
+        error = results[name].error
+        codes[name] = error.code if isinstance(error, RemoteError) else type(error).__name__
+    assert codes == {
+        "bad": "INVALID_INPUT",
+        "lost": "STATE_LOST",
+        "late": codes["late"] if codes["late"] == "DeadlineError" else "DEADLINE_EXCEEDED",
+    }, codes
+    assert batcher.stats.largest >= 3  # the good ones (and the bad) shared a call

@@ -146,7 +146,7 @@ def add_batch_arguments(parser: argparse.ArgumentParser, defaults: RuntimeOption
         metavar="N",
         help="run the queued decode steps of up to N sessions as one ONNX Runtime call "
         "(1: no batching); a step that finds the tier idle runs at once, and batches "
-        "grow up to the steps in flight (--workers on a server)",
+        "grow with the steps queued (a queued step holds none of --workers)",
     )
     parser.add_argument(
         "--batch-delay",

@@ -44,22 +44,28 @@ failing, so nothing else is batched.
 [Note: the step batcher]
 A tier's steps of one plan reach :meth:`StepBatcher.run` from its worker threads. One
 batch of a runner runs at a time (the intra-op threads, ``--threads``, give it the
-cores): a step that finds none running runs at once, alone, so an idle tier adds no
-wait and a lone session pays only a lock. Steps that arrive while a batch runs queue;
-when it ends, the thread whose step is next in line takes the oldest queued step and
-every later queued step of the same group (:func:`group_key`), up to ``--max-batch``, in
-the order they came, and runs them as one call: their tensors stacked on axis 0 (the
-sessions' KV caches gathered), the outputs and new caches split back per step. Steps of
-other groups wait for the next call; the oldest step always goes next, so no session
-starves and each session's steps keep their order (a session has one step in flight,
-[Note: a stream's requests run at once] in tierflow/runtime/streams.py). With
-``--batch-delay`` D > 0 the thread forming a batch waits up to D while fewer steps are
-queued than sessions ran a step in the last second (and the batch is not full), so
-lockstep sessions that were split once come back together, and the steps crossing from
-the tier below one by one meet again; a lone session never waits. A step whose deadline passed while
-it queued fails alone (DEADLINE_EXCEEDED); a batch whose call fails is run again one
-step at a time, so the step with the bad tensor fails alone, with its own typed error,
-and the others get their answers.
+cores): a step that finds none running runs at once, alone, so an idle tier adds no wait
+and a lone session pays only a lock. Steps that arrive while a batch runs queue; a step
+in the batcher, queued or running, lends its worker ([Note: a worker lent while a step
+queues] in tierflow/runtime/workers.py), so a batch can grow past ``--workers``; when it
+ends, the
+thread whose step is next in line takes the oldest queued step and every later queued
+step of the same group (:func:`group_key`), up to ``--max-batch``, in the order they
+came, and runs them as one call: their tensors stacked on axis 0 (the sessions' KV
+caches gathered), the outputs and new caches split back per step. Steps of other groups
+wait for the next call; the oldest step always goes next, so no session starves and each
+session's steps keep their order (a session has one step in flight, [Note: a stream's
+requests run at once] in tierflow/runtime/streams.py). With ``--batch-delay`` D > 0 the
+thread forming a batch waits up to D while fewer steps are queued than sessions ran a
+step in the last second (and the batch is not full), so lockstep sessions that were
+split once come back together, and the steps crossing from the tier below one by one
+meet again; a lone session never waits. A step whose deadline passed while it queued
+fails alone (DEADLINE_EXCEEDED); a batch whose call fails is run again one step at a
+time, so the step with the bad tensor fails alone, with its own typed error, and the
+others get their answers. When more steps of the group are queued than ``--max-batch``,
+each owner's oldest step goes before any owner's second ([Note: who a caller is] in
+tierflow/transport/callers.py), so an identity with many sessions does not take every
+place in a batch from one with few.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tierflow.errors import DeadlineError, ModelError
+from tierflow.runtime.workers import lent
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +196,9 @@ def _left_pad(value: np.ndarray, axis: int, extra: int) -> np.ndarray:
 class _Step:
     feeds: Feeds
     key: Hashable
-    member: str
+    member: Hashable
     deadline_unix_s: float
+    owner: str = ""
     result: Outputs | None = None
     error: BaseException | None = None
     done: bool = False
@@ -250,21 +258,33 @@ class StepBatcher:
         self._cond = threading.Condition()
         self._queue: deque[_Step] = deque()
         self._busy = False
-        self._active: dict[str, float] = {}  # member -> when it last ran a step
+        self._active: dict[Hashable, float] = {}  # member -> when it last ran a step
         self.stats = BatchStats()
 
-    def run(self, feeds: Feeds, *, member: str = "", deadline_unix_s: float = 0.0) -> Outputs:
-        """Run one step, alone or in a batch; its outputs, or its own error raised."""
-        step = _Step(feeds, group_key(feeds, self.padding), member, deadline_unix_s)
-        with self._cond:
-            self._queue.append(step)
-            self._cond.notify_all()  # a leader waiting out --batch-delay counts it
-            while not step.done and self._busy:
-                self._cond.wait()
+    def run(
+        self,
+        feeds: Feeds,
+        *,
+        member: Hashable = "",
+        owner: str = "",
+        deadline_unix_s: float = 0.0,
+    ) -> Outputs:
+        """Run one step, alone or in a batch; its outputs, or its own error raised.
+
+        ``member``: the step's session; ``owner``: whose it is (batches are shared fairly
+        among owners)."""
+        step = _Step(feeds, group_key(feeds, self.padding), member, deadline_unix_s, owner)
+        # [Note: a worker lent while a step queues] (tierflow/runtime/workers.py).
+        with lent():
+            with self._cond:
+                self._queue.append(step)
+                self._cond.notify_all()  # a leader waiting out --batch-delay counts it
+                while not step.done and self._busy:
+                    self._cond.wait()
+                if not step.done:
+                    self._busy = True
             if not step.done:
-                self._busy = True
-        if not step.done:
-            self._lead(step)
+                self._lead(step)
         if step.error is not None:
             raise step.error
         assert step.result is not None
@@ -299,19 +319,27 @@ class StepBatcher:
         return self._live(batch)
 
     def _gather(self) -> list[_Step]:
-        """Take the oldest queued step and its group's later steps off the queue; hold the lock."""
+        """Take the oldest queued step and its group's later steps off the queue; hold the lock.
+
+        When more of the group are queued than ``max_batch``, each owner's first step goes
+        before any owner's second, and so on (oldest first within a rank): an identity
+        with many sessions does not fill every batch ([Note: the step batcher])."""
         if not self._queue:
             return []
         key = self._queue[0].key
-        batch: list[_Step] = []
-        rest: deque[_Step] = deque()
-        for step in self._queue:
-            if step.key == key and len(batch) < self.max_batch:
-                batch.append(step)
-            else:
-                rest.append(step)
-        self._queue = rest
-        return batch
+        group = [step for step in self._queue if step.key == key]
+        if len(group) > self.max_batch:
+            ranks: dict[str, int] = {}
+            order = []
+            for i, step in enumerate(group):
+                rank = ranks.get(step.owner, 0)
+                ranks[step.owner] = rank + 1
+                order.append((rank, i))
+            chosen = {i for _, i in sorted(order)[: self.max_batch]}
+            group = [step for i, step in enumerate(group) if i in chosen]
+        taken = {id(step) for step in group}
+        self._queue = deque(step for step in self._queue if id(step) not in taken)
+        return group
 
     def queued(self) -> int:
         """Steps waiting for a call now."""

@@ -445,6 +445,7 @@ class Pipeline:
             checked=checked,
             state=state,
             member=f"{session.owner}/{session.session}" if session is not None else "",
+            owner=session.owner if session is not None else "",
             deadline_unix_s=deadline_unix_s,
         )
         if session is not None and runner.states and outcome.state:

@@ -359,6 +359,7 @@ class TierRunner:
         checked: bool = False,
         state: Mapping[str, np.ndarray] | None = None,
         member: str = "",
+        owner: str = "",
         deadline_unix_s: float = 0.0,
     ) -> Outcome:
         """Run this tier's segments on ``tensors``; stop at the first confident exit.
@@ -366,8 +367,9 @@ class TierRunner:
         ``checked``: the caller has checked every tensor against :meth:`input_specs`
         already (a server, before decoding), so the segments need not check again.
         ``state``: the value of each of :attr:`states`' inputs for this step; the outcome
-        carries what they become. ``member`` (the step's session) and ``deadline_unix_s``
-        are for the batcher, when the tier has one ([Note: the step batcher]).
+        carries what they become. ``member`` (the step's session), ``owner`` (whose it
+        is) and ``deadline_unix_s`` are for the batcher, when the tier has one
+        ([Note: the step batcher]).
         """
         env = dict(tensors)
         if self.states:
@@ -378,7 +380,7 @@ class TierRunner:
                 )
             env.update(state)
         if self.batcher is not None:
-            return self._batched(env, tensors, checked, member, deadline_unix_s)
+            return self._batched(env, tensors, checked, member, owner, deadline_unix_s)
         last = len(self.plan.segments) - 1
         start = time.perf_counter()
         exits: list[str] = []
@@ -416,6 +418,7 @@ class TierRunner:
         tensors: Mapping[str, np.ndarray],
         checked: bool,
         member: str,
+        owner: str,
         deadline_unix_s: float,
     ) -> Outcome:
         """:meth:`run` through the batcher: the step's tensors checked here, alone, so a
@@ -428,7 +431,7 @@ class TierRunner:
                 value = tensors[name]
                 spec.check(value.dtype.name, tuple(value.shape), f"the {self.tier}'s")
         start = time.perf_counter()
-        values = self.batcher.run(env, member=member, deadline_unix_s=deadline_unix_s)
+        values = self.batcher.run(env, member=member, owner=owner, deadline_unix_s=deadline_unix_s)
         elapsed = time.perf_counter() - start
         final = self.end >= len(self.plan.segments)
         names = self.plan.outputs if final else self._forwarded

@@ -55,7 +55,7 @@ from tierflow.runtime.probe import ProbeCredit, echo
 from tierflow.runtime.replies import StreamReplies
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, serve_segment
 from tierflow.runtime.streams import ProbeActivity, Send, SessionOrder, StreamReader, Watched
-from tierflow.runtime.workers import WorkerPool
+from tierflow.runtime.workers import WorkerPool, WorkerSlots
 from tierflow.transport.callers import MAX_BEHALF_BYTES, caller_of, owner_of
 from tierflow.transport.peer_warnings import WARNINGS
 from tierflow.transport.wire import Undecodable, check_deadline, check_figures, error_to_proto
@@ -130,7 +130,8 @@ class TierService(tier_pb2_grpc.TierServicer):
         # Threads that read streams and run requests ([Note: a stream's requests run at
         # once]): one reading each open stream, plus the requests running.
         self.pool = WorkerPool(options.max_streams + self.workers, f"{tier}-work")
-        self.running = threading.BoundedSemaphore(self.workers)
+        # [Note: a worker lent while a step queues] (tierflow/runtime/workers.py).
+        self.running = WorkerSlots(self.workers)
         self.order = SessionOrder()
         self._in_flight = 0
         self._count_lock = threading.Lock()

@@ -6,7 +6,9 @@ each session in order; :class:`Watched` is what the service's watchdog closes on
 
 [Note: a stream's requests run at once]
 A stream's requests are read as soon as they arrive and run side by side, up to
-``workers`` at once on the tier (``serve --workers``), each answered when it is done:
+``workers`` at once on the tier (``serve --workers``; a decode step queued for a batch
+lends its worker: [Note: a worker lent while a step queues] in
+tierflow/runtime/workers.py), each answered when it is done:
 replies are matched to requests by id, so they need not keep the order of the requests.
 The edge sends every device's requests to the cloud on one stream, so a cloud that ran a
 stream's requests one after the other would make every device behind an edge queue.
@@ -58,7 +60,7 @@ from tierflow.transport.wire import Undecodable, error_to_proto
 if TYPE_CHECKING:
     from tierflow.plan import PlanSet
     from tierflow.runtime.metrics import TierMetrics
-    from tierflow.runtime.workers import WorkerPool
+    from tierflow.runtime.workers import WorkerPool, WorkerSlots
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +78,9 @@ class StreamHost(Protocol):
     metrics: TierMetrics | None
     pool: WorkerPool
     order: SessionOrder
-    #: Held while a request runs: at most ``workers`` at once.
-    running: threading.BoundedSemaphore
+    #: Held while a request runs: at most ``workers`` at once ([Note: a worker lent while
+    #: a step queues] in tierflow/runtime/workers.py).
+    running: WorkerSlots
 
     @property
     def down_link(self) -> str: ...

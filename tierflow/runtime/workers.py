@@ -9,16 +9,71 @@ looks at those futures, and all that work holds the GIL while the request beside
 its way. :class:`WorkerPool` takes a task from a queue and runs it, nothing more. Its
 threads start as tasks need them, up to ``max_threads``, and then stay, parked on the
 queue. A task's exception is logged; the thread goes on with the next.
+
+[Note: a worker lent while a step queues]
+``--workers`` bounds the requests a tier runs at once (:class:`WorkerSlots`): each holds
+a slot while it decodes, runs and encodes, so the cores are not shared among more
+requests than that. A batch can only grow from the decode steps queued in the step
+batcher ([Note: the step batcher] in tierflow/runtime/batching.py): if they held their
+slots, no batch could exceed ``--workers`` (two, one per core, by default on a small
+machine), and with one worker none would ever form. So a step lends its slot
+(:func:`lent`) for its time in the batcher, queued or running, and takes one again
+(waiting for it if need be) once it has its answer: every step that reaches the tier can
+queue for a batch, whatever ``--workers``. The batcher bounds its own compute (one call
+of a plan's segments at a time), and the decoding, encoding and unbatched requests around
+it stay bounded by ``--workers``. The other limits do not change: the requests a tier
+holds in flight (``--max-in-flight``), each step's deadline (a step whose deadline passes
+in the queue fails alone) and each session's order (one step of a session in flight).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 logger = logging.getLogger(__name__)
+
+#: The :class:`WorkerSlots` whose slot the current thread holds, if any.
+_held = threading.local()
+
+
+class WorkerSlots:
+    """At most ``count`` requests run at once; a thread that holds a slot may lend it
+    while it waits for work that needs no core ([Note: a worker lent while a step
+    queues]). Use as a context manager around a request's run."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._slots = threading.BoundedSemaphore(count)
+
+    def __enter__(self) -> WorkerSlots:
+        self._slots.acquire()
+        _held.slots = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _held.slots = None
+        self._slots.release()
+
+
+@contextlib.contextmanager
+def lent() -> Iterator[None]:
+    """While the block runs, the slot this thread holds (if any) serves another request;
+    it is taken back (waiting for one free) when the block ends."""
+    slots: WorkerSlots | None = getattr(_held, "slots", None)
+    if slots is None:
+        yield
+        return
+    _held.slots = None
+    slots._slots.release()
+    try:
+        yield
+    finally:
+        slots._slots.acquire()
+        _held.slots = slots
 
 
 class WorkerPool:

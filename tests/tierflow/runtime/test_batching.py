@@ -27,6 +27,7 @@ from tierflow.runtime.batching import (
     unpad,
 )
 from tierflow.runtime.segment_runner import SegmentRunner
+from tierflow.runtime.workers import WorkerSlots
 from tierflow.zoo.tiny_stateful import tiny_decoder
 
 BLOCKS = 2
@@ -123,10 +124,12 @@ def run_queued(
     others: Sequence[tuple[Mapping[str, np.ndarray], float]],
     member_run: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]],
     calls: list[int],
+    owners: Sequence[str] = (),
 ) -> list[dict[str, np.ndarray] | BaseException]:
     """Run ``first``; while its call runs, the ``others`` (feeds, deadline) queue behind it.
 
     Returns each step's outputs or error, ``first`` first; ``calls`` gets each call's rows.
+    ``owners``: each step's owner, ``first``'s first (default: "").
     """
     results: list[dict[str, np.ndarray] | BaseException] = [ValueError("not run")] * (
         1 + len(others)
@@ -134,7 +137,8 @@ def run_queued(
 
     def submit(i: int, feeds: Mapping[str, np.ndarray], deadline: float) -> None:
         try:
-            results[i] = batcher.run(feeds, member=f"s{i}", deadline_unix_s=deadline)
+            owner = owners[i] if owners else ""
+            results[i] = batcher.run(feeds, member=f"s{i}", owner=owner, deadline_unix_s=deadline)
         except Exception as exc:
             results[i] = exc
 
@@ -204,6 +208,60 @@ def test_other_groups_wait_for_the_next_call_and_the_oldest_goes_first(
     calls: list[int] = []
     results = run_queued(batcher, step(5, 4, 0), others, runner.run, calls)
     assert calls == [1, 2, 1, 1]
+    assert all(isinstance(r, dict) for r in results)
+
+
+def test_a_full_batch_gives_each_owner_a_place_before_any_owner_a_second(
+    runner: SegmentRunner,
+) -> None:
+    batcher = StepBatcher(runner.run, name="test", max_batch=2)
+    others = [(step(5, t, t), 0.0) for t in range(1, 5)]
+    rows: list[list[int]] = []
+
+    def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows.append(feeds["input_ids"][:, 0].tolist())
+        return runner.run(feeds)
+
+    calls: list[int] = []
+    # Queued: a's tokens 1, 2, 3, then b's 4; a batch of two takes a's oldest and b's.
+    results = run_queued(batcher, step(5, 9, 0), others, run, calls, ["a", "a", "a", "a", "b"])
+    assert rows == [[9], [1, 4], [2, 3]]
+    assert all(isinstance(r, dict) for r in results)
+
+
+def test_queued_steps_lend_their_worker_so_a_batch_outgrows_the_workers(
+    runner: SegmentRunner,
+) -> None:
+    """One worker slot ([Note: a worker lent while a step queues]): the step running lends
+    it, and each of the others takes it, queues and lends it on, so all queue at once."""
+    slots = WorkerSlots(1)
+    batcher = StepBatcher(runner.run, name="test", max_batch=8)
+    first = step(6, 1, 0)
+    others = [step(6, t, t) for t in range(2, 6)]
+    calls: list[int] = []
+    results: list[object] = [None] * len(others)
+
+    def queue(i: int) -> None:
+        with slots:
+            results[i] = batcher.run(others[i], member=f"s{i}")
+
+    threads = [threading.Thread(target=queue, args=(i,)) for i in range(len(others))]
+
+    def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        calls.append(int(feeds["input_ids"].shape[0]))
+        if len(calls) == 1:
+            for thread in threads:
+                thread.start()
+            with batcher._cond:  # every other step queues while this call holds the slot
+                assert batcher._cond.wait_for(lambda: len(batcher._queue) == len(others), 30)
+        return runner.run(feeds)
+
+    batcher._run = run
+    with slots:
+        batcher.run(first, member="first")
+    for thread in threads:
+        thread.join(30)
+    assert calls == [1, 4]
     assert all(isinstance(r, dict) for r in results)
 
 

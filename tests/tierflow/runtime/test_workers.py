@@ -1,5 +1,7 @@
 """The tier's worker threads (WorkerPool): tasks run, threads are reused and bounded, a
-failing task does not stop its thread, and a pool shut down runs nothing more."""
+failing task does not stop its thread, and a pool shut down runs nothing more; the worker
+slots (WorkerSlots) bound the requests running and a thread lends its slot while it waits
+([Note: a worker lent while a step queues])."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import time
 
 import pytest
 
-from tierflow.runtime.workers import WorkerPool
+from tierflow.runtime.workers import WorkerPool, WorkerSlots, lent
 
 WAIT_S = 10.0
 
@@ -94,3 +96,43 @@ def test_a_pool_shut_down_refuses_tasks_and_drops_those_not_started() -> None:
         if thread.name == "test-work-1":
             thread.join(WAIT_S)
     assert ran == ["first"]  # the running task finished; the queued one was dropped
+
+
+def test_a_slot_held_is_lent_while_its_thread_waits_and_taken_back_after() -> None:
+    slots = WorkerSlots(1)
+    lending = threading.Event()
+    back = threading.Event()
+    other_ran = threading.Event()
+    order: list[str] = []
+
+    def holder() -> None:
+        with slots:
+            with lent():
+                lending.set()
+                assert other_ran.wait(WAIT_S)  # another request ran on the slot meanwhile
+            order.append("holder took its slot back")
+            back.set()
+
+    def other() -> None:
+        assert lending.wait(WAIT_S)
+        with slots:
+            order.append("other ran")
+            other_ran.set()
+
+    threads = [threading.Thread(target=holder), threading.Thread(target=other)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert back.is_set() and order == ["other ran", "holder took its slot back"]
+    # One slot: nobody else holds it now.
+    assert slots._slots.acquire(timeout=0)
+    slots._slots.release()
+
+
+def test_lent_outside_a_slot_changes_nothing() -> None:
+    slots = WorkerSlots(1)
+    with lent(), slots:  # this thread held no slot when it lent
+        assert not slots._slots.acquire(timeout=0)
+    assert slots._slots.acquire(timeout=0)
+    slots._slots.release()
