@@ -49,7 +49,7 @@ from tierflow.errors import (
     is_state_lost,
 )
 from tierflow.greedy import decoder_of_session, session_step
-from tierflow.link.spec import LINKS
+from tierflow.link.spec import LINKS, TIERS
 from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.runtime.segment_runner import emulate_slower
@@ -238,6 +238,9 @@ class GenerationReport:
     stopped: str = "max-tokens"  # or "stop-token", or "error" (then ``error`` says why)
     error: str | None = None
     draft_dropped: str | None = None  # why the draft stopped helping, if it did
+    #: Where the time went ([Note: where a step's time goes]): ``prefill`` the first round
+    #: trip's, ``step`` the median of those after it, in ms per part.
+    parts_ms: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         extra: dict[str, Any] = {} if self.error is None else {"error": self.error}
@@ -261,6 +264,10 @@ class GenerationReport:
             "tiers": self.tiers,
             "draft_only": self.draft_only,
             "stopped": self.stopped,
+            "parts_ms": {
+                point: {k: round(v, 3) for k, v in parts.items()}
+                for point, parts in self.parts_ms.items()
+            },
             **extra,
         }
 
@@ -490,6 +497,29 @@ class Generator:
         }
         if len(report.tokens) > 1:
             report.ms_per_token = (elapsed_ms - report.ttft_ms) / (len(report.tokens) - 1)
+        answered = [r for r in results if r.ok and r.ms]
+        if answered:
+            report.parts_ms["prefill"] = _parts(answered[:1])
+        if len(answered) > 1:
+            report.parts_ms["step"] = _parts(answered[1:])
+
+
+#: The parts of a round trip's time that ``generate --json`` reports.
+PARTS = (*TIERS, "queue", "network")
+
+
+def _parts(results: Sequence[Result]) -> dict[str, float]:
+    """The median of each part of these round trips' time, in ms.
+
+    [Note: where a step's time goes]
+    A round trip's time is each tier's compute and codec time (as that tier timed it,
+    emulated slowdown included), the waiting in queues, and the rest: transfers,
+    propagation, gRPC and the way back (``network``, [Note: honest link figures]). Set
+    beside ``plan``'s estimate (``plan.json``'s ``estimate.decoder``: each tier's
+    ``compute_s`` at the prefill and decode points), it says whether a gap is the compute
+    (a machine busier, or slower, than when it was profiled) or the links.
+    """
+    return {part: float(np.median([r.ms.get(part, 0.0) for r in results])) for part in PARTS}
 
 
 def _tiers_and_layers(client: DeviceClient) -> dict[str, list[int]]:

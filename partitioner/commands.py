@@ -235,7 +235,7 @@ def register(subparsers: Any) -> None:
         type=int,
         metavar="N",
         help="decoders: tokens generated per prompt; the latency objective is time to first "
-        f"token + N x time per token (default: {DecoderDefaults.max_tokens})",
+        f"token + (N - 1) x time per token (default: {DecoderDefaults.max_tokens})",
     )
     plan.add_argument(
         "--prompt-tokens",

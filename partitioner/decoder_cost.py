@@ -25,9 +25,11 @@ choice, 8 bytes (int64); a sampled one (``plan --sampled``) the last position's 
 logits of a 32-token prompt are 4 MB, its greedy answer 8 bytes. The compute still pays
 for the logits of every position, as the model computes them.
 
-The latency objective is ``TTFT + max_tokens x per-token``: the tables of the two are
-linear in every part (compute, codec times, wire, RTT), so their sum weighted by
-``max_tokens`` is itself a :class:`~.cost.CostTables` and the search of :mod:`.search`
+The latency objective is the whole generation, ``TTFT + (max_tokens - 1) x per-token``:
+the prefill answers the first token and each of the other ``max_tokens - 1`` takes a step
+(as ``generate`` counts them: ``ms_per_token`` is over the tokens after the first). The
+tables of the two are linear in every part (compute, codec times, wire, RTT), so their
+sum weighted by the steps is itself a :class:`~.cost.CostTables` and the search of :mod:`.search`
 ranks it unchanged, codecs chosen per link for the whole generation. Under
 ``--objective throughput`` the decode tables are ranked by their period: a step of one
 session waits for the previous token, so a single session gets ``1 / per-token`` tokens
@@ -131,6 +133,7 @@ def decoder_tables(
     """
     if max_tokens < 1:
         raise PlanError(f"max_tokens must be at least 1, got {max_tokens}")
+    steps = max_tokens - 1  # the prefill answers the first token
     answer = answer_bytes(decode.profiles["device"], sampled=sampled)
     prefill = replace(prefill, reply_bytes=answer)
     decode = replace(decode, reply_bytes=answer)
@@ -140,10 +143,10 @@ def decoder_tables(
     at_decode = replace(at_decode, memory=memory)
     generation = CostTables(
         problem=replace(decode, objective="latency"),
-        segment_s={t: at_prefill.segment_s[t] + max_tokens * at_decode.segment_s[t] for t in TIERS},
+        segment_s={t: at_prefill.segment_s[t] + steps * at_decode.segment_s[t] for t in TIERS},
         memory=memory,
         links={
-            name: _combined_link(at_prefill.links[name], at_decode.links[name], max_tokens)
+            name: _combined_link(at_prefill.links[name], at_decode.links[name], steps)
             for name in at_decode.links
         },
     )
@@ -190,8 +193,9 @@ class DecoderEstimate:
 
     @property
     def generation_s(self) -> float:
-        """TTFT plus ``max_tokens`` steps: what the latency objective minimises."""
-        return self.ttft_s + self.max_tokens * self.per_token_s
+        """TTFT plus a step for each token after the first: what the latency objective
+        minimises ([Note: pricing a decoder])."""
+        return self.ttft_s + (self.max_tokens - 1) * self.per_token_s
 
     @property
     def tokens_per_s(self) -> float:

@@ -99,6 +99,14 @@ def test_greedy_across_three_tiers_is_the_models_own_greedy_output(
     }
     assert report.bytes_per_token["device-edge"] > 0 and report.bytes_per_token["edge-cloud"] > 0
     assert report.ttft_ms > 0 and report.ms_per_token > 0
+    # Where the time went: each tier's compute as it timed it, the queues, the rest.
+    assert set(report.parts_ms) == {"prefill", "step"}
+    for parts in report.parts_ms.values():
+        assert list(parts) == ["device", "edge", "cloud", "queue", "network"]
+        assert parts["edge"] > 0 and parts["cloud"] > 0 and parts["network"] > 0
+    assert report.parts_ms["step"]["cloud"] == pytest.approx(
+        float(np.median([r.ms["cloud"] for r in generator.target.results[1:]]))
+    )
 
 
 @pytest.mark.parametrize("draft, tokens", [("same", 4), ("other", 3), ("other", None)])
@@ -188,6 +196,7 @@ def test_the_command_generates_and_ends_with_one_json_line(
     assert line["tokens"] == reference(models, 12)
     for key in ("ttft_ms", "ms_per_token", "round_trips", "accepted", "bytes_per_token", "tiers"):
         assert key in line
+    assert set(line["parts_ms"]) == {"prefill", "step"} and line["parts_ms"]["step"]["cloud"] > 0
     assert set(line["bytes_per_token"]) == {"device-edge", "edge-cloud"}
 
 

@@ -55,7 +55,8 @@ def test_cloud_only_sends_the_prompt_up_once_and_pays_the_round_trip_per_token(
     assert plan.ttft_s == pytest.approx(0.012 + prefill_wire + both_rtts)
     step_wire = (24 + 8) * 8 / 8e6 + (24 + 8) * 8 / 80e6
     assert plan.per_token_s == pytest.approx(0.003 + step_wire + both_rtts)
-    assert plan.generation_s == pytest.approx(plan.ttft_s + 10 * plan.per_token_s)
+    # The prefill answers the first of the 10 tokens, a step each of the other 9.
+    assert plan.generation_s == pytest.approx(plan.ttft_s + 9 * plan.per_token_s)
     assert plan.tokens_per_s == pytest.approx(10 / plan.generation_s)
     assert plan.bytes_per_token() == {"device-edge": 24 + 8, "edge-cloud": 24 + 8}
     # The cloud holds every block's weights, KV cache and the larger activation peak.
@@ -110,6 +111,17 @@ def test_the_search_minimises_ttft_plus_max_tokens_steps(profile_factory) -> Non
         everything = [decoder_estimate(tables, a, b, RAW) for a in range(4) for b in range(a, 4)]
         assert result.best.generation_s == pytest.approx(min(e.generation_s for e in everything))
         assert set(result.baselines) == {"device-only", "edge-only", "cloud-only"}
+
+
+def test_one_token_is_the_prefill_alone(profile_factory) -> None:
+    # The prefill answers the first token: a generation of one takes no step, and the
+    # whole-generation tables the search ranks are the prefill's.
+    tables = _tables(profile_factory, max_tokens=1)
+    for tier, seconds in tables.generation.segment_s.items():
+        assert (seconds == tables.prefill.segment_s[tier]).all()
+    plan = decoder_estimate(tables, 1, 2, RAW)
+    assert plan.generation_s == pytest.approx(plan.ttft_s)
+    assert plan.tokens_per_s == pytest.approx(1 / plan.ttft_s)
 
 
 def test_memory_budgets_count_each_tiers_kv_cache(profile_factory) -> None:

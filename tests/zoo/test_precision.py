@@ -84,11 +84,12 @@ def test_a_lower_precision_decoder_splits_bit_exactly_and_weighs_its_real_bytes(
     assert len(set(check.tokens)) > 1 and np.all(np.asarray(check.tokens) < 64)
 
 
-@pytest.mark.parametrize("precision", ["int8", "fp16"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_a_lower_precision_decoder_served_on_three_tiers_generates_its_own_tokens(
     fp32: Path, tmp_path: Path, precision: str
 ) -> None:
     path = convert(fp32, tmp_path / f"{precision}.onnx", precision)
+    assert OPS[precision] in {n.op_type for n in onnx.load(str(path)).graph.node}
     graph = load_decoder(path, SETTINGS)
     cuts = _three_tier_cuts(graph)
     plan_dir = tmp_path / "plan"
