@@ -88,8 +88,8 @@ class FamilyPlans:
     split: Path
     cloud_only: Path
     device_only: Path
-    large: Any  # DecoderResult of the large model
-    small: Any  # DecoderResult of the small model
+    large: Any  # SearchResult[DecoderEstimate] of the large model
+    small: Any  # SearchResult[DecoderEstimate] of the small model
     budgets: Mapping[str, int]
 
     def plan_dir(self, strategy: str) -> Path:
@@ -127,9 +127,8 @@ def plan_family(
     model's device-only baseline, which must fit the device's budget.
     """
     from tierflow.partitioner.decoder_graph import load_decoder
-    from tierflow.partitioner.decoder_plan import decoder_profiles, rank_decoder, write_decoder_plan
     from tierflow.partitioner.decoder_points import DecoderSettings
-    from tierflow.partitioner.planner import PlanOptions
+    from tierflow.partitioner.planner import PlanOptions, decoder_profiles, rank, write_plan
 
     settings = DecoderSettings(context=context, max_tokens=max_tokens, prompt_tokens=prompt_tokens)
     options = PlanOptions(links=links, memory=dict(memory or budgets()))
@@ -138,7 +137,7 @@ def plan_family(
     for size in ("large", "small"):
         graph = load_decoder(family.path(size), settings)
         profiles, _ = decoder_profiles(graph, emulation=emulation, progress=progress)
-        result, _ = rank_decoder(graph, profiles, options)
+        result, _ = rank(graph, profiles, options)
         ranked[size] = (graph, profiles, result)
     large_graph, large_profiles, large = ranked["large"]
     small_graph, small_profiles, small = ranked["small"]
@@ -149,10 +148,10 @@ def plan_family(
             f"with its KV cache at --context {context}: {alone.memory_bytes['device']} bytes"
         )
     dirs = {name: workdir / name for name in ("split", "cloud-only", "device-only")}
-    write_decoder_plan(large_graph, large.best, options, dirs["split"], large_profiles)
+    write_plan(large_graph, large_profiles, options, large.best, dirs["split"])
     cloud = large.baselines["cloud-only"]
-    write_decoder_plan(large_graph, cloud, options, dirs["cloud-only"], large_profiles)
-    write_decoder_plan(small_graph, alone, options, dirs["device-only"], small_profiles)
+    write_plan(large_graph, large_profiles, options, cloud, dirs["cloud-only"])
+    write_plan(small_graph, small_profiles, options, alone, dirs["device-only"])
     return FamilyPlans(
         dirs["split"], dirs["cloud-only"], dirs["device-only"], large, small, options.memory
     )

@@ -547,7 +547,11 @@ def _verdict_line(outcome: Any, lossy: bool) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     from tierflow.image_norm import parse_norm
-    from tierflow.partitioner.decoder_commands import run_decoder_plan
+    from tierflow.partitioner.decoder_commands import (
+        profiled_decoder,
+        refuse_for_decoder,
+        report_decoder_plan,
+    )
     from tierflow.partitioner.decoder_graph import inspect_decoder
     from tierflow.partitioner.fidelity import check_sample_size
     from tierflow.partitioner.image_inputs import resolve_images
@@ -559,7 +563,7 @@ def run_plan(args: argparse.Namespace) -> int:
         make_plan,
     )
     from tierflow.partitioner.profile_data import load_profile
-    from tierflow.partitioner.report import Progress, exits_cell, plan_table
+    from tierflow.partitioner.report import Progress
     from tierflow.partitioner.shapes import load_sample
     from tierflow.partitioner.split import check_plan_dir
     from tierflow.partitioner.weights import available_memory, check_planning_memory
@@ -578,11 +582,10 @@ def run_plan(args: argparse.Namespace) -> int:
     states = parse_states(args.state)
     settings = parse_decoder_settings(args)
     check_planning_memory(Path(args.model), available_memory())
-    decoder = inspect_decoder(args.model, states, settings)
-    if decoder is not None:
-        return run_decoder_plan(args, links, memory, emulation, budget, settings)
-    stray = _decoder_only_options(args)
-    if stray:
+    decoder = inspect_decoder(args.model, states, settings) is not None
+    if decoder:
+        refuse_for_decoder(args, budget)
+    elif stray := _decoder_only_options(args):
         raise UsageError(
             f"{', '.join(stray)} set a decoder's lengths; {args.model} is no decoder (no "
             "input pairs with an output as a growing state, like past_key_values.0.key -> "
@@ -599,30 +602,33 @@ def run_plan(args: argparse.Namespace) -> int:
         fidelity=budget,
     )
     sample = load_sample(args.sample) if args.sample else None
-    if sample is not None:
-        check_sample_size(budget, min(len(a) for a in sample.values()))
-    graph = _load_graph(args, sample)
-    if args.image_input or norms:
-        images = resolve_images(graph.inputs, args.image_input, norms)
-        options = dataclasses.replace(options, images=images)
-    given = {}
-    for tier, path in profile_paths.items():
-        given[tier] = load_profile(path)
-        given[tier].check_model(graph, where=f"--profile {tier}={path}")
-    progress = Progress("profiling here")
-    try:
-        profiles, notes = complete_profiles(
-            graph,
-            given,
-            emulation=emulation,
-            threads=args.threads,
-            progress=progress,
-            codecs=candidates,
-        )
-    finally:
-        progress.close()
-    if grid is not None:
-        return _run_adaptive(args, graph, profiles, options, grid, notes)
+    if decoder:
+        graph, profiles, notes = profiled_decoder(args, settings, memory, emulation, candidates)
+    else:
+        if sample is not None:
+            check_sample_size(budget, min(len(a) for a in sample.values()))
+        graph = _load_graph(args, sample)
+        if args.image_input or norms:
+            images = resolve_images(graph.inputs, args.image_input, norms)
+            options = dataclasses.replace(options, images=images)
+        given = {}
+        for tier, path in profile_paths.items():
+            given[tier] = load_profile(path)
+            given[tier].check_model(graph, where=f"--profile {tier}={path}")
+        progress = Progress("profiling here")
+        try:
+            profiles, notes = complete_profiles(
+                graph,
+                given,
+                emulation=emulation,
+                threads=args.threads,
+                progress=progress,
+                codecs=candidates,
+            )
+        finally:
+            progress.close()
+        if grid is not None:
+            return _run_adaptive(args, graph, profiles, options, grid, notes)
     progress = Progress("measuring fidelity")
     try:
         outcome = make_plan(graph, profiles, options, args.output, sample=sample, progress=progress)
@@ -631,8 +637,12 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         report = outcome.result.to_dict()
         report["plan_dir"] = str(outcome.plan_dir)
-        report["verified"] = outcome.verified_bitwise
-        report["fidelity"] = outcome.fidelity.to_dict() if outcome.fidelity else None
+        if decoder:
+            report["decoder"] = {**graph.decoder.to_dict(), **settings.to_dict()}
+            report["verified"] = outcome.plan.estimate.get("verified")
+        else:
+            report["verified"] = outcome.verified_bitwise
+            report["fidelity"] = outcome.fidelity.to_dict() if outcome.fidelity else None
         report["notes"] = list(notes) + list(outcome.notes)
         report["notes"] += [
             f"{name}: no RTT given, kept the default {rtt}" for name, rtt in assumed.items()
@@ -648,9 +658,23 @@ def run_plan(args: argparse.Namespace) -> int:
     if memory:
         budgets = ", ".join(f"{t} {format_size(size)}" for t, size in memory.items())
         print(f"memory budgets: {budgets}")
+    if decoder:
+        report_decoder_plan(outcome, graph, memory, args.objective)
+    else:
+        _report_plan(outcome, profiles, memory, args.objective)
+    print(f"wrote {outcome.plan_dir / 'plan.json'} and {len(outcome.plan.segments)} segment(s)")
+    return 0
+
+
+def _report_plan(
+    outcome: Any, profiles: Mapping[str, Any], memory: Mapping[str, int], objective: str
+) -> None:
+    """Print a plan's ranking, the chosen plan, what its codecs do and how it was checked."""
+    from tierflow.partitioner.report import exits_cell, plan_table
+
     result = outcome.result
     print(
-        f"\n{result.considered} plans scored for {args.objective}, {result.feasible} fit the "
+        f"\n{result.considered} plans scored for {objective}, {result.feasible} fit the "
         "budgets; compute per tier and link cost (codec, bytes sent, encode+wire+RTT+decode+reply):"
     )
     if result.best.exits:
@@ -688,8 +712,6 @@ def run_plan(args: argparse.Namespace) -> int:
                 f"state {state.input} -> {state.output} stays on the {segment.tier} "
                 "(checked over consecutive requests, each fed the previous one's state)"
             )
-    print(f"wrote {outcome.plan_dir / 'plan.json'} and {len(outcome.plan.segments)} segment(s)")
-    return 0
 
 
 def _grid(args: argparse.Namespace, links: Mapping[str, LinkSpec]) -> Any:

@@ -1,24 +1,23 @@
-"""``tierflow plan`` for a decoder: what it refuses, what it runs, and what it prints.
+"""What ``tierflow plan`` does differently for a decoder: what it refuses, how it is
+analysed and profiled, and the lines that report its plan.
 
-:func:`~tierflow.partitioner.commands.run_plan` hands a model over here once its graph
-shows a growing state pair ([Note: state pairs] in :mod:`tierflow.state.pairs`). The
-options were parsed there; onnx and onnxruntime are imported inside.
+:func:`~tierflow.partitioner.commands.run_plan` plans every model, a decoder too; it
+asks here once the graph shows a growing state pair ([Note: state pairs] in
+:mod:`tierflow.state.pairs`). onnx and onnxruntime are imported inside.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tierflow.errors import PlanError, UsageError
-from tierflow.link.spec import LINKS, TIERS, LinkSpec
+from tierflow.link.spec import TIERS
 from tierflow.units import format_duration, format_size
 
 
-def _refuse(args: argparse.Namespace, budget: Any) -> None:
+def refuse_for_decoder(args: argparse.Namespace, budget: Any) -> None:
     """Options that do not apply to a decoder, each a one-line error naming why."""
     reasons = [
         (bool(args.profile), "--profile", "tiers are profiled here at the prefill and decode "
@@ -58,36 +57,20 @@ def _refuse_budgets_nothing_fits(graph: Any, memory: Mapping[str, int], context:
         )
 
 
-def run_decoder_plan(
+def profiled_decoder(
     args: argparse.Namespace,
-    links: Mapping[str, LinkSpec],
+    settings: Any,
     memory: Mapping[str, int],
     emulation: Mapping[str, float],
-    budget: Any,
-    settings: Any,
-) -> int:
-    """Plan the decoder at ``args.model``: profile, rank, split, verify, write, print."""
+    codecs: Sequence[str],
+) -> tuple[Any, Any, list[str]]:
+    """The decoder at ``args.model`` analysed at its two points and profiled here at both:
+    the graph, its profiles and the notes for the user."""
     from tierflow.partitioner.commands import parse_states
     from tierflow.partitioner.decoder_graph import load_decoder
-    from tierflow.partitioner.decoder_plan import (
-        decoder_codecs,
-        decoder_profiles,
-        make_decoder_plan,
-    )
-    from tierflow.partitioner.planner import PlanOptions
-    from tierflow.partitioner.report import Progress, decoder_table
+    from tierflow.partitioner.planner import decoder_profiles
+    from tierflow.partitioner.report import Progress
 
-    _refuse(args, budget)
-    options = PlanOptions(
-        links=links,
-        memory=memory,
-        objective=args.objective,
-        codec=args.codec,
-        verify=args.verify,
-        top=args.top,
-        fidelity=budget,
-    )
-    codecs = decoder_codecs(options)
     analysing = Progress("analysing", every_s=0.0)
     try:
         graph = load_decoder(args.model, settings, parse_states(args.state), analysing)
@@ -101,23 +84,16 @@ def run_decoder_plan(
         )
     finally:
         progress.close()
-    outcome = make_decoder_plan(graph, profiles, options, args.output)
-    notes += list(outcome.notes)
-    if args.json:
-        report = outcome.result.to_dict()
-        report["plan_dir"] = str(outcome.plan_dir)
-        report["decoder"] = {**graph.decoder.to_dict(), **settings.to_dict()}
-        report["verified"] = outcome.check.to_dict() if outcome.check else None
-        report["notes"] = notes
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 0
-    for note in notes:
-        print(note)
-    for name in LINKS:
-        print(f"{name}: {links[name]}")
-    if memory:
-        print("memory budgets: " + ", ".join(f"{t} {format_size(v)}" for t, v in memory.items()))
+    return graph, profiles, notes
+
+
+def report_decoder_plan(
+    outcome: Any, graph: Any, memory: Mapping[str, int], objective: str
+) -> None:
+    """Print a decoder plan's ranking, the chosen plan and how its split was checked."""
+    from tierflow.partitioner.report import decoder_table
+
+    settings = graph.settings
     kv = sum(graph.state_bytes())
     print(
         f"decoder: {len(graph.states)} state pairs, KV cache {format_size(kv)} at --context "
@@ -127,7 +103,7 @@ def run_decoder_plan(
     result = outcome.result
     goal = (
         f"time to first token + {settings.max_tokens} x time per token"
-        if args.objective == "latency"
+        if objective == "latency"
         else "tokens per second with sessions pipelined"
     )
     print(
@@ -146,20 +122,18 @@ def run_decoder_plan(
         f"{format_duration(best.ttft_s)}, {format_duration(best.per_token_s)} per token "
         f"({best.tokens_per_s:.1f} tokens/s over {settings.max_tokens}); memory {held}"
     )
-    check = outcome.check
-    if check is None:
+    steps = outcome.verify_inputs
+    if outcome.verified_bitwise is None:
         print("not verified (--no-verify)")
-    elif check.bitwise_equal:
+    elif outcome.verified_bitwise:
         print(
             f"verified: chaining the segments reproduces the model bit for bit over "
-            f"{check.steps} greedy steps, each tier's KV cache fed back"
+            f"{steps} greedy steps, each tier's KV cache fed back"
         )
-    else:  # an fp16 decoder: [Note: half precision splits] in decoder_plan.py
+    else:  # an fp16 decoder: [Note: half precision splits] in partitioner/decoder_graph.py
         print(
-            f"verified: chaining the segments chooses the model's tokens over {check.steps} "
+            f"verified: chaining the segments chooses the model's tokens over {steps} "
             f"greedy steps, each tier's KV cache fed back; its fp16 logits differ by up to "
-            f"{check.max_abs_diff:g} (ONNX Runtime's CPU kernels round fp16 only where a "
+            f"{outcome.max_abs_diff:g} (ONNX Runtime's CPU kernels round fp16 only where a "
             "tensor leaves a graph)"
         )
-    print(f"wrote {outcome.plan_dir / 'plan.json'} and {len(outcome.plan.segments)} segment(s)")
-    return 0

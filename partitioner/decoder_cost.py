@@ -52,35 +52,20 @@ import numpy as np
 
 from tierflow.errors import PlanError
 from tierflow.link.spec import TIERS
-from tierflow.partitioner.cost import CostTables, Estimate, LinkTable, build_tables, estimate, spans
+from tierflow.partitioner.cost import (
+    CostTables,
+    Estimate,
+    LinkCost,
+    LinkTable,
+    build_tables,
+    estimate,
+    spans,
+    with_state_memory,
+)
 from tierflow.partitioner.cost import Problem as CostProblem
 from tierflow.partitioner.profile_data import Profile
-from tierflow.partitioner.search import BASELINES, search
+from tierflow.partitioner.search import SearchResult, search
 from tierflow.units import format_size
-
-
-def memory_table(prefill: Profile, decode: Profile, state_bytes: Sequence[int]) -> np.ndarray:
-    """(n, n) bytes a tier needs to run cuts ``[s, e)``: weights + state + activation peak."""
-    n = len(prefill.cuts)
-    if len(state_bytes) != n - 1 or len(decode.units) != n - 1:
-        raise PlanError(
-            f"{len(state_bytes)} units of state and {len(decode.units)} decode units for "
-            f"{n - 1} prefill units"
-        )
-    weights = np.concatenate([[0.0], np.cumsum([u.weight_bytes for u in prefill.units])])
-    state = np.concatenate([[0.0], np.cumsum(np.asarray(state_bytes, dtype=np.float64))])
-    peaks = np.maximum(
-        [u.peak_activation_bytes for u in prefill.units],
-        [u.peak_activation_bytes for u in decode.units],
-    ).astype(np.float64)
-    table = np.zeros((n, n))
-    for start in range(n - 1):
-        running = np.maximum.accumulate(peaks[start:])
-        table[start, start + 1 :] = (
-            weights[start + 1 :] - weights[start] + state[start + 1 :] - state[start] + running
-        )
-    return table
-
 
 #: A greedy step's answer: one token choice (int64) for the one position it needs.
 CHOICE_BYTES = 8
@@ -138,8 +123,12 @@ def decoder_tables(
     prefill = replace(prefill, reply_bytes=answer)
     decode = replace(decode, reply_bytes=answer)
     at_prefill, at_decode = build_tables(prefill), build_tables(decode)
-    memory = {t: memory_table(prefill.profiles[t], decode.profiles[t], state_bytes) for t in TIERS}
-    at_prefill = replace(at_prefill, memory=memory)
+    if prefill.ncuts != decode.ncuts:
+        raise PlanError(f"{prefill.ncuts} cuts at the prefill point, {decode.ncuts} at decode")
+    # Weights, the larger activation peak of the two points, and the state of one session.
+    peaks = {t: np.maximum(at_prefill.memory[t], at_decode.memory[t]) for t in TIERS}
+    at_prefill = with_state_memory(replace(at_prefill, memory=peaks), state_bytes)
+    memory = at_prefill.memory
     at_decode = replace(at_decode, memory=memory)
     generation = CostTables(
         problem=replace(decode, objective="latency"),
@@ -174,6 +163,11 @@ class DecoderEstimate:
     @property
     def codec(self) -> dict[str, str]:
         return self.step.codec
+
+    @property
+    def links(self) -> Mapping[str, LinkCost]:
+        """Each link's cost in one decode step."""
+        return self.step.links
 
     @property
     def feasible(self) -> bool:
@@ -229,33 +223,6 @@ class DecoderEstimate:
         }
 
 
-@dataclass(frozen=True)
-class DecoderResult:
-    """Ranked feasible decoder plans and the single-tier baselines, as :class:`SearchResult`."""
-
-    objective: str
-    ranked: tuple[DecoderEstimate, ...]
-    baselines: Mapping[str, DecoderEstimate]
-    considered: int
-    feasible: int
-
-    @property
-    def best(self) -> DecoderEstimate:
-        return self.ranked[0]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "objective": self.objective,
-            "considered": self.considered,
-            "feasible": self.feasible,
-            "ranked": [dict(e.to_dict(), codec=e.codec, cuts=list(e.cuts)) for e in self.ranked],
-            "baselines": {
-                k: dict(e.to_dict(), codec=e.codec, cuts=list(e.cuts))
-                for k, e in self.baselines.items()
-            },
-        }
-
-
 def decoder_estimate(
     tables: DecoderTables, a: int, b: int, codec: Mapping[str, str]
 ) -> DecoderEstimate:
@@ -274,7 +241,7 @@ def decoder_estimate(
 
 def decoder_search(
     tables: DecoderTables, *, top: int = 5, context: int | None = None
-) -> DecoderResult:
+) -> SearchResult[DecoderEstimate]:
     """Rank every decoder plan; see [Note: pricing a decoder].
 
     Raises :class:`PlanError` naming the KV cache when no plan fits the memory budgets.
@@ -291,13 +258,4 @@ def decoder_search(
             f"their blocks, its state pairs' KV cache{at} ({total} for the whole model)"
         ) from exc
 
-    def wrap(e: Estimate) -> DecoderEstimate:
-        return decoder_estimate(tables, *e.cuts, e.codec)
-
-    return DecoderResult(
-        objective=objective,
-        ranked=tuple(wrap(e) for e in result.ranked),
-        baselines={name: wrap(result.baselines[name]) for name in BASELINES},
-        considered=result.considered,
-        feasible=result.feasible,
-    )
+    return result.map(lambda e: decoder_estimate(tables, *e.cuts, e.codec))

@@ -15,6 +15,7 @@ chosen plan is measured on the whole sample and recorded in ``plan.json``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Collection, Mapping, Sequence
@@ -29,11 +30,14 @@ from tierflow.errors import PlanError, UsageError
 from tierflow.link.spec import LINKS, TIERS, LinkSpec
 from tierflow.partitioner.cost import (
     Estimate,
+    ExitPoint,
     Problem,
     build_tables,
     estimate,
     with_state_memory,
 )
+from tierflow.partitioner.decoder_cost import DecoderEstimate, decoder_search, decoder_tables
+from tierflow.partitioner.decoder_graph import DecoderGraph, split_decoder, verify_decoder_split
 from tierflow.partitioner.exits.plan import exit_points, split_with_exits
 from tierflow.partitioner.fidelity import (
     EXACT,
@@ -61,8 +65,12 @@ from tierflow.partitioner.profile import (
     with_codecs,
 )
 from tierflow.partitioner.search import SearchResult, search
-from tierflow.partitioner.split import save_split_plan, verify_split
-from tierflow.partitioner.state_verify import unit_state_bytes, verify_stream_split
+from tierflow.partitioner.split import Segment, save_split_plan, verify_split
+from tierflow.partitioner.state_verify import (
+    StatefulCheck,
+    unit_state_bytes,
+    verify_stream_split,
+)
 from tierflow.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -85,19 +93,36 @@ class PlanOptions:
     fidelity: FidelityBudget = EXACT
     images: Mapping[str, ImageNorm] = field(default_factory=dict)
 
+    def problem(
+        self,
+        profiles: Mapping[str, Profile],
+        codecs: tuple[str, ...],
+        exits: tuple[ExitPoint, ...] = (),
+    ) -> Problem:
+        """What the search scores plans against: these options with ``profiles``."""
+        return Problem(
+            profiles=profiles,
+            links=self.links,
+            memory=self.memory,
+            objective=self.objective,
+            codecs=codecs,
+            exits=exits,
+        )
+
 
 @dataclass(frozen=True)
-class PlanOutcome:
-    """The written plan, the ranking it came from and how the split was checked."""
+class DecoderProfiles:
+    """A decoder's profiles: one per tier at each of its points ([Note: decoder analysis
+    points] in :mod:`.decoder_points`)."""
 
-    plan: Plan
-    plan_dir: Path
-    result: SearchResult
-    verified_bitwise: bool | None
-    max_abs_diff: float
-    verify_inputs: int
-    notes: tuple[str, ...]
-    fidelity: FidelityScore | None = None
+    prefill: Mapping[str, Profile]
+    decode: Mapping[str, Profile]
+
+
+#: What a plan is priced from: one profile per tier, or a decoder's at both points.
+Profiles = Mapping[str, Profile] | DecoderProfiles
+#: What the planner plans: an analysed model, or a decoder analysed at its two points.
+Planned = ModelGraph | DecoderGraph
 
 
 def codec_candidates(
@@ -172,6 +197,38 @@ def complete_profiles(
                 f"({profiles[tier].machine.describe()})"
             )
     return profiles, notes
+
+
+def decoder_profiles(
+    graph: DecoderGraph,
+    *,
+    emulation: Mapping[str, float] = DEFAULT_EMULATION,
+    threads: int = 1,
+    time_budget_s: float = 10.0,
+    progress: ProgressFn | None = None,
+    codecs: Sequence[str] = ("raw",),
+) -> tuple[DecoderProfiles, list[str]]:
+    """:func:`complete_profiles` for a decoder: every tier profiled here at both points."""
+    profiles = {}
+    said: list[str] = []
+    for name, analysed in (("prefill", graph.prefill), ("decode", graph.decode)):
+        profiles[name], lines = complete_profiles(
+            analysed,
+            {},
+            emulation=emulation,
+            threads=threads,
+            time_budget_s=time_budget_s,
+            progress=progress,
+            codecs=codecs,
+        )
+        said += [line for line in lines if line not in said]
+    prefill, decode = graph.points
+    where = (
+        f" at the prefill point (seq {prefill.seq}, past {prefill.past}) and the decode point "
+        f"(seq {decode.seq}, past {decode.past})"
+    )
+    notes = [line + where for line in said]
+    return DecoderProfiles(profiles["prefill"], profiles["decode"]), notes
 
 
 def ensure_codecs(
@@ -298,13 +355,13 @@ def _scaled(
 
 
 def rank(
-    graph: ModelGraph,
-    profiles: Mapping[str, Profile],
+    graph: Planned,
+    profiles: Profiles,
     options: PlanOptions,
     *,
     probe: FidelityProbe | None = None,
     progress: ProgressFn | None = None,
-) -> tuple[SearchResult, list[str]]:
+) -> tuple[SearchResult[Any], list[str]]:
     """Score every plan; pure apart from measuring codecs missing from the profiles.
 
     A graph from :func:`~tierflow.partitioner.exits.plan.load_planning_graph` brings its
@@ -312,9 +369,12 @@ def rank(
     is then measured on the trunk: exits keep their own calibrated disagreement). A
     lossy fidelity budget needs a ``probe`` on the sample: the ranking then holds only
     plans whose lossy crossings were measured to meet it (``progress`` follows that).
+    A decoder is priced by its own terms, a generation from its two points
+    ([Note: pricing a decoder] in :mod:`.decoder_cost`).
     """
     budget = options.fidelity
-    if graph.state and not budget.lossless_only:
+    stateful = graph.states if isinstance(graph, DecoderGraph) else graph.state
+    if stateful and not budget.lossless_only:
         raise UsageError(
             f"--fidelity {budget} is not available for a model with state pairs: a lossy "
             "codec's error would carry over from request to request in the state"
@@ -325,6 +385,12 @@ def rank(
             "on real inputs"
         )
     codecs = codec_candidates(options.codec, budget, tuple(options.images))
+    if isinstance(graph, DecoderGraph):
+        assert isinstance(profiles, DecoderProfiles)
+        if options.images:
+            raise UsageError("--image-input does not apply to a decoder: its inputs are token ids")
+        return _rank_decoder(graph, profiles, options, codecs)
+    assert not isinstance(profiles, DecoderProfiles)
     codecs, notes = _keep_png(codecs, options, probe)
     profiles = dict(profiles)
     notes += ensure_codecs(graph, profiles, codecs)
@@ -332,14 +398,7 @@ def rank(
     notes += _ensure_image_codecs(graph, profiles, codecs, options.images, requests)
     points, exit_notes = exit_points(graph)
     notes += exit_notes
-    problem = Problem(
-        profiles=profiles,
-        links=options.links,
-        memory=options.memory,
-        objective=options.objective,
-        codecs=codecs,
-        exits=points,
-    )
+    problem = options.problem(profiles, codecs, points)
     tables = build_tables(problem)
     if graph.state:
         tables = with_state_memory(tables, unit_state_bytes(graph))
@@ -362,6 +421,24 @@ def rank(
     return budgeted.result, notes
 
 
+def _rank_decoder(
+    graph: DecoderGraph, profiles: DecoderProfiles, options: PlanOptions, codecs: tuple[str, ...]
+) -> tuple[SearchResult[DecoderEstimate], list[str]]:
+    """:func:`rank` for a decoder: the search over a whole generation's tables."""
+    prefill, decode = dict(profiles.prefill), dict(profiles.decode)
+    notes = ensure_codecs(graph.prefill, prefill, codecs)
+    notes += ensure_codecs(graph.decode, decode, codecs)
+    tables = decoder_tables(
+        options.problem(prefill, codecs),
+        options.problem(decode, codecs),
+        max_tokens=graph.settings.max_tokens,
+        state_bytes=graph.state_bytes(),
+        sampled=graph.settings.sampled,
+    )
+    result = decoder_search(tables, top=options.top, context=graph.settings.context)
+    return result, sorted(set(notes))
+
+
 def score_plan(
     graph: ModelGraph,
     profiles: Mapping[str, Profile],
@@ -380,22 +457,31 @@ def score_plan(
     profiles = dict(profiles)
     ensure_codecs(graph, profiles, codecs)
     _ensure_image_codecs(graph, profiles, codecs, options.images, [feeds])
-    problem = Problem(
-        profiles=profiles,
-        links=options.links,
-        memory=options.memory,
-        objective=options.objective,
-        codecs=codecs,
-        exits=exit_points(graph)[0],
-    )
-    tables = build_tables(problem)
+    tables = build_tables(options.problem(profiles, codecs, exit_points(graph)[0]))
     if graph.state:
         tables = with_state_memory(tables, unit_state_bytes(graph))
     return estimate(tables, cuts[0], cuts[1], codec)
 
 
-def estimate_dict(best: Estimate, graph: ModelGraph, objective: str) -> dict[str, Any]:
-    """The ``estimate`` object of ``plan.json``: prediction, breakdown and chosen cuts."""
+def estimate_dict(
+    best: Estimate | DecoderEstimate, graph: Planned, objective: str
+) -> dict[str, Any]:
+    """The ``estimate`` object of ``plan.json``: prediction, breakdown and chosen cuts.
+
+    A decoder's is its decode step's, with the generation's (``decoder``) beside it; its
+    ``latency_s`` is the generation's.
+    """
+    if isinstance(best, DecoderEstimate):
+        assert isinstance(graph, DecoderGraph)
+        data = estimate_dict(best.step, graph.decode, objective)
+        data["decoder"] = {
+            **graph.settings.to_dict(),
+            "points": {p.name: {"seq": p.seq, "past": p.past} for p in graph.points},
+            **best.to_dict(),
+        }
+        data["latency_s"] = best.generation_s
+        return data
+    assert isinstance(graph, ModelGraph)
     a, b = best.cuts
     return {
         "objective": objective,
@@ -410,7 +496,13 @@ def estimate_dict(best: Estimate, graph: ModelGraph, objective: str) -> dict[str
 
 @dataclass(frozen=True)
 class WrittenPlan:
-    """A plan directory on disk and how its split was checked."""
+    """A plan directory on disk and how its split was checked.
+
+    ``verify_inputs`` counts the requests it was checked on (for a model with state, one
+    after the other, a decoder's the steps of a greedy generation); ``max_abs_diff`` is 0
+    unless an fp16 decoder's logits moved ([Note: half precision splits] in
+    :mod:`.decoder_graph`).
+    """
 
     plan: Plan
     plan_dir: Path
@@ -420,11 +512,44 @@ class WrittenPlan:
     fidelity: FidelityScore | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlanOutcome(WrittenPlan):
+    """The written plan, the ranking it came from and the notes for the user."""
+
+    result: SearchResult[Any]
+    notes: tuple[str, ...] = ()
+
+
+def _verify(graph: Planned, segments: Sequence[Segment], cuts: tuple[int, int]) -> StatefulCheck:
+    """Check the split against the whole model, or raise :class:`PlanError`.
+
+    A model with state carries it over consecutive requests; a decoder generates greedily.
+    """
+    if isinstance(graph, DecoderGraph):
+        return verify_decoder_split(graph, segments, cuts)
+    check = verify_split(graph, segments)
+    if not check.bitwise_equal:
+        raise PlanError(
+            f"the split at cuts {cuts} does not reproduce the model: outputs differ "
+            f"by up to {check.max_abs_diff:g}"
+        )
+    if not graph.state:
+        return StatefulCheck(True, check.max_abs_diff, 1)
+    stream = verify_stream_split(graph, segments)
+    if not stream.bitwise_equal:
+        raise PlanError(
+            f"the split at cuts {cuts} does not carry its state as the model "
+            f"does: over {stream.steps} requests outputs differ by up to "
+            f"{stream.max_abs_diff:g}"
+        )
+    return StatefulCheck(True, check.max_abs_diff, stream.steps)
+
+
 def write_plan(
-    graph: ModelGraph,
-    profiles: Mapping[str, Profile],
+    graph: Planned,
+    profiles: Profiles,
     options: PlanOptions,
-    chosen: Estimate,
+    chosen: Estimate | DecoderEstimate,
     plan_dir: str | Path,
     *,
     fidelity: FidelityScore | None = None,
@@ -434,63 +559,63 @@ def write_plan(
     ``chosen`` is usually the search's best plan; the demo and the benchmarks also write
     the baselines (device-only, cloud-only) this way to measure them side by side.
     ``fidelity`` is the plan measured on the sample; without it a verified plan records
-    the verification (one input, bit for bit).
+    the verification (one input, bit for bit; a decoder's greedy steps).
     """
-    segments = split_with_exits(graph, chosen)
-    verified: bool | None = None
-    max_diff = 0.0
-    inputs = 1
-    if options.verify:
-        check = verify_split(graph, segments)
-        verified, max_diff = check.bitwise_equal, check.max_abs_diff
-        if not check.bitwise_equal:
-            raise PlanError(
-                f"the split at cuts {chosen.cuts} does not reproduce the model: outputs differ "
-                f"by up to {check.max_abs_diff:g}"
-            )
-        if graph.state:
-            stream = verify_stream_split(graph, segments)
-            if not stream.bitwise_equal:
-                raise PlanError(
-                    f"the split at cuts {chosen.cuts} does not carry its state as the model "
-                    f"does: over {stream.steps} requests outputs differ by up to "
-                    f"{stream.max_abs_diff:g}"
-                )
-            inputs = stream.steps  # one request, then the state carried over the others
-    codec = {name: chosen.links[name].codec for name in LINKS}
+    if isinstance(graph, DecoderGraph):
+        assert isinstance(profiles, DecoderProfiles)
+        analysed, tiers, segments = (
+            graph.prefill,
+            profiles.decode,
+            split_decoder(graph, chosen.cuts),
+        )
+    else:
+        assert isinstance(chosen, Estimate) and not isinstance(profiles, DecoderProfiles)
+        analysed, tiers, segments = graph, profiles, split_with_exits(graph, chosen)
+    check = _verify(graph, segments, chosen.cuts) if options.verify else None
     estimate = estimate_dict(chosen, graph, options.objective)
-    estimate["tiers"] = {t: profiles[t].machine.to_dict() for t in TIERS}
-    if verified is not None:
-        estimate["verified"] = {
-            "bitwise_equal": verified,
-            "inputs": inputs,
-            "max_abs_diff": max_diff,
-        }
-    if fidelity is None and verified is not None and _lossless(chosen):
-        fidelity = FidelityScore("exact", 1.0, inputs, True, str(options.fidelity))
+    estimate["tiers"] = {t: tiers[t].machine.to_dict() for t in TIERS}
+    if check is not None:
+        estimate["verified"] = (
+            check.to_dict()
+            if isinstance(graph, DecoderGraph)
+            else {
+                "bitwise_equal": check.bitwise_equal,
+                "inputs": check.steps,
+                "max_abs_diff": check.max_abs_diff,
+            }
+        )
+        if fidelity is None and _lossless(chosen):
+            fidelity = FidelityScore("exact", 1.0, check.steps, True, str(options.fidelity))
     directory = Path(plan_dir)
     plan = save_split_plan(
-        graph,
+        analysed,
         segments,
         directory,
         cuts=chosen.cuts,
-        codec=codec,
+        codec={name: chosen.links[name].codec for name in LINKS},
         links=options.links,
         estimate=estimate,
         fidelity=fidelity.to_dict() if fidelity is not None else None,
         images=options.images,
+        decoder=graph.decoder if isinstance(graph, DecoderGraph) else None,
     )
-    logger.info("[plan] wrote %s: cuts %s, %.3g ms", directory, chosen.cuts, chosen.latency_s * 1e3)
-    return WrittenPlan(plan, directory, verified, max_diff, inputs, fidelity)
+    logger.info(
+        "[plan] wrote %s: cuts %s, %.3g ms", directory, chosen.cuts, estimate["latency_s"] * 1e3
+    )
+    if check is None:
+        return WrittenPlan(plan, directory, None, 0.0, 1, fidelity)
+    return WrittenPlan(
+        plan, directory, check.bitwise_equal, check.max_abs_diff, check.steps, fidelity
+    )
 
 
-def _lossless(chosen: Estimate) -> bool:
+def _lossless(chosen: Estimate | DecoderEstimate) -> bool:
     return all(CodecSpec.parse(codec).bit_exact for codec in chosen.codec.values())
 
 
 def make_plan(
-    graph: ModelGraph,
-    profiles: Mapping[str, Profile],
+    graph: Planned,
+    profiles: Profiles,
     options: PlanOptions,
     plan_dir: str | Path,
     *,
@@ -501,11 +626,14 @@ def make_plan(
 
     With a ``sample`` (``IN.npz`` arrays, a leading request axis) the chosen plan is
     measured end to end on every request and ``plan.json`` records its fidelity; a
-    lossy budget needs one (:func:`rank`).
+    lossy budget needs one (:func:`rank`). A decoder takes none: its requests are drawn
+    from its vocabulary ([Note: decoder analysis points] in :mod:`.decoder_points`).
     """
     budget = options.fidelity
     probe = None
     if sample is not None:
+        if isinstance(graph, DecoderGraph):
+            raise UsageError("--sample does not apply to a decoder: the planner draws its tokens")
         requests = sample_requests(graph.inputs, sample)
         check_sample_size(budget, len(requests))
         probe = FidelityProbe(graph, requests, images=options.images)
@@ -524,13 +652,5 @@ def make_plan(
         if warning:
             notes.append(warning)
     written = write_plan(graph, profiles, options, best, plan_dir, fidelity=fidelity)
-    return PlanOutcome(
-        written.plan,
-        written.plan_dir,
-        result,
-        written.verified_bitwise,
-        written.max_abs_diff,
-        written.verify_inputs,
-        tuple(notes),
-        written.fidelity,
-    )
+    fields = {f.name: getattr(written, f.name) for f in dataclasses.fields(written)}
+    return PlanOutcome(**fields, result=result, notes=tuple(notes))

@@ -16,7 +16,7 @@ from typing import TextIO
 from tierflow.cli.table import format_table
 from tierflow.link.spec import LINKS, TIERS
 from tierflow.partitioner.cost import Estimate, spans
-from tierflow.partitioner.decoder_cost import DecoderEstimate, DecoderResult
+from tierflow.partitioner.decoder_cost import DecoderEstimate
 from tierflow.partitioner.grid import GridChoice
 from tierflow.partitioner.search import SearchResult
 from tierflow.units import format_size
@@ -102,7 +102,7 @@ def _row(label: str, estimate: Estimate, memory: Mapping[str, int]) -> list[str]
 
 
 def plan_table(
-    result: SearchResult,
+    result: SearchResult[Estimate],
     memory: Mapping[str, int],
     providers: Mapping[str, str] | None = None,
 ) -> str:
@@ -245,7 +245,7 @@ def block_ranges(estimate: Estimate, unit_blocks: Sequence[Sequence[int]]) -> st
 
 
 def decoder_table(
-    result: DecoderResult,
+    result: SearchResult[DecoderEstimate],
     memory: Mapping[str, int],
     unit_blocks: Sequence[Sequence[int]] | None = None,
 ) -> str:

@@ -19,9 +19,9 @@ to the next best one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -40,30 +40,61 @@ from tierflow.units import format_size
 BASELINES: tuple[str, ...] = ("device-only", "edge-only", "cloud-only")
 
 
+class Ranked(Protocol):
+    """What a search result ranks: an :class:`~.cost.Estimate`, or a plan priced from
+    several (a decoder's :class:`~.decoder_cost.DecoderEstimate`)."""
+
+    @property
+    def cuts(self) -> tuple[int, int]: ...
+
+    @property
+    def codec(self) -> dict[str, str]: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+E = TypeVar("E", bound=Ranked)
+F = TypeVar("F", bound=Ranked)
+
+
 @dataclass(frozen=True)
-class SearchResult:
+class SearchResult(Generic[E]):
     """Ranked feasible plans (best first) and the single-tier baselines for comparison.
 
     A baseline that breaks a memory budget is still reported, with ``feasible`` false.
     """
 
     objective: str
-    ranked: tuple[Estimate, ...]
-    baselines: Mapping[str, Estimate]
+    ranked: tuple[E, ...]
+    baselines: Mapping[str, E]
     considered: int
     feasible: int
 
     @property
-    def best(self) -> Estimate:
+    def best(self) -> E:
         return self.ranked[0]
 
+    def map(self, priced: Callable[[E], F]) -> SearchResult[F]:
+        """The same ranking with every plan priced again (a decoder's search ranks one
+        table and reports each plan at both of its points)."""
+        return SearchResult(
+            self.objective,
+            tuple(priced(e) for e in self.ranked),
+            {name: priced(e) for name, e in self.baselines.items()},
+            self.considered,
+            self.feasible,
+        )
+
     def to_dict(self) -> dict[str, Any]:
+        def entry(e: E) -> dict[str, Any]:
+            return dict(e.to_dict(), codec=e.codec, cuts=list(e.cuts))
+
         return {
             "objective": self.objective,
             "considered": self.considered,
             "feasible": self.feasible,
-            "ranked": [dict(e.to_dict(), codec=e.codec) for e in self.ranked],
-            "baselines": {k: dict(e.to_dict(), codec=e.codec) for k, e in self.baselines.items()},
+            "ranked": [entry(e) for e in self.ranked],
+            "baselines": {k: entry(e) for k, e in self.baselines.items()},
         }
 
 
@@ -288,7 +319,7 @@ def search(
     top: int = 5,
     tables: CostTables | None = None,
     admission: Admission | None = None,
-) -> SearchResult:
+) -> SearchResult[Estimate]:
     """Score every plan of ``problem``; return the ``top`` best feasible ones and baselines.
 
     With an ``admission`` only the codecs it allows are chosen, and a cut pair where it

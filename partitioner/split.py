@@ -27,6 +27,7 @@ import onnx.helper
 from tierflow.codec.base import ImageNorm
 from tierflow.errors import ModelError, PlanError, UsageError
 from tierflow.link.spec import LINKS, TIERS, LinkSpec
+from tierflow.partitioner.extract import SegmentExtractor
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.tensors import first_line
 from tierflow.partitioner.weights import PROTOBUF_LIMIT, check_graph, open_model_session
@@ -38,12 +39,15 @@ logger = logging.getLogger(__name__)
 Segment = tuple[SegmentSpec, onnx.ModelProto]
 
 
-def extract_segment(graph: ModelGraph, start: int, end: int) -> onnx.ModelProto:
+def extract_segment(
+    graph: ModelGraph, start: int, end: int, extractor: SegmentExtractor | None = None
+) -> onnx.ModelProto:
     """The sub-model running ``graph.cuts[start]`` to ``graph.cuts[end]``.
 
     Its inputs are the tensors crossing the first cut, its outputs those crossing the
     second; it keeps the source's opset imports and IR version and passes the onnx
-    checker.
+    checker. ``extractor`` cuts it from another copy of the model than the analysed one
+    (a decoder's as shipped, :func:`~.decoder_graph.split_decoder`).
     """
     if not 0 <= start < end < len(graph.cuts):
         raise PlanError(
@@ -52,7 +56,7 @@ def extract_segment(graph: ModelGraph, start: int, end: int) -> onnx.ModelProto:
     first, last = graph.cuts[start], graph.cuts[end]
     inputs, outputs = segment_names(graph, start, end)
     try:
-        segment = graph.extractor.extract(inputs, outputs)
+        segment = (extractor or graph.extractor).extract(inputs, outputs)
     except (ModelError, ValueError) as exc:
         raise ModelError(
             f"cannot extract cuts {start}..{end} of {graph.path}: {first_line(exc)}"
@@ -87,13 +91,16 @@ def split_model(
     graph: ModelGraph,
     cut_indices: Sequence[int],
     tiers: Sequence[str] = TIERS,
+    *,
+    extractor: SegmentExtractor | None = None,
 ) -> list[Segment]:
     """Split at ``cut_indices`` into one segment per tier that has work, in order.
 
     With tiers (device, edge, cloud) and cut_indices (a, b) the device runs
     ``cuts[0]..cuts[a]``, the edge ``cuts[a]..cuts[b]`` and the cloud
     ``cuts[b]..cuts[-1]``. A tier whose stretch holds no nodes is dropped. Files are
-    named by execution order and tier, like ``00-device.onnx``.
+    named by execution order and tier, like ``00-device.onnx``. ``extractor``: as
+    :func:`extract_segment` takes it.
     """
     if len(cut_indices) != len(tiers) - 1:
         raise PlanError(
@@ -111,7 +118,7 @@ def split_model(
     for tier, start, end in zip(tiers, bounds[:-1], bounds[1:], strict=True):
         if graph.cuts[start].position == graph.cuts[end].position:
             continue
-        model = extract_segment(graph, start, end)
+        model = extract_segment(graph, start, end, extractor)
         inputs, outputs = segment_names(graph, start, end)
         spec = SegmentSpec(
             tier=tier,

@@ -11,7 +11,6 @@ from tierflow.partitioner.decoder_cost import (
     decoder_estimate,
     decoder_search,
     decoder_tables,
-    memory_table,
 )
 from tierflow.partitioner.profile import Profile
 
@@ -131,9 +130,7 @@ def test_memory_budgets_count_each_tiers_kv_cache(profile_factory) -> None:
     assert not result.baselines["device-only"].feasible
     assert all(e.memory_bytes["device"] <= 8000 for e in result.ranked)
     assert max(e.cuts[0] for e in result.ranked) == 1  # one block and its cache fit
-    table = memory_table(
-        tables.prefill.problem.profiles["device"], tables.decode.problem.profiles["device"], KV
-    )
+    table = tables.prefill.memory["device"]
     assert table[0, 1] == 1000 + 4096 + 500 and table[1, 3] == 2000 + 2 * 4096 + 500
 
 

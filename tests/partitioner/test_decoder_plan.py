@@ -309,3 +309,30 @@ def test_budgets_that_cannot_hold_the_weights_are_refused_before_profiling(
     _, err = capsys.readouterr()
     assert code == 2 and "profiling here" not in err and "Traceback" not in err
     assert "3KiB in all): the model's weights are" in err
+
+
+def test_the_one_planner_plans_a_decoder_as_it_plans_any_model(
+    graph: DecoderGraph, tmp_path: Path
+) -> None:
+    """make_plan and write_plan take a decoder with its profiles at both points: ranked by
+    the decoder's own cost terms, split, checked by a greedy generation and written."""
+    from tierflow.link.spec import LinkSpec
+    from tierflow.partitioner.planner import PlanOptions, decoder_profiles, make_plan, write_plan
+
+    profiles, notes = decoder_profiles(graph, time_budget_s=0.2)
+    assert all("at the prefill point (seq 5, past 0)" in note for note in notes)
+    links = {"device-edge": LinkSpec.parse("20mbit,30ms"), "edge-cloud": LinkSpec.parse("1gbit")}
+    options = PlanOptions(links=links, memory={"device": 8 * 1024})
+    outcome = make_plan(graph, profiles, options, tmp_path / "plan")
+    best = outcome.result.best
+    assert best.generation_s == pytest.approx(best.ttft_s + 8 * best.per_token_s)
+    assert outcome.verified_bitwise is True and outcome.verify_inputs == 8
+    assert outcome.plan.decoder == graph.decoder
+    assert outcome.plan.estimate["cut_indices"] == list(best.cuts)
+    assert outcome.plan.estimate["verified"]["steps"] == 8
+    cloud = write_plan(graph, profiles, options, outcome.result.baselines["cloud-only"],
+                       tmp_path / "cloud")  # fmt: skip
+    assert [s.tier for s in cloud.plan.segments] == ["cloud"]
+    sample = {"input_ids": np.zeros((1, 1, 5), dtype=np.int64)}
+    with pytest.raises(UsageError, match="--sample does not apply to a decoder"):
+        make_plan(graph, profiles, options, tmp_path / "x", sample=sample)
