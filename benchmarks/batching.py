@@ -14,15 +14,25 @@ serving several users would). N sessions generate greedily at once, each from it
 prompt of the same length (so their steps are the same shapes and group; [Note: batching
 exactness] in tierflow/runtime/batching.py), with the tiers' default batching
 (``--max-batch 16``, ``--batch-delay 0``) and without (``--max-batch 1``: each step its own
-ONNX Runtime call, as before batching), every tier with ``--workers`` 16 and the same
-ONNX Runtime threads. The ceiling is ONNX Runtime alone running the unsplit model's decode
-step for N sequences as one call, at the sessions' mean past length, in the same run.
+ONNX Runtime call, as before batching), every tier with the default ``--workers`` (one per
+core: a step waiting for a batch holds none, [Note: a worker lent while a step queues] in
+tierflow/runtime/workers.py) and the same ONNX Runtime threads. The ceiling is ONNX Runtime
+alone running the unsplit model's decode step for N sequences as one call, at the
+sessions' mean past length, in the same run.
+
+``--batch-padding`` is measured like a lossy codec: 8 sessions whose prompts differ in
+length (16, 15, ..., 9 tokens: their past lengths never match, so the exact default runs
+each step alone), cloud-only, with and without padding; its token agreement is the share
+of generated tokens equal, position by position, to the unsplit model's own greedy output
+for the same prompt, and the sessions whose every token is.
 
 Per configuration: aggregate decode tokens/s (every session's tokens after its first,
 over the time from the first session's first token to the last session's end), p50/p99
 ms per token per session (each decode step's round trip), the child's peak resident
 memory, the batches the cloud ran, and whether every session's tokens equal the unsplit
 model's own greedy output (``tierflow.greedy.reference_generate``).
+
+    python -m benchmarks.batching --sessions 1,8 --tokens 8 --configs cloud   # a smoke run
 """
 
 from __future__ import annotations
@@ -52,7 +62,8 @@ RESULTS = FOLDER / "batching.json"
 PLOT = FOLDER / "batching.png"
 REPORT = FOLDER / "BATCHING.md"
 THREADS = 2
-WORKERS = 16
+#: Sessions of the --batch-padding runs, each prompt a token shorter than the one before.
+PADDED_SESSIONS = 8
 #: The batched runs' second --batch-delay: lockstep sessions otherwise fall into turns.
 DELAY_MS = 5.0
 
@@ -98,9 +109,14 @@ def build(workdir: Path, prompt: int, tokens: int) -> dict[str, Path]:
     return paths
 
 
-def prompts(count: int, length: int, vocab: int = 32000) -> list[list[int]]:
+def prompts(count: int, length: int, vocab: int = 32000, *, vary: bool = False) -> list[list[int]]:
+    """``count`` random prompts of ``length`` tokens; with ``vary``, the i-th is i tokens
+    shorter (at least one), so that no two sessions' past lengths match."""
     rng = np.random.default_rng(7)
-    return [rng.integers(0, vocab, length).tolist() for _ in range(count)]
+    texts = [rng.integers(0, vocab, length).tolist() for _ in range(count)]
+    if vary:
+        texts = [text[: max(1, length - i)] for i, text in enumerate(texts)]
+    return texts
 
 
 # ---------------------------------------------------------------------- the child's runs
@@ -116,15 +132,15 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
 
     options = RuntimeOptions(
         threads=args.threads,
-        workers=WORKERS,
         max_batch=args.max_batch,
         batch_delay_s=args.batch_delay_ms / 1e3,
+        batch_padding=args.batch_padding,
     )
     cloud = TierServer.from_plan("cloud", plan, options=options)
     cloud.start()
     edge = TierServer.from_plan("edge", plan, forwarder=Forwarding(cloud.address), options=options)
     edge.start()
-    texts = prompts(max(counts), args.prompt)
+    texts = prompts(max(counts), args.prompt, vary=args.vary)
     rows = []
     try:
         with DeviceClient(plan, edge.address, options=options, window=64) as client:
@@ -242,7 +258,7 @@ def references(model: Path, count: int, args: argparse.Namespace) -> list[list[i
                 context=args.prompt + args.tokens + 8,
             ).tokens
         )
-        for text in prompts(count, args.prompt)
+        for text in prompts(count, args.prompt, vary=args.vary)
     ]
 
 
@@ -273,6 +289,8 @@ def child(what: str, target: Path, counts: Sequence[int], args: argparse.Namespa
         str(args.repeats),
         "--batch-delay-ms",
         str(args.batch_delay_ms),
+        *(["--batch-padding"] if args.batch_padding else []),
+        *(["--vary"] if args.vary else []),
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
     if done.returncode != 0:
@@ -282,13 +300,15 @@ def child(what: str, target: Path, counts: Sequence[int], args: argparse.Namespa
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     counts = [int(c) for c in args.sessions.split(",")]
+    configs = args.configs.split(",")
     paths = build(Path(args.workdir), args.prompt, args.tokens)
     print("references ...", flush=True)
+    args.vary, args.batch_padding = False, False
     expected = child("references", paths["model"], [max(counts)], args)
     results: dict[str, Any] = {
         "settings": {
             "threads": args.threads,
-            "workers": WORKERS,
+            "workers": f"default ({os.cpu_count()})",
             "tokens": args.tokens,
             "prompt": args.prompt,
             "cpus": os.cpu_count(),
@@ -300,7 +320,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     print("ceiling ...", flush=True)
     results["ceiling"] = child("ceiling", paths["model"], counts, args)
-    for where in ("cloud", "split"):
+    for where in configs:
         for batch, delay in ((16, 0.0), (16, DELAY_MS), (1, 0.0)):
             name = f"{where}, " + ("not batched" if batch == 1 else f"batched, delay {delay:g} ms")
             print(f"{name} ...", flush=True)
@@ -311,7 +331,46 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     made == want for made, want in zip(row.pop("tokens"), expected, strict=False)
                 )
             results["runs"][name] = run
+    if args.padding and "cloud" in configs:
+        results["padding"] = padding_runs(paths, args)
+    results["settings"]["load_end"] = os.getloadavg()[0]
     return results
+
+
+def padding_runs(paths: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
+    """``--batch-padding``'s token agreement and speed: sessions of different past lengths,
+    cloud-only, padded into batches and not (the exact default: each step alone)."""
+    args.vary, args.max_batch, args.batch_delay_ms = True, 16, 0.0
+    args.batch_padding = False
+    print("references, prompts of different lengths ...", flush=True)
+    expected = child("references", paths["model"], [PADDED_SESSIONS], args)
+    out: dict[str, Any] = {"sessions": PADDED_SESSIONS, "runs": {}}
+    for padded in (True, False):
+        args.batch_padding = padded
+        name = "cloud, --batch-padding" if padded else "cloud, exact (no padding)"
+        print(f"{name}, prompts of different lengths ...", flush=True)
+        row = child("sessions", paths["cloud"], [PADDED_SESSIONS], args)["rows"][0]
+        made = row.pop("tokens")
+        row.update(agreement(made, expected))
+        out["runs"][name] = row
+    args.vary, args.batch_padding = False, False
+    return out
+
+
+def agreement(made: list[list[int]], expected: list[list[int]]) -> dict[str, Any]:
+    """How many generated tokens equal the unsplit model's, position by position, and how
+    many sessions match in every token (like a lossy codec's fidelity)."""
+    same = total = whole = 0
+    for tokens, want in zip(made, expected, strict=True):
+        equal = sum(a == b for a, b in zip(tokens, want, strict=False))
+        same += equal
+        total += len(want)
+        whole += tokens == want
+    return {
+        "token_agreement": same / total if total else 0.0,
+        "sessions_identical": whole,
+        "identical": whole == len(expected),
+    }
 
 
 def table(results: dict[str, Any]) -> list[str]:
@@ -325,14 +384,7 @@ def table(results: dict[str, Any]) -> list[str]:
         one = run["rows"][0]["tokens_per_s"]
         for row in run["rows"]:
             ceil = ceiling_by[row["sessions"]]["tokens_per_s"]
-            batches = row["cloud_batches"]
-            sizes = (
-                " ".join(
-                    f"{k}:{v}" for k, v in sorted(batches["sizes"].items(), key=lambda x: int(x[0]))
-                )
-                if batches
-                else "-"
-            )
+            sizes = _sizes(row["cloud_batches"])
             lines.append(
                 f"| {name} | {row['sessions']} | {row['tokens_per_s']:.1f} | "
                 f"{row['tokens_per_s'] / one:.2f} | {100 * row['tokens_per_s'] / ceil:.0f}% | "
@@ -355,11 +407,44 @@ def table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def padding_table(results: dict[str, Any]) -> list[str]:
+    """The --batch-padding runs: speed and token agreement with the unsplit model."""
+    padding = results.get("padding")
+    if not padding:
+        return []
+    lines = [
+        f"`--batch-padding`, {padding['sessions']} sessions whose prompts differ in length "
+        "(their past lengths never match), cloud-only, like a lossy codec: tokens equal to "
+        "the unsplit model's greedy output, position by position.",
+        "",
+        "| run | tokens/s | p50 ms/token | p99 ms/token | cloud batch sizes | tokens identical "
+        "| sessions identical |",
+        "|---|---:|---:|---:|---|---:|---:|",
+    ]
+    for name, row in padding["runs"].items():
+        lines.append(
+            f"| {name} | {row['tokens_per_s']:.1f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} "
+            f"| {_sizes(row['cloud_batches'])} | {100 * row['token_agreement']:.1f}% | "
+            f"{row['sessions_identical']} of {padding['sessions']} |"
+        )
+    return lines
+
+
+def _sizes(batches: dict[str, Any] | None) -> str:
+    if not batches:
+        return "-"
+    return " ".join(
+        f"{k}:{v}" for k, v in sorted(batches["sizes"].items(), key=lambda x: int(x[0]))
+    )
+
+
 def goals(results: dict[str, Any]) -> list[str]:
     """Issue 29's goals, judged on each batched run (the default delay 0 and 5 ms)."""
     ceiling_by = {r["sessions"]: r["tokens_per_s"] for r in results["ceiling"]["rows"]}
     out = []
     for where in ("cloud", "split"):
+        if f"{where}, not batched" not in results["runs"]:
+            continue
         plain = {r["sessions"]: r for r in results["runs"][f"{where}, not batched"]["rows"]}
         for delay in (0.0, DELAY_MS):
             name = f"{where}, batched, delay {delay:g} ms"
@@ -451,7 +536,9 @@ def render(results: dict[str, Any]) -> None:
         "",
         "`python -m benchmarks.batching` (see its docstring), run "
         f"{settings['when']} on {settings['cpus']} CPUs "
-        f"(load {settings['load']:.2f} at the start), "
+        f"(load average {settings['load']:.2f} at the start"
+        + (f", {settings['load_end']:.2f} at the end" if "load_end" in settings else "")
+        + "), "
         f"ONNX Runtime {settings['threads']} intra-op threads on every tier, --workers "
         f"{settings['workers']}, prompts of {settings['prompt']} tokens, {settings['tokens']} "
         "tokens per session.",
@@ -463,6 +550,8 @@ def render(results: dict[str, Any]) -> None:
         "Goals:",
         "",
         *goals(results),
+        "",
+        *padding_table(results),
         "",
         *NOTES,
         "",
@@ -483,6 +572,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batch-delay-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--configs", default="cloud,split", help="the plans to run: cloud, split or both"
+    )
+    parser.add_argument(
+        "--no-padding",
+        dest="padding",
+        action="store_false",
+        help="skip the --batch-padding runs (prompts of different lengths, cloud-only)",
+    )
+    parser.add_argument("--batch-padding", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--vary", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--render", action="store_true", help="re-render the saved results")
     parser.add_argument("--child", choices=("sessions", "ceiling", "references"))
     parser.add_argument("--target")
@@ -510,7 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     plot(results, PLOT)
     render(results)
-    print("\n".join([*table(results), "", *goals(results)]))
+    print("\n".join([*table(results), "", *goals(results), "", *padding_table(results)]))
     return 0
 
 
