@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -30,8 +31,10 @@ from tierflow.options import RuntimeOptions
 from tierflow.partitioner.decoder_graph import load_decoder, split_decoder
 from tierflow.partitioner.decoder_points import DecoderSettings
 from tierflow.partitioner.split import save_split_plan
+from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.batching import StepBatcher
 from tierflow.runtime.server import TierServer
+from tierflow.transport.wire import decode_tensors, encode_tensors, grpc_options
 from tierflow.zoo.tiny_stateful import tiny_decoder
 
 pytestmark = pytest.mark.integration
@@ -383,3 +386,70 @@ def test_a_member_fails_alone_with_its_own_error(models: dict[str, Path]) -> Non
         "late": codes["late"] if codes["late"] == "DeadlineError" else "DEADLINE_EXCEEDED",
     }, codes
     assert batcher.stats.largest >= 3  # the good ones (and the bad) shared a call
+
+
+def test_a_batch_in_one_message_runs_as_one_call_and_is_answered_in_one_reply(
+    models: dict[str, Path],
+) -> None:
+    """A request whose members are five sessions' steps ([Note: a batch in one message]):
+    the cloud runs them as one call and answers them in one reply, in order; then their
+    next steps, of which one has a token past the vocabulary, one a lost state and one a
+    deadline passed: those fail alone, each with its own code, the others are answered."""
+    plan = models["cloud"]
+    prompt = PROMPTS[0]
+    with serving(plan, RuntimeOptions(workers=2, max_batch=8)) as (_, cloud, _edge):
+        batcher = batcher_of(cloud)
+        batcher.convoy_wait_s = 30.0  # the members' decoding never outlasts it here
+        decoder = cloud.service.plan.decoder
+        assert decoder is not None
+        plan_id = cloud.service.plan_id
+
+        def step(session: str, tokens: list[int], position: int) -> tier_pb2.Request:
+            return tier_pb2.Request(
+                id=f"{session}@{position}",
+                plan_id=plan_id,
+                session=session,
+                position=position,
+                tensors=encode_tensors(decoder.step_feeds(tokens, position), "raw"),
+                keep_last=1,
+                choices_only=True,
+            )
+
+        # One channel: a caller's sessions are its own, and without a token the caller is
+        # its connection ([Note: who a caller is]).
+        channel = grpc.insecure_channel(cloud.address, options=grpc_options(8 << 20))
+        stub = tier_pb2_grpc.TierStub(channel)
+
+        def send(members: list[tier_pb2.Request]) -> tier_pb2.Reply:
+            request = tier_pb2.Request(id="batch", plan_id=plan_id)
+            request.members.extend(members)
+            replies = list(stub.Infer(iter([request]), timeout=30))
+            assert [r.id for r in replies] == ["batch"]
+            return replies[0]
+
+        def choice(reply: tier_pb2.Reply) -> int:
+            assert not reply.HasField("error"), reply.error
+            return int(decode_tensors(list(reply.outputs))["logits"].reshape(-1)[-1])
+
+        sessions = ["s0", "s1", "bad", "lost", "late"]
+        before = dict(batcher.stats.sizes)
+        first = send([step(s, prompt, 0) for s in sessions])
+        assert [r.id for r in first.members] == [f"{s}@0" for s in sessions]
+        tokens = {s: choice(r) for s, r in zip(sessions, first.members, strict=True)}
+        assert batcher.stats.sizes.get(5, 0) == before.get(5, 0) + 1  # one call of five
+
+        pipeline = cloud.service.pipeline
+        assert pipeline is not None
+        pipeline.states.drop("lost")
+        position = len(prompt)
+        members = [step(s, [tokens[s]], position) for s in sessions]
+        members[2] = step("bad", [VOCAB + 7], position)
+        members[4].deadline_unix_s = time.time() - 1
+        second = send(members)
+        channel.close()
+    expected = reference_generate(models["model"], prompt, 2, context=CONTEXT).tokens
+    assert [r.id for r in second.members] == [f"{s}@{position}" for s in sessions]
+    assert [tokens[s] for s in sessions] == [expected[0]] * 5
+    assert [choice(r) for r in second.members[:2]] == [expected[1]] * 2
+    codes = [tier_pb2.ErrorCode.Name(r.error.code) for r in second.members[2:]]
+    assert codes == ["INVALID_INPUT", "STATE_LOST", "DEADLINE_EXCEEDED"]

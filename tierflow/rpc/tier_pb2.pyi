@@ -83,7 +83,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "plan_id", "segment", "tensors", "timings", "links", "deadline_unix_s", "session", "position", "initial_state", "keep_last", "choices_only", "on_behalf_of", "replay_to")
+    __slots__ = ("id", "plan_id", "segment", "tensors", "timings", "links", "deadline_unix_s", "session", "position", "initial_state", "keep_last", "choices_only", "on_behalf_of", "replay_to", "members")
     ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class Request(_message.Message):
     CHOICES_ONLY_FIELD_NUMBER: _ClassVar[int]
     ON_BEHALF_OF_FIELD_NUMBER: _ClassVar[int]
     REPLAY_TO_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     id: str
     plan_id: str
     segment: int
@@ -112,10 +113,11 @@ class Request(_message.Message):
     choices_only: bool
     on_behalf_of: str
     replay_to: int
-    def __init__(self, id: _Optional[str] = ..., plan_id: _Optional[str] = ..., segment: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[TierTiming, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStat, _Mapping]]] = ..., deadline_unix_s: _Optional[float] = ..., session: _Optional[str] = ..., position: _Optional[int] = ..., initial_state: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., keep_last: _Optional[int] = ..., choices_only: _Optional[bool] = ..., on_behalf_of: _Optional[str] = ..., replay_to: _Optional[int] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[Request]
+    def __init__(self, id: _Optional[str] = ..., plan_id: _Optional[str] = ..., segment: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[TierTiming, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStat, _Mapping]]] = ..., deadline_unix_s: _Optional[float] = ..., session: _Optional[str] = ..., position: _Optional[int] = ..., initial_state: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., keep_last: _Optional[int] = ..., choices_only: _Optional[bool] = ..., on_behalf_of: _Optional[str] = ..., replay_to: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Request, _Mapping]]] = ...) -> None: ...
 
 class Reply(_message.Message):
-    __slots__ = ("id", "plan_id", "outputs", "answered_by", "exit", "cache_hit", "timings", "links", "error", "fallback")
+    __slots__ = ("id", "plan_id", "outputs", "answered_by", "exit", "cache_hit", "timings", "links", "error", "fallback", "members")
     ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +128,7 @@ class Reply(_message.Message):
     LINKS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     id: str
     plan_id: str
     outputs: _containers.RepeatedCompositeFieldContainer[Tensor]
@@ -136,7 +139,8 @@ class Reply(_message.Message):
     links: _containers.RepeatedCompositeFieldContainer[LinkStat]
     error: Error
     fallback: str
-    def __init__(self, id: _Optional[str] = ..., plan_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., answered_by: _Optional[str] = ..., exit: _Optional[str] = ..., cache_hit: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[TierTiming, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStat, _Mapping]]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., fallback: _Optional[str] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[Reply]
+    def __init__(self, id: _Optional[str] = ..., plan_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., answered_by: _Optional[str] = ..., exit: _Optional[str] = ..., cache_hit: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[TierTiming, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStat, _Mapping]]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., fallback: _Optional[str] = ..., members: _Optional[_Iterable[_Union[Reply, _Mapping]]] = ...) -> None: ...
 
 class ProbeMessage(_message.Message):
     __slots__ = ("seq", "payload", "reply_bytes")

@@ -88,6 +88,45 @@ Feeds = Mapping[str, np.ndarray]
 Outputs = dict[str, np.ndarray]
 #: How long a session counts as active for ``--batch-delay`` ([Note: the step batcher]).
 ACTIVE_S = 1.0
+#: How long a batch waits for the members of a batched request still on their way to it
+#: ([Note: a batch in one message] in tierflow/runtime/batch_message.py).
+CONVOY_WAIT_S = 0.5
+
+
+class Convoy:
+    """The steps of one batched request, on their way to the batcher together ([Note: a
+    batch in one message] in tierflow/runtime/batch_message.py).
+
+    Each member is settled once: when its step reaches the batcher, or when it will not
+    (it failed before, or ran elsewhere). A batch whose oldest step is of a convoy waits
+    (up to ``CONVOY_WAIT_S``) until every member is settled, so they share one call.
+    Thread-safe."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._settled: set[int] = set()
+        self._wakes: list[Callable[[], None]] = []
+
+    def listen(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` whenever a member settles."""
+        with self._lock:
+            if wake not in self._wakes:
+                self._wakes.append(wake)
+
+    def settle(self, seat: int) -> None:
+        """Member ``seat`` reached the batcher, or will not; the second time, nothing."""
+        with self._lock:
+            if seat in self._settled:
+                return
+            self._settled.add(seat)
+            wakes = list(self._wakes)
+        for wake in wakes:
+            wake()
+
+    def complete(self) -> bool:
+        with self._lock:
+            return len(self._settled) >= self.size
 
 
 @dataclass(frozen=True)
@@ -199,6 +238,7 @@ class _Step:
     member: Hashable
     deadline_unix_s: float
     owner: str = ""
+    convoy: Convoy | None = None
     result: Outputs | None = None
     error: BaseException | None = None
     done: bool = False
@@ -246,6 +286,7 @@ class StepBatcher:
         delay_s: float = 0.0,
         padding: Padding | None = None,
         clock: Callable[[], float] = time.monotonic,
+        convoy_wait_s: float = CONVOY_WAIT_S,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -255,6 +296,7 @@ class StepBatcher:
         self.delay_s = delay_s
         self.padding = padding
         self._clock = clock
+        self.convoy_wait_s = convoy_wait_s
         self._cond = threading.Condition()
         self._queue: deque[_Step] = deque()
         self._busy = False
@@ -268,27 +310,44 @@ class StepBatcher:
         member: Hashable = "",
         owner: str = "",
         deadline_unix_s: float = 0.0,
+        convoy: tuple[Convoy, int] | None = None,
     ) -> Outputs:
         """Run one step, alone or in a batch; its outputs, or its own error raised.
 
         ``member``: the step's session; ``owner``: whose it is (batches are shared fairly
-        among owners)."""
-        step = _Step(feeds, group_key(feeds, self.padding), member, deadline_unix_s, owner)
+        among owners); ``convoy``: the batched request the step came in, and its seat there
+        ([Note: a batch in one message])."""
+        key = group_key(feeds, self.padding)
+        step = _Step(feeds, key, member, deadline_unix_s, owner, convoy[0] if convoy else None)
         # [Note: a worker lent while a step queues] (tierflow/runtime/workers.py).
         with lent():
-            with self._cond:
-                self._queue.append(step)
-                self._cond.notify_all()  # a leader waiting out --batch-delay counts it
-                while not step.done and self._busy:
-                    self._cond.wait()
-                if not step.done:
-                    self._busy = True
+            if convoy is None:
+                with self._cond:
+                    self._queue.append(step)
+                    self._cond.notify_all()  # a leader waiting out --batch-delay counts it
+                    self._wait_turn(step)
+            else:
+                convoy[0].listen(self._wake)
+                with self._cond:
+                    self._queue.append(step)
+                    self._cond.notify_all()
+                convoy[0].settle(convoy[1])  # wakes a leader waiting for the convoy
+                with self._cond:
+                    self._wait_turn(step)
             if not step.done:
                 self._lead(step)
         if step.error is not None:
             raise step.error
         assert step.result is not None
         return step.result
+
+    def _wait_turn(self, step: _Step) -> None:
+        """Wait until ``step`` is answered or the batcher is free, then take the lead if
+        it is not answered; hold the lock."""
+        while not step.done and self._busy:
+            self._cond.wait()
+        if not step.done:
+            self._busy = True
 
     def _lead(self, mine: _Step) -> None:
         """Run batches until ``mine`` is answered, then hand the lead on."""
@@ -302,10 +361,22 @@ class StepBatcher:
                 self._busy = False
                 self._cond.notify_all()
 
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
     def _take(self) -> list[_Step]:
         """The next batch: the oldest queued step and the later ones of its group."""
         with self._cond:
-            if self.delay_s > 0 and self._queue:
+            if self._queue and self._queue[0].convoy is not None:
+                convoy = self._queue[0].convoy
+                ends = self._clock() + self.convoy_wait_s
+                while not convoy.complete():
+                    left = ends - self._clock()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+            elif self.delay_s > 0 and self._queue:
                 ends = self._clock() + self.delay_s
                 while self._group_size() < min(self.max_batch, self._expected()):
                     left = ends - self._clock()

@@ -50,6 +50,7 @@ from tierflow.link.spec import downstream_link, upstream_link
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2
+from tierflow.runtime.batching import Convoy
 from tierflow.runtime.segment_runner import SegmentRunner, TierRunner, emulate_slower
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, tier_files
 from tierflow.state.spec import DecoderSpec, StateSpec
@@ -408,6 +409,7 @@ class Pipeline:
         as_received: Sequence[tier_pb2.Tensor] = (),
         checked: bool = False,
         session: SessionStep | None = None,
+        convoy: tuple[Convoy, int] | None = None,
     ) -> Answered | Onward:
         """Steps 2-3 of [Note: one request path] for features entering at ``segment``.
 
@@ -415,7 +417,9 @@ class Pipeline:
         ``as_received``: the request's encoded tensors, forwarded unchanged by a tier that
         runs nothing for the plan. ``checked``: :meth:`decode` checked the features.
         ``session``: the request's session step; the tier's state is fed from it and
-        kept for the session's next request.
+        kept for the session's next request. ``convoy``: the batched request the step
+        came in, for the batcher ([Note: a batch in one message] in
+        tierflow/runtime/batch_message.py).
         """
         plan = self.plans.plans[index]
         if self.forwards_as_is(index):
@@ -446,6 +450,7 @@ class Pipeline:
             state=state,
             member=f"{session.owner}/{session.session}" if session is not None else "",
             owner=session.owner if session is not None else "",
+            convoy=convoy,
             deadline_unix_s=deadline_unix_s,
         )
         if session is not None and runner.states and outcome.state:

@@ -60,7 +60,7 @@ from tierflow.link.spec import TIERS
 from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec
-from tierflow.runtime.batching import Outputs, Padding, StepBatcher
+from tierflow.runtime.batching import Convoy, Outputs, Padding, StepBatcher
 from tierflow.state.spec import StateSpec
 
 logger = logging.getLogger(__name__)
@@ -361,6 +361,7 @@ class TierRunner:
         member: str = "",
         owner: str = "",
         deadline_unix_s: float = 0.0,
+        convoy: tuple[Convoy, int] | None = None,
     ) -> Outcome:
         """Run this tier's segments on ``tensors``; stop at the first confident exit.
 
@@ -368,8 +369,8 @@ class TierRunner:
         already (a server, before decoding), so the segments need not check again.
         ``state``: the value of each of :attr:`states`' inputs for this step; the outcome
         carries what they become. ``member`` (the step's session), ``owner`` (whose it
-        is) and ``deadline_unix_s`` are for the batcher, when the tier has one
-        ([Note: the step batcher]).
+        is), ``deadline_unix_s`` and ``convoy`` (the batched request it came in) are for
+        the batcher, when the tier has one ([Note: the step batcher]).
         """
         env = dict(tensors)
         if self.states:
@@ -380,7 +381,7 @@ class TierRunner:
                 )
             env.update(state)
         if self.batcher is not None:
-            return self._batched(env, tensors, checked, member, owner, deadline_unix_s)
+            return self._batched(env, tensors, checked, member, owner, deadline_unix_s, convoy)
         last = len(self.plan.segments) - 1
         start = time.perf_counter()
         exits: list[str] = []
@@ -420,6 +421,7 @@ class TierRunner:
         member: str,
         owner: str,
         deadline_unix_s: float,
+        convoy: tuple[Convoy, int] | None = None,
     ) -> Outcome:
         """:meth:`run` through the batcher: the step's tensors checked here, alone, so a
         bad one fails its own step before it joins a batch."""
@@ -431,7 +433,9 @@ class TierRunner:
                 value = tensors[name]
                 spec.check(value.dtype.name, tuple(value.shape), f"the {self.tier}'s")
         start = time.perf_counter()
-        values = self.batcher.run(env, member=member, owner=owner, deadline_unix_s=deadline_unix_s)
+        values = self.batcher.run(
+            env, member=member, owner=owner, deadline_unix_s=deadline_unix_s, convoy=convoy
+        )
         elapsed = time.perf_counter() - start
         final = self.end >= len(self.plan.segments)
         names = self.plan.outputs if final else self._forwarded

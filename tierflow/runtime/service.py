@@ -16,7 +16,10 @@ requests run at once] (tierflow/runtime/streams.py); how replies are written in
    the plan they started with while the device switches ([Note: switching with
    hysteresis] in device/switching.py).
 2. Take it through the pipeline: decode (headers checked first), cache, segments and
-   exits; the answer goes back down, or the request goes up through the forwarder.
+   exits; the answer goes back down, or the request goes up through the forwarder. A
+   request whose ``members`` are a batch's steps takes each of them through alike, and
+   answers them in one reply ([Note: a batch in one message] in
+   tierflow/runtime/batch_message.py).
 Every request gets exactly one reply: any failure becomes a ``Reply`` with a typed
 ``Error`` (see :func:`tierflow.transport.wire.error_to_proto`); the stream itself is never
 broken on purpose.
@@ -25,6 +28,7 @@ broken on purpose.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -50,6 +54,8 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.admission import StreamAdmission, peer_host
+from tierflow.runtime.batch_message import MemberReplies, check_members
+from tierflow.runtime.batching import Convoy
 from tierflow.runtime.pipeline import Answered, Onward, Pipeline, SessionStep
 from tierflow.runtime.probe import ProbeCredit, echo
 from tierflow.runtime.replies import StreamReplies
@@ -456,16 +462,26 @@ class TierService(tier_pb2_grpc.TierServicer):
             self._in_flight -= 1
 
     def handle(
-        self, request: tier_pb2.Request, received: float, later: Send, caller: str = "local"
+        self,
+        request: tier_pb2.Request,
+        received: float,
+        later: Send,
+        caller: str = "local",
+        convoy: tuple[Convoy, int] | None = None,
     ) -> tier_pb2.Reply | None:
         """Take one request of ``caller`` ([Note: who a caller is]) through the tier: its
         reply, or None when the next tier's reply will come to ``later`` (from another
-        thread)."""
+        thread). ``convoy``: the batch the request is a member of, and its seat there
+        ([Note: a batch in one message] in tierflow/runtime/batch_message.py)."""
         timing = tier_pb2.TierTiming(
             tier=self.tier, queue_ms=(time.perf_counter() - received) * 1e3
         )
         try:
-            reply = self._process(request, timing, later, caller)
+            if request.members:
+                check_members(request)
+                self.run_members(request, received, later, caller)
+                return None
+            reply = self._process(request, timing, later, caller, convoy)
         except TierflowError as exc:
             logger.info("[%s] request %s of %s refused: %s", self.tier, request.id, caller, exc)
             reply = self.error_reply(request.id, exc)
@@ -478,8 +494,56 @@ class TierService(tier_pb2_grpc.TierServicer):
             reply.id = request.id
         return reply
 
+    def run_members(
+        self, request: tier_pb2.Request, received: float, later: Send, caller: str
+    ) -> None:
+        """Take each member of a batched request through the tier as the request it is, on
+        a thread of its own, their steps batched together; their replies go to ``later``
+        as one (steps 2-3 of [Note: a batch in one message])."""
+        replies = MemberReplies(request, later)
+        convoy = Convoy(len(request.members))
+        for seat, member in enumerate(request.members):
+            run = functools.partial(self._run_member, member, seat, received, replies, convoy)
+            work: Callable[[], None] = functools.partial(run, caller, _nothing)
+            if member.session:  # [Note: a stream's requests run at once]: a session's in order
+                key = (caller, member.on_behalf_of, member.session)
+                release = self.hold(member, caller)
+                work = functools.partial(
+                    self.order.run, key, functools.partial(run, caller, release)
+                )
+            if not self.pool.submit(work):  # the pool is shut down: the tier is stopping
+                convoy.settle(seat)
+                stopping = TransportError(f"the {self.tier} is stopping")
+                replies.put(seat, self.error_reply(member.id, stopping))
+
+    def _run_member(
+        self,
+        member: tier_pb2.Request,
+        seat: int,
+        received: float,
+        replies: MemberReplies,
+        convoy: Convoy,
+        caller: str,
+        release: Callable[[], None],
+    ) -> None:
+        """One member of a batched request, as :meth:`StreamReader._run` runs a request."""
+        try:
+            with self.running:
+                later = functools.partial(replies.put, seat)
+                reply = self.handle(member, received, later, caller, (convoy, seat))
+        finally:
+            convoy.settle(seat)  # it will not reach the batcher now, if it has not
+            release()  # this tier's step of the session is done (its state kept)
+        if reply is not None:
+            replies.put(seat, reply)
+
     def _process(
-        self, request: tier_pb2.Request, timing: tier_pb2.TierTiming, later: Send, caller: str
+        self,
+        request: tier_pb2.Request,
+        timing: tier_pb2.TierTiming,
+        later: Send,
+        caller: str,
+        convoy: tuple[Convoy, int] | None = None,
     ) -> tier_pb2.Reply | None:
         """Steps 1-2 of [Note: a request at a tier]; None when the reply comes later."""
         pipeline = self.pipeline
@@ -507,6 +571,7 @@ class TierService(tier_pb2_grpc.TierServicer):
                 as_received=request.tensors,
                 checked=True,
                 session=session,
+                convoy=convoy,
             )
         timing.compute_ms = step.compute_s * 1e3
         if isinstance(step, Answered):
