@@ -53,6 +53,7 @@ from tierflow.plan import load_plan_set
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.pipeline import (
     Answered,
+    Down,
     Onward,
     Pipeline,
     SessionStep,
@@ -61,10 +62,9 @@ from tierflow.runtime.pipeline import (
 )
 from tierflow.runtime.segment_runner import TierRunner
 from tierflow.runtime.segment_store import tier_files
-from tierflow.runtime.upstream import connect, segment_source
+from tierflow.runtime.upstream import StreamUpstream, Upstream
 from tierflow.state.store import check_session_id
 from tierflow.transport.deadline import Deadline
-from tierflow.transport.stream_client import StreamClient
 from tierflow.transport.wire import put_tensors
 
 __all__ = ["DEFAULT_DEADLINE_S", "DEFAULT_RETRY_S", "DeviceClient", "Result", "Ticket"]
@@ -108,6 +108,7 @@ class DeviceClient:
         adaptive: bool = True,
         idle_probe_s: float | None = DEFAULT_IDLE_S,
         retry_s: float = DEFAULT_RETRY_S,
+        upstream: Upstream | None = None,
     ) -> None:
         if window < 1:
             raise UsageError(f"the window must be at least 1 request, got {window}")
@@ -125,25 +126,28 @@ class DeviceClient:
         self.codec = self.plan.link_codec("device-edge")
         self.local_only = runs_on_device_only(self.plan)
         self.fallback_plan = None if self.local_only else device_only(plans.plans)
-        self.stream: StreamClient | None = None
+        #: The edge ([Note: the next tier in process] in tierflow/runtime/upstream.py).
+        self.upstream = upstream
         self._ids = itertools.count()
         remote = any(not runs_on_device_only(plan) for plan in plans.plans)
-        if not self.local_only or (edge and remote):
+        if upstream is None and (not self.local_only or (edge and remote)):
             if not edge:
                 raise UsageError(
                     "the plan runs segments on the edge or the cloud; give the edge's "
                     "address (--edge HOST:PORT)"
                 )
-            self.stream = connect(edge, me="device", peer="edge", options=options)
-        source = None if self.stream is None else segment_source(self.stream)
+            self.upstream = StreamUpstream(edge, me="device", peer="edge", options=options)
+        #: The gRPC stream to the edge (None: no edge, or the edge in this process).
+        self.stream = None if self.upstream is None else self.upstream.stream
+        source = None if self.upstream is None else self.upstream.segment_source()
         self.pipeline = Pipeline("device", plans, plan_dir, options, cache=cache, source=source)
         self.segments = self.pipeline.segments
         self._fetching_ahead = threading.Lock()  # one fetch ahead at a time
         try:
             self.pipeline.runner(plans.default)  # fetched and opened now, not at the first request
         except BaseException:
-            if self.stream is not None:
-                self.stream.close()
+            if self.upstream is not None:
+                self.upstream.close()
             raise
         self.adaptation = Adaptation(
             plans,
@@ -171,8 +175,9 @@ class DeviceClient:
 
     def close(self) -> None:
         self.adaptation.close()
-        if self.stream is not None:
-            self.stream.close()
+        if self.upstream is not None:
+            self.upstream.close()
+        self.pipeline.close()
 
     @property
     def runner(self) -> TierRunner:
@@ -224,7 +229,7 @@ class DeviceClient:
             result = None
             if isinstance(exc, TransportError):
                 arrays = {name: np.asarray(value) for name, value in inputs.items()}
-                result = self._fall_back(request_id, started, arrays, None, exc)
+                result = self._fall_back(request_id, started, arrays, exc)
             if result is None:
                 ticket = self._local(request_id, started, error=exc)
             else:
@@ -307,9 +312,10 @@ class DeviceClient:
                     request_id, started, outputs=hit.outputs, exit_name=hit.exit, cache_hit=True
                 )
             exits = any(spec.exits for _, spec, _ in runner.segments)
-            if self.stream is not None and not exits and self.stream.known_down():
-                down = TransportError(f"the edge at {self.stream.address} is down; not running")
-                result = self._fall_back(request_id, started, arrays, None, down)
+            upstream = self.upstream
+            if upstream is not None and not exits and upstream.known_down():
+                down = TransportError(f"the edge at {upstream.address} is down; not running")
+                result = self._fall_back(request_id, started, arrays, down)
                 if result is None:
                     raise down
                 return Ticket(request_id, started, result.ms["device"], result=result)
@@ -330,48 +336,46 @@ class DeviceClient:
         if isinstance(done, Answered):
             self.adaptation.demand()  # chosen on a link estimate it cannot refresh
             return self._local(request_id, started, outputs=done.outputs, exit_name=done.exit)
-        return self._send(request_id, started, arrays, done, stateful=step is not None)
+        return self._send(request_id, started, arrays, index, done, stateful=step is not None)
 
     def _send(
         self,
         request_id: str,
         started: float,
         arrays: dict[str, np.ndarray],
+        index: int,
         onward: Onward,
         *,
         stateful: bool = False,
     ) -> Ticket:
-        """Send ``onward`` to the edge; its Ticket resolves when the reply comes.
+        """Send ``onward`` to the edge; its Ticket resolves when the reply comes, through the
+        pipeline's way down ([Note: one request path]).
 
         A session's request is not answered another way when a tier is missing: its
         state is on the tiers it started on (``stateful``).
         """
-        assert self.stream is not None
+        assert self.upstream is not None
         device_ms = (time.perf_counter() - started) * 1e3
+        fallback = None
+        if not stateful:
+            fallback = functools.partial(self._fall_back, request_id, started, arrays)
         try:
-            sent = self.stream.submit(
+            sent = self.upstream.submit(
                 onward.request,
                 deadline=self.deadline.expires_monotonic(time.monotonic()),
                 nbytes=onward.nbytes,
             )
         except TransportError as exc:
+            down = self.pipeline.came_down(index, onward, exc)
             result = None
-            if not stateful:
-                result = self._fall_back(request_id, started, arrays, onward.unconfident, exc)
+            if fallback is not None and down.gone is not None:
+                result = fallback(down.gone, down.answered)
             if result is None:
                 return self._local(request_id, started, error=exc)
             return Ticket(request_id, started, result.ms["device"], result=result)
         except TierflowError as exc:
             return self._local(request_id, started, error=exc)
         self.adaptation.sent(sent)
-        store = None
-        if onward.key is not None:
-            store = functools.partial(self.pipeline.store, onward.key, arrays)
-        fallback = None
-        if not stateful:
-            fallback = functools.partial(
-                self._fall_back, request_id, started, arrays, onward.unconfident
-            )
         return Ticket(
             request_id,
             started,
@@ -380,9 +384,18 @@ class DeviceClient:
             sent=sent,
             timeout=self.deadline_s,
             max_tensor_bytes=self.max_tensor_bytes,
-            store=store,
+            came_down=functools.partial(self._came_down, index, onward),
             fallback=fallback,
         )
+
+    def _came_down(
+        self,
+        index: int,
+        onward: Onward,
+        got: tier_pb2.Reply | BaseException,
+        outputs: Mapping[str, np.ndarray] | None,
+    ) -> Down:
+        return self.pipeline.came_down(index, onward, got, outputs=outputs)
 
     def _answered(self, reply: tier_pb2.Reply) -> None:
         """The edge answered: the cloud may be missing or back; the link is up."""
@@ -396,7 +409,8 @@ class DeviceClient:
         selector is about to switch to ([Note: switching plans on the device]), when the
         store's budget holds them beside the current plan's files. One fetch at a time.
         """
-        if self.segments.source is None or self.stream is None or self.stream.known_down():
+        upstream = self.upstream
+        if self.segments.source is None or upstream is None or upstream.known_down():
             return
         wanted = [spec.file for spec in self.fallback_plan.segments] if self.fallback_plan else []
         current, candidate = self.adaptation.candidate()
@@ -428,38 +442,37 @@ class DeviceClient:
         request_id: str,
         started: float,
         arrays: Mapping[str, np.ndarray],
-        unconfident: tuple[str, np.ndarray] | None,
-        cause: TransportError,
+        cause: TierflowError,
+        at_exit: Answered | None = None,
     ) -> Result | None:
         """Answer a request that the edge or the cloud could not take; never raises.
 
         The cloud missing ([Note: losing a tier]): a plan that does not need it. The
         edge missing ([Note: device fallback]): the device-only plan. Failing those, the
-        device's own exit scores (``unconfident``). None: no way to answer here.
+        device's own exit scores (``at_exit``, :meth:`Pipeline.without_next`). None: no
+        way to answer here.
         """
+        why = self.pipeline.unavailable(cause)
         if is_upstream_gone(cause):
-            self.tiers.lose_cloud(str(cause))
+            self.tiers.lose_cloud(why)
             index = self.tiers.cloud_free_plan() if self.tiers.cloud_free else None
-            why = str(cause)
         else:
             index = self.tiers.device_only_index
-            why = f"the edge is unavailable ({cause})"
         if index is None:
-            if unconfident is None:
+            if at_exit is None:
                 return None
-            name, scores = unconfident
             total = (time.perf_counter() - started) * 1e3
             ms = local_ms(total, device=0.0, network=total)
             return Result(
                 request_id,
-                {name: scores},
+                at_exit.outputs,
                 "device",
-                name,
+                at_exit.exit,
                 bytes={link: 0 for link in LINKS},
                 rate_bps={link: 0.0 for link in LINKS},
                 ms=ms,
                 fallback=True,
-                fallback_reason=f"{why}; answered at the device's exit",
+                fallback_reason=at_exit.fallback,
             )
         plan = self.plans.plans[index]
         if not runs_on_device_only(plan):

@@ -15,7 +15,7 @@ scores instead.
 
 [Note: losing a tier]
 When the cloud is gone, the edge answers what it can ([Note: answering without the next
-tier] in edge/forwarding.py): from its early exit, marked ``fallback`` with the
+tier] in tierflow/runtime/pipeline.py): from its early exit, marked ``fallback`` with the
 reason, or with an ``UPSTREAM_UNAVAILABLE`` error. The device takes either as news that
 the cloud is missing. The request that met the error is finished with a plan of the set
 that does not need the cloud: run here if it is the device-only plan, else sent again on

@@ -18,12 +18,17 @@ from typing import Any
 import numpy as np
 
 from tierflow.codec.base import DEFAULT_MAX_TENSOR_BYTES
-from tierflow.errors import DeadlineError, TierflowError, TransportError, is_gone
+from tierflow.errors import DeadlineError, TierflowError
 from tierflow.link.spec import LINKS, TIERS
 from tierflow.rpc import tier_pb2
+from tierflow.runtime.pipeline import Answered, Down
 from tierflow.transport.deadline import DEFAULT_DEADLINE_S
 from tierflow.transport.stream_client import Sent
 from tierflow.transport.wire import decode_tensors, error_from_proto
+
+#: The way down for a request the device sent up: :meth:`Pipeline.came_down` with its plan
+#: and what it sent, given the reply (or why none came) and the outputs decoded from it.
+CameDown = Callable[[tier_pb2.Reply | BaseException, Mapping[str, np.ndarray] | None], Down]
 
 
 @dataclass(frozen=True)
@@ -142,15 +147,15 @@ class Ticket:
         result: Result | None = None,
         timeout: float = DEFAULT_DEADLINE_S,
         max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
-        store: Callable[[Mapping[str, np.ndarray], str | None], None] | None = None,
-        fallback: Callable[[TransportError], Result | None] | None = None,
+        came_down: CameDown | None = None,
+        fallback: Callable[[TierflowError, Answered | None], Result | None] | None = None,
     ) -> None:
         self.id = request_id
         self.plan: str | None = None  # the plan it runs on, set by DeviceClient.submit
         self.switch: str | None = None
         #: Why the plan was one that avoids a missing tier ([Note: losing a tier]).
         self.avoided: str | None = None
-        self._store = store
+        self._came_down = came_down
         self._fallback = fallback
         self._started = started
         self._device_ms = device_ms
@@ -184,26 +189,25 @@ class Ticket:
         return self._result
 
     def _finish(self) -> Result:
+        """The device's end of the way down ([Note: one request path]): the reply's figures
+        and outputs, or the request answered without a missing tier, or its error."""
         assert self._sent is not None
-        failure: TierflowError | None = None
+        got: tier_pb2.Reply | TierflowError
         try:
-            reply = self._sent.future.result(timeout=self._timeout + 5.0)
+            got = self._sent.future.result(timeout=self._timeout + 5.0)
         except TierflowError as exc:
-            failure = exc
+            got = exc
         except TimeoutError:
-            failure = DeadlineError("no reply within the deadline")
+            got = DeadlineError("no reply within the deadline")
         # Read once the request is done: a request sent again has a new transfer.
         stat = self._sent.transfer.stat("device-edge")
         bytes_ = {link: 0 for link in LINKS}
         rates = {link: 0.0 for link in LINKS}
         links = {link: {"queue_ms": 0.0, "transfer_ms": 0.0} for link in LINKS}
         add_link(stat, bytes_, rates, links)
-        if isinstance(failure, TransportError) and self._fallback is not None:
-            answer = self._fallback(failure)
-            if answer is not None:
-                return answer
-        if failure is not None:
-            return self._failed(failure, bytes_, rates, links)
+        if isinstance(got, TierflowError):
+            return self._without_outputs(got, bytes_, rates, links)
+        reply = got
         ended = self._arrived or time.perf_counter()
         ms = {tier: 0.0 for tier in TIERS}
         ms["device"] = self._device_ms
@@ -223,12 +227,7 @@ class Ticket:
                 add_link(link, bytes_, rates, links)
                 ms["queue"] += link.queue_ms
         if reply.HasField("error"):
-            error = error_from_proto(reply.error)
-            if is_gone(error) and self._fallback is not None:
-                answer = self._fallback(error)
-                if answer is not None:
-                    return answer
-            return self._failed(error, bytes_, rates, links)
+            return self._without_outputs(reply, bytes_, rates, links)
         start = time.perf_counter()
         try:
             outputs = decode_tensors(reply.outputs, max_bytes=self._max_tensor_bytes)
@@ -244,8 +243,8 @@ class Ticket:
         ms["total"] = (ended - self._started) * 1e3 + (time.perf_counter() - start) * 1e3
         busy = sum(ms[tier] for tier in TIERS) + ms["queue"]
         ms["network"] = max(ms["total"] - busy, 0.0)
-        if self._store is not None:  # after the figures: storing is not the request's time
-            self._store(outputs, reply.exit or None)
+        if self._came_down is not None:  # after the figures: filling the cache is not its time
+            self._came_down(reply, outputs)
         return Result(
             self.id,
             outputs,
@@ -260,6 +259,23 @@ class Ticket:
             fallback=bool(reply.fallback),
             fallback_reason=reply.fallback or None,
         )
+
+    def _without_outputs(
+        self,
+        got: tier_pb2.Reply | TierflowError,
+        bytes_: dict[str, int],
+        rates: dict[str, float],
+        links: dict[str, dict[str, float]],
+    ) -> Result:
+        """No outputs came: the request answered without the next tier if it is gone
+        ([Note: device fallback], [Note: losing a tier]), else its error."""
+        down = self._came_down(got, None) if self._came_down is not None else None
+        if down is not None and down.gone is not None and self._fallback is not None:
+            answer = self._fallback(down.gone, down.answered)
+            if answer is not None:
+                return answer
+        error = got if isinstance(got, TierflowError) else error_from_proto(got.error)
+        return self._failed(error, bytes_, rates, links)
 
     def _failed(
         self,

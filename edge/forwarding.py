@@ -1,22 +1,14 @@
-"""The edge's way to the cloud: send a request on, pass its reply down, answer without it.
+"""The edge's way to the cloud: send a request on, pass what comes back down its stream.
 
 :class:`Forwarding` is the edge's :class:`~tierflow.runtime.service.Forwarder`: the one
-long-lived stream to the cloud (``tierflow.transport.stream_client``) every device's
-requests share, the segment files fetched over the same channel ([Note: segments on
-demand] in tierflow/runtime/segment_store.py), and what the edge answers when the cloud
-is gone ([Note: answering without the next tier]).
-
-[Note: answering without the next tier]
-When the next tier cannot be reached (the stream to it broke, it is known to be down, or
-it answered UNAVAILABLE because it is stopping), a request that has already crossed to
-this tier still gets one answer from here. If the plan has an early exit on this tier,
-the request's scores at that exit (checked and found not confident enough) are the
-answer, marked with ``Reply.fallback`` (why), never cached. Otherwise the reply is an
-``UPSTREAM_UNAVAILABLE`` error: the device, which still holds the request's inputs,
-finishes it with a plan of its set that does not need the missing tier ([Note: losing a
-tier] in device/fallback.py). The features computed here are not sent back: the
-device would need the missing tier's segment files to use them, and a plan without that
-tier reproduces the model from the inputs bit for bit anyway.
+:class:`~tierflow.runtime.upstream.Upstream` to the cloud every device's requests share
+(a long-lived gRPC stream, or the cloud's service in this process), the segment files
+fetched from it ([Note: segments on demand] in tierflow/runtime/segment_store.py). What
+comes back is taken through the pipeline's way down (:meth:`Pipeline.came_down`: the
+cloud's reply, or the edge's answer without it, [Note: answering without the next tier]
+in tierflow/runtime/pipeline.py); what the edge adds is its error for a device when it
+has no answer of its own (``UPSTREAM_UNAVAILABLE``), a line when the cloud goes and comes
+back, and its timing and link figures on the reply.
 
 [Note: checking the next tier at start]
 An edge checks, as it starts, that the cloud answers at ``--upstream`` (a health check
@@ -28,24 +20,21 @@ cloud at that address was never reached, not that it went away.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tierflow.errors import TierflowError, TransportError, is_gone, is_missing
+from tierflow.errors import TierflowError, TransportError
 from tierflow.options import RuntimeOptions
 from tierflow.rpc import tier_pb2
-from tierflow.runtime.pipeline import Answered, Onward, Pipeline
+from tierflow.runtime.pipeline import Down, Onward, Pipeline
 from tierflow.runtime.segment_store import SegmentSource
 from tierflow.runtime.service import Send
-from tierflow.runtime.upstream import connect, segment_source
-from tierflow.transport.stream_client import Sent, StreamClient
-from tierflow.transport.wire import decode_tensors, error_from_proto, error_to_proto
+from tierflow.runtime.upstream import StreamUpstream, Upstream
+from tierflow.transport.stream_client import Sent
+from tierflow.transport.wire import error_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -55,22 +44,27 @@ UPSTREAM_CHECK_S = 3.0
 
 
 class Forwarding:
-    """Requests from the edge to the cloud at ``address`` (a target list for replicas)."""
+    """Requests from the edge to the cloud at ``address`` (a target list for replicas), or
+    through ``upstream`` when given (the cloud in this process: [Note: the next tier in
+    process] in tierflow/runtime/upstream.py)."""
 
-    def __init__(self, address: str, *, peer: str = "cloud") -> None:
-        self.address = address
-        self.peer = peer
+    def __init__(
+        self, address: str = "", *, peer: str = "cloud", upstream: Upstream | None = None
+    ) -> None:
+        self.address = upstream.address if upstream is not None else address
+        self.peer = upstream.peer if upstream is not None else peer
         self.tier = "edge"
-        self.upstream: StreamClient | None = None
+        self.upstream = upstream
         self._lost = False  # the next tier was found gone and has not answered since
-        # Stores the next tier's answers in this tier's cache, off the replies' way.
-        self._storing = ThreadPoolExecutor(1, thread_name_prefix="edge-cache-store")
 
     def open(self, tier: str, options: RuntimeOptions) -> None:
-        """Open the channel and its stream; warn if the next tier does not answer yet."""
+        """Open the stream to the next tier; warn if it does not answer yet."""
         self.tier = tier
-        self.upstream = connect(self.address, me=tier, peer=self.peer, options=options)
-        self._check(self.upstream.channel)
+        if self.upstream is None:
+            upstream = StreamUpstream(self.address, me=tier, peer=self.peer, options=options)
+            self.upstream = upstream
+            assert upstream.stream is not None
+            self._check(upstream.stream.channel)
 
     def _check(self, channel: grpc.Channel) -> None:
         """[Note: checking the next tier at start]."""
@@ -90,14 +84,13 @@ class Forwarding:
         else:
             logger.info("[%s] the %s at %s answers", self.tier, self.peer, self.address)
 
-    def segment_source(self) -> SegmentSource:
+    def segment_source(self) -> SegmentSource | None:
         assert self.upstream is not None, "open first"
-        return segment_source(self.upstream)
+        return self.upstream.segment_source()
 
     def close(self, timeout: float) -> None:
         if self.upstream is not None:
             self.upstream.close(timeout=timeout)
-        self._storing.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ forwarding
 
@@ -127,7 +120,7 @@ class Forwarding:
                 ),
             )
         except TransportError as exc:  # known to be down: no waiting for it
-            reply = self._without_upstream(pipeline, index, onward, exc)
+            reply = self._passed_down(pipeline, index, pipeline.came_down(index, onward, exc))
             reply.timings.append(timing)
             return reply
         return None
@@ -143,71 +136,45 @@ class Forwarding:
         send: Send,
     ) -> None:
         """The next tier answered (or failed): add this tier's figures and pass it down."""
-        gone: TierflowError | None = None
+        got: tier_pb2.Reply | BaseException
         try:
-            reply = sent.future.result()
-            if reply.HasField("error"):  # [Note: answering without the next tier]
-                answered = error_from_proto(reply.error)
-                gone = answered if is_gone(answered) else None
-        except TierflowError as exc:
-            reply = _error_reply(request_id, exc, self.tier)
-            gone = exc if is_missing(exc) else None
-        except Exception as exc:  # a cancelled future, a bug: still one reply
-            reply = _error_reply(request_id, exc, self.tier)
-        if gone is not None:
-            reply = self._without_upstream(pipeline, index, onward, gone)
-        elif self._lost and not reply.HasField("error"):
-            self._lost = False
-            logger.info("[%s] the %s answers again", self.tier, self.peer)
+            got = sent.future.result()
+        except Exception as exc:  # a failure, a cancelled future, a bug: still one reply
+            got = exc
+        reply = self._passed_down(pipeline, index, pipeline.came_down(index, onward, got))
         reply.id = request_id
         reply.timings.append(timing)
         reply.links.append(sent.transfer.stat(pipeline.up_link or ""))
         send(reply)
-        cacheable = not (reply.HasField("error") or reply.cache_hit or reply.fallback)
-        if onward.key is not None and cacheable:
-            outputs = list(reply.outputs)
-            with contextlib.suppress(RuntimeError):  # shut down: the edge is stopping
-                self._storing.submit(self._store, pipeline, onward, outputs, reply.exit or None)
 
-    def _store(
-        self,
-        pipeline: Pipeline,
-        onward: Onward,
-        outputs: list[tier_pb2.Tensor],
-        exit_name: str | None,
-    ) -> None:
-        """Keep the next tier's answer in this tier's cache (off the reply's way)."""
-        assert onward.key is not None
-        try:
-            pipeline.store(onward.key, onward.features, decode_tensors(outputs), exit_name)
-        except Exception:
-            logger.exception("[%s] could not cache the %s's answer", self.tier, self.peer)
+    def _passed_down(self, pipeline: Pipeline, index: int, down: Down) -> tier_pb2.Reply:
+        """The reply the edge writes for what came down: the cloud's, or the edge's own
+        answer without it, or an error."""
+        if down.gone is not None:
+            return self._without_upstream(pipeline, index, down, down.gone)
+        if down.failure is not None:
+            return tier_pb2.Reply(error=error_to_proto(down.failure, self.tier))
+        assert down.reply is not None
+        if self._lost and not down.reply.HasField("error"):
+            self._lost = False
+            logger.info("[%s] the %s answers again", self.tier, self.peer)
+        return down.reply
 
     def _without_upstream(
-        self, pipeline: Pipeline, index: int, onward: Onward, cause: TierflowError
+        self, pipeline: Pipeline, index: int, down: Down, cause: TierflowError
     ) -> tier_pb2.Reply:
         """The reply to a request the next tier cannot take ([Note: answering without the
-        next tier])."""
-        unconfident = onward.unconfident
+        next tier]): the edge's exit's answer, or UPSTREAM_UNAVAILABLE for the device."""
         if not self._lost:
             self._lost = True
-            how = "from its exits" if unconfident is not None else "UPSTREAM_UNAVAILABLE"
+            how = "from its exits" if down.answered is not None else "UPSTREAM_UNAVAILABLE"
             logger.warning(
                 "[%s] the %s is unavailable (%s); answering %s", self.tier, self.peer, cause, how
             )
-        if unconfident is None:
-            missing = TransportError(f"the {self.peer} is unavailable: {cause}")
-            error = error_to_proto(missing, self.tier)
-            error.code = tier_pb2.ErrorCode.UPSTREAM_UNAVAILABLE
-            plan_id = pipeline.plans.plans[index].plan_id
-            return tier_pb2.Reply(plan_id=plan_id, error=error)
-        name, scores = unconfident
-        reply = pipeline.answer(index, Answered({name: np.asarray(scores)}, name))
-        reply.fallback = (
-            f"the {self.peer} is unavailable ({cause}); answered at the {self.tier}'s exit"
-        )
-        return reply
-
-
-def _error_reply(request_id: str, exc: BaseException, tier: str) -> tier_pb2.Reply:
-    return tier_pb2.Reply(id=request_id, error=error_to_proto(exc, tier))
+        if down.answered is not None:
+            return pipeline.answer(index, down.answered)
+        missing = TransportError(f"the {self.peer} is unavailable: {cause}")
+        error = error_to_proto(missing, self.tier)
+        error.code = tier_pb2.ErrorCode.UPSTREAM_UNAVAILABLE
+        plan_id = pipeline.plans.plans[index].plan_id
+        return tier_pb2.Reply(plan_id=plan_id, error=error)

@@ -21,12 +21,15 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cache.base import FeatureCache
+from tierflow.device.client import DeviceClient
 from tierflow.edge.forwarding import Forwarding
 from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
-from tierflow.plan import ExitSpec, Plan, SegmentSpec, save_plan
+from tierflow.plan import ExitSpec, Plan, SegmentSpec, load_plan_set, save_plan
 from tierflow.runtime.processes import ServeProcess
 from tierflow.runtime.server import TierServer
+from tierflow.runtime.service import TierService
+from tierflow.runtime.upstream import LocalUpstream
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,76 @@ def running_tiers(
         cloud.stop(0.5)
 
 
+@dataclass
+class InProcess:
+    """A cloud and an edge service in this process, no server and no channel ([Note: the
+    next tier in process] in tierflow/runtime/upstream.py)."""
+
+    plan_dir: Path
+    edge: TierService
+    cloud: TierService
+
+    def device(self, **settings: Any) -> DeviceClient:
+        """A device client whose edge is :attr:`edge` (``settings``: DeviceClient's)."""
+        upstream = LocalUpstream(self.edge, me="device")
+        return DeviceClient(self.plan_dir, upstream=upstream, **settings)
+
+
+@contextlib.contextmanager
+def in_process_tiers(
+    plan_dir: Path,
+    *,
+    cache: FeatureCache | None = None,
+    edge_cache: FeatureCache | None = None,
+    **settings: Any,
+) -> Iterator[InProcess]:
+    """As :func:`running_tiers`, with the tiers called in this process: the fast layer's
+    way through every tier. ``cache`` is the cloud's, ``edge_cache`` the edge's."""
+    options = RuntimeOptions(**{"workers": 2, **settings})
+    plans = load_plan_set(plan_dir, require_segments=False)
+    cloud = TierService("cloud", plans, plan_dir, cache=cache, options=options)
+    cloud.load()
+    forwarding = Forwarding(upstream=LocalUpstream(cloud, me="edge"))
+    edge = TierService(
+        "edge", plans, plan_dir, forwarder=forwarding, cache=edge_cache, options=options
+    )
+    try:
+        edge.load()
+        yield InProcess(plan_dir, edge, cloud)
+    finally:
+        edge.close(0.5)
+        cloud.close(0.5)
+
+
+@contextlib.contextmanager
+def device_client(
+    plan_dir: Path,
+    *,
+    grpc: bool = False,
+    cloud_cache: FeatureCache | None = None,
+    edge_cache: FeatureCache | None = None,
+    tiers: dict[str, Any] | None = None,
+    **client: Any,
+) -> Iterator[DeviceClient]:
+    """A device client to an edge and a cloud, in this process (the fast layer) or, with
+    ``grpc``, as servers on free ports. ``tiers``: the tiers' RuntimeOptions fields;
+    ``client``: DeviceClient's settings (``cache`` is the device's)."""
+    if grpc:
+        with (
+            running_tiers(plan_dir, cache=cloud_cache, **(tiers or {})) as (edge, _, _),
+            DeviceClient(plan_dir, edge, **client) as device,
+        ):
+            yield device
+        return
+    with (
+        in_process_tiers(
+            plan_dir, cache=cloud_cache, edge_cache=edge_cache, **(tiers or {})
+        ) as inp,
+        inp.device(**client) as device,
+    ):
+        yield device
+
+
 @contextlib.contextmanager
 def server_processes() -> Iterator[Callable[..., ServeProcess]]:
     """Start servers with the yielded function; every one is killed afterwards.
@@ -269,6 +342,8 @@ class RuntimeKit:
     residual = staticmethod(make_residual)
     wide = staticmethod(make_wide)
     tiers = staticmethod(running_tiers)
+    in_process = staticmethod(in_process_tiers)
+    device = staticmethod(device_client)
     free_port = staticmethod(free_port)
     processes = staticmethod(server_processes)
 

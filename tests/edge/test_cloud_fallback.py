@@ -1,7 +1,9 @@
 """Losing the cloud mid-stream: the edge answers what it can, the device finishes the rest.
 
-See [Note: answering without the next tier] in edge/forwarding.py and [Note: losing a
-tier] in device/fallback.py.
+See [Note: answering without the next tier] in tierflow/runtime/pipeline.py and [Note:
+losing a tier] in device/fallback.py. The tiers run in process ([Note: the next tier in
+process] in tierflow/runtime/upstream.py), the cloud gone when its service stops or is
+closed; killing a cloud process mid-stream proves the same over gRPC.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import onnx.utils
 import pytest
 
+from tierflow.cache.memory import MemoryCache
 from tierflow.device.client import DeviceClient, Result
 from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import RemoteError
@@ -23,6 +26,8 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan_set
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.server import TierServer
+from tierflow.runtime.service import TierService
+from tierflow.runtime.upstream import LocalUpstream
 
 OPTIONS = RuntimeOptions(workers=2)
 
@@ -98,6 +103,40 @@ def test_killing_the_cloud_mid_stream_turns_the_rest_into_device_answers(
     np.testing.assert_array_equal(back.outputs["y"], split.reference(samples[0])["y"])
 
 
+@pytest.mark.parametrize("how", ["stopping", "closed"])
+def test_with_an_exit_on_the_edge_the_edge_answers_from_it_in_process(
+    tmp_path: Path, rt: Any, how: str
+) -> None:
+    # Threshold 1: the exit is never confident enough, so normally the cloud answers.
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"}, 1.0)
+    plan = load_plan(split.plan_dir)
+    device_seg = open_session(split.plan_dir / plan.segments[0].file)
+    edge_seg = open_session(split.plan_dir / plan.segments[1].file)
+    samples = split.sample(seed=52, count=6)
+    cache = MemoryCache(1 << 20)
+    with rt.in_process(split.plan_dir) as tiers, tiers.device(window=2, cache=cache) as device:
+
+        def gone() -> None:
+            if how == "stopping":  # answers UNAVAILABLE ("stopping") from now on
+                assert tiers.cloud.drain(0.0)
+            else:  # known down: the edge sends nothing
+                tiers.cloud.close()
+
+        results = list(device.run_stream(_killing(samples, 2, gone)))
+        again = device.infer(samples[4])  # a fallback answer is never cached
+    assert all(r.answered_by == "cloud" and not r.fallback for r in results[:2])
+    for feeds, result in zip(samples[2:], results[2:], strict=True):
+        result.unwrap()
+        assert (result.answered_by, result.exit, result.fallback) == ("edge", "exit_edge", True)
+        assert result.fallback_reason is not None
+        assert result.fallback_reason.startswith("the cloud is unavailable (")
+        assert result.fallback_reason.endswith("); answered at the edge's exit")
+        (h1,) = device_seg.run(["h1"], feeds)
+        scores = edge_seg.run(["exit_edge"], {"h1": h1})[0]
+        np.testing.assert_array_equal(result.outputs["exit_edge"], scores)
+    assert again.fallback and not again.cache_hit
+
+
 @pytest.mark.integration
 def test_with_an_exit_on_the_edge_the_edge_answers_from_it(tmp_path: Path, rt: Any) -> None:
     # Threshold 1: the exit is never confident enough, so normally the cloud answers.
@@ -140,7 +179,6 @@ def test_with_an_exit_on_the_edge_the_edge_answers_from_it(tmp_path: Path, rt: A
     assert not back.fallback and back.exit is None
 
 
-@pytest.mark.integration
 def test_a_device_edge_plan_takes_over_while_the_cloud_is_gone(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     model = load_plan(split.plan_dir)
@@ -150,24 +188,18 @@ def test_a_device_edge_plan_takes_over_while_the_cloud_is_gone(tmp_path: Path, r
     conv1 = model.segments[0]
     normal, pair = _with_plan(split, conv1, SegmentSpec("edge", "rest.onnx", ("h1",), ("y",)))
     samples = split.sample(seed=53, count=16)
-    cloud = TierServer.from_plan("cloud", split.plan_dir, "127.0.0.1:0", options=OPTIONS)
-    cloud.start()
-    edge = TierServer.from_plan(
-        "edge", split.plan_dir, "127.0.0.1:0", forwarder=Forwarding(cloud.address), options=OPTIONS
-    )
-    edge.start()
-    try:
-        with DeviceClient(
-            split.plan_dir, edge.address, window=3, deadline_s=10.0, retry_s=0.2
-        ) as device:
-            assert device.fallback_plan is None  # no device-only plan in this set
-            results = list(device.run_stream(_killing(samples, 5, lambda: cloud.stop(0.2))))
-            cloud = TierServer.from_plan("cloud", split.plan_dir, cloud.address, options=OPTIONS)
-            cloud.start()
-            back = _until_cloud(device, samples[0])
-    finally:
-        edge.stop(0.5)
-        cloud.stop(0.5)
+    with (
+        rt.in_process(split.plan_dir) as tiers,
+        tiers.device(window=3, deadline_s=10.0, retry_s=0.0) as device,
+    ):
+        assert device.fallback_plan is None  # no device-only plan in this set
+        results = list(device.run_stream(_killing(samples, 5, lambda: tiers.cloud.drain(0.0))))
+        cloud = TierService("cloud", PlanSet((normal, pair)), split.plan_dir, options=OPTIONS)
+        cloud.load()  # the cloud back, as a new process would be
+        assert isinstance(tiers.edge.forwarder, Forwarding)
+        tiers.edge.forwarder.upstream = LocalUpstream(cloud, me="edge")
+        back = device.infer(samples[0])
+        cloud.close()
     assert [r.id for r in results] == [str(i) for i in range(len(samples))]
     for feeds, result in zip(samples, results, strict=True):
         result.unwrap()
@@ -175,24 +207,14 @@ def test_a_device_edge_plan_takes_over_while_the_cloud_is_gone(tmp_path: Path, r
     late = results[5:]  # sent after the cloud stopped
     assert all(r.fallback and r.answered_by == "edge" and r.plan == pair.plan_id for r in late)
     assert all(r.fallback_reason and "cloud" in r.fallback_reason for r in late)
-    assert not back.fallback and back.plan == normal.plan_id
+    assert not back.fallback and back.plan == normal.plan_id and back.answered_by == "cloud"
 
 
-@pytest.mark.integration
 def test_without_a_plan_that_skips_the_cloud_requests_fail_typed(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
-    cloud = TierServer.from_plan("cloud", split.plan_dir, "127.0.0.1:0", options=OPTIONS)
-    cloud.start()
-    edge = TierServer.from_plan(
-        "edge", split.plan_dir, "127.0.0.1:0", forwarder=Forwarding(cloud.address), options=OPTIONS
-    )
-    edge.start()
-    cloud.stop(0.2)
-    try:
-        with DeviceClient(split.plan_dir, edge.address, deadline_s=10.0) as device:
-            results = [device.submit(feeds).result() for feeds in split.sample(seed=54, count=3)]
-    finally:
-        edge.stop(0.5)
+    with rt.in_process(split.plan_dir) as tiers, tiers.device(deadline_s=10.0) as device:
+        tiers.cloud.close()
+        results = [device.submit(feeds).result() for feeds in split.sample(seed=54, count=3)]
     for result in results:
         assert isinstance(result.error, RemoteError) and not result.fallback
         assert result.error.code == "UPSTREAM_UNAVAILABLE" and result.error.tier == "edge"

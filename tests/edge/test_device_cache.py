@@ -1,4 +1,8 @@
-"""``run --cache`` on the device: repeats are answered there, with no compute or network."""
+"""``run --cache`` on the device: repeats are answered there, with no compute or network.
+
+The edge and the cloud are called in process ([Note: the next tier in process] in
+tierflow/runtime/upstream.py); ``tierflow run`` reaches them as servers.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +16,6 @@ import numpy as np
 import pytest
 
 from tierflow.cache.config import build_cache, parse_cache_spec
-from tierflow.device.client import DeviceClient
-
-pytestmark = pytest.mark.integration
 
 
 def test_exact_repeats_are_answered_on_the_device(tmp_path: Path, rt: Any) -> None:
@@ -22,10 +23,7 @@ def test_exact_repeats_are_answered_on_the_device(tmp_path: Path, rt: Any) -> No
     a, b, c = split.sample(seed=21, count=3)
     stream = [a, b, a, c, b, a]
     cache = build_cache(parse_cache_spec("exact:1MiB"))
-    with (
-        rt.tiers(split.plan_dir) as (edge, _, _),
-        DeviceClient(split.plan_dir, edge, window=1, cache=cache) as device,
-    ):
+    with rt.device(split.plan_dir, window=1, cache=cache) as device:
         results = [r.unwrap() for r in device.run_stream(stream)]
     hits = [r.cache_hit for r in results]
     assert hits == [False, False, True, False, True, True]
@@ -46,10 +44,7 @@ def test_near_identical_frames_hit_the_approximate_cache(tmp_path: Path, rt: Any
     frame, other = split.sample(seed=22, count=2)
     nudged = {"x": frame["x"] + np.float32(1e-4)}
     cache = build_cache(parse_cache_spec("approx:1MiB,threshold=0.01"))
-    with (
-        rt.tiers(split.plan_dir) as (edge, _, _),
-        DeviceClient(split.plan_dir, edge, window=1, cache=cache) as device,
-    ):
+    with rt.device(split.plan_dir, window=1, cache=cache) as device:
         missed, near, far = (r.unwrap() for r in device.run_stream([frame, nudged, other]))
     assert not missed.cache_hit and near.cache_hit and not far.cache_hit
     assert near.answered_by == "device" and near.bytes["device-edge"] == 0
@@ -57,6 +52,7 @@ def test_near_identical_frames_hit_the_approximate_cache(tmp_path: Path, rt: Any
     assert far.answered_by == "cloud"
 
 
+@pytest.mark.integration
 def test_run_cache_marks_hits_in_the_report(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     a, b = split.sample(seed=23, count=2)

@@ -1,5 +1,9 @@
 """Device fallback: with the edge gone the device answers alone, then uses the edge again.
 
+The edge is called in process ([Note: the next tier in process] in
+tierflow/runtime/upstream.py) where it is only stopped or closed; an edge that cannot be
+reached, or is killed mid-stream and comes back, runs as a process.
+
 See [Note: device fallback] in device/fallback.py.
 """
 
@@ -15,14 +19,9 @@ import numpy as np
 import pytest
 
 from tierflow.device.client import DeviceClient
-from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import TransportError
 from tierflow.onnxrt.inference import open_session
-from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan, save_plan_set
-from tierflow.runtime.server import TierServer
-
-pytestmark = pytest.mark.integration
 
 
 def _with_device_only_plan(split: Any) -> Plan:
@@ -40,55 +39,33 @@ def _with_device_only_plan(split: Any) -> Plan:
     return alone
 
 
-def test_the_device_answers_alone_while_the_edge_is_down(tmp_path: Path, rt: Any) -> None:
+@pytest.mark.parametrize("how", ["stopping", "closed"])
+def test_the_device_answers_alone_while_the_edge_is_down(tmp_path: Path, rt: Any, how: str) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     alone = _with_device_only_plan(split)
-    samples = split.sample(seed=31, count=9)
-    options = RuntimeOptions(workers=2)
-    with rt.tiers(split.plan_dir) as (_, _, cloud):
-        edge = TierServer.from_plan(
-            "edge",
-            split.plan_dir,
-            "127.0.0.1:0",
-            forwarder=Forwarding(cloud.address),
-            options=options,
-        )
-        edge.start()
-        address = edge.address
-        with DeviceClient(split.plan_dir, address, window=1, deadline_s=10.0) as device:
-            assert device.fallback_plan == alone
-            before = [device.infer(feeds) for feeds in samples[:3]]
-            edge.stop(0.5)
-            during = [device.submit(feeds).result() for feeds in samples[3:6]]
-            edge = TierServer.from_plan(
-                "edge",
-                split.plan_dir,
-                address,
-                forwarder=Forwarding(cloud.address),
-                options=options,
-            )
-            edge.start()
-            try:
-                after = []
-                for feeds in samples[6:]:
-                    for _ in range(100):  # the channel reconnects within its backoff
-                        result = device.submit(feeds).result()
-                        if not result.fallback:
-                            break
-                        time.sleep(0.05)
-                    after.append(result)
-            finally:
-                edge.stop(0.5)
+    samples = split.sample(seed=31, count=6)
+    with rt.in_process(split.plan_dir) as tiers, tiers.device(window=1) as device:
+        assert device.fallback_plan == alone
+        before = [device.infer(feeds) for feeds in samples[:3]]
+        if how == "stopping":  # answers UNAVAILABLE ("stopping") from now on
+            assert tiers.edge.drain(0.0)
+        else:  # known down: nothing is sent
+            tiers.edge.close()
+        during = [device.submit(feeds).result() for feeds in samples[3:6]]
     assert all(r.answered_by == "cloud" and not r.fallback for r in before)
     for feeds, result in zip(samples[3:6], during, strict=True):
         result.unwrap()
         assert result.fallback and result.answered_by == "device"
+        assert result.plan == alone.plan_id
+        assert result.fallback_reason is not None and "the edge is unavailable (" in (
+            result.fallback_reason
+        )
         assert result.bytes == {"device-edge": 0, "edge-cloud": 0}
         np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
         assert result.to_dict()["fallback"] is True
-    assert all(r.answered_by == "cloud" and not r.fallback for r in after)
 
 
+@pytest.mark.integration
 def test_without_a_device_only_plan_requests_fail(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     nowhere = f"127.0.0.1:{rt.free_port()}"
@@ -98,6 +75,7 @@ def test_without_a_device_only_plan_requests_fail(tmp_path: Path, rt: Any) -> No
     assert isinstance(result.error, TransportError) and not result.fallback
 
 
+@pytest.mark.integration
 def test_killing_the_edge_mid_stream_turns_the_rest_into_device_answers(
     tmp_path: Path, rt: Any
 ) -> None:
@@ -144,13 +122,10 @@ def test_without_a_device_only_plan_a_device_exit_answers(tmp_path: Path, rt: An
     first = open_session(split.plan_dir / conv1.file)
     second = open_session(split.plan_dir / conv2.file)
     samples = split.sample(seed=34, count=4)
-    with (
-        rt.tiers(split.plan_dir) as (address, edge, _),
-        DeviceClient(split.plan_dir, address, deadline_s=10.0) as device,
-    ):
+    with rt.in_process(split.plan_dir) as tiers, tiers.device(deadline_s=10.0) as device:
         assert device.fallback_plan is None
         before = device.submit(samples[0]).result()
-        edge.stop(0.5)
+        tiers.edge.close()
         during = [device.submit(feeds).result() for feeds in samples[1:]]
     assert before.answered_by == "cloud" and not before.fallback
     for feeds, result in zip(samples[1:], during, strict=True):

@@ -5,7 +5,8 @@ and the device run no segment) serves a small CNN through three tiers: a lossy c
 applied once (the outputs are the model's on the once-decoded input, bit for bit), the
 cloud receives the device's bytes, and an exact codec stays bit-exact. References run
 at the tiers' optimisation level and thread count (see [Note: optimization level and
-exactness] in tierflow/onnxrt/inference.py).
+exactness] in tierflow/onnxrt/inference.py). The tiers are called in process ([Note: the
+next tier in process] in tierflow/runtime/upstream.py); the edge's cache runs on servers.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import onnx
 import pytest
@@ -30,11 +30,10 @@ from tierflow.options import RuntimeOptions
 from tierflow.partitioner.fidelity_probe import plan_fidelity, run_plan_dir
 from tierflow.partitioner.split import session
 from tierflow.plan import Plan, SegmentSpec, load_plan, save_plan
-from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.rpc import tier_pb2
 from tierflow.runtime.server import TierServer
-from tierflow.transport.wire import grpc_options, to_proto
-
-pytestmark = pytest.mark.integration
+from tierflow.runtime.upstream import LocalUpstream
+from tierflow.transport.wire import to_proto
 
 UNIT = ImageNorm(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
 
@@ -78,7 +77,7 @@ def test_a_cloud_only_plan_applies_the_codec_once(rt: Any, tmp_path: Path, codec
     plan = load_plan(plan_dir)
     assert plan.edge_forwards and str(plan.link_codec("edge-cloud")) == codec
     requests = _requests(6)
-    with rt.tiers(plan_dir) as (edge, _, _), DeviceClient(plan_dir, edge, window=4) as device:
+    with rt.device(plan_dir, window=4) as device:
         results = [r.unwrap() for r in device.run_stream(requests)]
     whole = open_session(model)
     for feeds, result in zip(requests, results, strict=True):
@@ -108,23 +107,20 @@ def test_the_edge_leaves_the_payload_to_the_cloud(rt: Any, tmp_path: Path) -> No
     bad.CopyFrom(good)
     bad.data = good.data[:4] + b"\x00" * (len(good.data) - 4)
     requests = [
-        tier_pb2.Request(id=name, plan_id=plan.plan_id, segment=0, tensors=[tensor])
-        for name, tensor in (("good", good), ("bad", bad))
+        tier_pb2.Request(plan_id=plan.plan_id, segment=0, tensors=[tensor])
+        for tensor in (good, bad)
     ]
-    with rt.tiers(plan_dir) as (edge, _, _):
-        channel = grpc.insecure_channel(edge, options=grpc_options(8 << 20))
-        try:
-            stub = tier_pb2_grpc.TierStub(channel)
-            replies = {r.id: r for r in stub.Infer(iter(requests), timeout=30)}
-        finally:
-            channel.close()
-    assert not replies["good"].HasField("error"), replies["good"].error.message
-    assert replies["good"].answered_by == "cloud"
-    error = replies["bad"].error
+    with rt.in_process(plan_dir) as tiers:
+        device = LocalUpstream(tiers.edge, me="device")
+        good_reply, bad_reply = (device.submit(r).future.result() for r in requests)
+    assert not good_reply.HasField("error"), good_reply.error.message
+    assert good_reply.answered_by == "cloud"
+    error = bad_reply.error
     assert tier_pb2.ErrorCode.Name(error.code) == "CODEC"
     assert error.tier == "cloud", error.message
 
 
+@pytest.mark.integration
 def test_a_forwarding_edge_with_a_cache_answers_repeats_and_forwards_the_rest(
     rt: Any, tmp_path: Path
 ) -> None:

@@ -1,8 +1,12 @@
-"""Device, edge and cloud in this process: split outputs equal the whole model's."""
+"""Device, edge and cloud in this process: split outputs equal the whole model's.
+
+The tiers are called in process ([Note: the next tier in process] in
+tierflow/runtime/upstream.py); one case of each check that needs them runs them as gRPC
+servers too, and emulated links need real streams.
+"""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,20 +18,24 @@ from tierflow.device.client import DeviceClient
 from tierflow.link.spec import LinkSpec
 from tierflow.options import RuntimeOptions
 
-pytestmark = pytest.mark.integration
+GRPC = pytest.param(True, marks=pytest.mark.integration, id="grpc")
 
 
-@pytest.mark.parametrize("model", ["cnn", "residual"])
-@pytest.mark.parametrize("codec", ["raw", "zstd", "shuffle+zstd"])
+@pytest.mark.parametrize(
+    ("model", "codec", "grpc"),
+    [
+        *[(model, codec, False) for model in ("cnn", "residual") for codec in ("raw", "zstd")],
+        ("cnn", "shuffle+zstd", False),
+        ("residual", "shuffle+zstd", False),
+        pytest.param("residual", "shuffle+zstd", True, marks=pytest.mark.integration),
+    ],
+)
 def test_lossless_codecs_reproduce_the_model_exactly(
-    tmp_path: Path, rt: Any, model: str, codec: str
+    tmp_path: Path, rt: Any, model: str, codec: str, grpc: bool
 ) -> None:
     split = getattr(rt, model)(tmp_path / "plan", {"device-edge": codec, "edge-cloud": codec})
     samples = split.sample(seed=3, count=6)
-    with (
-        rt.tiers(split.plan_dir) as (edge, _, _),
-        DeviceClient(split.plan_dir, edge, window=4) as device,
-    ):
+    with rt.device(split.plan_dir, grpc=grpc, window=4) as device:
         results = list(device.run_stream(samples))
     assert len(results) == len(samples)
     for feeds, result in zip(samples, results, strict=True):
@@ -50,12 +58,9 @@ def test_int8_zstd_stays_close_and_keeps_the_argmax(tmp_path: Path, rt: Any) -> 
     split = rt.cnn(tmp_path / "plan", {"device-edge": "int8+zstd", "edge-cloud": "int8+zstd"})
     lossless = rt.cnn(tmp_path / "exact", {"device-edge": "raw", "edge-cloud": "raw"})
     samples = split.sample(seed=4, count=8)
-    with rt.tiers(split.plan_dir) as (edge, _, _), DeviceClient(split.plan_dir, edge) as device:
+    with rt.device(split.plan_dir) as device:
         results = [r.unwrap() for r in device.run_stream(samples)]
-    with (
-        rt.tiers(lossless.plan_dir) as (edge, _, _),
-        DeviceClient(lossless.plan_dir, edge) as device,
-    ):
+    with rt.device(lossless.plan_dir) as device:
         exact_bytes = [r.unwrap().bytes for r in device.run_stream(samples)]
     for feeds, result in zip(samples, results, strict=True):
         expected = split.reference(feeds)["y"]
@@ -67,16 +72,17 @@ def test_int8_zstd_stays_close_and_keeps_the_argmax(tmp_path: Path, rt: Any) -> 
     assert results[0].bytes["device-edge"] < exact_bytes[0]["device-edge"] / 2
 
 
-def test_a_confident_exit_answers_on_the_edge(tmp_path: Path, rt: Any) -> None:
+@pytest.mark.parametrize("grpc", [False, GRPC])
+def test_a_confident_exit_answers_on_the_edge(tmp_path: Path, rt: Any, grpc: bool) -> None:
     always = rt.cnn(tmp_path / "always", {"device-edge": "raw"}, exit_threshold=0.0)
     never = rt.cnn(tmp_path / "never", {"device-edge": "raw"}, exit_threshold=1.01)
     feeds = always.sample(seed=5)[0]
-    with rt.tiers(always.plan_dir) as (edge, _, _), DeviceClient(always.plan_dir, edge) as device:
+    with rt.device(always.plan_dir, grpc=grpc) as device:
         early = device.infer(feeds)
     assert early.answered_by == "edge" and early.exit == "exit_edge"
     assert list(early.outputs) == ["exit_edge"]
     assert early.bytes["edge-cloud"] == 0 and early.ms["cloud"] == 0
-    with rt.tiers(never.plan_dir) as (edge, _, _), DeviceClient(never.plan_dir, edge) as device:
+    with rt.device(never.plan_dir, grpc=grpc) as device:
         late = device.infer(feeds)
     assert late.answered_by == "cloud" and late.exit is None
     np.testing.assert_array_equal(late.outputs["y"], never.reference(feeds)["y"])
@@ -86,25 +92,18 @@ def test_the_cloud_cache_answers_a_repeated_feature(tmp_path: Path, rt: Any) -> 
     split = rt.residual(tmp_path / "plan", {"device-edge": "zstd", "edge-cloud": "zstd"})
     feeds = split.sample(seed=6)[0]
     cache = MemoryCache(1 << 20)
-    with (
-        rt.tiers(split.plan_dir, cache=cache) as (edge, _, _),
-        DeviceClient(split.plan_dir, edge) as device,
-    ):
+    with rt.device(split.plan_dir, cloud_cache=cache) as device:
         first = device.infer(feeds)
-        second = None
-        for _ in range(50):  # the store happens just after the answer is sent
-            second = device.infer(feeds)
-            if second.cache_hit:
-                break
-            time.sleep(0.01)
+        second = device.infer(feeds)  # the cloud stored its answer before it answered
         other = device.infer(split.sample(seed=7)[0])
     assert not first.cache_hit
-    assert second is not None and second.cache_hit and second.answered_by == "cloud"
+    assert second.cache_hit and second.answered_by == "cloud"
     for name in first.outputs:
         np.testing.assert_array_equal(second.outputs[name], first.outputs[name])
     assert not other.cache_hit
 
 
+@pytest.mark.integration
 def test_emulated_links_slow_requests_to_the_link_rate(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     feeds = split.sample(seed=8)[0]

@@ -1,9 +1,10 @@
-"""One tier's request path, the same on every tier: decode, cache, segments, encode.
+"""One tier's request path, the same on every tier, both ways: decode, cache, segments,
+encode on the way up; the next tier's reply, or an answer without it, on the way down.
 
 The device, the edge and the cloud each take a request through one :class:`Pipeline`
 configured for the tier ([Note: one request path]); what only one tier does sits around it
 in that tier's folder: the device's plan switching and fallbacks (``tierflow.device``),
-the edge's forwarding and its answers without the cloud (``tierflow.edge.forwarding``),
+the edge's writing of a reply that came from the cloud (``tierflow.edge.forwarding``),
 the gRPC service that feeds a server's pipeline from its streams
 (``tierflow.runtime.service``).
 
@@ -21,12 +22,41 @@ before any payload is decoded (:meth:`Pipeline.decode`). Then, for every tier al
    send up (:class:`Onward`). A tier that runs nothing for the plan forwards the tensors
    as they came ([Note: an edge that runs nothing] in tierflow/plan.py).
 
+The way down mirrors the way up (:meth:`Pipeline.came_down`), for the device and the edge
+alike: what the next tier sent back for a request (:class:`~tierflow.runtime.upstream.Upstream`)
+
+4. is its reply, or a failure; if the failure (or the reply's error) says the next tier
+   is gone, the request is answered here without it ([Note: answering without the next
+   tier]);
+5. otherwise the reply is passed down as it is, an error too, and an answer in it is
+   stored in this tier's cache (:meth:`Pipeline.fill`), unless it is one given without
+   a tier.
+
+What a tier adds on the way down is its role: the edge writes the reply to the stream
+it came on (``tierflow.edge.forwarding``); the device turns it into the request's Result
+and may answer with another plan of its set first (``tierflow.device``).
+
 An answer made here is stored in the cache at once; one that comes from the next tier is
-stored when it arrives (:meth:`Pipeline.store`). The pipeline opens a plan's ONNX Runtime
-sessions on its first request, sharing those of segment files that plans have in common,
-and drops them when the segment store evicts their file ([Note: segments on demand] in
-tierflow/runtime/segment_store.py). Codec work is timed, and emulated slower with the
-tier's ``slowdown`` ([Note: emulating a slower tier] in tierflow/runtime/segment_runner.py).
+stored when it arrives, off the reply's way unless it is decoded already. The pipeline
+opens a plan's ONNX Runtime sessions on its first request, sharing those of segment files
+that plans have in common, and drops them when the segment store evicts their file
+([Note: segments on demand] in tierflow/runtime/segment_store.py). Codec work is timed,
+and emulated slower with the tier's ``slowdown`` ([Note: emulating a slower tier] in
+tierflow/runtime/segment_runner.py).
+
+[Note: answering without the next tier]
+When the next tier cannot be reached (the stream to it broke, it is known to be down, or
+it answered UNAVAILABLE because it is stopping, or UPSTREAM_UNAVAILABLE because the tier
+after it is gone), a request that has already crossed to this tier still gets one answer
+from here (:func:`next_tier_gone` decides, for the device and the edge alike). If the
+plan has an early exit on this tier, the request's scores at that exit (checked and found
+not confident enough) are the answer, marked with ``Reply.fallback`` (why), never cached
+(:meth:`Pipeline.without_next`). Otherwise the edge answers with an
+``UPSTREAM_UNAVAILABLE`` error: the device, which still holds the request's inputs,
+finishes it with a plan of its set that does not need the missing tier ([Note: losing a
+tier] in device/fallback.py), before its own exit's scores. The features computed here
+are not sent back: the device would need the missing tier's segment files to use them,
+and a plan without that tier reproduces the model from the inputs bit for bit anyway.
 """
 
 from __future__ import annotations
@@ -36,6 +66,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -45,8 +76,18 @@ import numpy as np
 from tierflow.cache.base import CacheAnswer, FeatureCache, cache_key
 from tierflow.codec.base import decode
 from tierflow.codec.spec import CodecSpec
-from tierflow.errors import CacheError, CodecError, InputError, PlanError, StateError
-from tierflow.link.spec import downstream_link, upstream_link
+from tierflow.errors import (
+    CacheError,
+    CodecError,
+    InputError,
+    PlanError,
+    StateError,
+    TierflowError,
+    is_gone,
+    is_missing,
+    is_upstream_gone,
+)
+from tierflow.link.spec import TIERS, downstream_link, upstream_link
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2
@@ -55,7 +96,7 @@ from tierflow.runtime.segment_runner import SegmentRunner, TierRunner, emulate_s
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, tier_files
 from tierflow.state.spec import DecoderSpec, StateSpec
 from tierflow.state.store import SessionStates, check_session_id
-from tierflow.transport.wire import decode_tensors, put_tensors, received
+from tierflow.transport.wire import decode_tensors, error_from_proto, put_tensors, received
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +113,9 @@ class Answered:
     cache_hit: bool = False
     compute_s: float = 0.0
     codec_s: float = 0.0
+    #: Answered without the next tier, which is gone: why, and how ([Note: answering
+    #: without the next tier]).
+    fallback: str | None = None
 
 
 @dataclass
@@ -90,6 +134,22 @@ class Onward:
     codec_s: float = 0.0
     key: bytes | None = None
     features: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class Down:
+    """What came down for a request this tier sent up (:meth:`Pipeline.came_down`).
+
+    ``reply``: the next tier's reply, to pass down as it is (its error too). ``gone``: the
+    next tier is missing, so no reply came from it; ``answered`` is this tier's answer
+    without it (an exit's scores), None when it has none. ``failure``: why no reply came
+    when the next tier is not gone (late, refused, a bug).
+    """
+
+    reply: tier_pb2.Reply | None
+    gone: TierflowError | None = None
+    answered: Answered | None = None
+    failure: BaseException | None = None
 
 
 @dataclass(frozen=True)
@@ -258,6 +318,10 @@ class Pipeline:
         self.options = options
         self.cache = cache
         self.up_link = upstream_link(tier)
+        rank = TIERS.index(tier)
+        #: The tier requests go on to from here (None on the cloud).
+        self.next_tier = TIERS[rank + 1] if rank + 1 < len(TIERS) else None
+        self._storing: ThreadPoolExecutor | None = None  # fills the cache off the way down
         self.down_link = downstream_link(tier)
         self.segments = SegmentStore(
             self.plan_dir,
@@ -496,11 +560,91 @@ class Pipeline:
             answered_by=self.tier,
             exit=answered.exit or "",
             cache_hit=answered.cache_hit,
+            fallback=answered.fallback or "",
         )
         put_tensors(reply.outputs, answered.outputs, self._reply_codecs[index])
         emulate_slower(self.options.slowdown, cpu, self._cpu)
         answered.codec_s += time.perf_counter() - start
         return reply
+
+    # ------------------------------------------------------------------ the way down
+
+    def came_down(
+        self,
+        index: int,
+        onward: Onward,
+        got: tier_pb2.Reply | BaseException,
+        *,
+        outputs: Mapping[str, np.ndarray] | None = None,
+    ) -> Down:
+        """Steps 4-5 of [Note: one request path] for ``onward``, sent up for plan ``index``:
+        ``got`` is the next tier's reply, or why none came. ``outputs``: the reply's
+        outputs, if this tier decoded them already (else they are decoded off the reply's
+        way to be cached)."""
+        gone = next_tier_gone(got)
+        if gone is not None:
+            return Down(None, gone=gone, answered=self.without_next(onward, gone))
+        if isinstance(got, BaseException):
+            return Down(None, failure=got)
+        self.fill(onward, got, outputs)
+        return Down(got)
+
+    def unavailable(self, cause: TierflowError) -> str:
+        """Why the next tier is missing, as an answer without it says (``cause`` names the
+        tier after it when the next tier said that one is gone)."""
+        if is_upstream_gone(cause):
+            return str(cause)
+        return f"the {self.next_tier} is unavailable ({cause})"
+
+    def without_next(self, onward: Onward, cause: TierflowError) -> Answered | None:
+        """This tier's own answer to ``onward`` while the next tier is gone: the scores of
+        the last exit checked here (not confident enough), marked as a fallback; None
+        without one ([Note: answering without the next tier])."""
+        if onward.unconfident is None:
+            return None
+        name, scores = onward.unconfident
+        why = f"{self.unavailable(cause)}; answered at the {self.tier}'s exit"
+        return Answered({name: np.asarray(scores)}, name, fallback=why)
+
+    def fill(
+        self,
+        onward: Onward,
+        reply: tier_pb2.Reply,
+        outputs: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
+        """Keep the next tier's answer to ``onward`` in this tier's cache, if it has one.
+
+        Not an error, nor an answer given without a tier (it would stay after the tier is
+        back). With ``outputs`` (decoded already) it is stored now; otherwise decoded and
+        stored on the cache's own thread, off the reply's way.
+        """
+        if onward.key is None or reply.HasField("error") or reply.fallback:
+            return
+        exit_name = reply.exit or None
+        if outputs is not None:
+            self.store(onward.key, onward.features, outputs, exit_name)
+            return
+        tensors = list(reply.outputs)
+        with self._lock:
+            if self._storing is None:
+                self._storing = ThreadPoolExecutor(1, thread_name_prefix=f"{self.tier}-cache")
+            storing = self._storing
+        with contextlib.suppress(RuntimeError):  # shut down: the tier is stopping
+            storing.submit(self._fill, onward, tensors, exit_name)
+
+    def _fill(self, onward: Onward, tensors: list[tier_pb2.Tensor], exit_name: str | None) -> None:
+        assert onward.key is not None
+        try:
+            self.store(onward.key, onward.features, decode_tensors(tensors), exit_name)
+        except Exception:
+            logger.exception("[%s] could not cache the %s's answer", self.tier, self.next_tier)
+
+    def close(self) -> None:
+        """Stop storing the next tier's answers (those still queued are dropped)."""
+        with self._lock:
+            storing, self._storing = self._storing, None
+        if storing is not None:
+            storing.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ cache
 
@@ -526,6 +670,19 @@ class Pipeline:
             self.cache.store(key, features, CacheAnswer(dict(outputs), exit_name))
         except CacheError as exc:
             logger.warning("[%s] cache store failed: %s", self.tier, exc)
+
+
+def next_tier_gone(got: tier_pb2.Reply | BaseException) -> TierflowError | None:
+    """Why the next tier is missing, if ``got`` (its reply, or why none came) says it is
+    ([Note: answering without the next tier]): it could not be reached or went away, or it
+    answered that a tier is gone (UNAVAILABLE: it is stopping; UPSTREAM_UNAVAILABLE: the
+    tier after it is). Not a deadline, not a refusal, not a bad request."""
+    if isinstance(got, BaseException):
+        return got if isinstance(got, TierflowError) and is_missing(got) else None
+    if got.HasField("error"):
+        error = error_from_proto(got.error)
+        return error if is_gone(error) else None
+    return None
 
 
 def _onward(

@@ -228,7 +228,7 @@ class Outcome:
     exits_checked: list[str] = field(default_factory=list)
     #: The last exit checked and not taken, with its scores: the best answer a tier has
     #: when the next tier is gone ([Note: answering without the next tier] in
-    #: edge/forwarding.py). None when no exit was checked, or one was taken.
+    #: tierflow/runtime/pipeline.py). None when no exit was checked, or one was taken.
     unconfident: tuple[str, np.ndarray] | None = None
     #: The state outputs of this tier's segments, by the state input they feed next
     #: ([Note: session state on a tier] in tierflow/state/store.py).

@@ -73,15 +73,17 @@ logger = logging.getLogger(__name__)
 
 
 class Forwarder(Protocol):
-    """The edge's way to the next tier (``tierflow.edge.forwarding``)."""
+    """The edge's way to the next tier (``tierflow.edge.forwarding``): its
+    :class:`~tierflow.runtime.upstream.Upstream`, and the reply it writes for what comes
+    back (:meth:`Pipeline.came_down`)."""
 
     address: str
 
     def open(self, tier: str, options: RuntimeOptions) -> None:
         """Open the channel and its stream client; say so if the next tier is not there."""
 
-    def segment_source(self) -> SegmentSource:
-        """Where the tier fetches the segment files it lacks."""
+    def segment_source(self) -> SegmentSource | None:
+        """Where the tier fetches the segment files it lacks (None: nowhere)."""
 
     def forward(
         self,
@@ -227,7 +229,14 @@ class TierService(tier_pb2_grpc.TierServicer):
         self._closed.set()
         if self.forwarder is not None:
             self.forwarder.close(timeout)
+        if self.pipeline is not None:
+            self.pipeline.close()
         self.pool.shutdown()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called: the tier serves nothing any more."""
+        return self._closed.is_set()
 
     # ------------------------------------------------------------------ streams
 

@@ -1,23 +1,209 @@
-"""The connection from a tier to the next tier up, set up one way for the device and the edge.
+"""The next tier up, as the tier below sees it: one :class:`Upstream` for the device and the edge.
 
-The device's stream to the edge and the edge's stream to the cloud are one kind of thing:
-a long-lived :class:`StreamClient` shaped as the link between the two tiers, with this
-tier's message-size limit and its TLS and token setting for the next tier
-(:meth:`Security.upstream`), and the segment files this tier does not hold fetched over
-the same channel ([Note: segments on demand] in tierflow/runtime/segment_store.py).
+The device's way to the edge and the edge's way to the cloud are one kind of thing: send a
+request, get its one reply (a future, [Note: one reply per request] in
+tierflow/transport/stream_client.py), know when the next tier is down, fetch the segment
+files this tier lacks. :class:`StreamUpstream` does it over gRPC: a long-lived
+:class:`StreamClient` shaped as the link between the two tiers, with this tier's
+message-size limit and its TLS and token setting for the next tier
+(:meth:`Security.upstream`), the segment files fetched over the same channel ([Note:
+segments on demand] in tierflow/runtime/segment_store.py). :class:`LocalUpstream` calls the
+next tier's service in this process ([Note: the next tier in process]).
+
+[Note: the next tier in process]
+:class:`LocalUpstream` hands each request to the next tier's service on the caller's own
+thread, the way one of that tier's streams would (admitted, its session held, handled,
+counted answered), with no channel and no server: the request and its reply cross as
+bytes, serialised and parsed as on the wire, so that each tier holds its own copy. A reply
+that the tier above it sends on comes back on the same thread before :meth:`submit`
+returns. So the device, the edge and the cloud run the whole request path both ways in
+one process, and what happens on the way down (an exit answering, the next tier gone, a
+cache filled, an error passed down) is tested without starting a server. The next tier
+stopping (:meth:`TierService.drain`) answers UNAVAILABLE as it does over gRPC; one that is
+closed is known to be down. Links are not emulated, nothing is timed on them, and segment
+files are not fetched (``segment_source`` is None): each tier's plan directory holds its
+own.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Protocol
 
-from tierflow.link.emulation import LinkShaper
+from tierflow.errors import TransportError
+from tierflow.link.emulation import LinkShaper, Transfer
 from tierflow.link.spec import upstream_link
+from tierflow.rpc import tier_pb2
 from tierflow.runtime.segment_store import SegmentSource
-from tierflow.transport.stream_client import StreamClient
+from tierflow.runtime.streams import Send
+from tierflow.transport.stream_client import Sent, StreamClient
+from tierflow.transport.wire import clean_figures
 
 if TYPE_CHECKING:
     from tierflow.options import RuntimeOptions
+
+
+class Upstream(Protocol):
+    """The next tier up ([Note: the next tier in process] for the in-process one)."""
+
+    #: The next tier's name ("edge", "cloud") and where it is.
+    peer: str
+    address: str
+    #: The gRPC stream to it (probes use its channel); None in process.
+    stream: StreamClient | None
+
+    def submit(
+        self,
+        request: tier_pb2.Request,
+        *,
+        deadline: float | None = None,
+        nbytes: int | None = None,
+        on_reply: Callable[[Sent], None] | None = None,
+    ) -> Sent:
+        """Send ``request`` (its id is replaced); its one reply comes to the returned future
+        ([Note: one reply per request]). Raises TransportError while it is known down."""
+
+    def known_down(self) -> bool:
+        """Whether the next tier is known to be down: a request would fail at once."""
+
+    def segment_source(self) -> SegmentSource | None:
+        """Where this tier fetches the segment files it lacks (None: nowhere)."""
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop sending; wait up to ``timeout`` s for what is under way."""
+
+
+class StreamUpstream:
+    """The next tier over gRPC: one long-lived :class:`StreamClient` ([Note: one reply per
+    request]) and the segment files fetched over its channel."""
+
+    def __init__(self, address: str, *, me: str, peer: str, options: RuntimeOptions) -> None:
+        self.stream: StreamClient | None = connect(address, me=me, peer=peer, options=options)
+        self._stream = self.stream
+        self.peer = peer
+        self.address = address
+
+    def submit(
+        self,
+        request: tier_pb2.Request,
+        *,
+        deadline: float | None = None,
+        nbytes: int | None = None,
+        on_reply: Callable[[Sent], None] | None = None,
+    ) -> Sent:
+        return self._stream.submit(request, deadline=deadline, nbytes=nbytes, on_reply=on_reply)
+
+    def known_down(self) -> bool:
+        return self._stream.known_down()
+
+    def segment_source(self) -> SegmentSource:
+        return segment_source(self._stream)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stream.close(timeout=timeout)
+
+
+class NextTier(Protocol):
+    """What :class:`LocalUpstream` needs of the next tier: the part of
+    :class:`~tierflow.runtime.service.TierService` its streams use."""
+
+    tier: str
+    plan_id: str
+
+    @property
+    def closed(self) -> bool: ...
+
+    def admit_request(self) -> tier_pb2.Error | None: ...
+
+    def hold(self, request: tier_pb2.Request, caller: str) -> Callable[[], None]: ...
+
+    def handle(
+        self, request: tier_pb2.Request, received: float, later: Send, caller: str = "local"
+    ) -> tier_pb2.Reply | None: ...
+
+    def answered(self) -> None: ...
+
+
+class LocalUpstream:
+    """The next tier's service called in this process ([Note: the next tier in process]).
+
+    ``me`` names this tier; ``caller`` is who the next tier takes it for ([Note: who a
+    caller is] in tierflow/transport/callers.py).
+    """
+
+    stream: StreamClient | None = None
+
+    def __init__(self, service: NextTier, *, me: str, caller: str = "local") -> None:
+        self.service = service
+        self.me = me
+        self.peer = service.tier
+        self.address = f"in-process {service.tier}"
+        self.caller = caller
+        self._ids = itertools.count()
+        self._closed = False
+
+    def submit(
+        self,
+        request: tier_pb2.Request,
+        *,
+        deadline: float | None = None,
+        nbytes: int | None = None,
+        on_reply: Callable[[Sent], None] | None = None,
+    ) -> Sent:
+        if self._closed:
+            raise TransportError(f"the stream to the {self.peer} is closed")
+        if self.known_down():
+            raise TransportError(f"the {self.peer} at {self.address} is down; not sending")
+        request.id = f"{self.me[0]}local-{next(self._ids)}"
+        data = request.SerializeToString()
+        now = time.monotonic()
+        size = len(data) if nbytes is None else nbytes
+        transfer = Transfer(size, now, left=now, started=now, handed=True)
+        future: Future[tier_pb2.Reply] = Future()
+        sent = Sent(future, transfer, request.id, request, size, deadline)
+        if on_reply is not None:
+            future.add_done_callback(lambda _: on_reply(sent))
+        self._serve(tier_pb2.Request.FromString(data), future)
+        return sent
+
+    def _serve(self, request: tier_pb2.Request, future: Future[tier_pb2.Reply]) -> None:
+        """One request at the next tier, as one of its streams would take it."""
+        service = self.service
+        once = threading.Lock()
+
+        def reply_with(reply: tier_pb2.Reply) -> None:
+            if not once.acquire(blocking=False):
+                return  # one reply per request
+            service.answered()
+            reply = tier_pb2.Reply.FromString(reply.SerializeToString())
+            clean_figures(reply, self.me)  # [Note: figures in a reply]
+            future.set_result(reply)
+
+        received = time.perf_counter()
+        refusal = service.admit_request()
+        if refusal is not None:
+            reply_with(tier_pb2.Reply(id=request.id, plan_id=service.plan_id, error=refusal))
+            return
+        release = service.hold(request, self.caller)
+        try:
+            reply = service.handle(request, received, reply_with, self.caller)
+        finally:
+            release()
+        if reply is not None:
+            reply_with(reply)
+
+    def known_down(self) -> bool:
+        return self.service.closed
+
+    def segment_source(self) -> None:
+        return None
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._closed = True
 
 
 def connect(address: str, *, me: str, peer: str, options: RuntimeOptions) -> StreamClient:

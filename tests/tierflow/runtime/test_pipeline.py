@@ -16,7 +16,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cache.memory import MemoryCache
 from tierflow.codec.spec import CodecSpec
-from tierflow.errors import InputError, PlanError, StateError
+from tierflow.errors import (
+    DeadlineError,
+    InputError,
+    PlanError,
+    RemoteError,
+    StateError,
+    TransportError,
+)
 from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, SegmentSpec
@@ -27,6 +34,7 @@ from tierflow.runtime.pipeline import (
     Pipeline,
     check_decoder_step,
     check_initial_state,
+    next_tier_gone,
     reply_codec,
 )
 from tierflow.state.spec import DecoderSpec, StateSpec
@@ -288,3 +296,72 @@ def test_a_first_state_value_must_fit_its_state_exactly() -> None:
     for given, message in wrong:
         with pytest.raises(StateError, match=message):
             check_initial_state(STATES, given, "session 's'")
+
+
+@pytest.mark.parametrize(
+    ("got", "gone"),
+    [
+        (TransportError("the cloud went away"), True),
+        (DeadlineError("no reply within the deadline"), False),  # late is not gone
+        (RemoteError("refused", code="OVERLOADED", tier="cloud"), False),
+        (tier_pb2.Reply(error=tier_pb2.Error(code="UNAVAILABLE", message="stopping")), True),
+        (tier_pb2.Reply(error=tier_pb2.Error(code="UPSTREAM_UNAVAILABLE", message="x")), True),
+        (tier_pb2.Reply(error=tier_pb2.Error(code="INVALID_INPUT", message="bad")), False),
+        (tier_pb2.Reply(answered_by="cloud"), False),
+    ],
+)
+def test_the_next_tier_is_gone_when_it_cannot_be_reached_or_says_a_tier_is(
+    got: tier_pb2.Reply | BaseException, gone: bool
+) -> None:
+    assert (next_tier_gone(got) is not None) == gone
+
+
+def _edge_onward(tmp_path: Path, cache: MemoryCache) -> tuple[Pipeline, Onward]:
+    """An edge with a cache, and a request it sends on to the cloud, with the scores of an
+    exit it found not confident enough."""
+    plan = _plan_dir(tmp_path, {"device-edge": "raw", "edge-cloud": "raw"})
+    edge = Pipeline("edge", PlanSet((plan,)), tmp_path, RuntimeOptions(), cache=cache)
+    up = _device(_pipelines(tmp_path, plan)["device"], np.ones((1, WIDTHS[0]), np.float32))
+    runner = edge.runner(0)
+    features, _ = edge.decode(0, runner, up.request.segment, up.request.tensors)
+    _, key = edge.cached(0, up.request.segment, features)
+    onward = edge.run(0, runner, features, segment=1, key=key)
+    assert isinstance(onward, Onward) and onward.key is not None
+    onward.unconfident = ("exit_edge", np.array([[0.4, 0.6]], np.float32))
+    return edge, onward
+
+
+def test_without_the_next_tier_the_exit_answers_and_is_never_cached(tmp_path: Path) -> None:
+    cache = MemoryCache(1 << 20)
+    edge, onward = _edge_onward(tmp_path, cache)
+    down = edge.came_down(0, onward, TransportError("the stream broke"))
+    assert down.reply is None and down.failure is None and down.gone is not None
+    assert down.answered is not None and down.answered.exit == "exit_edge"
+    assert down.answered.fallback == (
+        "the cloud is unavailable (the stream broke); answered at the edge's exit"
+    )
+    reply = edge.answer(0, down.answered)
+    assert reply.fallback == down.answered.fallback and reply.answered_by == "edge"
+    # The fallback reply, passed down, is not kept; nor an error; the cloud's answer is.
+    edge.fill(onward, reply, {"exit_edge": np.zeros((1, 2), np.float32)})
+    error = tier_pb2.Reply(error=tier_pb2.Error(code="INVALID_INPUT", message="bad"))
+    assert edge.came_down(0, onward, error).reply is error
+    assert cache.stats().entries == 0
+    late = edge.came_down(0, onward, DeadlineError("late"))
+    assert late.gone is None and isinstance(late.failure, DeadlineError)
+    answer = tier_pb2.Reply(answered_by="cloud")
+    y = np.full((1, WIDTHS[3]), 7.0, np.float32)
+    assert edge.came_down(0, onward, answer, outputs={"y": y}).reply is answer
+    hit = edge.lookup(onward.key or b"", onward.features)
+    assert hit is not None and hit.outputs["y"].tobytes() == y.tobytes()
+    edge.close()
+
+
+def test_without_an_exit_nothing_is_answered_here(tmp_path: Path) -> None:
+    edge, onward = _edge_onward(tmp_path, MemoryCache(1 << 20))
+    onward.unconfident = None
+    gone = RemoteError("edge: UPSTREAM_UNAVAILABLE: the cloud is gone", code="UPSTREAM_UNAVAILABLE")
+    down = edge.came_down(0, onward, gone)
+    assert down.gone is gone and down.answered is None
+    assert edge.unavailable(gone) == str(gone)  # it names the missing tier already
+    edge.close()

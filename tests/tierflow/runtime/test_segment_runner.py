@@ -64,7 +64,16 @@ def test_slowdown_sleeps_slowdown_less_one_times_the_compute(
     The sleep is recorded, not taken: what is checked is the charge, not the wall clock.
     """
     slept: list[float] = []
-    monkeypatch.setattr(time, "sleep", slept.append)
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        # Only this thread's: a thread an earlier test left (a channel closing) sleeps too.
+        if threading.current_thread() is threading.main_thread():
+            slept.append(seconds)
+        else:
+            real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)
     emulate_slower(20.0, 1.0, clock=lambda: 1.25)
     emulate_slower(1.0, 1.0, clock=lambda: 9.0)
     assert slept == [pytest.approx(19 * 0.25)]

@@ -1,17 +1,29 @@
-"""The connection to the next tier, made one way for the device and the edge."""
+"""The next tier up, one object for the device and the edge: over gRPC, or in process
+([Note: the next tier in process] in tierflow/runtime/upstream.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
 import pytest
 
+from tierflow.codec.spec import CodecSpec
+from tierflow.errors import TransportError
 from tierflow.link.spec import LinkSpec
 from tierflow.options import RuntimeOptions
-from tierflow.runtime.upstream import connect, segment_source
+from tierflow.plan import Plan, PlanSet, save_plan
+from tierflow.rpc import tier_pb2
+from tierflow.runtime.service import TierService
+from tierflow.runtime.upstream import LocalUpstream, StreamUpstream, connect, segment_source
+from tierflow.transport.stream_client import Sent
+from tierflow.transport.wire import decode_tensors, put_tensors
 
-# A real channel, whose close waits for its threads.
-pytestmark = pytest.mark.integration
+from ...tiny_plans import matmul_chain
 
 
+@pytest.mark.integration  # a real channel, whose close waits for its threads
 @pytest.mark.parametrize(
     ("me", "peer", "link"), [("device", "edge", "device-edge"), ("edge", "cloud", "edge-cloud")]
 )
@@ -30,3 +42,72 @@ def test_a_tier_connects_to_the_next_over_the_link_between_them(
         assert source.peer == peer
     finally:
         stream.close()
+    upstream = StreamUpstream("127.0.0.1:1", me=me, peer=peer, options=options)
+    try:
+        assert upstream.stream is not None and upstream.segment_source() is not None
+        assert (upstream.peer, upstream.address) == (peer, "127.0.0.1:1")
+    finally:
+        upstream.close()
+
+
+@pytest.fixture
+def edge(tmp_path: Path) -> Iterator[TierService]:
+    """An edge that answers the second of two identity MatMuls, loaded, in this process."""
+    specs = matmul_chain(tmp_path, [("device", "device.onnx"), ("edge", "edge.onnx")])
+    plan = Plan("m.onnx", "0" * 64, ("x",), ("y",), tuple(specs))
+    save_plan(plan, tmp_path)
+    service = TierService("edge", PlanSet((plan,)), tmp_path, options=RuntimeOptions(workers=1))
+    service.load()
+    yield service
+    service.close()
+
+
+def _request(service: TierService, value: float) -> tier_pb2.Request:
+    request = tier_pb2.Request(plan_id=service.plan_id, segment=1)
+    h = np.full((1, 4), value, np.float32)
+    put_tensors(request.tensors, {"h": h}, CodecSpec.parse("raw"))
+    return request
+
+
+def test_a_request_in_process_gets_the_next_tiers_reply(edge: TierService) -> None:
+    upstream = LocalUpstream(edge, me="device")
+    called: list[Sent] = []
+    request = _request(edge, 2.0)
+    sent = upstream.submit(request, on_reply=called.append)
+    assert sent.future.done() and called == [sent]
+    reply = sent.future.result()
+    assert reply.id == request.id == sent.wire_id and reply.answered_by == "edge"
+    np.testing.assert_array_equal(decode_tensors(reply.outputs)["y"], np.full((1, 4), 2.0))
+    assert [t.tier for t in reply.timings] == ["edge"]
+    # A second request gets an id of its own; the link's figures are the bytes handed over.
+    again = upstream.submit(_request(edge, 3.0), nbytes=16)
+    assert again.wire_id != sent.wire_id
+    assert again.transfer.stat("device-edge").bytes == 16
+    assert edge.in_flight == 0  # each was counted answered
+    assert upstream.stream is None and upstream.segment_source() is None
+
+
+def test_a_stopping_tier_answers_unavailable_and_a_closed_one_is_known_down(
+    edge: TierService,
+) -> None:
+    upstream = LocalUpstream(edge, me="device")
+    assert not upstream.known_down()
+    assert edge.drain(0.0)
+    reply = upstream.submit(_request(edge, 1.0)).future.result()
+    assert tier_pb2.ErrorCode.Name(reply.error.code) == "UNAVAILABLE"
+    assert "stopping" in reply.error.message
+    edge.close()
+    assert upstream.known_down()
+    with pytest.raises(TransportError, match="is down"):
+        upstream.submit(_request(edge, 1.0))
+
+
+def test_a_bad_request_is_answered_with_its_error(edge: TierService) -> None:
+    upstream = LocalUpstream(edge, me="device")
+    request = _request(edge, 1.0)
+    request.plan_id = "nope"
+    reply = upstream.submit(request).future.result()
+    assert tier_pb2.ErrorCode.Name(reply.error.code) == "PLAN_MISMATCH" and reply.id == request.id
+    upstream.close()
+    with pytest.raises(TransportError, match="closed"):
+        upstream.submit(_request(edge, 1.0))
