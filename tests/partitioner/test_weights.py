@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cli.main import main
-from tierflow.errors import ModelError
+from tierflow.errors import ModelError, PlanError
 from tierflow.onnxrt.inference import open_session
 from tierflow.partitioner import loading, weights
 from tierflow.partitioner.graph import load_model
@@ -138,6 +138,19 @@ def test_planning_what_this_machine_cannot_hold_is_refused_before_any_work(
     assert code != 0 and not (tmp_path / "plan").exists()
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "needs about" in err and "256MiB available" in err
+
+
+def test_the_memory_check_counts_weights_inside_the_file_as_well(tmp_path: Path) -> None:
+    # A model with its weights inside: the file is the weights (reading it holds its bytes
+    # and the parsed message at once before they are spilled, which the 2x covers).
+    inline = tmp_path / "inline.onnx"
+    onnx.save_model(onnx.load(str(_mlp(tmp_path / "m" / "model.onnx"))), str(inline))
+    size = inline.stat().st_size
+    assert weights.model_weight_bytes(inline) == size
+    needed = int(size * weights.PLANNING_MEMORY_PER_WEIGHT_BYTE) + weights.PLANNING_MEMORY_BASE
+    weights.check_planning_memory(inline, needed)
+    with pytest.raises(PlanError, match=r"needs about .* \(its weights are 48\.\dKiB\)"):
+        weights.check_planning_memory(inline, needed - 1)
 
 
 def test_a_large_model_with_weights_inside_plans_with_them_on_disk(
