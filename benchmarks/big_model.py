@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.lib import RESULTS as RESULTS_DIR
+from benchmarks.lib.decoder_estimates import predicted as plan_estimate
 from tierflow.link.spec import LINKS, TIERS
 from tierflow.runtime.processes import ServeProcess
 from tierflow.zoo.hf_decoders import QWEN2_0_5B, export_decoder
@@ -130,29 +131,15 @@ def plan(
     return record
 
 
-def predicted(plan_dir: Path, max_tokens: int) -> dict[str, Any]:
-    """The plan's estimate, in the units ``generate --json`` measures."""
-    data = json.loads((plan_dir / "plan.json").read_text())
-    estimate = data["estimate"]["decoder"]
-    prefill, step = estimate["prefill"], estimate["step"]
-    ttft, per_token = estimate["ttft_s"] * 1e3, estimate["per_token_s"] * 1e3
-    return {
-        "tiers": sorted({s["tier"] for s in data["segments"]}, key=TIERS.index),
-        "ttft_ms": ttft,
-        "ms_per_token": per_token,
-        "tokens_per_s": max_tokens * 1e3 / (ttft + (max_tokens - 1) * per_token),
-        "bytes_per_token": {
-            link: (
-                prefill["links"][link]["bytes"] + (max_tokens - 1) * step["links"][link]["bytes"]
-            )
-            / max_tokens
-            for link in LINKS
-        },
-        "compute_ms": {
-            "prefill": {t: v * 1e3 for t, v in prefill["compute_s"].items()},
-            "step": {t: v * 1e3 for t, v in step["compute_s"].items()},
-        },
-    }
+def predicted(plan_dir: Path, prompt_tokens: int, max_tokens: int) -> dict[str, Any]:
+    """The plan's estimate, in the units ``generate --json`` measures (bytes per token as
+    :func:`benchmarks.decoder_cost.predicted` counts them), with its tiers and tokens/s."""
+    want = plan_estimate(plan_dir, prompt_tokens, max_tokens)
+    segments = json.loads((plan_dir / "plan.json").read_text())["segments"]
+    want["tiers"] = sorted({s["tier"] for s in segments}, key=TIERS.index)
+    generation_ms = want["ttft_ms"] + (max_tokens - 1) * want["ms_per_token"]
+    want["tokens_per_s"] = max_tokens * 1e3 / generation_ms
+    return want
 
 
 def generate(
@@ -238,7 +225,7 @@ def on_measured_compute(want: Mapping[str, Any], got: Mapping[str, Any], point: 
     """The model's figure at ``point`` with each tier's compute as the runtime timed it:
     its links, round trips and answers kept, its profile's compute swapped out."""
     key = "ttft_ms" if point == "prefill" else "ms_per_token"
-    rest = want[key] - sum(want["compute_ms"][point].values())
+    rest = want[key] - sum(want[f"{point}_ms"].values())
     return rest + sum(got["parts_ms"][point][t] for t in TIERS)
 
 
@@ -261,7 +248,7 @@ def table(serving: Mapping[str, Mapping[str, Any]]) -> list[str]:
         bytes_ = [
             f"{want['bytes_per_token'][k]:.0f} / {got['bytes_per_token'][k]:.0f}" for k in LINKS
         ]
-        compute_want = "/".join(f"{want['compute_ms']['step'][t]:.1f}" for t in TIERS)
+        compute_want = "/".join(f"{want['step_ms'][t]:.1f}" for t in TIERS)
         compute_got = "/".join(f"{got['parts_ms']['step'][t]:.1f}" for t in TIERS)
         model = on_measured_compute(want, got, "step")
         lines.append(
@@ -400,7 +387,7 @@ def main() -> int:
         plan_dir = plans / name
         if not (plan_dir / "plan.json").exists():
             continue
-        want = predicted(plan_dir, args.max_tokens)
+        want = predicted(plan_dir, args.prompt_tokens, args.max_tokens)
         print(f"serving {name} ({'+'.join(want['tiers'])}) ...", flush=True)
         runs = serve_and_generate(plan_dir, want["tiers"], prompt, args.max_tokens, args.runs, logs)
         result["serving"][name] = {"predicted": want, "measured": measured(runs), "runs": runs}

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.lib.decoder_estimates import predicted
 from tierflow.device.client import DeviceClient
 from tierflow.device.generation import Generator
 from tierflow.link.spec import LINKS
@@ -78,25 +79,6 @@ def measure(plan_dir: Path, prompt: list[int], max_tokens: int, runs: int) -> di
         "same_tokens": all(r.tokens == reports[0].tokens for r in reports),
         "prefill_ms": parts(prefills),
         "step_ms": parts(steps),
-    }
-
-
-def predicted(plan_dir: Path, prompt_tokens: int, max_tokens: int) -> dict[str, Any]:
-    """The plan's estimate, with bytes per token as ``generate --json`` counts them: what
-    each link carried up (the prompt's hidden states too) over the tokens made."""
-    estimate = json.loads((plan_dir / "plan.json").read_text())["estimate"]["decoder"]
-    prefill, step = estimate["prefill"], estimate["step"]
-    per_token = {
-        link: (prefill["links"][link]["bytes"] + (max_tokens - 1) * step["links"][link]["bytes"])
-        / max_tokens
-        for link in LINKS
-    }
-    return {
-        "ttft_ms": estimate["ttft_s"] * 1e3,
-        "ms_per_token": estimate["per_token_s"] * 1e3,
-        "bytes_per_token": per_token,
-        "prefill_ms": {t: v * 1e3 for t, v in prefill["compute_s"].items()},
-        "step_ms": {t: v * 1e3 for t, v in step["compute_s"].items()},
     }
 
 
