@@ -63,8 +63,8 @@ def drop_constant_channels(array: np.ndarray) -> tuple[bytes, np.ndarray]:
         reduce = None if axis is None else tuple(i for i in range(array.ndim) if i != axis)
         constant = np.atleast_1d(bits.min(axis=reduce) == bits.max(axis=reduce))
         first = np.atleast_1d(array[(0,) * array.ndim] if axis is None else _first(array, axis))
-        values = first.astype(np.float64)
         with np.errstate(over="ignore", invalid="ignore"):  # NaN is not exact: not dropped
+            values = first.astype(np.float64)  # a NaN of another byte order warns here
             exact = np.isfinite(values) & (values.astype(np.float32).astype(np.float64) == values)
         constant &= exact
     mask = np.zeros(_mask_len(channels), np.uint8)
