@@ -66,6 +66,14 @@ from tierflow.partitioner.tensors import (
 # accumulation order). verify_split therefore runs both sides at the same level,
 # "disabled" by default; runtimes that must match the unsplit model bit for bit should
 # use at most "basic".
+#
+# Batched models. When a model's steps may run several at a time stacked on a batch axis
+# (a decoder whose token input has a symbolic first axis: [Note: a split decoder's batch
+# axis] in decoder_points.py), a position is a candidate only if every tensor crossing it
+# has that axis: rank 2 or more and a first dimension of 1 at the analysed shapes (one
+# sequence). A shape scalar or size vector an exporter computes inside a block (batch
+# size and step length from Shape of the block's input, optimum's attention) cannot be
+# stacked, and a segment taking one would run every step alone (unbatched_positions).
 
 DEFAULT_MAX_CUT_TENSORS = 3
 
@@ -204,6 +212,21 @@ def crossing_sets(
                     del live[name]
         sets.append(tuple(live))
     return sets
+
+
+def unbatched_positions(
+    sets: Sequence[tuple[str, ...]], tensors: Mapping[str, TensorInfo]
+) -> frozenset[int]:
+    """Interior positions where a tensor without a batch axis crosses: rank below 2, or a
+    first dimension other than 1 at the analysed shapes ([Note: cut sets], batched models)."""
+    return frozenset(
+        p
+        for p in range(1, len(sets) - 1)
+        if any(
+            n in tensors and (len(tensors[n].shape) < 2 or tensors[n].shape[0] != 1)
+            for n in sets[p]
+        )
+    )
 
 
 def candidate_cuts(

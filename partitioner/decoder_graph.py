@@ -44,6 +44,7 @@ from tierflow.partitioner.extract import SegmentExtractor
 from tierflow.partitioner.graph import ModelGraph, load_model
 from tierflow.partitioner.loading import drop_initializer_inputs, read_model, sort_nodes
 from tierflow.partitioner.split import Segment, split_model
+from tierflow.partitioner.stand_ins import stand_in_shapes
 from tierflow.partitioner.state_verify import (
     StatefulCheck,
     chain_step,
@@ -194,6 +195,8 @@ def load_decoder(
     source = read_source(path)
     states = graph_states(source, given, where=str(path))
     rebind_state_shapes(source, states, where=str(path))
+    # As the analyses do ([Note: shape stand-ins] in :mod:`.stand_ins`): the same nodes.
+    stand_in_shapes(source, {s.input for s in states}, where=str(path))
     decoder = decoder_of(source, states, settings, where=str(path))
     if decoder is None:
         raise ModelError(f"{path} has no growing state pair: it is no decoder")
@@ -206,6 +209,9 @@ def load_decoder(
         )
     inputs = [value_sig(v) for v in source.graph.input]
     prefill_point, decode_point = analysis_points(settings)
+    # Cuts carry only batch-first tensors where steps may stack ([Note: a split decoder's
+    # batch axis] in :mod:`.decoder_points`).
+    batched = _batch_name(source, decoder.tokens) is not None
     # The decode point finds the cuts and what tiers rebuild (a step per token is what a
     # generation repeats: [Note: derived tensors stay home] in :mod:`.rebuild`); the
     # prefill point takes both, so the two see the same cut sets.
@@ -217,6 +223,7 @@ def load_decoder(
         fold=False,
         max_cut_tensors=DECODER_MAX_CUT_TENSORS,
         rebuild=True,
+        batched=batched,
     )
     say(2, 3, f"shapes at the prefill point (seq {prefill_point.seq})")
     prefill = load_model(
@@ -227,6 +234,7 @@ def load_decoder(
         fold=False,
         max_cut_tensors=DECODER_MAX_CUT_TENSORS,
         rebuild=decode.rebuilt,
+        batched=batched,
     )
     say(3, 3, f"{len(prefill.cuts)} cuts")
     logger.info(

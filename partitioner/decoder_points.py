@@ -39,9 +39,15 @@ declared fixed: a tier could then never run the steps of several sessions as one
 ([Note: the step batcher] in tierflow/runtime/batching.py). When the model's token input
 has a symbolic first axis (Hugging Face's layout: every input and output is batch-first),
 the first axis of every crossing tensor of rank 2 or more that is 1 at both points takes
-that name. A scalar or a rank-1 size crossing a cut stays fixed. Were a tensor's first
-axis not the batch after all, a batched call's outputs would not have one row per step
-and the tier runs those steps one at a time (``tierflow.runtime.batching.split``).
+that name. Such a decoder is cut only where every crossing tensor has that axis ([Note:
+cut sets] in :mod:`.cuts`, batched models): a shape scalar an exporter computes from the
+model inputs (a batch size, a step length, the sizes behind the causal mask) is rebuilt
+by the tier that reads it ([Note: derived tensors stay home] in :mod:`.rebuild`), and a
+position where one made from a block's activations would cross (Shape of the block's
+input, inside optimum's attention) is no candidate, so no scalar or rank-1 size crosses
+a cut. Were a tensor's first axis not the batch after all, a batched call's outputs
+would not have one row per step and the tier runs those steps one at a time
+(``tierflow.runtime.batching.split``).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from tierflow.partitioner.cuts import (
     candidate_cuts,
     crossing_sets,
     node_usage,
+    unbatched_positions,
 )
 from tierflow.partitioner.exits.metadata import ExitInfo
 from tierflow.partitioner.extract import SegmentExtractor
@@ -51,6 +52,7 @@ from tierflow.partitioner.shapes import (
     static_model,
     write_value_infos,
 )
+from tierflow.partitioner.stand_ins import stand_in_shapes
 from tierflow.partitioner.stateful import (
     Span,
     forbidden_positions,
@@ -212,6 +214,7 @@ def load_model(
     positions: Sequence[int] | None = None,
     fold: bool = True,
     rebuild: bool | Collection[str] = False,
+    batched: bool = False,
 ) -> ModelGraph:
     """Load an ONNX model as users have it and analyse it for cutting.
 
@@ -231,7 +234,10 @@ def load_model(
     points] in :mod:`.decoder_points`), so what they compute must cross like any value.
     ``rebuild`` True lets tiers rebuild what they can from the model inputs instead of
     receiving it, chosen at this analysis; a collection names the tensors to rebuild
-    ([Note: derived tensors stay home] in :mod:`.rebuild`).
+    ([Note: derived tensors stay home] in :mod:`.rebuild`), and either first reads sizes
+    from the travelling inputs ([Note: shape stand-ins] in :mod:`.stand_ins`).
+    ``batched`` True keeps cuts where a tensor without a batch axis would cross out of the
+    candidates ([Note: cut sets], batched models).
     """
     path = Path(path)
     if max_cut_tensors < 1:
@@ -246,6 +252,8 @@ def load_model(
     states = graph_states(model, state, where=str(path))
     rebind_state_shapes(model, states, where=str(path))
     input_values = drop_initializer_inputs(model)
+    if rebuild is not False:  # sizes read from the inputs, so tiers can rebuild what they shape
+        stand_in_shapes(model, {s.input for s in states}, where=str(path))
     first = sample_request(input_values, sample, path) if sample is not None else None
     input_shapes = fix_input_shapes(input_values, path, shapes or {}, first)
     # Declared as shipped, not at the fixed shapes ([Note: shapes a branch reads]).
@@ -312,7 +320,8 @@ def load_model(
         cuttable,
         answered,
         max_cut_tensors,
-        forbidden=forbidden_positions(spans),
+        forbidden=forbidden_positions(spans)
+        | (unbatched_positions(sets, tensors) if batched else frozenset()),
         positions=positions,
     )
     logger.info(

@@ -22,14 +22,23 @@ constants, reads no state input (a KV cache stays where it is), holds no subgrap
 deterministic, applies no weight matrix (a MatMul, Gemm, Gather or convolution reading an
 initializer of rank 2 or more: the embedding and the blocks' projections, however small
 a test model's), and the weights they read total at most ``REBUILD_MAX_WEIGHT_BYTES`` (a
-rotary frequency vector), in at most ``REBUILD_MAX_NODES`` nodes.
-It is *rebuilt* when, at the point the graph is analysed, its bytes are at least those of
-its roots that would not cross with it anyway: the rotary tables (256 bytes a token for
-``position_ids``' 8) always are; a mask read from an int64 ``attention_mask`` one byte a
-key against eight is not, at a decode step, so it still crosses (a lossless codec
-shrinks both, all ones, to almost nothing). One decision holds for every cut, and the
-second analysis of a decoder takes the first one's, so both see the same cut sets
-([Note: decoder analysis points] in :mod:`.decoder_points`).
+rotary frequency vector), in at most ``REBUILD_MAX_NODES`` nodes. Those bounds keep the
+work tiny beside the segment's: with no weight matrix applied, each node (a Shape,
+Gather of a size, Range, Cast, comparison, Expand, Cos or Sin, or a product of two
+tensors made from positions) costs in proportion to the few elements it makes, per
+position, where a block applies matrices of hidden x hidden per position.
+
+Every rebuildable tensor that crosses a cut is *rebuilt*, whatever its size beside its
+roots: roots are model inputs, which carry the batch axis first ([Note: a split
+decoder's batch axis] in :mod:`.decoder_points`), so the steps of several sessions stack
+into one call, where a shape scalar (rank 0) never does; and they compress to almost
+nothing under a lossless codec (``attention_mask`` is all ones unless padded,
+``position_ids`` a count). So what crosses a decoder's block boundary is its hidden state
+and the model inputs the later blocks rebuild their mask and position tables from. The
+price: without a codec, an int64 ``attention_mask`` takes eight bytes a key where the bool
+mask took one (the planner prices that, codecs and all, from what crosses). One decision
+holds for every cut, and the second analysis of a decoder takes the first one's, so both
+see the same cut sets ([Note: decoder analysis points] in :mod:`.decoder_points`).
 """
 
 from __future__ import annotations
@@ -97,8 +106,8 @@ def choose_rebuilt(
     cones: Mapping[str, Cone],
     tensors: Mapping[str, TensorInfo],
 ) -> tuple[str, ...]:
-    """The crossing tensors worth rebuilding at this point ([Note: derived tensors stay home]):
-    each is at least as large as its roots that do not cross beside it at every cut."""
+    """The crossing tensors tiers rebuild ([Note: derived tensors stay home]): every one a
+    cone makes from roots that may cross a cut, in order of first crossing."""
     chosen: list[str] = []
     seen: set[str] = set()
     for crossing in sets[1:-1]:
@@ -106,12 +115,7 @@ def choose_rebuilt(
             if name in seen or name not in cones or name not in tensors:
                 continue
             seen.add(name)
-            beside = [set(s) for s in sets[1:-1] if name in s]
-            always = set.intersection(*beside) if beside else set()
-            extra = [r for r in cones[name].roots if r not in always]
-            if all(r in tensors for r in extra) and tensors[name].nbytes >= sum(
-                tensors[r].nbytes for r in extra
-            ):
+            if all(r in tensors for r in cones[name].roots):
                 chosen.append(name)
     return tuple(chosen)
 

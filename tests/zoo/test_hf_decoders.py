@@ -93,3 +93,131 @@ def test_an_export_without_the_exporter_says_what_to_install(
     with pytest.raises(ExportError, match=r"pip install 'tierflow\[hf\]'") as caught:
         export_decoder(DecoderShape(), tmp_path / "out", timeout=240)
     assert "\n" not in str(caught.value)
+
+
+# ---------------------------------------------------------------- what crosses a cut
+# [Note: derived tensors stay home] in partitioner/rebuild.py, [Note: shape stand-ins] in
+# partitioner/stand_ins.py, [Note: a split decoder's batch axis] in decoder_points.py.
+
+SMALL = DecoderShape("qwen2", hidden=64, layers=3, heads=4, kv_heads=2, vocab=512)
+SETTINGS = {"context": 128, "max_tokens": 8, "prompt_tokens": 8}
+#: A block's input: the residual stream, as optimum names it.
+BLOCK_INPUT = "input_layernorm/Cast_output_0"
+
+
+@pytest.fixture(scope="module")
+def small_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_decoder(SMALL, tmp_path_factory.mktemp("qwen2") / "qwen2", timeout=600)
+
+
+def _split(model: Path, plan_dir: Path, where: str) -> Path:
+    """Three tiers cut between blocks (``blocks``: the device embeds and runs block 0, the
+    edge block 1), or at a third and two thirds of the cuts (``thirds``), as
+    benchmarks/batching.py cuts."""
+    from tierflow.partitioner.decoder_graph import load_decoder, split_decoder
+    from tierflow.partitioner.decoder_points import DecoderSettings
+    from tierflow.partitioner.split import save_split_plan
+
+    graph = load_decoder(model, DecoderSettings(**SETTINGS))
+    last = len(graph.prefill.cuts) - 1
+    between = [c.index for c in graph.decode.cuts if c.tensors[-1].endswith(BLOCK_INPUT)]
+    cuts = (between[1], between[2]) if where == "blocks" else (last // 3, 2 * last // 3)
+    save_split_plan(
+        graph.prefill, split_decoder(graph, cuts), plan_dir, cuts=cuts, decoder=graph.decoder
+    )
+    return plan_dir
+
+
+@pytest.fixture(scope="module")
+def split_plan(small_qwen2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _split(small_qwen2, tmp_path_factory.mktemp("blocks"), "blocks")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_only_the_hidden_state_and_model_inputs_cross_an_optimum_decoders_cuts(
+    small_qwen2: Path, split_plan: Path
+) -> None:
+    from tierflow.partitioner.decoder_graph import load_decoder
+    from tierflow.partitioner.decoder_points import DecoderSettings
+
+    graph = load_decoder(small_qwen2, DecoderSettings(**SETTINGS))
+    inputs = {"input_ids", "attention_mask", "position_ids"}
+    for analysed in (graph.prefill, graph.decode):
+        for cut in analysed.cuts[1:-1]:
+            for name in cut.tensors:
+                shape = analysed.tensors[name].shape
+                # No shape scalar or size vector, no causal mask, no rotary table.
+                assert len(shape) >= 2 and shape[0] == 1, (cut.index, name, shape)
+                assert name != "/model/Expand_output_0" and "rotary_emb" not in name, name
+    # Between blocks: the hidden state and the model inputs, nothing else.
+    between = [c for c in graph.decode.cuts if c.tensors[-1].endswith(BLOCK_INPUT)]
+    assert len(between) == SMALL.layers
+    assert all(set(c.tensors[:-1]) <= inputs for c in between)
+    plan = load_plan(split_plan)
+    assert [s.tier for s in plan.segments] == ["device", "edge", "cloud"]
+    for spec in plan.segments[1:]:
+        for name in (n for n in spec.inputs if n not in spec.state_inputs):
+            assert name in inputs or plan.tensors[name].shape[0] is None, (spec.file, name)
+    prompt = [5, 17, 300, 2, 9, 44, 7, 8]
+    split = _generate(split_plan, prompt, 12)
+    whole = reference_generate(small_qwen2, prompt, 12, context=128, optimization="basic")
+    assert split.tokens == whole.tokens
+    assert [a.tobytes() for a in split.logits] == [b.tobytes() for b in whole.logits]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_a_split_optimum_decoders_edge_and_cloud_batch_concurrent_sessions(
+    small_qwen2: Path, tmp_path: Path
+) -> None:
+    import threading
+
+    from tierflow.device.client import DeviceClient
+    from tierflow.device.generation import Generator
+    from tierflow.edge.forwarding import Forwarding
+    from tierflow.options import RuntimeOptions
+    from tierflow.runtime.server import TierServer
+
+    # A small model's steps take well under a millisecond: --batch-delay lets the
+    # sessions' steps meet on each tier ([Note: the step batcher]).
+    options = RuntimeOptions(workers=8, max_batch=8, batch_delay_s=0.02)
+    split_plan = _split(small_qwen2, tmp_path / "plan", "thirds")
+    cloud = TierServer.from_plan("cloud", split_plan, options=options)
+    cloud.start()
+    edge = TierServer.from_plan(
+        "edge", split_plan, forwarder=Forwarding(cloud.address), options=options
+    )
+    edge.start()
+    prompts = [[5, 17, 300, 2, 9, 44, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6, 5, 4, 3, 2]]
+    prompts.append([11, 22, 33, 44, 55, 66, 77, 88])
+    outputs: dict[int, Any] = {}
+    try:
+        with DeviceClient(split_plan, edge.address) as client:
+
+            def generate(i: int) -> None:
+                try:
+                    outputs[i] = list(Generator(client).generate(prompts[i], 10).tokens)
+                except Exception as exc:
+                    outputs[i] = exc
+
+            threads = [threading.Thread(target=generate, args=(i,)) for i in range(len(prompts))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(300)
+        batched = {}
+        for name, server in (("edge", edge), ("cloud", cloud)):
+            pipeline = server.service.pipeline
+            assert pipeline is not None
+            batcher = pipeline.runner(0).batcher
+            assert batcher is not None, f"the {name} of a split optimum decoder cannot batch"
+            batched[name] = batcher.stats.batched
+    finally:
+        edge.stop(0)
+        cloud.stop(0)
+    for i, prompt in enumerate(prompts):
+        expected = reference_generate(small_qwen2, prompt, 10, context=128).tokens
+        assert outputs[i] == list(expected), f"session {i}"
+    # Steps of several sessions shared calls on both tiers.
+    assert batched["edge"] > 0 and batched["cloud"] > 0, batched
