@@ -453,3 +453,39 @@ def test_a_batch_in_one_message_runs_as_one_call_and_is_answered_in_one_reply(
     assert [choice(r) for r in second.members[:2]] == [expected[1]] * 2
     codes = [tier_pb2.ErrorCode.Name(r.error.code) for r in second.members[2:]]
     assert codes == ["INVALID_INPUT", "STATE_LOST", "DEADLINE_EXCEEDED"]
+
+
+def test_an_edges_batch_goes_on_to_the_cloud_as_one_message(models: dict[str, Path]) -> None:
+    """Four sessions over three tiers: the edge runs three of their steps as one call and
+    sends them on as one request ([Note: a batch in one message]), which the cloud runs as
+    one call of its own; every session's output is the model's own."""
+    prompt = PROMPTS[0]
+    with serving(models["split"], RuntimeOptions(workers=2, max_batch=8)) as (plan, cloud, edge):
+        arm = gate(batcher_of(edge), 3)
+        cloud_batcher = batcher_of(cloud)
+        cloud_batcher.convoy_wait_s = 30.0
+        received: list[int] = []
+        run_members = cloud.service.run_members
+
+        def counted(request: tier_pb2.Request, *args: Any) -> None:
+            received.append(len(request.members))
+            run_members(request, *args)
+
+        cloud.service.run_members = counted  # type: ignore[method-assign]
+        prefilled = threading.Barrier(4, action=arm)
+        with DeviceClient(plan, edge.address) as client:
+
+            def session(i: int) -> list[int]:
+                decoder = TierDecoder(client)
+                made = [int(decoder.choose(prompt, 0, keep=1)[-1])]
+                prefilled.wait(60)
+                for _ in range(3):
+                    position = len(prompt) + len(made) - 1
+                    made.append(int(decoder.choose([made[-1]], position, keep=1)[-1]))
+                return made
+
+            outputs = lockstep(4, session)
+    expected = reference_generate(models["model"], prompt, 4, context=CONTEXT).tokens
+    assert all(outputs[i] == list(expected) for i in range(4)), outputs
+    assert 3 in received, received  # the edge's batch of three, in one message
+    assert max(cloud_batcher.stats.sizes) >= 3, cloud_batcher.stats.sizes

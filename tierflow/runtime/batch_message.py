@@ -22,19 +22,38 @@ likely run alone because it found the tier idle. The tier that receives it
    each has its answer (:class:`MemberReplies`), from this tier or from the tiers after
    it.
 
-The receiving side is all of it so far: the tiers still send a batch's steps up one
-request each (what each member goes on with is encoded on its own thread), so an edge
-receiving a batch sends its members to the cloud one by one, and the device and the edge
-do not yet gather a batch's onward requests into one message.
+The sending side: a server tier (an edge) whose batch call's members go on to the next
+tier sends them as one such request. Each member's thread encodes its own onward request
+after the call, as alone; the call's :class:`~tierflow.runtime.batching.Departure`
+collects them, each member settling its seat once (depositing its onward request, or
+going no further: answered here, or failed; the service settles a seat left unsettled
+whatever happened, so none is waited for in vain), and the thread that settles the last
+seat sends what was deposited (:func:`send_together`): one request whose members are the
+deposits, in seat order (one deposit goes alone, as before). The next tier's one reply is
+scattered back (``scatter``): each member's reply to its own request, with this tier's
+timing of it and its share of the link's figures (its own bytes, the message's transfer
+time); an error for the whole message (the next tier gone, say) answers every member.
+Nothing waits: a member that deposits returns, its reply to come later. What is not done
+yet: a device serving several local sessions still sends its batch's steps up one
+request each (``device/client.py`` sends each step from its caller's thread).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
-from tierflow.errors import InputError
+from tierflow.errors import InputError, TransportError
 from tierflow.rpc import tier_pb2
+from tierflow.runtime.pipeline import Onward, Pipeline
+from tierflow.transport.wire import error_to_proto
+
+logger = logging.getLogger(__name__)
+
+Send = Callable[[tier_pb2.Reply], None]
 
 #: Members one message may carry.
 MAX_MEMBERS = 256
@@ -96,3 +115,95 @@ class MemberReplies:
         answer = tier_pb2.Reply(id=self._request_id, plan_id=self._plan_id)
         answer.members.extend(r for r in self._replies if r is not None)
         self._send(answer)
+
+
+class Forwarder(Protocol):
+    """What sends a request on to the next tier: the service's ``Forwarder``."""
+
+    def forward(
+        self,
+        pipeline: Pipeline,
+        index: int,
+        onward: Onward,
+        request_id: str,
+        timing: tier_pb2.TierTiming,
+        send: Send,
+    ) -> tier_pb2.Reply | None: ...
+
+
+@dataclass(frozen=True)
+class Deposit:
+    """What one member of a batch call goes on with: the arguments of
+    :meth:`Forwarder.forward <tierflow.runtime.service.Forwarder.forward>`."""
+
+    pipeline: Pipeline
+    index: int
+    onward: Onward
+    request_id: str
+    timing: tier_pb2.TierTiming
+    send: Send
+
+
+def send_together(forwarder: Forwarder, tier: str, deposits: Sequence[Deposit]) -> None:
+    """Send the members of one batch call that go on as one request ([Note: a batch in one
+    message]); their replies go to each member's ``send``."""
+    if not deposits:
+        return
+    if len(deposits) == 1:
+        alone = deposits[0]
+        reply = forwarder.forward(
+            alone.pipeline, alone.index, alone.onward, alone.request_id, alone.timing, alone.send
+        )
+        if reply is not None:
+            alone.send(reply)
+        return
+    first = deposits[0]
+    combined = tier_pb2.Request(
+        id=f"batch-{first.request_id}",
+        plan_id=first.onward.request.plan_id,
+        segment=first.onward.request.segment,
+    )
+    deadlines = [d.onward.request.deadline_unix_s for d in deposits]
+    combined.deadline_unix_s = max(deadlines) if all(deadlines) else 0.0
+    for seat, deposit in enumerate(deposits):
+        member = combined.members.add()
+        member.CopyFrom(deposit.onward.request)
+        member.id = str(seat)
+    onward = Onward(combined, sum(d.onward.nbytes for d in deposits))
+
+    def scatter(reply: tier_pb2.Reply) -> None:
+        _scatter(reply, deposits, tier)
+
+    timing = tier_pb2.TierTiming(tier=tier)  # the members' own timings go with their replies
+    try:
+        reply = forwarder.forward(first.pipeline, first.index, onward, combined.id, timing, scatter)
+    except Exception as exc:  # a bug: every member still gets its one reply
+        logger.exception("[%s] sending a batch of %d steps on failed", tier, len(deposits))
+        reply = tier_pb2.Reply(plan_id=combined.plan_id, error=error_to_proto(exc, tier))
+    if reply is not None:
+        scatter(reply)
+
+
+def _scatter(reply: tier_pb2.Reply, deposits: Sequence[Deposit], tier: str) -> None:
+    """The next tier's one reply to a batch, as each member's own ([Note: a batch in one
+    message])."""
+    members = list(reply.members)
+    if not reply.HasField("error") and len(members) != len(deposits):
+        wrong = TransportError(
+            f"the next tier answered a batch of {len(deposits)} steps with {len(members)} replies"
+        )
+        reply = tier_pb2.Reply(plan_id=reply.plan_id, error=error_to_proto(wrong, tier))
+    if reply.HasField("error"):
+        members = []
+        for _ in deposits:
+            each = tier_pb2.Reply(plan_id=reply.plan_id, fallback=reply.fallback)
+            each.error.CopyFrom(reply.error)
+            members.append(each)
+    for deposit, answer in zip(deposits, members, strict=True):
+        answer.id = deposit.request_id
+        answer.timings.append(deposit.timing)
+        for link in reply.links:  # the message's transfer, this member's bytes
+            share = answer.links.add()
+            share.CopyFrom(link)
+            share.bytes = deposit.onward.nbytes
+        deposit.send(answer)

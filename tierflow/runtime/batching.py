@@ -231,6 +231,53 @@ def _left_pad(value: np.ndarray, axis: int, extra: int) -> np.ndarray:
     return np.pad(value, widths)
 
 
+class Departure:
+    """The steps of one batched call, going on from the tier together ([Note: a batch in
+    one message] in tierflow/runtime/batch_message.py).
+
+    Each member is settled once: by depositing what it sends on, or by going no further
+    (answered here, or failed). The one call that settles the last member gets every
+    deposit, in seat order, to send as one message; every other call gets None.
+    Thread-safe."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._settled: set[int] = set()
+        self._deposits: dict[int, object] = {}
+
+    def deposit(self, seat: int, what: object) -> list[object] | None:
+        """Member ``seat`` goes on with ``what``."""
+        return self._settle(seat, what)
+
+    def settle(self, seat: int) -> list[object] | None:
+        """Member ``seat`` goes no further (nothing, if it was settled already)."""
+        return self._settle(seat, None)
+
+    def _settle(self, seat: int, what: object) -> list[object] | None:
+        with self._lock:
+            if seat in self._settled:
+                return None
+            self._settled.add(seat)
+            if what is not None:
+                self._deposits[seat] = what
+            if len(self._settled) < self.size:
+                return None
+            return [self._deposits[s] for s in sorted(self._deposits)]
+
+
+#: The departure seat of the step this thread ran last, if it ran in a batch.
+_departing = threading.local()
+
+
+def departure_seat() -> tuple[Departure, int] | None:
+    """The batch call that this thread's last step ran in, and its seat there (None: it
+    ran alone, or this was asked already): what the thread must settle."""
+    seat: tuple[Departure, int] | None = getattr(_departing, "seat", None)
+    _departing.seat = None
+    return seat
+
+
 @dataclass
 class _Step:
     feeds: Feeds
@@ -239,6 +286,7 @@ class _Step:
     deadline_unix_s: float
     owner: str = ""
     convoy: Convoy | None = None
+    departure: tuple[Departure, int] | None = None
     result: Outputs | None = None
     error: BaseException | None = None
     done: bool = False
@@ -336,6 +384,7 @@ class StepBatcher:
                     self._wait_turn(step)
             if not step.done:
                 self._lead(step)
+        _departing.seat = step.departure
         if step.error is not None:
             raise step.error
         assert step.result is not None
@@ -469,7 +518,9 @@ class StepBatcher:
             for step in batch:
                 self._alone(step)
             return
-        for step, part in zip(batch, parts, strict=True):
+        departure = Departure(len(batch))
+        for seat, (step, part) in enumerate(zip(batch, parts, strict=True)):
+            step.departure = (departure, seat)
             self._finish(step, result=part)
 
     def _batched(self, batch: list[_Step]) -> list[Outputs]:

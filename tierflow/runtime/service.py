@@ -54,8 +54,8 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.admission import StreamAdmission, peer_host
-from tierflow.runtime.batch_message import MemberReplies, check_members
-from tierflow.runtime.batching import Convoy
+from tierflow.runtime.batch_message import Deposit, MemberReplies, check_members, send_together
+from tierflow.runtime.batching import Convoy, departure_seat
 from tierflow.runtime.pipeline import Answered, Onward, Pipeline, SessionStep
 from tierflow.runtime.probe import ProbeCredit, echo
 from tierflow.runtime.replies import StreamReplies
@@ -490,7 +490,10 @@ class TierService(tier_pb2_grpc.TierServicer):
                 check_members(request)
                 self.run_members(request, received, later, caller)
                 return None
-            reply = self._process(request, timing, later, caller, convoy)
+            try:
+                reply = self._process(request, timing, later, caller, convoy)
+            finally:
+                self._settle_departure()
         except TierflowError as exc:
             logger.info("[%s] request %s of %s refused: %s", self.tier, request.id, caller, exc)
             reply = self.error_reply(request.id, exc)
@@ -592,7 +595,25 @@ class TierService(tier_pb2_grpc.TierServicer):
         if self.forwarder is None:
             plan_id = self.plans.plans[index].plan_id
             raise PlanError(f"plan {plan_id} runs beyond the {self.tier}, which has no --upstream")
+        seat = departure_seat()
+        if seat is not None:  # [Note: a batch in one message]: it goes on with its batch
+            deposit = Deposit(pipeline, index, step, request.id, timing, later)
+            self._depart(seat[0].deposit(seat[1], deposit))
+            return None
         return self.forwarder.forward(pipeline, index, step, request.id, timing, later)
+
+    def _settle_departure(self) -> None:
+        """Settle the batch seat of this thread's step, if it has one still: it goes no
+        further ([Note: a batch in one message])."""
+        seat = departure_seat()
+        if seat is not None:
+            self._depart(seat[0].settle(seat[1]))
+
+    def _depart(self, deposits: list[object] | None) -> None:
+        """Send a batch's members that go on, once the last has settled."""
+        if deposits and self.forwarder is not None:
+            batch = [d for d in deposits if isinstance(d, Deposit)]
+            send_together(self.forwarder, self.tier, batch)
 
     def error_reply(
         self, request_id: str, exc: BaseException, code: str | None = None

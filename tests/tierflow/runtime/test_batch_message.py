@@ -1,18 +1,27 @@
 """A batch in one message ([Note: a batch in one message]): what a batched request may
-carry, its members' replies sent as one in order, and a convoy's steps sharing one call."""
+carry, its members' replies sent as one in order, a convoy's steps sharing one call, and
+a batch's members that go on sent as one request and answered each."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import pytest
 
 from tierflow.errors import InputError
 from tierflow.rpc import tier_pb2
-from tierflow.runtime.batch_message import MAX_MEMBERS, MemberReplies, check_members
-from tierflow.runtime.batching import Convoy, StepBatcher
+from tierflow.runtime.batch_message import (
+    MAX_MEMBERS,
+    Deposit,
+    MemberReplies,
+    check_members,
+    send_together,
+)
+from tierflow.runtime.batching import Convoy, Departure, StepBatcher
+from tierflow.runtime.pipeline import Onward
 
 
 def batch(*members: tier_pb2.Request) -> tier_pb2.Request:
@@ -124,3 +133,100 @@ def test_a_convoy_settles_each_member_once_and_wakes_its_listeners() -> None:
     assert not convoy.complete() and woken == [1]
     convoy.settle(1)
     assert convoy.complete() and woken == [1, 1]
+
+
+class AnsweringForwarder:
+    """A next tier that answers a batched request at once with ``answer(request)``."""
+
+    def __init__(self, answer: Callable[[tier_pb2.Request], tier_pb2.Reply]) -> None:
+        self.answer = answer
+        self.sent: list[tier_pb2.Request] = []
+
+    def forward(
+        self,
+        pipeline: Any,
+        index: int,
+        onward: Onward,
+        request_id: str,
+        timing: tier_pb2.TierTiming,
+        send: Callable[[tier_pb2.Reply], None],
+    ) -> tier_pb2.Reply | None:
+        self.sent.append(onward.request)
+        reply = self.answer(onward.request)
+        reply.links.add(link="edge-cloud", bytes=onward.nbytes, send_ms=2.0)
+        send(reply)
+        return None
+
+
+def deposits(count: int, got: dict[str, tier_pb2.Reply]) -> list[Deposit]:
+    out = []
+    for i in range(count):
+        request = tier_pb2.Request(plan_id="p", segment=2, session=f"s{i}", deadline_unix_s=5.0 + i)
+        out.append(
+            Deposit(
+                None,  # type: ignore[arg-type]  # only passed on to the forwarder
+                0,
+                Onward(request, 100 + i),
+                f"r{i}",
+                tier_pb2.TierTiming(tier="edge", compute_ms=float(i)),
+                lambda reply, i=i: got.__setitem__(f"r{i}", reply),
+            )
+        )
+    return out
+
+
+def test_members_that_go_on_are_sent_as_one_request_and_answered_each() -> None:
+    def answer(request: tier_pb2.Request) -> tier_pb2.Reply:
+        reply = tier_pb2.Reply(id=request.id, plan_id="p")
+        for member in request.members:
+            reply.members.add(id=member.id, answered_by="cloud", exit=member.session)
+        return reply
+
+    forwarder = AnsweringForwarder(answer)
+    got: dict[str, tier_pb2.Reply] = {}
+    send_together(forwarder, "edge", deposits(3, got))
+    (sent,) = forwarder.sent
+    assert [m.session for m in sent.members] == ["s0", "s1", "s2"]
+    assert [m.id for m in sent.members] == ["0", "1", "2"]
+    assert sent.segment == 2 and sent.deadline_unix_s == 7.0  # the latest member's
+    for i in range(3):
+        reply = got[f"r{i}"]
+        assert reply.id == f"r{i}" and reply.exit == f"s{i}"  # its own answer
+        assert [t.compute_ms for t in reply.timings] == [float(i)]
+        assert [(s.bytes, s.send_ms) for s in reply.links] == [(100 + i, 2.0)]
+
+
+@pytest.mark.parametrize(
+    "answer, code",
+    [
+        (
+            lambda r: tier_pb2.Reply(error=tier_pb2.Error(code=tier_pb2.UPSTREAM_UNAVAILABLE)),
+            "UPSTREAM_UNAVAILABLE",
+        ),
+        (lambda r: tier_pb2.Reply(members=[tier_pb2.Reply()]), "UNAVAILABLE"),  # 1 of 2
+    ],
+)
+def test_a_failed_batch_answers_every_member(
+    answer: Callable[[tier_pb2.Request], tier_pb2.Reply], code: str
+) -> None:
+    got: dict[str, tier_pb2.Reply] = {}
+    send_together(AnsweringForwarder(answer), "edge", deposits(2, got))
+    assert sorted(got) == ["r0", "r1"]
+    assert {tier_pb2.ErrorCode.Name(r.error.code) for r in got.values()} == {code}
+
+
+def test_a_lone_member_goes_as_before() -> None:
+    forwarder = AnsweringForwarder(lambda r: tier_pb2.Reply(answered_by="cloud"))
+    got: dict[str, tier_pb2.Reply] = {}
+    send_together(forwarder, "edge", deposits(1, got))
+    assert not forwarder.sent[0].members and forwarder.sent[0].session == "s0"
+    assert got["r0"].answered_by == "cloud"
+
+
+def test_a_departure_hands_every_deposit_to_the_last_to_settle() -> None:
+    departure = Departure(3)
+    assert departure.deposit(1, "b") is None
+    assert departure.settle(0) is None
+    assert departure.settle(0) is None  # settled already
+    assert departure.deposit(2, "c") == ["b", "c"]
+    assert departure.settle(2) is None
