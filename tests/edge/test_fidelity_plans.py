@@ -4,7 +4,7 @@ The model is an MLP whose first input element is a large constant it ignores, so
 the input flips answers while fp16 does not; the device is made slow and the links
 narrow, so sending the input compressed is what the planner wants. Both sides run at
 the tiers' ONNX Runtime optimisation level (see [Note: optimization level and
-exactness] in tierflow/onnxrt/inference.py).
+exactness] in tierflow/onnxrt/inference.py). The tiers are called in process.
 """
 
 from __future__ import annotations
@@ -19,15 +19,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.codec.base import CodecSpec
-from tierflow.device.client import DeviceClient
 from tierflow.link.spec import LinkSpec
 from tierflow.onnxrt.inference import open_session
 from tierflow.partitioner.fidelity import FidelityBudget
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.planner import PlanOptions, make_plan
 from tierflow.partitioner.profile import profile_model
-
-pytestmark = pytest.mark.integration
 
 WIDTH = 1024
 LINKS = {"device-edge": LinkSpec.parse("1mbit,1ms"), "edge-cloud": LinkSpec.parse("1mbit,1ms")}
@@ -72,7 +69,7 @@ def planned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, dict[s
 
 
 def _serve(rt: Any, plan_dir: Path, requests: list[dict[str, np.ndarray]]) -> list[Any]:
-    with rt.tiers(plan_dir) as (edge, _, _), DeviceClient(plan_dir, edge, window=8) as device:
+    with rt.device(plan_dir, window=8) as device:  # the tiers in process
         return [r.unwrap() for r in device.run_stream(requests)]
 
 

@@ -4,7 +4,8 @@ A CNN reads 32x32 crops of scikit-learn's sample photos, normalised as ImageNet 
 expect. The partitioner plans it with ``--image-input``; the device encodes the input as
 an image, the edge decodes it back into the model's tensor. References run at the tiers'
 optimisation level and thread count (see [Note: optimization level and exactness] in
-tierflow/onnxrt/inference.py).
+tierflow/onnxrt/inference.py). The tiers are called in process ([Note: the next tier in
+process] in tierflow/runtime/upstream.py).
 """
 
 from __future__ import annotations
@@ -15,14 +16,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.codec.base import ImageNorm, decode, encode
-from tierflow.device.client import DeviceClient
 from tierflow.link.spec import LinkSpec
 from tierflow.onnxrt.inference import open_session
 from tierflow.partitioner.fidelity import FidelityBudget
@@ -30,10 +29,9 @@ from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.planner import PlanOptions, make_plan
 from tierflow.partitioner.profile import profile_model
 from tierflow.plan import load_plan
-from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.transport.wire import grpc_options, to_proto
-
-pytestmark = pytest.mark.integration
+from tierflow.rpc import tier_pb2
+from tierflow.runtime.upstream import LocalUpstream
+from tierflow.transport.wire import to_proto
 
 SIDE = 32
 IMAGENET = ImageNorm(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
@@ -104,7 +102,7 @@ def _reference(path: Path, requests: list[dict[str, np.ndarray]]) -> list[np.nda
 
 
 def _serve(rt: Any, plan_dir: Path, requests: list[dict[str, np.ndarray]]) -> list[Any]:
-    with rt.tiers(plan_dir) as (edge, _, _), DeviceClient(plan_dir, edge, window=8) as device:
+    with rt.device(plan_dir, window=8) as device:  # the tiers in process
         return [r.unwrap() for r in device.run_stream(requests)]
 
 
@@ -171,17 +169,10 @@ def test_corrupt_images_get_typed_codec_errors(cnn: Any, tmp_path: Path, rt: Any
         (request(shape=[1, 3, 64, 64]), "INVALID_INPUT"),  # not what the edge expects
         (request(), None),
     ]
-    with rt.tiers(tmp_path / "plan") as (edge, _, _):
-        channel = grpc.insecure_channel(edge, options=grpc_options(8 << 20))
-        try:
-            stub = tier_pb2_grpc.TierStub(channel)
-            for index, (req, _) in enumerate(cases):
-                req.id = f"q{index}"
-            replies = {r.id: r for r in stub.Infer(iter([c for c, _ in cases]), timeout=30)}
-        finally:
-            channel.close()
-    for index, (_, expected) in enumerate(cases):
-        reply = replies[f"q{index}"]
+    with rt.in_process(tmp_path / "plan") as tiers:
+        device = LocalUpstream(tiers.edge, me="device")
+        replies = [device.submit(req).future.result() for req, _ in cases]
+    for index, (reply, (_, expected)) in enumerate(zip(replies, cases, strict=True)):
         if expected is None:
             assert not reply.HasField("error"), reply.error.message
         else:

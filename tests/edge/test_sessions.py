@@ -1,5 +1,10 @@
 """Streaming a stateful model across tiers: the state stays on its tier, answers equal a local
-loop bit for bit, a lost state is replayed, and sessions stay in order and apart."""
+loop bit for bit, a lost state is replayed, and sessions stay in order and apart.
+
+The tiers are called in process ([Note: the next tier in process] in
+tierflow/runtime/upstream.py); one session goes over gRPC servers, and the commands, the
+app API and replicas need them.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +33,10 @@ from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import save_split_plan, split_model
 from tierflow.plan import load_plan
 from tierflow.runtime.server import TierServer
+from tierflow.runtime.service import TierService
+from tierflow.runtime.upstream import LocalUpstream
 from tierflow.state.store import SESSION_OVERHEAD
 from tierflow.zoo.tiny_stateful import streaming_model
-
-pytestmark = pytest.mark.integration
 
 CHUNKS = 30
 
@@ -68,32 +74,51 @@ def local_loop(model: Path, chunks: list[dict[str, np.ndarray]], state: np.ndarr
     return outputs
 
 
+@dataclass
+class Tiers:
+    """A plan's edge and cloud services (in process, or behind servers at ``address``)."""
+
+    plan_dir: Path
+    cloud: TierService
+    edge: TierService
+    address: str | None = None  # the edge server's, when the tiers are servers
+
+    def client(self, **settings: Any) -> DeviceClient:
+        if self.address is not None:
+            return DeviceClient(self.plan_dir, self.address, **settings)
+        upstream = LocalUpstream(self.edge, me="device")
+        return DeviceClient(self.plan_dir, upstream=upstream, **settings)
+
+
 @pytest.fixture()
-def tiers(
-    request: Any, model: Path, tmp_path: Path
-) -> Iterator[tuple[Path, TierServer, TierServer]]:
-    owner, budget = request.param
+def tiers(request: Any, model: Path, tmp_path: Path, rt: Any) -> Iterator[Tiers]:
+    """``request.param``: (owner of the state, state budget[, "grpc" for servers])."""
+    owner, budget, *how = request.param
     plan_dir = plan_at(model, tmp_path / "plan", owner)
     options = RuntimeOptions(workers=3, state_budget=budget)
-    cloud = TierServer.from_plan("cloud", plan_dir, options=options)
-    cloud.start()
-    edge = TierServer.from_plan(
-        "edge", plan_dir, forwarder=Forwarding(cloud.address), options=options
-    )
-    edge.start()
-    try:
-        yield plan_dir, cloud, edge
-    finally:
-        edge.stop(0)
-        cloud.stop(0)
+    if how == ["grpc"]:
+        cloud = TierServer.from_plan("cloud", plan_dir, options=options)
+        cloud.start()
+        edge = TierServer.from_plan(
+            "edge", plan_dir, forwarder=Forwarding(cloud.address), options=options
+        )
+        edge.start()
+        try:
+            yield Tiers(plan_dir, cloud.service, edge.service, edge.address)
+        finally:
+            edge.stop(0)
+            cloud.stop(0)
+        return
+    with rt.in_process(plan_dir, workers=3, state_budget=budget) as inp:
+        yield Tiers(plan_dir, inp.cloud, inp.edge)
 
 
-def owner_of(cloud: TierServer, edge: TierServer) -> Any:
+def owner_of(cloud: TierService, edge: TierService) -> Any:
     """The pipeline of the tier that keeps the plan's state."""
-    (owner,) = [s.tier for s in cloud.service.plan.segments if s.state]
-    server = cloud if owner == "cloud" else edge
-    assert server.service.pipeline is not None
-    return server.service.pipeline
+    (owner,) = [s.tier for s in cloud.plan.segments if s.state]
+    service = cloud if owner == "cloud" else edge
+    assert service.pipeline is not None
+    return service.pipeline
 
 
 def drop_when_caught_up(states: Any, session: str, sent: int) -> None:
@@ -106,35 +131,42 @@ def drop_when_caught_up(states: Any, session: str, sent: int) -> None:
     states.drop(session)
 
 
-@pytest.mark.parametrize("tiers", [("edge", None), ("cloud", None)], indirect=True)
+@pytest.mark.parametrize(
+    "tiers",
+    [
+        ("edge", None),
+        ("cloud", None),
+        pytest.param(("cloud", None, "grpc"), marks=pytest.mark.integration, id="grpc"),
+    ],
+    indirect=True,
+)
 def test_a_session_answers_as_a_local_loop_and_keeps_its_state_off_the_links(
-    model: Path, tiers: Any
+    model: Path, tiers: Tiers
 ) -> None:
-    plan_dir, cloud, edge = tiers
     chunks, state = chunks_and_state()
     expected = local_loop(model, chunks, state)
-    with DeviceClient(plan_dir, edge.address, window=8) as client:
+    with tiers.client(window=8) as client:
         results = list(StreamSession(client, "mic-1", initial={"state": state}).run(chunks))
     for result, want in zip(results, expected, strict=True):
         np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
     # Only the chunk itself crosses: 6 floats, not the 8-float state (the first request
     # also carries the initial state, once).
     assert results[1].bytes["device-edge"] < 6 * 4 + 64
-    assert owner_of(cloud, edge).states.position("mic-1") == CHUNKS
+    assert owner_of(tiers.cloud, tiers.edge).states.position("mic-1") == CHUNKS
 
 
 @pytest.mark.parametrize("tiers", [("cloud", None)], indirect=True)
-def test_a_lost_state_is_replayed_and_the_answers_do_not_change(model: Path, tiers: Any) -> None:
-    plan_dir, cloud, edge = tiers
+def test_a_lost_state_is_replayed_and_the_answers_do_not_change(model: Path, tiers: Tiers) -> None:
     chunks, state = chunks_and_state(1)
     expected = local_loop(model, chunks, state)
-    with DeviceClient(plan_dir, edge.address, window=4) as client:
+    states = owner_of(tiers.cloud, tiers.edge).states
+    with tiers.client(window=4) as client:
         session = StreamSession(client, "mic-2", initial={"state": state})
         results = []
         for i, result in enumerate(session.run(chunks)):
             results.append(result)
             if i in (7, 19):
-                drop_when_caught_up(owner_of(cloud, edge).states, "mic-2", session.position)
+                drop_when_caught_up(states, "mic-2", session.position)
     assert session.replays == 2
     for result, want in zip(results, expected, strict=True):
         np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
@@ -142,31 +174,29 @@ def test_a_lost_state_is_replayed_and_the_answers_do_not_change(model: Path, tie
 
 @pytest.mark.parametrize("tiers", [("edge", None)], indirect=True)
 def test_a_loss_older_than_the_chunks_kept_fails_instead_of_answering_wrong(
-    tiers: Any,
+    tiers: Tiers,
 ) -> None:
-    plan_dir, cloud, edge = tiers
     chunks, state = chunks_and_state(2)
-    with DeviceClient(plan_dir, edge.address, window=1) as client:
+    with tiers.client(window=1) as client:
         session = StreamSession(client, "mic-3", initial={"state": state}, keep=5)
         results = []
         for i, result in enumerate(session.run(chunks)):
             results.append(result)
             if i == 12:
-                owner_of(cloud, edge).states.drop("mic-3")
+                owner_of(tiers.cloud, tiers.edge).states.drop("mic-3")
     assert all(r.ok for r in results[:13])
     assert all(isinstance(r.error, StateLostError) for r in results[13:])
     assert "keeps only the last 5 chunks" in str(results[13].error)
 
 
 @pytest.mark.parametrize("tiers", [("cloud", None)], indirect=True)
-def test_sessions_side_by_side_stay_apart_and_in_order(model: Path, tiers: Any) -> None:
+def test_sessions_side_by_side_stay_apart_and_in_order(model: Path, tiers: Tiers) -> None:
     """Three devices stream at once through one edge, each request of a session in order."""
-    plan_dir, _, edge = tiers
     outcomes: dict[int, list[Any]] = {}
 
     def stream(number: int) -> None:
         chunks, state = chunks_and_state(10 + number)
-        with DeviceClient(plan_dir, edge.address, window=6) as client:
+        with tiers.client(window=6) as client:
             session = StreamSession(client, f"s{number}", initial={"state": state})
             outcomes[number] = [list(session.run(chunks)), local_loop(model, chunks, state)]
 
@@ -188,13 +218,12 @@ TWO_SESSIONS = int(2.5 * (8 * 4 + SESSION_OVERHEAD + 100))
 
 @pytest.mark.parametrize("tiers", [("cloud", TWO_SESSIONS)], indirect=True)
 def test_the_state_budget_evicts_the_least_recent_session_which_is_replayed(
-    model: Path, tiers: Any
+    model: Path, tiers: Tiers
 ) -> None:
     """The cloud keeps two sessions' states: a third evicts the oldest, which its device
     rebuilds when it goes on."""
-    plan_dir, cloud, edge = tiers
-    states = owner_of(cloud, edge).states
-    with DeviceClient(plan_dir, edge.address, window=4) as client:
+    states = owner_of(tiers.cloud, tiers.edge).states
+    with tiers.client(window=4) as client:
         made = {n: chunks_and_state(20 + n) for n in range(3)}
         sessions = {
             n: StreamSession(client, f"b{n}", initial={"state": made[n][1]}) for n in range(3)
@@ -211,26 +240,27 @@ def test_the_state_budget_evicts_the_least_recent_session_which_is_replayed(
 
 
 @pytest.mark.parametrize("tiers", [("edge", None)], indirect=True)
-def test_a_stateful_plan_needs_a_session(tiers: Any) -> None:
-    plan_dir, _, edge = tiers
+def test_a_stateful_plan_needs_a_session(tiers: Tiers) -> None:
     chunks, _ = chunks_and_state()
-    with DeviceClient(plan_dir, edge.address) as client:
+    with tiers.client() as client:
         result = client.submit(chunks[0]).result()
     assert isinstance(result.error, RemoteError) and result.error.code == "INVALID_INPUT"
     assert "must name its session" in str(result.error)
 
 
-@pytest.mark.parametrize("tiers", [("cloud", None)], indirect=True)
+@pytest.mark.integration
+@pytest.mark.parametrize("tiers", [("cloud", None, "grpc")], indirect=True)
 def test_run_session_streams_in_npz_rows_as_one_session(
-    model: Path, tiers: Any, tmp_path: Path, capsys: Any
+    model: Path, tiers: Tiers, tmp_path: Path, capsys: Any
 ) -> None:
-    plan_dir, _, edge = tiers
+    plan_dir, address = tiers.plan_dir, tiers.address
+    assert address is not None
     chunks, state = chunks_and_state(4)
     expected = local_loop(model, chunks, state)
     audio = np.stack([c["audio"][0] for c in chunks])  # rows lack the batch dimension
     states = np.stack([state[0]] * CHUNKS)  # only the first row is used
     np.savez(tmp_path / "in.npz", audio=audio, state=states)
-    code = main(["run", "--plan", str(plan_dir), "--edge", edge.address, "--input",
+    code = main(["run", "--plan", str(plan_dir), "--edge", address, "--input",
                  str(tmp_path / "in.npz"), "--output", str(tmp_path / "out.npz"),
                  "--session", "mic-9", "--window", "5"])  # fmt: skip
     assert code == 0, capsys.readouterr().err
@@ -238,17 +268,19 @@ def test_run_session_streams_in_npz_rows_as_one_session(
         np.testing.assert_array_equal(out["out"], np.stack([e[0] for e in expected]))
 
 
-@pytest.mark.parametrize("tiers", [("edge", None)], indirect=True)
+@pytest.mark.integration
+@pytest.mark.parametrize("tiers", [("edge", None, "grpc")], indirect=True)
 def test_the_app_api_and_the_device_command_stream_a_session(
-    model: Path, tiers: Any, tmp_path: Path
+    model: Path, tiers: Tiers, tmp_path: Path
 ) -> None:
     from tierflow.device.app import Device
 
-    plan_dir, _, edge = tiers
+    plan_dir, address = tiers.plan_dir, tiers.address
+    assert address is not None
     chunks, _ = chunks_and_state(6)
     zeros = np.zeros((1, 8), np.float32)  # no state given: the tier starts from zeros
     expected = local_loop(model, chunks, zeros)
-    with Device(DeviceClient(plan_dir, edge.address, window=4)) as device:
+    with Device(DeviceClient(plan_dir, address, window=4)) as device:
         first = list(device.stream(chunks[:10], session="app"))
         rest = list(device.stream(chunks[10:], session="app"))  # goes on where it ended
     for result, want in zip(first + rest, expected, strict=True):
@@ -258,7 +290,7 @@ def test_the_app_api_and_the_device_command_stream_a_session(
     results = tmp_path / "r.jsonl"
     done = subprocess.run(
         [sys.executable, "-m", "tierflow.cli", "device", "--plan", str(plan_dir), "--edge",
-         edge.address, "--source", "-", "--session", "cmd", "--results", str(results)],
+         address, "--source", "-", "--session", "cmd", "--results", str(results)],
         input=stream, capture_output=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr.decode()
@@ -274,6 +306,7 @@ def _npy(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+@pytest.mark.integration
 def test_the_published_vad_whose_graph_sits_in_one_if_plans_and_streams_exactly(
     tmp_path: Path, capsys: Any
 ) -> None:
@@ -315,6 +348,7 @@ def test_the_published_vad_whose_graph_sits_in_one_if_plans_and_streams_exactly(
         np.testing.assert_array_equal(result.unwrap().outputs["output"], want)
 
 
+@pytest.mark.integration
 def test_a_session_stays_on_one_replica_of_an_upstream_list(model: Path, tmp_path: Path) -> None:
     plan_dir = plan_at(model, tmp_path / "plan", "cloud")
     options = RuntimeOptions(workers=2)
@@ -336,7 +370,9 @@ def test_a_session_stays_on_one_replica_of_an_upstream_list(model: Path, tmp_pat
         for name, (results, expected) in outcomes.items():
             for result, want in zip(results, expected, strict=True):
                 np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
-            holders = [r for r in replicas if owner_of(r, edge).states.position(name)]
+            holders = [
+                r for r in replicas if owner_of(r.service, edge.service).states.position(name)
+            ]
             assert len(holders) == 1, name  # every request of the session on one replica
     finally:
         edge.stop(0)
