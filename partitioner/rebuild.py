@@ -33,10 +33,17 @@ roots: roots are model inputs, which carry the batch axis first ([Note: a split
 decoder's batch axis] in :mod:`.decoder_points`), so the steps of several sessions stack
 into one call, where a shape scalar (rank 0) never does; and they compress to almost
 nothing under a lossless codec (``attention_mask`` is all ones unless padded,
-``position_ids`` a count). So what crosses a decoder's block boundary is its hidden state
-and the model inputs the later blocks rebuild their mask and position tables from. The
-price: without a codec, an int64 ``attention_mask`` takes eight bytes a key where the bool
-mask took one (the planner prices that, codecs and all, from what crosses). One decision
+``position_ids`` a count), and a tier that batches with ``--batch-padding`` pads
+``attention_mask``, which it could not do to an expanded mask. So what crosses a
+decoder's block boundary is its hidden state and the model inputs the later blocks
+rebuild their mask and position tables from. Measured on an optimum Qwen2 decoder with
+hidden 896 at a past of 2,032: a decode step's cut took 5,625 bytes raw (hidden 3,584,
+bool mask 2,033, position_ids 8) and 3,394 under zstd (level 3, all-ones masks, a random
+hidden state); now 19,864 raw (``attention_mask``
+16,264) and 3,418 under zstd; a 2,000-token prefill's cut 11.2 MB raw (the mask [2000,
+2000] was 4 MB of it), now 7.2 MB. The price is the raw decode step: an int64
+``attention_mask`` takes eight bytes a key where the bool mask took one; the planner
+prices that, codecs and all, from what crosses, and picks zstd where bytes cost. One decision
 holds for every cut, and the second analysis of a decoder takes the first one's, so both
 see the same cut sets ([Note: decoder analysis points] in :mod:`.decoder_points`).
 """
