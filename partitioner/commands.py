@@ -174,7 +174,9 @@ def register(subparsers: Any) -> None:
         "--objective",
         choices=("latency", "throughput"),
         default="latency",
-        help="minimise one request's latency, or maximise pipelined requests per second",
+        help="minimise one request's latency, or maximise pipelined requests per second "
+        "(a decoder: the whole generation's time, or tokens per second; with --sessions N, "
+        "the aggregate tokens per second of N sessions whose decode steps are batched)",
     )
     plan.add_argument(
         "--codec",
@@ -249,6 +251,17 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="decoders: price sampled generation (each step's answer is the last position's "
         "logits) instead of greedy (the token choice alone, 8 bytes)",
+    )
+    plan.add_argument(
+        "--sessions",
+        type=int,
+        metavar="N",
+        help="decoders, with --objective throughput: plan for N concurrent sessions, each "
+        "tier running their decode steps as one batch; the decode step is profiled here at "
+        "batch 1, 2, 4, ... up to N (the next power of two, interpolated at N), a plan's "
+        "time per token is its batched step's, and it maximises the N sessions' tokens per "
+        "second in all; plan.json records sessions, aggregate_tokens_per_s and the batch "
+        "profile (default: not batched, sessions pipelined one step per stage)",
     )
     slowdown = plan.add_argument(
         "--slowdown",
@@ -446,6 +459,7 @@ def parse_decoder_settings(args: argparse.Namespace) -> Any:
         max_tokens=DecoderDefaults.max_tokens if args.max_tokens is None else args.max_tokens,
         prompt_tokens=prompt,
         sampled=bool(args.sampled),
+        sessions=args.sessions,
     )
 
 
@@ -453,6 +467,7 @@ def _decoder_only_options(args: argparse.Namespace) -> list[str]:
     given = [("--context", args.context), ("--max-tokens", args.max_tokens)]
     given.append(("--prompt-tokens", args.prompt_tokens))
     given.append(("--sampled", True if args.sampled else None))
+    given.append(("--sessions", args.sessions))
     return [flag for flag, value in given if value is not None]
 
 

@@ -32,6 +32,11 @@ def refuse_for_decoder(args: argparse.Namespace, budget: Any) -> None:
         (not budget.lossless_only, f"--fidelity {budget}", "every token's error would feed "
          "the next; decoders are planned exact"),
     ]  # fmt: skip
+    if args.sessions is not None and args.objective != "throughput":
+        raise UsageError(
+            f"--sessions {args.sessions} plans for concurrent sessions' aggregate tokens per "
+            "second: add --objective throughput"
+        )
     for given, option, why in reasons:
         if given:
             raise UsageError(f"{option} does not apply to a decoder: {why}")
@@ -101,11 +106,13 @@ def report_decoder_plan(
         f"{settings.max_tokens} tokens one at a time"
     )
     result = outcome.result
-    goal = (
-        f"time to first token + {settings.max_tokens} x time per token"
-        if objective == "latency"
-        else "tokens per second with sessions pipelined"
-    )
+    sessions = settings.sessions
+    if objective == "latency":
+        goal = f"time to first token + {settings.max_tokens - 1} x time per token"
+    elif sessions is not None:
+        goal = f"the tokens per second of {sessions} sessions, each tier batching their steps"
+    else:
+        goal = "tokens per second with sessions pipelined"
     print(
         f"\n{result.considered} plans scored for {goal}, {result.feasible} fit the budgets; "
         "compute and link bytes per token, memory per tier with its KV cache:"
@@ -122,6 +129,12 @@ def report_decoder_plan(
         f"{format_duration(best.ttft_s)}, {format_duration(best.per_token_s)} per token "
         f"({best.tokens_per_s:.1f} tokens/s over {settings.max_tokens}); memory {held}"
     )
+    if sessions is not None:
+        print(
+            f"with {sessions} sessions batched: {format_duration(best.session_per_token_s)} "
+            f"per token each, {best.aggregate_tokens_per_s:.1f} tokens/s in all (memory "
+            f"above counts their {sessions} KV caches)"
+        )
     steps = outcome.verify_inputs
     if outcome.verified_bitwise is None:
         print("not verified (--no-verify)")

@@ -40,6 +40,29 @@ Memory per tier is its weights, plus the state its blocks keep for one session a
 ``--context`` (the KV cache: :meth:`~tierflow.state.spec.StateSpec.nbytes`), plus the
 larger of its activation peaks at the two points. Cloud-only (the prompt goes up, every
 token comes down) and device-only are plans like any other.
+
+[Note: pricing batched steps]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``plan --objective throughput --sessions N`` plans for N concurrent sessions whose decode
+steps every tier runs as one batch ([Note: the step batcher] in
+tierflow/runtime/batching.py). A batched step reads a segment's weights once for all its
+rows, so its time grows far slower than N: it is measured, not assumed. The decode point
+is analysed again and profiled here at batch 1, 2, 4, ... up to the first power of two
+at or above N (:func:`batch_sizes`), the steps stacked on the batch axis; a tier's step
+at N is interpolated linearly between the two measured sizes around N, unit by unit
+(compute, activation peaks, the bytes crossing each cut; codec figures per MB from the
+larger size): :func:`at_batch`, exact at a measured size.
+
+The N sessions move together: each waits for its token before its next step, so the
+batch is one request through the tiers, priced by :mod:`.cost` like any step on the
+batch's profiles: each tier's batched compute, each used link carrying N hidden states
+up and N answers down, one RTT. Its latency ``L(N)`` is every session's time per token,
+and the sessions together make ``N / L(N)`` tokens per second, what the search maximises
+(it minimises ``L(N)``, a :class:`~.cost.CostTables` like the others). Per token that is
+each tier's batched step time / N plus the links' costs / N. Memory counts N sessions'
+KV caches and the batch's activation peak. Without ``--sessions`` the throughput
+objective keeps the pipelined rate above; TTFT and one session's time per token are
+reported as for every plan.
 """
 
 from __future__ import annotations
@@ -71,13 +94,64 @@ from tierflow.units import format_size
 CHOICE_BYTES = 8
 
 
-def answer_bytes(decode: Profile, *, sampled: bool) -> int:
+def answer_bytes(decode: Profile, *, sampled: bool, sessions: int = 1) -> int:
     """What one step answers over each link it used ([Note: pricing a decoder]).
 
     ``decode`` is profiled at one token (seq 1), so its output cut holds one position's
-    logits: what a sampled step needs back; a greedy one needs its choice alone.
+    logits: what a sampled step needs back; a greedy one needs its choice alone. A
+    batched step of ``sessions`` answers each of them (its profile holds their rows).
     """
-    return decode.cuts[-1].nbytes if sampled else CHOICE_BYTES
+    return decode.cuts[-1].nbytes if sampled else CHOICE_BYTES * sessions
+
+
+def batch_sizes(sessions: int) -> tuple[int, ...]:
+    """The batch sizes a decode step is profiled at for ``sessions`` concurrent sessions:
+    1, 2, 4, ... up to the first power of two at or above it ([Note: pricing batched
+    steps])."""
+    if sessions < 1:
+        raise PlanError(f"sessions must be at least 1, got {sessions}")
+    sizes = [1]
+    while sizes[-1] < sessions:
+        sizes.append(2 * sizes[-1])
+    return tuple(sizes)
+
+
+def at_batch(by_batch: Mapping[int, Profile], batch: int) -> Profile:
+    """One tier's decode-step profile at ``batch`` sessions from its profiles measured at
+    the sizes in ``by_batch``: linear between the two around ``batch``, exact at one of
+    them ([Note: pricing batched steps])."""
+    if batch in by_batch:
+        return by_batch[batch]
+    below = [b for b in by_batch if b < batch]
+    above = [b for b in by_batch if b > batch]
+    if not below or not above:
+        raise PlanError(f"no decode profile around batch {batch}: measured at {sorted(by_batch)}")
+    lo, hi = max(below), min(above)
+    low, high = by_batch[lo], by_batch[hi]
+    share = (batch - lo) / (hi - lo)
+
+    def mix(a: float, b: float) -> float:
+        return a + share * (b - a)
+
+    units = tuple(
+        replace(
+            u,
+            compute_s=mix(u.compute_s, v.compute_s),
+            peak_activation_bytes=round(mix(u.peak_activation_bytes, v.peak_activation_bytes)),
+        )
+        for u, v in zip(low.units, high.units, strict=True)
+    )
+    cuts = tuple(
+        replace(c, nbytes=round(mix(c.nbytes, d.nbytes)))
+        for c, d in zip(low.cuts, high.cuts, strict=True)
+    )
+    return replace(
+        high,
+        units=units,
+        cuts=cuts,
+        overhead_s=mix(low.overhead_s, high.overhead_s),
+        output_s_per_byte=mix(low.output_s_per_byte, high.output_s_per_byte),
+    )
 
 
 def _combined_link(prefill: LinkTable, decode: LinkTable, tokens: int) -> LinkTable:
@@ -95,13 +169,17 @@ def _combined_link(prefill: LinkTable, decode: LinkTable, tokens: int) -> LinkTa
 
 @dataclass(frozen=True)
 class DecoderTables:
-    """Prefill, decode-step and whole-generation tables, all with the decoder's memory."""
+    """Prefill, decode-step and whole-generation tables, all with the decoder's memory;
+    with ``sessions``, a batched step of that many sessions too ([Note: pricing batched
+    steps]). ``state_bytes`` is each unit's state for every session held."""
 
     prefill: CostTables
     decode: CostTables
     generation: CostTables
     max_tokens: int
     state_bytes: tuple[int, ...]
+    batched: CostTables | None = None
+    sessions: int | None = None
 
 
 def decoder_tables(
@@ -111,25 +189,34 @@ def decoder_tables(
     max_tokens: int,
     state_bytes: Sequence[int],
     sampled: bool = False,
+    batched: CostProblem | None = None,
+    sessions: int | None = None,
 ) -> DecoderTables:
     """Tabulate both points and their sum over a generation; see [Note: pricing a decoder].
 
-    ``sampled``: steps answer one position's logits, not its greedy choice.
+    ``sampled``: steps answer one position's logits, not its greedy choice. ``batched``:
+    the decode step of ``sessions`` sessions as one batch, on profiles at that batch size
+    (:func:`at_batch`), for the throughput objective ([Note: pricing batched steps]).
     """
     if max_tokens < 1:
         raise PlanError(f"max_tokens must be at least 1, got {max_tokens}")
+    if (batched is None) != (sessions is None):
+        raise PlanError("a batched step needs its number of sessions, and only it")
     steps = max_tokens - 1  # the prefill answers the first token
     answer = answer_bytes(decode.profiles["device"], sampled=sampled)
     prefill = replace(prefill, reply_bytes=answer)
     decode = replace(decode, reply_bytes=answer)
-    at_prefill, at_decode = build_tables(prefill), build_tables(decode)
-    if prefill.ncuts != decode.ncuts:
-        raise PlanError(f"{prefill.ncuts} cuts at the prefill point, {decode.ncuts} at decode")
-    # Weights, the larger activation peak of the two points, and the state of one session.
-    peaks = {t: np.maximum(at_prefill.memory[t], at_decode.memory[t]) for t in TIERS}
-    at_prefill = with_state_memory(replace(at_prefill, memory=peaks), state_bytes)
-    memory = at_prefill.memory
-    at_decode = replace(at_decode, memory=memory)
+    points = [build_tables(prefill), build_tables(decode)]
+    if batched is not None and sessions is not None:
+        reply = answer_bytes(batched.profiles["device"], sampled=sampled, sessions=sessions)
+        points.append(build_tables(replace(batched, reply_bytes=reply, objective="latency")))
+    if len({t.problem.ncuts for t in points}) != 1:
+        raise PlanError(f"cuts differ between the points: {[t.problem.ncuts for t in points]}")
+    # Weights, the largest activation peak of the points, and the state of every session.
+    held = tuple(size * (sessions or 1) for size in state_bytes)
+    peaks = {t: np.maximum.reduce([p.memory[t] for p in points]) for t in TIERS}
+    memory = with_state_memory(replace(points[0], memory=peaks), held).memory
+    at_prefill, at_decode, *at_batch_size = (replace(p, memory=memory) for p in points)
     generation = CostTables(
         problem=replace(decode, objective="latency"),
         segment_s={t: at_prefill.segment_s[t] + steps * at_decode.segment_s[t] for t in TIERS},
@@ -139,7 +226,15 @@ def decoder_tables(
             for name in at_decode.links
         },
     )
-    return DecoderTables(at_prefill, at_decode, generation, max_tokens, tuple(state_bytes))
+    return DecoderTables(
+        at_prefill,
+        at_decode,
+        generation,
+        max_tokens,
+        held,
+        at_batch_size[0] if at_batch_size else None,
+        sessions,
+    )
 
 
 @dataclass(frozen=True)
@@ -151,6 +246,9 @@ class DecoderEstimate:
     max_tokens: int
     state_bytes: Mapping[str, int]
     reply_bytes: int = 0  # one step's answer (a choice, or one position's logits) per link
+    #: The decode step of ``sessions`` sessions as one batch ([Note: pricing batched steps]).
+    batched: Estimate | None = None
+    sessions: int | None = None
 
     @property
     def cuts(self) -> tuple[int, int]:
@@ -201,6 +299,17 @@ class DecoderEstimate:
         """Tokens per second that concurrent sessions share: one per slowest step stage."""
         return self.step.throughput_rps
 
+    @property
+    def session_per_token_s(self) -> float:
+        """Each session's time per token when ``sessions`` step together as one batch."""
+        return self.batched.latency_s if self.batched is not None else self.per_token_s
+
+    @property
+    def aggregate_tokens_per_s(self) -> float:
+        """Tokens per second of all ``sessions`` together: what ``--sessions`` maximises."""
+        step = self.session_per_token_s
+        return (self.sessions or 1) / step if step > 0 else float("inf")
+
     def bytes_per_token(self) -> dict[str, float]:
         """Bytes each link carries per generated token after the prompt, up and down."""
         return {
@@ -220,6 +329,16 @@ class DecoderEstimate:
             "bytes_per_token": self.bytes_per_token(),
             "prefill": self.prefill.to_dict(),
             "step": self.step.to_dict(),
+            **(
+                {
+                    "sessions": self.sessions,
+                    "session_per_token_s": self.session_per_token_s,
+                    "aggregate_tokens_per_s": self.aggregate_tokens_per_s,
+                    "batched_step": self.batched.to_dict(),
+                }
+                if self.batched is not None
+                else {}
+            ),
         }
 
 
@@ -236,6 +355,8 @@ def decoder_estimate(
         max_tokens=tables.max_tokens,
         state_bytes=held,
         reply_bytes=tables.decode.problem.answer_bytes,
+        batched=None if tables.batched is None else estimate(tables.batched, a, b, codec),
+        sessions=tables.sessions,
     )
 
 
@@ -248,14 +369,16 @@ def decoder_search(
     """
     objective = tables.decode.problem.objective
     ranked_on = tables.decode if objective == "throughput" else tables.generation
+    ranked_on = tables.batched or ranked_on  # its latency: every session's time per token
     try:
         result = search(ranked_on.problem, top=top, tables=ranked_on)
     except PlanError as exc:
         total = format_size(float(sum(tables.state_bytes)))
         at = f" at --context {context}" if context is not None else ""
+        held = f" of {tables.sessions} sessions" if tables.sessions else ""
         raise PlanError(
             f"{exc}; each tier counts its weights, its activations and, kept on it with "
-            f"their blocks, its state pairs' KV cache{at} ({total} for the whole model)"
+            f"their blocks, its state pairs' KV cache{held}{at} ({total} for the whole model)"
         ) from exc
-
+    result = replace(result, objective=objective)
     return result.map(lambda e: decoder_estimate(tables, *e.cuts, e.codec))

@@ -249,6 +249,35 @@ def load_decoder(
     return DecoderGraph(prefill, decode, source, decoder, settings, (prefill_point, decode_point))
 
 
+def load_batched_decode(graph: DecoderGraph, batch: int) -> ModelGraph:
+    """The decode point analysed again with ``batch`` sessions' steps stacked, at the same
+    cuts and with the same rebuilt tensors: what a tier's step batcher runs ([Note: the
+    step batcher] in tierflow/runtime/batching.py), for profiling at that batch size.
+
+    Raises :class:`PlanError` when the model does not run ``batch`` sequences at once.
+    """
+    decode = graph.decode
+    inputs = [value_sig(v) for v in graph.source.graph.input]
+    _, point = graph.points
+    try:
+        # The cuts are the batch-1 analysis's, chosen there with the batch axis in mind
+        # (load_decoder's batched=): at batch > 1 no first dimension is 1 to tell it by.
+        return load_model(
+            decode.path,
+            sample=point_sample(inputs, graph.decoder, graph.states, point, seed=1, batch=batch),
+            state=[(s.input, s.output) for s in graph.states],
+            positions=[c.position for c in decode.cuts],
+            fold=False,
+            max_cut_tensors=DECODER_MAX_CUT_TENSORS,
+            rebuild=decode.rebuilt,
+        )
+    except ModelError as exc:
+        raise PlanError(
+            f"cannot price {batch} sessions' decode steps as one batch: {Path(decode.path).name} "
+            f"does not run at batch {batch} ({first_line(exc)})"
+        ) from exc
+
+
 def split_decoder(graph: DecoderGraph, cut_indices: Sequence[int]) -> list[Segment]:
     """Segments of the shipped model at ``cut_indices`` (a, b), one per tier with work.
 

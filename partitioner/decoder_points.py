@@ -66,18 +66,23 @@ from tierflow.state.spec import DecoderSpec, StateSpec
 
 @dataclass(frozen=True)
 class DecoderSettings:
-    """``plan --context``, ``--max-tokens``, ``--prompt-tokens``, ``--sampled``, checked
-    where they enter."""
+    """``plan --context``, ``--max-tokens``, ``--prompt-tokens``, ``--sampled``,
+    ``--sessions``, checked where they enter."""
 
     context: int = 2048
     max_tokens: int = 64
     prompt_tokens: int = 32
     #: Generation samples (each step answers logits), not greedy (the choice alone).
     sampled: bool = False
+    #: Concurrent sessions whose decode steps the tiers batch, for the throughput
+    #: objective ([Note: pricing batched steps] in :mod:`.decoder_cost`); None: not asked.
+    sessions: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("context", "max_tokens", "prompt_tokens"):
+        for name in ("context", "max_tokens", "prompt_tokens", "sessions"):
             value = getattr(self, name)
+            if name == "sessions" and value is None:
+                continue
             if not isinstance(value, int) or value < 1:
                 flag = "--" + name.replace("_", "-")
                 raise UsageError(f"{flag} must be a whole number >= 1, got {value!r}")
@@ -93,6 +98,7 @@ class DecoderSettings:
             "max_tokens": self.max_tokens,
             "prompt_tokens": self.prompt_tokens,
             "sampled": self.sampled,
+            **({"sessions": self.sessions} if self.sessions is not None else {}),
         }
 
 
@@ -125,25 +131,31 @@ def point_sample(
     point: Point,
     *,
     seed: int = 0,
+    batch: int = 1,
 ) -> dict[str, np.ndarray]:
     """One request at ``point``, as ``--sample`` arrays (a leading request axis of 1).
 
-    Raises :class:`ModelError` for an input the decoder layout does not size.
+    ``batch`` sequences at once: the steps of that many sessions stacked on the first
+    axis ([Note: a split decoder's batch axis]). Raises :class:`ModelError` for an input
+    the decoder layout does not size.
     """
     rng = np.random.default_rng(seed)
     growing = {s.input: s for s in states}
     row: dict[str, np.ndarray] = {}
     for sig in inputs:
         if sig.name == decoder.tokens:
-            row[sig.name] = rng.integers(0, decoder.vocab, (1, point.seq), dtype=np.int64)
+            row[sig.name] = rng.integers(0, decoder.vocab, (batch, point.seq), dtype=np.int64)
         elif sig.name == decoder.attention_mask:
-            row[sig.name] = np.ones((1, point.total), dtype=np.int64)
+            row[sig.name] = np.ones((batch, point.total), dtype=np.int64)
         elif sig.name == decoder.position_ids:
-            row[sig.name] = np.arange(point.past, point.total, dtype=np.int64).reshape(1, -1)
+            positions = np.arange(point.past, point.total, dtype=np.int64)
+            row[sig.name] = np.tile(positions, (batch, 1))
         elif sig.name in growing:
             state = growing[sig.name]
             dims = [
-                point.past if axis == state.grows else (1 if d is None else d)
+                point.past
+                if axis == state.grows
+                else ((batch if axis == 0 else 1) if d is None else d)
                 for axis, d in enumerate(state.shape)
             ]
             row[sig.name] = rng.standard_normal(dims).astype(state.dtype)

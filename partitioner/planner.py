@@ -36,8 +36,19 @@ from tierflow.partitioner.cost import (
     estimate,
     with_state_memory,
 )
-from tierflow.partitioner.decoder_cost import DecoderEstimate, decoder_search, decoder_tables
-from tierflow.partitioner.decoder_graph import DecoderGraph, split_decoder, verify_decoder_split
+from tierflow.partitioner.decoder_cost import (
+    DecoderEstimate,
+    at_batch,
+    batch_sizes,
+    decoder_search,
+    decoder_tables,
+)
+from tierflow.partitioner.decoder_graph import (
+    DecoderGraph,
+    load_batched_decode,
+    split_decoder,
+    verify_decoder_split,
+)
 from tierflow.partitioner.exits.plan import exit_points, split_with_exits
 from tierflow.partitioner.fidelity import (
     EXACT,
@@ -72,6 +83,7 @@ from tierflow.partitioner.state_verify import (
     verify_stream_split,
 )
 from tierflow.plan import Plan
+from tierflow.units import format_duration
 
 logger = logging.getLogger(__name__)
 
@@ -113,10 +125,24 @@ class PlanOptions:
 @dataclass(frozen=True)
 class DecoderProfiles:
     """A decoder's profiles: one per tier at each of its points ([Note: decoder analysis
-    points] in :mod:`.decoder_points`)."""
+    points] in :mod:`.decoder_points`), and with ``plan --sessions`` at each batch size
+    of the decode step measured beyond 1 ([Note: pricing batched steps] in
+    :mod:`.decoder_cost`)."""
 
     prefill: Mapping[str, Profile]
     decode: Mapping[str, Profile]
+    batched: Mapping[int, Mapping[str, Profile]] = field(default_factory=dict)
+
+    def by_batch(self, tier: str) -> dict[int, Profile]:
+        """``tier``'s decode-step profile at each measured batch size, 1 included."""
+        return {1: self.decode[tier], **{b: p[tier] for b, p in self.batched.items()}}
+
+    def step_s_by_batch(self) -> dict[int, float]:
+        """The whole model's decode step on this machine at each measured batch size."""
+        return {
+            batch: profile.emulate(1.0).segment_s(0, len(profile.units))
+            for batch, profile in self.by_batch("cloud").items()
+        }
 
 
 #: What a plan is priced from: one profile per tier, or a decoder's at both points.
@@ -228,7 +254,28 @@ def decoder_profiles(
         f"(seq {decode.seq}, past {decode.past})"
     )
     notes = [line + where for line in said]
-    return DecoderProfiles(profiles["prefill"], profiles["decode"]), notes
+    sessions = graph.settings.sessions
+    batched: dict[int, dict[str, Profile]] = {}
+    for batch in batch_sizes(sessions or 1)[1:]:
+        batched[batch], _ = complete_profiles(
+            load_batched_decode(graph, batch),
+            {},
+            emulation=emulation,
+            threads=threads,
+            time_budget_s=time_budget_s,
+            progress=progress,
+            codecs=codecs,
+        )
+    profiled = DecoderProfiles(profiles["prefill"], profiles["decode"], batched)
+    if sessions is not None:
+        steps = ", ".join(
+            f"{batch}: {format_duration(s)}" for batch, s in profiled.step_s_by_batch().items()
+        )
+        notes.append(
+            f"decode step profiled here at batch {', '.join(map(str, batch_sizes(sessions)))} "
+            f"for {sessions} sessions (the whole model on this machine, by batch: {steps})"
+        )
+    return profiled, notes
 
 
 def ensure_codecs(
@@ -428,12 +475,23 @@ def _rank_decoder(
     prefill, decode = dict(profiles.prefill), dict(profiles.decode)
     notes = ensure_codecs(graph.prefill, prefill, codecs)
     notes += ensure_codecs(graph.decode, decode, codecs)
+    sessions = graph.settings.sessions
+    batched = None
+    if sessions is not None:
+        if options.objective != "throughput":
+            raise UsageError(
+                f"--sessions {sessions} plans for concurrent sessions: add --objective throughput"
+            )
+        at_n = {t: at_batch(profiles.by_batch(t), sessions) for t in TIERS}
+        batched = options.problem(at_n, codecs)
     tables = decoder_tables(
         options.problem(prefill, codecs),
         options.problem(decode, codecs),
         max_tokens=graph.settings.max_tokens,
         state_bytes=graph.state_bytes(),
         sampled=graph.settings.sampled,
+        batched=batched,
+        sessions=sessions,
     )
     result = decoder_search(tables, top=options.top, context=graph.settings.context)
     return result, sorted(set(notes))
@@ -574,6 +632,9 @@ def write_plan(
     check = _verify(graph, segments, chosen.cuts) if options.verify else None
     estimate = estimate_dict(chosen, graph, options.objective)
     estimate["tiers"] = {t: tiers[t].machine.to_dict() for t in TIERS}
+    if isinstance(profiles, DecoderProfiles) and profiles.batched:
+        measured = profiles.step_s_by_batch().items()
+        estimate["decoder"]["batch_step_s"] = {str(b): s for b, s in measured}
     if check is not None:
         estimate["verified"] = (
             check.to_dict()

@@ -256,9 +256,13 @@ def decoder_table(
 
     Compute is per token (the decode step) on each tier; each link shows its codec and
     the bytes it carries per token (up and down); ``generation`` is TTFT plus
-    ``max_tokens`` steps ([Note: pricing a decoder] in :mod:`.decoder_cost`). Memory is
+    ``max_tokens - 1`` steps ([Note: pricing a decoder] in :mod:`.decoder_cost`). Memory is
     each tier's weights, activations and KV cache at ``--context`` (the cache in brackets).
+    Planned for ``--sessions N``, ``ms/token xN`` is each session's time per token with
+    the N batched and ``all tok/s`` their tokens per second together, memory their N
+    caches ([Note: pricing batched steps] in :mod:`.decoder_cost`).
     """
+    sessions = result.best.sessions
     headers = [
         "plan",
         "units",
@@ -269,6 +273,7 @@ def decoder_table(
         "ms/token",
         f"{result.best.max_tokens} tokens s",
         "tok/s",
+        *([f"ms/token x{sessions}", "all tok/s"] if sessions else []),
         "memory (KV cache)",
     ]
 
@@ -299,6 +304,7 @@ def decoder_table(
             _ms(e.per_token_s),
             f"{e.generation_s:.3g}{fits}",
             f"{e.tokens_per_s:.1f}",
+            *([_ms(e.session_per_token_s), f"{e.aggregate_tokens_per_s:.1f}"] if sessions else []),
             held,
         ]
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tierflow.errors import PlanError
 from tierflow.link.spec import LinkSpec
 from tierflow.partitioner.cost import Problem
 from tierflow.partitioner.decoder_cost import (
+    at_batch,
+    batch_sizes,
     decoder_estimate,
     decoder_search,
     decoder_tables,
@@ -148,3 +152,86 @@ def test_throughput_ranks_by_the_slowest_stage_of_a_step(profile_factory) -> Non
     periods = [e.step.period_s for e in result.ranked]
     assert periods == sorted(periods)
     assert result.best.pipelined_tokens_per_s == pytest.approx(1 / result.best.step.period_s)
+
+
+def _batched_tables(profile_factory, *, objective: str, sessions: int = 8, memory=None):
+    """Steps of ``sessions`` batched: the device's CPU is compute-bound (its step takes
+    ``sessions`` times as long), the edge's too, the cloud's memory-bound (10% longer)."""
+    tables = _tables(profile_factory, objective=objective, memory=memory)
+    per_tier = {"device": (4.0, sessions), "edge": (2.0, sessions), "cloud": (1.0, 1.1)}
+    at_n = {
+        tier: profile_factory(
+            [0.001 * slowdown * grows] * 3,
+            [n * sessions for n in DECODE_CUTS],
+            weights=WEIGHTS,
+            peaks=[100 * sessions] * 3,
+            slowdown=slowdown,
+        )
+        for tier, (slowdown, grows) in per_tier.items()
+    }
+    prefill, decode = tables.prefill.problem, tables.decode.problem
+    return decoder_tables(
+        replace(prefill, reply_bytes=None),
+        replace(decode, reply_bytes=None),
+        max_tokens=10,
+        state_bytes=KV,
+        batched=Problem(at_n, LINKS, memory=memory or {}, objective=objective, codecs=("raw",)),
+        sessions=sessions,
+    )
+
+
+def test_throughput_for_sessions_and_latency_choose_differently(profile_factory) -> None:
+    """Latency: one session, no round trip: device-only. Eight sessions batched: the
+    device's step grows eightfold, the cloud's by 10%, so the cloud serves them best."""
+    latency = decoder_search(_tables(profile_factory), top=100)
+    assert latency.best.tiers == ("device",)
+    tables = _batched_tables(profile_factory, objective="throughput")
+    result = decoder_search(tables, top=100)
+    assert result.objective == "throughput"
+    best = result.best
+    assert best.tiers == ("cloud",) and best.sessions == 8
+    # One batch of 8 through both links: 8 hidden states up, 8 token choices down, one RTT.
+    wire = (8 * 24 + 8 * 8) * 8 / 8e6 + (8 * 24 + 8 * 8) * 8 / 80e6
+    assert best.session_per_token_s == pytest.approx(3 * 0.0011 + wire + 0.050)
+    assert best.aggregate_tokens_per_s == pytest.approx(8 / best.session_per_token_s)
+    device = result.baselines["device-only"]
+    assert device.session_per_token_s == pytest.approx(8 * 3 * 0.004)
+    assert best.aggregate_tokens_per_s > 1.5 * device.aggregate_tokens_per_s
+    rates = [e.aggregate_tokens_per_s for e in result.ranked]
+    assert rates == sorted(rates, reverse=True)
+    # One session's figures stay those of one step alone.
+    assert best.per_token_s == pytest.approx(decoder_estimate(_tables(profile_factory), 0, 0,
+                                                              RAW).per_token_s)  # fmt: skip
+    data = best.to_dict()
+    assert data["sessions"] == 8 and data["aggregate_tokens_per_s"] == best.aggregate_tokens_per_s
+
+
+def test_memory_for_sessions_counts_every_sessions_kv_cache(profile_factory) -> None:
+    tables = _batched_tables(profile_factory, objective="throughput", sessions=8)
+    plan = decoder_estimate(tables, 0, 0, RAW)
+    assert plan.state_bytes["cloud"] == 8 * 3 * 4096
+    # Weights, eight caches and the batch's activation peak (larger than the prompt's).
+    assert plan.memory_bytes["cloud"] == 3000 + 8 * 3 * 4096 + 800
+    budget = {"device": 3000 + 3 * 4096 + 800}  # one session's caches fit the device
+    one = decoder_search(_tables(profile_factory, memory=budget), top=100)
+    assert one.baselines["device-only"].feasible
+    eight = _batched_tables(profile_factory, objective="throughput", memory=budget)
+    result = decoder_search(eight, top=100)
+    assert not result.baselines["device-only"].feasible
+    assert all(e.memory_bytes["device"] <= budget["device"] for e in result.ranked)
+
+
+def test_a_batched_profile_is_interpolated_between_the_measured_sizes(profile_factory) -> None:
+    assert batch_sizes(1) == (1,) and batch_sizes(4) == (1, 2, 4) and batch_sizes(6) == (
+        1, 2, 4, 8)  # fmt: skip
+    measured = {
+        b: profile_factory([0.001 * (1 + b / 10)] * 2, [10 * b, 24 * b, 8], peaks=[50 * b] * 2)
+        for b in (1, 2, 4, 8)
+    }
+    assert at_batch(measured, 4) is measured[4]
+    six = at_batch(measured, 6)
+    assert [u.compute_s for u in six.units] == pytest.approx([0.001 * 1.6] * 2)
+    assert [c.nbytes for c in six.cuts] == [60, 144, 8]
+    assert [u.peak_activation_bytes for u in six.units] == [300, 300]
+    with pytest.raises(PlanError, match="no decode profile around batch 16"):
+        at_batch(measured, 16)

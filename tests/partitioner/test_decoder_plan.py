@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -194,6 +195,8 @@ def test_decoder_plan_json_report(decoder_path: Path, tmp_path: Path, capsys: An
         (["--shape", "input_ids=1x4"], "--shape does not apply to a decoder"),
         ([f"--memory={t}=1KiB" for t in ("device", "edge", "cloud")], "KV cache at --context"),
         (["--state", "input_ids=logits"], "state pair input_ids -> logits"),
+        (["--sessions", "4"], "--sessions 4 plans for concurrent sessions"),
+        (["--objective", "throughput", "--sessions", "0"], "--sessions must be a whole number"),
     ],
 )  # fmt: skip
 def test_bad_decoder_options_are_one_line_errors(
@@ -336,3 +339,48 @@ def test_the_one_planner_plans_a_decoder_as_it_plans_any_model(
     sample = {"input_ids": np.zeros((1, 1, 5), dtype=np.int64)}
     with pytest.raises(UsageError, match="--sample does not apply to a decoder"):
         make_plan(graph, profiles, options, tmp_path / "x", sample=sample)
+
+
+def test_sessions_profile_the_decode_step_at_several_batch_sizes(decoder_path: Path) -> None:
+    """Each batch size is analysed and measured at its own shapes, not scaled from batch 1."""
+    from tierflow.partitioner.planner import decoder_profiles
+
+    graph = load_decoder(decoder_path, dataclasses.replace(SETTINGS, sessions=3))
+    profiles, notes = decoder_profiles(graph, time_budget_s=0.2)
+    assert sorted(profiles.batched) == [2, 4]  # 1, 2, 4: up to a power of two >= 3
+    assert "decode step profiled here at batch 1, 2, 4 for 3 sessions" in notes[-1]
+    one = profiles.decode["cloud"]
+    for batch, tiers in profiles.batched.items():
+        measured = tiers["cloud"]
+        # The ids, mask and positions of `batch` sequences cross cut 0, their logits the last.
+        assert measured.cuts[0].nbytes == batch * one.cuts[0].nbytes
+        assert measured.cuts[-1].nbytes == batch * one.cuts[-1].nbytes
+        assert measured.calibration["profile_s"] > 0
+        timed = zip(
+            [u.compute_s for u in one.units], [u.compute_s for u in measured.units], strict=True
+        )
+        ratios = {round(b / a, 9) for a, b in timed if a > 0 and b > 0}
+        assert len(ratios) > 1  # timed unit by unit, no one factor
+    step_s = profiles.step_s_by_batch()
+    assert sorted(step_s) == [1, 2, 4] and all(s > 0 for s in step_s.values())
+
+
+def test_plan_for_sessions_reports_their_aggregate_tokens_per_second(
+    decoder_path: Path, tmp_path: Path, capsys: Any
+) -> None:
+    plan_dir = tmp_path / "plan"
+    code = main(["plan", str(decoder_path), "-o", str(plan_dir), "--context", "64",
+                 "--max-tokens", "8", "--prompt-tokens", "5", "--objective", "throughput",
+                 "--sessions", "4"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "plans scored for the tokens per second of 4 sessions" in out
+    assert "ms/token x4" in out and "all tok/s" in out
+    (line,) = [line for line in out.splitlines() if line.startswith("with 4 sessions batched")]
+    assert "tokens/s in all" in line
+    decoder = load_plan(plan_dir).estimate["decoder"]
+    assert decoder["sessions"] == 4 and sorted(decoder["batch_step_s"]) == ["1", "2", "4"]
+    assert decoder["aggregate_tokens_per_s"] == pytest.approx(4 / decoder["session_per_token_s"])
+    assert decoder["aggregate_tokens_per_s"] > 0
+    # Memory holds four sessions' caches: 6 of [1, 1, 64, 8] float32 each.
+    assert sum(decoder["state_bytes"].values()) == 4 * 6 * 64 * 8 * 4

@@ -108,6 +108,9 @@ def test_decoder_lengths_on_a_model_without_a_kv_cache_are_refused(
     _, err = capsys.readouterr()
     assert code == 2 and "--context set a decoder's lengths" in err
     assert err.count("\n") == 1
+    code = main(["plan", str(stream_path), "-o", str(tmp_path / "p"), "--sessions", "4"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "--sessions set a decoder's lengths" in err
 
 
 def test_state_memory_is_counted_on_the_tier_that_keeps_it(
