@@ -40,8 +40,7 @@ from tierflow.link.spec import upstream_link
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.segment_store import SegmentSource
 from tierflow.runtime.streams import Send
-from tierflow.transport.stream_client import Sent, StreamClient
-from tierflow.transport.wire import clean_figures
+from tierflow.transport.stream_client import Sent, StreamClient, check_figures
 
 if TYPE_CHECKING:
     from tierflow.options import RuntimeOptions
@@ -180,7 +179,7 @@ class LocalUpstream:
                 return  # one reply per request
             service.answered()
             reply = tier_pb2.Reply.FromString(reply.SerializeToString())
-            clean_figures(reply, self.me)  # [Note: figures in a reply]
+            check_figures(reply, self.me, self.peer, self.address)  # [Note: figures in a reply]
             future.set_result(reply)
 
         received = time.perf_counter()

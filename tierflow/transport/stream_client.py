@@ -238,6 +238,25 @@ class _Stream:
             client._send_again(retry, error)
 
 
+def check_figures(reply: tier_pb2.Reply, me: str, peer: str, address: str) -> None:
+    """Drop the figures of ``reply`` (from the ``peer`` at ``address``) that no tier above
+    ``me`` could have measured, with a counted warning ([Note: figures in a reply] in
+    tierflow/transport/wire.py)."""
+    problems = clean_figures(reply, me)
+    if problems:
+        WARNINGS.warn(
+            logger,
+            me,
+            "reply_figures",
+            address,
+            "[%s] the %s at %s answered with figures no tier could measure, dropped: %s",
+            me,
+            peer,
+            address,
+            "; ".join(problems),
+        )
+
+
 def close_when_unwatched(channel: grpc.Channel) -> None:
     """Close ``channel`` once grpc's connectivity watcher has stopped, without waiting here.
 
@@ -313,21 +332,7 @@ class StreamClient:
                 self._down = False  # nothing is trying to connect: the next call will
 
     def _check_figures(self, reply: tier_pb2.Reply) -> None:
-        """Drop the figures of ``reply`` no tier above could have measured, with a warning
-        ([Note: figures in a reply] in tierflow/transport/wire.py)."""
-        problems = clean_figures(reply, self.me)
-        if problems:
-            WARNINGS.warn(
-                logger,
-                self.me,
-                "reply_figures",
-                self.address,
-                "[%s] the %s at %s answered with figures no tier could measure, dropped: %s",
-                self.me,
-                self.peer,
-                self.address,
-                "; ".join(problems),
-            )
+        check_figures(reply, self.me, self.peer, self.address)
 
     def known_down(self) -> bool:
         """Whether the peer is known to be down ([Note: retries and failing fast])."""

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +16,9 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, save_plan
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.service import TierService
+from tierflow.runtime.streams import Send
 from tierflow.runtime.upstream import LocalUpstream, StreamUpstream, connect, segment_source
+from tierflow.transport.peer_warnings import WARNINGS
 from tierflow.transport.stream_client import Sent
 from tierflow.transport.wire import decode_tensors, put_tensors
 
@@ -111,3 +113,37 @@ def test_a_bad_request_is_answered_with_its_error(edge: TierService) -> None:
     upstream.close()
     with pytest.raises(TransportError, match="closed"):
         upstream.submit(_request(edge, 1.0))
+
+
+class _Boasting:
+    """The real edge, its replies claiming a link rate no link has (as a hostile tier would)."""
+
+    def __init__(self, service: TierService) -> None:
+        self.service = service
+        self.tier, self.plan_id = service.tier, service.plan_id
+        self.closed = False
+
+    def admit_request(self) -> tier_pb2.Error | None:
+        return self.service.admit_request()
+
+    def hold(self, request: tier_pb2.Request, caller: str) -> Callable[[], None]:
+        return self.service.hold(request, caller)
+
+    def answered(self) -> None:
+        self.service.answered()
+
+    def handle(
+        self, request: tier_pb2.Request, received: float, later: Send, caller: str = "local"
+    ) -> tier_pb2.Reply | None:
+        reply = self.service.handle(request, received, later, caller)
+        assert reply is not None
+        reply.links.add(link="device-edge", bytes=2**62, send_ms=-1.0, rate_bps=float("nan"))
+        return reply
+
+
+def test_figures_no_tier_could_measure_are_dropped_in_process_too(edge: TierService) -> None:
+    upstream = LocalUpstream(_Boasting(edge), me="device")
+    before = WARNINGS.counts("device").get(("device", "reply_figures"), 0)
+    reply = upstream.submit(_request(edge, 1.0)).future.result()
+    assert list(reply.links) == [] and reply.answered_by == "edge"
+    assert WARNINGS.counts("device").get(("device", "reply_figures"), 0) == before + 1
