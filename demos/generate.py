@@ -77,6 +77,14 @@ def run_generate_demo(
     return 0 if exact and len(rows) == len(setup.STRATEGIES) else 1
 
 
+def plan_table(plans: setup.FamilyPlans) -> str:
+    """The large model's ranked plans, as ``tierflow plan`` prints a decoder's: with the
+    ``blocks`` column, the blocks (KV layers) each tier holds (``D- E0-3 C4-7``)."""
+    from tierflow.partitioner.report import decoder_table
+
+    return decoder_table(plans.large, plans.budgets, plans.large_blocks)
+
+
 def _step(number: int, text: str) -> None:
     print(f"\n[{number}/{STEPS}] {text}", flush=True)
 
@@ -84,7 +92,7 @@ def _step(number: int, text: str) -> None:
 def _demo(
     links: Mapping[str, LinkSpec], workdir: Path, count: int, max_tokens: int, out: TextIO
 ) -> dict[str, Any]:
-    from tierflow.partitioner.report import Progress, decoder_table
+    from tierflow.partitioner.report import Progress
     from tierflow.tuning import tune_for_latency
     from tierflow.zoo.byte_corpus import decode
     from tierflow.zoo.bytelm_family import agreement_table, build_family
@@ -109,7 +117,7 @@ def _demo(
         plans = setup.plan_family(family, links, workdir, progress=progress)
     finally:
         progress.close()
-    print(_indent(decoder_table(plans.large, budgets)))
+    print(_indent(plan_table(plans)))
     for name in setup.STRATEGIES[:3]:
         estimate = plans.estimate(name)
         print(

@@ -91,6 +91,9 @@ class FamilyPlans:
     large: Any  # SearchResult[DecoderEstimate] of the large model
     small: Any  # SearchResult[DecoderEstimate] of the small model
     budgets: Mapping[str, int]
+    #: The large model's blocks (KV layers) by cut-search unit (DecoderGraph.unit_blocks),
+    #: so its plan table says which blocks each tier holds, as ``tierflow plan`` does.
+    large_blocks: Sequence[Sequence[int]] = ()
 
     def plan_dir(self, strategy: str) -> Path:
         return {
@@ -153,7 +156,13 @@ def plan_family(
     write_plan(large_graph, large_profiles, options, cloud, dirs["cloud-only"])
     write_plan(small_graph, small_profiles, options, alone, dirs["device-only"])
     return FamilyPlans(
-        dirs["split"], dirs["cloud-only"], dirs["device-only"], large, small, options.memory
+        dirs["split"],
+        dirs["cloud-only"],
+        dirs["device-only"],
+        large,
+        small,
+        options.memory,
+        large_graph.unit_blocks(),
     )
 
 

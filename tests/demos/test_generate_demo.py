@@ -6,13 +6,17 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from tierflow.cli.main import main
-from tierflow.demos.generate import HEADERS
+from tierflow.demos import generation_setup as setup
+from tierflow.demos.generate import HEADERS, plan_table
 from tierflow.demos.generation_setup import STRATEGIES
+from tierflow.link.spec import LinkSpec
+from tierflow.zoo.tiny_stateful import tiny_decoder
 
 
 @pytest.mark.parametrize(
@@ -27,6 +31,24 @@ def test_options_that_do_not_fit_are_one_line(extra: list[str], message: str, ca
     assert main(["demo", "--generate", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_the_demos_plan_table_says_which_blocks_each_tier_holds(tmp_path: Path) -> None:
+    """As ``tierflow plan`` of a decoder does: a ``blocks`` column, D- E0-3 C4-7 style."""
+    paths = {
+        "large": tiny_decoder(tmp_path / "large.onnx", blocks=4),
+        "small": tiny_decoder(tmp_path / "small.onnx", blocks=2),
+    }
+    family = SimpleNamespace(path=paths.__getitem__)
+    links = {"device-edge": LinkSpec(20e6, 0.03), "edge-cloud": LinkSpec(200e6, 0.02)}
+    plans = setup.plan_family(
+        family, links, tmp_path / "plans", context=64, max_tokens=8, prompt_tokens=8
+    )
+    assert sorted(b for unit in plans.large_blocks for b in unit) == [0, 1, 2, 3]
+    header, _, *rows = plan_table(plans).splitlines()
+    assert header.split()[:3] == ["plan", "units", "blocks"]
+    (cloud_only,) = [row for row in rows if row.startswith("cloud-only")]
+    assert cloud_only.split()[4:7] == ["D-", "E-", "C0-3"]  # after units' D- E- C0-N
 
 
 @pytest.mark.integration
@@ -54,6 +76,9 @@ def test_the_generation_demo_streams_and_measures_every_strategy(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     steps = done.stderr  # with --json the steps (and the streamed text) go to stderr
     assert "cached in" in steps and "[5/5] results" in steps
+    planning = steps[steps.index("[2/5]") : steps.index("[3/5]")]
+    # The plan table says which blocks each tier holds, as `tierflow plan` does.
+    assert any(line.split()[:3] == ["plan", "units", "blocks"] for line in planning.splitlines())
     report = json.loads(done.stdout)
     assert report["links"] == {"device-edge": "20mbit,30ms", "edge-cloud": "200mbit,20ms"}
     rows = {row["strategy"]: row for row in report["strategies"]}
