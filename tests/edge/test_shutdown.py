@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,15 +84,47 @@ def test_sigterm_refuses_new_requests_at_once_and_drains_those_in_flight(
             channel.close()
 
 
+def _edge_in_flight(edge: Any) -> Callable[[int], None]:
+    """Waits until the edge holds that many requests not yet answered, as its metrics say
+    (``tierflow_in_flight``; the edge runs with ``--metrics-port 0``)."""
+    line = edge.read_line(30)  # the second line `tierflow serve` prints: where its metrics are
+    assert " metrics on http://" in line, line
+    url = line.rsplit(" on ", 1)[1].strip()
+
+    def wait(count: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                text = response.read().decode()
+            found = re.search(r'^tierflow_in_flight\{tier="edge"\} (\S+)$', text, re.MULTILINE)
+            assert found, text
+            if float(found.group(1)) == count:
+                return
+            assert time.monotonic() < deadline, f"the edge holds {found.group(1)}, not {count}"
+            time.sleep(0.02)
+
+    return wait
+
+
 @pytest.mark.integration
 def test_sigterm_after_garbage_exits_within_grace_plus_one_second(tmp_path: Path, rt: Any) -> None:
-    """Garbage from a client that went away, an idle stream, a request that never ends."""
+    """Garbage from a client that went away, an idle stream, a request that never ends.
+
+    SIGTERM goes once the edge holds that request, as its metrics say: a fixed sleep raced
+    a loaded edge, which had not read the request yet, exited at once and failed the test.
+    """
+    pytest.importorskip("prometheus_client", reason="--metrics-port needs the metrics extra")
     split = rt.cnn(tmp_path / "plan")
     valid = _edge_request(split.plan_dir, "v").SerializeToString()
     grace = 1.0
     with rt.processes() as start:
         cloud = start("cloud", split.plan_dir)
-        edge = start("edge", split.plan_dir, "--upstream", cloud.address, "--grace", str(grace))
+        edge = start(
+            "edge",
+            split.plan_dir,
+            *("--upstream", cloud.address, "--grace", str(grace), "--metrics-port", "0"),
+        )
+        in_flight = _edge_in_flight(edge)
         channel = grpc.insecure_channel(edge.address, options=grpc_options())
         raw = channel.stream_stream(
             "/tierflow.rpc.Tier/Infer",
@@ -105,9 +139,10 @@ def test_sigterm_after_garbage_exits_within_grace_plus_one_second(tmp_path: Path
         idle = raw(iter(idle_requests.get, None))  # a device that keeps its stream open
         idle_requests.put(valid)
         assert not next(idle).HasField("error")
+        in_flight(0)  # the garbage stream's requests too are answered
         os.kill(cloud.process.pid, signal.SIGSTOP)
         idle_requests.put(valid)  # in flight until the cloud wakes: never, here
-        time.sleep(0.2)
+        in_flight(1)
         try:
             started = time.monotonic()
             edge.process.send_signal(signal.SIGTERM)
