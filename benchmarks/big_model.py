@@ -26,12 +26,15 @@ runtime's timings ("model on measured compute") to tell the two apart.
 
 Usage::
 
-    python -m benchmarks.big_model [--work DIR] [--model MODEL.onnx] [--reuse-plans]
-                                   [--runs 3] [--inline-model MODEL.onnx]
+    python -m benchmarks.big_model [--work DIR] [--model MODEL.onnx]
+                                   [--reuse-plans [LAYOUT ...]] [--runs 3]
+                                   [--inline-model MODEL.onnx]
 
 The export (about 6 minutes, 5.5 GB) is kept in ``--work`` and reused; ``--model`` takes
 one made before. ``--reuse-plans`` serves the plans an earlier run left in
-``--work/plans`` (with the planning figures it recorded) instead of planning again.
+``--work/plans`` (with the planning figures it recorded) instead of planning again: all of
+them, or the layouts named (``--reuse-plans cloud-only device-only`` plans the three-tier
+split again and serves the other two as they are).
 ``--inline-model`` also plans a model whose weights are inside its ``.onnx`` file (under
 2 GB), for planning's peak memory over its weights. It writes ``big_model.json`` and
 ``BIG_MODEL.md`` in the results folder beside it.
@@ -323,7 +326,12 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/tierflow-big-model"))
     parser.add_argument("--model", type=Path, help="an export made before (model.onnx)")
     parser.add_argument(
-        "--reuse-plans", action="store_true", help="serve the plans already in --work/plans"
+        "--reuse-plans",
+        nargs="*",
+        choices=tuple(LAYOUTS),
+        metavar="LAYOUT",
+        help="serve these layouts' plans already in --work/plans (no name: every one there) "
+        "instead of planning them again",
     )
     parser.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--context", type=int, default=2048)
@@ -366,7 +374,8 @@ def main() -> int:
     ]  # fmt: skip
     for name in args.layouts:
         plan_dir, record = plans / name, plans / f"{name}.json"
-        if args.reuse_plans and record.exists() and (plan_dir / "plan.json").exists():
+        reuse = args.reuse_plans is not None and (not args.reuse_plans or name in args.reuse_plans)
+        if reuse and record.exists() and (plan_dir / "plan.json").exists():
             result["plans"][name] = {**json.loads(record.read_text()), "reused": True}
             continue
         print(f"planning {name} ...", flush=True)
