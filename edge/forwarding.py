@@ -26,7 +26,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tierflow.errors import TierflowError, TransportError
+from tierflow.errors import TierflowError, TransportError, UsageError
 from tierflow.options import RuntimeOptions
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.pipeline import Down, Onward, Pipeline
@@ -51,6 +51,8 @@ class Forwarding:
     def __init__(
         self, address: str = "", *, peer: str = "cloud", upstream: Upstream | None = None
     ) -> None:
+        if upstream is None and not address:
+            raise UsageError(f"the edge forwards to the {peer}: give its address or upstream")
         self.address = upstream.address if upstream is not None else address
         self.peer = upstream.peer if upstream is not None else peer
         self.tier = "edge"

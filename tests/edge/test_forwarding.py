@@ -25,6 +25,7 @@ from tierflow.cache.memory import MemoryCache
 from tierflow.codec.base import ImageNorm, decode, encode
 from tierflow.device.client import DeviceClient
 from tierflow.edge.forwarding import Forwarding
+from tierflow.errors import UsageError
 from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.fidelity_probe import plan_fidelity, run_plan_dir
@@ -163,3 +164,8 @@ def test_a_forwarding_edge_with_a_cache_answers_repeats_and_forwards_the_rest(
     np.testing.assert_array_equal(
         third.outputs["y"], whole.run(["y"], {"x": _once("jpeg:30", other["x"])})[0]
     )
+
+
+def test_forwarding_needs_an_address_or_an_upstream() -> None:
+    with pytest.raises(UsageError, match="give its address or upstream"):
+        Forwarding()
