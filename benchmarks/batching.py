@@ -146,19 +146,25 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
         with DeviceClient(plan, edge.address, options=options, window=64) as client:
             TierDecoder(client).choose(texts[0], 0, keep=1)  # opens every tier's sessions
             for count in counts:
-                rows.append(_generate(client, texts[:count], args.tokens, cloud))
+                rows.append(_generate(client, texts[:count], args.tokens, cloud, edge))
     finally:
         edge.stop(0)
         cloud.stop(0)
     return {"rows": rows, "peak_rss": _rss()}
 
 
-def _generate(client: Any, texts: list[list[int]], tokens: int, cloud: Any) -> dict[str, Any]:
+def _batcher(server: Any) -> Any:
+    """A served tier's batcher of the plan (None: it batches nothing)."""
+    return server.service.pipeline.runner(0).batcher
+
+
+def _generate(
+    client: Any, texts: list[list[int]], tokens: int, cloud: Any, edge: Any
+) -> dict[str, Any]:
     from tierflow.device.generation import TierDecoder
 
-    pipeline = cloud.service.pipeline
-    batcher = pipeline.runner(0).batcher
-    before = batcher.stats.to_dict() if batcher is not None else None
+    batchers = {"cloud": _batcher(cloud), "edge": _batcher(edge)}
+    before = {k: b.stats.to_dict() if b is not None else None for k, b in batchers.items()}
     out: list[dict[str, Any]] = [{} for _ in texts]
     start = threading.Barrier(len(texts))
 
@@ -183,7 +189,7 @@ def _generate(client: Any, texts: list[list[int]], tokens: int, cloud: Any) -> d
         thread.join()
     span = max(o["end"] for o in out) - min(o["first"] for o in out)
     steps = [s for o in out for s in o["steps"]]
-    after = batcher.stats.to_dict() if batcher is not None else None
+    after = {k: b.stats.to_dict() if b is not None else None for k, b in batchers.items()}
     return {
         "sessions": len(texts),
         "tokens_per_s": len(texts) * (tokens - 1) / span,
@@ -191,7 +197,8 @@ def _generate(client: Any, texts: list[list[int]], tokens: int, cloud: Any) -> d
         "p99_ms": float(np.percentile(steps, 99)),
         "session_p50_ms": [statistics.median(o["steps"]) for o in out],
         "tokens": [o["tokens"] for o in out],
-        "cloud_batches": _delta(before, after),
+        "cloud_batches": _delta(before["cloud"], after["cloud"]),
+        "edge_batches": _delta(before["edge"], after["edge"]),
         "rss": _rss(),
     }
 
@@ -377,18 +384,19 @@ def table(results: dict[str, Any]) -> list[str]:
     ceiling_by = {r["sessions"]: r for r in results["ceiling"]["rows"]}
     lines = [
         "| plan | sessions | tokens/s | x 1 session | % ORT ceiling | p50 ms/token | "
-        "p99 ms/token | cloud batch sizes | token-identical | peak RSS |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|---:|",
+        "p99 ms/token | edge batch sizes | cloud batch sizes | token-identical | peak RSS |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---|---:|",
     ]
     for name, run in results["runs"].items():
         one = run["rows"][0]["tokens_per_s"]
         for row in run["rows"]:
             ceil = ceiling_by[row["sessions"]]["tokens_per_s"]
             sizes = _sizes(row["cloud_batches"])
+            at_edge = _sizes(row.get("edge_batches"))
             lines.append(
                 f"| {name} | {row['sessions']} | {row['tokens_per_s']:.1f} | "
                 f"{row['tokens_per_s'] / one:.2f} | {100 * row['tokens_per_s'] / ceil:.0f}% | "
-                f"{row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {sizes} | "
+                f"{row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {at_edge} | {sizes} | "
                 f"{'yes' if row['identical'] else 'NO'} | {row['rss'] / 2**30:.2f} GiB |"
             )
     lines += [
