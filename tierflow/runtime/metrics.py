@@ -36,6 +36,9 @@ prefixed ``tierflow_``; labels in brackets):
   ``tierflow.transport.callers``), never a token. ``state_evictions_total{tier}``: sessions
   evicted or dropped idle so far ([Note: session state on a tier] in
   ``tierflow.state.store``).
+- ``batch_calls_total{tier, size}``: the step batcher's ONNX Runtime calls by the steps each
+  ran (``size`` 1: a step alone), every plan's together ([Note: the step batcher] in
+  ``tierflow.runtime.batching``).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from tierflow.transport.peer_warnings import WARNINGS
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from tierflow.runtime.batching import BatchStats
     from tierflow.runtime.segment_store import SegmentStore
     from tierflow.state.store import SessionStates
 
@@ -71,9 +75,10 @@ class TierMetrics:
         in_flight: Callable[[], float],
         segments: Callable[[], SegmentStore | None] | None = None,
         states: Callable[[], SessionStates | None] | None = None,
+        batches: Callable[[], list[BatchStats]] | None = None,
     ) -> None:
         """``segments`` gives the tier's segment store, ``states`` its session state (each
-        None until it has one)."""
+        None until it has one), ``batches`` its step batchers' figures."""
         prom = import_extra("prometheus_client", "--metrics-port")
         self.tier = tier
         self.registry = prom.CollectorRegistry()
@@ -142,6 +147,8 @@ class TierMetrics:
         reg.register(_PeerWarningsCollector(tier, core.CounterMetricFamily))
         if states is not None:
             reg.register(_StateCollector(tier, states))
+        if batches is not None:
+            reg.register(_BatchCollector(tier, batches))
         self._server: Any = None
 
     # ------------------------------------------------------------------ observing
@@ -290,3 +297,29 @@ class _StateCollector:
 
     def describe(self) -> list[Any]:
         return []  # collected at each scrape only: the owners change
+
+
+class _BatchCollector:
+    """The step batchers' calls by size, read at each scrape."""
+
+    def __init__(self, tier: str, batches: Callable[[], list[BatchStats]]) -> None:
+        self.tier = tier
+        self.batches = batches
+
+    def collect(self) -> Iterator[Any]:
+        core = import_extra("prometheus_client.core", "--metrics-port")
+        calls = core.CounterMetricFamily(
+            "tierflow_batch_calls",
+            "The step batcher's ONNX Runtime calls, by the steps each ran",
+            labels=["tier", "size"],
+        )
+        sizes: dict[int, int] = {}
+        for stats in self.batches():
+            for size, count in dict(stats.sizes).items():
+                sizes[size] = sizes.get(size, 0) + count
+        for size in sorted(sizes):
+            calls.add_metric([self.tier, str(size)], sizes[size])
+        yield calls
+
+    def describe(self) -> list[Any]:
+        return []  # collected at each scrape only: the sizes change

@@ -219,6 +219,7 @@ def serve_until_stopped(server: TierServer, grace: float, metrics_port: int | No
             lambda: service.in_flight,
             segments=lambda: service.segments,
             states=lambda: None if service.pipeline is None else service.pipeline.states,
+            batches=service.batch_stats,
         )
         service.metrics = metrics
     server.start()

@@ -55,7 +55,7 @@ from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.admission import StreamAdmission, peer_host
 from tierflow.runtime.batch_message import Deposit, MemberReplies, check_members, send_together
-from tierflow.runtime.batching import Convoy, departure_seat
+from tierflow.runtime.batching import BatchStats, Convoy, departure_seat
 from tierflow.runtime.pipeline import Answered, Onward, Pipeline, SessionStep
 from tierflow.runtime.probe import ProbeCredit, echo
 from tierflow.runtime.replies import StreamReplies
@@ -194,6 +194,15 @@ class TierService(tier_pb2_grpc.TierServicer):
         if self.pipeline is None:
             return []
         return [self.plans.plans[i].plan_id for i in self.pipeline.opened()]
+
+    def batch_stats(self) -> list[BatchStats]:
+        """The figures of the step batchers of the plans opened here ([Note: the step
+        batcher] in tierflow/runtime/batching.py)."""
+        pipeline = self.pipeline
+        if pipeline is None:
+            return []
+        runners = [pipeline.runner(index) for index in pipeline.opened()]
+        return [runner.batcher.stats for runner in runners if runner.batcher is not None]
 
     @property
     def in_flight(self) -> int:

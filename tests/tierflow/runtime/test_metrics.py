@@ -1,10 +1,12 @@
-"""A tier's session state in its metrics: by owner's name, never by token."""
+"""A tier's session state in its metrics: by owner's name, never by token; its step
+batchers' calls by size."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from tierflow.runtime.batching import BatchStats
 from tierflow.runtime.metrics import TierMetrics
 from tierflow.state.spec import StateSpec
 from tierflow.state.store import SESSION_OVERHEAD, SessionStates
@@ -34,3 +36,16 @@ def test_state_bytes_and_sessions_are_shown_by_owner() -> None:
         2 * (one - 2)  # "token:bob" is two bytes shorter than "token:alice"
     )
     assert samples["tierflow_state_evictions_total", (("tier", "cloud"),)] == 1
+
+
+def test_batch_calls_are_counted_by_size_over_every_plans_batcher() -> None:
+    one, two = BatchStats(sizes={1: 5, 4: 2}), BatchStats(sizes={4: 1, 16: 3})
+    metrics = TierMetrics("cloud", lambda: 0.0, batches=lambda: [one, two])
+    text = prometheus.generate_latest(metrics.registry).decode()
+    samples = {
+        s.labels["size"]: s.value
+        for family in parser.text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "tierflow_batch_calls_total"
+    }
+    assert samples == {"1": 5, "4": 3, "16": 3}
