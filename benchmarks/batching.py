@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.lib import RESULTS as FOLDER
+from benchmarks.lib.report import load_average, load_span, load_words
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = FOLDER / "batching.json"
@@ -319,7 +320,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "tokens": args.tokens,
             "prompt": args.prompt,
             "cpus": os.cpu_count(),
-            "load": os.getloadavg()[0],
+            "load_average": {"start": load_average()},
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "model_bytes": paths["model"].stat().st_size,
         },
@@ -340,7 +341,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             results["runs"][name] = run
     if args.padding and "cloud" in configs:
         results["padding"] = padding_runs(paths, args)
-    results["settings"]["load_end"] = os.getloadavg()[0]
+    settings = results["settings"]
+    settings["load_average"] = load_span(settings["load_average"]["start"])
     return results
 
 
@@ -544,9 +546,7 @@ def render(results: dict[str, Any]) -> None:
         "",
         "`python -m benchmarks.batching` (see its docstring), run "
         f"{settings['when']} on {settings['cpus']} CPUs "
-        f"(load average {settings['load']:.2f} at the start"
-        + (f", {settings['load_end']:.2f} at the end" if "load_end" in settings else "")
-        + "), "
+        f"({load_words(settings['load_average'])}), "
         f"ONNX Runtime {settings['threads']} intra-op threads on every tier, --workers "
         f"{settings['workers']}, prompts of {settings['prompt']} tokens, {settings['tokens']} "
         "tokens per session.",

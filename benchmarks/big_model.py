@@ -58,6 +58,7 @@ from typing import Any
 
 from benchmarks.lib import RESULTS as RESULTS_DIR
 from benchmarks.lib.decoder_estimates import predicted as plan_estimate
+from benchmarks.lib.report import load_average
 from tierflow.link.spec import LINKS, TIERS
 from tierflow.runtime.processes import ServeProcess
 from tierflow.zoo.hf_decoders import QWEN2_0_5B, export_decoder
@@ -89,7 +90,7 @@ def timed(argv: list[str], log: Path) -> dict[str, Any]:
         "exit_status": done.returncode,
         "wall_s": round(time.monotonic() - started, 1),
         "peak_rss_bytes": int(peak.group(1)) * 1024 if peak else None,
-        "load_before": round(os.getloadavg()[0], 2),
+        "load_before": load_average()[0],
     }
 
 
@@ -155,7 +156,7 @@ def generate(
         "--max-tokens", str(max_tokens), "--threads", "1", "--slowdown",
         str(SLOWDOWN["device"]), "--link-emulation", "plan", "--json",
     ]  # fmt: skip
-    load = os.getloadavg()[0]
+    load = load_average()[0]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
     log.write_text(done.stderr + done.stdout)
     lines = done.stdout.strip().splitlines()
@@ -164,7 +165,7 @@ def generate(
         raise RuntimeError(f"generate on {plan_dir} failed ({done.returncode}): {tail[0]}")
     report = json.loads(lines[-1])
     report["load_before"] = round(load, 2)
-    report["load_after"] = round(os.getloadavg()[0], 2)
+    report["load_after"] = load_average()[0]
     return report
 
 

@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.lib import RESULTS
+from benchmarks.lib import RESULTS, timing
 from benchmarks.lib import emulation as emu
 from benchmarks.lib import splits as bench_splits
 from tierflow.link.spec import LinkSpec
@@ -111,23 +111,6 @@ CALIBRATION_SEED, HELDOUT_SEED = 101, 202
 OUTPUT_DISTILLATION = False
 
 
-def _session(model: Any) -> Any:
-    """The tiers' session: one intra-op thread, 'extended' (tierflow.onnxrt.inference)."""
-    from tierflow.onnxrt.inference import open_session
-
-    return open_session(model if isinstance(model, bytes) else model.SerializeToString())
-
-
-def _timed(repeats: int, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
-    """The result of ``fn(*args, **kwargs)`` and its median CPU time in ms over ``repeats``.
-
-    The calling thread's CPU time, as the comparison measures (ONNX Runtime with one
-    intra-op thread, the image codecs and zstd all compute on it): other jobs on this
-    shared machine inflate wall time several-fold, not this.
-    """
-    return bench_splits.cpu_ms(repeats, fn, *args, **kwargs)
-
-
 def _link_ms(link: LinkSpec, nbytes: float) -> float:
     """Serialisation plus one RTT: the request goes up, the (tiny) answer comes back."""
     return (nbytes * 8.0 / link.rate_bps + link.rtt_s) * 1e3
@@ -172,7 +155,7 @@ def input_codec_points(
     from tierflow.codec.base import ImageNorm, decode, encode
 
     norm = ImageNorm(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
-    session = _session(model_path.read_bytes())
+    session = timing.session(model_path.read_bytes())
     specs = (*(f"jpeg:{q}" for q in JPEG_QUALITIES), *OTHER_INPUT_CODECS)
     sizes: dict[str, list[int]] = {spec: [] for spec in specs}
     enc_ms: dict[str, list[float]] = {spec: [] for spec in specs}
@@ -183,8 +166,8 @@ def input_codec_points(
         runs = repeats if index < timed else 1
         for spec in specs:
             image = norm if spec.startswith(("jpeg", "webp", "png")) else None
-            encoded, e_ms = _timed(runs, encode, "x", tensor, spec, image=image)
-            decoded, d_ms = _timed(runs, decode, encoded)
+            encoded, e_ms = timing.cpu_ms(runs, encode, "x", tensor, spec, image=image)
+            decoded, d_ms = timing.cpu_ms(runs, decode, encoded)
             sizes[spec].append(encoded.nbytes)
             if index < timed:
                 enc_ms[spec].append(e_ms)
@@ -249,18 +232,18 @@ def bottleneck_points(
         (cut,) = [c for c in graph.cuts if c.tensors == (result.code,)]
         (device_spec, device_model), (_, cloud_model) = split_model(graph, (cut.index, cut.index))
         device, cloud, whole = (
-            _session(device_model),
-            _session(cloud_model),
-            _session(path.read_bytes()),
+            timing.session(device_model),
+            timing.session(cloud_model),
+            timing.session(path.read_bytes()),
         )
         compressor = zstandard.ZstdCompressor(level=3)
         dev_ms, cloud_ms, zstd_ms, unzstd_ms, sizes, outputs = [], [], [], [], [], []
         for index, row in enumerate(held):
             runs = repeats if index < timed else 1
-            (codes,), d_ms = _timed(runs, device.run, None, {input_name: row[None]})
-            blob, z_ms = _timed(runs, compressor.compress, codes.tobytes())
-            _, unz_ms = _timed(runs, zstandard.ZstdDecompressor().decompress, blob)
-            (out,), c_ms = _timed(runs, cloud.run, None, {device_spec.outputs[0]: codes})
+            (codes,), d_ms = timing.cpu_ms(runs, device.run, None, {input_name: row[None]})
+            blob, z_ms = timing.cpu_ms(runs, compressor.compress, codes.tobytes())
+            _, unz_ms = timing.cpu_ms(runs, zstandard.ZstdDecompressor().decompress, blob)
+            (out,), c_ms = timing.cpu_ms(runs, cloud.run, None, {device_spec.outputs[0]: codes})
             if index < timed:
                 np.testing.assert_array_equal(out, whole.run(None, {input_name: row[None]})[0])
                 dev_ms.append(d_ms)
@@ -710,10 +693,12 @@ def main(argv: list[str] | None = None) -> int:
         time.perf_counter() - started,
     )
 
-    session = _session(model_path.read_bytes())
+    session = timing.session(model_path.read_bytes())
     exact_rows, cloud_times = [], []
     for index, row in enumerate(held):
-        (out,), ms = _timed(repeats if index < timed else 1, session.run, None, {"x": row[None]})
+        (out,), ms = timing.cpu_ms(
+            repeats if index < timed else 1, session.run, None, {"x": row[None]}
+        )
         exact_rows.append(out)
         if index < timed:
             cloud_times.append(ms)

@@ -42,9 +42,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks import bottleneck as bottleneck_bench
-from benchmarks.lib import RESULTS
+from benchmarks.lib import RESULTS, models, timing
 from benchmarks.lib import emulation as emu
-from benchmarks.lib import models as bench_models
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +77,7 @@ CONFIGS: dict[str, tuple[tuple[Config, ...], tuple[Config, ...]]] = {
 
 def out_json(model: str) -> Path:
     """Where a run on ``model`` is written (and where ``comparison/run.py`` finds it)."""
-    if model == bench_models.IMAGENET_MODEL.name:
+    if model == models.IMAGENET_MODEL.name:
         return RESULTS / "bottleneck_trained.json"
     return RESULTS / f"bottleneck_trained-{model}.json"
 
@@ -145,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer views, one bottleneck")
     parser.add_argument(
         "--model",
-        choices=[m.name for m in bench_models.IMAGENET_MODELS],
-        default=bench_models.IMAGENET_MODEL.name,
+        choices=[m.name for m in models.IMAGENET_MODELS],
+        default=models.IMAGENET_MODEL.name,
         help="which of the comparison's ImageNet classifiers",
     )
     parser.add_argument("--out", type=Path, default=None, help="default: results/ by model")
@@ -156,19 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("tierflow.partitioner.graph", "tierflow.zoo.bottleneck_train"):
         logging.getLogger(name).setLevel(logging.WARNING)
     started = time.perf_counter()
-    model = next(m for m in bench_models.IMAGENET_MODELS if m.name == args.model)
+    model = next(m for m in models.IMAGENET_MODELS if m.name == args.model)
     out = args.out or out_json(model.name)
-    path = bench_models.export(model, bench_models.default_work_dir())
+    path = models.export(model, models.default_work_dir())
     calib_count, held_count, timed = VIEWS_QUICK if args.quick else VIEWS_FULL
     configs = CONFIGS[model.name][1 if args.quick else 0]
     # 150 steps kept 40-63% of the answers; 400 are still a few minutes per bottleneck.
     steps = args.steps or (30 if args.quick else 400)
     specs = [("input", "float32", (1, 3, 224, 224))]
     calib = np.concatenate(
-        [r["input"] for r in bench_models.planner_sample(model, specs, calib_count, seed=11)]
+        [r["input"] for r in models.planner_sample(model, specs, calib_count, seed=11)]
     )
-    held = np.concatenate([r["input"] for r in bench_models.requests(model, specs, held_count)])
-    session = bottleneck_bench._session(path.read_bytes())
+    held = np.concatenate([r["input"] for r in models.requests(model, specs, held_count)])
+    session = timing.session(path.read_bytes())
     exact = np.concatenate([session.run(None, {"input": row[None]})[0] for row in held])
     with tempfile.TemporaryDirectory() as scratch:
         points = bottleneck_bench.bottleneck_points(

@@ -49,6 +49,7 @@ import numpy as np
 import onnxruntime as ort
 
 from benchmarks import lib
+from benchmarks.lib import timing
 from tierflow.cache.approx import (
     ApproxCache,
     calibrate_threshold,
@@ -58,7 +59,6 @@ from tierflow.cache.approx import (
 from tierflow.cache.base import CacheAnswer, FeatureCache, cache_key
 from tierflow.cache.memory import MemoryCache
 from tierflow.cli.table import format_table
-from tierflow.onnxrt.inference import open_session
 from tierflow.units import format_size
 
 RESULTS = lib.RESULTS / "cache.json"
@@ -83,10 +83,6 @@ class Split:
     def finish(self, features: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         names = [o.name for o in self.tail.get_outputs()]
         return dict(zip(names, self.tail.run(names, features), strict=True))
-
-
-def _session(model: Any) -> ort.InferenceSession:
-    return open_session(model.SerializeToString(), optimization="all")
 
 
 def load_split() -> tuple[Split, Any]:
@@ -334,7 +330,7 @@ def _split_graph(graph: Any, split_model: Any) -> Split:
     single = [c for c in graph.cuts[1:-1] if len(c.tensors) == 1]
     cut = min(single, key=lambda c: (abs(c.position - middle), c.index))
     (_, head), (_, tail) = split_model(graph, [cut.index, cut.index])
-    return Split(_session(head), _session(tail), cut.tensors, graph.sha256, cut.nbytes)
+    return Split(timing.session(head), timing.session(tail), cut.tensors, graph.sha256, cut.nbytes)
 
 
 def as_rgb(images: np.ndarray, size: int) -> np.ndarray:

@@ -72,6 +72,7 @@ from onnx import helper
 
 from benchmarks import lib
 from benchmarks.lib.plans import Stage, chain_plan
+from benchmarks.lib.report import load_average, load_span, load_words
 from tierflow.cli.table import format_table
 from tierflow.device.client import DeviceClient, Result, Ticket
 from tierflow.errors import DeadlineError, RemoteError
@@ -1103,8 +1104,8 @@ def markdown(results: dict[str, Any]) -> list[str]:
         + f"python -m benchmarks.chaos {results.get('command', '')}".strip()
         + "`"
         + " (counts in `flags` of chaos.json)"
-        + f" on {results.get('date', '?')} ({machine.get('cpus')} cores, shared; 1-minute "
-        f"load average {machine.get('load_average_at_start', ['?'])[0]} at the start). "
+        + f" on {results.get('date', '?')} ({machine.get('cpus')} cores, shared; "
+        f"{load_words(machine.get('load_average'))}). "
         "Real `tierflow serve` processes and `redis-server` on 127.0.0.1; the devices run in "
         "the benchmark's process. Raw figures: `chaos.json`.\n",
     ]
@@ -1309,7 +1310,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+            "load_average": {"start": load_average()},
         },
         "flags": {k: str(v) for k, v in vars(args).items() if k not in ("output", "logs")},
         "command": " ".join(sys.argv[1:] if argv is None else argv),
@@ -1330,7 +1331,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             results[part]["wall_s"] = round(time.monotonic() - started, 1)
             results[part]["server_logs"] = log_findings(args.logs, part)
-    results["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    machine = results["machine"]
+    machine["load_average"] = load_span(machine["load_average"]["start"])
     _print(results)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=1) + "\n")

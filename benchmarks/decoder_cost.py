@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.lib.decoder_estimates import predicted
+from benchmarks.lib.report import load_average
 from tierflow.device.client import DeviceClient
 from tierflow.device.generation import Generator
 from tierflow.link.spec import LINKS
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     print(text)
     if args.write:
-        load = os.getloadavg()[0]
+        load = load_average()[0]
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         with args.write.open("a") as out:
             out.write(

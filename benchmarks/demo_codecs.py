@@ -29,9 +29,9 @@ import numpy as np
 import onnxruntime as ort
 
 from benchmarks import lib
+from benchmarks.lib import timing
 from tierflow.cli.table import format_table
 from tierflow.codec.base import LOW_BIT_CODECS, decode, encode
-from tierflow.onnxrt.inference import open_session
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import extract_segment
 from tierflow.zoo.digits import build_demo_model
@@ -52,10 +52,6 @@ CODECS: tuple[str, ...] = (
 RESULTS = lib.RESULTS / "demo_codec.json"
 
 
-def _session(model: Any) -> ort.InferenceSession:
-    return open_session(model.SerializeToString())
-
-
 def _run(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     names = [i.name for i in session.get_inputs()]
     return list(session.run(None, {name: feeds[name] for name in names}))
@@ -69,12 +65,12 @@ def measure(requests: int) -> dict[str, Any]:
     graph = load_model(demo.model_path)
     input_name = graph.inputs[0].name
     last = len(graph.cuts) - 1
-    full = _session(extract_segment(graph, 0, last))
+    full = timing.session(extract_segment(graph, 0, last))
     expected = np.array([int(np.argmax(_run(full, {input_name: x})[0])) for x in images])
     rows: list[dict[str, Any]] = []
     for cut in graph.cuts[1:-1]:
-        head = _session(extract_segment(graph, 0, cut.index))
-        rest = _session(extract_segment(graph, cut.index, last))
+        head = timing.session(extract_segment(graph, 0, cut.index))
+        rest = timing.session(extract_segment(graph, cut.index, last))
         head_names = [o.name for o in head.get_outputs()]
         features = [dict(zip(head_names, _run(head, {input_name: x}), strict=True)) for x in images]
         raw_bytes = sum(a.nbytes for a in features[0].values())

@@ -38,8 +38,8 @@ import onnx
 import onnx.utils
 
 from benchmarks import lib
+from benchmarks.lib import timing
 from tierflow.cli.table import format_table
-from tierflow.onnxrt.inference import open_session
 from tierflow.partitioner.exits.add import add_exits, simulate_exits
 from tierflow.partitioner.exits.cost import exit_cut_indices, expected_compute_fraction
 from tierflow.partitioner.exits.metadata import ExitedModel, ExitInfo
@@ -56,7 +56,7 @@ SHARED_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
 
 def _time_piece(model: onnx.ModelProto, feed: dict[str, np.ndarray], runs: int) -> float:
     """Median CPU seconds of one batch-1 run of ``model`` in ONNX Runtime (1 thread)."""
-    session = open_session(model.SerializeToString())
+    session = timing.session(model)
     for _ in range(10):
         session.run(None, feed)
     times = []

@@ -59,8 +59,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.lib import RESULTS
+from benchmarks.lib import RESULTS, timing
 from benchmarks.lib.report import replace_section
+from benchmarks.lib.splits import shrinking_cuts
 
 logger = logging.getLogger(__name__)
 
@@ -203,21 +204,6 @@ def digits_camera(count: int) -> Subject:
     )
 
 
-def shrinking_cuts(graph: Any) -> list[int]:
-    """The input, the first cut (the least device compute), then each cut whose raw
-    tensors are smaller than every earlier cut's."""
-    last = len(graph.cuts) - 1
-    chosen, smallest = [0], graph.cuts[0].nbytes
-    for cut in graph.cuts[1:last]:
-        if cut.index == 1:
-            chosen.append(1)
-            continue
-        if cut.nbytes < smallest:
-            chosen.append(cut.index)
-            smallest = cut.nbytes
-    return chosen
-
-
 def sent_bytes(
     tensors: Mapping[str, np.ndarray], codec: str, images: Mapping[str, Any]
 ) -> tuple[int, dict[str, np.ndarray]]:
@@ -241,17 +227,15 @@ def sent_bytes(
 
 def prefix_ms(subject: Subject, cut: int, requests: int = 5, repeats: int = 3) -> float:
     """Median CPU time here of the device's segment ``[0, cut)`` (the runtime's session)."""
-    from benchmarks.lib.splits import cpu_ms
-    from tierflow.onnxrt.inference import open_session
     from tierflow.partitioner.split import extract_segment
 
     if cut == 0:
         return 0.0
-    session = open_session(extract_segment(subject.graph, 0, cut).SerializeToString())
+    session = timing.session(extract_segment(subject.graph, 0, cut))
     names = [i.name for i in session.get_inputs()]
     times = []
     for request in subject.requests[:requests]:
-        _, ms = cpu_ms(repeats, session.run, None, {n: request[n] for n in names})
+        _, ms = timing.cpu_ms(repeats, session.run, None, {n: request[n] for n in names})
         times.append(ms)
     return statistics.median(times)
 
@@ -758,13 +742,13 @@ def main(argv: list[str] | None = None) -> int:
         subject = makers[name](counts[name])
         all_cuts = len(subject.graph.cuts)
         if name == "orientation":
-            cuts = shrinking_cuts(subject.graph)
+            cuts = [0, *shrinking_cuts(subject.graph)]
             note = (
                 "subsampled: the input, the first cut and every cut smaller than all earlier "
                 "ones, to fit a few minutes on two shared cores"
             )
         elif name == "layout":
-            cuts = shrinking_cuts(subject.graph)[: LAYOUT_CUTS + 1]
+            cuts = [0, *shrinking_cuts(subject.graph)][: LAYOUT_CUTS + 1]
             note = (
                 f"the input and the first {LAYOUT_CUTS} shrinking cuts (the first cut, then "
                 "each smaller than all earlier ones): every point runs the detector's head "

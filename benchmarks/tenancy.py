@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.lib import RESULTS
-from benchmarks.lib.report import replace_section
+from benchmarks.lib.report import load_average, load_span, load_words, replace_section
 from tierflow.cli.table import format_table
 from tierflow.device.client import DeviceClient
 from tierflow.device.generation import Generator
@@ -257,6 +257,7 @@ def attack(pair: Pair, stop: threading.Event, counts: dict[str, int], sessions: 
 
 
 def run(quick: bool, workdir: Path) -> dict[str, Any]:
+    load = load_average()
     per_identity = 2 if quick else 4
     tokens = 16 if quick else 32
     chunk_count = 24 if quick else 40
@@ -405,7 +406,8 @@ def run(quick: bool, workdir: Path) -> dict[str, Any]:
         )
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "load_average": load_span(load),
         "quick": quick,
         "identities": IDENTITIES,
         "clients": loaded["clients"],
@@ -462,7 +464,8 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             "`python -m benchmarks.tenancy`"
             + (" --quick" if results["quick"] else "")
-            + f": {results['date']}, {results['machine']}, {results['seconds']} s.",
+            + f": {results['date']}, {results['machine']}, "
+            f"{load_words(results['load_average'])}, {results['seconds']} s.",
             "",
             f"{results['clients']} clients under {results['identities']} identities (named "
             "tokens), half generating "

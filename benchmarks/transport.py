@@ -65,6 +65,7 @@ from onnx import helper
 from benchmarks import lib
 from benchmarks.chaos import certificates
 from benchmarks.lib.plans import Stage, chain_plan
+from benchmarks.lib.report import load_average, load_span
 from tierflow.cli.table import format_table
 from tierflow.device.client import DeviceClient, Result
 from tierflow.options import RuntimeOptions
@@ -591,7 +592,7 @@ def main() -> int:
     parser.add_argument("--against-rounds", type=int, default=30)
     parser.add_argument("--against-pairs", type=int, default=20, help="request pairs per round")
     args = parser.parse_args()
-    load_at_start = os.getloadavg()
+    load_at_start = load_average()
     tune_for_latency()  # as `tierflow run` does for its process
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -694,8 +695,7 @@ def main() -> int:
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
-            "load_average_at_start": [round(x, 2) for x in load_at_start],
-            "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+            "load_average": load_span(load_at_start),
         },
         "overhead": hops,
         "admission": admitted,

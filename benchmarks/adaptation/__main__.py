@@ -60,9 +60,9 @@ from typing import Any
 import numpy as np
 
 from benchmarks.adaptation import stats, traces
-from benchmarks.lib import RESULTS
+from benchmarks.lib import RESULTS, models
 from benchmarks.lib import emulation as emu
-from benchmarks.lib import models as bench_models
+from benchmarks.lib.report import load_average, load_span, load_words, ms
 from tierflow.cli.table import format_table
 from tierflow.device.switching import PlanSelector
 from tierflow.link.spec import TIERS, LinkSpec
@@ -87,20 +87,20 @@ REQUEST_POOL = 24
 class Setup:
     """One model of the benchmark: what to build, and its request schedule."""
 
-    model: bench_models.BenchModel
+    model: models.BenchModel
     period_s: float
     window: int = 4
 
 
 def setups(quick: bool, names: Sequence[str] = ()) -> list[Setup]:
     """The benchmark's models (``names``: only those, by name)."""
-    mobilenet = bench_models.BenchModel(
+    mobilenet = models.BenchModel(
         "mobilenetv2-112",
         "mobilenet",
         "MobileNetV2, 112x112, 1000 classes (seeded weights)",
         {"size": 112, "width": 1.0, "num_classes": 1000},
     )
-    resnet = bench_models.BenchModel(
+    resnet = models.BenchModel(
         "resnet18-112",
         "residual",
         "ResNet-18, 112x112, 1000 classes (seeded weights)",
@@ -108,7 +108,7 @@ def setups(quick: bool, names: Sequence[str] = ()) -> list[Setup]:
     )
     # A chain of wide convolutions: the most compute per byte of the three, so the device
     # alone is slowest against sending, as on a weak device with a heavy model.
-    vgg = bench_models.BenchModel(
+    vgg = models.BenchModel(
         "vgg-like-112",
         "chain",
         "VGG-like chain CNN (8 conv), 112x112, width 0.5, 1000 classes (seeded weights)",
@@ -167,7 +167,7 @@ def profile_for(graph: Any) -> Any:
     return profile_model(graph, threads=1, time_budget_s=4.0)
 
 
-def plan_set(model: bench_models.BenchModel, work_dir: Path, into: Path) -> PlannedSet:
+def plan_set(model: models.BenchModel, work_dir: Path, into: Path) -> PlannedSet:
     """Export, profile and plan ``model`` as ``tierflow plan --adaptive`` would."""
     from tierflow.partitioner.graph import load_model
     from tierflow.partitioner.grid import RateGrid
@@ -176,9 +176,9 @@ def plan_set(model: bench_models.BenchModel, work_dir: Path, into: Path) -> Plan
     from tierflow.partitioner.report import plan_letter
     from tierflow.plan import save_plan_set
 
-    path = bench_models.export(model, work_dir)
+    path = models.export(model, work_dir)
     specs = [(i.name, i.dtype, tuple(i.shape)) for i in load_model(path).inputs]
-    sample = bench_models.requests(model, specs, 1, seed=7)[0]
+    sample = models.requests(model, specs, 1, seed=7)[0]
     graph = load_model(path, sample={name: value[None] for name, value in sample.items()})
     logger.info("[adapt] %s: profiling", model.name)
     base = profile_for(graph)
@@ -529,7 +529,7 @@ def bench_setup(
     with tempfile.TemporaryDirectory(prefix="tierflow-adapt-") as folder:
         planned = plan_set(setup.model, work_dir, Path(folder))
         specs = [(i.name, i.dtype, tuple(i.shape)) for i in load_model(planned.model_path).inputs]
-        requests = bench_models.requests(setup.model, specs, REQUEST_POOL, seed=0)
+        requests = models.requests(setup.model, specs, REQUEST_POOL, seed=0)
         logger.info(
             "[adapt] %s: %d plans: %s",
             setup.model.name,
@@ -598,11 +598,11 @@ def plot(results: Mapping[str, Any], kind: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = [m for m in results["models"] if any(c["kind"] == kind for c in m["cases"])]
+    shown = [m for m in results["models"] if any(c["kind"] == kind for c in m["cases"])]
     fig, axes = plt.subplots(
-        2, len(models), figsize=(6.4 * len(models), 6.6), squeeze=False, sharex="col"
+        2, len(shown), figsize=(6.4 * len(shown), 6.6), squeeze=False, sharex="col"
     )
-    for column, model in enumerate(models):
+    for column, model in enumerate(shown):
         case = next(c for c in model["cases"] if c["kind"] == kind)
         rate, plans = axes[0][column], axes[1][column]
         steps = [line.split(",") for line in case["trace_csv"].strip().splitlines()[1:]]
@@ -654,14 +654,8 @@ def _mbit(text: str) -> float:
 
 
 def _load(results: Mapping[str, Any]) -> str:
-    load = results.get("load_average")
-    if not load:
-        return ""
-    return f", load average {load['start'][0]:.1f} at the start and {load['end'][0]:.1f} at the end"
-
-
-def _ms(value: float | None) -> str:
-    return "–" if value is None else f"{value:.1f}"
+    load = load_words(results.get("load_average"))
+    return f", {load}" if load else ""
 
 
 HEADERS = ["strategy", "mean ms", "p50 ms", "p95 ms", "answered", "failed", "skipped", "plans used"]
@@ -676,9 +670,9 @@ def case_rows(case: Mapping[str, Any]) -> list[list[str]]:
         rows.append(
             [
                 name + (" (best static)" if name == best else ""),
-                _ms(figures["mean_ms"]),
-                _ms(figures["p50_ms"]),
-                _ms(figures["p95_ms"]),
+                ms(figures["mean_ms"]),
+                ms(figures["p50_ms"]),
+                ms(figures["p95_ms"]),
                 str(figures["requests"]),
                 str(figures.get("failed", "–")),
                 str(figures.get("skipped", "–")),
@@ -761,7 +755,7 @@ def markdown(results: Mapping[str, Any]) -> str:
         for plan in model["plans"]:
             where = ", ".join(f"{r:g}" for r in plan["best_at_mbit"])
             static = "static " + plan["label"].split(":")[0]
-            measured = [_ms(case["strategies"][static]["p50_ms"]) for case in model["cases"]]
+            measured = [ms(case["strategies"][static]["p50_ms"]) for case in model["cases"]]
             lines.append(
                 f"| {plan['label']} | {where} | {plan['predicted_ms']:.1f} | "
                 + " | ".join(measured)
@@ -865,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--work-dir",
         type=Path,
-        default=bench_models.default_work_dir(),
+        default=models.default_work_dir(),
         help="where exported models are cached",
     )
     args = parser.parse_args(argv)
@@ -876,11 +870,11 @@ def main(argv: list[str] | None = None) -> int:
         render(json.loads((args.output / "adaptation.json").read_text()), args.output, args.doc)
         return 0
     started = time.perf_counter()
-    load_before = os.getloadavg()
+    load_before = load_average()
     trace_list = trace_models(args.quick)
     args.output.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tierflow-adapt-logs-") as logs:
-        models = [
+        measured = [
             bench_setup(setup, trace_list, args.work_dir, Path(logs))
             for setup in setups(args.quick, args.models)
         ]
@@ -895,13 +889,13 @@ def main(argv: list[str] | None = None) -> int:
         "nominal_mbit": NOMINAL_MBIT,
         "traces": [t.describe() for t in trace_list],
         "trace_models": [t.to_dict() for t in trace_list],
-        "models": models,
+        "models": measured,
     }
     results["summary"] = summarise(results)
     kinds = [t.to_dict()["kind"] for t in trace_list]
     results["figures"] = {kind: f"adaptation_{kind}.png" for kind in kinds}
     results["seconds"] = time.perf_counter() - started
-    results["load_average"] = {"start": list(load_before), "end": list(os.getloadavg())}
+    results["load_average"] = load_span(load_before)
     (args.output / "adaptation.json").write_text(json.dumps(results, indent=1) + "\n")
     render(results, args.output, args.doc)
     return 0

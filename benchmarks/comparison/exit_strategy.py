@@ -36,11 +36,11 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from benchmarks.lib import timing
 from tierflow.cache.base import CacheAnswer, cache_key
 from tierflow.cache.memory import MemoryCache
 from tierflow.codec import base as codec_lib
 from tierflow.link.spec import LinkSpec
-from tierflow.onnxrt.inference import open_session
 from tierflow.runtime.segment_runner import exit_confidence
 
 logger = logging.getLogger(__name__)
@@ -74,10 +74,6 @@ class Walked:
     exit: str | None
     cache_hit: bool
     predicted: int
-
-
-def _session(model: Any) -> ort.InferenceSession:
-    return open_session(model.SerializeToString())
 
 
 def _timed(
@@ -127,7 +123,9 @@ class PlanWalker:
         self.pieces: list[tuple[int, int, ort.InferenceSession | None]] = []
         for s, e in itertools.pairwise(bounds):
             empty = graph.cuts[s].position == graph.cuts[e].position
-            self.pieces.append((s, e, None if empty else _session(extract_segment(graph, s, e))))
+            self.pieces.append(
+                (s, e, None if empty else timing.session(extract_segment(graph, s, e)))
+            )
         self.plan_id = f"{cuts}-{sorted(self.codec.items())}"
 
     def tier(self, cut: int) -> str:
@@ -271,7 +269,7 @@ def exit_heads(exited_path: Path, graph: Any, exits: Sequence[Any]) -> list[Head
         if info.threshold > 1.0 or info.name not in cuts:
             continue  # disabled by calibration, or not at a one-tensor cut
         model = extractor.extract_model([info.at], [info.name])
-        heads.append(Head(info.name, cuts[info.name], _session(model), info.threshold))
+        heads.append(Head(info.name, cuts[info.name], timing.session(model), info.threshold))
     return heads
 
 

@@ -142,17 +142,17 @@ def image_norms(model: Any, graph: Any) -> dict[str, ImageNorm]:
     digits are not 8-bit images (8x8 scans of 17 grey levels, upsampled), the
     transformer's inputs are tokens.
     """
-    from benchmarks.lib import models as bench_models
+    from benchmarks.lib import models
 
     if model.kind == "camera":
-        return {graph.inputs[0].name: bench_models.CAMERA_NORM}
+        return {graph.inputs[0].name: models.CAMERA_NORM}
     if model.kind == "imagenet":
         from tierflow.zoo import imagenet
 
         return {graph.inputs[0].name: imagenet.classifier(model.name).norm}
-    if model.kind not in bench_models.IMAGE_KINDS:
+    if model.kind not in models.IMAGE_KINDS:
         return {}
-    return {graph.inputs[0].name: bench_models.IMAGE_NORM}
+    return {graph.inputs[0].name: models.IMAGE_NORM}
 
 
 def jpeg_quality(codec: str) -> int | None:

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.lib.report import ms
+
 Row = dict[str, Any]
 
 #: tierflow's plans on the fronts (the exits rows run another workload).
@@ -351,10 +353,6 @@ def accuracy_lines(rows: Sequence[Row]) -> list[str]:
     return out
 
 
-def _ms(value: float | None) -> str:
-    return "–" if value is None else f"{value:.1f}"
-
-
 def _plan(entry: Row) -> str:
     codec = entry["split_codec"].get("device-edge", "")
     cuts = entry["split_cuts"]
@@ -437,7 +435,7 @@ def section(rows: Sequence[Row], plots: Sequence[str]) -> list[str]:
                     if r["split_ms"] is None
                     else f"{r['split_ms']:.1f} ({r['split_fidelity']:.3f})"
                 )
-                + f" | {_ms(r['split_device_ms'])} | "
+                + f" | {ms(r['split_device_ms'])} | "
                 + ("–" if r["speedup"] is None else f"{r['speedup']:.2f}x")
                 + " |"
             )
@@ -452,13 +450,13 @@ def section(rows: Sequence[Row], plots: Sequence[str]) -> list[str]:
         for e in (e for e in table if e["model"] == model):
             out.append(
                 f"| {e['device_slowdown']:g}x | {e['bandwidth_mbit']:g} | {_plan(e)} | "
-                f"{e['split_fidelity']:.3f} | {_ms(e['split_ms'])} | {e['upload'] or '–'} | "
+                f"{e['split_fidelity']:.3f} | {ms(e['split_ms'])} | {e['upload'] or '–'} | "
                 + ("–" if e["upload_fidelity"] is None else f"{e['upload_fidelity']:.3f}")
-                + f" | {_ms(e['upload_ms'])} | "
+                + f" | {ms(e['upload_ms'])} | "
                 + ("–" if e["speedup"] is None else f"{e['speedup']:.2f}x")
                 + " | "
                 + ("–" if e["speedup_vs_jpeg90"] is None else f"{e['speedup_vs_jpeg90']:.2f}x")
-                + f" | {_ms(e['device_only_ms'])} |"
+                + f" | {ms(e['device_only_ms'])} |"
             )
         out.append("")
     return out

@@ -40,9 +40,9 @@ from typing import Any, TypeVar
 import numpy as np
 import onnxruntime as ort
 
+from benchmarks.lib import timing
 from tierflow.codec import base as codec_lib
 from tierflow.link.spec import LinkSpec
-from tierflow.onnxrt.inference import open_session
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +90,6 @@ class Measurements:
 
     def has(self, a: int, b: int) -> bool:
         return a in self.prefix_s and b in self.suffix_s and (a == b or (a, b) in self.middle_s)
-
-
-def _session(model: Any, threads: int) -> ort.InferenceSession:
-    return open_session(model.SerializeToString(), threads=threads)
 
 
 def _time_runs(
@@ -240,13 +236,13 @@ def _measure_once(
             result.prefix_s[k] = zeros.copy()
             envs = [{t: np.asarray(r[t]) for t in crossing} for r in requests]
         else:
-            times, envs = _time_runs(_session(prefix, threads), requests)
+            times, envs = _time_runs(timing.session(prefix, threads=threads), requests)
             result.prefix_s[k] = times
         suffix = _segment(graph, k, last)
         if suffix is None:
             result.suffix_s[k] = zeros.copy()
         else:
-            times, outs = _time_runs(_session(suffix, threads), envs)
+            times, outs = _time_runs(timing.session(suffix, threads=threads), envs)
             result.suffix_s[k] = times
             result.reply_bytes = sum(int(v.nbytes) for v in outs[0].values())
         groups = [{t: np.ascontiguousarray(env[t]) for t in crossing} for env in envs]
@@ -261,7 +257,7 @@ def _measure_once(
             if middle is None:
                 result.middle_s[(a, b)] = zeros.copy()
                 continue
-            times, _ = _time_runs(_session(middle, threads), envs)
+            times, _ = _time_runs(timing.session(middle, threads=threads), envs)
             result.middle_s[(a, b)] = times
     return result
 

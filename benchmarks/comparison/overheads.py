@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.lib import RESULTS
+from benchmarks.lib.report import load_words
 from tierflow.codec.base import PLANNER_CODECS
 
 logger = logging.getLogger(__name__)
@@ -37,13 +38,12 @@ def transport(quick: bool) -> tuple[list[str], dict[str, Any]]:
     saved = RESULTS / "transport.json"
     if quick and saved.is_file():
         last = json.loads(saved.read_text())
-        load = last.get("machine", {}).get("load_average_at_start", ["?"])[0]
+        load = load_words(last.get("machine", {}).get("load_average"))
         out.append(
             "Not measured in this run (a `--quick` run or a refold): these are the last saved "
             "figures of "
             f"`{last.get('command', 'python -m benchmarks.transport')}` "
-            f"(`transport.json`, {last.get('date', 'undated')}, 1-minute load "
-            f"average {load} at the start).\n"
+            f"(`transport.json`, {last.get('date', 'undated')}, {load}).\n"
         )
         out += _transport_lines(last)
         for row in last.get("against", {}).get("rows", []):

@@ -15,6 +15,7 @@ from typing import Any
 from benchmarks.comparison import strategies as _strategies
 from benchmarks.generation import report as generation_report
 from benchmarks.lib import RESULTS
+from benchmarks.lib.report import load_words, ms
 
 #: Every strategy a row may have, in the order tables and legends show them.
 #: (JPEG's quality sweep has its own table in the fidelity section, not a column here.)
@@ -249,12 +250,6 @@ def plot_regret(rows: Sequence[Row], path: Path) -> None:
     plt.close(fig)
 
 
-def _ms(value: float | None) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return f"{value:,.1f}" if value < 1000 else f"{value:,.0f}"
-
-
 def _x(value: float | None) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
@@ -279,12 +274,9 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any], sections: Sequence[st
     )
     load = meta.get("load_average")
     if load:
-        out.append(
-            f"1-minute load average {load['start']:.1f} at the start and "
-            f"{load['end']:.1f} at the end of the run (2 cores)."
-        )
+        out.append(f"{load_words(load)} of the run (2 cores).")
         per_model = [
-            f"{m['name']} {m['load_average']['start']:.1f}–{m['load_average']['end']:.1f}"
+            f"{m['name']} {m['load_average']['start'][0]:.1f}–{m['load_average']['end'][0]:.1f}"
             for m in meta["models"]
             if "load_average" in m
         ]
@@ -381,7 +373,7 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any], sections: Sequence[st
             cells = []
             for strategy in strategies:
                 row = _find(rows, model, mbit, strategy)
-                cells.append(f"{_ms(row['p50_ms'])} ({_fidelity(row)})" if row else "–")
+                cells.append(f"{ms(row['p50_ms'])} ({_fidelity(row)})" if row else "–")
             out.append(f"| {mbit:g} | " + " | ".join(cells) + " |")
         out.append("")
         out.append("tierflow's plan at each point, against the best measured plan:\n")
@@ -397,9 +389,9 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any], sections: Sequence[st
             best = row["best_measured"]
             out.append(
                 f"| {mbit:g} | {row['cuts'][0]},{row['cuts'][1]}/{row['last_cut']} | "
-                f"{_codecs(row['codec_used'])} | {_ms(row['predicted_ms'])} | "
-                f"{_ms(row['p50_ms'])} | {best['cuts'][0]},{best['cuts'][1]} "
-                f"{_codecs(best['codec'])} | {_ms(best['p50_ms'])} | {row['regret']:.1%} | "
+                f"{_codecs(row['codec_used'])} | {ms(row['predicted_ms'])} | "
+                f"{ms(row['p50_ms'])} | {best['cuts'][0]},{best['cuts'][1]} "
+                f"{_codecs(best['codec'])} | {ms(best['p50_ms'])} | {row['regret']:.1%} | "
                 f"{_x(row['speedup_vs_device_only'])} | {_x(row['speedup_vs_cloud_only'])} | "
                 f"{_x(row['speedup_vs_single_split'])} |"
             )

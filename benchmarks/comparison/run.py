@@ -47,9 +47,9 @@ from benchmarks.comparison import measure as bench_measure
 from benchmarks.comparison import report as bench_report
 from benchmarks.comparison import sections as bench_sections
 from benchmarks.comparison import strategies
-from benchmarks.lib import RESULTS
+from benchmarks.lib import RESULTS, models
 from benchmarks.lib import emulation as emu
-from benchmarks.lib import models as bench_models
+from benchmarks.lib.report import load_average, load_span
 from tierflow.codec.base import EXACT_PLANNER_CODECS
 from tierflow.link.spec import TIERS
 
@@ -115,7 +115,7 @@ def compute_share(profile: Any, a: int, b: int) -> dict[str, float]:
 
 
 def bench_model(
-    model: bench_models.BenchModel,
+    model: models.BenchModel,
     bandwidths: Sequence[float],
     args: argparse.Namespace,
 ) -> tuple[list[Row], dict[str, Any], dict[str, Any]]:
@@ -129,11 +129,11 @@ def bench_model(
     from tierflow.partitioner.search import search
 
     started = time.perf_counter()
-    path = bench_models.export(model, args.work_dir)
+    path = models.export(model, args.work_dir)
     specs = [(i.name, i.dtype, tuple(i.shape)) for i in load_model(path).inputs]
     # Profile on a realistic request, as `tierflow profile --sample` would: codec ratios on
     # random inputs say little about real features. It is not one of the measured requests.
-    sample = bench_models.requests(model, specs, 1, seed=SAMPLE_SEED)[0]
+    sample = models.requests(model, specs, 1, seed=SAMPLE_SEED)[0]
     graph = load_model(path, sample={name: value[None] for name, value in sample.items()})
     last = len(graph.cuts) - 1
     logger.info("[bench] %s: %d cuts, profiling", model.name, last + 1)
@@ -143,9 +143,7 @@ def bench_model(
     images = bench_fidelity.image_norms(model, graph)
     probe = None
     if args.budget_sample:
-        planner_sample = bench_models.planner_sample(
-            model, specs, args.budget_sample, seed=PLANNER_SEED
-        )
+        planner_sample = models.planner_sample(model, specs, args.budget_sample, seed=PLANNER_SEED)
         probe = bench_fidelity.planner_probe(graph, planner_sample, images)
     choices: dict[float, dict[str, strategies.Choice]] = {}
     # Per rate, tierflow's plan under each fidelity budget (strategy -> choice); random
@@ -222,7 +220,7 @@ def bench_model(
                         extra.setdefault(cut, []).append(choice.codec[link])
     cuts = select_cuts(last, required, args.max_cuts)
     pairs = [(a, b) for a in cuts for b in cuts if a <= b]
-    requests = bench_models.requests(model, specs, args.requests)
+    requests = models.requests(model, specs, args.requests)
     logger.info(
         "[bench] %s: measuring %d cuts, %d pairs, %d requests",
         model.name,
@@ -249,8 +247,8 @@ def bench_model(
         args.requests,
         TRAINED_FIDELITY_REQUESTS if model.trained and not args.quick else 0,
     )
-    held_out = bench_models.requests(model, specs, count)
-    truth = bench_models.labels(model, count)
+    held_out = models.requests(model, specs, count)
+    truth = models.labels(model, count)
     fidelity = bench_fidelity.RowFidelity(graph, held_out, images)
     slow = slowdowns()
     rows: list[Row] = []
@@ -404,7 +402,7 @@ def planner_exit_points(exited: Path, graph: Any) -> tuple[Any, ...]:
     return points
 
 
-def exit_workload_size(model: bench_models.BenchModel, args: argparse.Namespace) -> int:
+def exit_workload_size(model: models.BenchModel, args: argparse.Namespace) -> int:
     """Distinct requests in a model's tierflow-exits workload.
 
     A trained model's rows carry fidelity, so in a full run they stand on as many distinct
@@ -419,7 +417,7 @@ def exit_workload_size(model: bench_models.BenchModel, args: argparse.Namespace)
 
 
 def exits_rows(
-    model: bench_models.BenchModel,
+    model: models.BenchModel,
     context: dict[str, Any],
     rows: Sequence[Row],
     bandwidths: Sequence[float],
@@ -445,7 +443,7 @@ def exits_rows(
     specs = [(i.name, i.dtype, tuple(i.shape)) for i in graph.inputs]
     unique = exit_workload_size(model, args)
     count = int(unique / (1 - bench_exits.REPEAT_SHARE))
-    requests = bench_models.requests(model, specs, unique, seed=EXIT_SEED)
+    requests = models.requests(model, specs, unique, seed=EXIT_SEED)
     order = bench_exits.workload(count, unique)
     slow = slowdowns()
     walkers: dict[Any, bench_exits.PlanWalker] = {}
@@ -509,7 +507,7 @@ def exits_rows(
         row["fidelity_requests"] = len(order)
         row["regret"] = None
         if labels is not None:
-            digits = bench_models.demo_indices(unique, EXIT_SEED, len(labels))
+            digits = models.demo_indices(unique, EXIT_SEED, len(labels))
             truth = labels[[digits[i] for i in order]]
             row["accuracy"] = float(np.mean(point.predicted == truth))
             row["accuracy_without_exits"] = float(np.mean(point.plain_predicted == truth))
@@ -542,7 +540,7 @@ def exits_rows(
             row["runtime_answered_by"] = figures["answered_by"]
             row["runtime_exit_rate"] = figures["exit_rate"]
             row["runtime_cache_hit_rate"] = figures["cache_hit_rate"]
-            row["runtime_load"] = os.getloadavg()[0]
+            row["runtime_load"] = load_average()[0]
             logger.info(
                 "[bench] runtime %s tierflow-exits %g Mbit/s: p50 %.1f ms (walked %.1f ms)",
                 model.name,
@@ -568,7 +566,7 @@ def exits_rows(
 
 
 def runtime_pass(
-    model: bench_models.BenchModel,
+    model: models.BenchModel,
     context: dict[str, Any],
     rows: list[Row],
     args: argparse.Namespace,
@@ -582,7 +580,7 @@ def runtime_pass(
     points = (RUNTIME_POINTS_QUICK if args.quick else RUNTIME_POINTS_FULL).get(model.name, ())
     graph = context["graph"]
     specs = [(i.name, i.dtype, tuple(i.shape)) for i in graph.inputs]
-    requests = bench_models.requests(model, specs, args.runtime_requests)
+    requests = models.requests(model, specs, args.runtime_requests)
     for mbit in points:
         if mbit not in context["choices"]:
             continue
@@ -608,7 +606,7 @@ def runtime_pass(
             row["runtime_p90_ms"] = figures["p90_ms"]
             row["runtime_requests"] = figures["requests"]
             row["runtime_answered_by"] = figures["answered_by"]
-            row["runtime_load"] = os.getloadavg()[0]
+            row["runtime_load"] = load_average()[0]
             logger.info(
                 "[bench] runtime %s %s %g Mbit/s: p50 %.1f ms (composed %.1f ms)",
                 model.name,
@@ -634,7 +632,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--work-dir",
         type=Path,
-        default=bench_models.default_work_dir(),
+        default=models.default_work_dir(),
         help="cache of exported models",
     )
     parser.add_argument("--models", nargs="*", default=None, help="only these models")
@@ -774,16 +772,16 @@ def fold_models(
     order = [m["name"] for m in data["models"]]
     order += [n for n in sorted(names) if n not in order]
     # A model new to the run takes its place in the suite's order (rows and tables follow).
-    place = {m.name: i for i, m in enumerate(bench_models.suite(quick=False))}
+    place = {m.name: i for i, m in enumerate(models.suite(quick=False))}
     order.sort(key=lambda n: place.get(n, len(place)))
     kept.sort(key=lambda r: order.index(r["model"]) if r["model"] in order else len(order))
     return kept, {**data, "models": [infos[n] for n in order], "model_runs": runs}
 
 
-def label_rows(rows: list[Row], models: Sequence[dict[str, Any]]) -> None:
+def label_rows(rows: list[Row], entries: Sequence[dict[str, Any]]) -> None:
     """Give every row its model's ``trained_weights``, ``timing_only`` and ``input_source``
     where it lacks them (rows of a run made before a strategy carried them)."""
-    infos = {m["name"]: m for m in models}
+    infos = {m["name"]: m for m in entries}
     for row in rows:
         info = infos.get(row["model"])
         if info is None or "trained_weights" in row:
@@ -943,7 +941,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.nice:
         os.nice(args.nice)
     started = time.perf_counter()
-    load_start = os.getloadavg()
+    load_start = load_average()
     bandwidths = tuple(
         args.bandwidths or (emu.QUICK_BANDWIDTHS if args.quick else emu.FULL_BANDWIDTHS)
     )
@@ -954,17 +952,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    models = bench_models.suite(args.quick)
+    chosen = models.suite(args.quick)
     if args.models:
-        models = [m for m in models if m.name in args.models]
+        chosen = [m for m in chosen if m.name in args.models]
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
     infos: list[dict[str, Any]] = []
     measured: list[Any] = []
-    for model in models:
-        load = os.getloadavg()[0]
+    for model in chosen:
+        load = load_average()
         model_rows, info, context = bench_model(model, bandwidths, args)
-        info["load_average"] = {"start": load, "end": os.getloadavg()[0]}
+        info["load_average"] = load_span(load)
         rows.extend(model_rows)
         if not args.no_extras:
             started_exits = time.perf_counter()
@@ -1046,7 +1044,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bottleneck_source": bottleneck_source,
     }
     sections += bench_sections.LIMITS.splitlines()
-    meta["load_average"] = {"start": load_start[0], "end": os.getloadavg()[0]}
+    meta["load_average"] = load_span(load_start)
     bench_report.write_json(rows, args.out / "results.json")
     bench_report.write_meta(meta, extras, args.out / "results_meta.json")
     bench_report.plot_latency(rows, args.out / "latency_vs_bandwidth.png")

@@ -104,7 +104,7 @@ def suite(quick: bool) -> list[BenchModel]:
                 "weights: time only)",
                 {"seq": 32, "dim": 64, "heads": 4, "layers": 2, "vocab": 1000},
             ),
-            BenchModel("demo-digits", "demo", "tierflow demo: residual CNN on 32x32 digits", {}),
+            DEMO_MODEL,
             CAMERA_MODEL,
             IMAGENET_MODEL,
             TEXT_MODEL,
@@ -113,7 +113,7 @@ def suite(quick: bool) -> list[BenchModel]:
         IMAGENET_MODEL,
         MOBILENET_MODEL,
         TEXT_MODEL,
-        BenchModel("demo-digits", "demo", "tierflow demo: residual CNN on 32x32 digits", {}),
+        DEMO_MODEL,
         CAMERA_MODEL,
         BenchModel(
             "resnet18",
@@ -124,6 +124,8 @@ def suite(quick: bool) -> list[BenchModel]:
     ]
 
 
+#: The model ``tierflow demo`` runs (trained on the digits), in both sizes of the suite.
+DEMO_MODEL = BenchModel("demo-digits", "demo", "tierflow demo: residual CNN on 32x32 digits", {})
 #: The suite's CNNs, whose input is an 8-bit picture normalised by ``IMAGE_NORM``.
 IMAGE_KINDS = ("chain", "residual", "mobilenet")
 IMAGE_NORM = ImageNorm(mean=(0.45, 0.45, 0.45), std=(0.225, 0.225, 0.225))

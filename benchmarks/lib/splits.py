@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from benchmarks.lib import emulation as emu
+from benchmarks.lib import timing
 from tierflow.link.spec import LinkSpec
 
 logger = logging.getLogger(__name__)
@@ -45,16 +45,6 @@ LOWBIT_CODECS: tuple[str, ...] = (
     "sparse+int4+zstd",
     "drop+sparse+int4+zstd",
 )
-
-
-def cpu_ms(repeats: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float]:
-    """``fn(*args, **kwargs)`` and its median CPU time on this thread (ms) over ``repeats``."""
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.thread_time()
-        result = fn(*args, **kwargs)
-        times.append((time.thread_time() - start) * 1e3)
-    return result, statistics.median(times)
 
 
 def shrinking_cuts(graph: Any) -> list[int]:
@@ -101,16 +91,15 @@ class Parts:
         if start >= end:
             return 0.0
         if (start, end) not in self._segments:
-            from tierflow.onnxrt.inference import open_session
             from tierflow.partitioner.split import extract_segment
 
-            session = open_session(extract_segment(self.graph, start, end).SerializeToString())
+            session = timing.session(extract_segment(self.graph, start, end))
             names = [i.name for i in session.get_inputs()]
             times = []
             for index in range(self.timed):
                 features = self.probe.crossing(start, index)
                 feeds = {n: features[n] for n in names}
-                _, ms = cpu_ms(self.repeats, session.run, None, feeds)
+                _, ms = timing.cpu_ms(self.repeats, session.run, None, feeds)
                 times.append(ms)
             self._segments[(start, end)] = statistics.median(times)
         return self._segments[(start, end)]
@@ -127,20 +116,20 @@ class Parts:
             for index in range(len(self.probe.requests)):
                 features = self.probe.crossing(cut, index)
                 size, e_ms, d_ms = 0, 0.0, 0.0
-                timing = index < self.timed
+                timed = index < self.timed
                 for name, array in features.items():
                     norm = self.images.get(name) if spec.image else None
                     args = (name, array, spec if norm else plain)
-                    if timing:
-                        encoded, ms = cpu_ms(self.repeats, encode, *args, image=norm)
+                    if timed:
+                        encoded, ms = timing.cpu_ms(self.repeats, encode, *args, image=norm)
                         e_ms += ms
-                        _, ms = cpu_ms(self.repeats, decode, encoded)
+                        _, ms = timing.cpu_ms(self.repeats, decode, encoded)
                         d_ms += ms
                     else:
                         encoded = encode(*args, image=norm)
                     size += encoded.nbytes
                 sizes.append(size)
-                if timing:
+                if timed:
                     enc.append(e_ms)
                     dec.append(d_ms)
             self._codecs[key] = {

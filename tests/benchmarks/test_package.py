@@ -121,6 +121,33 @@ def test_each_module_at_the_top_is_a_suite_and_shared_code_is_in_lib() -> None:
             assert (folder / "__main__.py").is_file(), folder
 
 
+# What every suite needs and ``benchmarks/lib/`` writes once: the tiers' session of a model
+# and CPU time (lib.timing), a time's table cell and the machine's load (lib.report), the
+# cuts a sweep subsamples (lib.splits). A suite that writes its own copy drifts from the rest.
+SHARED = {
+    "_session": "benchmarks.lib.timing.session",
+    "cpu_ms": "benchmarks.lib.timing.cpu_ms",
+    "_ms": "benchmarks.lib.report.ms",
+    "shrinking_cuts": "benchmarks.lib.splits.shrinking_cuts",
+    "load_average": "benchmarks.lib.report.load_average",
+}
+
+
+def test_what_suites_share_is_written_once_in_lib() -> None:
+    """No suite defines its own session maker, timer, ms formatter or cut subsampler,
+    nor reads the load average itself ([Note: load average in results] in lib/report.py)."""
+    wrong = []
+    for name, path in _modules().items():
+        if name.startswith("benchmarks.lib"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef) and node.name in SHARED:
+                wrong.append(f"{name}:{node.lineno}: def {node.name} (use {SHARED[node.name]})")
+            if isinstance(node, ast.Attribute) and node.attr == "getloadavg":
+                wrong.append(f"{name}:{node.lineno}: os.getloadavg (use lib.report.load_average)")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_every_result_is_in_the_one_results_folder() -> None:
     """Reports, plots and data sit in ``benchmarks/results/``, none beside the code."""
     stray = [

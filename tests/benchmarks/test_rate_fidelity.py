@@ -282,13 +282,14 @@ def test_input_codecs_are_measured_on_every_page_and_timed_on_the_first() -> Non
     """Every codec of the sweep gets bytes and fidelity over all pages (the exact model
     agrees with itself through the near-lossless ones), times over the timed pages only."""
     from benchmarks import bottleneck as bottleneck_bench
+    from benchmarks.lib import timing
     from tierflow.zoo import real
 
     if not real.available(bottleneck_bench.MODEL):
         pytest.skip("the orientation model's package is not installed ([tool.tierflow] no-deps)")
     held, _ = bottleneck_bench._pages(3, seed=bottleneck_bench.HELDOUT_SEED)
     path = real.model_path(bottleneck_bench.MODEL)
-    session = bottleneck_bench._session(path.read_bytes())
+    session = timing.session(path.read_bytes())
     exact = np.concatenate([session.run(None, {"x": row[None]})[0] for row in held])
     points = bottleneck_bench.input_codec_points(path, held, exact, repeats=1, timed=1)
     by_codec = {p["codec"]: p for p in points}

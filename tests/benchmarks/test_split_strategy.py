@@ -154,18 +154,18 @@ def test_a_trained_models_exit_rows_stand_on_300_distinct_requests_in_a_full_run
     import argparse
 
     from benchmarks.comparison.run import TRAINED_FIDELITY_REQUESTS, exit_workload_size, parse_args
-    from benchmarks.lib import models as bench_models
+    from benchmarks.lib import models
 
     full, quick = parse_args([]), parse_args(["--quick"])
-    models = {m.name: m for m in bench_models.suite(quick=False)}
+    suite = {m.name: m for m in models.suite(quick=False)}
     assert TRAINED_FIDELITY_REQUESTS == 300
     for name in ("efficientnet-lite0", "mobilenet-v2", "minilm-topics", "digits-camera"):
-        assert exit_workload_size(models[name], full) == 300
-        assert exit_workload_size(models[name], quick) == 8  # --quick: 5 requests, at least 8
-    assert exit_workload_size(models["demo-digits"], full) == full.exit_requests == 300
-    assert exit_workload_size(models["resnet18"], full) == 15  # random: time only
+        assert exit_workload_size(suite[name], full) == 300
+        assert exit_workload_size(suite[name], quick) == 8  # --quick: 5 requests, at least 8
+    assert exit_workload_size(suite["demo-digits"], full) == full.exit_requests == 300
+    assert exit_workload_size(suite["resnet18"], full) == 15  # random: time only
     more = argparse.Namespace(**{**vars(full), "requests": 400})
-    assert exit_workload_size(models["mobilenet-v2"], more) == 400
+    assert exit_workload_size(suite["mobilenet-v2"], more) == 400
 
 
 def test_a_refold_takes_transport_from_transport_bench_once() -> None:
