@@ -130,10 +130,11 @@ def report_decoder_plan(
         f"({best.tokens_per_s:.1f} tokens/s over {settings.max_tokens}); memory {held}"
     )
     if sessions is not None:
+        together = f"{sessions} sessions batched" if sessions > 1 else "1 session"
         print(
-            f"with {sessions} sessions batched: {format_duration(best.session_per_token_s)} "
-            f"per token each, {best.aggregate_tokens_per_s:.1f} tokens/s in all (memory "
-            f"above counts their {sessions} KV caches)"
+            f"with {together}: {format_duration(best.session_per_token_s)} per token each, "
+            f"{best.aggregate_tokens_per_s:.1f} tokens/s in all (memory above counts "
+            f"{sessions} KV cache{'s' if sessions > 1 else ''})"
         )
     steps = outcome.verify_inputs
     if outcome.verified_bitwise is None:

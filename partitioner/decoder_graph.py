@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from tierflow.errors import ModelError, PlanError
+from tierflow.errors import InputError, ModelError, PlanError
 from tierflow.partitioner.decoder_points import (
     DecoderSettings,
     Point,
@@ -256,6 +256,7 @@ def load_batched_decode(graph: DecoderGraph, batch: int) -> ModelGraph:
 
     Raises :class:`PlanError` when the model does not run ``batch`` sequences at once.
     """
+    check_batches(graph, batch)
     decode = graph.decode
     inputs = [value_sig(v) for v in graph.source.graph.input]
     _, point = graph.points
@@ -271,11 +272,22 @@ def load_batched_decode(graph: DecoderGraph, batch: int) -> ModelGraph:
             max_cut_tensors=DECODER_MAX_CUT_TENSORS,
             rebuild=decode.rebuilt,
         )
-    except ModelError as exc:
+    except (ModelError, InputError) as exc:
         raise PlanError(
             f"cannot price {batch} sessions' decode steps as one batch: {Path(decode.path).name} "
             f"does not run at batch {batch} ({first_line(exc)})"
         ) from exc
+
+
+def check_batches(graph: DecoderGraph, sessions: int) -> None:
+    """Refuse to plan ``sessions`` > 1 batched when the token input's first axis is fixed:
+    its steps cannot stack ([Note: a split decoder's batch axis] in :mod:`.decoder_points`)."""
+    if sessions > 1 and _batch_name(graph.source, graph.decoder.tokens) is None:
+        raise PlanError(
+            f"--sessions {sessions}: {Path(graph.decode.path).name} takes one sequence at a "
+            f"time (its {graph.decoder.tokens} input has a fixed first axis), so the steps "
+            "of several sessions cannot run as one batch; export it with a symbolic batch axis"
+        )
 
 
 def split_decoder(graph: DecoderGraph, cut_indices: Sequence[int]) -> list[Segment]:

@@ -45,6 +45,7 @@ from tierflow.partitioner.decoder_cost import (
 )
 from tierflow.partitioner.decoder_graph import (
     DecoderGraph,
+    check_batches,
     load_batched_decode,
     split_decoder,
     verify_decoder_split,
@@ -234,7 +235,9 @@ def decoder_profiles(
     progress: ProgressFn | None = None,
     codecs: Sequence[str] = ("raw",),
 ) -> tuple[DecoderProfiles, list[str]]:
-    """:func:`complete_profiles` for a decoder: every tier profiled here at both points."""
+    """:func:`complete_profiles` for a decoder: every tier profiled here at both points,
+    and with ``--sessions`` the decode step at several batch sizes."""
+    check_batches(graph, graph.settings.sessions or 1)
     profiles = {}
     said: list[str] = []
     for name, analysed in (("prefill", graph.prefill), ("decode", graph.decode)):

@@ -384,3 +384,21 @@ def test_plan_for_sessions_reports_their_aggregate_tokens_per_second(
     assert decoder["aggregate_tokens_per_s"] > 0
     # Memory holds four sessions' caches: 6 of [1, 1, 64, 8] float32 each.
     assert sum(decoder["state_bytes"].values()) == 4 * 6 * 64 * 8 * 4
+
+
+def test_sessions_of_a_decoder_that_takes_one_sequence_are_refused_before_profiling(
+    tmp_path: Path, capsys: Any
+) -> None:
+    path = tiny_decoder(tmp_path / "d.onnx", blocks=2)
+    model = onnx.load(str(path))
+    for value in (*model.graph.input, *model.graph.output):
+        first = value.type.tensor_type.shape.dim[0]
+        if first.dim_param:
+            first.dim_value = 1  # clears the symbolic batch axis
+    onnx.save(model, str(path))
+    args = ["--context", "64", "--objective", "throughput", "--sessions", "2"]
+    assert main(["plan", str(path), "-o", str(tmp_path / "p"), *args]) == 2
+    err = capsys.readouterr().err
+    assert "profiling here" not in err
+    (line,) = [line for line in err.splitlines() if not line.startswith("analysing")]
+    assert "--sessions 2: d.onnx takes one sequence at a time" in line
