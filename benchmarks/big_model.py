@@ -58,7 +58,7 @@ from typing import Any
 
 from benchmarks.lib import RESULTS as RESULTS_DIR
 from benchmarks.lib.decoder_estimates import predicted as plan_estimate
-from benchmarks.lib.report import load_average
+from benchmarks.lib.report import load_average, load_span, load_words
 from tierflow.link.spec import LINKS, TIERS
 from tierflow.runtime.processes import ServeProcess
 from tierflow.zoo.hf_decoders import QWEN2_0_5B, export_decoder
@@ -243,8 +243,8 @@ def table(serving: Mapping[str, Mapping[str, Any]]) -> list[str]:
         "| layout | tiers | TTFT ms predicted / measured (measured/predicted) "
         "| ms/token predicted / measured (ratio) | tokens/s predicted / measured "
         "| B/token device-edge predicted / measured | B/token edge-cloud "
-        "| step compute ms D/E/C predicted | measured | ms/token, model on measured compute "
-        "(ratio) | same tokens as unsplit | load |",
+        "| step compute ms D/E/C predicted | measured | TTFT / ms/token, model on measured "
+        "compute (ratio) | same tokens as unsplit | load |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in serving.items():
@@ -255,6 +255,7 @@ def table(serving: Mapping[str, Mapping[str, Any]]) -> list[str]:
         compute_want = "/".join(f"{want['step_ms'][t]:.1f}" for t in TIERS)
         compute_got = "/".join(f"{got['parts_ms']['step'][t]:.1f}" for t in TIERS)
         model = on_measured_compute(want, got, "step")
+        first = on_measured_compute(want, got, "prefill")
         lines.append(
             f"| {name} | {'+'.join(want['tiers'])} "
             f"| {want['ttft_ms']:.0f} / {got['ttft_ms']:.0f} "
@@ -263,11 +264,19 @@ def table(serving: Mapping[str, Mapping[str, Any]]) -> list[str]:
             f"({_ratio(got['ms_per_token'], want['ms_per_token'])}) "
             f"| {want['tokens_per_s']:.2f} / {got['tokens_per_s']:.2f} | {bytes_[0]} | {bytes_[1]} "
             f"| {compute_want} | {compute_got} "
-            f"| {model:.1f} ({_ratio(got['ms_per_token'], model)}) "
+            f"| {first:.0f} ({_ratio(got['ttft_ms'], first)}) / "
+            f"{model:.1f} ({_ratio(got['ms_per_token'], model)}) "
             f"| {row.get('same_as_unsplit')} | {', '.join(f'{x:.1f}' for x in got['load'])} |"
         )
     if "three-tier" in serving:
         split = serving["three-tier"]["measured"]
+        want = serving["three-tier"]["predicted"]
+        errors = [abs(split[k] / want[k] - 1) for k in ("ttft_ms", "ms_per_token")]
+        lines.append(
+            f"\nThe cost model's goal, TTFT and ms/token within 25% of what generate measures "
+            f"on the three-tier plan: {'met' if max(errors) <= 0.25 else 'not met'} (off by "
+            f"{errors[0]:.0%} and {errors[1]:.0%})."
+        )
         for name, row in serving.items():
             if name == "three-tier":
                 continue
@@ -301,7 +310,8 @@ def markdown(result: Mapping[str, Any]) -> str:
         f"{settings['max_tokens']} generated greedily, median of {settings['runs']} runs per "
         "layout; tiers emulated as planned (device 4x, edge 2x slower than one core here, "
         "links device-edge 20 Mbit/s 10 ms, edge-cloud 200 Mbit/s 30 ms, on all three "
-        f"processes). Run {result['stamp']} on {result['cores']} cores.",
+        f"processes). Run {result['stamp']} on {result['cores']} cores, "
+        f"{load_words(result.get('load_average'))}; each run's own in the last column.",
         "",
         f"Planning the three-tier split (`{' '.join(LAYOUTS['three-tier'])}`): "
         f"{planning.get('wall_s')} s, peak {(planning.get('peak_rss_bytes') or 0) / 1e9:.2f} GB "
@@ -351,6 +361,7 @@ def main() -> int:
     plans, logs = args.work / "plans", args.work / "logs"
     plans.mkdir(exist_ok=True)
     logs.mkdir(exist_ok=True)
+    started_load = load_average()
     result: dict[str, Any] = {
         "stamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cores": os.cpu_count(),
@@ -406,6 +417,7 @@ def main() -> int:
         result["reference_tokens"] = reference
         for row in result["serving"].values():
             row["same_as_unsplit"] = all(r["tokens"] == reference for r in row["runs"])
+    result["load_average"] = load_span(started_load)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     text = markdown(result)

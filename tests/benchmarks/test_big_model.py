@@ -53,3 +53,4 @@ def test_the_table_sets_each_layout_beside_its_prediction_and_the_split() -> Non
     text = "\n".join(table(serving))
     assert "| three-tier | device+edge+cloud | 300 / 330 (1.10x) | 100.0 / 110.0 (1.10x)" in text
     assert "three-tier against cloud-only, measured: TTFT 0.55x, ms/token 0.55x" in text
+    assert "on the three-tier plan: met (off by 10% and 10%)" in text
