@@ -300,43 +300,52 @@ class DeviceClient:
         """
         request_id = str(next(self._ids)) if request_id is None else request_id
         started = time.perf_counter()
-        pipeline = self.pipeline
         try:
             states = {s.input for s in self.plans.plans[index].states}
             arrays = {n: np.asarray(v) for n, v in inputs.items() if n not in states}
-            runner = pipeline.runner(index)
-            runner.check_names(set(arrays), segment=0)
-            hit, key = pipeline.cached(index, 0, arrays, step)
-            if hit is not None:
-                return self._local(
-                    request_id, started, outputs=hit.outputs, exit_name=hit.exit, cache_hit=True
-                )
-            exits = any(spec.exits for _, spec, _ in runner.segments)
-            upstream = self.upstream
-            if upstream is not None and not exits and upstream.known_down():
-                down = TransportError(f"the edge at {upstream.address} is down; not running")
-                result = self._fall_back(request_id, started, arrays, down)
-                if result is None:
-                    raise down
-                return Ticket(request_id, started, result.ms["device"], result=result)
-            done = pipeline.run(
+            send = functools.partial(
+                self._send, request_id, started, arrays, index, stateful=step is not None
+            )
+            done = self.pipeline.up(
                 index,
-                runner,
-                arrays,
-                segment=0,
-                key=key,
-                deadline_unix_s=self.deadline.expires_unix_s(time.time()),
+                send,
+                inputs=arrays,
                 session=step,
+                deadline_unix_s=self.deadline.expires_unix_s(time.time()),
+                next_down=functools.partial(self._edge_down, request_id, started, arrays),
             )
         except TierflowError as exc:
             return self._local(request_id, started, error=exc)
         except Exception as exc:  # onnxruntime or numpy on odd input: still one Result
             logger.exception("[device] request %s failed", request_id)
             return self._local(request_id, started, error=InputError(str(exc)))
-        if isinstance(done, Answered):
+        if not isinstance(done, Answered):
+            return done
+        if not done.cache_hit:
             self.adaptation.demand()  # chosen on a link estimate it cannot refresh
-            return self._local(request_id, started, outputs=done.outputs, exit_name=done.exit)
-        return self._send(request_id, started, arrays, index, done, stateful=step is not None)
+        return self._local(
+            request_id, started, outputs=done.outputs, exit_name=done.exit, cache_hit=done.cache_hit
+        )
+
+    def _edge_down(
+        self,
+        request_id: str,
+        started: float,
+        arrays: dict[str, np.ndarray],
+        runner: TierRunner,
+    ) -> Ticket | None:
+        """The device's check between the cache and the segments ([Note: one request
+        path]): while the edge is known to be down and no device exit could answer, the
+        request is answered another way at once (or fails), without running anything."""
+        exits = any(spec.exits for _, spec, _ in runner.segments)
+        upstream = self.upstream
+        if upstream is None or exits or not upstream.known_down():
+            return None
+        down = TransportError(f"the edge at {upstream.address} is down; not running")
+        result = self._fall_back(request_id, started, arrays, down)
+        if result is None:
+            raise down
+        return Ticket(request_id, started, result.ms["device"], result=result)
 
     def _send(
         self,

@@ -11,16 +11,20 @@ the gRPC service that feeds a server's pipeline from its streams
 [Note: one request path]
 A request reaches a tier as tensors: the device's own inputs, or the encoded tensors of a
 request from the tier below, which are checked against what the tier's segments expect
-before any payload is decoded (:meth:`Pipeline.decode`). Then, for every tier alike
-(:meth:`Pipeline.run`):
+before any payload is decoded (:meth:`Pipeline.decode`). Then, for every tier alike,
+in the order :meth:`Pipeline.up` keeps (:meth:`Pipeline.run` for steps 2-3):
 
 1. the feature cache, if the tier has one, is looked up with the features: a hit is the
-   answer, nothing runs;
+   answer, nothing runs; on a miss, a tier that knows its next tier is down may answer
+   here without running anything (the device's hook: [Note: retries and failing fast]
+   in tierflow/transport/stream_client.py);
 2. the tier's segments of the request's plan run in order; a confident early exit is
-   the answer, and so are the model outputs when no segment is left;
-3. otherwise what the next tier needs is encoded with the next link's codec, ready to
-   send up (:class:`Onward`). A tier that runs nothing for the plan forwards the tensors
-   as they came ([Note: an edge that runs nothing] in tierflow/plan.py).
+   the answer (stored in the cache), and so are the model outputs when no segment is
+   left;
+3. otherwise what the next tier needs is encoded with the next link's codec
+   (:class:`Onward`), and the tier sends it up its way (the device's stream, the edge's
+   forwarder). A tier that runs nothing for the plan forwards the tensors as they came
+   ([Note: an edge that runs nothing] in tierflow/plan.py).
 
 The way down mirrors the way up (:meth:`Pipeline.came_down`), for the device and the edge
 alike: what the next tier sent back for a request (:class:`~tierflow.runtime.upstream.Upstream`)
@@ -65,7 +69,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +83,7 @@ from tierflow.codec.spec import CodecSpec
 from tierflow.errors import (
     CacheError,
     CodecError,
+    DeadlineError,
     InputError,
     PlanError,
     StateError,
@@ -96,12 +101,22 @@ from tierflow.runtime.segment_runner import SegmentRunner, TierRunner, emulate_s
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, tier_files
 from tierflow.state.spec import DecoderSpec, StateSpec
 from tierflow.state.store import SessionStates, check_session_id
-from tierflow.transport.wire import decode_tensors, error_from_proto, put_tensors, received
+from tierflow.transport.callers import owner_of
+from tierflow.transport.wire import (
+    check_deadline,
+    check_figures,
+    decode_tensors,
+    error_from_proto,
+    put_tensors,
+    received,
+)
 
 logger = logging.getLogger(__name__)
 
 #: A first state value as a tier holds it: an array on the device, a wire tensor above.
 Value = TypeVar("Value")
+#: What a tier makes of a request it sends up (:meth:`Pipeline.up`).
+SentUp = TypeVar("SentUp")
 
 
 @dataclass
@@ -398,6 +413,74 @@ class Pipeline:
                     logger.info("[%s] plan %s closed: segment %s evicted", self.tier, plan_id, file)
 
     # ------------------------------------------------------------------ the path
+
+    def up(
+        self,
+        index: int,
+        send: Callable[[Onward], SentUp],
+        *,
+        request: tier_pb2.Request | None = None,
+        caller: str = "",
+        inputs: dict[str, np.ndarray] | None = None,
+        session: SessionStep | None = None,
+        deadline_unix_s: float = 0.0,
+        next_down: Callable[[TierRunner], SentUp | None] | None = None,
+        convoy: tuple[Convoy, int] | None = None,
+    ) -> Answered | SentUp:
+        """The way up for plan ``index``, in the order of [Note: one request path], for
+        every tier: the tier's answer (:class:`Answered`), or what ``send`` made of the
+        request it sent up (its reply comes down to :meth:`came_down`).
+
+        A request enters as the ``request`` of ``caller`` from the tier below (checked
+        and decoded here, its session step read from it), or as the device's own
+        ``inputs`` at segment 0 with its ``session`` step and ``deadline_unix_s``.
+        ``next_down``: the tier's check, between the cache and the segments, that the
+        next tier is known to be down; what it returns (not None) is the request's
+        outcome, and nothing runs. The plan's files are held while the request runs
+        here, not while it is sent. ``convoy``: as for :meth:`run`.
+        """
+        codec_s = 0.0
+        as_received: Sequence[tier_pb2.Tensor] = ()
+        if request is not None:
+            check_figures(request)
+            deadline = check_deadline(request.deadline_unix_s, time.time())
+            if deadline and time.time() > deadline:
+                raise DeadlineError(f"the request's deadline passed before the {self.tier} ran it")
+            deadline_unix_s, segment = deadline or 0.0, request.segment
+            as_received = request.tensors
+        else:
+            segment = 0
+        with self.holding(index):  # its segment files stay while it runs
+            runner = self.runner(index)
+            if request is not None:
+                features, codec_s = self.decode(index, runner, segment, request.tensors)
+                owner = owner_of(caller, request.on_behalf_of)
+                limit = self.options.max_tensor_bytes
+                session = SessionStep.of_request(request, runner, limit, owner)
+            else:
+                features = inputs or {}
+                runner.check_names(set(features), segment=0)
+            hit, key = self.cached(index, segment, features, session)
+            if hit is None and next_down is not None:
+                known = next_down(runner)
+                if known is not None:
+                    return known
+            step = hit or self.run(
+                index,
+                runner,
+                features,
+                segment=segment,
+                key=key,
+                deadline_unix_s=deadline_unix_s,
+                as_received=as_received,
+                checked=request is not None,
+                session=session,
+                convoy=convoy,
+            )
+        step.codec_s += codec_s
+        if isinstance(step, Answered):
+            return step
+        return send(step)
 
     def decode(
         self, index: int, runner: TierRunner, segment: int, tensors: Sequence[tier_pb2.Tensor]

@@ -41,7 +41,6 @@ import grpc
 
 from tierflow.cache.base import FeatureCache
 from tierflow.errors import (
-    DeadlineError,
     PlanError,
     TierflowError,
     TransportError,
@@ -56,7 +55,7 @@ from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.admission import StreamAdmission, peer_host
 from tierflow.runtime.batch_message import Deposit, MemberReplies, check_members, send_together
 from tierflow.runtime.batching import BatchStats, Convoy, departure_seat
-from tierflow.runtime.pipeline import Answered, Onward, Pipeline, SessionStep
+from tierflow.runtime.pipeline import Answered, Onward, Pipeline
 from tierflow.runtime.probe import ProbeCredit, echo
 from tierflow.runtime.replies import StreamReplies
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, serve_segment
@@ -64,7 +63,7 @@ from tierflow.runtime.streams import ProbeActivity, Send, SessionOrder, StreamRe
 from tierflow.runtime.workers import WorkerPool, WorkerSlots
 from tierflow.transport.callers import MAX_BEHALF_BYTES, caller_of, owner_of
 from tierflow.transport.peer_warnings import WARNINGS
-from tierflow.transport.wire import Undecodable, check_deadline, check_figures, error_to_proto
+from tierflow.transport.wire import Undecodable, error_to_proto
 
 if TYPE_CHECKING:
     from tierflow.runtime.metrics import TierMetrics
@@ -571,45 +570,38 @@ class TierService(tier_pb2_grpc.TierServicer):
         if pipeline is None or not self._ready.is_set():
             raise TransportError(f"the {self.tier} is not serving yet (its model is loading)")
         index = pipeline.index_of(request.plan_id)
-        check_figures(request)
-        deadline = check_deadline(request.deadline_unix_s, time.time())
-        if deadline and time.time() > deadline:
-            raise DeadlineError(f"the request's deadline passed before the {self.tier} ran it")
-        with pipeline.holding(index):  # its segment files stay while it runs
-            runner = pipeline.runner(index)
-            features, codec_s = pipeline.decode(index, runner, request.segment, request.tensors)
-            owner = owner_of(caller, request.on_behalf_of)
-            limit = self.options.max_tensor_bytes
-            session = SessionStep.of_request(request, runner, limit, owner)
-            hit, key = pipeline.cached(index, request.segment, features, session)
-            step = hit or pipeline.run(
-                index,
-                runner,
-                features,
-                segment=request.segment,
-                key=key,
-                deadline_unix_s=deadline or 0.0,
-                as_received=request.tensors,
-                checked=True,
-                session=session,
-                convoy=convoy,
-            )
+        send = functools.partial(self._send_up, pipeline, index, request.id, timing, later)
+        step = pipeline.up(index, send, request=request, caller=caller, convoy=convoy)
+        if not isinstance(step, Answered):
+            return step
         timing.compute_ms = step.compute_s * 1e3
-        if isinstance(step, Answered):
-            reply = pipeline.answer(index, step)
-            timing.codec_ms = (codec_s + step.codec_s) * 1e3
-            reply.timings.append(timing)
-            return reply
-        timing.codec_ms = (codec_s + step.codec_s) * 1e3
+        reply = pipeline.answer(index, step)
+        timing.codec_ms = step.codec_s * 1e3
+        reply.timings.append(timing)
+        return reply
+
+    def _send_up(
+        self,
+        pipeline: Pipeline,
+        index: int,
+        request_id: str,
+        timing: tier_pb2.TierTiming,
+        later: Send,
+        onward: Onward,
+    ) -> tier_pb2.Reply | None:
+        """Send ``onward`` to the next tier (with its batch, if it came in one); None when
+        its reply comes to ``later``."""
+        timing.compute_ms = onward.compute_s * 1e3
+        timing.codec_ms = onward.codec_s * 1e3
         if self.forwarder is None:
             plan_id = self.plans.plans[index].plan_id
             raise PlanError(f"plan {plan_id} runs beyond the {self.tier}, which has no --upstream")
         seat = departure_seat()
         if seat is not None:  # [Note: a batch in one message]: it goes on with its batch
-            deposit = Deposit(pipeline, index, step, request.id, timing, later)
+            deposit = Deposit(pipeline, index, onward, request_id, timing, later)
             self._depart(seat[0].deposit(seat[1], deposit))
             return None
-        return self.forwarder.forward(pipeline, index, step, request.id, timing, later)
+        return self.forwarder.forward(pipeline, index, onward, request_id, timing, later)
 
     def _settle_departure(self) -> None:
         """Settle the batch seat of this thread's step, if it has one still: it goes no

@@ -7,6 +7,7 @@ cache, and an edge that runs nothing are each taken on their own.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -111,28 +112,17 @@ def _pipelines(
 
 
 def _up(pipeline: Pipeline, onward: Onward) -> Answered | Onward:
-    """What a server does with a request from the tier below: decode, look up, run."""
-    request = onward.request
-    index = pipeline.index_of(request.plan_id)
-    runner = pipeline.runner(index)
-    features, _ = pipeline.decode(index, runner, request.segment, request.tensors)
-    hit, key = pipeline.cached(index, request.segment, features)
-    if hit is not None:
-        return hit
-    return pipeline.run(
-        index,
-        runner,
-        features,
-        segment=request.segment,
-        key=key,
-        as_received=request.tensors,
-        checked=True,
-    )
+    """What a server's pipeline makes of a request from the tier below (:meth:`Pipeline.up`);
+    what it would send up is returned as it is."""
+    return pipeline.up(0, _kept, request=onward.request, caller="local")
+
+
+def _kept(onward: Onward) -> Onward:
+    return onward
 
 
 def _device(pipeline: Pipeline, x: np.ndarray) -> Onward:
-    runner = pipeline.runner(0)
-    onward = pipeline.run(0, runner, {"x": x}, segment=0)
+    onward = pipeline.up(0, _kept, inputs={"x": x})
     assert isinstance(onward, Onward)
     return onward
 
@@ -174,6 +164,55 @@ def test_the_cloud_answers_a_repeated_request_from_its_cache(tmp_path: Path) -> 
     first, again, other = through(x), through(x), through(2 * x)
     assert not first.cache_hit and again.cache_hit and not other.cache_hit
     assert again.outputs["y"].tobytes() == first.outputs["y"].tobytes()
+
+
+def test_the_way_up_looks_up_then_asks_the_hook_then_runs_then_sends(tmp_path: Path) -> None:
+    """[Note: one request path]: a hit answers before the next-tier hook is asked; on a
+    miss the hook comes before the segments, and its answer stops the request there;
+    otherwise the segments run and what goes on is handed to ``send``, whose result is
+    the request's."""
+    plan = _plan_dir(tmp_path, {"device-edge": "raw", "edge-cloud": "raw"})
+    cache = MemoryCache(1 << 20)
+    edge = Pipeline("edge", PlanSet((plan,)), tmp_path, RuntimeOptions(), cache=cache)
+    device = _pipelines(tmp_path, plan)["device"]
+    asked: list[int] = []
+    sent: list[Onward] = []
+
+    def hook(answer: str | None) -> Callable[[object], str | None]:
+        def next_down(runner: object) -> str | None:
+            asked.append(1)
+            return answer
+
+        return next_down
+
+    def send(onward: Onward) -> str:
+        sent.append(onward)
+        return "sent"
+
+    x = np.ones((1, WIDTHS[0]), np.float32)
+    request = _device(device, x).request
+    assert edge.up(0, send, request=request, next_down=hook("down")) == "down"
+    assert (len(asked), sent, cache.stats().entries) == (1, [], 0)  # nothing ran
+    assert edge.up(0, send, request=request, next_down=hook(None)) == "sent"
+    assert len(asked) == 2 and len(sent) == 1 and sent[0].request.segment == 2
+    assert sent[0].codec_s > 0.0  # the request's decoding is counted with the encoding
+    # The cloud's answer, stored as it comes down: the same request is a hit, no hook asked.
+    y = np.full((1, WIDTHS[3]), 3.0, np.float32)
+    edge.came_down(0, sent[0], tier_pb2.Reply(answered_by="cloud"), outputs={"y": y})
+    hit = edge.up(0, send, request=request, next_down=hook("down"))
+    assert isinstance(hit, Answered) and hit.cache_hit and len(asked) == 2 and len(sent) == 1
+    assert hit.outputs["y"].tobytes() == y.tobytes()
+    edge.close()
+
+
+def test_a_request_past_its_deadline_is_refused_before_it_is_decoded(tmp_path: Path) -> None:
+    plan = _plan_dir(tmp_path, {"device-edge": "raw", "edge-cloud": "raw"})
+    tiers = _pipelines(tmp_path, plan)
+    request = _device(tiers["device"], np.ones((1, WIDTHS[0]), np.float32)).request
+    request.deadline_unix_s = 1.0  # long past
+    del request.tensors[:]  # never looked at
+    with pytest.raises(DeadlineError, match="deadline passed before the edge ran it"):
+        tiers["edge"].up(0, _kept, request=request)
 
 
 def test_an_edge_that_runs_nothing_forwards_the_tensors_as_they_came(tmp_path: Path) -> None:
