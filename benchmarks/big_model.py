@@ -326,8 +326,23 @@ def markdown(result: Mapping[str, Any]) -> str:
             f"{inline.get('wall_s')} s, peak {(inline.get('peak_rss_bytes') or 0) / 1e9:.2f} GB "
             f"= {inline.get('peak_over_weights')}x."
         )
-    lines += ["", *table(result["serving"]), ""]
+    lines += ["", *table(result["serving"]), "", *READING, ""]
     return "\n".join(lines)
+
+
+#: How to read the table, whatever the run measured.
+READING = (
+    "Reading it: bytes per token are counted on both sides as `generate --json` counts "
+    "them (what each link carried up, the prompt's hidden states included, over the tokens "
+    "made). The predicted compute is each tier's profile: ONNX Runtime on one thread, timed "
+    "by the thread's CPU time, times the tier's slowdown; the measured one is wall time, "
+    "which other work on the shared 2-core machine stretches (a tier emulated 2x or 4x "
+    "slower sleeps for the rest, which load does not stretch, so the cloud shows load "
+    "most). The column 'model on measured compute' keeps the model's links, round trips "
+    "and answers and takes each tier's compute from the runtime's own timings "
+    "(`parts_ms`): where it matches the measured time and the plain prediction does not, "
+    "the gap is the machine's load, not the model.",
+)
 
 
 def main() -> int:
