@@ -30,6 +30,7 @@ import numpy as np
 from tierflow.cache.base import FeatureCache
 from tierflow.codec.spec import CodecSpec
 from tierflow.device.adaptation import Adaptation
+from tierflow.device.batched_send import DeviceDeposit, member_sent, send_up
 from tierflow.device.fallback import (
     DEFAULT_RETRY_S,
     MissingTiers,
@@ -51,6 +52,7 @@ from tierflow.link.spec import LINKS
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
 from tierflow.rpc import tier_pb2
+from tierflow.runtime.batching import Departure, departure_seat
 from tierflow.runtime.pipeline import (
     Answered,
     Down,
@@ -306,14 +308,17 @@ class DeviceClient:
             send = functools.partial(
                 self._send, request_id, started, arrays, index, stateful=step is not None
             )
-            done = self.pipeline.up(
-                index,
-                send,
-                inputs=arrays,
-                session=step,
-                deadline_unix_s=self.deadline.expires_unix_s(time.time()),
-                next_down=functools.partial(self._edge_down, request_id, started, arrays),
-            )
+            try:
+                done = self.pipeline.up(
+                    index,
+                    send,
+                    inputs=arrays,
+                    session=step,
+                    deadline_unix_s=self.deadline.expires_unix_s(time.time()),
+                    next_down=functools.partial(self._edge_down, request_id, started, arrays),
+                )
+            finally:  # a step of a batch call that did not go up settles its seat
+                self._leave(departure_seat())
         except TierflowError as exc:
             return self._local(request_id, started, error=exc)
         except Exception as exc:  # onnxruntime or numpy on odd input: still one Result
@@ -364,6 +369,10 @@ class DeviceClient:
         state is on the tiers it started on (``stateful``).
         """
         assert self.upstream is not None
+        seat = departure_seat()
+        if seat is not None and stateful:
+            return self._depart(seat, request_id, started, index, onward)
+        self._leave(seat)
         device_ms = (time.perf_counter() - started) * 1e3
         fallback = None
         if not stateful:
@@ -396,6 +405,42 @@ class DeviceClient:
             came_down=functools.partial(self._came_down, index, onward),
             fallback=fallback,
         )
+
+    def _depart(
+        self,
+        seat: tuple[Departure, int],
+        request_id: str,
+        started: float,
+        index: int,
+        onward: Onward,
+    ) -> Ticket:
+        """A session's step that ran in a batch call goes up with the batch's other steps,
+        as one message ([Note: a batch in one message] in
+        tierflow/runtime/batch_message.py; device/batched_send.py)."""
+        sent = member_sent(onward)
+        deadline = self.deadline.expires_monotonic(time.monotonic())
+        self._send_batch(seat[0].deposit(seat[1], DeviceDeposit(onward, sent, deadline)))
+        return Ticket(
+            request_id,
+            started,
+            (time.perf_counter() - started) * 1e3,
+            compute_ms=onward.compute_s * 1e3,
+            sent=sent,
+            timeout=self.deadline_s,
+            max_tensor_bytes=self.max_tensor_bytes,
+            came_down=functools.partial(self._came_down, index, onward),
+        )
+
+    def _leave(self, seat: tuple[Departure, int] | None) -> None:
+        """The step of a batch call goes no further up (answered here, or failed)."""
+        if seat is not None:
+            self._send_batch(seat[0].settle(seat[1]))
+
+    def _send_batch(self, deposits: list[object] | None) -> None:
+        """Send a batch call's steps that go up, once the last has settled."""
+        if deposits and self.upstream is not None:
+            batch = [d for d in deposits if isinstance(d, DeviceDeposit)]
+            send_up(self.upstream, batch, self.adaptation.sent)
 
     def _came_down(
         self,

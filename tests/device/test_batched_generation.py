@@ -497,3 +497,49 @@ def test_an_edges_batch_goes_on_to_the_cloud_as_one_message(models: dict[str, Pa
     assert all(outputs[i] == list(expected) for i in range(4)), outputs
     assert 3 in received, received  # the edge's batch of three, in one message
     assert max(cloud_batcher.stats.sizes) >= 3, cloud_batcher.stats.sizes
+
+
+def test_a_devices_batch_goes_up_to_the_edge_as_one_message(models: dict[str, Path]) -> None:
+    """Four local sessions on one device: the device runs three of their steps as one
+    call and sends them to the edge as one request, which the edge runs as one call and
+    sends on to the cloud as one ([Note: a batch in one message]); every session's output
+    is the model's own, and each step's result has its own share of the link's bytes."""
+    prompt = PROMPTS[0]
+    options = RuntimeOptions(workers=2, max_batch=8)
+    with serving(models["split"], options) as (plan, cloud, edge):
+        for server in (cloud, edge):
+            batcher_of(server).convoy_wait_s = 30.0
+        received: dict[str, list[int]] = {"edge": [], "cloud": []}
+        for name, server in (("edge", edge), ("cloud", cloud)):
+            run_members = server.service.run_members
+
+            def counted(
+                request: tier_pb2.Request, *args: Any, _n: str = name, _r: Any = run_members
+            ) -> None:
+                received[_n].append(len(request.members))
+                _r(request, *args)
+
+            server.service.run_members = counted  # type: ignore[method-assign]
+        with DeviceClient(plan, edge.address, options=options) as client:
+            device = client.pipeline.runner(0).batcher
+            assert device is not None
+            arm = gate(device, 4)
+            prefilled = threading.Barrier(4, action=arm)
+            results: list[Any] = []
+
+            def session(i: int) -> list[int]:
+                decoder = TierDecoder(client)
+                made = [int(decoder.choose(prompt, 0, keep=1)[-1])]
+                prefilled.wait(60)
+                for _ in range(3):
+                    position = len(prompt) + len(made) - 1
+                    made.append(int(decoder.choose([made[-1]], position, keep=1)[-1]))
+                results.extend(decoder.results[1:])
+                return made
+
+            outputs = lockstep(4, session)
+    expected = reference_generate(models["model"], prompt, 4, context=CONTEXT).tokens
+    assert all(outputs[i] == list(expected) for i in range(4)), outputs
+    assert 3 in received["edge"], received  # the device's batch of three, in one message
+    assert 3 in received["cloud"], received  # and on from the edge as one
+    assert all(r.bytes["device-edge"] > 0 and r.bytes["edge-cloud"] > 0 for r in results)

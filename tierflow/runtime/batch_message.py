@@ -33,9 +33,11 @@ deposits, in seat order (one deposit goes alone, as before). The next tier's one
 scattered back (``scatter``): each member's reply to its own request, with this tier's
 timing of it and its share of the link's figures (its own bytes, the message's transfer
 time); an error for the whole message (the next tier gone, say) answers every member.
-Nothing waits: a member that deposits returns, its reply to come later. What is not done
-yet: a device serving several local sessions still sends its batch's steps up one
-request each (``device/client.py`` sends each step from its caller's thread).
+Nothing waits: a member that deposits returns, its reply to come later. A device serving
+several local sessions does the same with its batch calls' steps (device/batched_send.py):
+each caller gets its ticket at once, resolved from the edge's one reply. So sessions that
+step together on a device stay together on every tier, and no tier runs the first of
+them alone for having found itself idle.
 """
 
 from __future__ import annotations
