@@ -377,22 +377,20 @@ class DeviceClient:
         fallback = None
         if not stateful:
             fallback = functools.partial(self._fall_back, request_id, started, arrays)
+        deadline = self.deadline.expires_monotonic(time.monotonic())
         try:
-            sent = self.upstream.submit(
-                onward.request,
-                deadline=self.deadline.expires_monotonic(time.monotonic()),
-                nbytes=onward.nbytes,
-            )
-        except TransportError as exc:
-            down = self.pipeline.came_down(index, onward, exc)
-            result = None
-            if fallback is not None and down.gone is not None:
-                result = fallback(down.gone, down.answered)
-            if result is None:
-                return self._local(request_id, started, error=exc)
-            return Ticket(request_id, started, result.ms["device"], result=result)
+            sent = self.pipeline.send(self.upstream, index, onward, deadline=deadline)
         except TierflowError as exc:
             return self._local(request_id, started, error=exc)
+        if isinstance(sent, Down):  # refused at once: the edge is known to be down
+            result = None
+            if fallback is not None and sent.gone is not None:
+                result = fallback(sent.gone, sent.answered)
+            if result is None:
+                refused = sent.gone or sent.failure  # the TransportError submit raised
+                assert isinstance(refused, TierflowError)
+                return self._local(request_id, started, error=refused)
+            return Ticket(request_id, started, result.ms["device"], result=result)
         self.adaptation.sent(sent)
         return Ticket(
             request_id,

@@ -112,17 +112,17 @@ class Forwarding:
         local_deadline = None
         if deadline:
             local_deadline = time.monotonic() + max(deadline - time.time(), 0.0)
-        try:
-            self.upstream.submit(
-                onward.request,
-                deadline=local_deadline,
-                nbytes=onward.nbytes,
-                on_reply=lambda sent: self._forwarded(
-                    sent, pipeline, index, onward, request_id, timing, send
-                ),
-            )
-        except TransportError as exc:  # known to be down: no waiting for it
-            reply = self._passed_down(pipeline, index, pipeline.came_down(index, onward, exc))
+        sent = pipeline.send(
+            self.upstream,
+            index,
+            onward,
+            deadline=local_deadline,
+            on_reply=lambda sent: self._forwarded(
+                sent, pipeline, index, onward, request_id, timing, send
+            ),
+        )
+        if isinstance(sent, Down):  # refused at once: the next tier is known to be down
+            reply = self._passed_down(pipeline, index, sent)
             reply.timings.append(timing)
             return reply
         return None

@@ -88,6 +88,7 @@ from tierflow.errors import (
     PlanError,
     StateError,
     TierflowError,
+    TransportError,
     is_gone,
     is_missing,
     is_upstream_gone,
@@ -99,9 +100,11 @@ from tierflow.rpc import tier_pb2
 from tierflow.runtime.batching import Convoy
 from tierflow.runtime.segment_runner import SegmentRunner, TierRunner, emulate_slower
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, tier_files
+from tierflow.runtime.upstream import Upstream
 from tierflow.state.spec import DecoderSpec, StateSpec
 from tierflow.state.store import SessionStates, check_session_id
 from tierflow.transport.callers import owner_of
+from tierflow.transport.stream_client import Sent
 from tierflow.transport.wire import (
     check_deadline,
     check_figures,
@@ -649,6 +652,27 @@ class Pipeline:
         emulate_slower(self.options.slowdown, cpu, self._cpu)
         answered.codec_s += time.perf_counter() - start
         return reply
+
+    def send(
+        self,
+        upstream: Upstream,
+        index: int,
+        onward: Onward,
+        *,
+        deadline: float | None = None,
+        on_reply: Callable[[Sent], None] | None = None,
+    ) -> Sent | Down:
+        """Send ``onward`` (plan ``index``) up through ``upstream``, its reply due by
+        ``deadline`` (monotonic; None: none): what was sent, whose reply the tier takes
+        to :meth:`came_down` when it comes (``on_reply``, or when read). A next tier known
+        to be down refuses it at once, and what came down is then that (the next tier
+        gone: this tier's answer without it, if any)."""
+        try:
+            return upstream.submit(
+                onward.request, deadline=deadline, nbytes=onward.nbytes, on_reply=on_reply
+            )
+        except TransportError as exc:  # known to be down: no waiting for it
+            return self.came_down(index, onward, exc)
 
     # ------------------------------------------------------------------ the way down
 

@@ -15,6 +15,7 @@ from tierflow.link.spec import LinkSpec
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, save_plan
 from tierflow.rpc import tier_pb2
+from tierflow.runtime.pipeline import Down, Onward, Pipeline
 from tierflow.runtime.service import TierService
 from tierflow.runtime.streams import Send
 from tierflow.runtime.upstream import LocalUpstream, StreamUpstream, connect, segment_source
@@ -147,3 +148,28 @@ def test_figures_no_tier_could_measure_are_dropped_in_process_too(edge: TierServ
     reply = upstream.submit(_request(edge, 1.0)).future.result()
     assert list(reply.links) == [] and reply.answered_by == "edge"
     assert WARNINGS.counts("device").get(("device", "reply_figures"), 0) == before + 1
+
+
+def test_the_pipeline_sends_up_and_a_next_tier_known_down_comes_down_at_once(
+    edge: TierService, tmp_path: Path
+) -> None:
+    """:meth:`Pipeline.send`: what was sent, its reply to take down when it comes; or, the
+    next tier known to be down, what came down for that at once (it is gone)."""
+    device = Pipeline("device", edge.plans, tmp_path, RuntimeOptions())
+    upstream = LocalUpstream(edge, me="device")
+    onward = device.up(0, _kept, inputs={"x": np.full((1, 4), 5.0, np.float32)})
+    assert isinstance(onward, Onward)
+    sent = device.send(upstream, 0, onward, deadline=None)
+    assert isinstance(sent, Sent)
+    down = device.came_down(0, onward, sent.future.result())
+    assert down.reply is not None and down.reply.answered_by == "edge"
+    np.testing.assert_array_equal(decode_tensors(down.reply.outputs)["y"], np.full((1, 4), 5.0))
+    edge.close()
+    refused = device.send(upstream, 0, onward)
+    assert isinstance(refused, Down) and refused.reply is None and refused.answered is None
+    assert isinstance(refused.gone, TransportError) and "is down" in str(refused.gone)
+    device.close()
+
+
+def _kept(onward: Onward) -> Onward:
+    return onward
