@@ -21,7 +21,7 @@ from tierflow.cli.helptext import HelpFormatter, examples
 from tierflow.cli.runtime_arguments import add_runtime_arguments, runtime_options
 from tierflow.cli.table import format_table
 from tierflow.device.commands import add_deadline_argument, add_plan_arguments, edge_address
-from tierflow.errors import MissingExtraError, TierflowError, UsageError
+from tierflow.errors import DeadlineError, MissingExtraError, TierflowError, UsageError
 from tierflow.plan import load_plan_set
 from tierflow.units import format_size
 
@@ -201,6 +201,19 @@ def _json_line(report: GenerationReport, tokenizer: Tokenizer | None) -> dict[st
     return line
 
 
+def _prefill_too_slow(
+    exc: TierflowError, report: GenerationReport | None, prompt_tokens: int, deadline: Any
+) -> TierflowError:
+    """A deadline missed before the first token says so, and what to do: a long prompt
+    on a large model can take longer to prefill than a step's ``--deadline``."""
+    if not isinstance(exc, DeadlineError) or (report is not None and report.tokens):
+        return exc
+    return DeadlineError(
+        f"{exc}: the prefill of the prompt's {prompt_tokens} tokens took longer than "
+        f"--deadline {deadline}; a long prompt on a large model needs a longer one"
+    )
+
+
 def _generate(args: argparse.Namespace) -> int:
     from tierflow.device.client import DeviceClient
     from tierflow.device.generation import GenerationReport, Generator, layer_ranges
@@ -243,15 +256,19 @@ def _generate(args: argparse.Namespace) -> int:
             printer: Callable[[int, bool], None] = _Printer(tokenizer, out)
             report = generator.generate(prompt, args.max_tokens, stop=args.stop, on_token=printer)
     except TierflowError as exc:
+        failed = generator.report if generator is not None else None
+        error = _prefill_too_slow(exc, failed, len(prompt), args.deadline)
         # --json still ends with its line: the tokens made before the failure, and why.
         if args.json:
-            failed = generator.report if generator is not None else None
             if failed is None:
-                failed = GenerationReport(prompt=list(prompt), stopped="error", error=str(exc))
+                failed = GenerationReport(prompt=list(prompt), stopped="error")
+            failed.error = str(error)
             if failed.tokens:
                 print(file=out, flush=True)  # end the line of tokens printed as they came
             print(json_output.dumps(_json_line(failed, tokenizer)), flush=True)
-        raise
+        if error is exc:
+            raise
+        raise error from exc
     print(file=out, flush=True)
     if args.json:
         print(json_output.dumps(_json_line(report, tokenizer)))

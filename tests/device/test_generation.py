@@ -200,6 +200,24 @@ def test_the_command_generates_and_ends_with_one_json_line(
     assert set(line["bytes_per_token"]) == {"device-edge", "edge-cloud"}
 
 
+def test_a_prefill_past_the_deadline_says_how_to_give_it_time(
+    models: dict[str, Path], tiers: Any, capsys: Any
+) -> None:
+    # A long prompt on a large model (1,500 tokens on Qwen2-0.5B's shapes: 38 s) takes
+    # longer to prefill than a step's default --deadline (30 s); here a deadline of 1 us.
+    _, edge = tiers
+    code = main(["generate", "--plan", str(models["plan"]), "--edge", edge.address,
+                 "--prompt-ids", "1,2,3,4,5", "--max-tokens", "4", "--deadline", "0.000001",
+                 "--json"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 1
+    line = json.loads(out.strip().splitlines()[-1])
+    assert line["tokens"] == [] and line["stopped"] == "error"
+    assert "the prefill of the prompt's 5 tokens took longer than --deadline" in line["error"]
+    (message,) = [m for m in err.splitlines() if "error" in m]
+    assert "a long prompt on a large model needs a longer one" in message
+
+
 def test_a_prompt_in_bytes_and_a_tokenizer_that_does_not_load(
     models: dict[str, Path], tiers: Any, tmp_path: Path, capsys: Any
 ) -> None:
