@@ -129,6 +129,7 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
     from tierflow.device.generation import TierDecoder
     from tierflow.edge.forwarding import Forwarding
     from tierflow.options import RuntimeOptions
+    from tierflow.runtime.batching import ACTIVE_S
     from tierflow.runtime.server import TierServer
 
     options = RuntimeOptions(
@@ -147,6 +148,9 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
         with DeviceClient(plan, edge.address, options=options, window=64) as client:
             TierDecoder(client).choose(texts[0], 0, keep=1)  # opens every tier's sessions
             for count in counts:
+                # The sessions before are no longer active for --batch-delay (ACTIVE_S):
+                # a row's sessions wait for no one who has left.
+                time.sleep(ACTIVE_S + 0.1)
                 rows.append(_generate(client, texts[:count], args.tokens, cloud, edge))
     finally:
         edge.stop(0)
@@ -526,16 +530,17 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 NOTES = [
-    "Reading it: this machine's two cores are shared with other jobs (the load average",
-    "was 15-20 through the run), so ONNX Runtime alone took 449 ms for one decode step",
-    "that issue 29 measured at 25 ms here when idle, and single figures move by 2x from row to",
-    "the next; compare rows measured close together and the batch sizes, not absolute",
-    "times. The split plan's cloud formed no batches: optimum's graph computes shape",
-    "scalars (the batch size and step length, rank 0) once near its start and every",
-    "block reads them, so they cross the cuts, and a scalar cannot be stacked; the tiers",
-    "see that (an input without a symbolic batch axis) and run each step alone, exactly",
-    "as before ([Note: batching exactness], [Note: a split decoder's batch axis]). The",
-    "split rows so measure the same path three times over.",
+    "Reading it: the machine's two cores are shared with other engineers' jobs (the load",
+    "average is in the first line), so absolute times move from row to row; compare rows",
+    "measured close together, and the batch sizes. Every tier batches (the device serves",
+    "every session here), and a batch's steps go on to the next tier as one message",
+    "([Note: a batch in one message] in tierflow/runtime/batch_message.py), so the edge",
+    "and the cloud run them as one call again. With --batch-delay 0, sessions that step",
+    "together fall into turns: the first step of a round finds a tier idle and runs alone,",
+    "the rest as a batch after it, and the rounds drift apart; 5 ms of delay (only while",
+    "other sessions were active in the last second) keeps them together. The padding rows",
+    "measure --batch-padding like a lossy codec: prompts of different lengths, whose past",
+    "lengths never match, so the exact default runs most of their steps alone.",
 ]
 
 

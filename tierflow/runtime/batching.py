@@ -365,6 +365,13 @@ class StepBatcher:
         ``member``: the step's session; ``owner``: whose it is (batches are shared fairly
         among owners); ``convoy``: the batched request the step came in, and its seat there
         ([Note: a batch in one message])."""
+        if convoy is None and self._idle_run(member):
+            _departing.seat = None
+            try:
+                with lent():  # [Note: a worker lent while a step queues]
+                    return self._run(feeds)  # the tier was idle: at once, alone
+            finally:
+                self._free()
         key = group_key(feeds, self.padding)
         step = _Step(feeds, key, member, deadline_unix_s, owner, convoy[0] if convoy else None)
         # [Note: a worker lent while a step queues] (tierflow/runtime/workers.py).
@@ -389,6 +396,26 @@ class StepBatcher:
             raise step.error
         assert step.result is not None
         return step.result
+
+    def _idle_run(self, member: Hashable) -> bool:
+        """Take the batcher for a step that finds it idle (nothing running, nothing
+        queued): it runs at once, alone, with no step to queue or batch to form."""
+        with self._cond:
+            if self._busy or self._queue:
+                return False
+            self._busy = True
+            self._active[member] = self._clock()
+            stats = self.stats
+            stats.calls += 1
+            stats.steps += 1
+            stats.largest = max(stats.largest, 1)
+            stats.sizes[1] = stats.sizes.get(1, 0) + 1
+            return True
+
+    def _free(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
 
     def _wait_turn(self, step: _Step) -> None:
         """Wait until ``step`` is answered or the batcher is free, then take the lead if
