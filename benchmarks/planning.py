@@ -56,9 +56,9 @@ from benchmarks import lib
 from tierflow.cli.table import format_table
 from tierflow.codec import base as codec_lib
 from tierflow.link.spec import LINKS, TIERS, LinkSpec
+from tierflow.partitioner.candidates import codec_candidates
 from tierflow.partitioner.cost import Estimate, Problem, build_tables
 from tierflow.partitioner.graph import ModelGraph, load_model
-from tierflow.partitioner.planner import DEFAULT_EMULATION, codec_candidates
 from tierflow.partitioner.profile import (
     Profile,
     make_session,
@@ -68,6 +68,7 @@ from tierflow.partitioner.profile import (
 )
 from tierflow.partitioner.search import search
 from tierflow.partitioner.split import extract_segment, split_model
+from tierflow.partitioner.tier_profiles import DEFAULT_EMULATION
 
 RESULTS = lib.RESULTS / "planning.json"
 

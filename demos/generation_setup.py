@@ -131,7 +131,10 @@ def plan_family(
     """
     from tierflow.partitioner.decoder_graph import load_decoder
     from tierflow.partitioner.decoder_points import DecoderSettings
-    from tierflow.partitioner.planner import PlanOptions, decoder_profiles, rank, write_plan
+    from tierflow.partitioner.plan_options import PlanOptions
+    from tierflow.partitioner.plan_writing import write_plan
+    from tierflow.partitioner.ranking import rank
+    from tierflow.partitioner.tier_profiles import decoder_profiles
 
     settings = DecoderSettings(context=context, max_tokens=max_tokens, prompt_tokens=prompt_tokens)
     options = PlanOptions(links=links, memory=dict(memory or budgets()))

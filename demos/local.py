@@ -301,7 +301,9 @@ def _demo(
     """Steps 1-6; returns what each strategy did and the comparisons printed after it."""
     from tierflow.partitioner.exits.plan import load_planning_graph
     from tierflow.partitioner.fidelity_probe import FidelityProbe, sample_requests
-    from tierflow.partitioner.planner import PlanOptions, rank, score_plan, write_plan
+    from tierflow.partitioner.plan_options import PlanOptions
+    from tierflow.partitioner.plan_writing import write_plan
+    from tierflow.partitioner.ranking import rank, score_plan
     from tierflow.partitioner.report import plan_table
     from tierflow.zoo.digits import build_demo_model
     from tierflow.zoo.digits_camera import (

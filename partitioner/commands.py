@@ -407,7 +407,7 @@ def plan_links(
     The second mapping names each link whose value gave a rate but no RTT, with the RTT
     it kept (printed, so that a kept 10 ms is never a surprise).
     """
-    from tierflow.partitioner.planner import DEFAULT_LINKS
+    from tierflow.partitioner.plan_options import DEFAULT_LINKS
 
     options = [option for group in values for option in group]
     defaults = {name: LinkSpec.parse(text) for name, text in DEFAULT_LINKS.items()}
@@ -562,6 +562,7 @@ def _verdict_line(outcome: Any, lossy: bool) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     from tierflow.image_norm import parse_norm
+    from tierflow.partitioner.candidates import codec_candidates
     from tierflow.partitioner.decoder_commands import (
         profiled_decoder,
         refuse_for_decoder,
@@ -570,17 +571,13 @@ def run_plan(args: argparse.Namespace) -> int:
     from tierflow.partitioner.decoder_graph import inspect_decoder
     from tierflow.partitioner.fidelity import check_sample_size
     from tierflow.partitioner.image_inputs import resolve_images
-    from tierflow.partitioner.planner import (
-        DEFAULT_EMULATION,
-        PlanOptions,
-        codec_candidates,
-        complete_profiles,
-        make_plan,
-    )
+    from tierflow.partitioner.plan_options import PlanOptions
+    from tierflow.partitioner.planner import make_plan
     from tierflow.partitioner.profile_data import load_profile
     from tierflow.partitioner.report import Progress
     from tierflow.partitioner.shapes import load_sample
     from tierflow.partitioner.split import check_plan_dir
+    from tierflow.partitioner.tier_profiles import DEFAULT_EMULATION, complete_profiles
     from tierflow.partitioner.weights import available_memory, check_planning_memory
 
     links, assumed = plan_links(args.link)

@@ -73,8 +73,8 @@ def profiled_decoder(
     the graph, its profiles and the notes for the user."""
     from tierflow.partitioner.commands import parse_states
     from tierflow.partitioner.decoder_graph import load_decoder
-    from tierflow.partitioner.planner import decoder_profiles
     from tierflow.partitioner.report import Progress
+    from tierflow.partitioner.tier_profiles import decoder_profiles
 
     analysing = Progress("analysing", every_s=0.0)
     try:

@@ -1,7 +1,7 @@
 """``tierflow plan --adaptive``: split and write every plan of a rate grid into one directory.
 
 The choice is pure (:func:`~.grid.grid_search` over the cost tables); this module does
-the rest, as :func:`~.planner.write_plan` does for one plan: split the model at each
+the rest, as :func:`~.plan_writing.write_plan` does for one plan: split the model at each
 chosen plan's cuts, check each split bit for bit, and write the segments and one
 ``plan.json`` (format ``tierflow.plan/2``, :class:`~tierflow.plan.PlanSet`).
 
@@ -24,20 +24,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tierflow.errors import PlanError, UsageError
+from tierflow.errors import UsageError
 from tierflow.link.spec import LINKS, TIERS
-from tierflow.partitioner.cost import Problem, build_tables
+from tierflow.partitioner.candidates import codec_candidates, ensure_codecs
+from tierflow.partitioner.cost import build_tables
 from tierflow.partitioner.exits.plan import exit_points, split_with_exits
 from tierflow.partitioner.fidelity import FidelityScore
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.grid import GridChoice, RateGrid, grid_search
-from tierflow.partitioner.planner import PlanOptions, codec_candidates, ensure_codecs, estimate_dict
+from tierflow.partitioner.plan_options import PlanOptions
+from tierflow.partitioner.plan_writing import check_split, estimate_dict
 from tierflow.partitioner.profile import Profile
 from tierflow.partitioner.split import (
     Segment,
     check_plan_dir,
     remove_old_plan,
-    verify_split,
     write_segments,
 )
 from tierflow.plan import Plan, PlanSet, SegmentSpec, save_plan_set
@@ -91,14 +92,7 @@ def make_plan_set(
     profiles = dict(profiles)
     notes = ensure_codecs(graph, profiles, codecs)
     points, exit_notes = exit_points(graph)
-    problem = Problem(
-        profiles=profiles,
-        links=options.links,
-        memory=options.memory,
-        objective=options.objective,
-        codecs=codecs,
-        exits=points,
-    )
+    problem = options.problem(profiles, codecs, points)
     choice = grid_search(build_tables(problem), grid, options.links)
     directory = check_plan_dir(plan_dir)
     files: dict[str, Segment] = {}
@@ -107,12 +101,7 @@ def make_plan_set(
     for chosen, anchor in zip(choice.plans, choice.anchors, strict=True):
         segments = split_with_exits(graph, chosen)
         if options.verify:
-            check = verify_split(graph, segments)
-            if not check.bitwise_equal:
-                raise PlanError(
-                    f"the split at cuts {chosen.cuts} does not reproduce the model: outputs "
-                    f"differ by up to {check.max_abs_diff:g}"
-                )
+            check_split(graph, segments, chosen.cuts)
         specs = []
         for spec, model in segments:
             spec = replace(spec, file=segment_file(graph.sha256, spec))

@@ -171,8 +171,8 @@ def plan_set(model: models.BenchModel, work_dir: Path, into: Path) -> PlannedSet
     """Export, profile and plan ``model`` as ``tierflow plan --adaptive`` would."""
     from tierflow.partitioner.graph import load_model
     from tierflow.partitioner.grid import RateGrid
+    from tierflow.partitioner.plan_options import PlanOptions
     from tierflow.partitioner.plan_sets import make_plan_set
-    from tierflow.partitioner.planner import PlanOptions
     from tierflow.partitioner.report import plan_letter
     from tierflow.plan import save_plan_set
 

@@ -62,7 +62,7 @@ random-weight model kept for time (`resnet18`), smooth synthetic 8-bit images. F
 is measured on a larger held-out set of the same kind (`fidelity_requests`: 300 for the
 trained models, with its one-sided 95% lower bound `fidelity_lower_95`, and task
 accuracy beside the exact model's where labels exist: digits and topics).
-`tierflow-budget` is planned by `planner.rank` under `--fidelity top1=99%` with the image
+`tierflow-budget` is planned by `ranking.rank` under `--fidelity top1=99%` with the image
 input declared, and `tierflow-budget-98`, `-95`, `-90` (trained models) under 98%, 95%,
 90%, on a planner sample of 100 requests that is never measured (the training split for
 the digits, other views of the photos, the other third of the docstrings, another seed

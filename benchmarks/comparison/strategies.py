@@ -19,7 +19,7 @@ the plan is chosen, so they are measured by the same code on the same requests:
                            declared (``--image-input``): JPEG/WebP/PNG on the input and the
                            lossy feature codecs (fp16, int8, int4, int2, sparse, drop) are
                            candidates, each lossy crossing measured end to end on the
-                           planner's own sample (``planner.rank``, :func:`choose_within_budget`).
+                           planner's own sample (``ranking.rank``, :func:`choose_within_budget`).
                            Its row's fidelity is measured on held-out requests.
 ``tierflow-budget-98``,    as ``tierflow-budget`` under top1=98%, 95% and 90% (``BUDGETS``,
 ``-95``, ``-90``           trained models only): the rest of tierflow's rate-fidelity front.
@@ -191,13 +191,14 @@ def choose_within_budget(
     device_memory: int | None = None,
 ) -> tuple[Choice, list[str]]:
     """``tierflow-budget``'s plan: what ``tierflow plan --fidelity BUDGET --image-input``
-    chooses (``planner.rank`` with the profiles, ``probe`` on the planner's sample).
+    chooses (``ranking.rank`` with the profiles, ``probe`` on the planner's sample).
     With ``device_memory`` (bytes), the device's memory budget too, under
     ``SPLIT_BUDGET``: ``tierflow-split``.
 
     Returns the plan and the planner's notes (how many lossy crossings it measured).
     """
-    from tierflow.partitioner.planner import PlanOptions, rank
+    from tierflow.partitioner.plan_options import PlanOptions
+    from tierflow.partitioner.ranking import rank
 
     memory = {} if device_memory is None else {"device": device_memory}
     if device_memory is not None:

@@ -6,7 +6,7 @@ uploading the frame as JPEG. Two kinds of split are measured on the held-out req
 - ``tierflow-lowbit``: the device runs the model up to a cut and sends the features with a
   low-bit codec (``int8``/``int4``/``int2``, ``sparse+``, ``drop+``, zstd behind), the
   cloud runs the rest;
-- ``tierflow-budget``: the planner's own choice (:func:`tierflow.partitioner.planner.rank`) under
+- ``tierflow-budget``: the planner's own choice (:func:`tierflow.partitioner.ranking.rank`) under
   a fidelity budget, with the image input declared (``--image-input``), so its search
   space holds the JPEG/WebP/PNG uploads themselves as well as every split; profiled here
   and emulated 10x/2x/1x as ``tierflow plan`` does, its lossy candidates measured on the
@@ -270,9 +270,12 @@ def planner_choices(
     ``--codec auto --fidelity BUDGET --image-input``: profiled on this machine and emulated
     10x/2x/1x, lossy candidates measured on ``calibration`` (``IN.npz`` arrays).
     """
+    from tierflow.partitioner.candidates import codec_candidates
     from tierflow.partitioner.fidelity import FidelityBudget
     from tierflow.partitioner.fidelity_probe import FidelityProbe, sample_requests
-    from tierflow.partitioner.planner import PlanOptions, codec_candidates, complete_profiles, rank
+    from tierflow.partitioner.plan_options import PlanOptions
+    from tierflow.partitioner.ranking import rank
+    from tierflow.partitioner.tier_profiles import complete_profiles
 
     fidelity = FidelityBudget.parse(budget)
     codecs = codec_candidates("auto", fidelity, tuple(images))

@@ -26,7 +26,8 @@ from tierflow.link.spec import LinkSpec
 from tierflow.onnxrt.inference import open_session
 from tierflow.partitioner.fidelity import FidelityBudget
 from tierflow.partitioner.graph import load_model
-from tierflow.partitioner.planner import PlanOptions, make_plan
+from tierflow.partitioner.plan_options import PlanOptions
+from tierflow.partitioner.planner import make_plan
 from tierflow.partitioner.profile import profile_model
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2

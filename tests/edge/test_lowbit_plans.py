@@ -38,8 +38,11 @@ from tierflow.partitioner.cost import Problem, build_tables, estimate
 from tierflow.partitioner.fidelity import FidelityBudget
 from tierflow.partitioner.fidelity_probe import FidelityProbe, sample_requests
 from tierflow.partitioner.graph import load_model
-from tierflow.partitioner.planner import PlanOptions, make_plan, rank, write_plan
+from tierflow.partitioner.plan_options import PlanOptions
+from tierflow.partitioner.plan_writing import write_plan
+from tierflow.partitioner.planner import make_plan
 from tierflow.partitioner.profile import Profile, capture_features, profile_model
+from tierflow.partitioner.ranking import rank
 
 pytestmark = pytest.mark.integration
 

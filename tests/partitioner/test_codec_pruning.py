@@ -14,8 +14,9 @@ from tierflow.codec.base import EXACT_PLANNER_CODECS, measure
 from tierflow.link.spec import LinkSpec
 from tierflow.partitioner.codec_pruning import CutTraits, pruned_by
 from tierflow.partitioner.graph import load_model
-from tierflow.partitioner.planner import PlanOptions, rank
+from tierflow.partitioner.plan_options import PlanOptions
 from tierflow.partitioner.profile import capture_features, measure_cut_codecs, profile_model
+from tierflow.partitioner.ranking import rank
 
 EXACT = ("zstd", "sparse+zstd", "drop+sparse+zstd")
 

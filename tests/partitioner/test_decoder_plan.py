@@ -320,7 +320,10 @@ def test_the_one_planner_plans_a_decoder_as_it_plans_any_model(
     """make_plan and write_plan take a decoder with its profiles at both points: ranked by
     the decoder's own cost terms, split, checked by a greedy generation and written."""
     from tierflow.link.spec import LinkSpec
-    from tierflow.partitioner.planner import PlanOptions, decoder_profiles, make_plan, write_plan
+    from tierflow.partitioner.plan_options import PlanOptions
+    from tierflow.partitioner.plan_writing import write_plan
+    from tierflow.partitioner.planner import make_plan
+    from tierflow.partitioner.tier_profiles import decoder_profiles
 
     profiles, notes = decoder_profiles(graph, time_budget_s=0.2)
     assert all("at the prefill point (seq 5, past 0)" in note for note in notes)
@@ -343,7 +346,7 @@ def test_the_one_planner_plans_a_decoder_as_it_plans_any_model(
 
 def test_sessions_profile_the_decode_step_at_several_batch_sizes(decoder_path: Path) -> None:
     """Each batch size is analysed and measured at its own shapes, not scaled from batch 1."""
-    from tierflow.partitioner.planner import decoder_profiles
+    from tierflow.partitioner.tier_profiles import decoder_profiles
 
     graph = load_decoder(decoder_path, dataclasses.replace(SETTINGS, sessions=3))
     profiles, notes = decoder_profiles(graph, time_budget_s=0.2)

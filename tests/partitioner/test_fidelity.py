@@ -24,6 +24,7 @@ from tierflow.cli.main import main
 from tierflow.codec.base import EXACT_PLANNER_CODECS, CodecSpec
 from tierflow.errors import PlanError, UsageError
 from tierflow.link.spec import LinkSpec
+from tierflow.partitioner.candidates import codec_candidates
 from tierflow.partitioner.cost import Problem, build_tables, estimate
 from tierflow.partitioner.fidelity import (
     FidelityBudget,
@@ -43,8 +44,10 @@ from tierflow.partitioner.fidelity_probe import (
 )
 from tierflow.partitioner.fidelity_search import lossy_crossings
 from tierflow.partitioner.graph import ModelGraph, load_model
-from tierflow.partitioner.planner import PlanOptions, codec_candidates, make_plan, rank
+from tierflow.partitioner.plan_options import PlanOptions
+from tierflow.partitioner.planner import make_plan
 from tierflow.partitioner.profile import Profile, profile_model, save_profile
+from tierflow.partitioner.ranking import rank
 from tierflow.plan import load_plan
 
 from ..profiles import graph_profile

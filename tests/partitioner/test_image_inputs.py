@@ -25,6 +25,7 @@ from tierflow.errors import PlanError, UsageError
 from tierflow.image_norm import PRESETS, NormSpec, parse_norm
 from tierflow.link.spec import LinkSpec
 from tierflow.partitioner import image_inputs
+from tierflow.partitioner.candidates import codec_candidates
 from tierflow.partitioner.fidelity import FidelityBudget
 from tierflow.partitioner.fidelity_probe import plan_fidelity
 from tierflow.partitioner.graph import load_model
@@ -35,8 +36,10 @@ from tierflow.partitioner.image_inputs import (
     png_is_exact,
     resolve_images,
 )
-from tierflow.partitioner.planner import PlanOptions, codec_candidates, make_plan, score_plan
+from tierflow.partitioner.plan_options import PlanOptions
+from tierflow.partitioner.planner import make_plan
 from tierflow.partitioner.profile import save_profile
+from tierflow.partitioner.ranking import score_plan
 from tierflow.plan import Plan, load_plan
 
 from ..profiles import graph_profile

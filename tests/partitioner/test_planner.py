@@ -8,8 +8,10 @@ import pytest
 
 from tierflow.link.spec import LinkSpec
 from tierflow.partitioner.graph import ModelGraph, load_model
-from tierflow.partitioner.planner import PlanOptions, complete_profiles, make_plan
+from tierflow.partitioner.plan_options import PlanOptions
+from tierflow.partitioner.planner import make_plan
 from tierflow.partitioner.profile import Profile, profile_model
+from tierflow.partitioner.tier_profiles import complete_profiles
 from tierflow.plan import load_plan
 
 pytestmark = pytest.mark.integration

@@ -314,7 +314,8 @@ def test_plan_with_exits_splits_each_tier_at_its_exits(
     models: dict[str, Path], tmp_path: Path
 ) -> None:
     """A three-tier plan with the exit inside the edge's stretch: two edge segments."""
-    from tierflow.partitioner.planner import PlanOptions, write_plan
+    from tierflow.partitioner.plan_options import PlanOptions
+    from tierflow.partitioner.plan_writing import write_plan
 
     graph = load_planning_graph(models["always"])
     base = profile_model(graph, time_budget_s=0.2)
