@@ -135,7 +135,8 @@ SHARED = {
 
 def test_what_suites_share_is_written_once_in_lib() -> None:
     """No suite defines its own session maker, timer, ms formatter or cut subsampler,
-    nor reads the load average itself ([Note: load average in results] in lib/report.py)."""
+    nor reads the load average itself ([Note: load average in results] in
+    benchmarks/lib/report.py)."""
     wrong = []
     for name, path in _modules().items():
         if name.startswith("benchmarks.lib"):
