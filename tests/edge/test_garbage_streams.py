@@ -132,7 +132,7 @@ def test_garbage_is_not_activity(cloud: tuple[TierServer, str, str]) -> None:
         for _ in range(GARBAGE_LIMIT - 1):  # under the limit: the stream stays open
             messages.put(GARBAGE)
             assert next(call).error.code == tier_pb2.ErrorCode.CODEC
-        (reader,) = list(server.service._readers)
+        (reader,) = list(server.service.watchdog.readers)
         # The last garbage reply is written before its request counts as answered.
         _wait_for(lambda: reader.idle_for(time.monotonic()) > 0, "the last reply counted")
         assert reader.idle_for(time.monotonic()) >= time.monotonic() - answered - 0.05

@@ -183,7 +183,7 @@ def test_drain_waits_for_a_reply_handed_to_the_stream_writer(tmp_path: Path, rt:
         written.append(reply.id)
 
     replies = StreamReplies(slow_write, "test-replies", _OpenStream())  # type: ignore[arg-type]
-    service._watch(replies)
+    service.watchdog.watch(replies)
     try:
         worker = threading.Thread(
             target=replies.put, args=(tier_pb2.Reply(id="r"),), kwargs={"own": False}

@@ -59,7 +59,8 @@ from tierflow.runtime.pipeline import Answered, Onward, Pipeline
 from tierflow.runtime.probe import ProbeCredit, echo
 from tierflow.runtime.replies import StreamReplies
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, serve_segment
-from tierflow.runtime.streams import ProbeActivity, Send, SessionOrder, StreamReader, Watched
+from tierflow.runtime.streams import ProbeActivity, Send, SessionOrder, StreamReader
+from tierflow.runtime.watchdog import StreamWatchdog
 from tierflow.runtime.workers import WorkerPool, WorkerSlots
 from tierflow.transport.callers import MAX_BEHALF_BYTES, caller_of, owner_of
 from tierflow.transport.peer_warnings import WARNINGS
@@ -142,12 +143,11 @@ class TierService(tier_pb2_grpc.TierServicer):
         self.order = SessionOrder()
         self._in_flight = 0
         self._count_lock = threading.Lock()
-        self._streams: set[StreamReplies] = set()  # watched for slow readers
-        self._readers: set[Watched] = set()  # streams watched for idleness
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._closed = threading.Event()
-        self._watchdog: threading.Thread | None = None
+        #: Cancels streams whose replies are not read, or that went idle.
+        self.watchdog = StreamWatchdog(tier, options, self._count_lock, self._closed)
         self.probe_credit = ProbeCredit()
         #: The tokens that name callers ([Note: who a caller is] in tierflow/transport/callers.py).
         self.tokens = options.security.tokens()
@@ -223,7 +223,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         while True:
             with self._count_lock:
                 answered = self._in_flight <= 0
-                streams = list(self._streams)
+                streams = list(self.watchdog.streams)
             if answered and all(replies.written() for replies in streams):
                 return True
             if time.monotonic() >= ends:
@@ -295,11 +295,11 @@ class TierService(tier_pb2_grpc.TierServicer):
                         self._reply_lost(context, reply, exc)
 
         replies = StreamReplies(write, f"{self.tier}-replies", context)
-        self._watch(replies)
+        self.watchdog.watch(replies)
         reader = StreamReader(
             self, request_iterator, context, replies, finish=lambda: write(None), caller=caller
         )
-        self._track(reader)
+        self.watchdog.track(reader)
         reader.read()
         return None
 
@@ -342,7 +342,7 @@ class TierService(tier_pb2_grpc.TierServicer):
         reader = StreamReader(
             self, request_iterator, context, queued, finish=queued.close, caller=caller
         )
-        self._track(reader)
+        self.watchdog.track(reader)
         reader.start()
         if send_response is None:
             return self._watched(queued.drain(), context)
@@ -360,7 +360,7 @@ class TierService(tier_pb2_grpc.TierServicer):
     ) -> Iterator[tier_pb2.Reply]:
         """The queued replies, each write watched for a slow reader ([Note: slow readers])."""
         watched = StreamReplies(lambda reply: None, f"{self.tier}-replies", context)
-        self._watch(watched)
+        self.watchdog.watch(watched)
         try:
             for reply in replies:
                 watched.write_started = time.monotonic()
@@ -369,81 +369,9 @@ class TierService(tier_pb2_grpc.TierServicer):
         finally:
             self.unwatch(watched)
 
-    def _watch(self, replies: StreamReplies) -> None:
-        """Have :meth:`_watch_writes` look after this stream's writes."""
-        with self._count_lock:
-            self._streams.add(replies)
-            self._start_watchdog()
-
-    def _start_watchdog(self) -> None:
-        """Start :meth:`_watch_writes` on first use; call with ``_count_lock`` held."""
-        if self._watchdog is None:
-            self._watchdog = threading.Thread(
-                target=self._watch_writes, name=f"{self.tier}-watchdog", daemon=True
-            )
-            self._watchdog.start()
-
     def unwatch(self, replies: StreamReplies) -> None:
-        with self._count_lock:
-            self._streams.discard(replies)
-
-    def _track(self, reader: Watched) -> None:
-        """Have the watchdog close ``reader``'s stream once it is idle (``--stream-idle``)."""
-        with self._count_lock:
-            self._readers.add(reader)
-            self._start_watchdog()
-        reader.on_finish = lambda: self._untrack(reader)
-
-    def _untrack(self, reader: Watched) -> None:
-        with self._count_lock:
-            self._readers.discard(reader)
-
-    def _watch_writes(self) -> None:
-        """Cancel each stream whose reply waited longer than ``reply_timeout`` to be read.
-
-        See [Note: slow readers]; the cancel makes the waiting write return.
-        """
-        limit = self.options.reply_timeout
-        while not self._closed.wait(min(limit / 4, 0.25)):
-            now = time.monotonic()
-            self._close_idle(now)
-            with self._count_lock:
-                streams = list(self._streams)
-            for replies in streams:
-                started = replies.write_started
-                if started is None or now - started <= limit or replies.cancelled:
-                    continue
-                replies.cancelled = True
-                peer = replies.context.peer()
-                WARNINGS.warn(  # [Note: warnings about a peer]
-                    logger,
-                    self.tier,
-                    "slow_reader",
-                    peer_host(peer),
-                    "[%s] stream from %s cancelled: a reply waited %.1f s for it to read "
-                    "(--reply-timeout)",
-                    self.tier,
-                    peer,
-                    now - started,
-                )
-                replies.context.cancel()
-
-    def _close_idle(self, now: float) -> None:
-        """Cancel the streams with nothing in flight that sent nothing for ``stream_idle_s``
-        ([Note: stream admission] in tierflow/runtime/admission.py)."""
-        limit = self.options.stream_idle_s
-        with self._count_lock:
-            idle = [r for r in self._readers if r.idle_for(now) > limit]
-            for reader in idle:
-                self._readers.discard(reader)
-        for reader in idle:
-            logger.info(
-                "[%s] stream from %s closed: idle for %.0f s (--stream-idle)",
-                self.tier,
-                reader.context.peer(),
-                reader.idle_for(now),
-            )
-            reader.context.cancel()
+        """Stop watching this stream's writes (its reader is done)."""
+        self.watchdog.unwatch(replies)
 
     # ------------------------------------------------------------------ requests
 
@@ -652,12 +580,12 @@ class TierService(tier_pb2_grpc.TierServicer):
         self._admit(context)
         context.send_initial_metadata((("tierflow-tier", self.tier),))
         watched = ProbeActivity(context)
-        self._track(watched)
+        self.watchdog.track(watched)
         messages = watched.counted(request_iterator)
         try:
             yield from echo(self.tier, messages, context, self.probe_credit)
         finally:
-            self._untrack(watched)
+            self.watchdog.untrack(watched)
 
 
 def _nothing() -> None:
