@@ -453,16 +453,21 @@ class TierService(tier_pb2_grpc.TierServicer):
         for seat, member in enumerate(request.members):
             run = functools.partial(self._run_member, member, seat, received, replies, convoy)
             work: Callable[[], None] = functools.partial(run, caller, _nothing)
+            release, key = _nothing, None
             if member.session:  # [Note: a stream's requests run at once]: a session's in order
                 key = (caller, member.on_behalf_of, member.session)
                 release = self.hold(member, caller)
-                work = functools.partial(
-                    self.order.run, key, functools.partial(run, caller, release)
-                )
+                step = functools.partial(run, caller, release)
+                if not self.order.enter(key, step):  # taken along by the one before
+                    continue
+                work = functools.partial(self.order.drain, key, step)
             if not self.pool.submit(work):  # the pool is shut down: the tier is stopping
                 convoy.settle(seat)
                 stopping = TransportError(f"the {self.tier} is stopping")
                 replies.put(seat, self.error_reply(member.id, stopping))
+                release()
+                if key is not None:  # what waits behind it still runs, and is answered
+                    self.order.drain(key, _nothing)
 
     def _run_member(
         self,

@@ -40,6 +40,7 @@ tierflow/transport/peer_warnings.py): one line a message once wrote 1,792 lines 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -154,12 +155,28 @@ class SessionOrder:
 
     def run(self, session: Hashable, work: Callable[[], None]) -> None:
         """Run ``work`` for ``session`` (its key: the owner's names and the session id)."""
+        if self.enter(session, work):
+            self.drain(session, work)
+
+    def enter(self, session: Hashable, work: Callable[[], None]) -> bool:
+        """Take ``work``'s place in ``session``'s order: True when nothing of the session is
+        running or waiting, so the caller runs it with :meth:`drain`; False when it waits,
+        to be taken along by the thread running the one before.
+
+        A reader enters a request before it hands the reading on: the stream's next request
+        of the same session, read on another thread, could otherwise take its place first.
+        """
         with self._lock:
             queue = self._waiting.get(session)
             if queue is not None:
                 queue.append(work)
-                return
+                return False
             self._waiting[session] = deque()
+            return True
+
+    def drain(self, session: Hashable, work: Callable[[], None]) -> None:
+        """Run ``work``, which :meth:`enter` let run, then every request of ``session``
+        that waited behind it."""
         while True:
             try:
                 work()
@@ -243,21 +260,28 @@ class StreamReader:
             return
         assert isinstance(request, tier_pb2.Request)  # Undecodable is garbage
         refusal = self.service.admit_request()
+        ordered: tuple[Hashable, Callable[[], None], bool] | None = None
+        if refusal is None and request.session:
+            # [Note: a stream's requests run at once]: a session's in order, its place
+            # taken before the next request is read
+            key = (self.caller, request.on_behalf_of, request.session)
+            release = self.service.hold(request, self.caller)
+            work = functools.partial(self._run, request, received, release)
+            ordered = (key, work, self.service.order.enter(key, work))
         if not self._submit(self.read):  # the pool is shut down: the tier is stopping
-            refusal = refusal or error_to_proto(
-                TransportError(f"the {self.service.tier} is stopping"), self.service.tier
-            )
+            if ordered is None:  # one already in its session's order is answered as it runs
+                refusal = refusal or error_to_proto(
+                    TransportError(f"the {self.service.tier} is stopping"), self.service.tier
+                )
             self._end()
         if refusal is not None:
             refused = tier_pb2.Reply(id=request.id, plan_id=self.service.plan_id, error=refusal)
             self._reply(refused, received, own=True)
             return
-        if request.session:  # [Note: a stream's requests run at once]: a session's in order
-            key = (self.caller, request.on_behalf_of, request.session)
-            release = self.service.hold(request, self.caller)
-            self.service.order.run(key, lambda: self._run(request, received, release))
-        else:
+        if ordered is None:
             self._run(request, received)
+        elif ordered[2]:
+            self.service.order.drain(ordered[0], ordered[1])
 
     def _garbage_in(self, request: tier_pb2.Request | Undecodable) -> TierflowError | None:
         """Why ``request`` is garbage, as the error that answers it (None: well-formed)."""
