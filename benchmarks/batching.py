@@ -530,17 +530,25 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 NOTES = [
-    "Reading it: the machine's two cores are shared with other engineers' jobs (the load",
-    "average is in the first line), so absolute times move from row to row; compare rows",
-    "measured close together, and the batch sizes. Every tier batches (the device serves",
-    "every session here), and a batch's steps go on to the next tier as one message",
-    "([Note: a batch in one message] in tierflow/runtime/batch_message.py), so the edge",
-    "and the cloud run them as one call again. With --batch-delay 0, sessions that step",
-    "together fall into turns: the first step of a round finds a tier idle and runs alone,",
-    "the rest as a batch after it, and the rounds drift apart; 5 ms of delay (only while",
-    "other sessions were active in the last second) keeps them together. The padding rows",
-    "measure --batch-padding like a lossy codec: prompts of different lengths, whose past",
-    "lengths never match, so the exact default runs most of their steps alone.",
+    "Reading it (the run of 2026-12-02 08:26 UTC). The machine was quiet but for other",
+    "engineers' light jobs (load average in the first line). Every session's tokens equal",
+    "the unsplit model's, batched or not, on both plans. The throughput goals are not met:",
+    "batches fragment. With --batch-delay 0, the first step of each round finds the cloud",
+    "idle and runs alone, the rest as a batch after it (cloud-only, 16 sessions: 1 + 15 each",
+    "round); and the steps reach a tier one request at a time through the tiers before it",
+    "(every tier of this run in one Python process on two cores), so the split plan's",
+    "batches are mostly of fewer than 8 even though the device and the edge send a batch's",
+    "steps on as one message. 5 ms of --batch-delay does not gather them either: a round's",
+    "steps arrive spread over more than 5 ms. Each request's own cost adds up too: cloud-only",
+    "at 16 sessions took 299 ms a token (p50), about 75 ms more than its two ONNX Runtime",
+    "calls (the ceiling's 64.5 ms for one and 158.6 ms for 16). The ceiling is ONNX Runtime",
+    "running the unsplit optimum graph; the split plan's tiers, which rebuild the causal mask",
+    "and shape scalars from the inputs, ran one session at 49.8 ms a token, faster than it",
+    "(hence above 100%). One session's p50 at delay 0 against not batched: 80.6 and 76.6",
+    "ms cloud-only (+5%), 49.8 and 50.9 ms split (-2%), from 15 steps each; a lone step",
+    "runs at once, and batching costs it about 30 us a tier (the tiny test decoder, 3000",
+    "steps). --batch-padding kept every token on this model (8 of 8 sessions, 16 tokens",
+    "each) at 1.45x the exact default's tokens/s for sessions of different lengths.",
 ]
 
 
