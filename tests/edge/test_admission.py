@@ -1,4 +1,9 @@
-"""Stream admission: idle streams cost no worker; a peer beyond its cap is told OVERLOADED."""
+"""Stream admission: idle streams cost no worker; a peer beyond its cap is told OVERLOADED.
+
+Streams, peers and their caps are gRPC's; a request's refusal before its tensors are read
+is the tier's, checked with the tiers in process ([Note: the next tier in process] in
+tierflow/runtime/upstream.py).
+"""
 
 from __future__ import annotations
 
@@ -21,10 +26,11 @@ from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.segment_runner import TierRunner
 from tierflow.runtime.server import TierServer
+from tierflow.runtime.upstream import LocalUpstream
 from tierflow.transport.stream_client import StreamClient
 from tierflow.transport.wire import decode_tensors, grpc_options, put_tensors
 
-pytestmark = pytest.mark.integration
+STREAMS = pytest.mark.integration
 
 
 def _device_request(plan_dir: Path, feeds: dict[str, np.ndarray]) -> tier_pb2.Request:
@@ -90,6 +96,7 @@ def _wait_for(condition: Any, what: str, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
+@STREAMS
 def test_a_hundred_idle_streams_do_not_delay_a_device(tmp_path: Path, rt: Any) -> None:
     """With 100 streams held open and silent, a device's request is answered in time, exactly."""
     split = rt.cnn(tmp_path / "plan")
@@ -114,6 +121,7 @@ def test_a_hundred_idle_streams_do_not_delay_a_device(tmp_path: Path, rt: Any) -
             idle.close()
 
 
+@STREAMS
 def test_a_peer_beyond_its_stream_cap_is_answered_overloaded(tmp_path: Path, rt: Any) -> None:
     """The third stream from one host is refused OVERLOADED; a freed place serves again."""
     split = rt.cnn(tmp_path / "plan")
@@ -153,19 +161,16 @@ def test_a_request_for_another_segment_is_refused_before_its_tensors_are_read(
     request = tier_pb2.Request(id="many", plan_id=plan.plan_id, segment=2)
     for index in range(100_000):
         request.tensors.add(name=f"t{index}", dtype="float32", shape=[1], codec="raw", data=b"0000")
-    with _tiers(split.plan_dir, RuntimeOptions(workers=2)) as edge:
-        channel = grpc.insecure_channel(edge.address, options=grpc_options())
-        try:
-            started = time.monotonic()
-            (reply,) = tier_pb2_grpc.TierStub(channel).Infer(iter([request]), timeout=20)
-            elapsed = time.monotonic() - started
-        finally:
-            channel.close()
+    with rt.in_process(split.plan_dir) as tiers:
+        started = time.monotonic()
+        reply = LocalUpstream(tiers.edge, me="device").submit(request).future.result()
+        elapsed = time.monotonic() - started
     assert tier_pb2.ErrorCode.Name(reply.error.code) == "INVALID_INPUT"
-    assert "segment 2" in reply.error.message
+    assert reply.error.tier == "edge" and "segment 2" in reply.error.message
     assert elapsed < 5.0
 
 
+@STREAMS
 def test_idle_streams_are_closed_and_their_places_given_back(tmp_path: Path, rt: Any) -> None:
     """Issue 20, item 13: a host holding every stream of its cap, idle, locks out the
     devices behind the same address until --stream-idle closes them."""

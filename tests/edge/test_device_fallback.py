@@ -65,14 +65,18 @@ def test_the_device_answers_alone_while_the_edge_is_down(tmp_path: Path, rt: Any
         assert result.to_dict()["fallback"] is True
 
 
-@pytest.mark.integration
-def test_without_a_device_only_plan_requests_fail(tmp_path: Path, rt: Any) -> None:
+@pytest.mark.parametrize("how", ["stopping", "closed"])
+def test_without_a_device_only_plan_requests_fail(tmp_path: Path, rt: Any, how: str) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
-    nowhere = f"127.0.0.1:{rt.free_port()}"
-    with DeviceClient(split.plan_dir, nowhere, deadline_s=10.0) as device:
+    with rt.in_process(split.plan_dir) as tiers, tiers.device(deadline_s=10.0) as device:
         assert device.fallback_plan is None
+        if how == "stopping":
+            assert tiers.edge.drain(0.0)
+        else:
+            tiers.edge.close()
         result = device.submit(split.sample(seed=32)[0]).result()
     assert isinstance(result.error, TransportError) and not result.fallback
+    assert "edge" in str(result.error)
 
 
 @pytest.mark.integration

@@ -1,4 +1,10 @@
-"""Poison deadlines, many-tensor and undecodable messages: typed errors in bounded time."""
+"""Poison deadlines, many-tensor and undecodable messages: typed errors in bounded time.
+
+What a tier decides about a request it has read (a deadline it cannot hold, more tensors
+than the plan names) is checked with the tiers in process ([Note: the next tier in
+process] in tierflow/runtime/upstream.py); bytes that are no message, a message larger than
+any plan's request, and a deadline the edge enforces on a stalled cloud need gRPC.
+"""
 
 from __future__ import annotations
 
@@ -21,10 +27,12 @@ from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.segment_runner import TierRunner
 from tierflow.runtime.server import TierServer
 from tierflow.runtime.service import TierService
+from tierflow.runtime.upstream import LocalUpstream
 from tierflow.transport.stream_client import StreamClient
 from tierflow.transport.wire import encode_tensors, grpc_options, put_tensors
 
-pytestmark = pytest.mark.integration
+#: Deadlines no timer can hold: not finite, before the epoch, or further than a day ahead.
+POISONS = (float("inf"), 1e300, float("nan"), -1.0)
 
 
 def _code(reply: tier_pb2.Reply) -> str:
@@ -41,8 +49,36 @@ def _edge_request(plan_dir: Path, feeds: dict[str, np.ndarray]) -> tier_pb2.Requ
     return request
 
 
-def test_poison_deadlines_are_refused_and_deadlines_still_hold(tmp_path: Path, rt: Any) -> None:
-    """inf, 1e300 and NaN deadlines are INVALID_INPUT; the edge still fails a late request."""
+def _copy(request: tier_pb2.Request, request_id: str, deadline: float) -> tier_pb2.Request:
+    copy = tier_pb2.Request()
+    copy.CopyFrom(request)
+    copy.id, copy.deadline_unix_s = request_id, deadline
+    return copy
+
+
+def test_poison_deadlines_are_refused_and_a_sound_request_is_answered(
+    tmp_path: Path, rt: Any
+) -> None:
+    """inf, 1e300, NaN, negative and a year ahead are INVALID_INPUT at the edge, before
+    anything is forwarded; the same request with a sound deadline is answered."""
+    split = rt.cnn(tmp_path / "plan")
+    good = _edge_request(split.plan_dir, split.sample(0)[0])
+    with rt.in_process(split.plan_dir) as tiers:
+        edge = LocalUpstream(tiers.edge, me="device")
+        poisons = [*POISONS, time.time() + 1e7]
+        sent = [edge.submit(_copy(good, f"p{i}", d)) for i, d in enumerate(poisons)]
+        replies = [s.future.result() for s in sent]
+        sound = edge.submit(_copy(good, "sound", time.time() + 60)).future.result()
+        assert tiers.cloud.in_flight == 0
+    for reply in replies:
+        assert _code(reply) == "INVALID_INPUT" and reply.error.tier == "edge"
+        assert "deadline" in reply.error.message
+    assert not sound.HasField("error") and sound.answered_by == "cloud"
+
+
+@pytest.mark.integration
+def test_a_late_request_fails_at_the_edge_while_the_cloud_stalls(tmp_path: Path, rt: Any) -> None:
+    """The edge's own deadline answers a request its stalled cloud never does."""
     split = rt.cnn(tmp_path / "plan")
     good = _edge_request(split.plan_dir, split.sample(0)[0])
     with rt.processes() as start:
@@ -59,22 +95,12 @@ def test_poison_deadlines_are_refused_and_deadlines_still_hold(tmp_path: Path, r
         os.kill(cloud.process.pid, signal.SIGSTOP)  # a stalled cloud: only deadlines answer
         try:
             stub = tier_pb2_grpc.TierStub(channel)
-            poisons = [float("inf"), 1e300, float("nan"), -1.0, time.time() + 1e7]
-            requests = []
-            for index, deadline in enumerate(poisons):
-                request = tier_pb2.Request()
-                request.CopyFrom(good)
-                request.id, request.deadline_unix_s = f"p{index}", deadline
-                requests.append(request)
-            late = tier_pb2.Request()
-            late.CopyFrom(good)
-            late.id, late.deadline_unix_s = "late", time.time() + 0.5
+            poison = _copy(good, "poison", float("inf"))
+            late = _copy(good, "late", time.time() + 0.5)
             started = time.monotonic()
-            replies = {r.id: r for r in stub.Infer(iter([*requests, late]), timeout=20)}
+            replies = {r.id: r for r in stub.Infer(iter([poison, late]), timeout=20)}
             elapsed = time.monotonic() - started
-            for index in range(len(poisons)):
-                assert _code(replies[f"p{index}"]) == "INVALID_INPUT"
-                assert "deadline" in replies[f"p{index}"].error.message
+            assert _code(replies["poison"]) == "INVALID_INPUT"
             # Enforced by the edge's deadline thread: the cloud never answers.
             assert _code(replies["late"]) == "DEADLINE_EXCEEDED"
             assert replies["late"].error.tier == "edge"
@@ -85,6 +111,7 @@ def test_poison_deadlines_are_refused_and_deadlines_still_hold(tmp_path: Path, r
             edge.stop(0)
 
 
+@pytest.mark.integration
 def test_stream_clients_refuse_deadlines_their_timers_cannot_hold() -> None:
     client = StreamClient("127.0.0.1:1", me="device", peer="edge")
     try:
@@ -127,25 +154,28 @@ def _valid(plan_id: str, request_id: str) -> bytes:
     return request.SerializeToString()
 
 
-def test_many_tensor_messages_cost_no_more_than_the_plan_allows(cloud_stub: Any) -> None:
-    raw, plan_id = cloud_stub
-    one = tier_pb2.Tensor(name="t", dtype="float32", shape=[1], codec="raw", data=bytes(4))
-    many = tier_pb2.Request(id="many", plan_id=plan_id, segment=2)
-    many.tensors.append(one)
-    head = tier_pb2.Request(id="many", plan_id=plan_id, segment=2).SerializeToString()
-    field = many.SerializeToString()[len(head) :]  # one tensor, as it appears on the wire
-    count = 100_000  # 2.8 MB: within what gRPC takes here, refused by the tensor count
-    message = head + field * count  # one request of a hundred thousand one-element tensors
-    started = time.monotonic()
-    replies = list(raw(iter([message, _valid(plan_id, "after")]), timeout=30))
-    elapsed = time.monotonic() - started
-    by_id = {r.id: r for r in replies}
-    assert _code(by_id["many"]) == "INVALID_INPUT"
-    assert f"carries {count}" in by_id["many"].error.message
-    assert not by_id["after"].HasField("error")
+def test_many_tensor_messages_cost_no_more_than_the_plan_allows(tmp_path: Path, rt: Any) -> None:
+    """A request of a hundred thousand one-element tensors is refused by its count, in
+    bounded time, and the next request is answered."""
+    split = rt.cnn(tmp_path / "plan")
+    plan = load_plan(split.plan_dir)
+    count = 100_000
+    many = tier_pb2.Request(plan_id=plan.plan_id, segment=2)
+    for _ in range(count):
+        many.tensors.add(name="t", dtype="float32", shape=[1], codec="raw", data=bytes(4))
+    with rt.in_process(split.plan_dir) as tiers:
+        cloud = LocalUpstream(tiers.cloud, me="edge")
+        started = time.monotonic()
+        refused = cloud.submit(many).future.result()
+        elapsed = time.monotonic() - started
+        after = cloud.submit(tier_pb2.Request.FromString(_valid(plan.plan_id, ""))).future.result()
+    assert _code(refused) == "INVALID_INPUT" and refused.error.tier == "cloud"
+    assert f"carries {count}" in refused.error.message
+    assert not after.HasField("error") and after.answered_by == "cloud"
     assert elapsed < 10.0
 
 
+@pytest.mark.integration
 def test_undecodable_messages_get_typed_errors_and_one_log_line_a_peer(
     cloud_stub: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -167,6 +197,7 @@ def test_undecodable_messages_get_typed_errors_and_one_log_line_a_peer(
     assert not any(r.exc_info for r in caplog.records)
 
 
+@pytest.mark.integration
 def test_an_undecodable_probe_message_ends_its_probe_with_one_line(
     tmp_path: Path, rt: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -201,6 +232,7 @@ def _peak_rss_bytes(pid: int) -> int:
     raise AssertionError("no VmHWM in /proc: not Linux?")
 
 
+@pytest.mark.integration
 def test_a_message_larger_than_any_plan_request_is_refused_before_it_is_parsed(
     tmp_path: Path, rt: Any
 ) -> None:

@@ -1,4 +1,8 @@
-"""Hostile and malformed requests get typed error replies; the server keeps serving."""
+"""Hostile and malformed requests get typed error replies; the tier keeps serving.
+
+The tier's answers are checked in process ([Note: the next tier in process] in
+tierflow/runtime/upstream.py); a message over gRPC's size limit needs a server.
+"""
 
 from __future__ import annotations
 
@@ -17,9 +21,8 @@ from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.server import TierServer
 from tierflow.runtime.service import TierService
+from tierflow.runtime.upstream import LocalUpstream
 from tierflow.transport.wire import encode_tensors, grpc_options
-
-pytestmark = pytest.mark.integration
 
 CLOUD_SEGMENT = 2  # the cnn's cloud segment reads h2: float32[1x8x8x8]
 
@@ -45,12 +48,27 @@ def _exchange(
     return [replies[r.id] for r in requests]
 
 
+LIMITS = RuntimeOptions(max_message_bytes=1 << 20, max_tensor_bytes=1 << 20)
+
+
+@pytest.fixture
+def local_cloud(tmp_path: Path, rt: Any) -> Iterator[tuple[LocalUpstream, str]]:
+    """The cloud's service in this process, as the edge sends to it."""
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "zstd", "edge-cloud": "zstd"})
+    plan = load_plan(split.plan_dir)
+    service = TierService("cloud", plan, split.plan_dir, options=LIMITS)
+    service.load()
+    try:
+        yield LocalUpstream(service, me="edge"), plan.plan_id
+    finally:
+        service.close(0.5)
+
+
 @pytest.fixture
 def cloud(tmp_path: Path, rt: Any) -> Iterator[tuple[tier_pb2_grpc.TierStub, str]]:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "zstd", "edge-cloud": "zstd"})
     plan = load_plan(split.plan_dir)
-    limits = RuntimeOptions(max_message_bytes=1 << 20, max_tensor_bytes=1 << 20)
-    service = TierService("cloud", plan, split.plan_dir, options=limits)
+    service = TierService("cloud", plan, split.plan_dir, options=LIMITS)
     server = TierServer(service, "127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(server.address, options=grpc_options(8 << 20))
@@ -67,8 +85,8 @@ def _code(reply: tier_pb2.Reply) -> str:
     return str(tier_pb2.ErrorCode.Name(reply.error.code))
 
 
-def test_malformed_requests_get_typed_errors_and_the_stream_goes_on(cloud: Any) -> None:
-    stub, plan_id = cloud
+def test_malformed_requests_get_typed_errors_and_the_tier_goes_on(local_cloud: Any) -> None:
+    cloud, plan_id = local_cloud
     garbage = _request(plan_id, h2=_h2())
     garbage.tensors[0].data = b"not a tensor"
     bomb = _request(plan_id, h2=_h2())
@@ -98,7 +116,7 @@ def test_malformed_requests_get_typed_errors_and_the_stream_goes_on(cloud: Any) 
         (late, "DEADLINE_EXCEEDED"),
         (_request(plan_id, h2=_h2()), None),
     ]
-    replies = _exchange(stub, [request for request, _ in cases])
+    replies = [cloud.submit(request).future.result() for request, _ in cases]
     for (_, expected), reply in zip(cases, replies, strict=True):
         if expected is None:
             assert not reply.HasField("error") and reply.answered_by == "cloud"
@@ -109,6 +127,7 @@ def test_malformed_requests_get_typed_errors_and_the_stream_goes_on(cloud: Any) 
     assert "expected" in replies[2].error.message and "float64" in replies[2].error.message
 
 
+@pytest.mark.integration
 def test_a_message_over_the_size_limit_is_refused_and_the_server_still_serves(
     cloud: Any,
 ) -> None:
