@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import socket
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,19 +246,90 @@ def running_tiers(
         cloud.stop(0.5)
 
 
+class FakeClock:
+    """The time emulated links run on in the fast layer: ``sleep(s)`` moves it ``s`` on at
+    once, so a link is timed exactly and never waited for. ``runs=False``: nothing moves
+    it, as if every request were handed over at one moment (a full window's)."""
+
+    def __init__(self, runs: bool = True) -> None:
+        self.now = 1000.0
+        self.runs = runs
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        if self.runs:
+            with self._lock:
+                self.now += max(seconds, 0.0)
+
+    def links(self) -> dict[str, Any]:
+        """A LocalUpstream's ``clock`` and ``sleep``."""
+        return {"clock": self, "sleep": self.sleep}
+
+
 @dataclass
 class InProcess:
     """A cloud and an edge service in this process, no server and no channel ([Note: the
-    next tier in process] in tierflow/runtime/upstream.py)."""
+    next tier in process] in tierflow/runtime/upstream.py). ``clock``: what their links
+    run on (None: the real time)."""
 
     plan_dir: Path
     edge: TierService
     cloud: TierService
+    clock: FakeClock | None = None
 
-    def device(self, **settings: Any) -> DeviceClient:
-        """A device client whose edge is :attr:`edge` (``settings``: DeviceClient's)."""
-        upstream = LocalUpstream(self.edge, me="device")
-        return DeviceClient(self.plan_dir, upstream=upstream, **settings)
+    def upstream(self, **settings: Any) -> LocalUpstream:
+        """A device's way to :attr:`edge` (``settings``: LocalUpstream's)."""
+        return LocalUpstream(self.edge, me="device", **self.links(), **settings)
+
+    def links(self) -> dict[str, Any]:
+        return {} if self.clock is None else self.clock.links()
+
+    def device(self, plan_dir: Path | None = None, **settings: Any) -> DeviceClient:
+        """A device client whose edge is :attr:`edge` (``settings``: DeviceClient's; its
+        ``options`` shape its link up), on :attr:`plan_dir` unless given."""
+        upstream = self.upstream(options=settings.get("options"))
+        return DeviceClient(plan_dir or self.plan_dir, upstream=upstream, **settings)
+
+
+def in_process_services(
+    plan_dir: Path,
+    *,
+    edge_dir: Path | None = None,
+    cache: FeatureCache | None = None,
+    edge_cache: FeatureCache | None = None,
+    clock: FakeClock | None = None,
+    edge_options: RuntimeOptions | None = None,
+    **settings: Any,
+) -> InProcess:
+    """A cloud on ``plan_dir`` and an edge on ``edge_dir`` (``plan_dir`` unless given) in
+    this process, loaded; the caller closes them. ``settings`` are the RuntimeOptions
+    fields of both (``edge_options`` the edge's, if given)."""
+    options = RuntimeOptions(**{"workers": 2, **settings})
+    plans = load_plan_set(plan_dir, require_segments=False)
+    links = {} if clock is None else clock.links()
+    cloud = TierService("cloud", plans, plan_dir, cache=cache, options=options)
+    cloud.load()
+    edge_dir = edge_dir or plan_dir
+    edge_options = edge_options or options
+    forwarding = Forwarding(upstream=LocalUpstream(cloud, me="edge", options=edge_options, **links))
+    edge = TierService(
+        "edge",
+        load_plan_set(edge_dir, require_segments=False),
+        edge_dir,
+        forwarder=forwarding,
+        cache=edge_cache,
+        options=edge_options,
+    )
+    try:
+        edge.load()
+    except BaseException:
+        edge.close(0.5)
+        cloud.close(0.5)
+        raise
+    return InProcess(plan_dir, edge, cloud, clock)
 
 
 @contextlib.contextmanager
@@ -266,24 +338,20 @@ def in_process_tiers(
     *,
     cache: FeatureCache | None = None,
     edge_cache: FeatureCache | None = None,
+    clock: FakeClock | None = None,
     **settings: Any,
 ) -> Iterator[InProcess]:
     """As :func:`running_tiers`, with the tiers called in this process: the fast layer's
-    way through every tier. ``cache`` is the cloud's, ``edge_cache`` the edge's."""
-    options = RuntimeOptions(**{"workers": 2, **settings})
-    plans = load_plan_set(plan_dir, require_segments=False)
-    cloud = TierService("cloud", plans, plan_dir, cache=cache, options=options)
-    cloud.load()
-    forwarding = Forwarding(upstream=LocalUpstream(cloud, me="edge"))
-    edge = TierService(
-        "edge", plans, plan_dir, forwarder=forwarding, cache=edge_cache, options=options
+    way through every tier. ``cache`` is the cloud's, ``edge_cache`` the edge's; the links
+    (``settings["links"]``) run on ``clock`` (None: the real time, and they sleep)."""
+    tiers = in_process_services(
+        plan_dir, cache=cache, edge_cache=edge_cache, clock=clock, **settings
     )
     try:
-        edge.load()
-        yield InProcess(plan_dir, edge, cloud)
+        yield tiers
     finally:
-        edge.close(0.5)
-        cloud.close(0.5)
+        tiers.edge.close(0.5)
+        tiers.cloud.close(0.5)
 
 
 @contextlib.contextmanager
@@ -343,6 +411,8 @@ class RuntimeKit:
     wide = staticmethod(make_wide)
     tiers = staticmethod(running_tiers)
     in_process = staticmethod(in_process_tiers)
+    services = staticmethod(in_process_services)
+    clock = FakeClock
     device = staticmethod(device_client)
     free_port = staticmethod(free_port)
     processes = staticmethod(server_processes)

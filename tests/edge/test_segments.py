@@ -1,6 +1,9 @@
 """Segments on demand: tiers started with only plan.json fetch, check and bound their segments.
 
-See [Note: segments on demand] in tierflow/runtime/segment_store.py.
+See [Note: segments on demand] in tierflow/runtime/segment_store.py. The tiers run in this
+process and fetch through the next tier's own ``FetchSegment`` path ([Note: the next tier
+in process] in tierflow/runtime/upstream.py); the integration tests at the end take the
+fetches over gRPC: between processes, over mutual TLS, and from the command line.
 """
 
 from __future__ import annotations
@@ -10,13 +13,12 @@ import hashlib
 import itertools
 import json
 import shutil
-import time
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import onnx.utils
 import pytest
@@ -36,8 +38,11 @@ from tierflow.plan import (
     save_plan,
     save_plan_set,
 )
+from tierflow.rpc import tier_pb2
 from tierflow.runtime.segment_store import PART_SUFFIX, SegmentSource, SegmentStore
 from tierflow.runtime.server import TierServer
+from tierflow.runtime.service import TierService
+from tierflow.runtime.upstream import LocalUpstream
 from tierflow.transport.security import Security, open_channel
 from tierflow.transport.stream_client import channel_options
 
@@ -53,24 +58,45 @@ def _bare(plan_dir: Path, directory: Path) -> Path:
 
 @contextmanager
 def _cloud_and_edge(
-    cloud_dir: Path,
-    edge_dir: Path,
-    *,
-    edge: RuntimeOptions = OPTIONS,
-    cloud: RuntimeOptions = OPTIONS,
-) -> Iterator[tuple[TierServer, TierServer]]:
-    """A cloud serving ``cloud_dir`` and an edge on ``edge_dir`` above it, both started."""
-    upper = TierServer.from_plan("cloud", cloud_dir, options=cloud)
-    upper.start()
-    server = TierServer.from_plan(
-        "edge", edge_dir, forwarder=Forwarding(upper.address), options=edge
-    )
+    rt: Any, cloud_dir: Path, edge_dir: Path, *, edge: RuntimeOptions = OPTIONS
+) -> Iterator[Any]:
+    """A cloud serving ``cloud_dir`` and an edge on ``edge_dir`` above it, in this process."""
+    tiers = rt.services(cloud_dir, edge_dir=edge_dir, edge_options=edge, workers=2)
     try:
-        server.start()
-        yield upper, server
+        yield tiers
     finally:
-        server.stop(0.5)
-        upper.stop(0.5)
+        tiers.edge.close(0.5)
+        tiers.cloud.close(0.5)
+
+
+@contextmanager
+def _cloud(plan_dir: Path) -> Iterator[TierService]:
+    """A cloud serving ``plan_dir`` in this process."""
+    cloud = TierService("cloud", load_plan_set(plan_dir), plan_dir, options=OPTIONS)
+    cloud.load()
+    try:
+        yield cloud
+    finally:
+        cloud.close(0.5)
+
+
+def _source(cloud: TierService, **settings: Any) -> SegmentSource:
+    """An edge's way to fetch from ``cloud``'s ``FetchSegment`` in this process."""
+    upstream = LocalUpstream(cloud, me="edge")
+    return SegmentSource(upstream, "cloud", known_down=upstream.known_down, **settings)
+
+
+def _fetched(store: SegmentStore | None) -> list[str]:
+    assert store is not None
+    return [report.file for report in store.fetched]
+
+
+def _fetches_ahead_done() -> None:
+    """Wait for the device's fetches ahead begun so far (threads, no sleeping)."""
+    for thread in threading.enumerate():
+        if thread.name == "device-fetch-ahead":
+            thread.join(30.0)
+            assert not thread.is_alive()
 
 
 def _sha256(path: Path) -> str:
@@ -84,7 +110,6 @@ def test_plan_json_records_every_segments_sha256_and_size(tmp_path: Path, rt: An
         assert (spec.sha256, spec.size) == (_sha256(path), path.stat().st_size)
 
 
-@pytest.mark.integration
 def test_an_edge_with_only_plan_json_fetches_its_segment_and_answers_bit_exact(
     tmp_path: Path, rt: Any
 ) -> None:
@@ -92,12 +117,10 @@ def test_an_edge_with_only_plan_json_fetches_its_segment_and_answers_bit_exact(
     plan = load_plan(split.plan_dir)
     edge_dir = _bare(split.plan_dir, tmp_path / "edge")
     samples = split.sample(seed=51, count=3)
-    with _cloud_and_edge(split.plan_dir, edge_dir) as (_cloud, edge):
-        with DeviceClient(split.plan_dir, edge.address, deadline_s=10.0) as device:
+    with _cloud_and_edge(rt, split.plan_dir, edge_dir) as tiers:
+        with tiers.device(split.plan_dir, deadline_s=10.0) as device:
             results = [device.infer(feeds) for feeds in samples]
-        store = edge.service.segments
-        assert store is not None
-        assert [report.file for report in store.fetched] == [plan.segments[1].file]
+        assert _fetched(tiers.edge.segments) == [plan.segments[1].file]
     (edge_file,) = [p.name for p in edge_dir.iterdir() if p.name != PLAN_FILE]
     assert edge_file == plan.segments[1].file
     assert _sha256(edge_dir / edge_file) == plan.segments[1].sha256
@@ -123,7 +146,6 @@ def _weights_beside(plan_dir: Path) -> Plan:
     return load_plan(plan_dir)
 
 
-@pytest.mark.integration
 def test_a_segment_whose_weights_lie_beside_it_travels_with_them(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     plan = _weights_beside(split.plan_dir)
@@ -134,13 +156,11 @@ def test_a_segment_whose_weights_lie_beside_it_travels_with_them(tmp_path: Path,
     edge_dir = _bare(split.plan_dir, tmp_path / "edge")
     device_dir = _bare(split.plan_dir, tmp_path / "device")
     samples = split.sample(seed=53, count=2)
-    with _cloud_and_edge(split.plan_dir, edge_dir) as (_cloud, edge):
-        with DeviceClient(device_dir, edge.address, deadline_s=10.0) as device:
+    with _cloud_and_edge(rt, split.plan_dir, edge_dir) as tiers:
+        with tiers.device(device_dir, deadline_s=10.0) as device:
             results = [device.infer(feeds) for feeds in samples]
-        store = edge.service.segments
-        assert store is not None
         edge_spec, device_spec = plan.segments[1], plan.segments[0]
-        assert [r.file for r in store.fetched] == [
+        assert _fetched(tiers.edge.segments) == [
             edge_spec.file,
             edge_spec.data_file,
             device_spec.file,
@@ -155,22 +175,12 @@ def test_a_segment_whose_weights_lie_beside_it_travels_with_them(tmp_path: Path,
     cloud_data = split.plan_dir / str(edge_spec.data_file)
     cloud_data.write_bytes(cloud_data.read_bytes()[:-4] + b"\0\0\0\1")
     again = _bare(split.plan_dir, tmp_path / "edge2")
-    cloud = TierServer.from_plan("cloud", split.plan_dir, options=OPTIONS)
-    cloud.start()
-    try:
-        edge2 = TierServer.from_plan(
-            "edge", again, forwarder=Forwarding(cloud.address), options=OPTIONS
-        )
-        with pytest.raises(SegmentError, match=rf"{edge_spec.data_file} .*sha256 .*refused"):
-            edge2.start()
-        edge2.stop(0)
-    finally:
-        cloud.stop(0.5)
+    with pytest.raises(SegmentError, match=rf"{edge_spec.data_file} .*sha256 .*refused"):
+        rt.services(split.plan_dir, edge_dir=again)
     # The segment came and stays; its weights were refused and are not there.
     assert sorted(p.name for p in again.iterdir()) == sorted([edge_spec.file, PLAN_FILE])
 
 
-@pytest.mark.integration
 def test_a_device_with_only_plan_json_fetches_through_an_edge_that_lacks_it_too(
     tmp_path: Path, rt: Any
 ) -> None:
@@ -179,20 +189,17 @@ def test_a_device_with_only_plan_json_fetches_through_an_edge_that_lacks_it_too(
     edge_dir = _bare(split.plan_dir, tmp_path / "edge")
     device_dir = _bare(split.plan_dir, tmp_path / "device")
     samples = split.sample(seed=52, count=3)
-    with _cloud_and_edge(split.plan_dir, edge_dir) as (_cloud, edge):
-        with DeviceClient(device_dir, edge.address, deadline_s=10.0) as device:
+    with _cloud_and_edge(rt, split.plan_dir, edge_dir) as tiers:
+        with tiers.device(device_dir, deadline_s=10.0) as device:
             results = [device.infer(feeds) for feeds in samples]
-        store = edge.service.segments
-        assert store is not None
         # The edge fetched its own segment, then the device's (to serve it on).
-        assert [r.file for r in store.fetched] == [s.file for s in plan.segments[1::-1]]
+        assert _fetched(tiers.edge.segments) == [s.file for s in plan.segments[1::-1]]
     device_file = device_dir / plan.segments[0].file
     assert _sha256(device_file) == plan.segments[0].sha256
     for feeds, result in zip(samples, results, strict=True):
         np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
 
 
-@pytest.mark.integration
 def test_a_segment_whose_hash_is_wrong_is_refused_and_never_used(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
     plan = load_plan(split.plan_dir)
@@ -203,81 +210,82 @@ def test_a_segment_whose_hash_is_wrong_is_refused_and_never_used(tmp_path: Path,
     data = bytearray(path.read_bytes())
     data[-20] ^= 0x01
     path.write_bytes(bytes(data))
-    cloud = TierServer.from_plan("cloud", split.plan_dir, options=OPTIONS)
-    cloud.start()
-    try:
-        edge = TierServer.from_plan(
-            "edge", edge_dir, forwarder=Forwarding(cloud.address), options=OPTIONS
-        )
-        with pytest.raises(SegmentError, match=rf"{edge_file} .*sha256 .*refused, not used"):
-            edge.start()
-        edge.stop(0)
-    finally:
-        cloud.stop(0.5)
+    with pytest.raises(SegmentError, match=rf"{edge_file} .*sha256 .*refused, not used"):
+        rt.services(split.plan_dir, edge_dir=edge_dir)
     assert sorted(p.name for p in edge_dir.iterdir()) == [PLAN_FILE]  # nothing kept
 
 
-@pytest.mark.integration
 def test_a_tier_refuses_a_segment_its_plans_do_not_name_or_with_another_hash(
     tmp_path: Path, rt: Any
 ) -> None:
     split = rt.cnn(tmp_path / "plan")
     plan = load_plan(split.plan_dir)
-    cloud = TierServer.from_plan("cloud", split.plan_dir, options=OPTIONS)
-    cloud.start()
-    try:
-        with grpc.insecure_channel(cloud.address) as channel:
-            source = SegmentSource(channel, "cloud")
-            stranger = SegmentSpec("edge", "model.onnx", ("x",), ("y",), sha256="0" * 64)
-            with pytest.raises(SegmentError, match="no plan here names segment"):
-                source.fetch(stranger, tmp_path)
-            wrong = SegmentSpec("edge", plan.segments[1].file, ("h1",), ("h2",), sha256="1" * 64)
-            with pytest.raises(SegmentError, match="here has sha256"):
-                source.fetch(wrong, tmp_path)
-    finally:
-        cloud.stop(0.5)
+    with _cloud(split.plan_dir) as cloud:
+        source = _source(cloud)
+        stranger = SegmentSpec("edge", "model.onnx", ("x",), ("y",), sha256="0" * 64)
+        with pytest.raises(SegmentError, match="no plan here names segment"):
+            source.fetch(stranger, tmp_path)
+        wrong = SegmentSpec("edge", plan.segments[1].file, ("h1",), ("h2",), sha256="1" * 64)
+        with pytest.raises(SegmentError, match="here has sha256"):
+            source.fetch(wrong, tmp_path)
     assert list(tmp_path.glob("*.onnx*")) == []
 
 
-@pytest.mark.integration
+class _Restarting:
+    """The cloud at one place, stopped after the first chunk it sends and started again:
+    each ``FetchSegment`` goes to the cloud running then, in this process."""
+
+    def __init__(self, plan_dir: Path) -> None:
+        self.plan_dir = plan_dir
+        self.clouds = [self._start()]
+        self.seen: list[int] = []
+
+    def _start(self) -> TierService:
+        cloud = TierService("cloud", load_plan_set(self.plan_dir), self.plan_dir, options=OPTIONS)
+        cloud.load()
+        return cloud
+
+    def FetchSegment(
+        self, request: tier_pb2.SegmentRequest, timeout: float | None = None
+    ) -> Iterable[tier_pb2.SegmentChunk]:
+        return LocalUpstream(self.clouds[-1], me="edge").FetchSegment(request, timeout)
+
+    def break_once(self, file: str, held: int, size: int) -> None:
+        self.seen.append(held)
+        if len(self.clouds) == 1:  # after the first chunk: the cloud stops, then comes back
+            self.clouds[0].close(0)
+            self.clouds.append(self._start())
+
+    def close(self) -> None:
+        for cloud in self.clouds:
+            cloud.close(0.5)
+
+
 def test_an_interrupted_fetch_resumes_where_it_broke_off(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
     plan = load_plan(split.plan_dir)
     spec = plan.segments[1]
     assert spec.size is not None and spec.size > 4 * 512
     edge_dir = _bare(split.plan_dir, tmp_path / "edge")
-    # A slow link, so that the chunks are still to come when the cloud goes (10 ms each).
-    slow = RuntimeOptions(workers=2, links={"edge-cloud": LinkSpec(512 * 8 * 100)})
-    servers = [TierServer.from_plan("cloud", split.plan_dir, options=slow)]
-    servers[0].start()
-    address = servers[0].address
-    seen: list[int] = []
-
-    def break_once(file: str, held: int, size: int) -> None:
-        seen.append(held)
-        if len(servers) == 1:  # after the first chunk: the cloud restarts, the stream breaks
-            servers[0].stop(0)
-            servers.append(TierServer.from_plan("cloud", split.plan_dir, address, options=slow))
-            servers[1].start()
-
+    cloud = _Restarting(split.plan_dir)
+    waits: list[float] = []
     try:
-        with grpc.insecure_channel(address) as channel:
-            source = SegmentSource(channel, "cloud", chunk_bytes=512, on_chunk=break_once)
-            store = SegmentStore(edge_dir, PlanSet((plan,)), tier="edge", source=source)
-            with store.holding([spec.file]):
-                pass
+        source = SegmentSource(
+            cloud, "cloud", chunk_bytes=512, on_chunk=cloud.break_once, sleep=waits.append
+        )
+        store = SegmentStore(edge_dir, PlanSet((plan,)), tier="edge", source=source)
+        with store.holding([spec.file]):
+            pass
     finally:
-        for server in servers:
-            server.stop(0.5)
+        cloud.close()
     (report,) = store.fetched
-    assert report.attempts == 2
+    assert report.attempts == 2 and len(waits) == 1  # one wait before the second try
     assert report.received == spec.size  # no byte came twice
-    assert seen[0] == 512 and seen[1] == 1024  # the second try went on from the first
+    assert cloud.seen[0] == 512 and cloud.seen[1] == 1024  # the second try went on from the first
     assert _sha256(edge_dir / spec.file) == spec.sha256
     assert not (edge_dir / (spec.file + PART_SUFFIX)).exists()
 
 
-@pytest.mark.integration
 def test_a_part_left_by_a_stopped_tier_is_resumed(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
     plan = load_plan(split.plan_dir)
@@ -287,17 +295,10 @@ def test_a_part_left_by_a_stopped_tier_is_resumed(tmp_path: Path, rt: Any) -> No
     half = spec.size // 2
     whole = (split.plan_dir / spec.file).read_bytes()
     (edge_dir / (spec.file + PART_SUFFIX)).write_bytes(whole[:half])
-    cloud = TierServer.from_plan("cloud", split.plan_dir, options=OPTIONS)
-    cloud.start()
-    try:
-        with grpc.insecure_channel(cloud.address) as channel:
-            store = SegmentStore(
-                edge_dir, PlanSet((plan,)), tier="edge", source=SegmentSource(channel, "cloud")
-            )
-            with store.holding([spec.file]):
-                assert (edge_dir / spec.file).read_bytes() == whole
-    finally:
-        cloud.stop(0.5)
+    with _cloud(split.plan_dir) as cloud:
+        store = SegmentStore(edge_dir, PlanSet((plan,)), tier="edge", source=_source(cloud))
+        with store.holding([spec.file]):
+            assert (edge_dir / spec.file).read_bytes() == whole
     (report,) = store.fetched
     assert (report.resumed_from, report.received, report.attempts) == (half, spec.size - half, 1)
 
@@ -324,7 +325,6 @@ def _two_edge_plans(split: Any) -> tuple[Plan, Plan]:
     return first, second
 
 
-@pytest.mark.integration
 def test_a_budgeted_edge_stays_within_it_while_plans_alternate(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     first, second = _two_edge_plans(split)
@@ -341,12 +341,12 @@ def test_a_budgeted_edge_stays_within_it_while_plans_alternate(tmp_path: Path, r
     samples = split.sample(seed=53, count=6)
     options = RuntimeOptions(workers=2, segment_budget=budget)
     used = []
-    with _cloud_and_edge(split.plan_dir, edge_dir, edge=options) as (_cloud, edge):
-        store = edge.service.segments
+    with _cloud_and_edge(rt, split.plan_dir, edge_dir, edge=options) as tiers:
+        store = tiers.edge.segments
         assert store is not None
         with (
-            DeviceClient(devices[0], edge.address, deadline_s=10.0) as one,
-            DeviceClient(devices[1], edge.address, deadline_s=10.0) as other,
+            tiers.device(devices[0], deadline_s=10.0) as one,
+            tiers.device(devices[1], deadline_s=10.0) as other,
         ):
             results = []
             for number, feeds in enumerate(samples):
@@ -361,24 +361,12 @@ def test_a_budgeted_edge_stays_within_it_while_plans_alternate(tmp_path: Path, r
     assert {r.plan for r in results} == {first.plan_id, second.plan_id}
 
 
-@pytest.mark.integration
 def test_a_segment_larger_than_the_budget_is_a_typed_error(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan")
     edge_dir = _bare(split.plan_dir, tmp_path / "edge")
-    cloud = TierServer.from_plan("cloud", split.plan_dir, options=OPTIONS)
-    cloud.start()
-    try:
-        edge = TierServer.from_plan(
-            "edge",
-            edge_dir,
-            forwarder=Forwarding(cloud.address),
-            options=RuntimeOptions(workers=2, segment_budget=100),
-        )
-        with pytest.raises(SegmentError, match="does not fit --segment-budget"):
-            edge.start()
-        edge.stop(0)
-    finally:
-        cloud.stop(0.5)
+    tight = RuntimeOptions(workers=2, segment_budget=100)
+    with pytest.raises(SegmentError, match="does not fit --segment-budget"):
+        rt.services(split.plan_dir, edge_dir=edge_dir, edge_options=tight)
 
 
 def _with_device_only_plan(split: Any) -> Plan:
@@ -390,16 +378,6 @@ def _with_device_only_plan(split: Any) -> Plan:
     return load_plan_set(split.plan_dir).plans[1]  # with its file's sha256 and size
 
 
-def _wait_until(condition: Any, seconds: float = 10.0) -> bool:
-    ends = time.monotonic() + seconds
-    while time.monotonic() < ends:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return False
-
-
-@pytest.mark.integration
 def test_the_device_fetches_its_fallback_plan_ahead_and_answers_alone_with_it(
     tmp_path: Path, rt: Any
 ) -> None:
@@ -408,12 +386,14 @@ def test_the_device_fetches_its_fallback_plan_ahead_and_answers_alone_with_it(
     device_dir = _bare(split.plan_dir, tmp_path / "device")
     samples = split.sample(seed=54, count=4)
     with (
-        rt.tiers(split.plan_dir) as (address, edge, _),
-        DeviceClient(device_dir, address, window=1, deadline_s=10.0) as device,
+        rt.in_process(split.plan_dir) as tiers,
+        tiers.device(device_dir, window=1, deadline_s=10.0) as device,
     ):
+        assert not device.segments.present(alone.segments[0].file)
         assert device.infer(samples[0]).answered_by == "cloud"
-        assert _wait_until(lambda: device.segments.present(alone.segments[0].file))
-        edge.stop(0.5)
+        _fetches_ahead_done()
+        assert device.segments.present(alone.segments[0].file)
+        tiers.edge.close(0.5)
         during = [device.submit(feeds).result() for feeds in samples[1:]]
     for feeds, result in zip(samples[1:], during, strict=True):
         assert result.fallback and result.answered_by == "device", result.error
@@ -421,7 +401,6 @@ def test_the_device_fetches_its_fallback_plan_ahead_and_answers_alone_with_it(
     assert _sha256(device_dir / alone.segments[0].file) == alone.segments[0].sha256
 
 
-@pytest.mark.integration
 def test_the_device_fetches_nothing_ahead_beyond_its_budget(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "raw", "edge-cloud": "raw"})
     alone = _with_device_only_plan(split)
@@ -431,16 +410,109 @@ def test_the_device_fetches_nothing_ahead_beyond_its_budget(tmp_path: Path, rt: 
     options = RuntimeOptions(segment_budget=budget)
     samples = split.sample(seed=55, count=4)
     with (
-        rt.tiers(split.plan_dir) as (address, _, _),
-        DeviceClient(device_dir, address, options=options, deadline_s=10.0) as device,
+        rt.in_process(split.plan_dir) as tiers,
+        tiers.device(device_dir, options=options, deadline_s=10.0) as device,
     ):
         results = [device.infer(feeds) for feeds in samples]
-        time.sleep(0.2)  # a fetch ahead would have begun by now
+        _fetches_ahead_done()  # none was begun, or it is over
         assert device.segments.used_bytes <= budget
         assert not device.segments.present(alone.segments[0].file)
     assert [r.file for r in device.segments.fetched] == [first.segments[0].file]
     for feeds, result in zip(samples, results, strict=True):
         np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
+
+
+def test_the_least_recently_used_file_goes_first_but_never_a_held_one(
+    tmp_path: Path, rt: Any
+) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    plan = load_plan(split.plan_dir)
+    first, second, third = (spec.file for spec in plan.segments)
+    size = {s.file: s.size or 0 for s in plan.segments}
+    budget = size[first] + max(size[second], size[third])
+    edge_dir = _bare(split.plan_dir, tmp_path / "edge")
+    with _cloud(split.plan_dir) as cloud:
+        store = SegmentStore(
+            edge_dir, PlanSet((plan,)), tier="edge", budget=budget, source=_source(cloud)
+        )
+        with store.holding([first]):  # the oldest, but a request runs on it
+            with store.holding([second]):
+                pass
+            with store.holding([third]):
+                assert store.evicted == [second]
+            assert store.used_bytes <= budget
+        with store.holding([second]):  # nothing is held now: the oldest goes
+            assert store.evicted == [second, first]
+        with (
+            pytest.raises(SegmentError, match="does not fit --segment-budget"),
+            store.holding([first, second, third]),
+        ):
+            pass
+    assert store.used_bytes <= budget
+    held = [name for name in (first, second, third) if store.present(name)]
+    assert sorted(p.name for p in edge_dir.iterdir()) == sorted([PLAN_FILE, *held])
+
+
+def test_a_device_whose_edge_is_gone_cannot_fetch_and_says_so(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan")
+    device_dir = _bare(split.plan_dir, tmp_path / "device")
+    with rt.in_process(split.plan_dir) as tiers:
+        tiers.edge.close(0)
+        with pytest.raises(TransportError, match=r"fetching segment \S+ from the edge broke off"):
+            tiers.device(device_dir, deadline_s=5.0)
+    assert sorted(p.name for p in device_dir.iterdir()) == [PLAN_FILE]
+
+
+def test_an_edge_whose_plan_needs_no_cloud_fetches_from_its_upstream(
+    tmp_path: Path, rt: Any
+) -> None:
+    """Issue 20, item 2: started from plan.json alone with --upstream, an edge fetches its
+    segments from the tier above whatever its plan (here device -> edge, no cloud)."""
+    split = rt.cnn(tmp_path / "cnn", {"device-edge": "raw", "edge-cloud": "raw"})
+    three = load_plan(split.plan_dir)
+    segments = tuple(
+        dataclasses.replace(spec, tier="edge") if spec.tier == "cloud" else spec
+        for spec in three.segments
+    )
+    full = tmp_path / "full"
+    full.mkdir()
+    for spec in segments:
+        shutil.copy(split.plan_dir / spec.file, full / spec.file)
+    save_plan(dataclasses.replace(three, segments=segments), full)
+    edge_dir = _bare(full, tmp_path / "edge")
+    samples = split.sample(seed=7, count=2)
+    with _cloud_and_edge(rt, full, edge_dir) as tiers:
+        with tiers.device(full, deadline_s=10.0) as device:
+            results = [device.infer(feeds) for feeds in samples]
+        assert sorted(_fetched(tiers.edge.segments)) == sorted(s.file for s in segments[1:])
+    for feeds, result in zip(samples, results, strict=True):
+        assert result.answered_by == "edge"
+        np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
+
+
+# ---------------------------------------------------------------------- over gRPC
+
+
+@contextmanager
+def _servers(
+    cloud_dir: Path,
+    edge_dir: Path,
+    *,
+    edge: RuntimeOptions = OPTIONS,
+    cloud: RuntimeOptions = OPTIONS,
+) -> Iterator[tuple[TierServer, TierServer]]:
+    """A cloud server on ``cloud_dir`` and an edge server on ``edge_dir`` above it."""
+    upper = TierServer.from_plan("cloud", cloud_dir, options=cloud)
+    upper.start()
+    server = TierServer.from_plan(
+        "edge", edge_dir, forwarder=Forwarding(upper.address), options=edge
+    )
+    try:
+        server.start()
+        yield upper, server
+    finally:
+        server.stop(0.5)
+        upper.stop(0.5)
 
 
 @pytest.mark.integration
@@ -491,7 +563,7 @@ def test_segments_are_fetched_over_mutual_tls_with_the_token_and_only_with_them(
     )
     edge_dir = _bare(split.plan_dir, tmp_path / "edge")
     # The edge's segment comes from the cloud over mutual TLS, with the token.
-    with _cloud_and_edge(
+    with _servers(
         split.plan_dir,
         edge_dir,
         edge=RuntimeOptions(workers=1, security=client),
@@ -505,57 +577,6 @@ def test_segments_are_fetched_over_mutual_tls_with_the_token_and_only_with_them(
             SegmentSource(channel, "cloud").fetch(plan.segments[0], tmp_path)
     assert _sha256(edge_dir / plan.segments[1].file) == plan.segments[1].sha256
     assert not (tmp_path / plan.segments[0].file).exists()
-
-
-@pytest.mark.integration
-def test_the_least_recently_used_file_goes_first_but_never_a_held_one(
-    tmp_path: Path, rt: Any
-) -> None:
-    split = rt.cnn(tmp_path / "plan")
-    plan = load_plan(split.plan_dir)
-    first, second, third = (spec.file for spec in plan.segments)
-    size = {s.file: s.size or 0 for s in plan.segments}
-    budget = size[first] + max(size[second], size[third])
-    edge_dir = _bare(split.plan_dir, tmp_path / "edge")
-    cloud = TierServer.from_plan("cloud", split.plan_dir, options=OPTIONS)
-    cloud.start()
-    try:
-        with grpc.insecure_channel(cloud.address) as channel:
-            store = SegmentStore(
-                edge_dir,
-                PlanSet((plan,)),
-                tier="edge",
-                budget=budget,
-                source=SegmentSource(channel, "cloud"),
-            )
-            with store.holding([first]):  # the oldest, but a request runs on it
-                with store.holding([second]):
-                    pass
-                with store.holding([third]):
-                    assert store.evicted == [second]
-                assert store.used_bytes <= budget
-            with store.holding([second]):  # nothing is held now: the oldest goes
-                assert store.evicted == [second, first]
-            with (
-                pytest.raises(SegmentError, match="does not fit --segment-budget"),
-                store.holding([first, second, third]),
-            ):
-                pass
-    finally:
-        cloud.stop(0.5)
-    assert store.used_bytes <= budget
-    held = [name for name in (first, second, third) if store.present(name)]
-    assert sorted(p.name for p in edge_dir.iterdir()) == sorted([PLAN_FILE, *held])
-
-
-@pytest.mark.integration
-def test_a_device_whose_edge_is_gone_cannot_fetch_and_says_so(tmp_path: Path, rt: Any) -> None:
-    split = rt.cnn(tmp_path / "plan")
-    device_dir = _bare(split.plan_dir, tmp_path / "device")
-    nowhere = f"127.0.0.1:{rt.free_port()}"
-    with pytest.raises(TransportError, match=r"fetching segment \S+ from the edge broke off"):
-        DeviceClient(device_dir, nowhere, deadline_s=5.0)
-    assert sorted(p.name for p in device_dir.iterdir()) == [PLAN_FILE]
 
 
 @pytest.mark.integration
@@ -637,36 +658,6 @@ def test_a_budgeted_device_fetches_again_what_a_switch_back_needs(
     with np.load(tmp_path / "out.npz") as out:
         for i, feeds in enumerate(samples):
             np.testing.assert_array_equal(out["y"][i], split.reference(feeds)["y"][0])
-
-
-@pytest.mark.integration
-def test_an_edge_whose_plan_needs_no_cloud_fetches_from_its_upstream(
-    tmp_path: Path, rt: Any
-) -> None:
-    """Issue 20, item 2: started from plan.json alone with --upstream, an edge fetches its
-    segments from the tier above whatever its plan (here device -> edge, no cloud)."""
-    split = rt.cnn(tmp_path / "cnn", {"device-edge": "raw", "edge-cloud": "raw"})
-    three = load_plan(split.plan_dir)
-    segments = tuple(
-        dataclasses.replace(spec, tier="edge") if spec.tier == "cloud" else spec
-        for spec in three.segments
-    )
-    full = tmp_path / "full"
-    full.mkdir()
-    for spec in segments:
-        shutil.copy(split.plan_dir / spec.file, full / spec.file)
-    save_plan(dataclasses.replace(three, segments=segments), full)
-    edge_dir = _bare(full, tmp_path / "edge")
-    samples = split.sample(seed=7, count=2)
-    with _cloud_and_edge(full, edge_dir) as (_cloud, edge):
-        with DeviceClient(full, edge.address, deadline_s=10.0) as device:
-            results = [device.infer(feeds) for feeds in samples]
-        store = edge.service.segments
-        assert store is not None
-        assert sorted(r.file for r in store.fetched) == sorted(s.file for s in segments[1:])
-    for feeds, result in zip(samples, results, strict=True):
-        assert result.answered_by == "edge"
-        np.testing.assert_array_equal(result.outputs["y"], split.reference(feeds)["y"])
 
 
 @pytest.mark.integration

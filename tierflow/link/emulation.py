@@ -46,6 +46,14 @@ from tierflow.rpc import tier_pb2
 T = TypeVar("T")
 #: Seconds from some fixed point, like :func:`time.monotonic`.
 Clock = Callable[[], float]
+#: Waits that many seconds on a :data:`Clock`, like :func:`time.sleep`.
+Sleep = Callable[[float], None]
+
+
+def real_sleep(seconds: float) -> None:
+    """:func:`time.sleep`, looked up when called (a test's patch of it, or the fast
+    layer's guard in tests/layers.py, sees every wait)."""
+    time.sleep(seconds)
 
 #: ``--link-emulation`` values; ``trace`` is written ``trace=FILE.csv``.
 EMULATION_MODES: tuple[str, ...] = ("off", "plan", "trace")
@@ -93,16 +101,22 @@ class LinkShaper:
 
     A :class:`~tierflow.link.trace.LinkTrace` changes the link over time, counted from
     when the shaper is made (the sender opening the link). ``clock`` gives the time in
-    seconds (monotonic, as the default); a test can pass its own to check a schedule
-    exactly, the way the caches take one.
+    seconds (monotonic, as the default) and ``sleep`` waits on it; a test can pass its own
+    pair to check a schedule exactly without waiting, the way the caches take a clock.
     """
 
     def __init__(
-        self, name: str, spec: LinkSpec | LinkTrace | None, *, clock: Clock = time.monotonic
+        self,
+        name: str,
+        spec: LinkSpec | LinkTrace | None,
+        *,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = real_sleep,
     ) -> None:
         self.name = name
         self.spec = spec
         self.clock = clock
+        self.sleep = sleep
         self._trace = LinkTrace.constant(spec) if isinstance(spec, LinkSpec) else spec
         # A fixed link does not depend on when it opened (0: its schedule stays exact).
         self._epoch = clock() if isinstance(spec, LinkTrace) else 0.0
@@ -129,6 +143,13 @@ class LinkShaper:
         transfer.arrives = transfer.left + trace.at(transfer.left - self._epoch).rtt_s / 2.0
         return transfer
 
+    def wait_until(self, moment: float | None) -> None:
+        """Hold the caller until ``moment`` on :attr:`clock` (None or past: not at all)."""
+        if moment is not None:
+            delay = moment - self.clock()
+            if delay > 0:
+                self.sleep(delay)
+
 
 class ShapedQueue(Generic[T]):
     """A FIFO whose items come out no earlier than their emulated arrival on a link.
@@ -143,6 +164,7 @@ class ShapedQueue(Generic[T]):
     def __init__(self, shaper: LinkShaper | None = None) -> None:
         self.shaper = shaper
         self._clock = shaper.clock if shaper is not None else time.monotonic
+        self._sleep = shaper.sleep if shaper is not None else real_sleep
         self._queue: queue.SimpleQueue[tuple[Transfer | None, object]] = queue.SimpleQueue()
 
     def put(self, item: T, nbytes: int) -> Transfer:
@@ -174,7 +196,7 @@ class ShapedQueue(Generic[T]):
             if transfer.arrives is not None:
                 delay = transfer.arrives - self._clock()
                 if delay > 0:
-                    time.sleep(delay)
+                    self._sleep(delay)
             if transfer.started is None:
                 transfer.started = self._clock()
             transfer.handed = True

@@ -53,11 +53,12 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 
 from tierflow.errors import SegmentError, TransportError
-from tierflow.link.emulation import LinkShaper
+from tierflow.link.emulation import LinkShaper, Sleep, real_sleep
 from tierflow.plan import DATA_SUFFIX, PlanSet, SegmentSpec, file_digest
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.units import format_size
@@ -105,21 +106,33 @@ class FetchReport:
 ChunkCallback = Callable[[str, int, int], None]
 
 
+class SegmentCalls(Protocol):
+    """Where ``FetchSegment`` is called: a gRPC stub on a channel, or the tier above in
+    this process ([Note: the next tier in process] in tierflow/runtime/upstream.py). A
+    failed call raises :class:`grpc.RpcError` (a :class:`grpc.Call`, with its code)."""
+
+    def FetchSegment(
+        self, request: tier_pb2.SegmentRequest, timeout: float | None = None
+    ) -> Iterable[tier_pb2.SegmentChunk]: ...
+
+
 class SegmentSource:
     """Fetches segment files from the ``FetchSegment`` service of the tier above.
 
-    ``channel`` is the tier's channel to it (its TLS and token: ``tierflow.transport.security``);
+    ``channel`` is the tier's channel to it (its TLS and token: ``tierflow.transport.security``),
+    or the :class:`SegmentCalls` that reach it otherwise (the tier in this process);
     ``peer`` names that tier in messages. ``on_chunk`` is called after each chunk is
     written (progress, or a test's way to break a connection midway). ``timeout_s``
     bounds each try. ``known_down`` says whether that tier is known to be unreachable
     (``StreamClient.known_down``): a broken fetch is then not tried again at once but
     fails, keeping its ``.part`` for the next fetch to resume, so a request that needed
-    it fails fast (or falls back) instead of waiting out every try.
+    it fails fast (or falls back) instead of waiting out every try. ``sleep`` waits
+    between tries (a test's fake clock need not wait).
     """
 
     def __init__(
         self,
-        channel: grpc.Channel,
+        channel: grpc.Channel | SegmentCalls,
         peer: str,
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -127,10 +140,14 @@ class SegmentSource:
         timeout_s: float = 600.0,
         on_chunk: ChunkCallback | None = None,
         known_down: Callable[[], bool] | None = None,
+        sleep: Sleep = real_sleep,
     ) -> None:
         if not 0 < chunk_bytes <= MAX_CHUNK_BYTES or attempts < 1:
             raise ValueError(f"bad fetch settings: chunk {chunk_bytes}, attempts {attempts}")
-        self.stub = tier_pb2_grpc.TierStub(channel)
+        self.stub: SegmentCalls = (
+            tier_pb2_grpc.TierStub(channel) if isinstance(channel, grpc.Channel) else channel
+        )
+        self.sleep = sleep
         self.peer = peer
         self.chunk_bytes = chunk_bytes
         self.attempts = attempts
@@ -187,7 +204,7 @@ class SegmentSource:
                     _part_size(part, spec.size),
                     details,
                 )
-                time.sleep(wait)
+                self.sleep(wait)
                 wait *= 2
         sha256, size = file_digest(part)
         if sha256 != spec.sha256:
@@ -501,9 +518,7 @@ def serve_segment(
                     if not data:
                         break
                     if shaper is not None and shaper.spec is not None:
-                        left = shaper.schedule(len(data)).left
-                        if left is not None and left > shaper.clock():
-                            time.sleep(left - shaper.clock())
+                        shaper.wait_until(shaper.schedule(len(data)).left)
                     yield tier_pb2.SegmentChunk(offset=offset, data=data, size=size)
                     offset += len(data)
     except (SegmentError, TransportError) as exc:

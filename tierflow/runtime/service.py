@@ -33,7 +33,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -563,11 +563,21 @@ class TierService(tier_pb2_grpc.TierServicer):
         self, request: tier_pb2.SegmentRequest, context: grpc.ServicerContext
     ) -> Iterator[tier_pb2.SegmentChunk]:
         """A segment file in chunks, for the tier below ([Note: segments on demand])."""
+        shaper = LinkShaper(self.down_link, self.options.links.get(self.down_link))
+        return self.segment_chunks(request, context, shaper)
+
+    def segment_chunks(
+        self,
+        request: tier_pb2.SegmentRequest,
+        context: grpc.ServicerContext,
+        shaper: LinkShaper,
+    ) -> Generator[tier_pb2.SegmentChunk, None, None]:
+        """:meth:`FetchSegment` with the reply link's ``shaper`` given (a fake clock's in
+        process: [Note: the next tier in process] in tierflow/runtime/upstream.py)."""
         self._admit(context)
         if self.pipeline is None or not self._ready.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the {self.tier} is not serving yet")
             return
-        shaper = LinkShaper(self.down_link, self.options.links.get(self.down_link))
         yield from serve_segment(self.pipeline.segments, request, context, shaper)
 
     # ------------------------------------------------------------------ probe

@@ -8,7 +8,8 @@ files this tier lacks. :class:`StreamUpstream` does it over gRPC: a long-lived
 message-size limit and its TLS and token setting for the next tier
 (:meth:`Security.upstream`), the segment files fetched over the same channel ([Note:
 segments on demand] in tierflow/runtime/segment_store.py). :class:`LocalUpstream` calls the
-next tier's service in this process ([Note: the next tier in process]).
+next tier's service in this process, with the same links and segment fetches ([Note: the
+next tier in process]).
 
 [Note: the next tier in process]
 :class:`LocalUpstream` hands each request to the next tier's service on the caller's own
@@ -20,9 +21,30 @@ returns. So the device, the edge and the cloud run the whole request path both w
 one process, and what happens on the way down (an exit answering, the next tier gone, a
 cache filled, an error passed down) is tested without starting a server. The next tier
 stopping (:meth:`TierService.drain`) answers UNAVAILABLE as it does over gRPC; one that is
-closed is known to be down. Links are not emulated, nothing is timed on them, and segment
-files are not fetched (``segment_source`` is None): each tier's plan directory holds its
-own.
+closed is known to be down.
+
+What a :class:`StreamUpstream` adds to the requests it carries, it adds here too:
+
+* Emulated links ([Note: link shaping] in tierflow/link/emulation.py): the request is
+  booked on a :class:`LinkShaper` for this tier's ``options.links`` and leaves when the
+  link has carried it, its reply on the next tier's side of the link as that tier's
+  options have it. Each request's :class:`Transfer` is its link figures ([Note: honest
+  link figures]): the edge reports them on the reply as over gRPC. Unshaped, the crossing
+  is the copy as bytes. The links run on ``clock`` and wait with ``sleep``: a test gives
+  a fake pair, and the links are timed exactly and never sleep. Since the caller's thread
+  carries the request through every tier, a request waits on a link only behind requests
+  handed over while the link's clock stood still (a fake clock that nothing advances:
+  requests handed at one moment, as a full window hands them).
+* Segment files ([Note: segments on demand] in tierflow/runtime/segment_store.py):
+  :meth:`segment_source` fetches through the next tier's own ``FetchSegment`` path
+  (:meth:`TierService.segment_chunks`: admitted, checked, held, chunked and shaped on its
+  link), each chunk crossing as bytes, with a :class:`LocalContext` for the call; a
+  refusal comes back as the gRPC code a stub's caller gets (:class:`LocalCallError`), and
+  a next tier closed during a fetch ends it UNAVAILABLE, as a stopped server does.
+
+What stays over gRPC only: channels, TLS and tokens, deadlines swept while a request is
+out (the caller's thread is the request's until its reply), requests sent again after a
+connection broke, and health checks.
 """
 
 from __future__ import annotations
@@ -30,14 +52,17 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
+import grpc
+
 from tierflow.errors import TransportError
-from tierflow.link.emulation import LinkShaper, Transfer
+from tierflow.link.emulation import Clock, LinkShaper, Sleep, real_sleep
 from tierflow.link.spec import upstream_link
 from tierflow.rpc import tier_pb2
+from tierflow.runtime.local_call import LocalCallError, LocalContext
 from tierflow.runtime.segment_store import SegmentSource
 from tierflow.runtime.streams import Send
 from tierflow.transport.stream_client import Sent, StreamClient, check_figures
@@ -108,13 +133,18 @@ class StreamUpstream:
 
 class NextTier(Protocol):
     """What :class:`LocalUpstream` needs of the next tier: the part of
-    :class:`~tierflow.runtime.service.TierService` its streams use."""
+    :class:`~tierflow.runtime.service.TierService` its streams and its ``FetchSegment``
+    use."""
 
     tier: str
     plan_id: str
+    options: RuntimeOptions
 
     @property
     def closed(self) -> bool: ...
+
+    @property
+    def down_link(self) -> str: ...
 
     def admit_request(self) -> tier_pb2.Error | None: ...
 
@@ -126,24 +156,55 @@ class NextTier(Protocol):
 
     def answered(self) -> None: ...
 
+    def segment_chunks(
+        self, request: tier_pb2.SegmentRequest, context: grpc.ServicerContext, shaper: LinkShaper
+    ) -> Generator[tier_pb2.SegmentChunk, None, None]: ...
+
 
 class LocalUpstream:
     """The next tier's service called in this process ([Note: the next tier in process]).
 
     ``me`` names this tier; ``caller`` is who the next tier takes it for ([Note: who a
-    caller is] in tierflow/transport/callers.py).
+    caller is] in tierflow/transport/callers.py). ``options`` are this tier's: the link
+    up to the next tier is emulated as ``options.links`` has it, the way back as the next
+    tier's options have it, as over gRPC. ``clock`` and ``sleep`` are what the links are
+    timed and waited on (a test's fake clock: emulated links that never sleep).
     """
 
     stream: StreamClient | None = None
 
-    def __init__(self, service: NextTier, *, me: str, caller: str = "local") -> None:
+    def __init__(
+        self,
+        service: NextTier,
+        *,
+        me: str,
+        caller: str = "local",
+        options: RuntimeOptions | None = None,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = real_sleep,
+    ) -> None:
+        link = upstream_link(me)
+        assert link is not None, f"the {me} has no next tier"
         self.service = service
         self.me = me
         self.peer = service.tier
         self.address = f"in-process {service.tier}"
         self.caller = caller
+        self.clock = clock
+        self.sleep = sleep
+        links = options.links if options is not None else {}
+        #: The link up, as this tier's stream to the next would shape it.
+        self.shaper = LinkShaper(link, links.get(link), clock=clock, sleep=sleep)
+        # The way back, as the next tier's stream shapes its replies.
+        self._replies = self._down_shaper()
         self._ids = itertools.count()
         self._closed = False
+
+    def _down_shaper(self) -> LinkShaper:
+        """The next tier's side of the link, as each of its streams and fetches shapes it."""
+        down = self.service.down_link
+        spec = self.service.options.links.get(down)
+        return LinkShaper(down, spec, clock=self.clock, sleep=self.sleep)
 
     def submit(
         self,
@@ -158,15 +219,22 @@ class LocalUpstream:
         if self.known_down():
             raise TransportError(f"the {self.peer} at {self.address} is down; not sending")
         request.id = f"{self.me[0]}local-{next(self._ids)}"
+        size = request.ByteSize() if nbytes is None else nbytes
+        # [Note: link shaping]: the request leaves when the link has carried it.
+        transfer = self.shaper.schedule(size)
+        self.shaper.wait_until(transfer.arrives)
+        if transfer.started is None:  # not shaped: the crossing is the copy as bytes
+            transfer.started = self.clock()
         data = request.SerializeToString()
-        now = time.monotonic()
-        size = len(data) if nbytes is None else nbytes
-        transfer = Transfer(size, now, left=now, started=now, handed=True)
+        crossed = tier_pb2.Request.FromString(data)
+        if transfer.left is None:
+            transfer.left = self.clock()
+        transfer.handed = True
         future: Future[tier_pb2.Reply] = Future()
         sent = Sent(future, transfer, request.id, request, size, deadline)
         if on_reply is not None:
             future.add_done_callback(lambda _: on_reply(sent))
-        self._serve(tier_pb2.Request.FromString(data), future)
+        self._serve(crossed, future)
         return sent
 
     def _serve(self, request: tier_pb2.Request, future: Future[tier_pb2.Reply]) -> None:
@@ -178,7 +246,10 @@ class LocalUpstream:
             if not once.acquire(blocking=False):
                 return  # one reply per request
             service.answered()
-            reply = tier_pb2.Reply.FromString(reply.SerializeToString())
+            data = reply.SerializeToString()
+            if self._replies.spec is not None:  # the reply link, as the next tier shapes it
+                self._replies.wait_until(self._replies.schedule(len(data)).arrives)
+            reply = tier_pb2.Reply.FromString(data)
             check_figures(reply, self.me, self.peer, self.address)  # [Note: figures in a reply]
             future.set_result(reply)
 
@@ -198,8 +269,31 @@ class LocalUpstream:
     def known_down(self) -> bool:
         return self.service.closed
 
-    def segment_source(self) -> None:
-        return None
+    def segment_source(self) -> SegmentSource:
+        """The next tier's ``FetchSegment`` called here, failing fast once it is closed."""
+        return SegmentSource(self, self.peer, known_down=self.known_down, sleep=self.sleep)
+
+    def FetchSegment(
+        self, request: tier_pb2.SegmentRequest, timeout: float | None = None
+    ) -> Iterator[tier_pb2.SegmentChunk]:
+        """The next tier's chunks of a segment file, through its own ``FetchSegment`` path
+        (:meth:`TierService.segment_chunks`), each crossing as bytes on the emulated link.
+
+        A next tier that stops (is closed) during the call ends it UNAVAILABLE, as a
+        server that stops does; its refusals come as :class:`LocalCallError`.
+        """
+        service = self.service
+        request = tier_pb2.SegmentRequest.FromString(request.SerializeToString())
+        context = LocalContext(f"local:{self.caller}", active=lambda: not service.closed)
+        chunks = service.segment_chunks(request, context, self._down_shaper())
+        try:
+            for chunk in chunks:
+                yield tier_pb2.SegmentChunk.FromString(chunk.SerializeToString())
+        finally:
+            chunks.close()
+            context.end()
+        if service.closed:
+            raise LocalCallError(grpc.StatusCode.UNAVAILABLE, f"the {self.peer} stopped")
 
     def close(self, timeout: float = 5.0) -> None:
         self._closed = True

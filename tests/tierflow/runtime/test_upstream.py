@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -10,10 +11,10 @@ import numpy as np
 import pytest
 
 from tierflow.codec.spec import CodecSpec
-from tierflow.errors import TransportError
+from tierflow.errors import SegmentError, TransportError
 from tierflow.link.spec import LinkSpec
 from tierflow.options import RuntimeOptions
-from tierflow.plan import Plan, PlanSet, save_plan
+from tierflow.plan import Plan, PlanSet, load_plan_set, save_plan
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.pipeline import Down, Onward, Pipeline
 from tierflow.runtime.service import TierService
@@ -87,7 +88,7 @@ def test_a_request_in_process_gets_the_next_tiers_reply(edge: TierService) -> No
     assert again.wire_id != sent.wire_id
     assert again.transfer.stat("device-edge").bytes == 16
     assert edge.in_flight == 0  # each was counted answered
-    assert upstream.stream is None and upstream.segment_source() is None
+    assert upstream.stream is None and upstream.segment_source().peer == "edge"
 
 
 def test_a_stopping_tier_answers_unavailable_and_a_closed_one_is_known_down(
@@ -122,6 +123,7 @@ class _Boasting:
     def __init__(self, service: TierService) -> None:
         self.service = service
         self.tier, self.plan_id = service.tier, service.plan_id
+        self.options, self.down_link = service.options, service.down_link
         self.closed = False
 
     def admit_request(self) -> tier_pb2.Error | None:
@@ -173,3 +175,98 @@ def test_the_pipeline_sends_up_and_a_next_tier_known_down_comes_down_at_once(
 
 def _kept(onward: Onward) -> Onward:
     return onward
+
+
+class _Clock:
+    """Link time that moves only when a link waits (``runs``), and never sleeps."""
+
+    def __init__(self, runs: bool = True) -> None:
+        self.now, self.runs = 100.0, runs
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        if self.runs:
+            self.now += seconds
+
+
+def _shaped_edge(tmp_path: Path, reply_link: LinkSpec | None) -> TierService:
+    tmp_path.mkdir(exist_ok=True)
+    specs = matmul_chain(tmp_path, [("device", "device.onnx"), ("edge", "edge.onnx")])
+    plan = Plan("m.onnx", "0" * 64, ("x",), ("y",), tuple(specs))
+    save_plan(plan, tmp_path)
+    links = {} if reply_link is None else {"device-edge": reply_link}
+    options = RuntimeOptions(workers=1, links=links)
+    service = TierService("edge", load_plan_set(tmp_path), tmp_path, options=options)
+    service.load()
+    return service
+
+
+def test_a_request_in_process_crosses_the_emulated_link_both_ways(tmp_path: Path) -> None:
+    """[Note: link shaping] in process: the request leaves when this tier's link has carried
+    it and arrives half a round trip later; the reply comes back on the next tier's side."""
+    up, down = LinkSpec(8e6, 0.010), LinkSpec(4e6, 0.010)  # 1 MB/s up, 0.5 MB/s down
+    edge = _shaped_edge(tmp_path, down)
+    clock = _Clock()
+    options = RuntimeOptions(links={"device-edge": up})
+    upstream = LocalUpstream(edge, me="device", options=options, clock=clock, sleep=clock.sleep)
+    try:
+        request = _request(edge, 2.0)
+        sent = upstream.submit(request, nbytes=10_000)
+        reply = sent.future.result()
+        stat = sent.transfer.stat("device-edge")
+        assert (stat.bytes, stat.queue_ms) == (10_000, 0.0)
+        assert stat.send_ms == pytest.approx(10.0) and stat.rate_bps == pytest.approx(8e6)
+        # 10 ms up and 5 ms across; the reply's bytes at 0.5 MB/s and 5 ms across.
+        back_s = reply.ByteSize() / 0.5e6 + 0.005
+        assert clock.now - 100.0 == pytest.approx(0.015 + back_s)
+        np.testing.assert_array_equal(decode_tensors(reply.outputs)["y"], np.full((1, 4), 2.0))
+    finally:
+        edge.close()
+
+
+def test_requests_handed_at_one_moment_wait_their_turn_on_the_link(tmp_path: Path) -> None:
+    """[Note: honest link figures]: each waits behind the ones before (``queue_ms``), and
+    its rate is over its own crossing only."""
+    edge = _shaped_edge(tmp_path, None)
+    clock = _Clock(runs=False)  # nothing moves it: every request handed at one moment
+    options = RuntimeOptions(links={"device-edge": LinkSpec(8e6, 0.002)})
+    upstream = LocalUpstream(edge, me="device", options=options, clock=clock, sleep=clock.sleep)
+    try:
+        stats = [
+            upstream.submit(_request(edge, 1.0), nbytes=1_000).transfer.stat("device-edge")
+            for _ in range(4)
+        ]
+    finally:
+        edge.close()
+    assert [s.queue_ms for s in stats] == pytest.approx([0.0, 1.0, 2.0, 3.0])
+    assert all(s.send_ms == pytest.approx(1.0) for s in stats)
+    assert all(s.rate_bps == pytest.approx(8e6) for s in stats)
+
+
+def test_segments_come_in_process_through_the_next_tiers_fetch_on_its_link(
+    tmp_path: Path,
+) -> None:
+    """[Note: segments on demand] in process: the next tier's ``FetchSegment`` path, its
+    chunks shaped on its side of the link; a file it does not serve is refused."""
+    edge = _shaped_edge(tmp_path / "edge", LinkSpec(8e6, 0.0))  # 1 MB/s down
+    clock = _Clock()
+    upstream = LocalUpstream(edge, me="device", clock=clock, sleep=clock.sleep)
+    spec = edge.plan.segments[0]
+    assert spec.size is not None
+    here = tmp_path / "device"
+    here.mkdir()
+    try:
+        source = upstream.segment_source()
+        report = source.fetch(spec, here)
+        assert (report.size, report.received, report.attempts) == (spec.size, spec.size, 1)
+        assert (here / spec.file).read_bytes() == (tmp_path / "edge" / spec.file).read_bytes()
+        assert clock.now - 100.0 == pytest.approx(spec.size / 1e6)  # each chunk on the link
+        with pytest.raises(SegmentError, match="does not serve segment"):
+            source.fetch(dataclasses.replace(spec, sha256="1" * 64), here)
+        edge.close()
+        with pytest.raises(TransportError, match="broke off 1 times"):  # known down: no retry
+            source.fetch(dataclasses.replace(spec, file="edge.onnx"), here)
+    finally:
+        edge.close()
