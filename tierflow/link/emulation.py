@@ -55,6 +55,7 @@ def real_sleep(seconds: float) -> None:
     layer's guard in tests/layers.py, sees every wait)."""
     time.sleep(seconds)
 
+
 #: ``--link-emulation`` values; ``trace`` is written ``trace=FILE.csv``.
 EMULATION_MODES: tuple[str, ...] = ("off", "plan", "trace")
 
