@@ -153,9 +153,10 @@ def add_batch_arguments(parser: argparse.ArgumentParser, defaults: RuntimeOption
         type=parse_seconds,
         default=format_duration(defaults.batch_delay_s),
         metavar="DURATION",
-        help="wait up to this long for the other active sessions' steps before running "
-        f"a smaller batch (at most {format_duration(MAX_BATCH_DELAY_S)}; a lone session "
-        "never waits)",
+        help="let a step (at an idle tier, or leading a batch) wait up to this long for "
+        "the steps of the sessions that stepped with its own last time, so lockstep "
+        "sessions share one call instead of taking turns (at most "
+        f"{format_duration(MAX_BATCH_DELAY_S)}; a lone session never waits)",
     )
     parser.add_argument(
         "--batch-padding",

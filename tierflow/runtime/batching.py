@@ -45,7 +45,8 @@ failing, so nothing else is batched.
 A tier's steps of one plan reach :meth:`StepBatcher.run` from its worker threads. One
 batch of a runner runs at a time (the intra-op threads, ``--threads``, give it the
 cores): a step that finds none running runs at once, alone, so an idle tier adds no wait
-and a lone session pays only a lock. Steps that arrive while a batch runs queue; a step
+and a lone session pays only a lock (with ``--batch-delay``, unless company is expected:
+below). Steps that arrive while a batch runs queue; a step
 in the batcher, queued or running, lends its worker ([Note: a worker lent while a step
 queues] in tierflow/runtime/workers.py), so a batch can grow past ``--workers``; when it
 ends, the
@@ -55,17 +56,32 @@ came, and runs them as one call: their tensors stacked on axis 0 (the sessions' 
 caches gathered), the outputs and new caches split back per step. Steps of other groups
 wait for the next call; the oldest step always goes next, so no session starves and each
 session's steps keep their order (a session has one step in flight, [Note: a stream's
-requests run at once] in tierflow/runtime/streams.py). With ``--batch-delay`` D > 0 the
-thread forming a batch waits up to D while fewer steps are queued than sessions ran a
-step in the last second (and the batch is not full), so lockstep sessions that were
-split once come back together, and the steps crossing from the tier below one by one
-meet again; a lone session never waits. A step whose deadline passed while it queued
-fails alone (DEADLINE_EXCEEDED); a batch whose call fails is run again one step at a
-time, so the step with the bad tensor fails alone, with its own typed error, and the
-others get their answers. When more steps of the group are queued than ``--max-batch``,
-each owner's oldest step goes before any owner's second ([Note: who a caller is] in
-tierflow/transport/callers.py), so an identity with many sessions does not take every
-place in a batch from one with few.
+requests run at once] in tierflow/runtime/streams.py).
+
+``--batch-delay`` D > 0 pulls the steps of lockstep sessions together. Left alone they
+fall into turns: the first step of a round finds the tier idle and runs alone, the rest
+queue behind it and run as a batch after it (16 sessions: 1 + 15 calls every round,
+two weight reads for one). So with D > 0 a step waits up to D, when it finds the tier
+idle and when it leads a batch, while company it can expect has not queued yet (and its
+group is not full): the other sessions whose last step here was of the same group as
+its own session's last step (the same shapes: their next steps will be too, [Note:
+batching exactness]), and that are active: their last step was taken at most
+``ROUNDS`` of their own round times ago (the time between their last two steps here),
+never more than ``ACTIVE_S``. The wait ends as soon as each of them has a step queued.
+A session seen once, or a lone session, or one whose company is a step behind or ahead
+(another past length), never waits; a session that ended is waited for at most
+``ROUNDS`` rounds, not for as long as it was ever seen; and the steps of the batch that
+just ran, a round ahead of the queued ones, are not waited for by them. A batch that came
+as one message (a convoy, [Note: a batch in one message]) waits for its members first,
+then for the rest of D from when it started waiting. With D = 0 (the default) nothing
+waits: a step that finds the tier idle runs at once, and nothing is tracked.
+
+A step whose deadline passed while it queued fails alone (DEADLINE_EXCEEDED); a batch
+whose call fails is run again one step at a time, so the step with the bad tensor fails
+alone, with its own typed error, and the others get their answers. When more steps of
+the group are queued than ``--max-batch``, each owner's oldest step goes before any
+owner's second ([Note: who a caller is] in tierflow/transport/callers.py), so an identity
+with many sessions does not take every place in a batch from one with few.
 """
 
 from __future__ import annotations
@@ -86,8 +102,11 @@ logger = logging.getLogger(__name__)
 
 Feeds = Mapping[str, np.ndarray]
 Outputs = dict[str, np.ndarray]
-#: How long a session counts as active for ``--batch-delay`` ([Note: the step batcher]).
-ACTIVE_S = 1.0
+#: The longest a session counts as active for ``--batch-delay`` after its last step
+#: ([Note: the step batcher]); a session seen once counts this long.
+ACTIVE_S = 2.0
+#: A session counts as active for this many of its own round times after its last step.
+ROUNDS = 2.0
 #: How long a batch waits for the members of a batched request still on their way to it
 #: ([Note: a batch in one message] in tierflow/runtime/batch_message.py).
 CONVOY_WAIT_S = 0.5
@@ -297,6 +316,20 @@ class _Step:
         self.rows = int(first.shape[0]) if first is not None and first.ndim else 1
 
 
+@dataclass(frozen=True)
+class _Seen:
+    """A session's last step here, for ``--batch-delay``'s company ([Note: the step
+    batcher]): when it was taken, its group, and the time since the session's step before."""
+
+    at: float
+    key: Hashable
+    gap: float | None
+
+    def active(self, now: float) -> bool:
+        window = ACTIVE_S if self.gap is None else min(ACTIVE_S, ROUNDS * self.gap)
+        return now - self.at <= window
+
+
 @dataclass
 class BatchStats:
     """What a batcher did: calls made, steps run, the largest batch, steps run in batches."""
@@ -348,7 +381,7 @@ class StepBatcher:
         self._cond = threading.Condition()
         self._queue: deque[_Step] = deque()
         self._busy = False
-        self._active: dict[Hashable, float] = {}  # member -> when it last ran a step
+        self._seen: dict[Hashable, _Seen] = {}  # with --batch-delay: each session's last step
         self.stats = BatchStats()
 
     def run(
@@ -365,14 +398,16 @@ class StepBatcher:
         ``member``: the step's session; ``owner``: whose it is (batches are shared fairly
         among owners); ``convoy``: the batched request the step came in, and its seat there
         ([Note: a batch in one message])."""
-        if convoy is None and self._idle_run(member):
+        key = group_key(feeds, self.padding) if self.delay_s > 0 else None
+        if convoy is None and self._idle_run(member, key):
             _departing.seat = None
             try:
                 with lent():  # [Note: a worker lent while a step queues]
                     return self._run(feeds)  # the tier was idle: at once, alone
             finally:
                 self._free()
-        key = group_key(feeds, self.padding)
+        if key is None:
+            key = group_key(feeds, self.padding)
         step = _Step(feeds, key, member, deadline_unix_s, owner, convoy[0] if convoy else None)
         # [Note: a worker lent while a step queues] (tierflow/runtime/workers.py).
         with lent():
@@ -397,14 +432,20 @@ class StepBatcher:
         assert step.result is not None
         return step.result
 
-    def _idle_run(self, member: Hashable) -> bool:
+    def _idle_run(self, member: Hashable, key: Hashable | None) -> bool:
         """Take the batcher for a step that finds it idle (nothing running, nothing
-        queued): it runs at once, alone, with no step to queue or batch to form."""
+        queued): it runs at once, alone, with no step to queue or batch to form; unless
+        ``--batch-delay`` (``key``: the step's group, given only then) expects company
+        for it ([Note: the step batcher])."""
         with self._cond:
             if self._busy or self._queue:
                 return False
+            if key is not None:
+                now = self._clock()
+                if self._missing(member, now):
+                    return False
+                self._saw(member, key, now)
             self._busy = True
-            self._active[member] = self._clock()
             stats = self.stats
             stats.calls += 1
             stats.steps += 1
@@ -444,25 +485,27 @@ class StepBatcher:
     def _take(self) -> list[_Step]:
         """The next batch: the oldest queued step and the later ones of its group."""
         with self._cond:
+            started = self._clock()
             if self._queue and self._queue[0].convoy is not None:
                 convoy = self._queue[0].convoy
-                ends = self._clock() + self.convoy_wait_s
+                ends = started + self.convoy_wait_s
                 while not convoy.complete():
                     left = ends - self._clock()
                     if left <= 0:
                         break
                     self._cond.wait(left)
-            elif self.delay_s > 0 and self._queue:
-                ends = self._clock() + self.delay_s
-                while self._group_size() < min(self.max_batch, self._expected()):
+            if self.delay_s > 0:
+                ends = started + self.delay_s
+                while self._awaits_company():
                     left = ends - self._clock()
                     if left <= 0:
                         break
                     self._cond.wait(left)
             batch = self._gather()
-            now = self._clock()
-            for step in batch:
-                self._active[step.member] = now
+            if self.delay_s > 0:
+                now = self._clock()
+                for step in batch:
+                    self._saw(step.member, step.key, now)
         return self._live(batch)
 
     def _gather(self) -> list[_Step]:
@@ -493,18 +536,34 @@ class StepBatcher:
         with self._cond:
             return len(self._queue)
 
-    def _group_size(self) -> int:
-        """Steps queued now, of every group: once each active session has one queued, no
-        more company is coming; hold the lock."""
-        return len(self._queue)
+    def _awaits_company(self) -> bool:
+        """Whether the oldest queued step's group is not full and company it can expect
+        has not queued yet ([Note: the step batcher]); hold the lock."""
+        if not self._queue:
+            return False
+        head = self._queue[0]
+        if sum(step.key == head.key for step in self._queue) >= self.max_batch:
+            return False
+        return self._missing(head.member, self._clock()) > 0
 
-    def _expected(self) -> int:
-        """Sessions that ran a step in the last :data:`ACTIVE_S`; hold the lock."""
-        now = self._clock()
-        for member, when in list(self._active.items()):
-            if now - when > ACTIVE_S:
-                del self._active[member]
-        return len(self._active)
+    def _missing(self, member: Hashable, now: float) -> int:
+        """The active sessions whose last step was of the same group as ``member``'s
+        last, with no step queued: the company ``member``'s step can expect ([Note: the
+        step batcher]). Forgets the sessions no longer active; hold the lock."""
+        mine = self._seen.get(member)
+        queued = {step.member for step in self._queue}
+        missing = 0
+        for other, seen in list(self._seen.items()):
+            if not seen.active(now):
+                del self._seen[other]
+            elif mine is not None and other != member and seen.key == mine.key:
+                missing += other not in queued
+        return missing
+
+    def _saw(self, member: Hashable, key: Hashable, now: float) -> None:
+        """``member``'s step of group ``key`` was taken at ``now``; hold the lock."""
+        seen = self._seen.get(member)
+        self._seen[member] = _Seen(now, key, None if seen is None else now - seen.at)
 
     def _live(self, batch: list[_Step]) -> list[_Step]:
         """``batch`` without the steps whose deadline passed while they queued."""

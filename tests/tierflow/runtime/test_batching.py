@@ -306,3 +306,163 @@ def test_a_tier_runner_batches_only_what_it_can(tmp_path: Path) -> None:
     assert padded.batcher is not None and padded.batcher.padding is not None
     assert TierRunner(plan, tmp_path / "plan", "cloud", RuntimeOptions(max_batch=1)).batcher is None
     assert TierRunner(plan, tmp_path / "plan", "edge", RuntimeOptions()).batcher is None
+
+
+# ---------------------------------------------------------------------- --batch-delay
+
+
+class Clock:
+    """A clock that moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Delayed:
+    """A batcher with a long --batch-delay on a clock of the test's: each call's rows are
+    recorded, and a step's thread can be watched while it waits for company."""
+
+    def __init__(self, runner: SegmentRunner, max_batch: int = 8) -> None:
+        self.runner = runner
+        self.clock = Clock()
+        self.calls: list[int] = []
+        self.hook: Callable[[int], None] = lambda rows: None
+        #: 60 s of the test's clock: a wait ends by company, or by the test moving the clock.
+        self.batcher = StepBatcher(
+            self._run, name="test", max_batch=max_batch, delay_s=60.0, clock=self.clock
+        )
+
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows = int(feeds["input_ids"].shape[0])
+        self.calls.append(rows)
+        self.hook(rows)
+        return self.runner.run(feeds)
+
+    def at(self, when: float, *steps: tuple[str, Mapping[str, np.ndarray]]) -> None:
+        """Run ``steps`` (member, feeds) one after the other at ``when``, each to its end."""
+        self.clock.now = when
+        for member, feeds in steps:
+            self.batcher.run(feeds, member=member)
+
+    def start(self, member: str, feeds: Mapping[str, np.ndarray]) -> threading.Thread:
+        thread = threading.Thread(target=self.batcher.run, args=(feeds,), kwargs={"member": member})
+        thread.start()
+        return thread
+
+    def queued(self, count: int, thread: threading.Thread) -> bool:
+        """Whether ``count`` steps queue (waiting for company) before ``thread`` ends."""
+        with self.batcher._cond:
+            self.batcher._cond.wait_for(
+                lambda: len(self.batcher._queue) >= count or not thread.is_alive(), 30
+            )
+            return len(self.batcher._queue) >= count
+
+    def finish(self, *threads: threading.Thread) -> bool:
+        """Whether ``threads`` end by themselves (within 30 s); if not, the delay is let
+        pass on the clock so that they end all the same."""
+        for thread in threads:
+            thread.join(30)
+        ended = not any(thread.is_alive() for thread in threads)
+        if not ended:
+            self.clock.now += 3600
+            self.batcher._wake()
+            for thread in threads:
+                thread.join(30)
+        return ended
+
+
+def test_with_a_delay_a_step_at_an_idle_tier_waits_for_its_sessions_company(
+    runner: SegmentRunner,
+) -> None:
+    """Lockstep sessions do not fall into turns ([Note: the step batcher]): the first step
+    of a round finds the tier idle and waits for the other session's, then both run as
+    one call, bit for bit as alone. Sessions seen for the first time never wait."""
+    tier = Delayed(runner)
+    tier.at(0.0, ("a", step(4, 1, 0)), ("b", step(4, 2, 1)))
+    assert tier.calls == [1, 1]  # b was new: it did not wait for a
+    a, b = step(5, 3, 2), step(5, 4, 3)
+    tier.clock.now = 0.1
+    first = tier.start("a", a)
+    assert tier.queued(1, first), "a's step ran alone instead of waiting for b's"
+    results = {}
+    second = threading.Thread(target=lambda: results.update(b=tier.batcher.run(b, member="b")))
+    second.start()
+    assert tier.finish(first, second)
+    assert tier.calls == [1, 1, 2]
+    alone = runner.run(b)
+    for name in runner.output_names:
+        assert np.array_equal(results["b"][name], alone[name]), name
+
+
+def test_with_a_delay_a_step_waits_for_company_at_most_the_delay(runner: SegmentRunner) -> None:
+    tier = Delayed(runner)
+    tier.at(0.0, ("a", step(4, 1, 0)), ("b", step(4, 2, 1)))
+    tier.clock.now = 0.1
+    first = tier.start("a", step(5, 3, 2))
+    assert tier.queued(1, first)
+    tier.clock.now = 0.1 + 60.0  # the delay passed and b's step did not come
+    tier.batcher._wake()
+    first.join(30)
+    assert not first.is_alive() and tier.calls == [1, 1, 1]
+
+
+def test_a_session_that_stopped_is_not_waited_for_after_two_of_its_rounds(
+    runner: SegmentRunner,
+) -> None:
+    """a and b step together every 0.1 s; b stops: a waits for it no longer once b's last
+    step is ``ROUNDS`` (2) rounds old, not ``ACTIVE_S`` (2 s)."""
+    tier = Delayed(runner)
+    tier.at(0.0, ("a", step(4, 1, 0)), ("b", step(4, 2, 1)))
+    tier.clock.now = 0.1
+    first = tier.start("a", step(5, 3, 2))
+    assert tier.queued(1, first)
+    second = tier.start("b", step(5, 4, 3))
+    assert tier.finish(first, second) and tier.calls == [1, 1, 2]
+    tier.clock.now = 0.1 + 0.25  # b's last step was 0.25 s ago, its round 0.1 s
+    alone = tier.start("a", step(6, 5, 4))
+    assert tier.finish(alone), "a waited for b, which stopped two rounds ago"
+    assert tier.calls == [1, 1, 2, 1]
+
+
+def test_steps_of_other_lengths_are_not_company(runner: SegmentRunner) -> None:
+    """b is at another past length (its steps never share a call with a's in the exact
+    default): a's step does not wait for it."""
+    tier = Delayed(runner)
+    tier.at(0.0, ("a", step(4, 1, 0)), ("b", step(9, 2, 1)))
+    tier.clock.now = 0.1
+    first = tier.start("a", step(5, 3, 2))
+    assert tier.finish(first), "a waited for b, a step of another length"
+    assert tier.calls == [1, 1, 1]
+
+
+def test_steps_queued_behind_a_batch_do_not_wait_for_its_sessions(runner: SegmentRunner) -> None:
+    """With --max-batch 2, a and b run as a batch and c's step queues behind it: c's
+    company (a, b) just ran a round ahead of it, so c runs next, at once."""
+    tier = Delayed(runner, max_batch=2)
+    tier.at(0.0, ("a", step(4, 1, 0)), ("b", step(4, 2, 1)), ("c", step(4, 3, 2)))
+    threads: list[threading.Thread] = []
+
+    def queue_c(rows: int) -> None:
+        if rows == 2 and not threads:  # a and b's batch: c arrives while it runs
+            threads.append(tier.start("c", step(5, 6, 5)))
+            assert tier.queued(1, threads[0])
+
+    tier.hook = queue_c
+    tier.clock.now = 0.1
+    first = tier.start("a", step(5, 4, 3))
+    assert tier.queued(1, first)
+    second = tier.start("b", step(5, 5, 4))  # a's group is full: a and b go
+    assert tier.finish(first, second)
+    assert tier.finish(*threads), "c waited for a and b, a round ahead of it"
+    assert tier.calls == [1, 1, 1, 2, 1]
+
+
+def test_without_a_delay_nothing_waits_and_nothing_is_tracked(runner: SegmentRunner) -> None:
+    batcher = StepBatcher(runner.run, name="test", max_batch=8)
+    batcher.run(step(4, 1, 0), member="a")
+    batcher.run(step(4, 2, 1), member="b")
+    batcher.run(step(5, 3, 2), member="a")  # b is active: with no delay, a runs at once
+    assert batcher.stats.sizes == {1: 3} and not batcher._seen
