@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierflow.codec.base import CodecSpec
 from tierflow.errors import PlanError
 from tierflow.link.spec import LINKS, TIERS
 from tierflow.partitioner.cost import Estimate
@@ -23,6 +22,7 @@ from tierflow.partitioner.decoder_cost import DecoderEstimate
 from tierflow.partitioner.decoder_graph import DecoderGraph, split_decoder, verify_decoder_split
 from tierflow.partitioner.exits.plan import split_with_exits
 from tierflow.partitioner.fidelity import FidelityScore
+from tierflow.partitioner.fidelity_search import lossy_crossings
 from tierflow.partitioner.graph import ModelGraph
 from tierflow.partitioner.plan_options import Planned, PlanOptions
 from tierflow.partitioner.split import Segment, VerifyResult, save_split_plan, verify_split
@@ -158,7 +158,8 @@ def write_plan(
                 "max_abs_diff": check.max_abs_diff,
             }
         )
-        if fidelity is None and _lossless(chosen):
+        step = chosen.step if isinstance(chosen, DecoderEstimate) else chosen
+        if fidelity is None and not lossy_crossings(step):
             fidelity = FidelityScore("exact", 1.0, check.steps, True, str(options.fidelity))
     directory = Path(plan_dir)
     plan = save_split_plan(
@@ -181,7 +182,3 @@ def write_plan(
     return WrittenPlan(
         plan, directory, check.bitwise_equal, check.max_abs_diff, check.steps, fidelity
     )
-
-
-def _lossless(chosen: Estimate | DecoderEstimate) -> bool:
-    return all(CodecSpec.parse(codec).bit_exact for codec in chosen.codec.values())

@@ -336,6 +336,8 @@ def test_the_one_planner_plans_a_decoder_as_it_plans_any_model(
     assert outcome.plan.decoder == graph.decoder
     assert outcome.plan.estimate["cut_indices"] == list(best.cuts)
     assert outcome.plan.estimate["verified"]["steps"] == 8
+    # No lossy crossing ([Note: fidelity search]): the plan records itself exact.
+    assert outcome.plan.fidelity is not None and outcome.plan.fidelity["metric"] == "exact"
     cloud = write_plan(graph, profiles, options, outcome.result.baselines["cloud-only"],
                        tmp_path / "cloud")  # fmt: skip
     assert [s.tier for s in cloud.plan.segments] == ["cloud"]
