@@ -177,14 +177,4 @@ def _scaled(
     base: Sequence[Mapping[str, CodecStats]], slowdown: float
 ) -> list[dict[str, CodecStats]]:
     """Codec figures per cut with every time scaled by ``slowdown``."""
-    return [
-        {
-            name: replace(
-                stats,
-                encode_s_per_mb=stats.encode_s_per_mb * slowdown,
-                decode_s_per_mb=stats.decode_s_per_mb * slowdown,
-            )
-            for name, stats in cut.items()
-        }
-        for cut in base
-    ]
+    return [{name: stats.slower(slowdown) for name, stats in cut.items()} for cut in base]

@@ -31,8 +31,9 @@ With one intra-op thread every call is timed by the calling thread's CPU time
 profile without inflating it; with more threads only the wall clock sees the pool's work.
 
 Emulation: a machine ``slowdown`` times slower than this one is profiled by measuring
-here and multiplying every time (compute, overhead, codec speed) by ``slowdown``; the
-benchmark emulates it the same way, by sleeping ``(slowdown - 1)`` times what it measured.
+here and multiplying every time (compute, overhead, codec speed) by ``slowdown``
+(:meth:`Profile.emulate`, which ``plan --slowdown`` uses too); the runtime emulates it the
+same way, by sleeping ``(slowdown - 1)`` times what it measured.
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ _MAX_CALIBRATION_RUNS = 10
 _TIMING_SHARE = 0.5
 
 
-def machine_info(threads: int, slowdown: float, providers: Sequence[str] = (CPU,)) -> MachineInfo:
-    """Describe this machine, profiled with ``threads`` and emulated ``slowdown`` x slower."""
+def machine_info(threads: int, providers: Sequence[str] = (CPU,)) -> MachineInfo:
+    """Describe this machine, profiled with ``threads`` (as it is: :meth:`Profile.emulate`
+    makes it slower)."""
     import onnxruntime
 
     return MachineInfo(
@@ -115,8 +117,8 @@ def machine_info(threads: int, slowdown: float, providers: Sequence[str] = (CPU,
         cpu=_cpu_model(),
         cores=os.cpu_count() or 1,
         threads=threads,
-        slowdown=slowdown,
-        emulated=slowdown != 1.0,
+        slowdown=1.0,
+        emulated=False,
         onnxruntime=onnxruntime.__version__,
         providers=tuple(providers),
     )
@@ -313,10 +315,9 @@ def measure_cut_codecs(
     features: Mapping[str, np.ndarray],
     codecs: Sequence[str],
     *,
-    slowdown: float = 1.0,
     progress: Callable[[int], None] | None = None,
 ) -> list[dict[str, CodecStats]]:
-    """Each codec's figures on the real features crossing each cut, times ``slowdown``.
+    """Each codec's figures on the real features crossing each cut, on this machine.
 
     ``features`` must hold every tensor crossing a cut (see :func:`capture_features`).
     A ``drop+`` or ``sparse+`` codec that a cheap look at the features shows cannot beat
@@ -340,12 +341,7 @@ def measure_cut_codecs(
                 stats[name] = skipped_stats(name)
                 continue
             measured = codec_lib.measure(name, arrays, repeats=repeats)
-            stats[name] = replace(
-                measured,
-                codec=name,
-                encode_s_per_mb=measured.encode_s_per_mb * slowdown,
-                decode_s_per_mb=measured.decode_s_per_mb * slowdown,
-            )
+            stats[name] = replace(measured, codec=name)
         result.append(stats)
         if progress is not None:
             progress(cut.index)
@@ -406,7 +402,7 @@ def profile_model(
     progress: ProgressFn | None = None,
     providers: Sequence[str] = (CPU,),
 ) -> Profile:
-    """Measure ``graph`` on this machine; see [Note: segment latency].
+    """Measure ``graph`` on this machine, then emulate ``slowdown``; see [Note: segment latency].
 
     Runs the model once unit by unit on its representative input (``--sample`` when
     given), which both times every unit and captures the real features at every cut for
@@ -438,18 +434,18 @@ def profile_model(
         graph,
         features,
         codecs,
-        slowdown=slowdown,
         progress=lambda i: steps.advance(f"codecs at cut {i}"),
     )
-    return _assemble(
+    here = _assemble(
         graph,
-        machine_info(threads, slowdown, providers),
+        machine_info(threads, providers),
         overhead=overhead,
         fit=fit,
         measured=measured,
         cut_stats=cut_stats,
         started=started,
     )
+    return here.emulate(slowdown)
 
 
 class _Steps:
@@ -573,8 +569,7 @@ def _assemble(
     cut_stats: Sequence[Mapping[str, CodecStats]],
     started: float,
 ) -> Profile:
-    """The profile of the measured figures, every time multiplied by the slowdown."""
-    slowdown = machine.slowdown
+    """The profile of the measured figures, on this machine."""
     cut_profiles = [
         CutProfile(cut.index, cut.position, tuple(cut.tensors), cut.nbytes, stats)
         for cut, stats in zip(graph.cuts, cut_stats, strict=True)
@@ -582,7 +577,7 @@ def _assemble(
     units = tuple(
         UnitProfile(
             index=i,
-            compute_s=fit.unit_s[i] * fit.correction * slowdown,
+            compute_s=fit.unit_s[i] * fit.correction,
             weight_bytes=graph.weight_bytes(i, i + 1),
             peak_activation_bytes=graph.peak_activation_bytes(i, i + 1),
         )
@@ -616,7 +611,7 @@ def _assemble(
         model_sha256=graph.sha256,
         cuts=tuple(cut_profiles),
         units=units,
-        overhead_s=overhead * slowdown,
+        overhead_s=overhead,
         calibration=calibration,
-        output_s_per_byte=fit.per_byte * slowdown,
+        output_s_per_byte=fit.per_byte,
     )

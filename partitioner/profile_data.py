@@ -215,17 +215,7 @@ class Profile:
             raise ProfileError(f"a slowdown must be positive, got {slowdown!r}")
         factor = slowdown / self.machine.slowdown
         cuts = tuple(
-            replace(
-                cut,
-                codecs={
-                    name: replace(
-                        stats,
-                        encode_s_per_mb=stats.encode_s_per_mb * factor,
-                        decode_s_per_mb=stats.decode_s_per_mb * factor,
-                    )
-                    for name, stats in cut.codecs.items()
-                },
-            )
+            replace(cut, codecs={name: s.slower(factor) for name, s in cut.codecs.items()})
             for cut in self.cuts
         )
         units = tuple(replace(u, compute_s=u.compute_s * factor) for u in self.units)

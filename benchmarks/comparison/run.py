@@ -76,7 +76,7 @@ def machine() -> dict[str, Any]:
 
     from tierflow.partitioner.profile import machine_info
 
-    info = machine_info(1, 1.0)
+    info = machine_info(1)
     return {
         "cpu": info.cpu,
         "cores": os.cpu_count() or 1,

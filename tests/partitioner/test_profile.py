@@ -89,7 +89,12 @@ def test_slowdown_emulation_and_round_trip(zoo_exports: Any, tmp_path: Any) -> N
     )
     assert slow.machine.emulated and slow.slowdown == 8.0
     assert steps[-1][0] == steps[-1][1] and len(steps) == steps[-1][1]
-    assert slow.overhead_s == pytest.approx(8.0 * slow.emulate(1.0).overhead_s)
+    here = slow.emulate(1.0)
+    assert slow.overhead_s == pytest.approx(8.0 * here.overhead_s)
+    # Every time scales, the codecs' too; sizes and ratios stay.
+    for cut, base in zip(slow.cuts, here.cuts, strict=True):
+        assert cut.codecs == {name: s.slower(8.0) for name, s in base.codecs.items()}
+    assert slow.units[0].compute_s == pytest.approx(8.0 * here.units[0].compute_s)
     path = save_profile(slow, tmp_path / "slow.json")
     assert load_profile(path, graph) == slow
 

@@ -367,6 +367,15 @@ class CodecStats:
     decode_s_per_mb: float
     max_abs_error: float
 
+    def slower(self, factor: float) -> CodecStats:
+        """These figures on a machine ``factor`` times slower: times scale, the ratio and
+        the error stay (what a profile's emulated slowdown does to its codecs)."""
+        return dataclasses.replace(
+            self,
+            encode_s_per_mb=self.encode_s_per_mb * factor,
+            decode_s_per_mb=self.decode_s_per_mb * factor,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "codec": self.codec,

@@ -660,6 +660,11 @@ def test_measure_reports_ratio_speed_and_error() -> None:
     assert empty.max_abs_error == 0.0
 
 
+def test_codec_stats_on_a_slower_machine_scale_their_times_only() -> None:
+    stats = CodecStats("int8+zstd", 5.0, 0.01, 0.02, 0.1)
+    assert stats.slower(4.0) == CodecStats("int8+zstd", 5.0, 0.04, 0.08, 0.1)
+
+
 def test_codec_stats_from_dict_validates() -> None:
     good = {"codec": "zstd", "ratio": 2.0, "encode_s_per_mb": 0.01, "decode_s_per_mb": 0.01}
     with pytest.raises(UsageError, match="malformed codec stats"):
