@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.comparison.fronts import TIERFLOW_PLANS
 from benchmarks.lib import RESULTS
 from tierflow.codec.base import ImageNorm
 
@@ -59,30 +60,10 @@ IMAGE_BASELINES: dict[str, str] = {
     "cloud-only-png": "png",
 }
 #: Strategies whose plan is tierflow's own (the verdict compares them with the others).
-TIERFLOW = (
-    "tierflow",
-    "tierflow-budget",
-    "tierflow-budget-100",
-    "tierflow-budget-98",
-    "tierflow-budget-95",
-    "tierflow-budget-90",
-    "tierflow-split",
-    "tierflow-exits",
-    "tierflow-bottleneck",
-    "tierflow-lowbit",
-)
+TIERFLOW = (*TIERFLOW_PLANS, "tierflow-exits")
 #: tierflow's rows the verdict judges (exits rows are measured on another workload;
 #: ``tierflow-split`` is planned for a smaller device than the baselines run on).
-VERDICT_STRATEGIES = (
-    "tierflow",
-    "tierflow-budget",
-    "tierflow-budget-100",
-    "tierflow-budget-98",
-    "tierflow-budget-95",
-    "tierflow-budget-90",
-    "tierflow-bottleneck",
-    "tierflow-lowbit",
-)
+VERDICT_STRATEGIES = tuple(name for name in TIERFLOW_PLANS if name != "tierflow-split")
 #: The folded ``tierflow-lowbit`` row is the fastest low-bit split of at least this fidelity.
 LOWBIT_FIDELITY = 0.99
 #: The issue's goal for a split plan on a trained model: this many times faster than
@@ -94,16 +75,8 @@ GOAL_MBIT = (1.0, 50.0)
 #: as candidates but do not meet it.
 LOW_BIT_QUANTS = ("int4", "int2")
 GOAL_KINDS = ("learned", "low-bit")
-GOAL_STRATEGIES = (
-    "tierflow-budget",
-    "tierflow-budget-100",
-    "tierflow-budget-98",
-    "tierflow-budget-95",
-    "tierflow-budget-90",
-    "tierflow-split",
-    "tierflow-bottleneck",
-    "tierflow-lowbit",
-)
+#: tierflow's plans that may meet it: all but the exact one.
+GOAL_STRATEGIES = tuple(name for name in TIERFLOW_PLANS if name != "tierflow")
 BOTTLENECK_JSON = RESULTS / "bottleneck.json"
 #: ``bottleneck_trained.py``'s runs: learned bottlenecks on the comparison's ImageNet classifiers,
 #: one file each (``bottleneck_trained.json`` for EfficientNet-Lite0, the first;
