@@ -223,36 +223,20 @@ def _streamer(strategy: str, out: TextIO) -> setup.TokenHook:
     return write
 
 
-def _cell(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def result_rows(rows: Sequence[Mapping[str, Any]]) -> list[list[str]]:
     """One row of cells per strategy, under :data:`HEADERS`."""
     from tierflow.device.generation import layer_ranges
 
     cells = []
     for row in rows:
-        per_token = row["bytes_per_token"]
-        kept = (
-            f"{row['accepted']}/{row['drafted']} ({row['acceptance']:.0%})"
-            if row["drafted"]
-            else "-"
-        )
+        figures = setup.figure_cells(row)
         cells.append(
             [
                 row["strategy"],
                 row["model"],
                 " -> ".join(row["tiers"]),
                 layer_ranges(row["blocks"]) or "-",
-                _cell(row["ttft_ms"], ".1f"),
-                _cell(row["ms_per_token"], ".1f"),
-                _cell(row["tokens_per_s"], ".1f"),
-                f"{row['round_trips_per_token']:.2f}",
-                f"{per_token.get('device-edge', 0):,.0f}",
-                f"{per_token.get('edge-cloud', 0):,.0f}",
-                kept,
-                _cell(row["agreement"], ".1%"),
+                *(figures[header] for header in HEADERS[4:]),
             ]
         )
     return cells
@@ -308,7 +292,7 @@ def comparisons(
     )
     predicted = ", ".join(
         f"{name} {plans.estimate(name).per_token_s * 1e3:.1f} against "
-        f"{_cell(by[name]['ms_per_token'], '.1f')}"
+        f"{setup.figure_cells(by[name])['ms/token']}"
         for name in ("cloud-only", "device-only", "split")
     )
     notes.append(f"predicted against measured ms per token: {predicted}")

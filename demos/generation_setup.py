@@ -220,6 +220,31 @@ class GenerationRun:
         }
 
 
+def figure_cells(row: Mapping[str, Any]) -> dict[str, str]:
+    """The measured figures of one :meth:`GenerationRun.to_dict` row as table cells, by
+    column header: the demo's table and the benchmark's show them alike."""
+    per_token = row["bytes_per_token"]
+    return {
+        "TTFT ms": _cell(row["ttft_ms"], ".1f"),
+        "ms/token": _cell(row["ms_per_token"], ".1f"),
+        "tokens/s": _cell(row["tokens_per_s"], ".1f"),
+        "round trips/token": f"{row['round_trips_per_token']:.2f}",
+        "device-edge B/token": f"{per_token.get('device-edge', 0):,.0f}",
+        "edge-cloud B/token": f"{per_token.get('edge-cloud', 0):,.0f}",
+        "drafts kept": _kept(row["accepted"], row["drafted"], row["acceptance"]),
+        "acceptance rate": _kept(row["accepted"], row.get("judged"), row.get("acceptance_rate")),
+        "agrees": _cell(row["agreement"], ".1%"),
+    }
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _kept(accepted: int, of: int | None, share: float | None) -> str:
+    return f"{accepted}/{of} ({share:.0%})" if of else "-"
+
+
 TokenHook = Callable[[int, bool], None]
 
 

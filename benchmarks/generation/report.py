@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tierflow.demos import generation_setup as setup
+
 Row = Mapping[str, Any]
 
 #: The markers of the generation benchmark's section of RESULTS.md.
@@ -203,38 +205,17 @@ def verdict_lines(goals: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
-def _cell(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def table_rows(rows: Sequence[Row]) -> list[list[str]]:
+    """One row of cells per strategy and link, under :data:`HEADERS`."""
     out = []
     for row in rows:
-        per_token = row["bytes_per_token"]
-        kept = (
-            f"{row['accepted']}/{row['drafted']} ({row['acceptance']:.0%})"
-            if row["drafted"]
-            else "-"
-        )
-        rate = (
-            f"{row['accepted']}/{row['judged']} ({row['acceptance_rate']:.0%})"
-            if row.get("judged")
-            else "-"
-        )
+        figures = setup.figure_cells(row)
         out.append(
             [
                 "-" if row["rtt_ms"] is None else f"{row['rtt_ms']:g}",
                 "-" if row["mbit"] is None else f"{row['mbit']:g}",
                 row["strategy"],
-                _cell(row["ttft_ms"], ".1f"),
-                _cell(row["ms_per_token"], ".1f"),
-                _cell(row["tokens_per_s"], ".1f"),
-                f"{row['round_trips_per_token']:.2f}",
-                f"{per_token.get('device-edge', 0):,.0f}",
-                f"{per_token.get('edge-cloud', 0):,.0f}",
-                kept,
-                rate,
-                _cell(row["agreement"], ".1%"),
+                *(figures[header] for header in HEADERS[3:]),
             ]
         )
     return out

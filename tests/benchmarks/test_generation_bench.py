@@ -153,6 +153,19 @@ def test_tables_show_every_row_and_each_used_tier() -> None:
     assert "| split | edge | 1.00 MiB |" in text
 
 
+def test_the_demo_and_the_benchmark_show_a_run_alike() -> None:
+    from tierflow.demos.generate import HEADERS as DEMO_HEADERS
+    from tierflow.demos.generate import result_rows
+
+    drafted = row("split+draft", 30.0, tiers=["edge", "cloud"], blocks={"edge": [0, 1]})
+    bench = dict(zip(report.HEADERS, report.table_rows([drafted])[0], strict=True))
+    demo = dict(zip(DEMO_HEADERS, result_rows([drafted])[0], strict=True))
+    shared = set(report.HEADERS) & set(DEMO_HEADERS)
+    assert len(shared) == 9 and "agrees" in shared and "device-edge B/token" in shared
+    assert {h: bench[h] for h in shared} == {h: demo[h] for h in shared}
+    assert demo["drafts kept"] == "40/88 (45%)" and demo["blocks"] == "edge 0-1"
+
+
 @pytest.mark.integration
 def test_quick_run_writes_results_and_judges_them(byte_family: Any, tmp_path: Path) -> None:
     done = subprocess.run(
