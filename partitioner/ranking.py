@@ -119,11 +119,7 @@ def _rank_decoder(
     notes += ensure_codecs(graph.decode, decode, codecs)
     sessions = graph.settings.sessions
     batched = None
-    if sessions is not None:
-        if options.objective != "throughput":
-            raise UsageError(
-                f"--sessions {sessions} plans for concurrent sessions: add --objective throughput"
-            )
+    if sessions is not None:  # --objective throughput: refuse_for_decoder checks it on entry
         at_n = {t: at_batch(profiles.by_batch(t), sessions) for t in TIERS}
         batched = options.problem(at_n, codecs)
     tables = decoder_tables(

@@ -195,7 +195,7 @@ def test_decoder_plan_json_report(decoder_path: Path, tmp_path: Path, capsys: An
         (["--shape", "input_ids=1x4"], "--shape does not apply to a decoder"),
         ([f"--memory={t}=1KiB" for t in ("device", "edge", "cloud")], "KV cache at --context"),
         (["--state", "input_ids=logits"], "state pair input_ids -> logits"),
-        (["--sessions", "4"], "--sessions 4 plans for concurrent sessions"),
+        (["--sessions", "4"], "concurrent sessions' aggregate tokens per second: add --objective"),
         (["--objective", "throughput", "--sessions", "0"], "--sessions must be a whole number"),
     ],
 )  # fmt: skip
