@@ -30,16 +30,19 @@ connected since), :meth:`StreamClient.submit` fails at once instead of queueing,
 
 [Note: replicas]
 The peer's address may be a gRPC target list, ``ipv4:H1:P1,H2:P2`` (or a ``dns:`` name
-with several addresses, a Kubernetes headless Service). The channel balances round robin
-(gRPC's own ``round_robin`` policy), but it balances *calls*, and a stream is one call: it
-stays on the replica it was opened on. So a client of a list keeps one stream per listed
-address (:data:`DNS_STREAMS` for a ``dns:`` name), opens them in turn as requests come, and
-sends its requests over them in turn; the channel connects to every replica as soon as
-the client is made, so that the first streams already find them all ready. When a replica
-dies, its stream breaks and its requests in flight fail as above (typed errors; those that
-never reached it are sent again); the stream opened next in its place goes to a live
-replica, since round robin picks only among connected ones. A replica that comes back
-gets streams again as others break, not at once. The requests of a session
+with several addresses, a Kubernetes headless Service). gRPC's ``round_robin`` policy
+balances *calls*, and a stream is one call: it stays on the replica it was opened on, and
+which replica that is depends on which were connected at that moment (under load, two of
+three streams opened on one replica and the third replica got nothing). So a client of a
+list keeps one channel per listed address (:class:`_Replica`) and one stream per listed
+address, stream ``i`` on replica ``i``'s channel, and sends its requests over them in
+turn: each replica takes every n-th request, whatever the timing. The channels connect to
+every replica as soon as the client is made. When a replica dies, its stream breaks and
+its requests in flight fail as above (typed errors; those that never reached it are sent
+again); the stream opened next in its place goes to the next replica in the list whose
+channel is not known to be down. A replica that comes back gets streams again as others
+break, not at once. A ``dns:`` name, whose addresses the client cannot count, keeps one
+round-robin channel and :data:`DNS_STREAMS` streams on it. The requests of a session
 ([Note: session state on a tier] in tierflow/state/store.py) all take the same stream,
 so that its state stays on one replica; when that replica dies, the replica its next
 request reaches holds no state for it and the device replays the session.
@@ -111,12 +114,19 @@ def channel_options(max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> list[tupl
 
 def stream_count(address: str) -> int:
     """How many streams a client keeps to ``address`` ([Note: replicas])."""
-    scheme, _, rest = address.partition(":")
-    if scheme in ("ipv4", "ipv6"):
-        return max(1, len([part for part in rest.split(",") if part.strip()]))
-    if scheme == "dns":
+    if address.partition(":")[0] == "dns":
         return DNS_STREAMS
-    return 1
+    return len(replica_addresses(address))
+
+
+def replica_addresses(address: str) -> list[str]:
+    """The addresses a client keeps a channel to, one per listed replica of an ``ipv4:`` or
+    ``ipv6:`` list, else ``address`` itself ([Note: replicas])."""
+    scheme, _, rest = address.partition(":")
+    parts = [part.strip() for part in rest.split(",") if part.strip()]
+    if scheme in ("ipv4", "ipv6") and len(parts) > 1:
+        return [f"{scheme}:{part}" for part in parts]
+    return [address]
 
 
 _ROUND_ROBIN = '{"loadBalancingConfig": [{"round_robin": {}}]}'
@@ -149,20 +159,45 @@ class Sent:
     attempts: int = 1
 
 
+class _Replica:
+    """One channel of a client's and what it knows of its connection ([Note: replicas]);
+    its fields change under the client's lock."""
+
+    def __init__(self, client: StreamClient, channel: grpc.Channel) -> None:
+        self.client = client
+        self.channel = channel
+        self.stub = tier_pb2_grpc.TierStub(channel)
+        self.down = False  # see StreamClient.known_down
+        self.connected = False
+        self.connections = 0  # times the channel became READY
+
+    def on_state(self, state: grpc.ChannelConnectivity) -> None:
+        with self.client.lock:
+            self.connected = state == grpc.ChannelConnectivity.READY
+            if self.connected:
+                self.connections += 1
+                self.down = False
+            elif state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                self.down = True
+            elif state == grpc.ChannelConnectivity.IDLE:
+                self.down = False  # nothing is trying to connect: the next call will
+
+
 class _Stream:
     """One ``Infer`` call and the requests waiting for replies on it."""
 
-    def __init__(self, client: StreamClient) -> None:
+    def __init__(self, client: StreamClient, replica: _Replica) -> None:
         self.client = client
+        self.replica = replica
         self.queue: ShapedQueue[tier_pb2.Request] = ShapedQueue(client.shaper)
         self.pending: dict[str, Sent] = {}
         self.alive = True
         self.replied = False
         self.used = time.monotonic()  # when a request was last sent or answered on it
         # Made under client.lock: whether anything sent on it may have reached the peer.
-        self.connected_at_start = client._connected
-        self.connections_at_start = client._connections
-        self.call = client.stub.Infer(self.queue.drain())
+        self.connected_at_start = replica.connected
+        self.connections_at_start = replica.connections
+        self.call = replica.stub.Infer(self.queue.drain())
         self.reader = threading.Thread(target=self._read, name=f"{client.me}-reader", daemon=True)
         self.reader.start()
 
@@ -193,7 +228,7 @@ class _Stream:
                     code="OVERLOADED",
                     tier=client.peer,
                 )
-            elif client._connections == 0:
+            elif self.replica.connections == 0:
                 error = TransportError(
                     f"the {client.peer} at {client.address} was never reached: {name}: {details}"
                 )
@@ -213,7 +248,7 @@ class _Stream:
                 not unavailable
                 or self.replied
                 or self.connected_at_start
-                or client._connections != self.connections_at_start
+                or self.replica.connections != self.connections_at_start
             )
         self.queue.close()
         if not reached:  # nothing got out: no bytes to report ([Note: honest link figures])
@@ -300,9 +335,17 @@ class StreamClient:
         self.peer = peer
         self.shaper = shaper
         self.max_message_bytes = max_message_bytes
-        self.channel = open_channel(address, security, channel_options(max_message_bytes))
-        self.stub = tier_pb2_grpc.TierStub(self.channel)
+        options = channel_options(max_message_bytes)
+        #: The peer (all its replicas, round robin): for probes and segment fetches.
+        self.channel = open_channel(address, security, options)
         self.lock = threading.Lock()
+        listed = replica_addresses(address)
+        channels = (
+            [self.channel]
+            if len(listed) == 1
+            else [open_channel(one, security, options) for one in listed]
+        )
+        self.replicas = [_Replica(self, channel) for channel in channels]
         # One slot per stream kept ([Note: replicas]); None: not open (or broken).
         self.streams: list[_Stream | None] = [None] * stream_count(address)
         self._turn = itertools.count()
@@ -312,31 +355,19 @@ class StreamClient:
         self._deadlines: list[tuple[float, str, int, _Stream]] = []
         self._wake = threading.Condition(self.lock)
         self._closed = False
-        self._down = False  # see known_down
-        self._connected = False
-        self._connections = 0  # times the channel became READY
         # With replicas, connect to all of them now, before the first streams are opened.
-        self.channel.subscribe(self._on_state, try_to_connect=len(self.streams) > 1)
+        for replica in self.replicas:
+            replica.channel.subscribe(replica.on_state, try_to_connect=len(self.streams) > 1)
         self._sweeper = threading.Thread(target=self._sweep, name=f"{me}-deadlines", daemon=True)
         self._sweeper.start()
-
-    def _on_state(self, state: grpc.ChannelConnectivity) -> None:
-        with self.lock:
-            self._connected = state == grpc.ChannelConnectivity.READY
-            if self._connected:
-                self._connections += 1
-                self._down = False
-            elif state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-                self._down = True
-            elif state == grpc.ChannelConnectivity.IDLE:
-                self._down = False  # nothing is trying to connect: the next call will
 
     def _check_figures(self, reply: tier_pb2.Reply) -> None:
         check_figures(reply, self.me, self.peer, self.address)
 
     def known_down(self) -> bool:
-        """Whether the peer is known to be down ([Note: retries and failing fast])."""
-        return self._down
+        """Whether the peer is known to be down ([Note: retries and failing fast]): every
+        replica's channel ([Note: replicas])."""
+        return all(replica.down for replica in self.replicas)
 
     def submit(
         self,
@@ -375,8 +406,8 @@ class StreamClient:
         with self.lock:
             if self._closed:
                 raise TransportError(f"the stream to the {self.peer} is closed")
-            if self._down:
-                if self._connections == 0:
+            if self.known_down():
+                if not any(replica.connections for replica in self.replicas):
                     raise TransportError(
                         f"the {self.peer} at {self.address} was never reached (no connection "
                         "could be made to it); not sending"
@@ -412,9 +443,19 @@ class StreamClient:
             stream.queue.close()  # half-closed: the server ends it once it has read this
             stream = None
         if stream is None or not stream.alive:
-            stream = self.streams[slot] = _Stream(self)
+            stream = self.streams[slot] = _Stream(self, self._replica_for(slot))
         stream.used = now
         return stream
+
+    def _replica_for(self, slot: int) -> _Replica:
+        """The replica a new stream in ``slot`` opens on: the slot's own, or while that one
+        is known down the next in the list that is not ([Note: replicas])."""
+        count = len(self.replicas)
+        for step in range(count):
+            replica = self.replicas[(slot + step) % count]
+            if not replica.down:
+                return replica
+        return self.replicas[slot % count]
 
     def _track(self, stream: _Stream, sent: Sent) -> None:
         """Wait for ``sent``'s reply on ``stream``, within its deadline; lock held."""
@@ -495,5 +536,8 @@ class StreamClient:
         for stream in streams:
             stream.call.cancel()
             stream.reader.join(1.0)
-        self.channel.unsubscribe(self._on_state)
-        close_when_unwatched(self.channel)
+        for replica in self.replicas:
+            replica.channel.unsubscribe(replica.on_state)
+            close_when_unwatched(replica.channel)
+        if self.channel is not self.replicas[0].channel:
+            close_when_unwatched(self.channel)
