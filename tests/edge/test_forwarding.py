@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +22,13 @@ import pytest
 
 from tierflow.cache.memory import MemoryCache
 from tierflow.codec.base import ImageNorm, decode, encode
-from tierflow.device.client import DeviceClient
 from tierflow.edge.forwarding import Forwarding
 from tierflow.errors import UsageError
 from tierflow.onnxrt.inference import open_session
-from tierflow.options import RuntimeOptions
 from tierflow.partitioner.fidelity_probe import plan_fidelity, run_plan_dir
 from tierflow.partitioner.split import session
 from tierflow.plan import Plan, SegmentSpec, load_plan, save_plan
 from tierflow.rpc import tier_pb2
-from tierflow.runtime.server import TierServer
 from tierflow.runtime.upstream import LocalUpstream
 from tierflow.transport.wire import to_proto
 
@@ -121,38 +117,17 @@ def test_the_edge_leaves_the_payload_to_the_cloud(rt: Any, tmp_path: Path) -> No
     assert error.tier == "cloud", error.message
 
 
-@pytest.mark.integration
 def test_a_forwarding_edge_with_a_cache_answers_repeats_and_forwards_the_rest(
     rt: Any, tmp_path: Path
 ) -> None:
     """The edge decodes only to look its cache up; what it forwards is still the device's."""
     plan_dir, model = _cloud_only(rt, tmp_path, "jpeg:30", "jpeg:30")
     feeds, other = _requests(2)
-    options = RuntimeOptions(workers=2)
-    cloud = TierServer.from_plan("cloud", plan_dir, "127.0.0.1:0", options=options)
-    cloud.start()
-    edge = TierServer.from_plan(
-        "edge",
-        plan_dir,
-        "127.0.0.1:0",
-        forwarder=Forwarding(cloud.address),
-        cache=MemoryCache(1 << 20),
-        options=options,
-    )
-    try:
-        edge.start()
-        with DeviceClient(plan_dir, edge.address) as device:
-            first = device.infer(feeds).unwrap()
-            second = first
-            for _ in range(50):  # the store happens just after the answer is sent
-                second = device.infer(feeds).unwrap()
-                if second.cache_hit:
-                    break
-                time.sleep(0.01)
-            third = device.infer(other).unwrap()
-    finally:
-        edge.stop(0.5)
-        cloud.stop(0.5)
+    cache = MemoryCache(1 << 20)
+    with rt.device(plan_dir, edge_cache=cache) as device:
+        first = device.infer(feeds).unwrap()
+        second = device.infer(feeds).unwrap()  # stored once the answer was sent
+        third = device.infer(other).unwrap()
     whole = open_session(model)
     assert first.answered_by == "cloud" and not first.cache_hit
     assert first.bytes["edge-cloud"] == first.bytes["device-edge"]
@@ -164,6 +139,7 @@ def test_a_forwarding_edge_with_a_cache_answers_repeats_and_forwards_the_rest(
     np.testing.assert_array_equal(
         third.outputs["y"], whole.run(["y"], {"x": _once("jpeg:30", other["x"])})[0]
     )
+    assert cache.stats().hits == 1
 
 
 def test_forwarding_needs_an_address_or_an_upstream() -> None:

@@ -14,14 +14,11 @@ import numpy as np
 import pytest
 
 from tierflow.cli.main import main
-from tierflow.device.client import DeviceClient
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import save_split_plan, split_model
 from tierflow.plan import Plan
 from tierflow.runtime.segment_runner import SegmentRunner
-
-pytestmark = pytest.mark.integration
 
 
 def _torch_resnet(path: Path) -> Path:
@@ -43,8 +40,10 @@ def _partitioned_plan(model_path: Path, plan_dir: Path) -> Plan:
     return save_split_plan(graph, segments, plan_dir, cuts=cuts, codec=codec)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model", ["torch-resnet18", "residual"])
+@pytest.mark.parametrize(
+    "model",
+    [pytest.param("torch-resnet18", marks=[pytest.mark.slow, pytest.mark.integration]), "residual"],
+)
 def test_partitioner_plans_reproduce_the_model_exactly(tmp_path: Path, rt: Any, model: str) -> None:
     if model == "residual":
         split = rt.residual(tmp_path / "source")
@@ -57,10 +56,9 @@ def test_partitioner_plans_reproduce_the_model_exactly(tmp_path: Path, rt: Any, 
     name = plan.inputs[0]
     rng = np.random.default_rng(5)
     samples = [{name: rng.standard_normal(shape).astype(np.float32)} for _ in range(4)]
-    with (
-        rt.tiers(plan_dir, optimization="extended") as (edge, _, _),
-        DeviceClient(plan_dir, edge, options=RuntimeOptions(optimization="extended")) as device,
-    ):
+    extended = {"optimization": "extended"}
+    client = {"options": RuntimeOptions(optimization="extended")}
+    with rt.device(plan_dir, grpc=model != "residual", tiers=extended, **client) as device:
         results = [r.unwrap() for r in device.run_stream(samples)]
     for feeds, result in zip(samples, results, strict=True):
         expected = whole.run(feeds)

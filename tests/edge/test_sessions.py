@@ -268,24 +268,30 @@ def test_run_session_streams_in_npz_rows_as_one_session(
         np.testing.assert_array_equal(out["out"], np.stack([e[0] for e in expected]))
 
 
-@pytest.mark.integration
-@pytest.mark.parametrize("tiers", [("edge", None, "grpc")], indirect=True)
-def test_the_app_api_and_the_device_command_stream_a_session(
-    model: Path, tiers: Tiers, tmp_path: Path
-) -> None:
+@pytest.mark.parametrize("tiers", [("edge", None)], indirect=True)
+def test_the_app_api_streams_a_session(model: Path, tiers: Tiers) -> None:
     from tierflow.device.app import Device
 
-    plan_dir, address = tiers.plan_dir, tiers.address
-    assert address is not None
     chunks, _ = chunks_and_state(6)
     zeros = np.zeros((1, 8), np.float32)  # no state given: the tier starts from zeros
     expected = local_loop(model, chunks, zeros)
-    with Device(DeviceClient(plan_dir, address, window=4)) as device:
+    with Device(tiers.client(window=4)) as device:
         first = list(device.stream(chunks[:10], session="app"))
         rest = list(device.stream(chunks[10:], session="app"))  # goes on where it ended
     for result, want in zip(first + rest, expected, strict=True):
         np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
-    # The same chunks as .npy arrays through a pipe into `tierflow device --session`.
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("tiers", [("edge", None, "grpc")], indirect=True)
+def test_the_device_command_streams_a_session_from_a_pipe(
+    model: Path, tiers: Tiers, tmp_path: Path
+) -> None:
+    """Chunks as .npy arrays through a pipe into `tierflow device --session`."""
+    plan_dir, address = tiers.plan_dir, tiers.address
+    assert address is not None
+    chunks, _ = chunks_and_state(6)
+    expected = local_loop(model, chunks, np.zeros((1, 8), np.float32))
     stream = b"".join(_npy(chunk["audio"]) for chunk in chunks)
     results = tmp_path / "r.jsonl"
     done = subprocess.run(
@@ -306,9 +312,8 @@ def _npy(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-@pytest.mark.integration
 def test_the_published_vad_whose_graph_sits_in_one_if_plans_and_streams_exactly(
-    tmp_path: Path, capsys: Any
+    tmp_path: Path, capsys: Any, rt: Any
 ) -> None:
     """Silero VAD's silero_vad.onnx (issue 20, item 1): the whole network inside one If on
     the sample rate, an LSTM state carried from chunk to chunk. It plans, serves, and a
@@ -329,21 +334,10 @@ def test_the_published_vad_whose_graph_sits_in_one_if_plans_and_streams_exactly(
         feeds = {"input": arrays["input"][i], "state": state, "sr": np.array(arrays["sr"][i])}
         out, state = session.run(["output", "stateN"], feeds)
         expected.append(out)
-    options = RuntimeOptions(workers=2)
-    cloud = TierServer.from_plan("cloud", tmp_path / "plan", options=options)
-    cloud.start()
-    edge = TierServer.from_plan(
-        "edge", tmp_path / "plan", forwarder=Forwarding(cloud.address), options=options
-    )
-    edge.start()
-    try:
-        requests = [{k: np.asarray(arrays[k][i]) for k in ("input", "sr")} for i in range(12)]
-        initial = {"state": arrays["state"][0]}
-        with DeviceClient(tmp_path / "plan", edge.address, window=4) as client:
-            results = list(StreamSession(client, "vad", initial=initial).run(requests))
-    finally:
-        edge.stop(0)
-        cloud.stop(0)
+    requests = [{k: np.asarray(arrays[k][i]) for k in ("input", "sr")} for i in range(12)]
+    initial = {"state": arrays["state"][0]}
+    with rt.device(tmp_path / "plan", window=4) as client:
+        results = list(StreamSession(client, "vad", initial=initial).run(requests))
     for result, want in zip(results, expected, strict=True):
         np.testing.assert_array_equal(result.unwrap().outputs["output"], want)
 
