@@ -1,6 +1,11 @@
 """A tier that answers with figures no tier could measure (issue 28 finding 5): the edge and
 the device keep its answers, drop its figures with a counted warning, write valid JSON, and
-their link estimates do not move ([Note: figures in a reply] in tierflow/transport/wire.py)."""
+their link estimates do not move ([Note: figures in a reply] in tierflow/transport/wire.py).
+
+The hostile tiers wrap the services in process ([Note: the next tier in process] in
+tierflow/runtime/upstream.py); ``tierflow run`` through hostile gRPC relays is the
+end-to-end case.
+"""
 
 from __future__ import annotations
 
@@ -21,10 +26,10 @@ from tierflow.edge.forwarding import Forwarding
 from tierflow.options import RuntimeOptions
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.server import TierServer
+from tierflow.runtime.service import TierService
+from tierflow.runtime.upstream import LocalUpstream
 from tierflow.transport.peer_warnings import WARNINGS
 from tierflow.transport.wire import GRPC_OPTIONS, MAX_FIGURE_BPS, add_tier_servicer
-
-pytestmark = pytest.mark.integration
 
 
 def _poison(reply: tier_pb2.Reply) -> None:
@@ -59,6 +64,42 @@ def _relay(target: str) -> tuple[grpc.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
+class HostileTier:
+    """A tier's service in this process whose every reply is poisoned on its way out."""
+
+    def __init__(self, service: TierService) -> None:
+        self.service = service
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.service, name)
+
+    @property
+    def closed(self) -> bool:
+        return self.service.closed
+
+    def handle(self, request: Any, received: float, later: Any, caller: str = "local") -> Any:
+        def poisoned(reply: tier_pb2.Reply) -> None:
+            _poison(reply)
+            later(reply)
+
+        reply = self.service.handle(request, received, poisoned, caller)
+        if reply is not None:
+            _poison(reply)
+        return reply
+
+
+@pytest.fixture
+def hostile_in_process(tmp_path: Path, rt: Any) -> Iterator[tuple[Any, DeviceClient]]:
+    """A cloud whose replies are poisoned, an edge forwarding to it whose replies are
+    poisoned too, and a device client of that edge, with the split."""
+    split = rt.cnn(tmp_path / "plan")
+    with rt.in_process(split.plan_dir) as tiers:
+        tiers.edge.forwarder.upstream = LocalUpstream(HostileTier(tiers.cloud), me="edge")
+        upstream = LocalUpstream(HostileTier(tiers.edge), me="device")
+        with DeviceClient(split.plan_dir, upstream=upstream) as client:
+            yield split, client
+
+
 @pytest.fixture
 def hostile(tmp_path: Path, rt: Any) -> Iterator[tuple[Any, str]]:
     """A real cloud behind a hostile relay, a real edge forwarding to that relay, and a
@@ -87,6 +128,25 @@ def _refuse(token: str) -> Any:
     raise ValueError(f"not JSON: {token}")
 
 
+def test_the_edge_and_the_device_drop_a_hostile_tiers_figures_and_keep_its_answers(
+    hostile_in_process: tuple[Any, DeviceClient],
+) -> None:
+    split, client = hostile_in_process
+    before = {**WARNINGS.counts("edge"), **WARNINGS.counts("device")}
+    feeds = split.sample(3, count=4)
+    results = [client.submit(inputs).result() for inputs in feeds]
+    for inputs, result in zip(feeds, results, strict=True):
+        np.testing.assert_array_equal(result.unwrap().outputs["y"], split.reference(inputs)["y"])
+        record = json.loads(json.dumps(result.to_dict()), parse_constant=_refuse)
+        assert set(record["timings"]) <= {"device", "edge", "cloud"}
+        assert record["bytes"]["edge-cloud"] < 2**40
+        assert all(math.isfinite(v) and 0 <= v < 60_000 for v in result.ms.values())
+    after = {**WARNINGS.counts("edge"), **WARNINGS.counts("device")}
+    for key in (("edge", "reply_figures"), ("device", "reply_figures")):
+        assert after.get(key, 0) - before.get(key, 0) >= len(feeds), key
+
+
+@pytest.mark.integration
 def test_the_edge_and_the_device_drop_a_hostile_tiers_figures_and_write_valid_json(
     hostile: tuple[Any, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -116,15 +176,14 @@ def test_the_edge_and_the_device_drop_a_hostile_tiers_figures_and_write_valid_js
 
 
 def test_a_hostile_edges_link_figures_do_not_move_the_devices_estimates(
-    hostile: tuple[Any, str],
+    hostile_in_process: tuple[Any, DeviceClient],
 ) -> None:
-    split, relay = hostile
-    with DeviceClient(split.plan_dir, relay) as client:
-        for inputs in split.sample(5, count=6):
-            result = client.submit(inputs).result()
-            assert result.ok, result.error
-            assert all(math.isfinite(v) and v >= 0 for v in result.ms.values())
-            assert result.bytes["edge-cloud"] < 2**40
-        for link, estimator in client.estimators.items():
-            rate = estimator.measured().rate_bps
-            assert math.isfinite(rate) and rate <= MAX_FIGURE_BPS, link
+    split, client = hostile_in_process
+    for inputs in split.sample(5, count=6):
+        result = client.submit(inputs).result()
+        assert result.ok, result.error
+        assert all(math.isfinite(v) and v >= 0 for v in result.ms.values())
+        assert result.bytes["edge-cloud"] < 2**40
+    for link, estimator in client.estimators.items():
+        rate = estimator.measured().rate_bps
+        assert math.isfinite(rate) and rate <= MAX_FIGURE_BPS, link
