@@ -136,11 +136,20 @@ def make_cnn(
     codec: dict[str, str] | None = None,
     exit_threshold: float | None = None,
     batch: int = 1,
+    dead_channel: bool = False,
 ) -> Split:
-    """conv-relu | conv-relu (exit head) | pool-flatten-gemm, device | edge | cloud."""
+    """conv-relu | conv-relu (exit head) | pool-flatten-gemm, device | edge | cloud.
+
+    ``dead_channel``: the first conv's first filter is zero, so that channel of the
+    device's features is constant (zero), as dead ReLUs of a trained model leave them."""
     rng = np.random.default_rng(0)
+    w1 = _weights(rng, "w1", (8, 3, 3, 3))
+    if dead_channel:
+        filters = numpy_helper.to_array(w1).copy()
+        filters[0] = 0
+        w1 = numpy_helper.from_array(filters, "w1")
     inits = [
-        _weights(rng, "w1", (8, 3, 3, 3)),
+        w1,
         _weights(rng, "w2", (8, 8, 3, 3)),
         _weights(rng, "w3", (10, 8)),
         _weights(rng, "we", (10, 8)),

@@ -2,29 +2,25 @@
 
 ``plan --sample`` and ``run`` read IN.npz with one reader ([Note: request rows] in
 tierflow/npz.py): a scalar input's rows stay 0-D on the device, across both links and in
-every tier's segment.
+every tier's segment. The tiers are called in process ([Note: the next tier in process] in
+tierflow/runtime/upstream.py), the rows read and written as ``run`` does.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 import onnxruntime as ort
-import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tierflow.cli.main import main
+from tierflow.device.npz import load_requests, save_outputs
 from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import save_split_plan, split_model
 from tierflow.plan import load_plan
-
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _scalar_model(path: Path) -> Path:
@@ -61,16 +57,6 @@ def _scalar_model(path: Path) -> Path:
     return path
 
 
-def _tierflow(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tierflow.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def test_a_scalar_input_plans_from_a_sample_and_runs_through_three_tiers(
     tmp_path: Path, rt: Any, capsys: Any
 ) -> None:
@@ -101,25 +87,13 @@ def test_a_scalar_input_plans_from_a_sample_and_runs_through_three_tiers(
     save_split_plan(graph, segments, plan_dir, cuts=cuts, codec={"device-edge": "zstd"})
     assert load_plan(plan_dir).inputs == ("x", "sr")
 
-    with rt.processes() as serve:
-        cloud = serve("cloud", plan_dir)
-        edge = serve("edge", plan_dir, "--upstream", cloud.address)
-        done = _tierflow(
-            "run",
-            "--plan",
-            str(plan_dir),
-            "--edge",
-            edge.address,
-            "--input",
-            str(tmp_path / "in.npz"),
-            "--output",
-            str(tmp_path / "out.npz"),
-            "--report",
-            str(tmp_path / "r.jsonl"),
-        )
-    assert done.returncode == 0, done.stderr
-    reports = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
-    assert [r["answered_by"] for r in reports] == ["cloud"] * 3
+    plan = load_plan(plan_dir)
+    with rt.device(plan_dir) as client:
+        requests, batch_added = load_requests(tmp_path / "in.npz", plan, plan_dir)
+        results = list(client.run_stream(requests))
+    assert [r.answered_by for r in results] == ["cloud"] * 3
+    assert batch_added and requests[0]["sr"].shape == ()
+    save_outputs(tmp_path / "out.npz", results, plan, batch_added=batch_added)
     whole = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     with np.load(tmp_path / "out.npz") as result:
         y = result["y"]

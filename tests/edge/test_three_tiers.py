@@ -14,9 +14,12 @@ import numpy as np
 import pytest
 
 from tierflow.cache.memory import MemoryCache
+from tierflow.codec.base import EXACT_PLANNER_CODECS
 from tierflow.device.client import DeviceClient
 from tierflow.link.spec import LinkSpec
+from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
+from tierflow.plan import load_plan
 
 GRPC = pytest.param(True, marks=pytest.mark.integration, id="grpc")
 
@@ -52,6 +55,29 @@ def test_lossless_codecs_reproduce_the_model_exactly(
         for tier in ("device", "edge", "cloud"):
             assert result.timings[tier]["compute_ms"] > 0 and result.timings[tier]["codec_ms"] > 0
         assert result.ms["total"] >= result.ms["device"]
+
+
+@pytest.mark.parametrize("codec", ["sparse+zstd", "drop+sparse+zstd", "sparse+shuffle+zstd"])
+def test_lossless_stages_reproduce_the_model_bit_for_bit(
+    tmp_path: Path, rt: Any, codec: str
+) -> None:
+    """The planner's exact stages (sparse zeros, dropped constant channels, shuffled bytes)
+    on post-ReLU features with a dead channel, so that every stage has work to do."""
+    assert codec in EXACT_PLANNER_CODECS
+    split = rt.cnn(
+        tmp_path / "plan", {"device-edge": codec, "edge-cloud": codec}, dead_channel=True
+    )
+    samples = split.sample(seed=9, count=4)
+    device_part = open_session(split.plan_dir / load_plan(split.plan_dir).segments[0].file)
+    (h1,) = device_part.run(["h1"], samples[0])
+    assert not h1[0, 0].any() and (h1 == 0).mean() > 0.25  # a constant channel, zeros
+    with rt.device(split.plan_dir, window=4) as device:
+        results = [r.unwrap() for r in device.run_stream(samples)]
+    for feeds, result in zip(samples, results, strict=True):
+        expected = split.reference(feeds)["y"]
+        assert result.outputs["y"].dtype == expected.dtype
+        assert result.outputs["y"].tobytes() == expected.tobytes()
+        assert result.bytes["device-edge"] < h1.nbytes  # the stages shrank the features
 
 
 def test_int8_zstd_stays_close_and_keeps_the_argmax(tmp_path: Path, rt: Any) -> None:
