@@ -1,24 +1,44 @@
-"""Batched decoding benchmark: 1-16 concurrent generate sessions, batched and not, against ORT.
+"""Batched decoding benchmark: 1-16 concurrent generate sessions through served tiers, against ORT.
 
-    python -m benchmarks.batching            # 1, 2, 4, 8, 16 sessions (~25 min)
+    python -m benchmarks.batching            # 1, 2, 4, 8, 16 sessions (~20 min)
     python -m benchmarks.batching --quick    # 1, 4, 8 sessions, fewer tokens
     python -m benchmarks.batching --render   # the committed results rendered again
+    python -m benchmarks.batching --sessions 1,8 --tokens 8 --configs cloud --delay-ms 5  # smoke
 
 The decoder has Qwen2-0.5B's block shapes (hidden 896, 14/2 heads, MLP 4864) with 12
 blocks and a 32k vocabulary, random weights, built from a transformers config and exported
-by optimum (``tierflow.zoo.hf_decoders``; 0.95 GB). It is planned cloud-only and split over
-three tiers (device, edge, cloud at the block boundaries a third and two thirds in), and
-served by a cloud and an edge in a child process per configuration (the device's part
-runs in that process too, one device serving every session, as a phone app or a gateway
-serving several users would). N sessions generate greedily at once, each from its own
-prompt of the same length (so their steps are the same shapes and group; [Note: batching
-exactness] in tierflow/runtime/batching.py), with the tiers' default batching
-(``--max-batch 16``, ``--batch-delay 0``) and without (``--max-batch 1``: each step its own
-ONNX Runtime call, as before batching), every tier with the default ``--workers`` (one per
-core: a step waiting for a batch holds none, [Note: a worker lent while a step queues] in
-tierflow/runtime/workers.py) and the same ONNX Runtime threads. The ceiling is ONNX Runtime
-alone running the unsplit model's decode step for N sequences as one call, at the
-sessions' mean past length, in the same run.
+by optimum (``tierflow.zoo.hf_decoders``; 0.95 GB), once, into ``--workdir``. It is planned
+cloud-only and split over three tiers (device, edge, cloud at the block boundaries a third
+and two thirds in).
+
+Served as users serve it. Each configuration (a plan and its tier settings) starts
+``tierflow serve cloud`` and ``tierflow serve edge`` in a process each, on free ports of
+127.0.0.1 (:mod:`benchmarks.lib.tiers`; both stopped when the configuration ends, or fails),
+every tier with ``--threads 2`` ONNX Runtime intra-op threads, the default ``--workers``
+(one per core) and the configuration's ``--max-batch``, ``--batch-delay`` and
+``--batch-padding``. The device runs in a child process of the benchmark: one
+``DeviceClient`` with the same settings serving every session over its one stream to the
+edge, as a phone app or a gateway serving several users would; N threads of it generate
+greedily at once, each from its own prompt of the same length (so their steps have the
+same shapes and group: [Note: batching exactness] in tierflow/runtime/batching.py). The
+three tiers and the sessions so share the machine's two cores as three processes, each
+with its own interpreter, not one GIL.
+
+The settings, per plan: batched with ``--batch-delay 0`` (the default), batched with one
+positive delay, and not batched (``--max-batch 1``: each step its own ONNX Runtime call).
+With a delay D > 0 a step that reaches a tier while other sessions are active waits up to
+D for their steps ([Note: the step batcher]); the positive delay is chosen per plan by a
+sweep in the same run, before the measured rows: ``SWEEP_DELAYS_MS`` at ``SWEEP_SESSIONS``
+sessions, the delay with the highest aggregate tokens/s (of equals, the shorter). A delay
+buys batch size with latency, and on this machine how long a round of lockstep steps
+takes to reach a tier (a gRPC hop per step through each tier below) decides which pays;
+``--delay-ms`` fixes it instead (no sweep).
+
+The ceiling is ONNX Runtime alone, in the same run, running the same batched steps as the
+plan's tiers: each segment graph the plan ships (cloud-only: the one, the whole decoder;
+split: the device's, the edge's and the cloud's), with the same threads and optimization
+as the tiers, for N sequences at the sessions' mean past length, fed by the segment
+before it; its step time is the sum of the segments' medians, back to back.
 
 ``--batch-padding`` is measured like a lossy codec: 8 sessions whose prompts differ in
 length (16, 15, ..., 9 tokens: their past lengths never match, so the exact default runs
@@ -26,13 +46,14 @@ each step alone), cloud-only, with and without padding; its token agreement is t
 of generated tokens equal, position by position, to the unsplit model's own greedy output
 for the same prompt, and the sessions whose every token is.
 
-Per configuration: aggregate decode tokens/s (every session's tokens after its first,
-over the time from the first session's first token to the last session's end), p50/p99
-ms per token per session (each decode step's round trip), the child's peak resident
-memory, the batches the cloud ran, and whether every session's tokens equal the unsplit
-model's own greedy output (``tierflow.greedy.reference_generate``).
-
-    python -m benchmarks.batching --sessions 1,8 --tokens 8 --configs cloud   # a smoke run
+Per configuration and session count: aggregate decode tokens/s (every session's tokens
+after its first, over the time from the first session's first token to the last session's
+end), p50/p99 ms per token (each decode step's round trip, every session's steps
+together; each session's own p50 is kept too), the batches each tier ran (the device's
+from its batcher, the edge's and the cloud's from their metrics endpoint,
+``tierflow_batch_calls_total``), each process's peak resident memory (VmHWM), and whether
+every session's tokens equal the unsplit model's own greedy output
+(``tierflow.greedy.reference_generate``).
 """
 
 from __future__ import annotations
@@ -44,6 +65,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 import argparse
 import dataclasses
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -57,6 +79,7 @@ import numpy as np
 
 from benchmarks.lib import RESULTS as FOLDER
 from benchmarks.lib.report import load_average, load_span, load_words
+from benchmarks.lib.tiers import ServedTiers, batch_calls, peak_rss, served
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = FOLDER / "batching.json"
@@ -65,8 +88,39 @@ REPORT = FOLDER / "BATCHING.md"
 THREADS = 2
 #: Sessions of the --batch-padding runs, each prompt a token shorter than the one before.
 PADDED_SESSIONS = 8
-#: The batched runs' second --batch-delay: lockstep sessions otherwise fall into turns.
-DELAY_MS = 5.0
+#: The positive --batch-delay candidates (ms), and the sessions they are tried with.
+SWEEP_DELAYS_MS = (2.0, 5.0, 10.0, 20.0)
+SWEEP_SESSIONS = 8
+#: The most tokens a session generates: the plans' --max-tokens (their context is the
+#: prompt's length and this), built once for every run's --tokens.
+MAX_TOKENS = 64
+#: Seconds a configuration's device and sessions get before they are stopped.
+CHILD_TIMEOUT_S = 900
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """The tiers' batching flags of one configuration."""
+
+    max_batch: int = 16
+    delay_ms: float = 0.0
+    padding: bool = False
+
+    @property
+    def name(self) -> str:
+        if self.max_batch == 1:
+            return "not batched"
+        return "--batch-padding" if self.padding else f"batched, delay {self.delay_ms:g} ms"
+
+    def flags(self) -> list[str]:
+        """As ``tierflow serve`` (and the device's child) take them."""
+        return [
+            "--max-batch",
+            str(self.max_batch),
+            "--batch-delay",
+            f"{self.delay_ms:g}ms",
+            *(["--batch-padding"] if self.padding else []),
+        ]
 
 
 def shape() -> Any:
@@ -76,8 +130,9 @@ def shape() -> Any:
     return dataclasses.replace(QWEN2_0_5B, layers=12, vocab=32000, max_positions=4096)
 
 
-def build(workdir: Path, prompt: int, tokens: int) -> dict[str, Path]:
-    """The decoder (exported once, kept in ``workdir``) and its two plans."""
+def build(workdir: Path, prompt: int) -> dict[str, Path]:
+    """The decoder (exported once, kept in ``workdir``) and its two plans, for prompts of
+    ``prompt`` tokens and up to ``MAX_TOKENS`` new ones (any run's ``--tokens``)."""
     from tierflow.partitioner.decoder_graph import load_decoder, split_decoder
     from tierflow.partitioner.decoder_points import DecoderSettings
     from tierflow.partitioner.split import save_split_plan
@@ -87,7 +142,9 @@ def build(workdir: Path, prompt: int, tokens: int) -> dict[str, Path]:
     if not model.exists():
         print("exporting the decoder with optimum (a few minutes) ...", flush=True)
         export_decoder(shape(), model.parent, timeout=1800)
-    settings = DecoderSettings(context=prompt + tokens + 8, max_tokens=tokens, prompt_tokens=prompt)
+    settings = DecoderSettings(
+        context=prompt + MAX_TOKENS, max_tokens=MAX_TOKENS, prompt_tokens=prompt
+    )
     paths = {"model": model}
     graph = None
     for where in ("cloud", "split"):
@@ -120,56 +177,63 @@ def prompts(count: int, length: int, vocab: int = 32000, *, vary: bool = False) 
     return texts
 
 
-# ---------------------------------------------------------------------- the child's runs
+# ---------------------------------------------------------------------- the children
 
 
 def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) -> dict[str, Any]:
-    """Serve ``plan`` here (cloud, edge, device) and generate with N sessions at once."""
+    """The device (this process) and N sessions at once through the served edge and cloud,
+    for each N of ``counts``."""
     from tierflow.device.client import DeviceClient
     from tierflow.device.generation import TierDecoder
-    from tierflow.edge.forwarding import Forwarding
     from tierflow.options import RuntimeOptions
     from tierflow.runtime.batching import ACTIVE_S
-    from tierflow.runtime.server import TierServer
+    from tierflow.tuning import tune_for_latency
 
+    tune_for_latency()  # as `tierflow generate` does
     options = RuntimeOptions(
         threads=args.threads,
         max_batch=args.max_batch,
         batch_delay_s=args.batch_delay_ms / 1e3,
         batch_padding=args.batch_padding,
     )
-    cloud = TierServer.from_plan("cloud", plan, options=options)
-    cloud.start()
-    edge = TierServer.from_plan("edge", plan, forwarder=Forwarding(cloud.address), options=options)
-    edge.start()
+    tiers = {name: dict(tier) for name, tier in json.loads(args.tiers).items()}
     texts = prompts(max(counts), args.prompt, vary=args.vary)
     rows = []
-    try:
-        with DeviceClient(plan, edge.address, options=options, window=64) as client:
-            TierDecoder(client).choose(texts[0], 0, keep=1)  # opens every tier's sessions
-            for count in counts:
-                # The sessions before are no longer active for --batch-delay (ACTIVE_S):
-                # a row's sessions wait for no one who has left.
-                time.sleep(ACTIVE_S + 0.1)
-                rows.append(_generate(client, texts[:count], args.tokens, cloud, edge))
-    finally:
-        edge.stop(0)
-        cloud.stop(0)
-    return {"rows": rows, "peak_rss": _rss()}
+    with DeviceClient(plan, args.edge, options=options, window=64) as client:
+        TierDecoder(client).choose(texts[0], 0, keep=1)  # opens every tier's sessions
+        batcher = client.runner.batcher
+
+        def calls() -> dict[str, dict[int, int]]:
+            at = {name: batch_calls(tier["metrics"]) for name, tier in tiers.items()}
+            return {"device": dict(batcher.stats.sizes) if batcher else {}, **at}
+
+        for count in counts:
+            # The sessions before are no longer active for --batch-delay (ACTIVE_S):
+            # a row's sessions wait for no one who has left.
+            time.sleep(ACTIVE_S + 0.1)
+            before = calls()
+            row = _generate(client, texts[:count], args.tokens)
+            after = calls()
+            row["batches"] = {
+                name: {
+                    str(size): n - before[name].get(size, 0)
+                    for size, n in sorted(after[name].items())
+                    if n > before[name].get(size, 0)
+                }
+                for name in after
+            }
+            row["peak_rss"] = {
+                "device": peak_rss(),
+                **{name: peak_rss(tier["pid"]) for name, tier in tiers.items()},
+            }
+            rows.append(row)
+    return {"rows": rows}
 
 
-def _batcher(server: Any) -> Any:
-    """A served tier's batcher of the plan (None: it batches nothing)."""
-    return server.service.pipeline.runner(0).batcher
-
-
-def _generate(
-    client: Any, texts: list[list[int]], tokens: int, cloud: Any, edge: Any
-) -> dict[str, Any]:
+def _generate(client: Any, texts: list[list[int]], tokens: int) -> dict[str, Any]:
+    """``len(texts)`` sessions generating ``tokens`` tokens each at once, a thread each."""
     from tierflow.device.generation import TierDecoder
 
-    batchers = {"cloud": _batcher(cloud), "edge": _batcher(edge)}
-    before = {k: b.stats.to_dict() if b is not None else None for k, b in batchers.items()}
     out: list[dict[str, Any]] = [{} for _ in texts]
     start = threading.Barrier(len(texts))
 
@@ -192,72 +256,72 @@ def _generate(
         thread.start()
     for thread in threads:
         thread.join()
+    if not all(out):
+        raise RuntimeError("a session failed (its thread's traceback is above)")
     span = max(o["end"] for o in out) - min(o["first"] for o in out)
     steps = [s for o in out for s in o["steps"]]
-    after = {k: b.stats.to_dict() if b is not None else None for k, b in batchers.items()}
     return {
         "sessions": len(texts),
         "tokens_per_s": len(texts) * (tokens - 1) / span,
         "p50_ms": float(np.percentile(steps, 50)),
         "p99_ms": float(np.percentile(steps, 99)),
         "session_p50_ms": [statistics.median(o["steps"]) for o in out],
+        "session_p99_ms": [float(np.percentile(o["steps"], 99)) for o in out],
         "tokens": [o["tokens"] for o in out],
-        "cloud_batches": _delta(before["cloud"], after["cloud"]),
-        "edge_batches": _delta(before["edge"], after["edge"]),
-        "rss": _rss(),
     }
 
 
-def _delta(before: Any, after: Any) -> dict[str, Any] | None:
-    if before is None or after is None:
-        return None
-    sizes = {k: v - before["sizes"].get(k, 0) for k, v in after["sizes"].items()}
-    return {
-        "calls": after["calls"] - before["calls"],
-        "steps": after["steps"] - before["steps"],
-        "sizes": {k: v for k, v in sizes.items() if v},
-    }
-
-
-def _rss() -> int:
-    """This process's peak resident memory so far (VmHWM: a fresh count in each child)."""
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def ceiling(model: Path, counts: Sequence[int], args: argparse.Namespace) -> dict[str, Any]:
-    """ONNX Runtime alone: the unsplit model's decode step for N sequences as one call."""
+def ceiling(plan_dir: Path, counts: Sequence[int], args: argparse.Namespace) -> dict[str, Any]:
+    """ONNX Runtime alone running the plan's segments, as its tiers open them, for N
+    sequences' decode steps at once: each segment's median over ``--repeats``, fed by the
+    segment before it, and their sum."""
     from tierflow.onnxrt.inference import open_session
+    from tierflow.partitioner.decoder_points import Point, point_sample
+    from tierflow.plan import load_plan
+    from tierflow.state.pairs import TensorSig
+    from tierflow.tuning import tune_for_latency
 
-    session = open_session(model, threads=args.threads, what="the decoder")
-    past = args.prompt + args.tokens // 2
-    rng = np.random.default_rng(0)
+    tune_for_latency()  # as the tiers do
+    plan = load_plan(plan_dir)
+    assert plan.decoder is not None, "a decoder plan"
+    runs = [
+        (spec, open_session(plan_dir / spec.file, threads=args.threads, what=spec.file))
+        for spec in plan.segments
+    ]
+    # Every tensor a first segment can take: the plan's inputs and every state input.
+    inputs = [
+        TensorSig(name, "?", None) for name in (*plan.inputs, *(s.input for s in plan.states))
+    ]
+    point = Point("decode", 1, args.prompt + args.tokens // 2)
     rows = []
     for count in counts:
-        feeds: dict[str, np.ndarray] = {
-            "input_ids": rng.integers(0, 32000, (count, 1)).astype(np.int64),
-            "attention_mask": np.ones((count, past + 1), dtype=np.int64),
-            "position_ids": np.full((count, 1), past, dtype=np.int64),
-        }
-        for arg in session.get_inputs():
-            if arg.name.startswith("past_key_values"):
-                dims = (count, arg.shape[1], past, arg.shape[3])
-                feeds[arg.name] = rng.standard_normal(dims).astype(np.float32)
-        session.run(None, feeds)
-        times = []
-        for _ in range(args.repeats):
-            began = time.perf_counter()
-            session.run(None, feeds)
-            times.append(time.perf_counter() - began)
-        step = statistics.median(times)
-        rows.append({"sessions": count, "step_ms": step * 1e3, "tokens_per_s": count / step})
-    return {"rows": rows, "peak_rss": _rss()}
+        sample = point_sample(inputs, plan.decoder, plan.states, point, batch=count)
+        tensors = {name: value[0] for name, value in sample.items()}  # no request axis
+        segments = {}
+        for spec, session in runs:
+            feeds = {name: tensors[name] for name in spec.inputs}
+            names = [o.name for o in session.get_outputs()]
+            tensors.update(zip(names, session.run(None, feeds), strict=True))  # warm-up
+            times = []
+            for _ in range(args.repeats):
+                began = time.perf_counter()
+                session.run(None, feeds)
+                times.append(time.perf_counter() - began)
+            segments[spec.tier] = statistics.median(times) * 1e3
+        step = sum(segments.values())
+        rows.append(
+            {
+                "sessions": count,
+                "step_ms": step,
+                "segments_ms": segments,
+                "tokens_per_s": count * 1e3 / step,
+            }
+        )
+    return {"rows": rows, "peak_rss": peak_rss()}
 
 
 def references(model: Path, count: int, args: argparse.Namespace) -> list[list[int]]:
+    """The unsplit model's own greedy tokens for each session's prompt."""
     from tierflow.greedy import reference_generate
 
     return [
@@ -277,8 +341,10 @@ def references(model: Path, count: int, args: argparse.Namespace) -> list[list[i
 # ---------------------------------------------------------------------- the parent
 
 
-def child(what: str, target: Path, counts: Sequence[int], args: argparse.Namespace) -> Any:
-    """Run one configuration in a child process (its own memory), its JSON result back."""
+def child(
+    what: str, target: Path, counts: Sequence[int], args: argparse.Namespace, *extra: str
+) -> Any:
+    """Run one part in a child process (its own memory), its JSON result back."""
     command = [
         sys.executable,
         "-m",
@@ -295,54 +361,92 @@ def child(what: str, target: Path, counts: Sequence[int], args: argparse.Namespa
         str(args.prompt),
         "--threads",
         str(args.threads),
-        "--max-batch",
-        str(args.max_batch),
         "--repeats",
         str(args.repeats),
-        "--batch-delay-ms",
-        str(args.batch_delay_ms),
-        *(["--batch-padding"] if args.batch_padding else []),
-        *(["--vary"] if args.vary else []),
+        *extra,
     ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
+    # On a timeout (or any exception here) subprocess.run kills the child.
+    done = subprocess.run(
+        command, capture_output=True, text=True, check=False, cwd=ROOT, timeout=CHILD_TIMEOUT_S
+    )
     if done.returncode != 0:
         raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def generate_through(
+    plan_dir: Path,
+    counts: Sequence[int],
+    args: argparse.Namespace,
+    setting: Setting,
+    *,
+    vary: bool = False,
+) -> dict[str, Any]:
+    """Serve ``plan_dir``'s cloud and edge with ``setting``, and run the device and its
+    sessions in a child process against them; the tiers are stopped at the end."""
+    flags = ["--threads", str(args.threads), *setting.flags()]
+    slug = f"{plan_dir.name}-{setting.name}".replace(" ", "-").replace(",", "")
+    with served(plan_dir, flags, Path(args.workdir) / "logs" / slug) as tiers:
+        run = child(
+            "sessions",
+            plan_dir,
+            counts,
+            args,
+            *setting.flags(),
+            *(["--vary"] if vary else []),
+            "--edge",
+            tiers.edge,
+            "--tiers",
+            _tiers_json(tiers),
+        )
+    run.update(setting=dataclasses.asdict(setting))
+    return run
+
+
+def _tiers_json(tiers: ServedTiers) -> str:
+    return json.dumps({name: dataclasses.asdict(tier) for name, tier in tiers.tiers.items()})
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     counts = [int(c) for c in args.sessions.split(",")]
     configs = args.configs.split(",")
-    paths = build(Path(args.workdir), args.prompt, args.tokens)
-    print("references ...", flush=True)
-    args.vary, args.batch_padding = False, False
-    expected = child("references", paths["model"], [max(counts)], args)
+    paths = build(Path(args.workdir), args.prompt)
     results: dict[str, Any] = {
         "settings": {
             "threads": args.threads,
             "workers": f"default ({os.cpu_count()})",
             "tokens": args.tokens,
             "prompt": args.prompt,
+            "repeats": args.repeats,
             "cpus": os.cpu_count(),
             "load_average": {"start": load_average()},
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "model_bytes": paths["model"].stat().st_size,
+            "sweep": {"delays_ms": list(SWEEP_DELAYS_MS), "sessions": SWEEP_SESSIONS},
         },
+        "ceiling": {},
+        "sweep": {},
         "runs": {},
     }
-    print("ceiling ...", flush=True)
-    results["ceiling"] = child("ceiling", paths["model"], counts, args)
+    print("references ...", flush=True)
+    expected = child("references", paths["model"], [max(counts)], args)
     for where in configs:
-        for batch, delay in ((16, 0.0), (16, DELAY_MS), (1, 0.0)):
-            name = f"{where}, " + ("not batched" if batch == 1 else f"batched, delay {delay:g} ms")
+        print(f"{where}: the ORT ceiling ...", flush=True)
+        results["ceiling"][where] = child("ceiling", paths[where], counts, args)
+    for where in configs:
+        delay = args.delay_ms
+        if delay is None:
+            delay = sweep(paths[where], where, args, results["sweep"])
+        for setting in (Setting(16, 0.0), Setting(16, delay), Setting(1, 0.0)):
+            name = f"{where}, {setting.name}"
             print(f"{name} ...", flush=True)
-            args.max_batch, args.batch_delay_ms = batch, delay
-            run = child("sessions", paths[where], counts, args)
+            run = generate_through(paths[where], counts, args, setting)
             for row in run["rows"]:
+                made = row.pop("tokens")
                 row["identical"] = all(
-                    made == want for made, want in zip(row.pop("tokens"), expected, strict=False)
+                    a == b for a, b in zip(made, expected[: len(made)], strict=True)
                 )
-            results["runs"][name] = run
+            results["runs"][name] = {"plan": where, **run}
     if args.padding and "cloud" in configs:
         results["padding"] = padding_runs(paths, args)
     settings = results["settings"]
@@ -350,23 +454,34 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def sweep(plan_dir: Path, where: str, args: argparse.Namespace, into: dict[str, Any]) -> float:
+    """Each of ``SWEEP_DELAYS_MS`` at ``SWEEP_SESSIONS`` sessions; the delay with the most
+    tokens/s (of equals, the shorter). Its rows go to ``into[where]``."""
+    rows = []
+    for delay in SWEEP_DELAYS_MS:
+        print(f"{where}: --batch-delay {delay:g} ms, {SWEEP_SESSIONS} sessions ...", flush=True)
+        row = generate_through(plan_dir, [SWEEP_SESSIONS], args, Setting(16, delay))["rows"][0]
+        row.pop("tokens")
+        rows.append({"delay_ms": delay, **row})
+    best = max(rows, key=lambda r: (r["tokens_per_s"], -r["delay_ms"]))["delay_ms"]
+    into[where] = {"rows": rows, "chosen_ms": best}
+    return float(best)
+
+
 def padding_runs(paths: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
     """``--batch-padding``'s token agreement and speed: sessions of different past lengths,
     cloud-only, padded into batches and not (the exact default: each step alone)."""
-    args.vary, args.max_batch, args.batch_delay_ms = True, 16, 0.0
-    args.batch_padding = False
     print("references, prompts of different lengths ...", flush=True)
-    expected = child("references", paths["model"], [PADDED_SESSIONS], args)
+    expected = child("references", paths["model"], [PADDED_SESSIONS], args, "--vary")
     out: dict[str, Any] = {"sessions": PADDED_SESSIONS, "runs": {}}
     for padded in (True, False):
-        args.batch_padding = padded
         name = "cloud, --batch-padding" if padded else "cloud, exact (no padding)"
         print(f"{name}, prompts of different lengths ...", flush=True)
-        row = child("sessions", paths["cloud"], [PADDED_SESSIONS], args)["rows"][0]
-        made = row.pop("tokens")
-        row.update(agreement(made, expected))
+        setting = Setting(16, 0.0, padding=padded)
+        run = generate_through(paths["cloud"], [PADDED_SESSIONS], args, setting, vary=True)
+        row = run["rows"][0]
+        row.update(agreement(row.pop("tokens"), expected))
         out["runs"][name] = row
-    args.vary, args.batch_padding = False, False
     return out
 
 
@@ -386,38 +501,90 @@ def agreement(made: list[list[int]], expected: list[list[int]]) -> dict[str, Any
     }
 
 
+# ---------------------------------------------------------------------- the report
+
+
+def _sizes(sizes: dict[str, int] | None) -> str:
+    """A tier's batches as ``size:calls`` pairs (``-``: it batched nothing)."""
+    if not sizes:
+        return "-"
+    return " ".join(f"{k}:{v}" for k, v in sorted(sizes.items(), key=lambda x: int(x[0])))
+
+
+def _gib(row: dict[str, Any]) -> str:
+    rss = row["peak_rss"]
+    return " / ".join(f"{rss[tier] / 2**30:.2f}" for tier in ("device", "edge", "cloud"))
+
+
+def _ceilings(results: dict[str, Any]) -> dict[str, dict[int, float]]:
+    """Each plan's ceiling tokens/s by sessions."""
+    return {
+        where: {r["sessions"]: r["tokens_per_s"] for r in run["rows"]}
+        for where, run in results["ceiling"].items()
+    }
+
+
 def table(results: dict[str, Any]) -> list[str]:
-    ceiling_by = {r["sessions"]: r for r in results["ceiling"]["rows"]}
+    ceilings = _ceilings(results)
     lines = [
-        "| plan | sessions | tokens/s | x 1 session | % ORT ceiling | p50 ms/token | "
-        "p99 ms/token | edge batch sizes | cloud batch sizes | token-identical | peak RSS |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|---|---:|",
+        "| plan, tiers' setting | sessions | tokens/s | x 1 session | % ORT ceiling | "
+        "p50 ms/token | p99 ms/token | device batches | edge batches | cloud batches | "
+        "token-identical | peak RSS device / edge / cloud GiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---:|",
     ]
     for name, run in results["runs"].items():
         one = run["rows"][0]["tokens_per_s"]
         for row in run["rows"]:
-            ceil = ceiling_by[row["sessions"]]["tokens_per_s"]
-            sizes = _sizes(row["cloud_batches"])
-            at_edge = _sizes(row.get("edge_batches"))
+            ceil = ceilings[run["plan"]][row["sessions"]]
+            batches = row["batches"]
             lines.append(
                 f"| {name} | {row['sessions']} | {row['tokens_per_s']:.1f} | "
                 f"{row['tokens_per_s'] / one:.2f} | {100 * row['tokens_per_s'] / ceil:.0f}% | "
-                f"{row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {at_edge} | {sizes} | "
-                f"{'yes' if row['identical'] else 'NO'} | {row['rss'] / 2**30:.2f} GiB |"
+                f"{row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {_sizes(batches['device'])} | "
+                f"{_sizes(batches['edge'])} | {_sizes(batches['cloud'])} | "
+                f"{'yes' if row['identical'] else 'NO'} | {_gib(row)} |"
             )
-    lines += [
+    for where, run in results["ceiling"].items():
+        rows = run["rows"]
+        tiers = list(rows[0]["segments_ms"])
+        lines += [
+            "",
+            f"| ORT alone, {where} plan's segments (ceiling) | "
+            + " | ".join(f"{r['sessions']}" for r in rows)
+            + " |",
+            "|---|" + "---:|" * len(rows),
+            *(
+                f"| {tier} segment ms | "
+                + " | ".join(f"{r['segments_ms'][tier]:.1f}" for r in rows)
+                + " |"
+                for tier in tiers
+            ),
+            "| step ms (sum) | " + " | ".join(f"{r['step_ms']:.1f}" for r in rows) + " |",
+            "| tokens/s | " + " | ".join(f"{r['tokens_per_s']:.1f}" for r in rows) + " |",
+        ]
+    return lines
+
+
+def sweep_table(results: dict[str, Any]) -> list[str]:
+    """The --batch-delay sweep that chose each plan's positive delay."""
+    if not results.get("sweep"):
+        return []
+    lines = [
+        f"--batch-delay sweep, {results['settings']['sweep']['sessions']} sessions (the "
+        "delay with the most tokens/s is the positive one measured above):",
         "",
-        "| ORT alone (ceiling) | "
-        + " | ".join(f"{r['sessions']}" for r in results["ceiling"]["rows"])
-        + " |",
-        "|---|" + "---:|" * len(results["ceiling"]["rows"]),
-        "| step ms | "
-        + " | ".join(f"{r['step_ms']:.1f}" for r in results["ceiling"]["rows"])
-        + " |",
-        "| tokens/s | "
-        + " | ".join(f"{r['tokens_per_s']:.1f}" for r in results["ceiling"]["rows"])
-        + " |",
+        "| plan | --batch-delay | tokens/s | p50 ms/token | p99 ms/token | edge batches "
+        "| cloud batches |",
+        "|---|---:|---:|---:|---:|---|---|",
     ]
+    for where, sweep_run in results["sweep"].items():
+        for row in sweep_run["rows"]:
+            chosen = " (chosen)" if row["delay_ms"] == sweep_run["chosen_ms"] else ""
+            lines.append(
+                f"| {where} | {row['delay_ms']:g} ms{chosen} | {row['tokens_per_s']:.1f} | "
+                f"{row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {_sizes(row['batches']['edge'])} "
+                f"| {_sizes(row['batches']['cloud'])} |"
+            )
     return lines
 
 
@@ -431,66 +598,53 @@ def padding_table(results: dict[str, Any]) -> list[str]:
         "(their past lengths never match), cloud-only, like a lossy codec: tokens equal to "
         "the unsplit model's greedy output, position by position.",
         "",
-        "| run | tokens/s | p50 ms/token | p99 ms/token | cloud batch sizes | tokens identical "
+        "| run | tokens/s | p50 ms/token | p99 ms/token | cloud batches | tokens identical "
         "| sessions identical |",
         "|---|---:|---:|---:|---|---:|---:|",
     ]
     for name, row in padding["runs"].items():
         lines.append(
             f"| {name} | {row['tokens_per_s']:.1f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} "
-            f"| {_sizes(row['cloud_batches'])} | {100 * row['token_agreement']:.1f}% | "
+            f"| {_sizes(row['batches']['cloud'])} | {100 * row['token_agreement']:.1f}% | "
             f"{row['sessions_identical']} of {padding['sessions']} |"
         )
     return lines
 
 
-def _sizes(batches: dict[str, Any] | None) -> str:
-    if not batches:
-        return "-"
-    return " ".join(
-        f"{k}:{v}" for k, v in sorted(batches["sizes"].items(), key=lambda x: int(x[0]))
-    )
-
-
 def goals(results: dict[str, Any]) -> list[str]:
-    """Issue 29's goals, judged on each batched run (the default delay 0 and 5 ms)."""
-    ceiling_by = {r["sessions"]: r["tokens_per_s"] for r in results["ceiling"]["rows"]}
+    """Issue 29's goals, judged on each batched run (delay 0 and the positive one)."""
+    ceilings = _ceilings(results)
     out = []
-    for where in ("cloud", "split"):
-        if f"{where}, not batched" not in results["runs"]:
+    runs = results["runs"]
+    for name, run in runs.items():
+        where = run["plan"]
+        if run["setting"]["max_batch"] == 1:
             continue
-        plain = {r["sessions"]: r for r in results["runs"][f"{where}, not batched"]["rows"]}
-        for delay in (0.0, DELAY_MS):
-            name = f"{where}, batched, delay {delay:g} ms"
-            batched = {r["sessions"]: r for r in results["runs"][name]["rows"]}
-            if not any(r["cloud_batches"] for r in batched.values()):
-                out.append(f"- {name}: the cloud formed no batches (see the note below)")
-                continue
-            if 8 in batched and 1 in batched:
-                gain = batched[8]["tokens_per_s"] / batched[1]["tokens_per_s"]
-                met = "met" if gain >= 3 else "NOT met"
+        plain = {r["sessions"]: r for r in runs[f"{where}, not batched"]["rows"]}
+        batched = {r["sessions"]: r for r in run["rows"]}
+        if 8 in batched and 1 in batched:
+            gain = batched[8]["tokens_per_s"] / batched[1]["tokens_per_s"]
+            met = "met" if gain >= 3 else "NOT met"
+            out.append(f"- {name}: 8 sessions {gain:.2f}x one session's tokens/s (>= 3x): {met}")
+        for n in (8, 16):
+            if n in batched:
+                share = batched[n]["tokens_per_s"] / ceilings[where][n]
+                met = "met" if share >= 0.8 else "NOT met"
                 out.append(
-                    f"- {name}: 8 sessions {gain:.2f}x one session's tokens/s (>= 3x): {met}"
+                    f"- {name}: {n} sessions at {100 * share:.0f}% of the ORT ceiling "
+                    f"(>= 80%): {met}"
                 )
-            for n in (8, 16):
-                if n in batched:
-                    share = batched[n]["tokens_per_s"] / ceiling_by[n]
-                    met = "met" if share >= 0.8 else "NOT met"
-                    out.append(
-                        f"- {name}: {n} sessions at {100 * share:.0f}% of the ORT ceiling "
-                        f"(>= 80%): {met}"
-                    )
-            same = all(r["identical"] for r in batched.values())
+        same = all(r["identical"] for r in batched.values())
+        out.append(
+            f"- {name}: every session token-identical to the unsplit model: "
+            f"{'met' if same else 'NOT met'}"
+        )
+        if 1 in batched and 1 in plain:
+            a, b = batched[1]["p50_ms"], plain[1]["p50_ms"]
             out.append(
-                f"- {name}: every session token-identical to the unsplit model: "
-                f"{'met' if same else 'NOT met'}"
+                f"- {name}: one session's p50 {a:.1f} ms/token, {b:.1f} not batched "
+                f"(no worse: {'met' if a <= b else 'NOT met'}, {100 * (a / b - 1):+.1f}%)"
             )
-            if 1 in batched and 1 in plain:
-                a, b = batched[1]["p50_ms"], plain[1]["p50_ms"]
-                out.append(
-                    f"- {name}: one session's p50 {a:.1f} ms/token, {b:.1f} not batched "
-                    f"(no worse: {'met' if a <= b else 'NOT met'}, {100 * (a / b - 1):+.1f}%)"
-                )
     return out
 
 
@@ -500,23 +654,25 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    ceiling_rows = results["ceiling"]["rows"]
-    axis.plot(
-        [r["sessions"] for r in ceiling_rows],
-        [r["tokens_per_s"] for r in ceiling_rows],
-        "k--",
-        label="ORT alone (ceiling)",
-    )
-    styles = {"cloud": "tab:blue", "split": "tab:orange"}
-    for name, run in results["runs"].items():
-        where = name.split(",")[0]
-        rows = run["rows"]
+    figure, axis = plt.subplots(figsize=(7.5, 4.8))
+    colours = {"cloud": "tab:blue", "split": "tab:orange"}
+    for where, run in results["ceiling"].items():
         axis.plot(
-            [r["sessions"] for r in rows],
-            [r["tokens_per_s"] for r in rows],
-            ":x" if "not" in name else ("--s" if "delay 0 " in name else "-o"),
-            color=styles[where],
+            [r["sessions"] for r in run["rows"]],
+            [r["tokens_per_s"] for r in run["rows"]],
+            "--",
+            color=colours[where],
+            alpha=0.6,
+            label=f"{where}: ORT alone, same segments (ceiling)",
+        )
+    for name, run in results["runs"].items():
+        delay = run["setting"]["delay_ms"]
+        style = ":x" if run["setting"]["max_batch"] == 1 else ("-o" if delay else "-s")
+        axis.plot(
+            [r["sessions"] for r in run["rows"]],
+            [r["tokens_per_s"] for r in run["rows"]],
+            style,
+            color=colours[run["plan"]],
             label=name,
         )
     axis.set_xscale("log", base=2)
@@ -524,32 +680,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
     axis.set_ylabel("aggregate decode tokens/s")
     axis.set_title("Batched decoding, Qwen2-shaped decoder (12 blocks, 0.95 GB)")
     axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
+    axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
 
-NOTES = [
-    "Reading it (the run of 2026-12-02 08:26 UTC). The machine was quiet but for other",
-    "engineers' light jobs (load average in the first line). Every session's tokens equal",
-    "the unsplit model's, batched or not, on both plans. The throughput goals are not met:",
-    "batches fragment. With --batch-delay 0, the first step of each round finds the cloud",
-    "idle and runs alone, the rest as a batch after it (cloud-only, 16 sessions: 1 + 15 each",
-    "round); and the steps reach a tier one request at a time through the tiers before it",
-    "(every tier of this run in one Python process on two cores), so the split plan's",
-    "batches are mostly of fewer than 8 even though the device and the edge send a batch's",
-    "steps on as one message. 5 ms of --batch-delay does not gather them either: a round's",
-    "steps arrive spread over more than 5 ms. Each request's own cost adds up too: cloud-only",
-    "at 16 sessions took 299 ms a token (p50), about 75 ms more than its two ONNX Runtime",
-    "calls (the ceiling's 64.5 ms for one and 158.6 ms for 16). The ceiling is ONNX Runtime",
-    "running the unsplit optimum graph; the split plan's tiers, which rebuild the causal mask",
-    "and shape scalars from the inputs, ran one session at 49.8 ms a token, faster than it",
-    "(hence above 100%). One session's p50 at delay 0 against not batched: 80.6 and 76.6",
-    "ms cloud-only (+5%), 49.8 and 50.9 ms split (-2%), from 15 steps each; a lone step",
-    "runs at once, and batching costs it about 30 us a tier (the tiny test decoder, 3000",
-    "steps). --batch-padding kept every token on this model (8 of 8 sessions, 16 tokens",
-    "each) at 1.45x the exact default's tokens/s for sessions of different lengths.",
-]
+NOTES: list[str] = []
 
 
 def render(results: dict[str, Any]) -> None:
@@ -559,14 +695,17 @@ def render(results: dict[str, Any]) -> None:
         "",
         "`python -m benchmarks.batching` (see its docstring), run "
         f"{settings['when']} on {settings['cpus']} CPUs "
-        f"({load_words(settings['load_average'])}), "
-        f"ONNX Runtime {settings['threads']} intra-op threads on every tier, --workers "
+        f"({load_words(settings['load_average'])}): the cloud and the edge each a "
+        "`tierflow serve` process, the device and its sessions a third, ONNX Runtime "
+        f"{settings['threads']} intra-op threads on every tier, --workers "
         f"{settings['workers']}, prompts of {settings['prompt']} tokens, {settings['tokens']} "
         "tokens per session.",
         "",
         "![tokens/s](batching.png)",
         "",
         *table(results),
+        "",
+        *sweep_table(results),
         "",
         "Goals:",
         "",
@@ -587,12 +726,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--workdir", default=str(Path.home() / ".cache" / "tierflow" / "batching-bench")
     )
     parser.add_argument("--sessions", default="1,2,4,8,16")
-    parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--threads", type=int, default=THREADS)
-    parser.add_argument("--max-batch", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--batch-delay-ms", type=float, default=0.0)
+    parser.add_argument("--repeats", type=int, default=7, help="ceiling runs per batch size")
+    parser.add_argument(
+        "--delay-ms",
+        type=float,
+        help="the positive --batch-delay to measure (default: the best of a sweep of "
+        + ", ".join(f"{d:g}" for d in SWEEP_DELAYS_MS)
+        + f" ms at {SWEEP_SESSIONS} sessions)",
+    )
     parser.add_argument(
         "--configs", default="cloud,split", help="the plans to run: cloud, split or both"
     )
@@ -602,15 +746,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_false",
         help="skip the --batch-padding runs (prompts of different lengths, cloud-only)",
     )
+    parser.add_argument("--render", action="store_true", help="re-render the saved results")
+    # A child's own arguments.
+    parser.add_argument("--child", choices=("sessions", "ceiling", "references"))
+    parser.add_argument("--target", help=argparse.SUPPRESS)
+    parser.add_argument("--edge", help=argparse.SUPPRESS)
+    parser.add_argument("--tiers", help=argparse.SUPPRESS)
+    parser.add_argument("--max-batch", type=int, default=16, help=argparse.SUPPRESS)
+    parser.add_argument("--batch-delay", default="0ms", help=argparse.SUPPRESS)
     parser.add_argument("--batch-padding", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--vary", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--render", action="store_true", help="re-render the saved results")
-    parser.add_argument("--child", choices=("sessions", "ceiling", "references"))
-    parser.add_argument("--target")
     args = parser.parse_args(argv)
     if args.child:
         counts = [int(c) for c in args.sessions.split(",")]
         target = Path(args.target)
+        args.batch_delay_ms = float(args.batch_delay.removesuffix("ms"))
         if args.child == "sessions":
             out: Any = run_sessions(target, counts, args)
         elif args.child == "ceiling":
@@ -626,12 +776,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.quick:
         args.sessions, args.tokens = "1,4,8", 12
+    # SIGTERM (a timeout, a service manager) unwinds like ^C: the tiers are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     results = measure(args)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     plot(results, PLOT)
     render(results)
-    print("\n".join([*table(results), "", *goals(results), "", *padding_table(results)]))
+    print("\n".join([*table(results), "", *sweep_table(results), "", *goals(results)]))
+    print("\n".join(padding_table(results)))
     return 0
 
 

@@ -73,6 +73,7 @@ from onnx import helper
 from benchmarks import lib
 from benchmarks.lib.plans import Stage, chain_plan
 from benchmarks.lib.report import load_average, load_span, load_words
+from benchmarks.lib.tiers import peak_rss
 from tierflow.cli.table import format_table
 from tierflow.device.client import DeviceClient, Result, Ticket
 from tierflow.errors import DeadlineError, RemoteError
@@ -239,13 +240,6 @@ class Tier:
     def stop(self) -> None:
         if self.process is not None:
             self.process.stop(5)
-
-
-def _peak_rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 _LEVELS = ("WARNING", "ERROR", "CRITICAL")
@@ -622,7 +616,7 @@ def streams(plan_dir: Path, reference: Reference, work: Path, args: argparse.Nam
         phases["saturated"] = _latencies(
             latencies["saturated"], time.monotonic() - started["saturated"]
         )
-        edge_rss = _peak_rss_mib(edge.pid)
+        edge_rss = peak_rss(edge.pid) / 2**20
         for client in clients:
             client.close()
     phases["paced"]["offered_per_s"] = round(args.streams / args.stream_interval, 1)
@@ -771,7 +765,7 @@ def fuzz(plan_dir: Path, reference: Reference, work: Path, args: argparse.Namesp
         def survived(after: str) -> None:
             for tier in (edge, cloud):
                 assert tier.process is not None
-                peak[tier.tier] = max(peak[tier.tier], _peak_rss_mib(tier.pid))
+                peak[tier.tier] = max(peak[tier.tier], peak_rss(tier.pid) / 2**20)
                 status = tier.process.process.poll()
                 if status is not None:
                     tail = tier.log_tail(20)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.batching import agreement, padding_table, prompts
+from benchmarks.batching import Setting, agreement, goals, padding_table, prompts
 
 
 def test_varied_prompts_are_each_a_token_shorter_and_the_same_for_a_run() -> None:
@@ -37,7 +37,7 @@ def test_the_padding_table_prints_agreement_as_a_share() -> None:
         "tokens_per_s": 40.0,
         "p50_ms": 30.0,
         "p99_ms": 50.0,
-        "cloud_batches": {"calls": 3, "steps": 10, "sizes": {"1": 2, "8": 1}},
+        "batches": {"device": {}, "edge": {}, "cloud": {"1": 2, "8": 1}},
         "token_agreement": 0.875,
         "sessions_identical": 6,
     }
@@ -45,3 +45,56 @@ def test_the_padding_table_prints_agreement_as_a_share() -> None:
     assert any("| cloud, --batch-padding | 40.0 |" in line for line in lines)
     assert any("| 1:2 8:1 | 87.5% | 6 of 8 |" in line for line in lines)
     assert padding_table({}) == []
+
+
+def test_a_setting_is_the_flags_tierflow_serve_takes_and_names_its_row() -> None:
+    assert Setting().flags() == ["--max-batch", "16", "--batch-delay", "0ms"]
+    assert Setting(16, 5.0).name == "batched, delay 5 ms"
+    assert Setting(1).name == "not batched"
+    padded = Setting(16, 0.0, padding=True)
+    assert padded.flags()[-1] == "--batch-padding" and padded.name == "--batch-padding"
+
+
+def _row(sessions: int, tokens_per_s: float, p50: float = 50.0) -> dict[str, object]:
+    return {"sessions": sessions, "tokens_per_s": tokens_per_s, "p50_ms": p50, "identical": True}
+
+
+def test_goals_judge_each_plan_against_its_own_ceiling() -> None:
+    """The split plan's ceiling is its own segments', not the cloud-only decoder's."""
+    ceiling = {
+        where: {
+            "rows": [{"sessions": 1, "tokens_per_s": 20.0}, {"sessions": 8, "tokens_per_s": top}]
+        }
+        for where, top in (("cloud", 100.0), ("split", 200.0))
+    }
+    runs = {}
+    for where in ("cloud", "split"):
+        runs[f"{where}, batched, delay 0 ms"] = {
+            "plan": where,
+            "setting": {"max_batch": 16, "delay_ms": 0.0, "padding": False},
+            "rows": [_row(1, 20.0, 50.0), _row(8, 90.0)],
+        }
+        runs[f"{where}, not batched"] = {
+            "plan": where,
+            "setting": {"max_batch": 1, "delay_ms": 0.0, "padding": False},
+            "rows": [_row(1, 20.0, 49.0), _row(8, 20.0)],
+        }
+    said = goals({"ceiling": ceiling, "runs": runs})
+    assert (
+        "- cloud, batched, delay 0 ms: 8 sessions 4.50x one session's tokens/s (>= 3x): met" in said
+    )
+    assert (
+        "- cloud, batched, delay 0 ms: 8 sessions at 90% of the ORT ceiling (>= 80%): met" in said
+    )
+    assert (
+        "- split, batched, delay 0 ms: 8 sessions at 45% of the ORT ceiling (>= 80%): NOT met"
+        in said
+    )
+    assert any(
+        line.startswith(
+            "- split, batched, delay 0 ms: one session's p50 50.0 ms/token, 49.0 not batched "
+            "(no worse: NOT met"
+        )
+        for line in said
+    )
+    assert not any(line.startswith("- cloud, not batched") for line in said)

@@ -123,13 +123,16 @@ def test_each_module_at_the_top_is_a_suite_and_shared_code_is_in_lib() -> None:
 
 # What every suite needs and ``benchmarks/lib/`` writes once: the tiers' session of a model
 # and CPU time (lib.timing), a time's table cell and the machine's load (lib.report), the
-# cuts a sweep subsamples (lib.splits). A suite that writes its own copy drifts from the rest.
+# cuts a sweep subsamples (lib.splits), a process's peak memory (lib.tiers). A suite that
+# writes its own copy drifts from the rest.
 SHARED = {
     "_session": "benchmarks.lib.timing.session",
     "cpu_ms": "benchmarks.lib.timing.cpu_ms",
     "_ms": "benchmarks.lib.report.ms",
     "shrinking_cuts": "benchmarks.lib.splits.shrinking_cuts",
     "load_average": "benchmarks.lib.report.load_average",
+    "_rss": "benchmarks.lib.tiers.peak_rss",
+    "_peak_rss_mib": "benchmarks.lib.tiers.peak_rss",
 }
 
 
