@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from tierflow.cli.main import main
-from tierflow.device.client import DeviceClient
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.runtime.segment_runner import SegmentRunner
@@ -67,10 +66,7 @@ def test_a_grafted_bottleneck_splits_serves_and_reports_its_fidelity(
     extended = RuntimeOptions(optimization="extended")
     whole = SegmentRunner(grafted, extended)
     exact = SegmentRunner(model, extended)
-    with (
-        rt.tiers(plan_dir, optimization="extended") as (edge, _, _),
-        DeviceClient(plan_dir, edge, options=extended) as device,
-    ):
+    with rt.device(plan_dir, tiers={"optimization": "extended"}, options=extended) as device:
         results = [r.unwrap() for r in device.run_stream(samples)]
     agree = []
     for feeds, result in zip(samples, results, strict=True):
