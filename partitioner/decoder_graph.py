@@ -300,6 +300,16 @@ def split_decoder(graph: DecoderGraph, cut_indices: Sequence[int]) -> list[Segme
     return split_model(graph.prefill, cut_indices, extractor=_extractor(graph))
 
 
+def check_generation(
+    graph: DecoderGraph, segments: Sequence[Segment], prompt: Sequence[int], tokens: int
+) -> StatefulCheck:
+    """``tokens`` greedy tokens from ``prompt``, made by the whole model and through
+    ``segments``, compared step by step (:func:`verify_decoder`)."""
+    whole, chain = whole_step(graph.source), chain_step(segments)
+    outputs = [o.name for o in graph.source.graph.output]
+    return verify_decoder(whole, chain, graph.decoder, graph.states, outputs, prompt, tokens)
+
+
 def verify_decoder_split(
     graph: DecoderGraph, segments: Sequence[Segment], cuts: Sequence[int]
 ) -> StatefulCheck:
@@ -309,17 +319,8 @@ def verify_decoder_split(
     """
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, graph.decoder.vocab, VERIFY_PROMPT)]
-    outputs = [o.name for o in graph.source.graph.output]
     tokens = min(VERIFY_TOKENS, graph.settings.context - len(prompt) + 1)
-    check = verify_decoder(
-        whole_step(graph.source),
-        chain_step(segments),
-        graph.decoder,
-        graph.states,
-        outputs,
-        prompt,
-        tokens,
-    )
+    check = check_generation(graph, segments, prompt, tokens)
     half = any(t.dtype == "float16" for t in graph.prefill.outputs)
     if not (check.bitwise_equal or (half and check.same_tokens)):
         raise PlanError(

@@ -15,9 +15,13 @@ from tierflow.cli.main import main
 from tierflow.errors import UsageError
 from tierflow.greedy import greedy_generate, reference_generate
 from tierflow.onnxrt.inference import open_session
-from tierflow.partitioner.decoder_graph import DecoderGraph, load_decoder, split_decoder
+from tierflow.partitioner.decoder_graph import (
+    DecoderGraph,
+    check_generation,
+    load_decoder,
+    split_decoder,
+)
 from tierflow.partitioner.decoder_points import DecoderSettings, analysis_points
-from tierflow.partitioner.state_verify import chain_step, verify_decoder, whole_step
 from tierflow.plan import load_plan
 from tierflow.zoo.tiny_stateful import tiny_decoder
 
@@ -92,16 +96,7 @@ def test_a_greedy_generation_through_the_segments_is_bit_exact(
     last = len(graph.prefill.cuts) - 1
     a, b = (min(c % (last + 1), last) for c in cuts)
     segments = split_decoder(graph, (a, b))
-    outputs = [o.name for o in graph.source.graph.output]
-    check = verify_decoder(
-        whole_step(graph.source),
-        chain_step(segments),
-        graph.decoder,
-        graph.states,
-        outputs,
-        [3, 1, 4, 1, 5],
-        6,
-    )
+    check = check_generation(graph, segments, [3, 1, 4, 1, 5], 6)
     assert check.bitwise_equal and check.max_abs_diff == 0.0 and check.steps == 6
     assert len(check.tokens) == 6
 
@@ -245,12 +240,8 @@ def test_a_batch_size_read_from_a_cache_does_not_tie_its_block_to_the_start(
     lo, _ = graph.prefill.spans["past_key_values.2.value"]
     assert lo > len(graph.prefill.nodes) // 2
     assert any(c.position < lo for c in graph.prefill.cuts[1:])
-    outputs = [o.name for o in graph.source.graph.output]
     segments = split_decoder(graph, (2, 6))
-    check = verify_decoder(
-        whole_step(graph.source), chain_step(segments), graph.decoder, graph.states, outputs,
-        [1, 2, 3], 4,
-    )  # fmt: skip
+    check = check_generation(graph, segments, [1, 2, 3], 4)
     assert check.bitwise_equal
 
 

@@ -17,10 +17,14 @@ from tierflow.device.generation import Generator
 from tierflow.edge.forwarding import Forwarding
 from tierflow.greedy import reference_generate
 from tierflow.options import RuntimeOptions
-from tierflow.partitioner.decoder_graph import DecoderGraph, load_decoder, split_decoder
+from tierflow.partitioner.decoder_graph import (
+    DecoderGraph,
+    check_generation,
+    load_decoder,
+    split_decoder,
+)
 from tierflow.partitioner.decoder_points import DecoderSettings
 from tierflow.partitioner.split import save_split_plan
-from tierflow.partitioner.state_verify import chain_step, verify_decoder, whole_step
 from tierflow.partitioner.tensors import tensor_nbytes
 from tierflow.plan import load_plan
 from tierflow.runtime.server import TierServer
@@ -67,15 +71,7 @@ def test_a_lower_precision_decoder_splits_bit_exactly_and_weighs_its_real_bytes(
         assert {s.dtype for s in graph.states} == {"float16"}
     segments = split_decoder(graph, _three_tier_cuts(graph))
     assert [spec.tier for spec, _ in segments] == ["device", "edge", "cloud"]
-    check = verify_decoder(
-        whole_step(graph.source),
-        chain_step(segments),
-        graph.decoder,
-        graph.states,
-        [o.name for o in graph.source.graph.output],
-        [3, 1, 4, 1, 5, 9],
-        10,
-    )
+    check = check_generation(graph, segments, [3, 1, 4, 1, 5, 9], 10)
     assert check.same_tokens
     if precision == "fp16":  # [Note: half precision splits]
         assert 0 < check.max_abs_diff < 1e-2
