@@ -491,7 +491,7 @@ class Generator:
         report.accepted = self.meter.accepted
         report.judged = self.meter.judged
         report.draft_dropped = self.draft_error
-        count = max(len(report.tokens), 1)
+        count = max(len(report.tokens), 1)  # [Note: bytes per token] in partitioner/decoder_cost.py
         report.bytes_per_token = {
             link: sum(r.bytes.get(link, 0) for r in results) / count for link in LINKS
         }

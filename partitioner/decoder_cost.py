@@ -245,7 +245,6 @@ class DecoderEstimate:
     step: Estimate
     max_tokens: int
     state_bytes: Mapping[str, int]
-    reply_bytes: int = 0  # one step's answer (a choice, or one position's logits) per link
     #: The decode step of ``sessions`` sessions as one batch ([Note: pricing batched steps]).
     batched: Estimate | None = None
     sessions: int | None = None
@@ -311,11 +310,13 @@ class DecoderEstimate:
         return (self.sessions or 1) / step if step > 0 else float("inf")
 
     def bytes_per_token(self) -> dict[str, float]:
-        """Bytes each link carries per generated token after the prompt, up and down."""
-        return {
-            name: (cost.bytes + self.reply_bytes) if cost.used else 0.0
-            for name, cost in self.step.links.items()
-        }
+        """Bytes each link carries up per token of the generation, the prompt's included
+        ([Note: bytes per token])."""
+        return bytes_per_token(
+            {name: cost.bytes for name, cost in self.prefill.links.items()},
+            {name: cost.bytes for name, cost in self.step.links.items()},
+            self.max_tokens,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -342,6 +343,25 @@ class DecoderEstimate:
         }
 
 
+def bytes_per_token(
+    prefill: Mapping[str, float], step: Mapping[str, float], tokens: int
+) -> dict[str, float]:
+    """Bytes each link carries up per token of a ``tokens``-token generation: ``prefill``
+    (the prompt's request) once and ``step`` for each token after the first.
+
+    [Note: bytes per token]
+    One count of a generation's bytes per token, wherever it is given: what the requests
+    carry *up* each link, the prompt's included, over the tokens made. ``generate --json``
+    measures it (each round trip's link figures, summed, over the tokens:
+    :class:`~tierflow.device.generation.GenerationReport`), the plan predicts it with this
+    function (``plan.json``'s ``estimate.decoder.bytes_per_token``, the plan table's
+    ``B/tok``), and the benchmarks set one beside the other. The answers coming down
+    (a choice, or one position's logits) are not in it; their time is in the estimate's
+    ``reply_s``.
+    """
+    return {link: (prefill[link] + (tokens - 1) * step[link]) / tokens for link in step}
+
+
 def decoder_estimate(
     tables: DecoderTables, a: int, b: int, codec: Mapping[str, str]
 ) -> DecoderEstimate:
@@ -354,7 +374,6 @@ def decoder_estimate(
         step=estimate(tables.decode, a, b, codec),
         max_tokens=tables.max_tokens,
         state_bytes=held,
-        reply_bytes=tables.decode.problem.answer_bytes,
         batched=None if tables.batched is None else estimate(tables.batched, a, b, codec),
         sessions=tables.sessions,
     )

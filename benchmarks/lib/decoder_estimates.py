@@ -11,18 +11,19 @@ from pathlib import Path
 from typing import Any
 
 from tierflow.link.spec import LINKS
+from tierflow.partitioner.decoder_cost import bytes_per_token
 
 
 def predicted(plan_dir: Path, prompt_tokens: int, max_tokens: int) -> dict[str, Any]:
-    """The plan's estimate, with bytes per token as ``generate --json`` counts them: what
-    each link carried up (the prompt's hidden states too) over the tokens made."""
+    """The plan's estimate, with bytes per token as ``generate --json`` counts them over
+    ``max_tokens`` ([Note: bytes per token] in :mod:`tierflow.partitioner.decoder_cost`)."""
     estimate = json.loads((plan_dir / "plan.json").read_text())["estimate"]["decoder"]
     prefill, step = estimate["prefill"], estimate["step"]
-    per_token = {
-        link: (prefill["links"][link]["bytes"] + (max_tokens - 1) * step["links"][link]["bytes"])
-        / max_tokens
-        for link in LINKS
-    }
+    per_token = bytes_per_token(
+        {link: prefill["links"][link]["bytes"] for link in LINKS},
+        {link: step["links"][link]["bytes"] for link in LINKS},
+        max_tokens,
+    )
     return {
         "ttft_ms": estimate["ttft_s"] * 1e3,
         "ms_per_token": estimate["per_token_s"] * 1e3,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +14,7 @@ from tierflow.partitioner.cost import Problem
 from tierflow.partitioner.decoder_cost import (
     at_batch,
     batch_sizes,
+    bytes_per_token,
     decoder_estimate,
     decoder_search,
     decoder_tables,
@@ -61,7 +64,9 @@ def test_cloud_only_sends_the_prompt_up_once_and_pays_the_round_trip_per_token(
     # The prefill answers the first of the 10 tokens, a step each of the other 9.
     assert plan.generation_s == pytest.approx(plan.ttft_s + 9 * plan.per_token_s)
     assert plan.tokens_per_s == pytest.approx(10 / plan.generation_s)
-    assert plan.bytes_per_token() == {"device-edge": 24 + 8, "edge-cloud": 24 + 8}
+    # As generate --json counts them: the prompt's 96 B up once, 24 B a step for each of
+    # the other 9 tokens, over the 10 tokens; the answers are not counted.
+    assert plan.bytes_per_token() == pytest.approx({"device-edge": 31.2, "edge-cloud": 31.2})
     # The cloud holds every block's weights, KV cache and the larger activation peak.
     assert plan.memory_bytes["cloud"] == 3000 + 3 * 4096 + 500
     assert plan.state_bytes == {"device": 0, "edge": 0, "cloud": 3 * 4096}
@@ -77,7 +82,23 @@ def test_a_split_pays_one_hidden_state_and_one_round_trip_per_token_per_link(
     assert plan.ttft_s == pytest.approx(0.016 + 0.008 * 2 + (8192 + 8) * 8 / 8e6 + 0.030)
     assert plan.memory_bytes["device"] == 1000 + 4096 + 500
     assert plan.memory_bytes["edge"] == 2000 + 2 * 4096 + 500
-    assert plan.bytes_per_token()["edge-cloud"] == 0
+    assert plan.bytes_per_token() == {"device-edge": (8192 + 9 * 256) / 10, "edge-cloud": 0}
+
+
+def test_one_count_of_bytes_per_token_for_the_plan_and_the_benchmarks(
+    profile_factory, tmp_path: Path
+) -> None:
+    """[Note: bytes per token]: the plan's figure, written in plan.json, is what the
+    benchmarks set beside generate --json's (they read it back from the plan's links)."""
+    from benchmarks.lib.decoder_estimates import predicted
+
+    assert bytes_per_token({"l": 100.0}, {"l": 10.0}, 1) == {"l": 100.0}
+    assert bytes_per_token({"l": 100.0}, {"l": 10.0}, 4) == {"l": 130 / 4}
+    plan = decoder_estimate(_tables(profile_factory), 1, 3, RAW)
+    (tmp_path / "plan.json").write_text(json.dumps({"estimate": {"decoder": plan.to_dict()}}))
+    read = predicted(tmp_path, 32, plan.max_tokens)["bytes_per_token"]
+    assert read == pytest.approx(plan.to_dict()["bytes_per_token"])
+    assert read == pytest.approx({"device-edge": (8192 + 9 * 256) / 10, "edge-cloud": 0})
 
 
 def test_sampled_steps_answer_one_row_of_logits_greedy_ones_a_choice(profile_factory) -> None:
@@ -85,8 +106,8 @@ def test_sampled_steps_answer_one_row_of_logits_greedy_ones_a_choice(profile_fac
     sampled = decoder_estimate(_tables(profile_factory, sampled=True), 0, 0, RAW)
     # The last position's logits (1 KiB) come back, for the prompt as for every token;
     # never the prompt's 32 rows (32 KiB).
-    assert sampled.bytes_per_token() == {"device-edge": 24 + 1024, "edge-cloud": 24 + 1024}
-    assert greedy.bytes_per_token() == {"device-edge": 24 + 8, "edge-cloud": 24 + 8}
+    # Bytes per token count what goes up ([Note: bytes per token]): the same for both.
+    assert sampled.bytes_per_token() == greedy.bytes_per_token()
     extra = (1024 - 8) * 8 / 8e6 + (1024 - 8) * 8 / 80e6
     assert sampled.ttft_s - greedy.ttft_s == pytest.approx(extra)
     assert sampled.per_token_s - greedy.per_token_s == pytest.approx(extra)
