@@ -1,9 +1,11 @@
-"""``--metrics-port``: an edge and a cloud process scraped and parsed as Prometheus would.
+"""``--metrics-port``: an edge's and a cloud's metrics parsed as Prometheus would.
 
-The edge takes its options from a ``--config`` file (the metrics port among them), the
-cloud from flags. Requests go through both; an early exit on the edge answers some. The
-scraped text is parsed with prometheus_client's own parser and the counts must match the
-requests sent.
+Requests go through both; an early exit on the edge answers some. The metrics' text is
+parsed with prometheus_client's own parser and the counts must match the requests sent:
+with the tiers in process ([Note: the next tier in process] in
+tierflow/runtime/upstream.py), and end to end with an edge and a cloud process scraped over
+HTTP, the edge taking its options from a ``--config`` file (the metrics port among
+them), the cloud from flags.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import pytest
 from tierflow.device.client import DeviceClient
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2
+from tierflow.runtime.metrics import TierMetrics
+from tierflow.runtime.service import TierService
 from tierflow.transport.wire import grpc_options
 
-pytestmark = pytest.mark.integration
-
 prometheus = pytest.importorskip("prometheus_client.parser")
+exposition = pytest.importorskip("prometheus_client.exposition")
 
 
 def _metrics_address(server: Any) -> str:
@@ -39,7 +42,10 @@ def _metrics_address(server: Any) -> str:
 
 def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
+        return _parse(response.read().decode())
+
+
+def _parse(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     samples = {}
     for family in prometheus.text_string_to_metric_families(text):
         for sample in family.samples:
@@ -55,6 +61,75 @@ def _total(samples: dict[Any, float], name: str, **labels: str) -> float:
     )
 
 
+def _metrics_of(service: TierService) -> TierMetrics:
+    """The metrics ``serve --metrics-port`` gives ``service`` (tierflow/runtime/server.py)."""
+    metrics = TierMetrics(
+        service.tier,
+        lambda: service.in_flight,
+        segments=lambda: service.segments,
+        states=lambda: None if service.pipeline is None else service.pipeline.states,
+        batches=service.batch_stats,
+    )
+    service.metrics = metrics
+    return metrics
+
+
+def _read(metrics: TierMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """What a scrape of ``metrics`` would read."""
+    return _parse(exposition.generate_latest(metrics.registry).decode())
+
+
+def test_edge_and_cloud_count_requests_exits_times_and_bytes(tmp_path: Path, rt: Any) -> None:
+    split = rt.cnn(tmp_path / "plan", {"device-edge": "zstd", "edge-cloud": "zstd"}, 0.2)
+    samples = split.sample(seed=5, count=12)
+    with rt.in_process(split.plan_dir) as tiers:
+        edge_metrics, cloud_metrics = _metrics_of(tiers.edge), _metrics_of(tiers.cloud)
+        with tiers.device(window=4) as device:
+            results = list(device.run_stream(samples))
+        edge_seen, cloud_seen = _read(edge_metrics), _read(cloud_metrics)
+
+    assert all(r.error is None for r in results), [r.error for r in results]
+    exits = sum(1 for r in results if r.exit)
+    forwarded = len(results) - exits
+    assert 0 < exits < len(results), "threshold 0.2 lets 5 of these 12 requests exit"
+
+    # Requests by outcome: the edge answered every request, the cloud those not exited.
+    assert _total(edge_seen, "tierflow_requests_total", tier="edge") == len(results)
+    assert _total(edge_seen, "tierflow_requests_total", outcome="exit") == exits
+    assert _total(edge_seen, "tierflow_exits_total", exit="exit_edge") == exits
+    assert _total(edge_seen, "tierflow_requests_total", outcome="ok", answered_by="cloud") == (
+        forwarded
+    )
+    assert _total(cloud_seen, "tierflow_requests_total", tier="cloud", outcome="ok") == forwarded
+    assert _total(edge_seen, "tierflow_cache_hits_total") == 0
+
+    # Latency histograms: this tier's per request, and each tier's own parts.
+    assert _total(edge_seen, "tierflow_request_seconds_count", tier="edge") == len(results)
+    assert _total(edge_seen, "tierflow_request_seconds_sum", tier="edge") > 0
+    edge_compute = _total(edge_seen, "tierflow_tier_seconds_count", tier="edge", part="compute")
+    assert edge_compute == len(results)
+    cloud_compute = _total(edge_seen, "tierflow_tier_seconds_count", tier="cloud", part="compute")
+    assert cloud_compute == forwarded  # the cloud's timings, as the replies carried them
+    assert _total(cloud_seen, "tierflow_request_seconds_count", tier="cloud") == forwarded
+
+    # Bytes per link; the queue is empty once every request is answered.
+    assert (
+        _total(edge_seen, "tierflow_link_bytes_total", link="edge-cloud", direction="request") > 0
+    )
+    assert _total(edge_seen, "tierflow_link_bytes_total", link="device-edge", direction="reply") > 0
+    assert _total(cloud_seen, "tierflow_link_bytes_total", link="edge-cloud", direction="reply") > 0
+    assert _total(edge_seen, "tierflow_in_flight", tier="edge") == 0
+    assert _total(cloud_seen, "tierflow_in_flight", tier="cloud") == 0
+    assert np.isfinite(list(edge_seen.values())).all()
+    # The segment files each tier holds (all of the plan's: the directory came whole).
+    segments = load_plan(split.plan_dir).segments
+    files = sum((split.plan_dir / s.file).stat().st_size for s in segments)
+    assert _total(edge_seen, "tierflow_segment_bytes", tier="edge") == files
+    assert _total(cloud_seen, "tierflow_segment_fetches", tier="cloud") == 0
+    assert _total(edge_seen, "tierflow_peer_warnings_total") == 0
+
+
+@pytest.mark.integration
 def test_edge_and_cloud_metrics(tmp_path: Path, rt: Any) -> None:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "zstd", "edge-cloud": "zstd"}, 0.2)
     config = tmp_path / "edge.toml"
@@ -121,6 +196,7 @@ def test_edge_and_cloud_metrics(tmp_path: Path, rt: Any) -> None:
     assert _total(edge_seen, "tierflow_peer_warnings_total") == 0
 
 
+@pytest.mark.integration
 def test_metrics_port_without_the_extra_is_one_line(tmp_path: Path, rt: Any) -> None:
     """A runtime-only install: the option names the extra instead of a traceback."""
     import subprocess

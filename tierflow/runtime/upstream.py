@@ -14,8 +14,9 @@ next tier in process]).
 [Note: the next tier in process]
 :class:`LocalUpstream` hands each request to the next tier's service on the caller's own
 thread, the way one of that tier's streams would (admitted, its session held, handled,
-counted answered), with no channel and no server: the request and its reply cross as
-bytes, serialised and parsed as on the wire, so that each tier holds its own copy. A reply
+counted answered and in the tier's metrics), with no channel and no server: the request
+and its reply cross as bytes, serialised and parsed as on the wire, so that each tier
+holds its own copy. A reply
 that the tier above it sends on comes back on the same thread before :meth:`submit`
 returns. So the device, the edge and the cloud run the whole request path both ways in
 one process, and what happens on the way down (an exit answering, the next tier gone, a
@@ -69,6 +70,7 @@ from tierflow.transport.stream_client import Sent, StreamClient, check_figures
 
 if TYPE_CHECKING:
     from tierflow.options import RuntimeOptions
+    from tierflow.runtime.metrics import TierMetrics
 
 
 class Upstream(Protocol):
@@ -139,6 +141,7 @@ class NextTier(Protocol):
     tier: str
     plan_id: str
     options: RuntimeOptions
+    metrics: TierMetrics | None
 
     @property
     def closed(self) -> bool: ...
@@ -245,8 +248,11 @@ class LocalUpstream:
         def reply_with(reply: tier_pb2.Reply) -> None:
             if not once.acquire(blocking=False):
                 return  # one reply per request
-            service.answered()
             data = reply.SerializeToString()
+            if service.metrics is not None:  # counted as the stream's reply is
+                service.metrics.observe_latency(received)
+                service.metrics.observe(reply, service.down_link, len(data))
+            service.answered()
             if self._replies.spec is not None:  # the reply link, as the next tier shapes it
                 self._replies.wait_until(self._replies.schedule(len(data)).arrives)
             reply = tier_pb2.Reply.FromString(data)
