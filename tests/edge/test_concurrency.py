@@ -1,5 +1,10 @@
 """A stream's requests run side by side, up to --workers, and a stopping tier answers every
-request sent before it began to stop ([Note: a stream's requests run at once])."""
+request sent before it began to stop ([Note: a stream's requests run at once]).
+
+The stream is served in process where it can be: the tier's own ``Infer`` handler called
+with a :class:`LocalContext` (tierflow/runtime/local_call.py), no server; a tier that
+stops, which waits out its requests in flight, runs as a gRPC server.
+"""
 
 from __future__ import annotations
 
@@ -15,12 +20,12 @@ import pytest
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
+from tierflow.runtime.local_call import LocalContext
 from tierflow.runtime.pipeline import Pipeline
 from tierflow.runtime.segment_runner import TierRunner
 from tierflow.runtime.server import TierServer
+from tierflow.runtime.service import TierService
 from tierflow.transport.wire import grpc_options, put_tensors
-
-pytestmark = pytest.mark.integration
 
 
 def cloud_requests(plan_dir: Path, count: int) -> list[tier_pb2.Request]:
@@ -63,6 +68,35 @@ class Slow:
         monkeypatch.setattr(Pipeline, "run", slow_run)
 
 
+class Gate:
+    """Holds every run of the pipeline until ``workers`` run at once, and counts how many
+    do. A stream that runs its requests one after the other never gets there: each run
+    then waits ``patience`` s and goes on, and the count says 1."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, workers: int, patience: float) -> None:
+        self.running = 0
+        self.most = 0
+        self.full = threading.Event()
+        self._lock = threading.Lock()
+        run = Pipeline.run
+
+        def gated_run(pipeline: Pipeline, *args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self.running += 1
+                self.most = max(self.most, self.running)
+                if self.running >= workers:
+                    self.full.set()
+            try:
+                if not self.full.wait(patience):
+                    self.full.set()  # the others need not wait it out too
+                return run(pipeline, *args, **kwargs)
+            finally:
+                with self._lock:
+                    self.running -= 1
+
+        monkeypatch.setattr(Pipeline, "run", gated_run)
+
+
 @pytest.mark.parametrize("workers", [1, 4])
 def test_one_streams_requests_run_side_by_side_up_to_the_workers(
     tmp_path: Path, rt: Any, monkeypatch: pytest.MonkeyPatch, workers: int
@@ -70,19 +104,31 @@ def test_one_streams_requests_run_side_by_side_up_to_the_workers(
     """The edge sends every device's requests on one stream: the cloud must not run them
     one after the other (issue 18, part 4: it did, whatever --workers said)."""
     split = rt.cnn(tmp_path / "plan")
-    slow = Slow(monkeypatch, 0.2)
-    cloud = TierServer.from_plan("cloud", split.plan_dir, options=RuntimeOptions(workers=workers))
-    cloud.start()
-    channel = grpc.insecure_channel(cloud.address, options=grpc_options())
+    requests = cloud_requests(split.plan_dir, 8)
+    gate = Gate(monkeypatch, workers, patience=5.0)
+    plan = load_plan(split.plan_dir)
+    cloud = TierService("cloud", plan, split.plan_dir, options=RuntimeOptions(workers=workers))
+    cloud.load()
+    replies: list[tier_pb2.Reply] = []
+    ended = threading.Event()
+
+    def send(reply: tier_pb2.Reply | None) -> None:  # grpc's non-blocking handler form
+        if reply is None:
+            ended.set()
+        else:
+            replies.append(reply)
+
     try:
-        requests = cloud_requests(split.plan_dir, 8)
-        replies = list(tier_pb2_grpc.TierStub(channel).Infer(iter(requests), timeout=30))
+        assert cloud.Infer(iter(requests), LocalContext("local:edge"), send) is None
+        assert ended.wait(30)
     finally:
-        channel.close()
-        cloud.stop(0)
+        cloud.close(0.5)
     assert sorted(r.id for r in replies) == sorted(r.id for r in requests)
     assert not any(r.HasField("error") for r in replies)
-    assert slow.most == workers
+    assert gate.most == workers
+
+
+@pytest.mark.integration
 
 
 def test_a_stopping_tier_answers_every_request_sent_before_it_began_to_stop(
