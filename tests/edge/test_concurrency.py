@@ -129,8 +129,6 @@ def test_one_streams_requests_run_side_by_side_up_to_the_workers(
 
 
 @pytest.mark.integration
-
-
 def test_a_stopping_tier_answers_every_request_sent_before_it_began_to_stop(
     tmp_path: Path, rt: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
