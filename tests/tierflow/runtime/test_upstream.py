@@ -124,6 +124,7 @@ class _Boasting:
         self.service = service
         self.tier, self.plan_id = service.tier, service.plan_id
         self.options, self.down_link = service.options, service.down_link
+        self.metrics = service.metrics
         self.closed = False
 
     def admit_request(self) -> tier_pb2.Error | None:
