@@ -309,6 +309,8 @@ class _Step:
     result: Outputs | None = None
     error: BaseException | None = None
     done: bool = False
+    #: Its thread waits on it (under the batcher's lock) for its answer or its turn to lead.
+    turn: threading.Condition | None = None
     rows: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -378,7 +380,10 @@ class StepBatcher:
         self.padding = padding
         self._clock = clock
         self.convoy_wait_s = convoy_wait_s
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        #: A leader waiting for company or a convoy waits on it; each queued step waits on
+        #: its own (``_Step.turn``), so an answer or a free batcher wakes one thread.
+        self._cond = threading.Condition(self._lock)
         self._queue: deque[_Step] = deque()
         self._busy = False
         self._seen: dict[Hashable, _Seen] = {}  # with --batch-delay: each session's last step
@@ -409,6 +414,7 @@ class StepBatcher:
         if key is None:
             key = group_key(feeds, self.padding)
         step = _Step(feeds, key, member, deadline_unix_s, owner, convoy[0] if convoy else None)
+        step.turn = threading.Condition(self._lock)
         # [Note: a worker lent while a step queues] (tierflow/runtime/workers.py).
         with lent():
             if convoy is None:
@@ -455,14 +461,24 @@ class StepBatcher:
 
     def _free(self) -> None:
         with self._cond:
-            self._busy = False
-            self._cond.notify_all()
+            self._release()
+
+    def _release(self) -> None:
+        """The batcher is free: the oldest queued step's thread takes the lead; hold the
+        lock."""
+        self._busy = False
+        if self._queue:
+            turn = self._queue[0].turn
+            assert turn is not None
+            turn.notify()
+        self._cond.notify_all()
 
     def _wait_turn(self, step: _Step) -> None:
         """Wait until ``step`` is answered or the batcher is free, then take the lead if
         it is not answered; hold the lock."""
+        assert step.turn is not None
         while not step.done and self._busy:
-            self._cond.wait()
+            step.turn.wait()
         if not step.done:
             self._busy = True
 
@@ -475,8 +491,7 @@ class StepBatcher:
                     self._call(batch)
         finally:
             with self._cond:
-                self._busy = False
-                self._cond.notify_all()
+                self._release()
 
     def _wake(self) -> None:
         with self._cond:
@@ -635,4 +650,5 @@ class StepBatcher:
     ) -> None:
         with self._cond:
             step.result, step.error, step.done = result, error, True
-            self._cond.notify_all()
+            if step.turn is not None:
+                step.turn.notify()
