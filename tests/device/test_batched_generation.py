@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,25 +149,35 @@ def lockstep(count: int, step: Callable[[int], object]) -> dict[int, object]:
     return outputs
 
 
+def four_tokens(
+    client: DeviceClient,
+    prompt: Sequence[int],
+    prefilled: threading.Barrier,
+    results: list[Any] | None = None,
+) -> list[int]:
+    """One session's four greedy tokens, a request each: the prefill, then (once every
+    session has prefilled, ``prefilled``: all at the same position, one group) three
+    steps. ``results`` gets the steps' results."""
+    decoder = TierDecoder(client)
+    made = [int(decoder.choose(prompt, 0, keep=1)[-1])]
+    prefilled.wait(60)
+    for _ in range(3):
+        position = len(prompt) + len(made) - 1
+        made.append(int(decoder.choose([made[-1]], position, keep=1)[-1]))
+    if results is not None:
+        results.extend(decoder.results[1:])
+    return made
+
+
 @pytest.mark.parametrize("tiers", ["split", "cloud"], indirect=True)
 def test_concurrent_sessions_are_token_identical_to_running_alone(
     models: dict[str, Path], tiers: tuple[Path, TierServer, TierServer]
 ) -> None:
     plan, cloud, edge = tiers
-    outputs: dict[int, list[int] | BaseException] = {}
     with DeviceClient(plan, edge.address) as client:
-
-        def generate(i: int) -> None:
-            try:
-                outputs[i] = list(Generator(client).generate(PROMPTS[i], TOKENS).tokens)
-            except Exception as exc:
-                outputs[i] = exc
-
-        threads = [threading.Thread(target=generate, args=(i,)) for i in range(len(PROMPTS))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
+        outputs = lockstep(
+            len(PROMPTS), lambda i: list(Generator(client).generate(PROMPTS[i], TOKENS).tokens)
+        )
     for i, prompt in enumerate(PROMPTS):
         expected = reference_generate(models["model"], prompt, TOKENS, context=CONTEXT).tokens
         assert outputs[i] == list(expected), f"session {i}"
@@ -227,17 +237,7 @@ def test_batches_outgrow_the_workers(models: dict[str, Path]) -> None:
         arm = gate(batcher_of(cloud), 8)
         prefilled = threading.Barrier(8, action=arm)
         with DeviceClient(plan, edge.address) as client:
-
-            def session(i: int) -> list[int]:
-                decoder = TierDecoder(client)
-                made = [int(decoder.choose(prompt, 0, keep=1)[-1])]
-                prefilled.wait(60)  # every session at the same position: one group
-                for _ in range(3):
-                    position = len(prompt) + len(made) - 1
-                    made.append(int(decoder.choose([made[-1]], position, keep=1)[-1]))
-                return made
-
-            outputs = lockstep(8, session)
+            outputs = lockstep(8, lambda i: four_tokens(client, prompt, prefilled))
         # The tier's batch-size figures (its metrics' tierflow_batch_calls_total).
         sizes = {size for stats in cloud.service.batch_stats() for size in stats.sizes}
     expected = reference_generate(models["model"], prompt, 4, context=CONTEXT).tokens
@@ -482,17 +482,7 @@ def test_an_edges_batch_goes_on_to_the_cloud_as_one_message(models: dict[str, Pa
         cloud.service.run_members = counted  # type: ignore[method-assign]
         prefilled = threading.Barrier(4, action=arm)
         with DeviceClient(plan, edge.address) as client:
-
-            def session(i: int) -> list[int]:
-                decoder = TierDecoder(client)
-                made = [int(decoder.choose(prompt, 0, keep=1)[-1])]
-                prefilled.wait(60)
-                for _ in range(3):
-                    position = len(prompt) + len(made) - 1
-                    made.append(int(decoder.choose([made[-1]], position, keep=1)[-1]))
-                return made
-
-            outputs = lockstep(4, session)
+            outputs = lockstep(4, lambda i: four_tokens(client, prompt, prefilled))
     expected = reference_generate(models["model"], prompt, 4, context=CONTEXT).tokens
     assert all(outputs[i] == list(expected) for i in range(4)), outputs
     assert 3 in received, received  # the edge's batch of three, in one message
@@ -527,17 +517,7 @@ def test_a_devices_batch_goes_up_to_the_edge_as_one_message(models: dict[str, Pa
             prefilled = threading.Barrier(4, action=arm)
             results: list[Any] = []
 
-            def session(i: int) -> list[int]:
-                decoder = TierDecoder(client)
-                made = [int(decoder.choose(prompt, 0, keep=1)[-1])]
-                prefilled.wait(60)
-                for _ in range(3):
-                    position = len(prompt) + len(made) - 1
-                    made.append(int(decoder.choose([made[-1]], position, keep=1)[-1]))
-                results.extend(decoder.results[1:])
-                return made
-
-            outputs = lockstep(4, session)
+            outputs = lockstep(4, lambda i: four_tokens(client, prompt, prefilled, results))
     expected = reference_generate(models["model"], prompt, 4, context=CONTEXT).tokens
     assert all(outputs[i] == list(expected) for i in range(4)), outputs
     assert 3 in received["edge"], received  # the device's batch of three, in one message
