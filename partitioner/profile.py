@@ -436,7 +436,7 @@ def profile_model(
         codecs,
         progress=lambda i: steps.advance(f"codecs at cut {i}"),
     )
-    here = _assemble(
+    return _assemble(
         graph,
         machine_info(threads, providers),
         overhead=overhead,
@@ -444,8 +444,7 @@ def profile_model(
         measured=measured,
         cut_stats=cut_stats,
         started=started,
-    )
-    return here.emulate(slowdown)
+    ).emulate(slowdown)
 
 
 class _Steps:
