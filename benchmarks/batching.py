@@ -1,6 +1,6 @@
 """Batched decoding benchmark: 1-16 concurrent generate sessions through served tiers, against ORT.
 
-    python -m benchmarks.batching            # 1, 2, 4, 8, 16 sessions (~20 min)
+    python -m benchmarks.batching            # 1, 2, 4, 8, 16 sessions (~15 min)
     python -m benchmarks.batching --quick    # 1, 4, 8 sessions, fewer tokens
     python -m benchmarks.batching --render   # the committed results rendered again
     python -m benchmarks.batching --sessions 1,8 --tokens 8 --configs cloud --delay-ms 5  # smoke
@@ -140,7 +140,7 @@ def build(workdir: Path, prompt: int) -> dict[str, Path]:
 
     model = workdir / "model" / "model.onnx"
     if not model.exists():
-        print("exporting the decoder with optimum (a few minutes) ...", flush=True)
+        progress("exporting the decoder with optimum (a few minutes) ...")
         export_decoder(shape(), model.parent, timeout=1800)
     settings = DecoderSettings(
         context=prompt + MAX_TOKENS, max_tokens=MAX_TOKENS, prompt_tokens=prompt
@@ -153,7 +153,7 @@ def build(workdir: Path, prompt: int) -> dict[str, Path]:
         if (plan_dir / "plan.json").exists():
             continue
         if graph is None:
-            print("analysing the decoder ...", flush=True)
+            progress("analysing the decoder ...")
             graph = load_decoder(model, settings)
         last = len(graph.prefill.cuts) - 1
         cuts = (last // 3, 2 * last // 3) if where == "split" else (0, 0)
@@ -165,6 +165,11 @@ def build(workdir: Path, prompt: int) -> dict[str, Path]:
             decoder=graph.decoder,
         )
     return paths
+
+
+def progress(text: str) -> None:
+    """One line of progress, with the time (a long run's stages can be told apart)."""
+    print(f"{time.strftime('%H:%M:%S', time.gmtime())} {text}", flush=True)
 
 
 def prompts(count: int, length: int, vocab: int = 32000, *, vary: bool = False) -> list[list[int]]:
@@ -428,10 +433,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "sweep": {},
         "runs": {},
     }
-    print("references ...", flush=True)
+    progress("references ...")
     expected = child("references", paths["model"], [max(counts)], args)
     for where in configs:
-        print(f"{where}: the ORT ceiling ...", flush=True)
+        progress(f"{where}: the ORT ceiling ...")
         results["ceiling"][where] = child("ceiling", paths[where], counts, args)
     for where in configs:
         delay = args.delay_ms
@@ -439,7 +444,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             delay = sweep(paths[where], where, args, results["sweep"])
         for setting in (Setting(16, 0.0), Setting(16, delay), Setting(1, 0.0)):
             name = f"{where}, {setting.name}"
-            print(f"{name} ...", flush=True)
+            progress(f"{name} ...")
             run = generate_through(paths[where], counts, args, setting)
             for row in run["rows"]:
                 made = row.pop("tokens")
@@ -459,7 +464,7 @@ def sweep(plan_dir: Path, where: str, args: argparse.Namespace, into: dict[str, 
     tokens/s (of equals, the shorter). Its rows go to ``into[where]``."""
     rows = []
     for delay in SWEEP_DELAYS_MS:
-        print(f"{where}: --batch-delay {delay:g} ms, {SWEEP_SESSIONS} sessions ...", flush=True)
+        progress(f"{where}: --batch-delay {delay:g} ms, {SWEEP_SESSIONS} sessions ...")
         row = generate_through(plan_dir, [SWEEP_SESSIONS], args, Setting(16, delay))["rows"][0]
         row.pop("tokens")
         rows.append({"delay_ms": delay, **row})
@@ -471,12 +476,12 @@ def sweep(plan_dir: Path, where: str, args: argparse.Namespace, into: dict[str, 
 def padding_runs(paths: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
     """``--batch-padding``'s token agreement and speed: sessions of different past lengths,
     cloud-only, padded into batches and not (the exact default: each step alone)."""
-    print("references, prompts of different lengths ...", flush=True)
+    progress("references, prompts of different lengths ...")
     expected = child("references", paths["model"], [PADDED_SESSIONS], args, "--vary")
     out: dict[str, Any] = {"sessions": PADDED_SESSIONS, "runs": {}}
     for padded in (True, False):
         name = "cloud, --batch-padding" if padded else "cloud, exact (no padding)"
-        print(f"{name}, prompts of different lengths ...", flush=True)
+        progress(f"{name}, prompts of different lengths ...")
         setting = Setting(16, 0.0, padding=padded)
         run = generate_through(paths["cloud"], [PADDED_SESSIONS], args, setting, vary=True)
         row = run["rows"][0]
@@ -729,7 +734,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--threads", type=int, default=THREADS)
-    parser.add_argument("--repeats", type=int, default=7, help="ceiling runs per batch size")
+    parser.add_argument("--repeats", type=int, default=11, help="ceiling runs per batch size")
     parser.add_argument(
         "--delay-ms",
         type=float,
