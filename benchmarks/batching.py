@@ -279,7 +279,8 @@ def _generate(client: Any, texts: list[list[int]], tokens: int) -> dict[str, Any
 def ceiling(plan_dir: Path, counts: Sequence[int], args: argparse.Namespace) -> dict[str, Any]:
     """ONNX Runtime alone running the plan's segments, as its tiers open them, for N
     sequences' decode steps at once: each segment's median over ``--repeats``, fed by the
-    segment before it, and their sum."""
+    segment before it, and their sum. ``cpu_ms``: the step's CPU time, every ONNX Runtime
+    thread's (what the machine's load does not stretch)."""
     from tierflow.onnxrt.inference import open_session
     from tierflow.partitioner.decoder_points import Point, point_sample
     from tierflow.plan import load_plan
@@ -302,23 +303,26 @@ def ceiling(plan_dir: Path, counts: Sequence[int], args: argparse.Namespace) -> 
     for count in counts:
         sample = point_sample(inputs, plan.decoder, plan.states, point, batch=count)
         tensors = {name: value[0] for name, value in sample.items()}  # no request axis
-        segments = {}
+        segments, segments_cpu = {}, {}
         for spec, session in runs:
             feeds = {name: tensors[name] for name in spec.inputs}
             names = [o.name for o in session.get_outputs()]
             tensors.update(zip(names, session.run(None, feeds), strict=True))  # warm-up
-            times = []
+            times, cpu = [], []
             for _ in range(args.repeats):
-                began = time.perf_counter()
+                began, used = time.perf_counter(), time.process_time()
                 session.run(None, feeds)
                 times.append(time.perf_counter() - began)
+                cpu.append(time.process_time() - used)
             segments[spec.tier] = statistics.median(times) * 1e3
+            segments_cpu[spec.tier] = statistics.median(cpu) * 1e3
         step = sum(segments.values())
         rows.append(
             {
                 "sessions": count,
                 "step_ms": step,
                 "segments_ms": segments,
+                "cpu_ms": sum(segments_cpu.values()),
                 "tokens_per_s": count * 1e3 / step,
             }
         )
@@ -565,6 +569,7 @@ def table(results: dict[str, Any]) -> list[str]:
                 for tier in tiers
             ),
             "| step ms (sum) | " + " | ".join(f"{r['step_ms']:.1f}" for r in rows) + " |",
+            "| step CPU ms, all threads | " + " | ".join(f"{r['cpu_ms']:.1f}" for r in rows) + " |",
             "| tokens/s | " + " | ".join(f"{r['tokens_per_s']:.1f}" for r in rows) + " |",
         ]
     return lines
