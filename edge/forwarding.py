@@ -65,7 +65,6 @@ class Forwarding:
         if self.upstream is None:
             upstream = StreamUpstream(self.address, me=tier, peer=self.peer, options=options)
             self.upstream = upstream
-            assert upstream.stream is not None
             self._check(upstream.stream.channel)
 
     def _check(self, channel: grpc.Channel) -> None:

@@ -79,8 +79,10 @@ class Upstream(Protocol):
     #: The next tier's name ("edge", "cloud") and where it is.
     peer: str
     address: str
-    #: The gRPC stream to it (probes use its channel); None in process.
-    stream: StreamClient | None
+
+    @property
+    def stream(self) -> StreamClient | None:
+        """The gRPC stream to it (probes use its channel); None in process."""
 
     def submit(
         self,
@@ -108,8 +110,7 @@ class StreamUpstream:
     request]) and the segment files fetched over its channel."""
 
     def __init__(self, address: str, *, me: str, peer: str, options: RuntimeOptions) -> None:
-        self.stream: StreamClient | None = connect(address, me=me, peer=peer, options=options)
-        self._stream = self.stream
+        self.stream = connect(address, me=me, peer=peer, options=options)
         self.peer = peer
         self.address = address
 
@@ -121,16 +122,16 @@ class StreamUpstream:
         nbytes: int | None = None,
         on_reply: Callable[[Sent], None] | None = None,
     ) -> Sent:
-        return self._stream.submit(request, deadline=deadline, nbytes=nbytes, on_reply=on_reply)
+        return self.stream.submit(request, deadline=deadline, nbytes=nbytes, on_reply=on_reply)
 
     def known_down(self) -> bool:
-        return self._stream.known_down()
+        return self.stream.known_down()
 
     def segment_source(self) -> SegmentSource:
-        return segment_source(self._stream)
+        return segment_source(self.stream)
 
     def close(self, timeout: float = 5.0) -> None:
-        self._stream.close(timeout=timeout)
+        self.stream.close(timeout=timeout)
 
 
 class NextTier(Protocol):
