@@ -135,8 +135,8 @@ class Pair:
 
     def states(self, tier: str) -> Any:
         server = self.edge if tier == "edge" else self.cloud
-        assert server.service.pipeline is not None
-        return server.service.pipeline.states
+        assert server.tier.pipeline is not None
+        return server.tier.pipeline.states
 
     def sample(self) -> None:
         for tier in self.peak:

@@ -380,7 +380,7 @@ def admission_cost(count: int = 20_000) -> dict[str, float]:
     lock = threading.Lock()
     in_flight = [0]
     start = time.perf_counter()
-    for _ in range(count):  # TierService.admit_request's work, and answered()'s
+    for _ in range(count):  # Tier.admit_request's work, and answered()'s
         with lock:
             in_flight[0] += 1
             _ = in_flight[0] > 1024

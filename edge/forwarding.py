@@ -1,8 +1,8 @@
 """The edge's way to the cloud: send a request on, pass what comes back down its stream.
 
-:class:`Forwarding` is the edge's :class:`~tierflow.runtime.service.Forwarder`: the one
+:class:`Forwarding` is the edge's :class:`~tierflow.runtime.tier.Forwarder`: the one
 :class:`~tierflow.runtime.upstream.Upstream` to the cloud every device's requests share
-(a long-lived gRPC stream, or the cloud's service in this process), the segment files
+(a long-lived gRPC stream, or the cloud's tier in this process), the segment files
 fetched from it ([Note: segments on demand] in tierflow/runtime/segment_store.py). What
 comes back is taken through the pipeline's way down (:meth:`Pipeline.came_down`: the
 cloud's reply, or the edge's answer without it, [Note: answering without the next tier]
@@ -30,8 +30,8 @@ from tierflow.errors import TierflowError, TransportError, UsageError
 from tierflow.options import RuntimeOptions
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.pipeline import Down, Onward, Pipeline
+from tierflow.runtime.replies import Send
 from tierflow.runtime.segment_store import SegmentSource
-from tierflow.runtime.service import Send
 from tierflow.runtime.upstream import StreamUpstream, Upstream
 from tierflow.transport.stream_client import Sent
 from tierflow.transport.wire import error_to_proto

@@ -2,7 +2,7 @@
 
 Exits and caches make latency depend on the request (an easy one leaves early, a repeat
 is answered from the cache), so this is measured per request by walking the plan the way
-the runtime does ([Note: a request at a tier] in ``tierflow.runtime.service``), in-process:
+the runtime does ([Note: a request at a tier] in ``tierflow.runtime.tier``), in-process:
 
 * the model is cut at the plan's cuts *and* at every exit's cut, and each piece runs in
   its own ONNX Runtime session (1 thread, times the tier's slowdown);

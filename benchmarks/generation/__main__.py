@@ -167,7 +167,7 @@ def run_strategy(
                 options=_options("edge", links),
             )
             edge.start()
-            probe.tiers = {"edge": edge.service.pipeline, "cloud": cloud.service.pipeline}
+            probe.tiers = {"edge": edge.tier.pipeline, "cloud": cloud.tier.pipeline}
         draft_s = 0.0
 
         def after(generator: Any) -> None:

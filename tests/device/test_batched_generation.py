@@ -91,7 +91,7 @@ def tiers(request: Any, models: dict[str, Path]) -> Iterator[tuple[Path, TierSer
 
 
 def batcher_of(server: TierServer) -> StepBatcher:
-    pipeline = server.service.pipeline
+    pipeline = server.tier.pipeline
     assert pipeline is not None
     batcher = pipeline.runner(0).batcher
     assert batcher is not None
@@ -239,7 +239,7 @@ def test_batches_outgrow_the_workers(models: dict[str, Path]) -> None:
         with DeviceClient(plan, edge.address) as client:
             outputs = lockstep(8, lambda i: four_tokens(client, prompt, prefilled))
         # The tier's batch-size figures (its metrics' tierflow_batch_calls_total).
-        sizes = {size for stats in cloud.service.batch_stats() for size in stats.sizes}
+        sizes = {size for stats in cloud.tier.batch_stats() for size in stats.sizes}
     expected = reference_generate(models["model"], prompt, 4, context=CONTEXT).tokens
     assert all(outputs[i] == list(expected) for i in range(8)), outputs
     assert max(sizes) > 2, sizes
@@ -292,7 +292,7 @@ def test_lost_states_are_replayed_in_batches_and_the_output_does_not_change(
         batched: list[int] = []
 
         def drop_two() -> None:
-            pipeline = cloud.service.pipeline
+            pipeline = cloud.tier.pipeline
             assert pipeline is not None
             for generator in generators[:2]:
                 pipeline.states.drop(generator.target.session)
@@ -359,7 +359,7 @@ def test_a_member_fails_alone_with_its_own_error(models: dict[str, Path]) -> Non
                 feeds = decoder.step_feeds(prompt, 0)
                 answer = via.submit(feeds, session=name, position=0, keep_last=1, choices_only=True)
                 firsts[name] = int(answer.result().unwrap().outputs["logits"].reshape(-1)[-1])
-            pipeline = cloud.service.pipeline
+            pipeline = cloud.tier.pipeline
             assert pipeline is not None
             pipeline.states.drop("lost")
             position = len(prompt)
@@ -408,9 +408,9 @@ def test_a_batch_in_one_message_runs_as_one_call_and_is_answered_in_one_reply(
     with serving(plan, RuntimeOptions(workers=2, max_batch=8)) as (_, cloud, _edge):
         batcher = batcher_of(cloud)
         batcher.convoy_wait_s = 30.0  # the members' decoding never outlasts it here
-        decoder = cloud.service.plan.decoder
+        decoder = cloud.tier.plan.decoder
         assert decoder is not None
-        plan_id = cloud.service.plan_id
+        plan_id = cloud.tier.plan_id
 
         def step(session: str, tokens: list[int], position: int) -> tier_pb2.Request:
             return tier_pb2.Request(
@@ -446,7 +446,7 @@ def test_a_batch_in_one_message_runs_as_one_call_and_is_answered_in_one_reply(
         tokens = {s: choice(r) for s, r in zip(sessions, first.members, strict=True)}
         assert batcher.stats.sizes.get(5, 0) == before.get(5, 0) + 1  # one call of five
 
-        pipeline = cloud.service.pipeline
+        pipeline = cloud.tier.pipeline
         assert pipeline is not None
         pipeline.states.drop("lost")
         position = len(prompt)
@@ -473,13 +473,13 @@ def test_an_edges_batch_goes_on_to_the_cloud_as_one_message(models: dict[str, Pa
         cloud_batcher = batcher_of(cloud)
         cloud_batcher.convoy_wait_s = 30.0
         received: list[int] = []
-        run_members = cloud.service.run_members
+        run_members = cloud.tier.run_members
 
         def counted(request: tier_pb2.Request, *args: Any) -> None:
             received.append(len(request.members))
             run_members(request, *args)
 
-        cloud.service.run_members = counted  # type: ignore[method-assign]
+        cloud.tier.run_members = counted  # type: ignore[method-assign]
         prefilled = threading.Barrier(4, action=arm)
         with DeviceClient(plan, edge.address) as client:
             outputs = lockstep(4, lambda i: four_tokens(client, prompt, prefilled))
@@ -501,7 +501,7 @@ def test_a_devices_batch_goes_up_to_the_edge_as_one_message(models: dict[str, Pa
             batcher_of(server).convoy_wait_s = 30.0
         received: dict[str, list[int]] = {"edge": [], "cloud": []}
         for name, server in (("edge", edge), ("cloud", cloud)):
-            run_members = server.service.run_members
+            run_members = server.tier.run_members
 
             def counted(
                 request: tier_pb2.Request, *args: Any, _n: str = name, _r: Any = run_members
@@ -509,7 +509,7 @@ def test_a_devices_batch_goes_up_to_the_edge_as_one_message(models: dict[str, Pa
                 received[_n].append(len(request.members))
                 _r(request, *args)
 
-            server.service.run_members = counted  # type: ignore[method-assign]
+            server.tier.run_members = counted  # type: ignore[method-assign]
         with DeviceClient(plan, edge.address, options=options) as client:
             device = client.pipeline.runner(0).batcher
             assert device is not None

@@ -141,8 +141,8 @@ def test_a_state_lost_on_a_tier_is_replayed_and_the_output_does_not_change(
 
         def evict(token: int, draft_only: bool) -> None:
             if len(generator.target.fed) == len(PROMPT) + 8:
-                assert cloud.service.pipeline is not None
-                cloud.service.pipeline.states.drop(session)
+                assert cloud.tier.pipeline is not None
+                cloud.tier.pipeline.states.drop(session)
 
         report = generator.generate(PROMPT, 20, on_token=evict)
     assert report.replays == 1

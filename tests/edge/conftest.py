@@ -29,7 +29,7 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec, load_plan_set, save_plan
 from tierflow.runtime.processes import ServeProcess
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.service import TierService
+from tierflow.runtime.tier import Tier
 from tierflow.runtime.upstream import LocalUpstream
 
 
@@ -280,13 +280,13 @@ class FakeClock:
 
 @dataclass
 class InProcess:
-    """A cloud and an edge service in this process, no server and no channel ([Note: the
-    next tier in process] in tierflow/runtime/upstream.py). ``clock``: what their links
-    run on (None: the real time)."""
+    """A cloud and an edge in this process, no server and no channel ([Note: the next tier
+    in process] in tierflow/runtime/upstream.py). ``clock``: what their links run on
+    (None: the real time)."""
 
     plan_dir: Path
-    edge: TierService
-    cloud: TierService
+    edge: Tier
+    cloud: Tier
     clock: FakeClock | None = None
 
     def upstream(self, **settings: Any) -> LocalUpstream:
@@ -319,12 +319,12 @@ def in_process_services(
     options = RuntimeOptions(**{"workers": 2, **settings})
     plans = load_plan_set(plan_dir, require_segments=False)
     links = {} if clock is None else clock.links()
-    cloud = TierService("cloud", plans, plan_dir, cache=cache, options=options)
+    cloud = Tier("cloud", plans, plan_dir, cache=cache, options=options)
     cloud.load()
     edge_dir = edge_dir or plan_dir
     edge_options = edge_options or options
     forwarding = Forwarding(upstream=LocalUpstream(cloud, me="edge", options=edge_options, **links))
-    edge = TierService(
+    edge = Tier(
         "edge",
         load_plan_set(edge_dir, require_segments=False),
         edge_dir,

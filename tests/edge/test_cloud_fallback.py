@@ -2,7 +2,7 @@
 
 See [Note: answering without the next tier] in tierflow/runtime/pipeline.py and [Note:
 losing a tier] in device/fallback.py. The tiers run in process ([Note: the next tier in
-process] in tierflow/runtime/upstream.py), the cloud gone when its service stops or is
+process] in tierflow/runtime/upstream.py), the cloud gone when it stops or is
 closed; killing a cloud process mid-stream proves the same over gRPC.
 """
 
@@ -26,7 +26,7 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, SegmentSpec, load_plan, save_plan_set
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.service import TierService
+from tierflow.runtime.tier import Tier
 from tierflow.runtime.upstream import LocalUpstream
 
 OPTIONS = RuntimeOptions(workers=2)
@@ -194,7 +194,7 @@ def test_a_device_edge_plan_takes_over_while_the_cloud_is_gone(tmp_path: Path, r
     ):
         assert device.fallback_plan is None  # no device-only plan in this set
         results = list(device.run_stream(_killing(samples, 5, lambda: tiers.cloud.drain(0.0))))
-        cloud = TierService("cloud", PlanSet((normal, pair)), split.plan_dir, options=OPTIONS)
+        cloud = Tier("cloud", PlanSet((normal, pair)), split.plan_dir, options=OPTIONS)
         cloud.load()  # the cloud back, as a new process would be
         assert isinstance(tiers.edge.forwarder, Forwarding)
         tiers.edge.forwarder.upstream = LocalUpstream(cloud, me="edge")

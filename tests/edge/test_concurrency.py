@@ -25,6 +25,7 @@ from tierflow.runtime.pipeline import Pipeline
 from tierflow.runtime.segment_runner import TierRunner
 from tierflow.runtime.server import TierServer
 from tierflow.runtime.service import TierService
+from tierflow.runtime.tier import Tier
 from tierflow.transport.wire import grpc_options, put_tensors
 
 
@@ -107,8 +108,9 @@ def test_one_streams_requests_run_side_by_side_up_to_the_workers(
     requests = cloud_requests(split.plan_dir, 8)
     gate = Gate(monkeypatch, workers, patience=5.0)
     plan = load_plan(split.plan_dir)
-    cloud = TierService("cloud", plan, split.plan_dir, options=RuntimeOptions(workers=workers))
-    cloud.load()
+    tier = Tier("cloud", plan, split.plan_dir, options=RuntimeOptions(workers=workers))
+    tier.load()
+    cloud = TierService(tier)
     replies: list[tier_pb2.Reply] = []
     ended = threading.Event()
 
@@ -122,7 +124,7 @@ def test_one_streams_requests_run_side_by_side_up_to_the_workers(
         assert cloud.Infer(iter(requests), LocalContext("local:edge"), send) is None
         assert ended.wait(30)
     finally:
-        cloud.close(0.5)
+        tier.close(0.5)
     assert sorted(r.id for r in replies) == sorted(r.id for r in requests)
     assert not any(r.HasField("error") for r in replies)
     assert gate.most == workers
@@ -147,9 +149,9 @@ def test_a_stopping_tier_answers_every_request_sent_before_it_began_to_stop(
     reader.start()
     try:
         deadline = time.monotonic() + 10
-        while cloud.service.in_flight < 20 and time.monotonic() < deadline:
+        while cloud.tier.in_flight < 20 and time.monotonic() < deadline:
             time.sleep(0.01)  # every request read: sent before the stop began
-        assert cloud.service.in_flight == 20
+        assert cloud.tier.in_flight == 20
         cloud.stop(grace=10)
         reader.join(15)
     finally:

@@ -21,8 +21,8 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.service import TierService
 from tierflow.runtime.streams import GARBAGE_LIMIT
+from tierflow.runtime.tier import Tier
 from tierflow.transport.peer_warnings import WARNINGS
 from tierflow.transport.wire import grpc_options, put_tensors
 
@@ -53,7 +53,7 @@ def cloud(tmp_path: Path, rt: Any, request: Any) -> Iterator[tuple[TierServer, s
     split = rt.cnn(tmp_path / "plan")
     plan = load_plan(split.plan_dir)
     options = RuntimeOptions(workers=2, **settings)
-    server = TierServer(TierService("cloud", plan, split.plan_dir, options=options), "127.0.0.1:0")
+    server = TierServer(Tier("cloud", plan, split.plan_dir, options=options), "127.0.0.1:0")
     other = server._server.add_insecure_port("[::1]:0")
     server.start()
     try:
@@ -74,7 +74,7 @@ def test_a_trickle_of_garbage_is_closed_after_a_few_messages_with_few_lines(
     cloud: tuple[TierServer, str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
     server, address, _ = cloud
-    plan_id = server.service.plan_id
+    plan_id = server.tier.plan_id
     before = WARNINGS.counts("cloud")
     channel = grpc.insecure_channel(address, options=grpc_options())
     raw = _raw(channel)
@@ -120,7 +120,7 @@ def test_a_trickle_of_garbage_is_closed_after_a_few_messages_with_few_lines(
 def test_garbage_is_not_activity(cloud: tuple[TierServer, str, str]) -> None:
     """A stream's idle time counts from its last well-formed request, not its last message."""
     server, address, _ = cloud
-    plan_id = server.service.plan_id
+    plan_id = server.tier.plan_id
     channel = grpc.insecure_channel(address, options=grpc_options())
     messages: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
     try:
@@ -178,7 +178,7 @@ def test_a_host_holding_its_streams_leaves_room_for_another_hosts_device(
         assert admission.open_streams == 6  # 8 - a reserve of 2
         with grpc.insecure_channel(other, options=grpc_options()) as device:
             raw = _raw(device)
-            (reply,) = raw(iter([_valid(server.service.plan_id, "device")]), timeout=10)
+            (reply,) = raw(iter([_valid(server.tier.plan_id, "device")]), timeout=10)
         assert reply.id == "device" and not reply.HasField("error"), reply.error
     finally:
         for messages in parked:

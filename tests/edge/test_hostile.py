@@ -26,7 +26,7 @@ from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.segment_runner import TierRunner
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.service import TierService
+from tierflow.runtime.tier import Tier
 from tierflow.runtime.upstream import LocalUpstream
 from tierflow.transport.stream_client import StreamClient
 from tierflow.transport.wire import encode_tensors, grpc_options, put_tensors
@@ -130,8 +130,8 @@ def test_stream_clients_refuse_deadlines_their_timers_cannot_hold() -> None:
 def cloud_stub(tmp_path: Path, rt: Any) -> Any:
     split = rt.cnn(tmp_path / "plan")
     plan = load_plan(split.plan_dir)
-    service = TierService("cloud", plan, split.plan_dir, options=RuntimeOptions(workers=1))
-    server = TierServer(service, "127.0.0.1:0")
+    tier = Tier("cloud", plan, split.plan_dir, options=RuntimeOptions(workers=1))
+    server = TierServer(tier, "127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(server.address, options=grpc_options())
     raw = channel.stream_stream(
@@ -202,10 +202,10 @@ def test_an_undecodable_probe_message_ends_its_probe_with_one_line(
     tmp_path: Path, rt: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     split = rt.cnn(tmp_path / "plan")
-    service = TierService(
+    tier = Tier(
         "cloud", load_plan(split.plan_dir), split.plan_dir, options=RuntimeOptions(workers=1)
     )
-    server = TierServer(service, "127.0.0.1:0")
+    server = TierServer(tier, "127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(server.address, options=grpc_options())
     probe = channel.stream_stream(

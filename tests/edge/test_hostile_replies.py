@@ -26,7 +26,7 @@ from tierflow.edge.forwarding import Forwarding
 from tierflow.options import RuntimeOptions
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.service import TierService
+from tierflow.runtime.tier import Tier
 from tierflow.runtime.upstream import LocalUpstream
 from tierflow.transport.peer_warnings import WARNINGS
 from tierflow.transport.wire import GRPC_OPTIONS, MAX_FIGURE_BPS, add_tier_servicer
@@ -65,24 +65,24 @@ def _relay(target: str) -> tuple[grpc.Server, str]:
 
 
 class HostileTier:
-    """A tier's service in this process whose every reply is poisoned on its way out."""
+    """A tier in this process whose every reply is poisoned on its way out."""
 
-    def __init__(self, service: TierService) -> None:
-        self.service = service
+    def __init__(self, tier: Tier) -> None:
+        self.tier = tier
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.service, name)
+        return getattr(self.tier, name)
 
     @property
     def closed(self) -> bool:
-        return self.service.closed
+        return self.tier.closed
 
     def handle(self, request: Any, received: float, later: Any, caller: str = "local") -> Any:
         def poisoned(reply: tier_pb2.Reply) -> None:
             _poison(reply)
             later(reply)
 
-        reply = self.service.handle(request, received, poisoned, caller)
+        reply = self.tier.handle(request, received, poisoned, caller)
         if reply is not None:
             _poison(reply)
         return reply

@@ -20,7 +20,7 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.service import TierService
+from tierflow.runtime.tier import Tier
 from tierflow.runtime.upstream import LocalUpstream
 from tierflow.transport.wire import encode_tensors, grpc_options
 
@@ -53,23 +53,22 @@ LIMITS = RuntimeOptions(max_message_bytes=1 << 20, max_tensor_bytes=1 << 20)
 
 @pytest.fixture
 def local_cloud(tmp_path: Path, rt: Any) -> Iterator[tuple[LocalUpstream, str]]:
-    """The cloud's service in this process, as the edge sends to it."""
+    """The cloud in this process, as the edge sends to it."""
     split = rt.cnn(tmp_path / "plan", {"device-edge": "zstd", "edge-cloud": "zstd"})
     plan = load_plan(split.plan_dir)
-    service = TierService("cloud", plan, split.plan_dir, options=LIMITS)
-    service.load()
+    cloud = Tier("cloud", plan, split.plan_dir, options=LIMITS)
+    cloud.load()
     try:
-        yield LocalUpstream(service, me="edge"), plan.plan_id
+        yield LocalUpstream(cloud, me="edge"), plan.plan_id
     finally:
-        service.close(0.5)
+        cloud.close(0.5)
 
 
 @pytest.fixture
 def cloud(tmp_path: Path, rt: Any) -> Iterator[tuple[tier_pb2_grpc.TierStub, str]]:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "zstd", "edge-cloud": "zstd"})
     plan = load_plan(split.plan_dir)
-    service = TierService("cloud", plan, split.plan_dir, options=LIMITS)
-    server = TierServer(service, "127.0.0.1:0")
+    server = TierServer(Tier("cloud", plan, split.plan_dir, options=LIMITS), "127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(server.address, options=grpc_options(8 << 20))
     try:

@@ -22,7 +22,7 @@ from tierflow.device.client import DeviceClient
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.metrics import TierMetrics
-from tierflow.runtime.service import TierService
+from tierflow.runtime.tier import Tier
 from tierflow.transport.wire import grpc_options
 
 prometheus = pytest.importorskip("prometheus_client.parser")
@@ -61,16 +61,16 @@ def _total(samples: dict[Any, float], name: str, **labels: str) -> float:
     )
 
 
-def _metrics_of(service: TierService) -> TierMetrics:
-    """The metrics ``serve --metrics-port`` gives ``service`` (tierflow/runtime/server.py)."""
+def _metrics_of(tier: Tier) -> TierMetrics:
+    """The metrics ``serve --metrics-port`` gives ``tier`` (tierflow/runtime/server.py)."""
     metrics = TierMetrics(
-        service.tier,
-        lambda: service.in_flight,
-        segments=lambda: service.segments,
-        states=lambda: None if service.pipeline is None else service.pipeline.states,
-        batches=service.batch_stats,
+        tier.name,
+        lambda: tier.in_flight,
+        segments=lambda: tier.segments,
+        states=lambda: None if tier.pipeline is None else tier.pipeline.states,
+        batches=tier.batch_stats,
     )
-    service.metrics = metrics
+    tier.metrics = metrics
     return metrics
 
 

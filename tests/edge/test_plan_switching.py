@@ -77,12 +77,12 @@ def test_a_rate_drop_and_recovery_switches_plans_both_ways_losing_nothing(
     trace = tmp_path / "trace.csv"
     trace.write_text("seconds,rate,rtt\n0,200mbit,20ms\n0.4,2mbit,20ms\n1.4,200mbit,20ms\n")
     with rt.tiers(split.plan_dir) as (edge, _, cloud):
-        assert cloud.service.opened_plans == [fast.plan_id]  # the other opens when asked for
+        assert cloud.tier.opened_plans == [fast.plan_id]  # the other opens when asked for
         args = ["run", "--plan", str(split.plan_dir), "--edge", edge, "--window", "1"]
         args += ["--input", str(tmp_path / "in.npz"), "--output", str(tmp_path / "out.npz")]
         args += ["--report", str(tmp_path / "r.jsonl"), "--link-emulation", f"trace={trace}"]
         assert main(args) == 0
-        assert sorted(cloud.service.opened_plans) == sorted([fast.plan_id, slow.plan_id])
+        assert sorted(cloud.tier.opened_plans) == sorted([fast.plan_id, slow.plan_id])
     lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     lines.sort(key=lambda line: int(line["id"]))
     assert [int(line["id"]) for line in lines] == list(range(count))  # one answer each

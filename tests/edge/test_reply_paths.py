@@ -19,9 +19,11 @@ from tierflow.device.client import DeviceClient
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2
+from tierflow.runtime import streams
 from tierflow.runtime.local_call import LocalContext
 from tierflow.runtime.segment_runner import TierRunner
 from tierflow.runtime.service import TierService
+from tierflow.runtime.tier import Tier
 from tierflow.transport.wire import decode_tensors, put_tensors
 
 
@@ -45,15 +47,15 @@ def _run_exactly(rt: Any, tmp_path: Path) -> set[str]:
 
 
 def _count_queued(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Record each stream served through the queue (``TierService._serve_queued``)."""
+    """Record each stream served through the queue (``tierflow.runtime.streams._serve_queued``)."""
     queued: list[str] = []
-    serve_queued = TierService._serve_queued
+    serve_queued = streams._serve_queued
 
-    def spy(self: TierService, *args: Any, **kwargs: Any) -> Any:
-        queued.append(self.tier)
-        return serve_queued(self, *args, **kwargs)
+    def spy(tier: Tier, *args: Any, **kwargs: Any) -> Any:
+        queued.append(tier.name)
+        return serve_queued(tier, *args, **kwargs)
 
-    monkeypatch.setattr(TierService, "_serve_queued", spy)
+    monkeypatch.setattr(streams, "_serve_queued", spy)
     return queued
 
 
@@ -75,8 +77,9 @@ def test_a_streams_replies_are_exact_both_ways(
         put_tensors(request.tensors, tensors, plan.link_codec("edge-cloud"))
         requests.append(request)
     queued = _count_queued(monkeypatch)
-    cloud = TierService("cloud", plan, split.plan_dir, options=RuntimeOptions(workers=2))
-    cloud.load()
+    tier = Tier("cloud", plan, split.plan_dir, options=RuntimeOptions(workers=2))
+    tier.load()
+    cloud = TierService(tier)
     writers: set[str] = set()  # the threads that wrote replies
     replies: list[tier_pb2.Reply] = []
     try:
@@ -98,7 +101,7 @@ def test_a_streams_replies_are_exact_both_ways(
             assert cloud.Infer(iter(requests), context, send) is None
             assert ended.wait(30)
     finally:
-        cloud.close(0.5)
+        tier.close(0.5)
     assert sorted(int(r.id) for r in replies) == list(range(len(samples)))
     for reply in replies:
         assert not reply.HasField("error"), reply.error.message

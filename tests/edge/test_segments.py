@@ -41,7 +41,7 @@ from tierflow.plan import (
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.segment_store import PART_SUFFIX, SegmentSource, SegmentStore
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.service import TierService
+from tierflow.runtime.tier import Tier
 from tierflow.runtime.upstream import LocalUpstream
 from tierflow.transport.security import Security, open_channel
 from tierflow.transport.stream_client import channel_options
@@ -70,9 +70,9 @@ def _cloud_and_edge(
 
 
 @contextmanager
-def _cloud(plan_dir: Path) -> Iterator[TierService]:
+def _cloud(plan_dir: Path) -> Iterator[Tier]:
     """A cloud serving ``plan_dir`` in this process."""
-    cloud = TierService("cloud", load_plan_set(plan_dir), plan_dir, options=OPTIONS)
+    cloud = Tier("cloud", load_plan_set(plan_dir), plan_dir, options=OPTIONS)
     cloud.load()
     try:
         yield cloud
@@ -80,7 +80,7 @@ def _cloud(plan_dir: Path) -> Iterator[TierService]:
         cloud.close(0.5)
 
 
-def _source(cloud: TierService, **settings: Any) -> SegmentSource:
+def _source(cloud: Tier, **settings: Any) -> SegmentSource:
     """An edge's way to fetch from ``cloud``'s ``FetchSegment`` in this process."""
     upstream = LocalUpstream(cloud, me="edge")
     return SegmentSource(upstream, "cloud", known_down=upstream.known_down, **settings)
@@ -240,8 +240,8 @@ class _Restarting:
         self.clouds = [self._start()]
         self.seen: list[int] = []
 
-    def _start(self) -> TierService:
-        cloud = TierService("cloud", load_plan_set(self.plan_dir), self.plan_dir, options=OPTIONS)
+    def _start(self) -> Tier:
+        cloud = Tier("cloud", load_plan_set(self.plan_dir), self.plan_dir, options=OPTIONS)
         cloud.load()
         return cloud
 

@@ -20,7 +20,7 @@ from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import save_split_plan, split_model
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2
-from tierflow.runtime.service import TierService
+from tierflow.runtime.tier import Tier
 from tierflow.runtime.upstream import LocalUpstream
 from tierflow.transport.wire import put_tensors
 from tierflow.zoo.tiny_stateful import streaming_model, tiny_decoder
@@ -28,7 +28,7 @@ from tierflow.zoo.tiny_stateful import streaming_model, tiny_decoder
 RAW_CODEC = CodecSpec.parse("raw")
 
 
-def _ask(edge: TierService, requests: list[tier_pb2.Request]) -> dict[str, tier_pb2.Reply]:
+def _ask(edge: Tier, requests: list[tier_pb2.Request]) -> dict[str, tier_pb2.Reply]:
     """Each request's reply from ``edge``, by the request's own id."""
     device = LocalUpstream(edge, me="device")
     return {request.id: device.submit(request).future.result() for request in requests}
@@ -39,7 +39,7 @@ def _code(reply: tier_pb2.Reply) -> str:
 
 
 @pytest.fixture
-def decoder_edge(tmp_path: Path, rt: Any) -> Iterator[tuple[str, TierService]]:
+def decoder_edge(tmp_path: Path, rt: Any) -> Iterator[tuple[str, Tier]]:
     """A decoder that runs whole on the edge: the device sends tokens and companions raw."""
     root = tmp_path
     model = tiny_decoder(root / "decoder.onnx", blocks=2, vocab=16, seed=1)
@@ -62,7 +62,7 @@ def _step(
 
 
 def test_a_step_whose_position_disagrees_with_its_mask_is_invalid_input(
-    decoder_edge: tuple[str, TierService], capfd: pytest.CaptureFixture[str]
+    decoder_edge: tuple[str, Tier], capfd: pytest.CaptureFixture[str]
 ) -> None:
     plan_id, edge = decoder_edge
     decoder = edge.plan.decoder
@@ -89,7 +89,7 @@ def test_a_step_whose_position_disagrees_with_its_mask_is_invalid_input(
 
 
 @pytest.fixture
-def stream_tiers(tmp_path: Path, rt: Any) -> Iterator[tuple[str, TierService]]:
+def stream_tiers(tmp_path: Path, rt: Any) -> Iterator[tuple[str, Tier]]:
     """The streaming model with its state on the cloud: the edge only forwards."""
     root = tmp_path
     graph = load_model(streaming_model(root / "stream.onnx"))
@@ -107,7 +107,7 @@ def _first_chunk(plan_id: str, ident: str, state: dict[str, np.ndarray]) -> tier
 
 
 def test_initial_state_is_checked_against_the_plan_and_never_cast(
-    stream_tiers: tuple[str, TierService],
+    stream_tiers: tuple[str, Tier],
 ) -> None:
     plan_id, edge = stream_tiers
     replies = _ask(

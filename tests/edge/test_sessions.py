@@ -33,7 +33,7 @@ from tierflow.partitioner.graph import load_model
 from tierflow.partitioner.split import save_split_plan, split_model
 from tierflow.plan import load_plan
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.service import TierService
+from tierflow.runtime.tier import Tier
 from tierflow.runtime.upstream import LocalUpstream
 from tierflow.state.store import SESSION_OVERHEAD
 from tierflow.zoo.tiny_stateful import streaming_model
@@ -79,8 +79,8 @@ class Tiers:
     """A plan's edge and cloud services (in process, or behind servers at ``address``)."""
 
     plan_dir: Path
-    cloud: TierService
-    edge: TierService
+    cloud: Tier
+    edge: Tier
     address: str | None = None  # the edge server's, when the tiers are servers
 
     def client(self, **settings: Any) -> DeviceClient:
@@ -104,7 +104,7 @@ def tiers(request: Any, model: Path, tmp_path: Path, rt: Any) -> Iterator[Tiers]
         )
         edge.start()
         try:
-            yield Tiers(plan_dir, cloud.service, edge.service, edge.address)
+            yield Tiers(plan_dir, cloud.tier, edge.tier, edge.address)
         finally:
             edge.stop(0)
             cloud.stop(0)
@@ -113,12 +113,12 @@ def tiers(request: Any, model: Path, tmp_path: Path, rt: Any) -> Iterator[Tiers]
         yield Tiers(plan_dir, inp.cloud, inp.edge)
 
 
-def owner_of(cloud: TierService, edge: TierService) -> Any:
+def owner_of(cloud: Tier, edge: Tier) -> Any:
     """The pipeline of the tier that keeps the plan's state."""
     (owner,) = [s.tier for s in cloud.plan.segments if s.state]
-    service = cloud if owner == "cloud" else edge
-    assert service.pipeline is not None
-    return service.pipeline
+    tier = cloud if owner == "cloud" else edge
+    assert tier.pipeline is not None
+    return tier.pipeline
 
 
 def drop_when_caught_up(states: Any, session: str, sent: int) -> None:
@@ -364,9 +364,7 @@ def test_a_session_stays_on_one_replica_of_an_upstream_list(model: Path, tmp_pat
         for name, (results, expected) in outcomes.items():
             for result, want in zip(results, expected, strict=True):
                 np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
-            holders = [
-                r for r in replicas if owner_of(r.service, edge.service).states.position(name)
-            ]
+            holders = [r for r in replicas if owner_of(r.tier, edge.tier).states.position(name)]
             assert len(holders) == 1, name  # every request of the session on one replica
     finally:
         edge.stop(0)

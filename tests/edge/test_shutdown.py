@@ -22,6 +22,7 @@ from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.runtime.replies import StreamReplies
 from tierflow.runtime.segment_runner import TierRunner
 from tierflow.runtime.service import TierService
+from tierflow.runtime.tier import Tier
 from tierflow.transport.wire import grpc_options, put_tensors
 
 
@@ -174,7 +175,8 @@ class _EndedStream:
 def test_drain_waits_for_a_reply_handed_to_the_stream_writer(tmp_path: Path, rt: Any) -> None:
     """A reply made by another thread is answered only once written, not once handed over."""
     split = rt.cnn(tmp_path / "plan")
-    service = TierService("cloud", load_plan(split.plan_dir), split.plan_dir)
+    tier = Tier("cloud", load_plan(split.plan_dir), split.plan_dir)
+    service = TierService(tier)
     release = threading.Event()
     written: list[str] = []
 
@@ -190,14 +192,14 @@ def test_drain_waits_for_a_reply_handed_to_the_stream_writer(tmp_path: Path, rt:
         )
         worker.start()  # not the stream's own thread: handed to the writer thread
         worker.join()
-        assert service.in_flight == 0
+        assert tier.in_flight == 0
         assert not service.drain(0.2)  # the reply is not written yet
         release.set()
         assert service.drain(2.0)
         assert written == ["r"]
     finally:
         release.set()
-        service.close()
+        tier.close()
 
 
 def test_a_stream_closed_with_a_reply_handed_to_its_writer_drops_it_quietly() -> None:

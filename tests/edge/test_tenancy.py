@@ -26,7 +26,7 @@ from tierflow.errors import RemoteError
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
 from tierflow.runtime.server import TierServer
-from tierflow.runtime.service import TierService
+from tierflow.runtime.tier import Tier
 from tierflow.runtime.upstream import LocalUpstream
 from tierflow.transport.security import Security
 from tierflow.zoo.tiny_stateful import streaming_model
@@ -79,24 +79,22 @@ class LocalTiers:
         self.plan_dir = plan_dir
         self.plans = load_plan_set(plan_dir, require_segments=False)
         self.options = RuntimeOptions(workers=2, **settings)
-        self.cloud = self._load(TierService("cloud", self.plans, plan_dir, options=self.options))
-        self.services = [self.cloud]
+        self.cloud = self._load(Tier("cloud", self.plans, plan_dir, options=self.options))
+        self.tiers = [self.cloud]
         self.clients: list[DeviceClient] = []
 
-    def _load(self, service: TierService) -> TierService:
-        service.load()
-        return service
+    def _load(self, tier: Tier) -> Tier:
+        tier.load()
+        return tier
 
-    def edge(self, caller: str) -> TierService:
+    def edge(self, caller: str) -> Tier:
         """An edge the cloud takes for ``caller``."""
         forwarding = Forwarding(upstream=LocalUpstream(self.cloud, me="edge", caller=caller))
-        edge = TierService(
-            "edge", self.plans, self.plan_dir, forwarder=forwarding, options=self.options
-        )
-        self.services.append(self._load(edge))
+        edge = Tier("edge", self.plans, self.plan_dir, forwarder=forwarding, options=self.options)
+        self.tiers.append(self._load(edge))
         return edge
 
-    def device(self, edge: TierService, caller: str) -> DeviceClient:
+    def device(self, edge: Tier, caller: str) -> DeviceClient:
         """A device ``edge`` takes for ``caller``."""
         upstream = LocalUpstream(edge, me="device", caller=caller)
         client = DeviceClient(self.plan_dir, upstream=upstream, window=4)
@@ -106,8 +104,8 @@ class LocalTiers:
     def close(self) -> None:
         for client in self.clients:
             client.close()
-        for service in reversed(self.services):
-            service.close(0.5)
+        for tier in reversed(self.tiers):
+            tier.close(0.5)
 
 
 @contextlib.contextmanager
@@ -159,9 +157,9 @@ def attack(model: Path, plan_dir: Path, alice: DeviceClient, mallory: DeviceClie
         np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
 
 
-def held_owners(service: TierService, session: str) -> set[str]:
-    assert service.pipeline is not None
-    return {o for o, s in service.pipeline.states.held() if s == session}
+def held_owners(tier: Tier, session: str) -> set[str]:
+    assert tier.pipeline is not None
+    return {o for o, s in tier.pipeline.states.held() if s == session}
 
 
 @pytest.mark.parametrize("owner", ["edge", "cloud"])
@@ -223,7 +221,7 @@ def test_two_tokens_through_two_edges_never_share_a_session(
     # Alice again, behind the other edge: the same name, another edge's namespace.
     with client(plan_dir, edges[0], alice) as a, client(plan_dir, edges[1], alice) as other:
         attack(model, plan_dir, a, other)
-    held = (cloud if owner == "cloud" else edges[0]).service.pipeline.states  # type: ignore[union-attr]
+    held = (cloud if owner == "cloud" else edges[0]).tier.pipeline.states  # type: ignore[union-attr]
     owners = {o for o, s in held.held() if s == "mic-1"}
     names = {'["token:alice", "token:edge-1"]', '["token:mallory", "token:edge-1"]'}
     if owner == "cloud":
@@ -255,7 +253,7 @@ def test_two_client_certificates_never_share_a_session(
     alice, mallory = certificate("client"), certificate("client2")
     with client(plan_dir, edge, alice) as a, client(plan_dir, edge, mallory) as m:
         attack(model, plan_dir, a, m)
-    held = cloud.service.pipeline.states  # type: ignore[union-attr]
+    held = cloud.tier.pipeline.states  # type: ignore[union-attr]
     assert {o for o, s in held.held() if s == "mic-1"} == {
         '["cert:CN=client", "cert:CN=server"]',
         '["cert:CN=client2", "cert:CN=server"]',
@@ -324,11 +322,11 @@ def test_serve_says_its_state_budget_at_start(model: Path, tmp_path: Path, rt: A
 
 
 class Crowded:
-    """The cloud's service, with other callers' requests arriving while each request of
+    """The cloud, with other callers' requests arriving while each request of
     ``victim`` waits there: ``crowd`` runs after the victim's state is held and before
     its request runs, as on a busy tier ([Note: the next tier in process])."""
 
-    def __init__(self, cloud: TierService, victim: str, crowd: Any) -> None:
+    def __init__(self, cloud: Tier, victim: str, crowd: Any) -> None:
         self.cloud, self.victim, self.crowd = cloud, victim, crowd
         self.crowded = 0
 
@@ -444,4 +442,4 @@ def test_a_streams_replay_completes_when_every_caller_is_over_its_share(
     assert [r.error for r in results if not r.ok] == []
     for result, want in zip(results, expected, strict=True):
         np.testing.assert_array_equal(result.unwrap().outputs["out"], want)
-    assert cloud.service.pipeline.states.nbytes <= budget  # type: ignore[union-attr]
+    assert cloud.tier.pipeline.states.nbytes <= budget  # type: ignore[union-attr]

@@ -110,8 +110,8 @@ CORE_LAYERS: tuple[tuple[str, ...], ...] = (
 def test_the_import_graph_is_read_from_the_source() -> None:
     graph = _imports()
     # Known edges, so that a parser finding nothing cannot pass the checks below.
-    assert "tierflow.runtime.service" in graph["tierflow.edge.forwarding"]
-    assert "tierflow.cache.base.FeatureCache" in graph["tierflow.runtime.service"]
+    assert "tierflow.runtime.upstream" in graph["tierflow.edge.forwarding"]
+    assert "tierflow.cache.base.FeatureCache" in graph["tierflow.runtime.tier"]
     assert "tierflow.device.client.DeviceClient" in graph["tierflow.demos.local"]
     assert "onnxruntime" in graph["tierflow.onnxrt.inference"]
     assert not _in_core("tierflow.cloud.commands") and _in_core("tierflow.rpc.tier_pb2")

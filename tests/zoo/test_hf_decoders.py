@@ -208,7 +208,7 @@ def test_a_split_optimum_decoders_edge_and_cloud_batch_concurrent_sessions(
                 thread.join(300)
         batched = {}
         for name, server in (("edge", edge), ("cloud", cloud)):
-            pipeline = server.service.pipeline
+            pipeline = server.tier.pipeline
             assert pipeline is not None
             batcher = pipeline.runner(0).batcher
             assert batcher is not None, f"the {name} of a split optimum decoder cannot batch"

@@ -2,7 +2,7 @@
 
 More memory → less computation: a tier that has seen a feature before (exactly, or
 nearly for the approximate cache) returns the stored answer without running the rest of
-the model. The tier service (``tierflow.runtime.service``) only knows this protocol, so it lives
+the model. A tier (``tierflow.runtime.tier``) only knows this protocol, so it lives
 in the core, and so do the in-process exact and approximate caches
 (``tierflow.cache.memory``, ``tierflow.cache.approx``), which every tier may keep (the
 device too: ``run --cache``), and the Redis cache that server replicas share

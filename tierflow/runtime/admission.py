@@ -2,8 +2,8 @@
 
 [Note: stream admission]
 A tier serves every open stream (``Infer`` or ``Probe``) on a gRPC thread of its own that
-mostly waits for the stream's next message; the work itself runs on the service's worker
-pool (``tierflow.runtime.service``). An idle or slow stream so costs a parked thread, never a
+mostly waits for the stream's next message; the work itself runs on the tier's worker
+pool (``tierflow.runtime.tier``). An idle or slow stream so costs a parked thread, never a
 worker. :class:`~tierflow.runtime.server.TierServer` sizes gRPC's thread pool for the caps below
 plus a few spare threads for health checks, and tells gRPC to refuse any call beyond
 that at once (``maximum_concurrent_rpcs``): no call ever waits in gRPC's queue behind

@@ -6,7 +6,7 @@ tierflow/runtime/batching.py) whose members all go on to the next tier can send 
 one ``Request`` whose ``members`` are the steps' own requests (tier.proto), instead of one
 request each that the next tier would gather again from its queue, the first of them
 likely run alone because it found the tier idle. The tier that receives it
-(:meth:`TierService.run_members <tierflow.runtime.service.TierService.run_members>`):
+(:meth:`Tier.run_members <tierflow.runtime.tier.Tier.run_members>`):
 
 1. refuses the whole message with one typed error if it is not a batch of this plan's
    steps (:func:`check_members`): at most :data:`MAX_MEMBERS` members, each of the
@@ -26,7 +26,7 @@ The sending side: a server tier (an edge) whose batch call's members go on to th
 tier sends them as one such request. Each member's thread encodes its own onward request
 after the call, as alone; the call's :class:`~tierflow.runtime.batching.Departure`
 collects them, each member settling its seat once (depositing its onward request, or
-going no further: answered here, or failed; the service settles a seat left unsettled
+going no further: answered here, or failed; the tier settles a seat left unsettled
 whatever happened, so none is waited for in vain), and the thread that settles the last
 seat sends what was deposited (:func:`send_together`): one request whose members are the
 deposits, in seat order (one deposit goes alone, as before). The next tier's one reply is
@@ -51,11 +51,10 @@ from typing import Protocol
 from tierflow.errors import InputError, TransportError
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.pipeline import Onward, Pipeline
+from tierflow.runtime.replies import Send
 from tierflow.transport.wire import error_to_proto
 
 logger = logging.getLogger(__name__)
-
-Send = Callable[[tier_pb2.Reply], None]
 
 #: Members one message may carry.
 MAX_MEMBERS = 256
@@ -120,7 +119,7 @@ class MemberReplies:
 
 
 class Forwarder(Protocol):
-    """What sends a request on to the next tier: the service's ``Forwarder``."""
+    """What sends a request on to the next tier: the tier's ``Forwarder``."""
 
     def forward(
         self,
@@ -136,7 +135,7 @@ class Forwarder(Protocol):
 @dataclass(frozen=True)
 class Deposit:
     """What one member of a batch call goes on with: the arguments of
-    :meth:`Forwarder.forward <tierflow.runtime.service.Forwarder.forward>`."""
+    :meth:`Forwarder.forward <tierflow.runtime.tier.Forwarder.forward>`."""
 
     pipeline: Pipeline
     index: int

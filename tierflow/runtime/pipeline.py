@@ -5,8 +5,9 @@ The device, the edge and the cloud each take a request through one :class:`Pipel
 configured for the tier ([Note: one request path]); what only one tier does sits around it
 in that tier's folder: the device's plan switching and fallbacks (``tierflow.device``),
 the edge's writing of a reply that came from the cloud (``tierflow.edge.forwarding``),
-the gRPC service that feeds a server's pipeline from its streams
-(``tierflow.runtime.service``).
+the edge's or the cloud's tier that takes the requests of the tier below through its
+pipeline (``tierflow.runtime.tier``), and the gRPC service that feeds it a server's
+streams (``tierflow.runtime.service``).
 
 [Note: one request path]
 A request reaches a tier as tensors: the device's own inputs, or the encoded tensors of a

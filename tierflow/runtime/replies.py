@@ -28,6 +28,9 @@ import grpc
 
 from tierflow.rpc import tier_pb2
 
+#: Where a reply that comes later (from the next tier) goes.
+Send = Callable[[tier_pb2.Reply], None]
+
 
 class StreamReplies:
     """A stream's replies, written one at a time and in the order they are put.

@@ -40,7 +40,8 @@ from tierflow.errors import UsageError
 from tierflow.options import RuntimeOptions
 from tierflow.plan import load_plan_set
 from tierflow.runtime.limits import receive_limit
-from tierflow.runtime.service import Forwarder, TierService
+from tierflow.runtime.service import TierService
+from tierflow.runtime.tier import Forwarder, Tier
 from tierflow.state.store import describe_state_budget
 from tierflow.transport.security import bind, server_options
 from tierflow.transport.wire import add_tier_servicer, grpc_options
@@ -58,10 +59,11 @@ _EXIT_MARGIN_S = 0.9
 
 
 class TierServer:
-    """Serves one :class:`TierService` on ``listen`` (``HOST:PORT``; port 0 picks one).
+    """Serves one :class:`~tierflow.runtime.tier.Tier` on ``listen`` (``HOST:PORT``; port 0
+    picks one), through its :class:`TierService`.
 
     ``tierflow serve TIER`` as an object: ``start()`` returns the port, ``stop()`` ends it;
-    :meth:`from_plan` makes one for a tier's role from a plan directory. The service's
+    :meth:`from_plan` makes one for a tier's role from a plan directory. The tier's
     ``options.security`` says whether the port is TLS and which clients it serves
     ([Note: tier security] in ``tierflow.transport.security``); by default plaintext on
     loopback.
@@ -86,7 +88,7 @@ class TierServer:
         before the tier's segments run; ``options`` say how to run (threads, emulated
         links, limits, TLS, ...).
         """
-        service = TierService(
+        served = Tier(
             tier,
             load_plan_set(plan_dir, require_segments=False),
             plan_dir,
@@ -94,32 +96,33 @@ class TierServer:
             cache=cache,
             options=options,
         )
-        return cls(service, listen)
+        return cls(served, listen)
 
-    def __init__(self, service: TierService, listen: str) -> None:
-        self.service = service
+    def __init__(self, tier: Tier, listen: str) -> None:
+        self.tier = tier
+        self.service = TierService(tier)
         self.listen = listen
-        self.security = service.options.security
+        self.security = tier.options.security
         self.port = 0
         self.health = health.HealthServicer()
         # One thread per call gRPC admits, so that no call waits behind idle streams
         # ([Note: stream admission] in tierflow.runtime.admission); threads start as needed.
-        calls = service.options.max_streams + _SPARE_THREADS
+        calls = tier.options.max_streams + _SPARE_THREADS
         #: The largest message gRPC takes here ([Note: a tier's largest request]).
         self.receive_limit = receive_limit(
-            service.plans.plans, service.tier, service.options.max_message_bytes
+            tier.plans.plans, tier.name, tier.options.max_message_bytes
         )
         options = [
             (key, self.receive_limit if key == "grpc.max_receive_message_length" else value)
-            for key, value in grpc_options(service.options.max_message_bytes)
+            for key, value in grpc_options(tier.options.max_message_bytes)
         ]
         self._server = grpc.server(
-            ThreadPoolExecutor(max_workers=calls, thread_name_prefix=f"{service.tier}-grpc"),
+            ThreadPoolExecutor(max_workers=calls, thread_name_prefix=f"{tier.name}-grpc"),
             options=[*options, *server_options()],
             maximum_concurrent_rpcs=calls,
-            interceptors=self.security.interceptors(service.tier),
+            interceptors=self.security.interceptors(tier.name),
         )
-        add_tier_servicer(service, self._server)
+        add_tier_servicer(self.service, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._stopped = threading.Event()
 
@@ -132,16 +135,16 @@ class TierServer:
         """Listen, load the model, then report SERVING; return the port."""
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = bind(self._server, self.listen, self.security, self.service.tier)
+        self.port = bind(self._server, self.listen, self.security, self.tier.name)
         self._server.start()
         try:
-            self.service.load()
+            self.tier.load()
         except BaseException:
             self._server.stop(None)
             raise
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        logger.info("[%s] serving on %s", self.service.tier, self.address)
+        logger.info("[%s] serving on %s", self.tier.name, self.address)
         return self.port
 
     def stop(self, grace: float | None = 2.0) -> None:
@@ -158,13 +161,13 @@ class TierServer:
         if not self.service.drain(grace):
             logger.warning(
                 "[%s] requests still in flight after %.3g s; cancelling them",
-                self.service.tier,
+                self.tier.name,
                 grace,
             )
         if not self._server.stop(0).wait(_CANCEL_WAIT_S):  # the streams left open
-            logger.warning("[%s] streams did not end when cancelled", self.service.tier)
-        self.service.close(timeout=0.2)
-        logger.info("[%s] stopped", self.service.tier)
+            logger.warning("[%s] streams did not end when cancelled", self.tier.name)
+        self.tier.close(timeout=0.2)
+        logger.info("[%s] stopped", self.tier.name)
 
     def serve_until_signal(self, grace: float = 5.0) -> None:
         """Block until SIGTERM or SIGINT, then stop gracefully (for the CLI)."""
@@ -172,7 +175,7 @@ class TierServer:
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             logger.info(
-                "[%s] %s received, shutting down", self.service.tier, signal.Signals(signum).name
+                "[%s] %s received, shutting down", self.tier.name, signal.Signals(signum).name
             )
             stop.set()
 
@@ -183,7 +186,7 @@ class TierServer:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            _exit_after(grace + _EXIT_MARGIN_S, self.service.tier)
+            _exit_after(grace + _EXIT_MARGIN_S, self.tier.name)
             self.stop(grace)
 
 
@@ -207,7 +210,7 @@ def serve_until_stopped(server: TierServer, grace: float, metrics_port: int | No
     on the host it listens on, and says where on a second line.
     """
     tune_for_latency()
-    service = server.service
+    tier = server.tier
     metrics = None
     if metrics_port is not None:
         from tierflow.runtime.metrics import TierMetrics
@@ -215,18 +218,18 @@ def serve_until_stopped(server: TierServer, grace: float, metrics_port: int | No
         if not 0 <= metrics_port <= 65535:
             raise UsageError(f"--metrics-port must be a port number, got {metrics_port}")
         metrics = TierMetrics(
-            service.tier,
-            lambda: service.in_flight,
-            segments=lambda: service.segments,
-            states=lambda: None if service.pipeline is None else service.pipeline.states,
-            batches=service.batch_stats,
+            tier.name,
+            lambda: tier.in_flight,
+            segments=lambda: tier.segments,
+            states=lambda: None if tier.pipeline is None else tier.pipeline.states,
+            batches=tier.batch_stats,
         )
-        service.metrics = metrics
+        tier.metrics = metrics
     server.start()
     try:
         # One line on stdout, so that scripts (and tests) can learn a port picked by the OS.
         print(
-            f"tierflow {service.tier} serving plan {service.plan_id} on {server.address}",
+            f"tierflow {tier.name} serving plan {tier.plan_id} on {server.address}",
             flush=True,
         )
         if metrics is not None:
@@ -236,12 +239,10 @@ def serve_until_stopped(server: TierServer, grace: float, metrics_port: int | No
             except BaseException:
                 server.stop(0)
                 raise
-            print(f"tierflow {service.tier} metrics on http://{host}:{port}/metrics", flush=True)
-        if any(plan.states for plan in service.plans.plans):
-            budget = describe_state_budget(
-                service.options.state_budget, service.options.state_share
-            )
-            print(f"tierflow {service.tier} session state: {budget}", flush=True)
+            print(f"tierflow {tier.name} metrics on http://{host}:{port}/metrics", flush=True)
+        if any(plan.states for plan in tier.plans.plans):
+            budget = describe_state_budget(tier.options.state_budget, tier.options.state_share)
+            print(f"tierflow {tier.name} session state: {budget}", flush=True)
         server.serve_until_signal(grace=grace)
     finally:
         if metrics is not None:

@@ -1,8 +1,13 @@
-"""How a tier reads each stream's requests and runs them: at once, a session's in order.
+"""How a tier serves each ``Infer`` stream: its requests read and run at once, a session's
+in order, its replies written as they finish.
 
-:class:`StreamReader` serves one ``Infer`` stream for the
-:class:`~tierflow.runtime.service.TierService`; :class:`SessionOrder` keeps the requests of
-each session in order; :class:`Watched` is what the service's watchdog closes once idle.
+:func:`serve_stream` serves an ``Infer`` call once the
+:class:`~tierflow.runtime.service.TierService` has taken the stream's place: a
+:class:`StreamReader` feeds the stream's requests to the
+:class:`~tierflow.runtime.tier.Tier` and puts each reply on the stream ([Note: slow
+readers] in tierflow/runtime/replies.py), the service's
+:class:`~tierflow.runtime.watchdog.StreamWatchdog` watching both. :class:`ProbeActivity`
+is what the watchdog reads of a probe stream.
 
 [Note: a stream's requests run at once]
 A stream's requests are read as soon as they arrive and run side by side, up to
@@ -13,14 +18,15 @@ replies are matched to requests by id, so they need not keep the order of the re
 The edge sends every device's requests to the cloud on one stream, so a cloud that ran a
 stream's requests one after the other would make every device behind an edge queue.
 Reading and running are one thread's work, handed on: the thread that reads a request
-first hands the reading to another thread of the service's pool, then runs the request
+first hands the reading to another thread of the tier's pool, then runs the request
 itself and writes its reply. A request so waits for no thread hand-over on its way
 through the tier (each costs 0.03-0.1 ms on a small machine, as much as the codec and
 compute of a 100 KB feature), and the stream's next request is read while it runs. When
 ``workers`` requests are running already, a request waits for one of them to finish.
 The requests of one session ([Note: session state on a tier] in tierflow/state/store.py)
-run one at a time, in the order they were read (:class:`SessionOrder`): each continues the
-state the one before left, and an edge passes them on in that order.
+run one at a time, in the order they were read (:class:`SessionOrder` in
+tierflow/runtime/session_order.py): each continues the state the one before left, and an
+edge passes them on in that order.
 Every request read is counted in flight at once, so a stopping tier ([Note: stopping a
 tier] in tierflow/runtime/server.py) answers every request sent before it began to stop.
 
@@ -44,77 +50,133 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Hashable, Iterator
-from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 from tierflow.errors import CodecError, PlanError, TierflowError, TransportError
-from tierflow.link.emulation import ShapedQueue
+from tierflow.link.emulation import LinkShaper, ShapedQueue
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.admission import peer_host
 from tierflow.runtime.replies import StreamReplies
+from tierflow.runtime.tier import Tier
+from tierflow.runtime.watchdog import StreamWatchdog
 from tierflow.transport.peer_warnings import WARNINGS
 from tierflow.transport.wire import Undecodable, error_to_proto
 
-if TYPE_CHECKING:
-    from tierflow.plan import PlanSet
-    from tierflow.runtime.metrics import TierMetrics
-    from tierflow.runtime.workers import WorkerPool, WorkerSlots
-
 logger = logging.getLogger(__name__)
-
-#: Where a reply that comes later (from the next tier) goes.
-Send = Callable[[tier_pb2.Reply], None]
-
-
-class StreamHost(Protocol):
-    """What a :class:`StreamReader` needs of the tier it reads for: the public face of
-    :class:`~tierflow.runtime.service.TierService`, so that this module does not import it."""
-
-    tier: str
-    plans: PlanSet
-    plan_id: str
-    metrics: TierMetrics | None
-    pool: WorkerPool
-    order: SessionOrder
-    #: Held while a request runs: at most ``workers`` at once ([Note: a worker lent while
-    #: a step queues] in tierflow/runtime/workers.py).
-    running: WorkerSlots
-
-    @property
-    def down_link(self) -> str: ...
-
-    def admit_request(self) -> tier_pb2.Error | None: ...
-
-    def hold(self, request: tier_pb2.Request, caller: str) -> Callable[[], None]: ...
-
-    def answered(self) -> None: ...
-
-    def handle(
-        self, request: tier_pb2.Request, received: float, later: Send, caller: str = "local"
-    ) -> tier_pb2.Reply | None: ...
-
-    def error_reply(
-        self, request_id: str, exc: BaseException, code: str | None = None
-    ) -> tier_pb2.Reply: ...
-
-    def unwatch(self, replies: StreamReplies) -> None: ...
-
 
 #: Garbage messages in a row after which a stream is closed ([Note: garbage on a stream]).
 GARBAGE_LIMIT = 4
 
 
-class Watched(Protocol):
-    """A stream the watchdog closes once it is idle ([Note: stream admission])."""
+def serve_stream(
+    tier: Tier,
+    watchdog: StreamWatchdog,
+    requests: Iterator[tier_pb2.Request | Undecodable],
+    context: grpc.ServicerContext,
+    send_response: Callable[[tier_pb2.Reply | None], None] | None,
+    caller: str,
+) -> Iterator[tier_pb2.Reply] | None:
+    """Serve one admitted ``Infer`` stream of ``caller`` on ``tier`` ([Note: a stream's
+    requests run at once]).
 
-    context: grpc.ServicerContext
-    on_finish: Callable[[], None] | None
+    With ``send_response`` (grpc's non-blocking handler form) replies are written by
+    the threads that make them ([Note: slow readers]); without it (a grpc that does
+    not offer that form), or with an emulated reply link, they go through a queue
+    that the returned generator (or one writer thread) drains.
+    """
+    spec = tier.options.links.get(tier.down_link)
+    if send_response is None or spec is not None:
+        shaper = LinkShaper(tier.down_link, spec)
+        return _serve_queued(tier, watchdog, requests, context, shaper, send_response, caller)
+    lock = threading.Lock()
 
-    def idle_for(self, now: float) -> float:
-        """Seconds the stream has had nothing in flight and sent nothing (0: busy)."""
+    def write(reply: tier_pb2.Reply | None) -> None:
+        with lock:  # grpc allows one message in flight per call
+            try:
+                send_response(reply)
+            except Exception as exc:  # the reply is lost; the request still counts as done
+                if reply is not None:  # expected when the device went away: one line
+                    _reply_lost(tier.name, context, reply, exc)
+
+    replies = StreamReplies(write, f"{tier.name}-replies", context)
+    watchdog.watch(replies)
+
+    def finish() -> None:
+        watchdog.unwatch(replies)  # its reader is done
+        write(None)
+
+    reader = StreamReader(tier, requests, context, replies, finish=finish, caller=caller)
+    watchdog.track(reader)
+    reader.read()
+    return None
+
+
+def _serve_queued(
+    tier: Tier,
+    watchdog: StreamWatchdog,
+    requests: Iterator[tier_pb2.Request | Undecodable],
+    context: grpc.ServicerContext,
+    shaper: LinkShaper,
+    send_response: Callable[[tier_pb2.Reply | None], None] | None,
+    caller: str,
+) -> Iterator[tier_pb2.Reply] | None:
+    """Replies through a queue, each leaving when the emulated reply link has carried
+    it: the returned generator yields them to grpc, or (non-blocking form) this
+    thread writes them."""
+    queued: ShapedQueue[tier_pb2.Reply] = ShapedQueue(shaper)
+    context.add_callback(queued.close)
+    reader = StreamReader(tier, requests, context, queued, finish=queued.close, caller=caller)
+    watchdog.track(reader)
+    reader.start()
+    if send_response is None:
+        return _watched(tier.name, watchdog, queued.drain(), context)
+    for reply in _watched(tier.name, watchdog, queued.drain(), context):
+        try:
+            send_response(reply)
+        except Exception as exc:  # the reply is lost; the request still counts as done
+            _reply_lost(tier.name, context, reply, exc)
+    with contextlib.suppress(Exception):
+        send_response(None)
+    return None
+
+
+def _watched(
+    name: str,
+    watchdog: StreamWatchdog,
+    replies: Iterator[tier_pb2.Reply],
+    context: grpc.ServicerContext,
+) -> Iterator[tier_pb2.Reply]:
+    """The queued replies, each write watched for a slow reader ([Note: slow readers])."""
+    watched = StreamReplies(lambda reply: None, f"{name}-replies", context)
+    watchdog.watch(watched)
+    try:
+        for reply in replies:
+            watched.write_started = time.monotonic()
+            yield reply
+            watched.write_started = None
+    finally:
+        watchdog.unwatch(watched)
+
+
+def _reply_lost(
+    name: str, context: grpc.ServicerContext, reply: tier_pb2.Reply, exc: Exception
+) -> None:
+    """One (rate-limited) line for a reply its stream could not take ([Note: warnings
+    about a peer] in tierflow/transport/peer_warnings.py)."""
+    peer = context.peer()
+    WARNINGS.warn(
+        logger,
+        name,
+        "reply_not_delivered",
+        peer_host(peer),
+        "[%s] reply %s to %s not delivered: %r",
+        name,
+        reply.id,
+        peer,
+        exc,
+    )
 
 
 class ProbeActivity:
@@ -141,57 +203,9 @@ def _nothing() -> None:
     pass
 
 
-class SessionOrder:
-    """Runs each session's requests one at a time, in the order they were read.
-
-    A request of a session that has one running waits in the session's queue, and the
-    thread running the one before takes it along ([Note: a stream's requests run at
-    once]). Requests of other sessions, and those of no session, do not wait for it.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waiting: dict[Hashable, deque[Callable[[], None]]] = {}
-
-    def run(self, session: Hashable, work: Callable[[], None]) -> None:
-        """Run ``work`` for ``session`` (its key: the owner's names and the session id)."""
-        if self.enter(session, work):
-            self.drain(session, work)
-
-    def enter(self, session: Hashable, work: Callable[[], None]) -> bool:
-        """Take ``work``'s place in ``session``'s order: True when nothing of the session is
-        running or waiting, so the caller runs it with :meth:`drain`; False when it waits,
-        to be taken along by the thread running the one before.
-
-        A reader enters a request before it hands the reading on: the stream's next request
-        of the same session, read on another thread, could otherwise take its place first.
-        """
-        with self._lock:
-            queue = self._waiting.get(session)
-            if queue is not None:
-                queue.append(work)
-                return False
-            self._waiting[session] = deque()
-            return True
-
-    def drain(self, session: Hashable, work: Callable[[], None]) -> None:
-        """Run ``work``, which :meth:`enter` let run, then every request of ``session``
-        that waited behind it."""
-        while True:
-            try:
-                work()
-            except Exception:  # a bug: the session's later requests must still run
-                logger.exception("a request of session %s failed", session)
-            with self._lock:
-                queue = self._waiting[session]
-                if not queue:
-                    del self._waiting[session]
-                    return
-                work = queue.popleft()
-
-
 class StreamReader:
-    """Reads one stream's requests and runs each ([Note: a stream's requests run at once]).
+    """Reads one stream's requests and runs each on ``tier`` ([Note: a stream's requests run
+    at once]).
 
     The thread in :meth:`read` takes the next request, hands the reading on to a pool
     thread, and runs the request. ``replies`` takes each reply (a :class:`StreamReplies`,
@@ -201,14 +215,14 @@ class StreamReader:
 
     def __init__(
         self,
-        service: StreamHost,
+        tier: Tier,
         requests: Iterator[tier_pb2.Request | Undecodable],
         context: grpc.ServicerContext,
         replies: StreamReplies | ShapedQueue[tier_pb2.Reply],
         finish: Callable[[], None],
         caller: str = "local",
     ) -> None:
-        self.service = service
+        self.tier = tier
         self.caller = caller
         self.requests = requests
         self.context = context
@@ -220,7 +234,7 @@ class StreamReader:
         self._finished = False
         self._active = time.monotonic()  # when a request was last read or answered
         self._garbage = 0  # garbage messages read in a row ([Note: garbage on a stream])
-        self._plans = {plan.plan_id for plan in service.plans.plans}
+        self._plans = {plan.plan_id for plan in tier.plans.plans}
         self.on_finish: Callable[[], None] | None = None
         shaped = isinstance(replies, ShapedQueue) and replies.shaper is not None
         self._shaped = shaped and replies.shaper.spec is not None  # type: ignore[union-attr]
@@ -241,7 +255,7 @@ class StreamReader:
             self._end()
             return
         except Exception:
-            logger.exception("[%s] reading a stream failed", self.service.tier)
+            logger.exception("[%s] reading a stream failed", self.tier.name)
             self._end()
             return
         received = time.perf_counter()
@@ -259,29 +273,29 @@ class StreamReader:
             self._answer_garbage(request, garbage, closing)
             return
         assert isinstance(request, tier_pb2.Request)  # Undecodable is garbage
-        refusal = self.service.admit_request()
+        refusal = self.tier.admit_request()
         ordered: tuple[Hashable, Callable[[], None], bool] | None = None
         if refusal is None and request.session:
             # [Note: a stream's requests run at once]: a session's in order, its place
             # taken before the next request is read
             key = (self.caller, request.on_behalf_of, request.session)
-            release = self.service.hold(request, self.caller)
+            release = self.tier.hold(request, self.caller)
             work = functools.partial(self._run, request, received, release)
-            ordered = (key, work, self.service.order.enter(key, work))
+            ordered = (key, work, self.tier.order.enter(key, work))
         if not self._submit(self.read):  # the pool is shut down: the tier is stopping
             if ordered is None:  # one already in its session's order is answered as it runs
                 refusal = refusal or error_to_proto(
-                    TransportError(f"the {self.service.tier} is stopping"), self.service.tier
+                    TransportError(f"the {self.tier.name} is stopping"), self.tier.name
                 )
             self._end()
         if refusal is not None:
-            refused = tier_pb2.Reply(id=request.id, plan_id=self.service.plan_id, error=refusal)
+            refused = tier_pb2.Reply(id=request.id, plan_id=self.tier.plan_id, error=refusal)
             self._reply(refused, received, own=True)
             return
         if ordered is None:
             self._run(request, received)
         elif ordered[2]:
-            self.service.order.drain(ordered[0], ordered[1])
+            self.tier.order.drain(ordered[0], ordered[1])
 
     def _garbage_in(self, request: tier_pb2.Request | Undecodable) -> TierflowError | None:
         """Why ``request`` is garbage, as the error that answers it (None: well-formed)."""
@@ -290,7 +304,7 @@ class StreamReader:
         if request.plan_id not in self._plans:
             served = ", ".join(sorted(self._plans))
             return PlanError(
-                f"the {self.service.tier} serves plans {served}, the request names plan "
+                f"the {self.tier.name} serves plans {served}, the request names plan "
                 f"{request.plan_id[:64] or '(none)'}"
             )
         return None
@@ -300,34 +314,34 @@ class StreamReader:
     ) -> None:
         """Answer a garbage message; close the stream after the last one it may send
         ([Note: garbage on a stream])."""
-        service, peer = self.service, self.context.peer()
+        tier, peer = self.tier, self.context.peer()
         if isinstance(request, Undecodable):
             WARNINGS.warn(
                 logger,
-                service.tier,
+                tier.name,
                 "undecodable",
                 peer_host(peer),
                 "[%s] %s from %s",
-                service.tier,
+                tier.name,
                 request.message,
                 peer,
             )
         if not closing:
             self._submit(self.read)
         request_id = "" if isinstance(request, Undecodable) else request.id
-        reply = service.error_reply(request_id, error)
-        if service.metrics is not None:
-            service.metrics.observe(reply, service.down_link, reply.ByteSize())
+        reply = tier.error_reply(request_id, error)
+        if tier.metrics is not None:
+            tier.metrics.observe(reply, tier.down_link, reply.ByteSize())
         self._put(reply, own=True)
         if closing:
             WARNINGS.warn(
                 logger,
-                service.tier,
+                tier.name,
                 "garbage_stream",
                 peer_host(peer),
                 "[%s] stream from %s closed: %d messages in a row that were not requests "
                 "for a plan served here (last: %s)",
-                service.tier,
+                tier.name,
                 peer,
                 GARBAGE_LIMIT,
                 error,
@@ -340,8 +354,8 @@ class StreamReader:
         self, request: tier_pb2.Request, received: float, release: Callable[[], None] = _nothing
     ) -> None:
         try:
-            with self.service.running:
-                reply = self.service.handle(
+            with self.tier.running:
+                reply = self.tier.handle(
                     request,
                     received,
                     lambda later: self._reply(later, received, own=False),
@@ -355,12 +369,12 @@ class StreamReader:
     def _reply(self, reply: tier_pb2.Reply, received: float, *, own: bool) -> None:
         """Send a request's one reply: ``own`` from the thread that ran it ([Note: slow
         readers] in tierflow/runtime/replies.py)."""
-        service = self.service
-        if service.metrics is not None:
-            service.metrics.observe_latency(received)
-            service.metrics.observe(reply, service.down_link, reply.ByteSize())
+        tier = self.tier
+        if tier.metrics is not None:
+            tier.metrics.observe_latency(received)
+            tier.metrics.observe(reply, tier.down_link, reply.ByteSize())
         self._put(reply, own=own)
-        service.answered()
+        tier.answered()
         self._done()
 
     def _put(self, reply: tier_pb2.Reply, *, own: bool) -> None:
@@ -370,7 +384,7 @@ class StreamReader:
             self.replies.put(reply, reply.ByteSize() if self._shaped else 0)
 
     def _submit(self, task: Callable[[], None]) -> bool:
-        return self.service.pool.submit(task)  # False: the pool is shut down
+        return self.tier.pool.submit(task)  # False: the pool is shut down
 
     def _end(self) -> None:
         with self._lock:
@@ -398,5 +412,4 @@ class StreamReader:
         with contextlib.suppress(Exception):
             if isinstance(self.replies, StreamReplies):
                 self.replies.close()
-                self.service.unwatch(self.replies)
             self._finish()

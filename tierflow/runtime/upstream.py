@@ -8,21 +8,21 @@ files this tier lacks. :class:`StreamUpstream` does it over gRPC: a long-lived
 message-size limit and its TLS and token setting for the next tier
 (:meth:`Security.upstream`), the segment files fetched over the same channel ([Note:
 segments on demand] in tierflow/runtime/segment_store.py). :class:`LocalUpstream` calls the
-next tier's service in this process, with the same links and segment fetches ([Note: the
-next tier in process]).
+next tier in this process, with the same links and segment fetches ([Note: the next tier
+in process]).
 
 [Note: the next tier in process]
-:class:`LocalUpstream` hands each request to the next tier's service on the caller's own
-thread, the way one of that tier's streams would (admitted, its session held, handled,
-counted answered and in the tier's metrics), with no channel and no server: the request
-and its reply cross as bytes, serialised and parsed as on the wire, so that each tier
-holds its own copy. A reply
-that the tier above it sends on comes back on the same thread before :meth:`submit`
-returns. So the device, the edge and the cloud run the whole request path both ways in
-one process, and what happens on the way down (an exit answering, the next tier gone, a
-cache filled, an error passed down) is tested without starting a server. The next tier
-stopping (:meth:`TierService.drain`) answers UNAVAILABLE as it does over gRPC; one that is
-closed is known to be down.
+:class:`LocalUpstream` hands each request to the next tier
+(:class:`~tierflow.runtime.tier.Tier`) on the caller's own thread, the way one of that
+tier's streams would (admitted, its session held, handled, counted answered and in the
+tier's metrics), with no channel, no gRPC service and no server: the request and its
+reply cross as bytes, serialised and parsed as on the wire, so that each tier holds its
+own copy. A reply that the tier above it sends on comes back on the same thread before
+:meth:`submit` returns. So the device, the edge and the cloud run the whole request path
+both ways in one process, and what happens on the way down (an exit answering, the next
+tier gone, a cache filled, an error passed down) is tested without starting a server. The
+next tier stopping (:meth:`Tier.drain <tierflow.runtime.tier.Tier.drain>`) answers UNAVAILABLE as
+it does over gRPC; one that is closed is known to be down.
 
 What a :class:`StreamUpstream` adds to the requests it carries, it adds here too:
 
@@ -38,12 +38,14 @@ What a :class:`StreamUpstream` adds to the requests it carries, it adds here too
   requests handed at one moment, as a full window hands them).
 * Segment files ([Note: segments on demand] in tierflow/runtime/segment_store.py):
   :meth:`segment_source` fetches through the next tier's own ``FetchSegment`` path
-  (:meth:`TierService.segment_chunks`: admitted, checked, held, chunked and shaped on its
-  link), each chunk crossing as bytes, with a :class:`LocalContext` for the call; a
-  refusal comes back as the gRPC code a stub's caller gets (:class:`LocalCallError`), and
-  a next tier closed during a fetch ends it UNAVAILABLE, as a stopped server does.
+  (:meth:`Tier.segment_chunks <tierflow.runtime.tier.Tier.segment_chunks>`: checked,
+  held, chunked and shaped on its link), each chunk crossing as bytes, with a
+  :class:`LocalContext` for the call; a refusal comes back as the gRPC code a stub's
+  caller gets (:class:`LocalCallError`), and a next tier closed during a fetch ends it
+  UNAVAILABLE, as a stopped server does.
 
-What stays over gRPC only: channels, TLS and tokens, deadlines swept while a request is
+What stays over gRPC only: channels, TLS and tokens, stream admission ([Note: stream
+admission] in tierflow/runtime/admission.py), deadlines swept while a request is
 out (the caller's thread is the request's until its reply), requests sent again after a
 connection broke, and health checks.
 """
@@ -64,8 +66,8 @@ from tierflow.link.emulation import Clock, LinkShaper, Sleep, real_sleep
 from tierflow.link.spec import upstream_link
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.local_call import LocalCallError, LocalContext
+from tierflow.runtime.replies import Send
 from tierflow.runtime.segment_store import SegmentSource
-from tierflow.runtime.streams import Send
 from tierflow.transport.stream_client import Sent, StreamClient, check_figures
 
 if TYPE_CHECKING:
@@ -136,10 +138,10 @@ class StreamUpstream:
 
 class NextTier(Protocol):
     """What :class:`LocalUpstream` needs of the next tier: the part of
-    :class:`~tierflow.runtime.service.TierService` its streams and its ``FetchSegment``
-    use."""
+    :class:`~tierflow.runtime.tier.Tier` its streams and its ``FetchSegment`` use (this
+    module cannot import it: the tier's pipeline sends through an :class:`Upstream`)."""
 
-    tier: str
+    name: str
     plan_id: str
     options: RuntimeOptions
     metrics: TierMetrics | None
@@ -166,7 +168,7 @@ class NextTier(Protocol):
 
 
 class LocalUpstream:
-    """The next tier's service called in this process ([Note: the next tier in process]).
+    """The next tier, ``tier``, called in this process ([Note: the next tier in process]).
 
     ``me`` names this tier; ``caller`` is who the next tier takes it for ([Note: who a
     caller is] in tierflow/transport/callers.py). ``options`` are this tier's: the link
@@ -179,7 +181,7 @@ class LocalUpstream:
 
     def __init__(
         self,
-        service: NextTier,
+        tier: NextTier,
         *,
         me: str,
         caller: str = "local",
@@ -189,10 +191,10 @@ class LocalUpstream:
     ) -> None:
         link = upstream_link(me)
         assert link is not None, f"the {me} has no next tier"
-        self.service = service
+        self.tier = tier
         self.me = me
-        self.peer = service.tier
-        self.address = f"in-process {service.tier}"
+        self.peer = tier.name
+        self.address = f"in-process {tier.name}"
         self.caller = caller
         self.clock = clock
         self.sleep = sleep
@@ -206,8 +208,8 @@ class LocalUpstream:
 
     def _down_shaper(self) -> LinkShaper:
         """The next tier's side of the link, as each of its streams and fetches shapes it."""
-        down = self.service.down_link
-        spec = self.service.options.links.get(down)
+        down = self.tier.down_link
+        spec = self.tier.options.links.get(down)
         return LinkShaper(down, spec, clock=self.clock, sleep=self.sleep)
 
     def submit(
@@ -243,17 +245,17 @@ class LocalUpstream:
 
     def _serve(self, request: tier_pb2.Request, future: Future[tier_pb2.Reply]) -> None:
         """One request at the next tier, as one of its streams would take it."""
-        service = self.service
+        tier = self.tier
         once = threading.Lock()
 
         def reply_with(reply: tier_pb2.Reply) -> None:
             if not once.acquire(blocking=False):
                 return  # one reply per request
             data = reply.SerializeToString()
-            if service.metrics is not None:  # counted as the stream's reply is
-                service.metrics.observe_latency(received)
-                service.metrics.observe(reply, service.down_link, len(data))
-            service.answered()
+            if tier.metrics is not None:  # counted as the stream's reply is
+                tier.metrics.observe_latency(received)
+                tier.metrics.observe(reply, tier.down_link, len(data))
+            tier.answered()
             if self._replies.spec is not None:  # the reply link, as the next tier shapes it
                 self._replies.wait_until(self._replies.schedule(len(data)).arrives)
             reply = tier_pb2.Reply.FromString(data)
@@ -261,20 +263,20 @@ class LocalUpstream:
             future.set_result(reply)
 
         received = time.perf_counter()
-        refusal = service.admit_request()
+        refusal = tier.admit_request()
         if refusal is not None:
-            reply_with(tier_pb2.Reply(id=request.id, plan_id=service.plan_id, error=refusal))
+            reply_with(tier_pb2.Reply(id=request.id, plan_id=tier.plan_id, error=refusal))
             return
-        release = service.hold(request, self.caller)
+        release = tier.hold(request, self.caller)
         try:
-            reply = service.handle(request, received, reply_with, self.caller)
+            reply = tier.handle(request, received, reply_with, self.caller)
         finally:
             release()
         if reply is not None:
             reply_with(reply)
 
     def known_down(self) -> bool:
-        return self.service.closed
+        return self.tier.closed
 
     def segment_source(self) -> SegmentSource:
         """The next tier's ``FetchSegment`` called here, failing fast once it is closed."""
@@ -284,22 +286,22 @@ class LocalUpstream:
         self, request: tier_pb2.SegmentRequest, timeout: float | None = None
     ) -> Iterator[tier_pb2.SegmentChunk]:
         """The next tier's chunks of a segment file, through its own ``FetchSegment`` path
-        (:meth:`TierService.segment_chunks`), each crossing as bytes on the emulated link.
+        (:meth:`Tier.segment_chunks`), each crossing as bytes on the emulated link.
 
         A next tier that stops (is closed) during the call ends it UNAVAILABLE, as a
         server that stops does; its refusals come as :class:`LocalCallError`.
         """
-        service = self.service
+        tier = self.tier
         request = tier_pb2.SegmentRequest.FromString(request.SerializeToString())
-        context = LocalContext(f"local:{self.caller}", active=lambda: not service.closed)
-        chunks = service.segment_chunks(request, context, self._down_shaper())
+        context = LocalContext(f"local:{self.caller}", active=lambda: not tier.closed)
+        chunks = tier.segment_chunks(request, context, self._down_shaper())
         try:
             for chunk in chunks:
                 yield tier_pb2.SegmentChunk.FromString(chunk.SerializeToString())
         finally:
             chunks.close()
             context.end()
-        if service.closed:
+        if tier.closed:
             raise LocalCallError(grpc.StatusCode.UNAVAILABLE, f"the {self.peer} stopped")
 
     def close(self, timeout: float = 5.0) -> None:

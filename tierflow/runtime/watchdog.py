@@ -6,8 +6,10 @@ gone idle.
 than ``reply_timeout`` for its reader ([Note: slow readers] in
 tierflow/runtime/replies.py), and those with nothing in flight that sent nothing for
 ``stream_idle_s`` ([Note: stream admission] in tierflow/runtime/admission.py). The
-:class:`~tierflow.runtime.service.TierService` hands it each stream's replies and reader;
-a stopping tier reads the streams it watches to know that every reply was written.
+:class:`~tierflow.runtime.service.TierService` hands it each stream's replies and reader
+(:func:`~tierflow.runtime.streams.serve_stream`) and each probe; a stopping tier reads the
+streams it watches to know that every reply was written (:meth:`Tier.drain
+<tierflow.runtime.tier.Tier.drain>`).
 """
 
 from __future__ import annotations
@@ -15,21 +17,35 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import Protocol
+
+import grpc
 
 from tierflow.options import RuntimeOptions
 from tierflow.runtime.admission import peer_host
 from tierflow.runtime.replies import StreamReplies
-from tierflow.runtime.streams import Watched
 from tierflow.transport.peer_warnings import WARNINGS
 
 logger = logging.getLogger(__name__)
 
 
+class Watched(Protocol):
+    """A stream the watchdog closes once it is idle ([Note: stream admission])."""
+
+    context: grpc.ServicerContext
+    on_finish: Callable[[], None] | None
+
+    def idle_for(self, now: float) -> float:
+        """Seconds the stream has had nothing in flight and sent nothing (0: busy)."""
+
+
 class StreamWatchdog:
     """Watches ``tier``'s streams until ``closed`` is set.
 
-    ``lock`` guards what it watches; the service shares its own, so that it reads the
-    streams and its requests in flight at one moment.
+    ``lock`` guards what it watches; the tier's own (:attr:`Tier.lock
+    <tierflow.runtime.tier.Tier.lock>`), so that a stopping tier reads the streams and its
+    requests in flight at one moment.
     """
 
     def __init__(

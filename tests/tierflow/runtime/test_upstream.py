@@ -17,8 +17,8 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, load_plan_set, save_plan
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.pipeline import Down, Onward, Pipeline
-from tierflow.runtime.service import TierService
-from tierflow.runtime.streams import Send
+from tierflow.runtime.replies import Send
+from tierflow.runtime.tier import Tier
 from tierflow.runtime.upstream import LocalUpstream, StreamUpstream, connect, segment_source
 from tierflow.transport.peer_warnings import WARNINGS
 from tierflow.transport.stream_client import Sent
@@ -55,25 +55,25 @@ def test_a_tier_connects_to_the_next_over_the_link_between_them(
 
 
 @pytest.fixture
-def edge(tmp_path: Path) -> Iterator[TierService]:
+def edge(tmp_path: Path) -> Iterator[Tier]:
     """An edge that answers the second of two identity MatMuls, loaded, in this process."""
     specs = matmul_chain(tmp_path, [("device", "device.onnx"), ("edge", "edge.onnx")])
     plan = Plan("m.onnx", "0" * 64, ("x",), ("y",), tuple(specs))
     save_plan(plan, tmp_path)
-    service = TierService("edge", PlanSet((plan,)), tmp_path, options=RuntimeOptions(workers=1))
-    service.load()
-    yield service
-    service.close()
+    tier = Tier("edge", PlanSet((plan,)), tmp_path, options=RuntimeOptions(workers=1))
+    tier.load()
+    yield tier
+    tier.close()
 
 
-def _request(service: TierService, value: float) -> tier_pb2.Request:
-    request = tier_pb2.Request(plan_id=service.plan_id, segment=1)
+def _request(tier: Tier, value: float) -> tier_pb2.Request:
+    request = tier_pb2.Request(plan_id=tier.plan_id, segment=1)
     h = np.full((1, 4), value, np.float32)
     put_tensors(request.tensors, {"h": h}, CodecSpec.parse("raw"))
     return request
 
 
-def test_a_request_in_process_gets_the_next_tiers_reply(edge: TierService) -> None:
+def test_a_request_in_process_gets_the_next_tiers_reply(edge: Tier) -> None:
     upstream = LocalUpstream(edge, me="device")
     called: list[Sent] = []
     request = _request(edge, 2.0)
@@ -92,7 +92,7 @@ def test_a_request_in_process_gets_the_next_tiers_reply(edge: TierService) -> No
 
 
 def test_a_stopping_tier_answers_unavailable_and_a_closed_one_is_known_down(
-    edge: TierService,
+    edge: Tier,
 ) -> None:
     upstream = LocalUpstream(edge, me="device")
     assert not upstream.known_down()
@@ -106,7 +106,7 @@ def test_a_stopping_tier_answers_unavailable_and_a_closed_one_is_known_down(
         upstream.submit(_request(edge, 1.0))
 
 
-def test_a_bad_request_is_answered_with_its_error(edge: TierService) -> None:
+def test_a_bad_request_is_answered_with_its_error(edge: Tier) -> None:
     upstream = LocalUpstream(edge, me="device")
     request = _request(edge, 1.0)
     request.plan_id = "nope"
@@ -120,32 +120,32 @@ def test_a_bad_request_is_answered_with_its_error(edge: TierService) -> None:
 class _Boasting:
     """The real edge, its replies claiming a link rate no link has (as a hostile tier would)."""
 
-    def __init__(self, service: TierService) -> None:
-        self.service = service
-        self.tier, self.plan_id = service.tier, service.plan_id
-        self.options, self.down_link = service.options, service.down_link
-        self.metrics = service.metrics
+    def __init__(self, tier: Tier) -> None:
+        self.tier = tier
+        self.name, self.plan_id = tier.name, tier.plan_id
+        self.options, self.down_link = tier.options, tier.down_link
+        self.metrics = tier.metrics
         self.closed = False
 
     def admit_request(self) -> tier_pb2.Error | None:
-        return self.service.admit_request()
+        return self.tier.admit_request()
 
     def hold(self, request: tier_pb2.Request, caller: str) -> Callable[[], None]:
-        return self.service.hold(request, caller)
+        return self.tier.hold(request, caller)
 
     def answered(self) -> None:
-        self.service.answered()
+        self.tier.answered()
 
     def handle(
         self, request: tier_pb2.Request, received: float, later: Send, caller: str = "local"
     ) -> tier_pb2.Reply | None:
-        reply = self.service.handle(request, received, later, caller)
+        reply = self.tier.handle(request, received, later, caller)
         assert reply is not None
         reply.links.add(link="device-edge", bytes=2**62, send_ms=-1.0, rate_bps=float("nan"))
         return reply
 
 
-def test_figures_no_tier_could_measure_are_dropped_in_process_too(edge: TierService) -> None:
+def test_figures_no_tier_could_measure_are_dropped_in_process_too(edge: Tier) -> None:
     upstream = LocalUpstream(_Boasting(edge), me="device")
     before = WARNINGS.counts("device").get(("device", "reply_figures"), 0)
     reply = upstream.submit(_request(edge, 1.0)).future.result()
@@ -154,7 +154,7 @@ def test_figures_no_tier_could_measure_are_dropped_in_process_too(edge: TierServ
 
 
 def test_the_pipeline_sends_up_and_a_next_tier_known_down_comes_down_at_once(
-    edge: TierService, tmp_path: Path
+    edge: Tier, tmp_path: Path
 ) -> None:
     """:meth:`Pipeline.send`: what was sent, its reply to take down when it comes; or, the
     next tier known to be down, what came down for that at once (it is gone)."""
@@ -192,16 +192,16 @@ class _Clock:
             self.now += seconds
 
 
-def _shaped_edge(tmp_path: Path, reply_link: LinkSpec | None) -> TierService:
+def _shaped_edge(tmp_path: Path, reply_link: LinkSpec | None) -> Tier:
     tmp_path.mkdir(exist_ok=True)
     specs = matmul_chain(tmp_path, [("device", "device.onnx"), ("edge", "edge.onnx")])
     plan = Plan("m.onnx", "0" * 64, ("x",), ("y",), tuple(specs))
     save_plan(plan, tmp_path)
     links = {} if reply_link is None else {"device-edge": reply_link}
     options = RuntimeOptions(workers=1, links=links)
-    service = TierService("edge", load_plan_set(tmp_path), tmp_path, options=options)
-    service.load()
-    return service
+    tier = Tier("edge", load_plan_set(tmp_path), tmp_path, options=options)
+    tier.load()
+    return tier
 
 
 def test_a_request_in_process_crosses_the_emulated_link_both_ways(tmp_path: Path) -> None:
