@@ -1,15 +1,16 @@
 """The ``Tier`` gRPC service an edge or a cloud runs: its calls adapted onto the tier.
 
 :class:`TierService` is the servicer of one :class:`~tierflow.runtime.tier.Tier` ([Note: a
-request at a tier] in tierflow/runtime/tier.py), which knows no gRPC. Each call first takes
-its stream's place ([Note: stream admission] in tierflow/runtime/admission.py); then
-``Infer`` feeds the stream's requests to the tier and writes their replies
-(:func:`~tierflow.runtime.streams.serve_stream`, [Note: a stream's requests run at once]
-in tierflow/runtime/streams.py, [Note: slow readers] in tierflow/runtime/replies.py),
-``FetchSegment`` sends a segment file of the tier's ([Note: segments on demand] in
-tierflow/runtime/segment_store.py), and ``Probe`` echoes ([Note: probe credit] in
-tierflow/runtime/probe.py). Its :class:`~tierflow.runtime.watchdog.StreamWatchdog` cancels
-the streams whose replies are not read, or that went idle.
+request at a tier] in tierflow/runtime/tier.py), which holds no stream, channel or server.
+Each call first takes its stream's place ([Note: stream admission] in
+tierflow/runtime/admission.py); then ``Infer`` feeds the stream's requests to the tier and
+writes their replies (:func:`~tierflow.runtime.streams.serve_stream`, [Note: a stream's
+requests run at once] in tierflow/runtime/streams.py, [Note: slow readers] in
+tierflow/runtime/replies.py), ``FetchSegment`` sends a segment file of the tier's ([Note:
+segments on demand] in tierflow/runtime/segment_store.py), and ``Probe`` echoes ([Note:
+probe credit] in tierflow/runtime/probe.py). Its
+:class:`~tierflow.runtime.watchdog.StreamWatchdog` cancels the streams whose replies are
+not read, or that went idle.
 """
 
 from __future__ import annotations
