@@ -4,7 +4,7 @@ without a draft, across a lost state; sampling seeded; the command line."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -233,28 +233,26 @@ def test_a_prompt_in_bytes_and_a_tokenizer_that_does_not_load(
     assert "outside the vocabulary" in capsys.readouterr().err
 
 
-def test_with_the_tiers_gone_the_draft_goes_on_alone_marked(models: dict[str, Path]) -> None:
-    options = RuntimeOptions(workers=2)
-    cloud = TierServer.from_plan("cloud", models["plan"], options=options)
-    cloud.start()
-    edge = TierServer.from_plan(
-        "edge", models["plan"], forwarder=Forwarding(cloud.address), options=options
-    )
-    edge.start()
-    try:
-        with DeviceClient(models["plan"], edge.address, deadline_s=5.0) as client:
-            generator = Generator(client, draft=models["other"], fallback_draft=True)
+def stop_after_four(
+    generator: Generator, tiers: tuple[TierServer, TierServer]
+) -> Callable[[int, bool], None]:
+    """An ``on_token`` hook that stops both tiers once four tokens were fed after the prompt."""
 
-            def stop_tiers(token: int, draft_only: bool) -> None:
-                if len(generator.target.fed) >= len(PROMPT) + 4 and edge.port:
-                    edge.stop(0)
-                    cloud.stop(0)
-                    edge.port = 0
+    def stop(token: int, draft_only: bool) -> None:
+        if len(generator.target.fed) >= len(PROMPT) + 4:
+            for tier in reversed(tiers):
+                tier.stop(0)  # nothing once stopped
 
-            report = generator.generate(PROMPT, 20, on_token=stop_tiers)
-    finally:
-        edge.stop(0)
-        cloud.stop(0)
+    return stop
+
+
+def test_with_the_tiers_gone_the_draft_goes_on_alone_marked(
+    models: dict[str, Path], tiers: Any
+) -> None:
+    _, edge = tiers
+    with DeviceClient(models["plan"], edge.address, deadline_s=5.0) as client:
+        generator = Generator(client, draft=models["other"], fallback_draft=True)
+        report = generator.generate(PROMPT, 20, on_token=stop_after_four(generator, tiers))
     assert len(report.tokens) == 20
     assert report.draft_only and report.draft_only == list(range(report.draft_only[0], 20))
     kept = report.tokens[: report.draft_only[0]]
@@ -298,30 +296,15 @@ def test_a_draft_with_fewer_positions_is_dropped_and_the_generation_goes_on(
     assert "at position 1" in report.draft_dropped and generator.draft is None
 
 
-def test_a_failed_generation_keeps_the_tokens_it_made_and_why(models: dict[str, Path]) -> None:
+def test_a_failed_generation_keeps_the_tokens_it_made_and_why(
+    models: dict[str, Path], tiers: Any
+) -> None:
     """``generate --json`` prints them: a failed run printed nothing on stdout."""
-    options = RuntimeOptions(workers=2)
-    cloud = TierServer.from_plan("cloud", models["plan"], options=options)
-    cloud.start()
-    edge = TierServer.from_plan(
-        "edge", models["plan"], forwarder=Forwarding(cloud.address), options=options
-    )
-    edge.start()
-    try:
-        with DeviceClient(models["plan"], edge.address, deadline_s=5.0) as client:
-            generator = Generator(client)
-
-            def stop_tiers(token: int, draft_only: bool) -> None:
-                if len(generator.target.fed) >= len(PROMPT) + 4 and edge.port:
-                    edge.stop(0)
-                    cloud.stop(0)
-                    edge.port = 0
-
-            with pytest.raises(TransportError):
-                generator.generate(PROMPT, 20, on_token=stop_tiers)
-    finally:
-        edge.stop(0)
-        cloud.stop(0)
+    _, edge = tiers
+    with DeviceClient(models["plan"], edge.address, deadline_s=5.0) as client:
+        generator = Generator(client)
+        with pytest.raises(TransportError):
+            generator.generate(PROMPT, 20, on_token=stop_after_four(generator, tiers))
     failed = generator.report
     assert failed is not None and failed.stopped == "error" and failed.error
     assert 4 <= len(failed.tokens) < 20
