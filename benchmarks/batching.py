@@ -28,11 +28,17 @@ The settings, per plan: batched with ``--batch-delay 0`` (the default), batched 
 positive delay, and not batched (``--max-batch 1``: each step its own ONNX Runtime call).
 With a delay D > 0 a step that reaches a tier while other sessions are active waits up to
 D for their steps ([Note: the step batcher]); the positive delay is chosen per plan by a
-sweep in the same run, before the measured rows: ``SWEEP_DELAYS_MS`` at ``SWEEP_SESSIONS``
-sessions, the delay with the highest aggregate tokens/s (of equals, the shorter). A delay
-buys batch size with latency, and on this machine how long a round of lockstep steps
-takes to reach a tier (a gRPC hop per step through each tier below) decides which pays;
-``--delay-ms`` fixes it instead (no sweep).
+sweep in the same run, before the measured rows: ``SWEEP_DELAYS_MS`` (2 to 100 ms, the
+most ``--batch-delay`` allows) at ``SWEEP_SESSIONS`` sessions, the delay with the highest
+aggregate tokens/s (of equals, the shorter). Why a sweep, and why up to 100 ms: a delay
+buys batch size with latency, and which pays depends on how far apart a round's steps
+reach a tier. That is the machine's and the plan's: cloud-only, the steps come through
+the edge one by one, a few ms apart; split, the tiers form a pipeline and sessions that
+split into two groups once stay a whole tier's call apart, which only a delay longer
+than that call brings together ([Note: the step batcher]; a smoke run of 8 split
+sessions ran 14 of the cloud's 18 calls as batches of 8 at 50 ms, and 29 of 61 as
+single steps at delay 0). ``--delay-ms``
+fixes the delay instead (no sweep).
 
 The ceiling is ONNX Runtime alone, in the same run, running the same batched steps as the
 plan's tiers: each segment graph the plan ships (cloud-only: the one, the whole decoder;
@@ -89,7 +95,7 @@ THREADS = 2
 #: Sessions of the --batch-padding runs, each prompt a token shorter than the one before.
 PADDED_SESSIONS = 8
 #: The positive --batch-delay candidates (ms), and the sessions they are tried with.
-SWEEP_DELAYS_MS = (2.0, 5.0, 10.0, 20.0)
+SWEEP_DELAYS_MS = (2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
 SWEEP_SESSIONS = 8
 #: The most tokens a session generates: the plans' --max-tokens (their context is the
 #: prompt's length and this), built once for every run's --tokens.
