@@ -36,7 +36,7 @@ reach a tier. That is the machine's and the plan's: cloud-only, the steps come t
 the edge one by one, a few ms apart; split, the tiers form a pipeline and sessions that
 split into two groups once stay a whole tier's call apart, which only a delay longer
 than that call brings together ([Note: the step batcher]; a smoke run of 8 split
-sessions ran 14 of the cloud's 18 calls as batches of 8 at 50 ms, and 29 of 61 as
+sessions ran 14 of the cloud's 18 calls as batches of 8 at 50 ms, and 29 of 56 as
 single steps at delay 0). ``--delay-ms``
 fixes the delay instead (no sweep).
 
