@@ -126,7 +126,8 @@ def run_queued(
     calls: list[int],
     owners: Sequence[str] = (),
 ) -> list[dict[str, np.ndarray] | BaseException]:
-    """Run ``first``; while its call runs, the ``others`` (feeds, deadline) queue behind it.
+    """Run ``first``; while its call runs, the ``others`` (feeds, deadline) queue behind it,
+    one after another in their order (the queue's order is what the tests check).
 
     Returns each step's outputs or error, ``first`` first; ``calls`` gets each call's rows.
     ``owners``: each step's owner, ``first``'s first (default: "").
@@ -149,11 +150,11 @@ def run_queued(
 
     def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         calls.append(int(next(iter(feeds.values())).shape[0]))
-        if len(calls) == 1:  # the first call: the others arrive while it runs
-            for thread in threads:
+        if len(calls) == 1:  # the first call: the others arrive while it runs, in order
+            for queued, thread in enumerate(threads, start=1):
                 thread.start()
-            with batcher._cond:
-                assert batcher._cond.wait_for(lambda: len(batcher._queue) == len(others), 30)
+                with batcher._cond:
+                    assert batcher._cond.wait_for(lambda n=queued: len(batcher._queue) == n, 30)
         return member_run(feeds)
 
     batcher._run = run
