@@ -22,7 +22,7 @@ from tierflow.device.client import DeviceClient
 from tierflow.plan import load_plan
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.metrics import TierMetrics
-from tierflow.runtime.tier import Tier
+from tierflow.runtime.server import watch_metrics
 from tierflow.transport.wire import grpc_options
 
 prometheus = pytest.importorskip("prometheus_client.parser")
@@ -59,19 +59,6 @@ def _total(samples: dict[Any, float], name: str, **labels: str) -> float:
         for (sample, key), value in samples.items()
         if sample == name and all((k, v) in key for k, v in labels.items())
     )
-
-
-def _metrics_of(tier: Tier) -> TierMetrics:
-    """The metrics ``serve --metrics-port`` gives ``tier`` (tierflow/runtime/server.py)."""
-    metrics = TierMetrics(
-        tier.name,
-        lambda: tier.in_flight,
-        segments=lambda: tier.segments,
-        states=lambda: None if tier.pipeline is None else tier.pipeline.states,
-        batches=tier.batch_stats,
-    )
-    tier.metrics = metrics
-    return metrics
 
 
 def _read(metrics: TierMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -128,7 +115,7 @@ def test_edge_and_cloud_count_requests_exits_times_and_bytes(tmp_path: Path, rt:
     split = rt.cnn(tmp_path / "plan", {"device-edge": "zstd", "edge-cloud": "zstd"}, 0.2)
     samples = split.sample(seed=5, count=12)
     with rt.in_process(split.plan_dir) as tiers:
-        edge_metrics, cloud_metrics = _metrics_of(tiers.edge), _metrics_of(tiers.cloud)
+        edge_metrics, cloud_metrics = watch_metrics(tiers.edge), watch_metrics(tiers.cloud)
         with tiers.device(window=4) as device:
             results = list(device.run_stream(samples))
         edge_seen, cloud_seen = _read(edge_metrics), _read(cloud_metrics)

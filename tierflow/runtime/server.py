@@ -31,6 +31,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -46,6 +47,9 @@ from tierflow.state.store import describe_state_budget
 from tierflow.transport.security import bind, server_options
 from tierflow.transport.wire import add_tier_servicer, grpc_options
 from tierflow.tuning import tune_for_latency
+
+if TYPE_CHECKING:
+    from tierflow.runtime.metrics import TierMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +207,22 @@ def _exit_after(seconds: float, tier: str) -> None:
     timer.start()
 
 
+def watch_metrics(tier: Tier) -> TierMetrics:
+    """The Prometheus metrics of ``serve --metrics-port`` (``tierflow.runtime.metrics``),
+    counted by ``tier`` from now on."""
+    from tierflow.runtime.metrics import TierMetrics  # the metrics extra: only when asked
+
+    metrics = TierMetrics(
+        tier.name,
+        lambda: tier.in_flight,
+        segments=lambda: tier.segments,
+        states=lambda: None if tier.pipeline is None else tier.pipeline.states,
+        batches=tier.batch_stats,
+    )
+    tier.metrics = metrics
+    return metrics
+
+
 def serve_until_stopped(server: TierServer, grace: float, metrics_port: int | None = None) -> int:
     """Start ``server``, say where it serves, and run until SIGTERM or SIGINT (the CLI).
 
@@ -213,18 +233,9 @@ def serve_until_stopped(server: TierServer, grace: float, metrics_port: int | No
     tier = server.tier
     metrics = None
     if metrics_port is not None:
-        from tierflow.runtime.metrics import TierMetrics
-
         if not 0 <= metrics_port <= 65535:
             raise UsageError(f"--metrics-port must be a port number, got {metrics_port}")
-        metrics = TierMetrics(
-            tier.name,
-            lambda: tier.in_flight,
-            segments=lambda: tier.segments,
-            states=lambda: None if tier.pipeline is None else tier.pipeline.states,
-            batches=tier.batch_stats,
-        )
-        tier.metrics = metrics
+        metrics = watch_metrics(tier)
     server.start()
     try:
         # One line on stdout, so that scripts (and tests) can learn a port picked by the OS.
