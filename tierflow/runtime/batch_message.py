@@ -119,7 +119,8 @@ class MemberReplies:
 
 
 class Forwarder(Protocol):
-    """What sends a request on to the next tier: the tier's ``Forwarder``."""
+    """What sends a request on to the next tier (the tier's own
+    :class:`~tierflow.runtime.tier.Forwarder` adds opening and closing the way there)."""
 
     def forward(
         self,
@@ -129,13 +130,14 @@ class Forwarder(Protocol):
         request_id: str,
         timing: tier_pb2.TierTiming,
         send: Send,
-    ) -> tier_pb2.Reply | None: ...
+    ) -> tier_pb2.Reply | None:
+        """Send ``onward`` up; its reply comes to ``send`` later (None), or the reply now."""
 
 
 @dataclass(frozen=True)
 class Deposit:
     """What one member of a batch call goes on with: the arguments of
-    :meth:`Forwarder.forward <tierflow.runtime.tier.Forwarder.forward>`."""
+    :meth:`Forwarder.forward`."""
 
     pipeline: Pipeline
     index: int

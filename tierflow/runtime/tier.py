@@ -49,6 +49,7 @@ from tierflow.onnxrt.providers import describe as describe_providers
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2
+from tierflow.runtime import batch_message
 from tierflow.runtime.batch_message import Deposit, MemberReplies, check_members, send_together
 from tierflow.runtime.batching import BatchStats, Convoy, departure_seat
 from tierflow.runtime.pipeline import Answered, Onward, Pipeline
@@ -65,10 +66,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Forwarder(Protocol):
+class Forwarder(batch_message.Forwarder, Protocol):
     """The edge's way to the next tier (``tierflow.edge.forwarding``): its
     :class:`~tierflow.runtime.upstream.Upstream`, and the reply it writes for what comes
-    back (:meth:`Pipeline.came_down`)."""
+    back (:meth:`Pipeline.came_down`); ``forward`` as a batch's members are sent on
+    (:class:`tierflow.runtime.batch_message.Forwarder`)."""
 
     address: str
 
@@ -77,17 +79,6 @@ class Forwarder(Protocol):
 
     def segment_source(self) -> SegmentSource | None:
         """Where the tier fetches the segment files it lacks (None: nowhere)."""
-
-    def forward(
-        self,
-        pipeline: Pipeline,
-        index: int,
-        onward: Onward,
-        request_id: str,
-        timing: tier_pb2.TierTiming,
-        send: Send,
-    ) -> tier_pb2.Reply | None:
-        """Send ``onward`` up; its reply comes to ``send`` later (None), or the reply now."""
 
     def close(self, timeout: float) -> None:
         """Close the stream to the next tier, waiting up to ``timeout`` s."""
