@@ -489,14 +489,19 @@ def test_an_edges_batch_goes_on_to_the_cloud_as_one_message(models: dict[str, Pa
     assert max(cloud_batcher.stats.sizes) >= 3, cloud_batcher.stats.sizes
 
 
-def test_a_devices_batch_goes_up_to_the_edge_as_one_message(models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("where", ["split", "cloud"])
+def test_a_devices_batch_goes_up_to_the_edge_as_one_message(
+    models: dict[str, Path], where: str
+) -> None:
     """Four local sessions on one device: the device runs three of their steps as one
     call and sends them to the edge as one request, which the edge runs as one call and
     sends on to the cloud as one ([Note: a batch in one message]); every session's output
-    is the model's own, and each step's result has its own share of the link's bytes."""
+    is the model's own, and each step's result has its own share of the link's bytes.
+    Cloud-only, the device and the edge run none of the plan's segments: the device's call
+    runs nothing, and the edge passes the message on whole."""
     prompt = PROMPTS[0]
     options = RuntimeOptions(workers=2, max_batch=8)
-    with serving(models["split"], options) as (plan, cloud, edge):
+    with serving(models[where], options) as (plan, cloud, edge):
         for server in (cloud, edge):
             batcher_of(server).convoy_wait_s = 30.0
         received: dict[str, list[int]] = {"edge": [], "cloud": []}

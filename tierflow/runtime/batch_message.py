@@ -38,6 +38,18 @@ several local sessions does the same with its batch calls' steps (device/batched
 each caller gets its ticket at once, resolved from the edge's one reply. So sessions that
 step together on a device stay together on every tier, and no tier runs the first of
 them alone for having found itself idle.
+
+A tier that runs none of the plan's segments keeps a batch together too. One that passes
+the tensors on as they came (an edge of a cloud-only plan) sends a batched request's
+members on as one request: each member still goes through the tier as the request it is,
+and leaves through a :class:`~tierflow.runtime.batching.Departure` of the message's own
+(:meth:`Tier.run_members <tierflow.runtime.tier.Tier.run_members>`). A device with none of
+the plan's segments still has a step batcher whose call runs nothing
+(``TierRunner._batcher`` in tierflow/runtime/segment_runner.py): with ``--batch-delay``,
+its sessions' steps meet there as on any tier and go up as one message. Without that, a
+cloud-only plan's steps crossed both links one message each, and the cloud gathered them
+again from its queue (8 lockstep sessions: 8 messages up and 8 down on each link a round,
+where one each now does).
 """
 
 from __future__ import annotations

@@ -298,6 +298,13 @@ class Departure:
 _departing = threading.local()
 
 
+def join_departure(departure: Departure, seat: int) -> None:
+    """This thread's step goes on with ``departure``, at ``seat``: a step that runs no
+    call here (its tier only forwards it) leaves with the others of its message ([Note: a
+    batch in one message] in tierflow/runtime/batch_message.py)."""
+    _departing.seat = (departure, seat)
+
+
 def departure_seat() -> tuple[Departure, int] | None:
     """The batch call that this thread's last step ran in, and its seat there (None: it
     ran alone, or this was asked already): what the thread must settle."""

@@ -295,9 +295,14 @@ class TierRunner:
         self.batcher = self._batcher(options or RuntimeOptions())
 
     def _batcher(self, options: RuntimeOptions) -> StepBatcher | None:
-        """A batcher for a decoder plan's segments that batch ([Note: batching exactness])."""
+        """A batcher for a decoder plan's segments that batch ([Note: batching exactness]).
+
+        A tier with none of the plan's segments has one too, whose call runs nothing: the
+        steps it gathers go on as one message ([Note: a batch in one message] in
+        tierflow/runtime/batch_message.py), as a device's sessions' steps of a cloud-only
+        plan do."""
         decoder = self.plan.decoder
-        if options.max_batch <= 1 or decoder is None or not self.segments:
+        if options.max_batch <= 1 or decoder is None:
             return None
         if any(spec.exits for _, spec, _ in self.segments):
             return None

@@ -51,7 +51,13 @@ from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2
 from tierflow.runtime import batch_message
 from tierflow.runtime.batch_message import Deposit, MemberReplies, check_members, send_together
-from tierflow.runtime.batching import BatchStats, Convoy, departure_seat
+from tierflow.runtime.batching import (
+    BatchStats,
+    Convoy,
+    Departure,
+    departure_seat,
+    join_departure,
+)
 from tierflow.runtime.pipeline import Answered, Onward, Pipeline
 from tierflow.runtime.replies import Send
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, serve_segment
@@ -340,8 +346,11 @@ class Tier:
         as one (steps 2-3 of [Note: a batch in one message])."""
         replies = MemberReplies(request, later)
         convoy = Convoy(len(request.members))
+        relay = Departure(len(request.members)) if self._relays(request) else None
         for seat, member in enumerate(request.members):
-            run = functools.partial(self._run_member, member, seat, received, replies, convoy)
+            run = functools.partial(
+                self._run_member, member, seat, received, replies, convoy, relay
+            )
             work: Callable[[], None] = functools.partial(run, caller, _nothing)
             release, key = _nothing, None
             if member.session:  # [Note: a stream's requests run at once]: a session's in order
@@ -353,6 +362,8 @@ class Tier:
                 work = functools.partial(self.order.drain, key, step)
             if not self.pool.submit(work):  # the pool is shut down: the tier is stopping
                 convoy.settle(seat)
+                if relay is not None:
+                    self._depart(relay.settle(seat))
                 stopping = TransportError(f"the {self.name} is stopping")
                 replies.put(seat, self.error_reply(member.id, stopping))
                 release()
@@ -366,11 +377,15 @@ class Tier:
         received: float,
         replies: MemberReplies,
         convoy: Convoy,
+        relay: Departure | None,
         caller: str,
         release: Callable[[], None],
     ) -> None:
-        """One member of a batched request, as :meth:`StreamReader._run` runs a request."""
+        """One member of a batched request, as :meth:`StreamReader._run` runs a request;
+        ``relay``: the members' way on together, where the tier runs nothing for them."""
         try:
+            if relay is not None:
+                join_departure(relay, seat)
             with self.running:
                 later = functools.partial(replies.put, seat)
                 reply = self.handle(member, received, later, caller, (convoy, seat))
@@ -379,6 +394,19 @@ class Tier:
             release()  # this tier's step of the session is done (its state kept)
         if reply is not None:
             replies.put(seat, reply)
+
+    def _relays(self, request: tier_pb2.Request) -> bool:
+        """Whether the tier runs nothing for ``request``'s plan and passes its tensors on
+        as they came: a batch's members then go on as one message, as they came ([Note: a
+        batch in one message])."""
+        pipeline = self.pipeline
+        if pipeline is None:
+            return False
+        try:
+            index = pipeline.index_of(request.plan_id)
+        except PlanError:  # each member is refused for it, alone
+            return False
+        return pipeline.forwards_as_is(index)
 
     def _process(
         self,

@@ -306,7 +306,13 @@ def test_a_tier_runner_batches_only_what_it_can(tmp_path: Path) -> None:
     padded = TierRunner(plan, tmp_path / "plan", "cloud", RuntimeOptions(batch_padding=True))
     assert padded.batcher is not None and padded.batcher.padding is not None
     assert TierRunner(plan, tmp_path / "plan", "cloud", RuntimeOptions(max_batch=1)).batcher is None
-    assert TierRunner(plan, tmp_path / "plan", "edge", RuntimeOptions()).batcher is None
+    # A tier with none of the plan's segments gathers steps to send on together; its
+    # call runs nothing: a step's tensors go on as they came.
+    edge = TierRunner(plan, tmp_path / "plan", "edge", RuntimeOptions())
+    assert not edge.segments and edge.batcher is not None
+    ids = np.array([[3]], dtype=np.int64)
+    sent = edge.batcher.run({name: ids for name in edge.needs})
+    assert set(sent) == set(edge.needs) and all(v is ids for v in sent.values())
 
 
 # ---------------------------------------------------------------------- --batch-delay
