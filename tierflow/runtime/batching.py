@@ -68,22 +68,25 @@ its own session's last step (the same shapes: their next steps will be too, [Not
 batching exactness]), and that are active: their last step was taken at most
 ``ROUNDS`` of their own round times ago (the time between their last two steps here),
 never more than ``ACTIVE_S``. The wait ends as soon as each of them has a step queued.
-A session seen once, or a lone session, or one whose company is a step behind or ahead
-(another past length), never waits; a session that ended is waited for at most
+A lone session's later steps, or a session whose company is a step behind or ahead
+(another past length), never wait; a session that ended is waited for at most
 ``ROUNDS`` rounds, not for as long as it was ever seen; and the steps of the batch that
-just ran, a round ahead of the queued ones, are not waited for by them. A batch that came
-as one message (a convoy, [Note: a batch in one message]) waits for its members first,
-then for the rest of D from when it started waiting. With D = 0 (the default) nothing
-waits: a step that finds the tier idle runs at once, and nothing is tracked. What D does
-not mend: groups further apart than D. On a split plan the tiers form a pipeline: when
-the sessions' first steps split into two batches (the first of many sessions starting
-together finds the tier idle, and nothing is known of the others yet), each tier runs
-one group while the other is on another tier, the second a call behind the first on
-every tier, and a wait of D that is shorter than that lag does not bring them together
-(measured on the split Qwen2-shaped decoder of ``benchmarks/batching.py``, every tier
-in one process on a loaded machine, 16 sessions: at D = 50 ms 14 + 2 at the same past
-length every round, where cloud-only gathered 16 in 14 of 16 rounds; at D = 100 ms the
-two groups met after two rounds, 16 in 9 of 11 rounds).
+just ran, a round ahead of the queued ones, are not waited for by them. A batch that
+came as one message (a convoy, [Note: a batch in one message]) waits for its members
+first, then for the rest of D from when it started waiting. With D = 0 (the default)
+nothing waits: a step that finds the tier idle runs at once, and nothing is tracked.
+
+A session's first step here (or its first since it was last active) waits too, up to D
+or until its group is full, unless it came in a convoy, which is its own company: the
+sessions that start together then start as one batch. Without that, the first of them
+found the tier idle and ran alone, and the rest queued behind it as a second batch.
+Cloud-only, the two groups met again within a few rounds; on a split plan they never
+did. The tiers form a pipeline, each tier running one group while the other is on another
+tier, and the lone session fell a whole step behind the rest: its steps, of another past
+length, were no one's company (``benchmarks/batching.py``, 16 sessions at D = 20 ms: 1 +
+15 on every tier in every round). What this costs: with D > 0, a session's first step
+(its prefill) waits up to D at each tier it crosses, when no other session starts with
+it. What D still does not mend: groups that drift further apart than D once running.
 
 A step whose deadline passed while it queued fails alone (DEADLINE_EXCEEDED); a batch
 whose call fails is run again one step at a time, so the step with the bad tensor fails
@@ -373,7 +376,9 @@ class StepBatcher:
 
     ``run`` takes one feed dict (stacked or not) and returns the outputs, rows on axis 0.
     ``max_batch`` steps at most share a call; ``delay_s`` is ``--batch-delay``;
-    ``padding`` (``--batch-padding``) groups steps of different past lengths.
+    ``padding`` (``--batch-padding``) groups steps of different past lengths;
+    ``first_waits``: with a delay, a session's first step here waits for company too (for
+    other sessions starting with it), not only its later steps ([Note: the step batcher]).
     """
 
     def __init__(
@@ -386,6 +391,7 @@ class StepBatcher:
         padding: Padding | None = None,
         clock: Callable[[], float] = time.monotonic,
         convoy_wait_s: float = CONVOY_WAIT_S,
+        first_waits: bool = True,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -396,6 +402,7 @@ class StepBatcher:
         self.padding = padding
         self._clock = clock
         self.convoy_wait_s = convoy_wait_s
+        self.first_waits = first_waits
         self._lock = threading.Lock()
         #: A leader waiting for company or a convoy waits on it; each queued step waits on
         #: its own (``_Step.turn``), so an answer or a free batcher wakes one thread.
@@ -464,7 +471,7 @@ class StepBatcher:
                 return False
             if key is not None:
                 now = self._clock()
-                if self._missing(member, now):
+                if self._missing(member, now) or self._new(member):
                     return False
                 self._saw(member, key, now)
             self._busy = True
@@ -575,7 +582,14 @@ class StepBatcher:
         head = self._queue[0]
         if sum(step.key == head.key for step in self._queue) >= self.max_batch:
             return False
+        if head.convoy is None and self._new(head.member):
+            return True  # the first steps of sessions that start together: up to the delay
         return self._missing(head.member, self._clock()) > 0
+
+    def _new(self, member: Hashable) -> bool:
+        """Whether ``member``'s step is the first this batcher sees of its session (or the
+        first since the session was last active), with ``first_waits``; hold the lock."""
+        return self.first_waits and member not in self._seen
 
     def _missing(self, member: Hashable, now: float) -> int:
         """The active sessions whose last step was of the same group as ``member``'s

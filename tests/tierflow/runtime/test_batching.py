@@ -18,6 +18,7 @@ import pytest
 from tierflow.errors import DeadlineError, InputError, ModelError
 from tierflow.options import RuntimeOptions
 from tierflow.runtime.batching import (
+    Convoy,
     Padding,
     StepBatcher,
     group_key,
@@ -330,16 +331,25 @@ class Clock:
 
 class Delayed:
     """A batcher with a long --batch-delay on a clock of the test's: each call's rows are
-    recorded, and a step's thread can be watched while it waits for company."""
+    recorded, and a step's thread can be watched while it waits for company. Unless
+    ``first_waits``, a session's first step runs at once (the tests of later steps seed
+    each session's history with one)."""
 
-    def __init__(self, runner: SegmentRunner, max_batch: int = 8) -> None:
+    def __init__(
+        self, runner: SegmentRunner, max_batch: int = 8, first_waits: bool = False
+    ) -> None:
         self.runner = runner
         self.clock = Clock()
         self.calls: list[int] = []
         self.hook: Callable[[int], None] = lambda rows: None
         #: 60 s of the test's clock: a wait ends by company, or by the test moving the clock.
         self.batcher = StepBatcher(
-            self._run, name="test", max_batch=max_batch, delay_s=60.0, clock=self.clock
+            self._run,
+            name="test",
+            max_batch=max_batch,
+            delay_s=60.0,
+            clock=self.clock,
+            first_waits=first_waits,
         )
 
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -386,10 +396,10 @@ def test_with_a_delay_a_step_at_an_idle_tier_waits_for_its_sessions_company(
 ) -> None:
     """Lockstep sessions do not fall into turns ([Note: the step batcher]): the first step
     of a round finds the tier idle and waits for the other session's, then both run as
-    one call, bit for bit as alone. Sessions seen for the first time never wait."""
+    one call, bit for bit as alone."""
     tier = Delayed(runner)
     tier.at(0.0, ("a", step(4, 1, 0)), ("b", step(4, 2, 1)))
-    assert tier.calls == [1, 1]  # b was new: it did not wait for a
+    assert tier.calls == [1, 1]  # b's first step: a's step is not its company
     a, b = step(5, 3, 2), step(5, 4, 3)
     tier.clock.now = 0.1
     first = tier.start("a", a)
@@ -402,6 +412,45 @@ def test_with_a_delay_a_step_at_an_idle_tier_waits_for_its_sessions_company(
     alone = runner.run(b)
     for name in runner.output_names:
         assert np.array_equal(results["b"][name], alone[name]), name
+
+
+def test_with_a_delay_sessions_that_start_together_start_as_one_batch(
+    runner: SegmentRunner,
+) -> None:
+    """A session's first step waits for company too ([Note: the step batcher]): the first
+    steps of a, b and c, coming one after another to an idle tier, run as one call once
+    their group is full; a lone session's first step waits at most the delay; the first
+    steps of a batched request (a convoy) are their own company and do not wait."""
+    tier = Delayed(runner, max_batch=3, first_waits=True)
+    tier.clock.now = 5.0
+    first = tier.start("a", step(4, 1, 0))
+    assert tier.queued(1, first), "a's first step ran alone instead of waiting for company"
+    second = tier.start("b", step(4, 2, 1))
+    assert tier.queued(2, second)
+    third = tier.start("c", step(4, 3, 2))  # the group is full: all three go
+    assert tier.finish(first, second, third), "a full group still waited"
+    assert tier.calls == [3]
+
+    lone = tier.start("d", step(7, 4, 3))
+    assert tier.queued(1, lone)
+    tier.clock.now += 60.0  # the delay passed and no one came
+    tier.batcher._wake()
+    lone.join(30)
+    assert not lone.is_alive() and tier.calls == [3, 1]
+
+    convoy = Convoy(2)
+    members = [
+        threading.Thread(
+            target=tier.batcher.run,
+            args=(step(9, 5 + seat, 4 + seat),),
+            kwargs={"member": f"e{seat}", "convoy": (convoy, seat)},
+        )
+        for seat in range(2)
+    ]
+    for member in members:
+        member.start()
+    assert tier.finish(*members), "a convoy's first steps waited for company"
+    assert tier.calls == [3, 1, 2]
 
 
 def test_with_a_delay_a_step_waits_for_company_at_most_the_delay(runner: SegmentRunner) -> None:
