@@ -76,7 +76,7 @@ came as one message (a convoy, [Note: a batch in one message]) waits for its mem
 first, then for the rest of D from when it started waiting. With D = 0 (the default)
 nothing waits: a step that finds the tier idle runs at once, and nothing is tracked.
 
-A session's first step here (or its first since it was last active) waits too, up to D
+A session's first step here (or its first after ``ACTIVE_S`` without one) waits too, up to D
 or until its group is full, unless it came in a convoy, which is its own company: the
 sessions that start together then start as one batch. Without that, the first of them
 found the tier idle and ran alone, and the rest queued behind it as a second batch.
@@ -582,27 +582,30 @@ class StepBatcher:
         head = self._queue[0]
         if sum(step.key == head.key for step in self._queue) >= self.max_batch:
             return False
+        missing = self._missing(head.member, self._clock())
         if head.convoy is None and self._new(head.member):
             return True  # the first steps of sessions that start together: up to the delay
-        return self._missing(head.member, self._clock()) > 0
+        return missing > 0
 
     def _new(self, member: Hashable) -> bool:
-        """Whether ``member``'s step is the first this batcher sees of its session (or the
-        first since the session was last active), with ``first_waits``; hold the lock."""
+        """Whether ``member``'s step is the first this batcher sees of its session (or its
+        first after ``ACTIVE_S`` without one), with ``first_waits``; hold the lock. Not
+        whether it is active: a session whose steps come further apart than ``ROUNDS``
+        of its rounds expects no company, and waits for none."""
         return self.first_waits and member not in self._seen
 
     def _missing(self, member: Hashable, now: float) -> int:
         """The active sessions whose last step was of the same group as ``member``'s
         last, with no step queued: the company ``member``'s step can expect ([Note: the
-        step batcher]). Forgets the sessions no longer active; hold the lock."""
+        step batcher]). Forgets the sessions not seen for ``ACTIVE_S``; hold the lock."""
         mine = self._seen.get(member)
         queued = {step.member for step in self._queue}
         missing = 0
         for other, seen in list(self._seen.items()):
-            if not seen.active(now):
+            if now - seen.at > ACTIVE_S:
                 del self._seen[other]
             elif mine is not None and other != member and seen.key == mine.key:
-                missing += other not in queued
+                missing += seen.active(now) and other not in queued
         return missing
 
     def _saw(self, member: Hashable, key: Hashable, now: float) -> None:

@@ -453,6 +453,23 @@ def test_with_a_delay_sessions_that_start_together_start_as_one_batch(
     assert tier.calls == [3, 1, 2]
 
 
+def test_a_lone_sessions_later_steps_never_wait_however_far_apart(runner: SegmentRunner) -> None:
+    """Only a session's first step (or its first after ``ACTIVE_S`` without one) waits as
+    a newcomer: a lone session whose step comes later than two of its rounds (here 0.49 s
+    after a round of 0.01 s) expects no company and runs at once."""
+    tier = Delayed(runner, first_waits=True)
+    first = tier.start("a", step(4, 1, 0))
+    assert tier.queued(1, first)
+    tier.clock.now = 60.0  # its first step waited the delay out: no one came
+    tier.batcher._wake()
+    first.join(30)
+    tier.at(60.01, ("a", step(5, 2, 1)))
+    tier.clock.now = 60.5
+    later = tier.start("a", step(6, 3, 2))
+    assert tier.finish(later), "a lone session's later step waited as if it were new"
+    assert tier.calls == [1, 1, 1]
+
+
 def test_with_a_delay_a_step_waits_for_company_at_most_the_delay(runner: SegmentRunner) -> None:
     tier = Delayed(runner)
     tier.at(0.0, ("a", step(4, 1, 0)), ("b", step(4, 2, 1)))
