@@ -69,6 +69,7 @@ import os
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import signal
@@ -100,6 +101,8 @@ SWEEP_SESSIONS = 8
 #: The most tokens a session generates: the plans' --max-tokens (their context is the
 #: prompt's length and this), built once for every run's --tokens.
 MAX_TOKENS = 64
+#: Sessions, one after another, on each start of the side-by-side measurement's tiers.
+SIDE_BY_SIDE_SESSIONS = 3
 #: Seconds a configuration's device and sessions get before they are stopped.
 CHILD_TIMEOUT_S = 900
 
@@ -282,6 +285,50 @@ def _generate(client: Any, texts: list[list[int]], tokens: int) -> dict[str, Any
     }
 
 
+def side_by_side_child(plan: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One session at a time on each of the tier sets in ``args.sets`` (an edge address
+    and the tiers' setting each), their steps alternating, the order rotated each token:
+    ``SIDE_BY_SIDE_SESSIONS`` sessions in turn, each from its own prompt."""
+    from tierflow.device.client import DeviceClient
+    from tierflow.device.generation import TierDecoder
+    from tierflow.options import RuntimeOptions
+    from tierflow.tuning import tune_for_latency
+
+    tune_for_latency()
+    sets = json.loads(args.sets)
+    texts = prompts(SIDE_BY_SIDE_SESSIONS, args.prompt)
+    steps: list[list[list[float]]] = [[] for _ in sets]  # by set, by session
+    made: list[list[list[int]]] = [[] for _ in sets]
+    with contextlib.ExitStack() as stack:
+        clients = []
+        for tier_set in sets:
+            setting = Setting(**tier_set["setting"])
+            options = RuntimeOptions(
+                threads=args.threads,
+                max_batch=setting.max_batch,
+                batch_delay_s=setting.delay_ms / 1e3,
+            )
+            client = DeviceClient(plan, tier_set["edge"], options=options, window=64)
+            clients.append(stack.enter_context(client))
+            TierDecoder(client).choose(texts[0], 0, keep=1)  # opens every tier's sessions
+        for text in texts:
+            decoders = [TierDecoder(client) for client in clients]
+            tokens = [[int(d.choose(list(text), 0, keep=1)[-1])] for d in decoders]
+            times: list[list[float]] = [[] for _ in sets]
+            for t in range(args.tokens - 1):
+                position = len(text) + t
+                for k in range(len(sets)):  # each set first, middle and last in turn
+                    i = (t + k) % len(sets)
+                    began = time.perf_counter()
+                    token = int(decoders[i].choose([tokens[i][-1]], position, keep=1)[-1])
+                    times[i].append((time.perf_counter() - began) * 1e3)
+                    tokens[i].append(token)
+            for i in range(len(sets)):
+                steps[i].append(times[i])
+                made[i].append(tokens[i])
+    return {"steps": steps, "tokens": made}
+
+
 def ceiling(plan_dir: Path, counts: Sequence[int], args: argparse.Namespace) -> dict[str, Any]:
     """ONNX Runtime alone running the plan's segments, as its tiers open them, for N
     sequences' decode steps at once: each segment's median over ``--repeats``, fed by the
@@ -418,6 +465,50 @@ def generate_through(
     return run
 
 
+def side_by_side(
+    plan_dir: Path,
+    settings: Sequence[Setting],
+    args: argparse.Namespace,
+    expected: list[list[int]],
+) -> dict[str, Any]:
+    """One session's ms per token with each of ``settings``, measured side by side: every
+    setting's tiers served at once, one session on each, their steps alternating
+    (:func:`side_by_side_child`), so the machine's drift falls on all of them alike.
+
+    Twice, the tiers started in the settings' order and then in the reverse: a process's
+    own speed differs by a few per cent from another's of the same tier and setting
+    (measured here: the first of two identical sets 0.2-1.5 ms a step slower, 45.4 against
+    45.2 ms, split plan), so each setting gets a first and a last place."""
+    steps: list[list[list[float]]] = [[] for _ in settings]
+    made: list[list[list[int]]] = [[] for _ in settings]
+    for order in (list(range(len(settings))), list(reversed(range(len(settings))))):
+        with contextlib.ExitStack() as stack:
+            sets = []
+            for i in order:
+                flags = ["--threads", str(args.threads), *settings[i].flags()]
+                slug = f"{plan_dir.name}-side-{settings[i].name}".replace(" ", "-").replace(",", "")
+                logs = Path(args.workdir) / "logs" / slug
+                tiers = stack.enter_context(served(plan_dir, flags, logs))
+                sets.append({"edge": tiers.edge, "setting": dataclasses.asdict(settings[i])})
+            run = child("side-by-side", plan_dir, [1], args, "--sets", json.dumps(sets))
+        for i, got_steps, got_tokens in zip(order, run["steps"], run["tokens"], strict=True):
+            steps[i].extend(got_steps)
+            made[i].extend(got_tokens)
+    rows = []
+    for setting, each, tokens in zip(settings, steps, made, strict=True):
+        rows.append(
+            {
+                "setting": setting.name,
+                "p50_ms": statistics.median(ms for session in each for ms in session),
+                "session_p50_ms": [statistics.median(session) for session in each],
+                "identical": all(  # each start's sessions run prompts 0, 1, ... again
+                    m == expected[j % SIDE_BY_SIDE_SESSIONS][: len(m)] for j, m in enumerate(tokens)
+                ),
+            }
+        )
+    return {"sessions": 2 * SIDE_BY_SIDE_SESSIONS, "rows": rows}
+
+
 def _tiers_json(tiers: ServedTiers) -> str:
     return json.dumps({name: dataclasses.asdict(tier) for name, tier in tiers.tiers.items()})
 
@@ -441,10 +532,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         },
         "ceiling": {},
         "sweep": {},
+        "side_by_side": {},
         "runs": {},
     }
     progress("references ...")
-    expected = child("references", paths["model"], [max(counts)], args)
+    expected = child("references", paths["model"], [max(*counts, SIDE_BY_SIDE_SESSIONS)], args)
     for where in configs:
         progress(f"{where}: the ORT ceiling ...")
         results["ceiling"][where] = child("ceiling", paths[where], counts, args)
@@ -462,6 +554,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     a == b for a, b in zip(made, expected[: len(made)], strict=True)
                 )
             results["runs"][name] = {"plan": where, **run}
+        progress(f"{where}: one session, side by side ...")
+        settings = (Setting(16, 0.0), Setting(16, delay), Setting(1, 0.0))
+        results["side_by_side"][where] = side_by_side(paths[where], settings, args, expected)
     if args.padding and "cloud" in configs:
         results["padding"] = padding_runs(paths, args)
     settings = results["settings"]
@@ -655,13 +750,49 @@ def goals(results: dict[str, Any]) -> list[str]:
             f"- {name}: every session token-identical to the unsplit model: "
             f"{'met' if same else 'NOT met'}"
         )
-        if 1 in batched and 1 in plain:
+        side = {
+            r["setting"]: r for r in results.get("side_by_side", {}).get(where, {}).get("rows", [])
+        }
+        setting = name.split(", ", 1)[1]
+        if setting in side and "not batched" in side:
+            a, b = side[setting]["p50_ms"], side["not batched"]["p50_ms"]
+            out.append(
+                f"- {name}: one session's p50 {a:.2f} ms/token, {b:.2f} not batched, side by "
+                f"side (no worse: {'met' if a <= b else 'NOT met'}, {100 * (a / b - 1):+.1f}%)"
+            )
+        elif 1 in batched and 1 in plain:
             a, b = batched[1]["p50_ms"], plain[1]["p50_ms"]
             out.append(
                 f"- {name}: one session's p50 {a:.1f} ms/token, {b:.1f} not batched "
                 f"(no worse: {'met' if a <= b else 'NOT met'}, {100 * (a / b - 1):+.1f}%)"
             )
     return out
+
+
+def side_by_side_table(results: dict[str, Any]) -> list[str]:
+    """One session per setting, the settings' tiers served at once and their steps
+    alternating (:func:`side_by_side`)."""
+    sides = results.get("side_by_side")
+    if not sides:
+        return []
+    lines = [
+        "One session, side by side: each setting's tiers served at once, one session on each, "
+        "their decode steps alternating (the order rotated each token), "
+        f"{next(iter(sides.values()))['sessions']} sessions in turn:",
+        "",
+        "| plan | tiers' setting | p50 ms/token | x not batched | each session's p50 | "
+        "token-identical |",
+        "|---|---|---:|---:|---|---|",
+    ]
+    for where, side in sides.items():
+        plain = next(r for r in side["rows"] if r["setting"] == "not batched")["p50_ms"]
+        for row in side["rows"]:
+            each = " / ".join(f"{ms:.2f}" for ms in row["session_p50_ms"])
+            lines.append(
+                f"| {where} | {row['setting']} | {row['p50_ms']:.2f} | "
+                f"{row['p50_ms'] / plain:.3f} | {each} | {'yes' if row['identical'] else 'NO'} |"
+            )
+    return lines
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -759,6 +890,8 @@ def render(results: dict[str, Any]) -> None:
         "",
         *sweep_table(results),
         "",
+        *side_by_side_table(results),
+        "",
         "Goals:",
         "",
         *goals(results),
@@ -800,7 +933,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--render", action="store_true", help="re-render the saved results")
     # A child's own arguments.
-    parser.add_argument("--child", choices=("sessions", "ceiling", "references"))
+    parser.add_argument("--child", choices=("sessions", "ceiling", "references", "side-by-side"))
+    parser.add_argument("--sets", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--edge", help=argparse.SUPPRESS)
     parser.add_argument("--tiers", help=argparse.SUPPRESS)
@@ -817,6 +951,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             out: Any = run_sessions(target, counts, args)
         elif args.child == "ceiling":
             out = ceiling(target, counts, args)
+        elif args.child == "side-by-side":
+            out = side_by_side_child(target, args)
         else:
             out = references(target, counts[0], args)
         print(json.dumps(out))
@@ -835,7 +971,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     plot(results, PLOT)
     render(results)
-    print("\n".join([*table(results), "", *sweep_table(results), "", *goals(results)]))
+    print("\n".join([*table(results), "", *sweep_table(results), ""]))
+    print("\n".join([*side_by_side_table(results), "", *goals(results)]))
     print("\n".join(padding_table(results)))
     return 0
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.batching import Setting, agreement, goals, padding_table, prompts
+from benchmarks.batching import (
+    Setting,
+    agreement,
+    goals,
+    padding_table,
+    prompts,
+    side_by_side_table,
+)
 
 
 def test_varied_prompts_are_each_a_token_shorter_and_the_same_for_a_run() -> None:
@@ -98,3 +105,46 @@ def test_goals_judge_each_plan_against_its_own_ceiling() -> None:
         for line in said
     )
     assert not any(line.startswith("- cloud, not batched") for line in said)
+
+
+def test_one_sessions_p50_is_judged_side_by_side_when_measured_so() -> None:
+    """The p50 goal takes the side-by-side measurement (every setting's tiers at once,
+    steps alternating) over the rows' one-session p50s, which ran minutes apart."""
+    ceiling = {"cloud": {"rows": [{"sessions": 1, "tokens_per_s": 20.0}]}}
+    runs = {
+        "cloud, batched, delay 0 ms": {
+            "plan": "cloud",
+            "setting": {"max_batch": 16, "delay_ms": 0.0, "padding": False},
+            "rows": [_row(1, 20.0, 52.0)],
+        },
+        "cloud, not batched": {
+            "plan": "cloud",
+            "setting": {"max_batch": 1, "delay_ms": 0.0, "padding": False},
+            "rows": [_row(1, 20.0, 49.0)],
+        },
+    }
+    side = {
+        "cloud": {
+            "sessions": 3,
+            "rows": [
+                {
+                    "setting": name,
+                    "p50_ms": p50,
+                    "session_p50_ms": [p50, p50 + 0.5, p50 - 0.5],
+                    "identical": True,
+                }
+                for name, p50 in (("batched, delay 0 ms", 40.0), ("not batched", 40.4))
+            ],
+        }
+    }
+    said = goals({"ceiling": ceiling, "runs": runs, "side_by_side": side})
+    assert any(
+        line.startswith(
+            "- cloud, batched, delay 0 ms: one session's p50 40.00 ms/token, 40.40 not batched, "
+            "side by side (no worse: met"
+        )
+        for line in said
+    ), said
+    lines = side_by_side_table({"side_by_side": side})
+    assert "| cloud | batched, delay 0 ms | 40.00 | 0.990 | 40.00 / 40.50 / 39.50 | yes |" in lines
+    assert side_by_side_table({}) == []
