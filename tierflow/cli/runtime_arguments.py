@@ -155,8 +155,10 @@ def add_batch_arguments(parser: argparse.ArgumentParser, defaults: RuntimeOption
         metavar="DURATION",
         help="let a step (at an idle tier, or leading a batch) wait up to this long for "
         "the steps of the sessions that stepped with its own last time, so lockstep "
-        "sessions share one call instead of taking turns (at most "
-        f"{format_duration(MAX_BATCH_DELAY_S)}; a lone session never waits)",
+        "sessions share one call instead of taking turns, and a session's first step "
+        "for the first steps of sessions starting with it (at most "
+        f"{format_duration(MAX_BATCH_DELAY_S)}; a lone session's later steps never "
+        "wait, its first waits the delay once on each tier)",
     )
     parser.add_argument(
         "--batch-padding",
