@@ -29,16 +29,16 @@ positive delay, and not batched (``--max-batch 1``: each step its own ONNX Runti
 With a delay D > 0 a step that reaches a tier while other sessions are active waits up to
 D for their steps ([Note: the step batcher]); the positive delay is chosen per plan by a
 sweep in the same run, before the measured rows: ``SWEEP_DELAYS_MS`` (2 to 100 ms, the
-most ``--batch-delay`` allows) at ``SWEEP_SESSIONS`` sessions, the delay with the highest
-aggregate tokens/s (of equals, the shorter). Why a sweep, and why up to 100 ms: a delay
-buys batch size with latency, and which pays depends on how far apart a round's steps
-reach a tier. That is the machine's and the plan's: cloud-only, the steps come through
-the edge one by one, a few ms apart; split, the tiers form a pipeline and sessions that
-split into two groups once stay a whole tier's call apart, which only a delay longer
-than that call brings together ([Note: the step batcher]; a smoke run of 8 split
-sessions ran 14 of the cloud's 18 calls as batches of 8 at 50 ms, and 29 of 56 as
-single steps at delay 0). ``--delay-ms``
-fixes the delay instead (no sweep).
+most ``--batch-delay`` allows) at each of ``SWEEP_SESSIONS`` sessions, the shortest delay
+at which the cloud runs whole rounds (``WHOLE_ROUNDS`` of its steps in calls of every
+session's step) at each; if none does, the one with the most tokens/s at the most
+sessions. Why by whole rounds and not by tokens/s: once rounds are whole, a longer delay
+changes nothing but the wait it allows, and tokens/s at whole rounds differ only by the
+machine's noise (a run of 2026-12-06: 66.7 to 97.6 tokens/s for split delays of 5 to
+100 ms, every call all 8 steps), which would pick the delay at random. Why a sweep: a
+delay buys batch size with latency, and which pays depends on how far apart a round's
+steps reach a tier; that is the machine's and the plan's ([Note: the step batcher]).
+``--delay-ms`` fixes the delay instead (no sweep).
 
 The ceiling is ONNX Runtime alone, in the same run, running the same batched steps as the
 plan's tiers: each segment graph the plan ships (cloud-only: the one, the whole decoder;
@@ -97,7 +97,10 @@ THREADS = 2
 PADDED_SESSIONS = 8
 #: The positive --batch-delay candidates (ms), and the sessions they are tried with.
 SWEEP_DELAYS_MS = (2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
-SWEEP_SESSIONS = 8
+SWEEP_SESSIONS = (8, 16)
+#: The share of the cloud's steps that must run in calls of every session's step for a
+#: delay to gather whole rounds.
+WHOLE_ROUNDS = 0.9
 #: The most tokens a session generates: the plans' --max-tokens (their context is the
 #: prompt's length and this), built once for every run's --tokens.
 MAX_TOKENS = 64
@@ -528,7 +531,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "load_average": {"start": load_average()},
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "model_bytes": paths["model"].stat().st_size,
-            "sweep": {"delays_ms": list(SWEEP_DELAYS_MS), "sessions": SWEEP_SESSIONS},
+            "sweep": {"delays_ms": list(SWEEP_DELAYS_MS), "sessions": list(SWEEP_SESSIONS)},
         },
         "ceiling": {},
         "sweep": {},
@@ -565,17 +568,38 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def sweep(plan_dir: Path, where: str, args: argparse.Namespace, into: dict[str, Any]) -> float:
-    """Each of ``SWEEP_DELAYS_MS`` at ``SWEEP_SESSIONS`` sessions; the delay with the most
-    tokens/s (of equals, the shorter). Its rows go to ``into[where]``."""
+    """Each of ``SWEEP_DELAYS_MS`` at each of ``SWEEP_SESSIONS`` sessions; the delay
+    :func:`choose_delay` chooses. Its rows go to ``into[where]``."""
     rows = []
     for delay in SWEEP_DELAYS_MS:
         progress(f"{where}: --batch-delay {delay:g} ms, {SWEEP_SESSIONS} sessions ...")
-        row = generate_through(plan_dir, [SWEEP_SESSIONS], args, Setting(16, delay))["rows"][0]
-        row.pop("tokens")
-        rows.append({"delay_ms": delay, **row})
-    best = max(rows, key=lambda r: (r["tokens_per_s"], -r["delay_ms"]))["delay_ms"]
+        run = generate_through(plan_dir, SWEEP_SESSIONS, args, Setting(16, delay))
+        for row in run["rows"]:
+            row.pop("tokens")
+            rows.append({"delay_ms": delay, **row})
+    best = choose_delay(rows)
     into[where] = {"rows": rows, "chosen_ms": best}
-    return float(best)
+    return best
+
+
+def whole_rounds(row: dict[str, Any]) -> float:
+    """The share of the cloud's steps that ran in calls of every session's step."""
+    calls = {int(size): n for size, n in row["batches"]["cloud"].items()}
+    steps = sum(size * n for size, n in calls.items())
+    return row["sessions"] * calls.get(row["sessions"], 0) / steps if steps else 0.0
+
+
+def choose_delay(rows: Sequence[dict[str, Any]]) -> float:
+    """The shortest delay whose every session count gathered whole rounds
+    (:func:`whole_rounds` at least ``WHOLE_ROUNDS``); if none did, the one with the most
+    tokens/s at the most sessions (of equals, the shorter)."""
+    delays = sorted({row["delay_ms"] for row in rows})
+    for delay in delays:
+        if all(whole_rounds(r) >= WHOLE_ROUNDS for r in rows if r["delay_ms"] == delay):
+            return float(delay)
+    most = max(row["sessions"] for row in rows)
+    tops = [row for row in rows if row["sessions"] == most]
+    return float(max(tops, key=lambda r: (r["tokens_per_s"], -r["delay_ms"]))["delay_ms"])
 
 
 def padding_runs(paths: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
@@ -681,20 +705,23 @@ def sweep_table(results: dict[str, Any]) -> list[str]:
     if not results.get("sweep"):
         return []
     lines = [
-        f"--batch-delay sweep, {results['settings']['sweep']['sessions']} sessions (the "
-        "delay with the most tokens/s is the positive one measured above):",
+        "--batch-delay sweep (the positive delay measured above is the shortest whose "
+        f"cloud ran whole rounds, {100 * WHOLE_ROUNDS:.0f}% of its steps in calls of every "
+        "session's step, at each session count):",
         "",
-        "| plan | --batch-delay | tokens/s | p50 ms/token | p99 ms/token | edge batches "
-        "| cloud batches |",
-        "|---|---:|---:|---:|---:|---|---|",
+        "| plan | --batch-delay | sessions | tokens/s | p50 ms/token | p99 ms/token | whole "
+        "rounds | edge batches | cloud batches |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for where, sweep_run in results["sweep"].items():
         for row in sweep_run["rows"]:
             chosen = " (chosen)" if row["delay_ms"] == sweep_run["chosen_ms"] else ""
+            sessions = row.get("sessions", results["settings"]["sweep"]["sessions"])
             lines.append(
-                f"| {where} | {row['delay_ms']:g} ms{chosen} | {row['tokens_per_s']:.1f} | "
-                f"{row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {_sizes(row['batches']['edge'])} "
-                f"| {_sizes(row['batches']['cloud'])} |"
+                f"| {where} | {row['delay_ms']:g} ms{chosen} | {sessions} | "
+                f"{row['tokens_per_s']:.1f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | "
+                f"{100 * whole_rounds({**row, 'sessions': sessions}):.0f}% | "
+                f"{_sizes(row['batches']['edge'])} | {_sizes(row['batches']['cloud'])} |"
             )
     return lines
 
@@ -920,7 +947,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         help="the positive --batch-delay to measure (default: the best of a sweep of "
         + ", ".join(f"{d:g}" for d in SWEEP_DELAYS_MS)
-        + f" ms at {SWEEP_SESSIONS} sessions)",
+        + f" ms at {' and '.join(map(str, SWEEP_SESSIONS))} sessions: the shortest that "
+        "gathers whole rounds)",
     )
     parser.add_argument(
         "--configs", default="cloud,split", help="the plans to run: cloud, split or both"

@@ -8,10 +8,12 @@ import pytest
 from benchmarks.batching import (
     Setting,
     agreement,
+    choose_delay,
     goals,
     padding_table,
     prompts,
     side_by_side_table,
+    whole_rounds,
 )
 
 
@@ -148,3 +150,29 @@ def test_one_sessions_p50_is_judged_side_by_side_when_measured_so() -> None:
     lines = side_by_side_table({"side_by_side": side})
     assert "| cloud | batched, delay 0 ms | 40.00 | 0.990 | 40.00 / 40.50 / 39.50 | yes |" in lines
     assert side_by_side_table({}) == []
+
+
+def _swept(
+    delay: float, sessions: int, cloud: dict[str, int], tokens_per_s: float
+) -> dict[str, object]:
+    return {
+        "delay_ms": delay,
+        "sessions": sessions,
+        "tokens_per_s": tokens_per_s,
+        "batches": {"device": {}, "edge": {}, "cloud": cloud},
+    }
+
+
+def test_the_sweep_chooses_the_shortest_delay_that_gathers_whole_rounds_at_every_count() -> None:
+    """Not the most tokens/s: once rounds are whole, tokens/s differ by the machine's noise."""
+    rows = [
+        _swept(5.0, 8, {"8": 32}, 90.0),
+        _swept(5.0, 16, {"1": 32, "15": 32}, 95.0),  # 1 + 15: not whole
+        _swept(10.0, 8, {"8": 31, "7": 1, "1": 1}, 80.0),
+        _swept(10.0, 16, {"16": 30, "15": 2, "1": 2}, 120.0),  # 480 of 512 steps: 94%
+        _swept(20.0, 8, {"8": 32}, 99.0),
+        _swept(20.0, 16, {"16": 32}, 125.0),
+    ]
+    assert whole_rounds(rows[2]) == pytest.approx(248 / 256)
+    assert choose_delay(rows) == 10.0
+    assert choose_delay(rows[:2]) == 5.0  # none whole: the most tokens/s at 16 sessions
