@@ -74,6 +74,8 @@ __all__ = ["DEFAULT_DEADLINE_S", "DEFAULT_RETRY_S", "DeviceClient", "Result", "T
 logger = logging.getLogger(__name__)
 
 DEFAULT_WINDOW = 16
+#: How a session's first state values for the tiers above travel.
+_INITIAL_STATE_CODEC = CodecSpec.parse("zstd")
 #: Sessions whose plan the client remembers (the least recently started forgotten first).
 _SESSIONS_KEPT = 10_000
 
@@ -277,7 +279,8 @@ class DeviceClient:
         )
         mine, others = split_first_state(self.pipeline.runner(index), given)
         passed = tier_pb2.Request()
-        put_tensors(passed.initial_state, others, CodecSpec.parse("zstd"))
+        if others:  # a first request's state for the tiers above (a decode step has none)
+            put_tensors(passed.initial_state, others, _INITIAL_STATE_CODEC)
         return SessionStep(
             session,
             position,

@@ -332,9 +332,9 @@ class Plan:
         self._check()
         self._check_state()
 
-    @property
+    @functools.cached_property
     def states(self) -> tuple[StateSpec, ...]:
-        """Every segment's state pairs, in segment order."""
+        """Every segment's state pairs, in segment order (read on every request's way)."""
         return tuple(s for segment in self.segments for s in segment.state)
 
     def _check_state(self) -> None:

@@ -189,9 +189,17 @@ class CodecSpec:
 
     def lossless_part(self) -> CodecSpec:
         """This codec with only its compressor: what non-float tensors get."""
+        return self._lossless_part
+
+    @functools.cached_property
+    def _lossless_part(self) -> CodecSpec:  # made once: every integer tensor sent asks
         return CodecSpec("none", self.compress, self.level)
 
     def __str__(self) -> str:
+        return self._text
+
+    @functools.cached_property
+    def _text(self) -> str:  # made once: it names every tensor sent's codec
         if self.image:
             return f"{self.quant}:{self.quality}" if self.quality else self.quant
         parts = [] if self.quant == "none" else [self.quant]

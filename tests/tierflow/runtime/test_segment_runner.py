@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -157,15 +158,13 @@ def test_a_tier_runs_its_segments_and_forwards_what_later_ones_need(tmp_path: Pa
     assert list(outcome.tensors) == ["h"] and outcome.exits_checked == ["e"]
     with pytest.raises(InputError, match="names segment 2"):
         edge.check_names({"h"}, segment=2)
-    sure = Plan(
-        **{
-            **plan.__dict__,
-            "segments": (
-                plan.segments[0],
-                SegmentSpec("edge", "b.onnx", ("h",), ("e",), (ExitSpec("e", 0.0),)),
-                plan.segments[2],
-            ),
-        }
+    sure = dataclasses.replace(
+        plan,
+        segments=(
+            plan.segments[0],
+            SegmentSpec("edge", "b.onnx", ("h",), ("e",), (ExitSpec("e", 0.0),)),
+            plan.segments[2],
+        ),
     )
     outcome = TierRunner(sure, tmp_path, "edge").run(feeds)
     assert outcome.final and outcome.exit == "e" and list(outcome.tensors) == ["e"]
