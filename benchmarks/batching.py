@@ -450,8 +450,7 @@ def generate_through(
     """Serve ``plan_dir``'s cloud and edge with ``setting``, and run the device and its
     sessions in a child process against them; the tiers are stopped at the end."""
     flags = ["--threads", str(args.threads), *setting.flags()]
-    slug = f"{plan_dir.name}-{setting.name}".replace(" ", "-").replace(",", "")
-    with served(plan_dir, flags, Path(args.workdir) / "logs" / slug) as tiers:
+    with served(plan_dir, flags, _logs(args, plan_dir, setting.name)) as tiers:
         run = child(
             "sessions",
             plan_dir,
@@ -489,8 +488,7 @@ def side_by_side(
             sets = []
             for i in order:
                 flags = ["--threads", str(args.threads), *settings[i].flags()]
-                slug = f"{plan_dir.name}-side-{settings[i].name}".replace(" ", "-").replace(",", "")
-                logs = Path(args.workdir) / "logs" / slug
+                logs = _logs(args, plan_dir, f"side-{settings[i].name}")
                 tiers = stack.enter_context(served(plan_dir, flags, logs))
                 sets.append({"edge": tiers.edge, "setting": dataclasses.asdict(settings[i])})
             run = child("side-by-side", plan_dir, [1], args, "--sets", json.dumps(sets))
@@ -510,6 +508,12 @@ def side_by_side(
             }
         )
     return {"sessions": 2 * SIDE_BY_SIDE_SESSIONS, "rows": rows}
+
+
+def _logs(args: argparse.Namespace, plan_dir: Path, label: str) -> Path:
+    """Where the tiers served for ``plan_dir`` under ``label`` (a setting's name) log."""
+    slug = f"{plan_dir.name}-{label}".replace(" ", "-").replace(",", "")
+    return Path(args.workdir) / "logs" / slug
 
 
 def _tiers_json(tiers: ServedTiers) -> str:
@@ -572,7 +576,8 @@ def sweep(plan_dir: Path, where: str, args: argparse.Namespace, into: dict[str, 
     :func:`choose_delay` chooses. Its rows go to ``into[where]``."""
     rows = []
     for delay in SWEEP_DELAYS_MS:
-        progress(f"{where}: --batch-delay {delay:g} ms, {SWEEP_SESSIONS} sessions ...")
+        counts = " and ".join(map(str, SWEEP_SESSIONS))
+        progress(f"{where}: --batch-delay {delay:g} ms, {counts} sessions ...")
         run = generate_through(plan_dir, SWEEP_SESSIONS, args, Setting(16, delay))
         for row in run["rows"]:
             row.pop("tokens")
@@ -716,11 +721,10 @@ def sweep_table(results: dict[str, Any]) -> list[str]:
     for where, sweep_run in results["sweep"].items():
         for row in sweep_run["rows"]:
             chosen = " (chosen)" if row["delay_ms"] == sweep_run["chosen_ms"] else ""
-            sessions = row.get("sessions", results["settings"]["sweep"]["sessions"])
             lines.append(
-                f"| {where} | {row['delay_ms']:g} ms{chosen} | {sessions} | "
+                f"| {where} | {row['delay_ms']:g} ms{chosen} | {row['sessions']} | "
                 f"{row['tokens_per_s']:.1f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | "
-                f"{100 * whole_rounds({**row, 'sessions': sessions}):.0f}% | "
+                f"{100 * whole_rounds(row):.0f}% | "
                 f"{_sizes(row['batches']['edge'])} | {_sizes(row['batches']['cloud'])} |"
             )
     return lines
@@ -949,7 +953,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--delay-ms",
         type=float,
-        help="the positive --batch-delay to measure (default: the best of a sweep of "
+        help="the positive --batch-delay to measure (default: from a sweep of "
         + ", ".join(f"{d:g}" for d in SWEEP_DELAYS_MS)
         + f" ms at {' and '.join(map(str, SWEEP_SESSIONS))} sessions: the shortest that "
         "gathers whole rounds)",
