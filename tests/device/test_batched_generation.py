@@ -407,7 +407,6 @@ def test_a_batch_in_one_message_runs_as_one_call_and_is_answered_in_one_reply(
     prompt = PROMPTS[0]
     with serving(plan, RuntimeOptions(workers=2, max_batch=8)) as (_, cloud, _edge):
         batcher = batcher_of(cloud)
-        batcher.convoy_wait_s = 30.0  # the members' decoding never outlasts it here
         decoder = cloud.tier.plan.decoder
         assert decoder is not None
         plan_id = cloud.tier.plan_id
@@ -471,7 +470,6 @@ def test_an_edges_batch_goes_on_to_the_cloud_as_one_message(models: dict[str, Pa
     with serving(models["split"], RuntimeOptions(workers=2, max_batch=8)) as (plan, cloud, edge):
         arm = gate(batcher_of(edge), 4)
         cloud_batcher = batcher_of(cloud)
-        cloud_batcher.convoy_wait_s = 30.0
         received: list[int] = []
         run_members = cloud.tier.run_members
 
@@ -481,7 +479,8 @@ def test_an_edges_batch_goes_on_to_the_cloud_as_one_message(models: dict[str, Pa
 
         cloud.tier.run_members = counted  # type: ignore[method-assign]
         prefilled = threading.Barrier(4, action=arm)
-        with DeviceClient(plan, edge.address) as client:
+        alone = RuntimeOptions(max_batch=1)  # the device sends each step as its own request
+        with DeviceClient(plan, edge.address, options=alone) as client:
             outputs = lockstep(4, lambda i: four_tokens(client, prompt, prefilled))
     expected = reference_generate(models["model"], prompt, 4, context=CONTEXT).tokens
     assert all(outputs[i] == list(expected) for i in range(4)), outputs
@@ -502,8 +501,6 @@ def test_a_devices_batch_goes_up_to_the_edge_as_one_message(
     prompt = PROMPTS[0]
     options = RuntimeOptions(workers=2, max_batch=8)
     with serving(models[where], options) as (plan, cloud, edge):
-        for server in (cloud, edge):
-            batcher_of(server).convoy_wait_s = 30.0
         received: dict[str, list[int]] = {"edge": [], "cloud": []}
         for name, server in (("edge", edge), ("cloud", cloud)):
             run_members = server.tier.run_members

@@ -12,44 +12,57 @@ likely run alone because it found the tier idle. The tier that receives it
    steps (:func:`check_members`): at most :data:`MAX_MEMBERS` members, each of the
    message's plan and segment, none a batch itself, no id and no session twice, and
    nothing else carried by the message itself;
-2. takes each member through the tier as the request it is, on a thread of its own: its
-   own decoding, checks, deadline, session order and state, and its own typed error when
-   it fails, which fails no other member; the members' steps reach the batcher as one
-   :class:`~tierflow.runtime.batching.Convoy`, and the batch waits (at most
-   ``CONVOY_WAIT_S``) until each member's step has arrived or will not, so they share one
-   call however the tier's threads are scheduled;
+2. takes its members through the tier together, on the one thread the request runs on
+   (:meth:`Tier.run_members <tierflow.runtime.tier.Tier.run_members>`). Each member is
+   still the request it is: its own decoding, checks, deadline, session order and state,
+   and its own typed error when it fails, which fails no other member. Each member's way
+   up is a generator (:data:`~tierflow.runtime.pipeline.Climb`) that stops where its step
+   goes to the batcher; the thread takes every member that far, hands their steps to the
+   batcher at once (:meth:`StepBatcher.run_all
+   <tierflow.runtime.batching.StepBatcher.run_all>`), so they share one call with any
+   steps queued beside them, and takes each member on from there with its own outputs
+   (or its own error). The members that go on to the next tier leave as one request
+   (:func:`send_together`), as they came; a tier that runs none of the plan's segments
+   (an edge of a cloud-only plan) so passes the message on whole;
 3. answers with one ``Reply`` whose ``members`` are the members' replies, in order, once
    each has its answer (:class:`MemberReplies`), from this tier or from the tiers after
    it.
 
-The sending side: a server tier (an edge) whose batch call's members go on to the next
-tier sends them as one such request. Each member's thread encodes its own onward request
-after the call, as alone; the call's :class:`~tierflow.runtime.batching.Departure`
-collects them, each member settling its seat once (depositing its onward request, or
-going no further: answered here, or failed; the tier settles a seat left unsettled
-whatever happened, so none is waited for in vain), and the thread that settles the last
-seat sends what was deposited (:func:`send_together`): one request whose members are the
-deposits, in seat order (one deposit goes alone, as before). The next tier's one reply is
-scattered back (``scatter``): each member's reply to its own request, with this tier's
-timing of it and its share of the link's figures (its own bytes, the message's transfer
-time); an error for the whole message (the next tier gone, say) answers every member.
-Nothing waits: a member that deposits returns, its reply to come later. A device serving
-several local sessions does the same with its batch calls' steps (device/batched_send.py):
-each caller gets its ticket at once, resolved from the edge's one reply. So sessions that
-step together on a device stay together on every tier, and no tier runs the first of
-them alone for having found itself idle.
+A member whose session has a request still running here (its session's order, [Note: a
+stream's requests run at once] in tierflow/runtime/streams.py) waits for it, and then runs
+alone. Before, each member ran on a thread of its own and the batch waited for them all
+to reach the batcher: one wake-up per member per tier each way, and each thread's decode,
+state and encode contending for the GIL with the rest. Measured with 8 lockstep sessions
+on a split plan (``benchmarks/batching.py``'s model), the time from a batched message's
+arrival to its call went from 4.9 to 3.3 ms at the edge and from 5.0 to 3.2 ms at the
+cloud, and from the call's end to the message leaving, from 3.3 to 1.7 and from 2.3 to
+1.1 ms.
 
-A tier that runs none of the plan's segments keeps a batch together too. One that passes
-the tensors on as they came (an edge of a cloud-only plan) sends a batched request's
-members on as one request: each member still goes through the tier as the request it is,
-and leaves through a :class:`~tierflow.runtime.batching.Departure` of the message's own
-(:meth:`Tier.run_members <tierflow.runtime.tier.Tier.run_members>`). A device with none of
-the plan's segments still has a step batcher whose call runs nothing
-(``TierRunner._batcher`` in tierflow/runtime/segment_runner.py): with ``--batch-delay``,
-its sessions' steps meet there as on any tier and go up as one message. Without that, a
-cloud-only plan's steps crossed both links one message each, and the cloud gathered them
-again from its queue (8 lockstep sessions: 8 messages up and 8 down on each link a round,
-where one each now does).
+The sending side, for a batch the tier's batcher formed of steps that came one by one (a
+server tier's steps from several devices, or a device's sessions'): each step's thread
+encodes its own onward request after the call, as alone; the call's
+:class:`~tierflow.runtime.batching.Departure` collects them, each step settling its seat
+once (depositing its onward request, or going no further: answered here, or failed; the
+tier settles a seat left unsettled whatever happened, so none is waited for in vain), and
+the thread that settles the last seat sends what was deposited (:func:`send_together`):
+one request whose members are the deposits, in seat order (one deposit goes alone, as
+before). Steps of a batched request that share the call are not seated: they go on with
+their own request. The next tier's one reply is scattered back (``scatter``): each
+member's reply to its own request, with this tier's timing of it and its share of the
+link's figures (its own bytes, the message's transfer time); an error for the whole
+message (the next tier gone, say) answers every member. Nothing waits: a member that goes
+on returns, its reply to come later. A device serving several local sessions does the same
+with its batch calls' steps (device/batched_send.py): each caller gets its ticket at once,
+resolved from the edge's one reply. So sessions that step together on a device stay
+together on every tier, and no tier runs the first of them alone for having found itself
+idle.
+
+A device with none of the plan's segments still has a step batcher whose call runs
+nothing (``TierRunner._batcher`` in tierflow/runtime/segment_runner.py): with
+``--batch-delay``, its sessions' steps meet there as on any tier and go up as one message.
+Without that, a cloud-only plan's steps crossed both links one message each, and the cloud
+gathered them again from its queue (8 lockstep sessions: 8 messages up and 8 down on each
+link a round, where one each now does).
 """
 
 from __future__ import annotations

@@ -42,7 +42,9 @@ input and output has a symbolic first (batch) axis and no early exit: a graph wh
 failing, so nothing else is batched.
 
 [Note: the step batcher]
-A tier's steps of one plan reach :meth:`StepBatcher.run` from its worker threads. One
+A tier's steps of one plan reach :meth:`StepBatcher.run` from its worker threads, and the
+steps of a batched request reach :meth:`StepBatcher.run_all` together, from one ([Note: a
+batch in one message] in tierflow/runtime/batch_message.py). One
 batch of a runner runs at a time (the intra-op threads, ``--threads``, give it the
 cores): a step that finds none running runs at once, alone, so an idle tier adds no wait
 and a lone session pays only a lock (with ``--batch-delay``, unless company is expected:
@@ -71,13 +73,14 @@ never more than ``ACTIVE_S``. The wait ends as soon as each of them has a step q
 A lone session's later steps, or a session whose company is a step behind or ahead
 (another past length), never wait; a session that ended is waited for at most
 ``ROUNDS`` rounds, not for as long as it was ever seen; and the steps of the batch that
-just ran, a round ahead of the queued ones, are not waited for by them. A batch that
-came as one message (a convoy, [Note: a batch in one message]) waits for its members
-first, then for the rest of D from when it started waiting. With D = 0 (the default)
+just ran, a round ahead of the queued ones, are not waited for by them. The steps of a
+batched request queue at once (:meth:`StepBatcher.run_all`, [Note: a batch in one
+message]), and wait only for company beyond them. With D = 0 (the default)
 nothing waits: a step that finds the tier idle runs at once, and nothing is tracked.
 
 A session's first step here (or its first after ``ACTIVE_S`` without one) waits too, up to D
-or until its group is full, unless it came in a convoy, which is its own company: the
+or until its group is full, unless it came in a batched request, whose steps are each
+other's company: the
 sessions that start together then start as one batch. Without that, the first of them
 found the tier idle and ran alone, and the rest queued behind it as a second batch.
 Cloud-only, the two groups met again within a few rounds; on a split plan they never
@@ -119,45 +122,6 @@ Outputs = dict[str, np.ndarray]
 ACTIVE_S = 2.0
 #: A session counts as active for this many of its own round times after its last step.
 ROUNDS = 2.0
-#: How long a batch waits for the members of a batched request still on their way to it
-#: ([Note: a batch in one message] in tierflow/runtime/batch_message.py).
-CONVOY_WAIT_S = 0.5
-
-
-class Convoy:
-    """The steps of one batched request, on their way to the batcher together ([Note: a
-    batch in one message] in tierflow/runtime/batch_message.py).
-
-    Each member is settled once: when its step reaches the batcher, or when it will not
-    (it failed before, or ran elsewhere). A batch whose oldest step is of a convoy waits
-    (up to ``CONVOY_WAIT_S``) until every member is settled, so they share one call.
-    Thread-safe."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._lock = threading.Lock()
-        self._settled: set[int] = set()
-        self._wakes: list[Callable[[], None]] = []
-
-    def listen(self, wake: Callable[[], None]) -> None:
-        """Call ``wake`` whenever a member settles."""
-        with self._lock:
-            if wake not in self._wakes:
-                self._wakes.append(wake)
-
-    def settle(self, seat: int) -> None:
-        """Member ``seat`` reached the batcher, or will not; the second time, nothing."""
-        with self._lock:
-            if seat in self._settled:
-                return
-            self._settled.add(seat)
-            wakes = list(self._wakes)
-        for wake in wakes:
-            wake()
-
-    def complete(self) -> bool:
-        with self._lock:
-            return len(self._settled) >= self.size
 
 
 @dataclass(frozen=True)
@@ -262,6 +226,24 @@ def _left_pad(value: np.ndarray, axis: int, extra: int) -> np.ndarray:
     return np.pad(value, widths)
 
 
+@dataclass(frozen=True)
+class Pending:
+    """A step on its way to a batcher: what :meth:`StepBatcher.run` takes, and the batcher
+    that runs it ([Note: a batch in one message] in tierflow/runtime/batch_message.py)."""
+
+    batcher: StepBatcher
+    feeds: Feeds
+    member: Hashable = ""
+    owner: str = ""
+    deadline_unix_s: float = 0.0
+
+    def run(self) -> Outputs:
+        """Run the step alone, or in a batch with what queues beside it."""
+        return self.batcher.run(
+            self.feeds, member=self.member, owner=self.owner, deadline_unix_s=self.deadline_unix_s
+        )
+
+
 class Departure:
     """The steps of one batched call, going on from the tier together ([Note: a batch in
     one message] in tierflow/runtime/batch_message.py).
@@ -301,13 +283,6 @@ class Departure:
 _departing = threading.local()
 
 
-def join_departure(departure: Departure, seat: int) -> None:
-    """This thread's step goes on with ``departure``, at ``seat``: a step that runs no
-    call here (its tier only forwards it) leaves with the others of its message ([Note: a
-    batch in one message] in tierflow/runtime/batch_message.py)."""
-    _departing.seat = (departure, seat)
-
-
 def departure_seat() -> tuple[Departure, int] | None:
     """The batch call that this thread's last step ran in, and its seat there (None: it
     ran alone, or this was asked already): what the thread must settle."""
@@ -323,7 +298,9 @@ class _Step:
     member: Hashable
     deadline_unix_s: float
     owner: str = ""
-    convoy: Convoy | None = None
+    #: It came with the others of a batched request (:meth:`StepBatcher.run_all`): they
+    #: are its company, and go on together from the tier that sent them.
+    together: bool = False
     departure: tuple[Departure, int] | None = None
     result: Outputs | None = None
     error: BaseException | None = None
@@ -335,6 +312,11 @@ class _Step:
     def __post_init__(self) -> None:
         first = next(iter(self.feeds.values()), None)
         self.rows = int(first.shape[0]) if first is not None and first.ndim else 1
+
+
+def _answered(step: _Step) -> Outputs:
+    assert step.result is not None
+    return step.result
 
 
 @dataclass(frozen=True)
@@ -390,7 +372,6 @@ class StepBatcher:
         delay_s: float = 0.0,
         padding: Padding | None = None,
         clock: Callable[[], float] = time.monotonic,
-        convoy_wait_s: float = CONVOY_WAIT_S,
         first_waits: bool = True,
     ) -> None:
         if max_batch < 1:
@@ -401,10 +382,9 @@ class StepBatcher:
         self.delay_s = delay_s
         self.padding = padding
         self._clock = clock
-        self.convoy_wait_s = convoy_wait_s
         self.first_waits = first_waits
         self._lock = threading.Lock()
-        #: A leader waiting for company or a convoy waits on it; each queued step waits on
+        #: A leader waiting for company waits on it; each queued step waits on
         #: its own (``_Step.turn``), so an answer or a free batcher wakes one thread.
         self._cond = threading.Condition(self._lock)
         self._queue: deque[_Step] = deque()
@@ -419,15 +399,13 @@ class StepBatcher:
         member: Hashable = "",
         owner: str = "",
         deadline_unix_s: float = 0.0,
-        convoy: tuple[Convoy, int] | None = None,
     ) -> Outputs:
         """Run one step, alone or in a batch; its outputs, or its own error raised.
 
         ``member``: the step's session; ``owner``: whose it is (batches are shared fairly
-        among owners); ``convoy``: the batched request the step came in, and its seat there
-        ([Note: a batch in one message])."""
+        among owners)."""
         key = group_key(feeds, self.padding) if self.delay_s > 0 else None
-        if convoy is None and self._idle_run(member, key):
+        if self._idle_run(member, key):
             _departing.seat = None
             try:
                 with lent():  # [Note: a worker lent while a step queues]
@@ -436,23 +414,14 @@ class StepBatcher:
                 self._free()
         if key is None:
             key = group_key(feeds, self.padding)
-        step = _Step(feeds, key, member, deadline_unix_s, owner, convoy[0] if convoy else None)
+        step = _Step(feeds, key, member, deadline_unix_s, owner)
         step.turn = threading.Condition(self._lock)
         # [Note: a worker lent while a step queues] (tierflow/runtime/workers.py).
         with lent():
-            if convoy is None:
-                with self._cond:
-                    self._queue.append(step)
-                    self._cond.notify_all()  # a leader waiting out --batch-delay counts it
-                    self._wait_turn(step)
-            else:
-                convoy[0].listen(self._wake)
-                with self._cond:
-                    self._queue.append(step)
-                    self._cond.notify_all()
-                convoy[0].settle(convoy[1])  # wakes a leader waiting for the convoy
-                with self._cond:
-                    self._wait_turn(step)
+            with self._cond:
+                self._queue.append(step)
+                self._cond.notify_all()  # a leader waiting out --batch-delay counts it
+                self._wait_turn(step)
             if not step.done:
                 self._lead(step)
         _departing.seat = step.departure
@@ -460,6 +429,31 @@ class StepBatcher:
             raise step.error
         assert step.result is not None
         return step.result
+
+    def run_all(self, steps: Sequence[Pending]) -> list[Outputs | BaseException]:
+        """Run the steps of one batched request together, from one thread: each step's
+        outputs, or its own error ([Note: a batch in one message] in
+        tierflow/runtime/batch_message.py). They queue at once, so they share a call
+        (with other steps of their group queued here, up to ``max_batch``), and they are
+        each other's company: none waits for other sessions to start."""
+        queued = []
+        for pending in steps:
+            key = group_key(pending.feeds, self.padding)
+            step = _Step(
+                pending.feeds, key, pending.member, pending.deadline_unix_s, pending.owner, True
+            )
+            step.turn = threading.Condition(self._lock)
+            queued.append(step)
+        with lent():  # [Note: a worker lent while a step queues]
+            with self._cond:
+                self._queue.extend(queued)
+                self._cond.notify_all()
+            for step in queued:
+                with self._cond:
+                    self._wait_turn(step)
+                if not step.done:
+                    self._lead(step)
+        return [step.error or _answered(step) for step in queued]
 
     def _idle_run(self, member: Hashable, key: Hashable | None) -> bool:
         """Take the batcher for a step that finds it idle (nothing running, nothing
@@ -516,24 +510,11 @@ class StepBatcher:
             with self._cond:
                 self._release()
 
-    def _wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
     def _take(self) -> list[_Step]:
         """The next batch: the oldest queued step and the later ones of its group."""
         with self._cond:
-            started = self._clock()
-            if self._queue and self._queue[0].convoy is not None:
-                convoy = self._queue[0].convoy
-                ends = started + self.convoy_wait_s
-                while not convoy.complete():
-                    left = ends - self._clock()
-                    if left <= 0:
-                        break
-                    self._cond.wait(left)
             if self.delay_s > 0:
-                ends = started + self.delay_s
+                ends = self._clock() + self.delay_s
                 while self._awaits_company():
                     left = ends - self._clock()
                     if left <= 0:
@@ -583,7 +564,7 @@ class StepBatcher:
         if sum(step.key == head.key for step in self._queue) >= self.max_batch:
             return False
         missing = self._missing(head.member, self._clock())
-        if head.convoy is None and self._new(head.member):
+        if not head.together and self._new(head.member):
             return True  # the first steps of sessions that start together: up to the delay
         return missing > 0
 
@@ -652,9 +633,13 @@ class StepBatcher:
             for step in batch:
                 self._alone(step)
             return
-        departure = Departure(len(batch))
-        for seat, (step, part) in enumerate(zip(batch, parts, strict=True)):
+        # The steps that came one by one go on together; those of a batched request go on
+        # with their own (run_all's caller sends them).
+        alone = [step for step in batch if not step.together]
+        departure = Departure(len(alone))
+        for seat, step in enumerate(alone):
             step.departure = (departure, seat)
+        for step, part in zip(batch, parts, strict=True):
             self._finish(step, result=part)
 
     def _batched(self, batch: list[_Step]) -> list[Outputs]:
@@ -673,7 +658,7 @@ class StepBatcher:
     def _alone(self, step: _Step) -> None:
         try:
             result = self._run(step.feeds)
-        except BaseException as exc:  # the step's own error, raised in its own thread
+        except BaseException as exc:  # the step's own error, for its own caller
             self._finish(step, error=exc)
             return
         self._finish(step, result=result)

@@ -27,6 +27,13 @@ in the order :meth:`Pipeline.up` keeps (:meth:`Pipeline.run` for steps 2-3):
    forwarder). A tier that runs nothing for the plan forwards the tensors as they came
    ([Note: an edge that runs nothing] in tierflow/plan.py).
 
+The way up is one generator, :meth:`Pipeline.climb` (a :data:`Climb`): it stops where a
+step goes to the tier's step batcher ([Note: the step batcher] in
+tierflow/runtime/batching.py) and goes on with the step's outputs. :meth:`Pipeline.up`
+takes one request up on its own thread (:func:`drive`); a tier takes the members of a
+batched request up together on one, their steps in one call ([Note: a batch in one
+message] in tierflow/runtime/batch_message.py).
+
 The way down mirrors the way up (:meth:`Pipeline.came_down`), for the device and the edge
 alike: what the next tier sent back for a request (:class:`~tierflow.runtime.upstream.Upstream`)
 
@@ -70,7 +77,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,7 +105,7 @@ from tierflow.link.spec import TIERS, downstream_link, upstream_link
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2
-from tierflow.runtime.batching import Convoy
+from tierflow.runtime.batching import Outputs, Pending
 from tierflow.runtime.segment_runner import SegmentRunner, TierRunner, emulate_slower
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, tier_files
 from tierflow.runtime.upstream import Upstream
@@ -121,6 +128,31 @@ logger = logging.getLogger(__name__)
 Value = TypeVar("Value")
 #: What a tier makes of a request it sends up (:meth:`Pipeline.up`).
 SentUp = TypeVar("SentUp")
+#: What a way up returns (:func:`drive`).
+Reached = TypeVar("Reached")
+#: A request's way up at a tier, as :meth:`Pipeline.climb` takes it: a generator that
+#: yields its step for the tier's batcher, if it has one, is sent the step's outputs (or
+#: has the step's error thrown into it), and returns where the request got to.
+Climb = Generator[Pending, Outputs, Reached]
+
+
+def drive(climb: Climb[Reached]) -> Reached:
+    """Take a request up to where it gets, on this thread: its step, if it yields one, run
+    by the tier's batcher alone or with the steps queued beside it ([Note: the step
+    batcher] in tierflow/runtime/batching.py). Another thread's steps may share the call;
+    the steps of a batched request share one, from one thread ([Note: a batch in one
+    message] in tierflow/runtime/batch_message.py)."""
+    try:
+        pending = next(climb)
+        while True:
+            try:
+                values = pending.run()
+            except BaseException as exc:  # the step's own error, raised where it ran
+                pending = climb.throw(exc)
+            else:
+                pending = climb.send(values)
+    except StopIteration as stop:
+        return stop.value
 
 
 @dataclass
@@ -429,11 +461,37 @@ class Pipeline:
         session: SessionStep | None = None,
         deadline_unix_s: float = 0.0,
         next_down: Callable[[TierRunner], SentUp | None] | None = None,
-        convoy: tuple[Convoy, int] | None = None,
     ) -> Answered | SentUp:
         """The way up for plan ``index``, in the order of [Note: one request path], for
         every tier: the tier's answer (:class:`Answered`), or what ``send`` made of the
-        request it sent up (its reply comes down to :meth:`came_down`).
+        request it sent up (its reply comes down to :meth:`came_down`). The arguments but
+        ``send`` are :meth:`climb`'s."""
+        step = drive(
+            self.climb(
+                index,
+                request=request,
+                caller=caller,
+                inputs=inputs,
+                session=session,
+                deadline_unix_s=deadline_unix_s,
+                next_down=next_down,
+            )
+        )
+        return send(step) if isinstance(step, Onward) else step
+
+    def climb(
+        self,
+        index: int,
+        *,
+        request: tier_pb2.Request | None = None,
+        caller: str = "",
+        inputs: dict[str, np.ndarray] | None = None,
+        session: SessionStep | None = None,
+        deadline_unix_s: float = 0.0,
+        next_down: Callable[[TierRunner], SentUp | None] | None = None,
+    ) -> Climb[Answered | Onward | SentUp]:
+        """The way up for plan ``index`` as far as this tier takes it (a :data:`Climb`):
+        the tier's answer (:class:`Answered`), or what to send up (:class:`Onward`).
 
         A request enters as the ``request`` of ``caller`` from the tier below (checked
         and decoded here, its session step read from it), or as the device's own
@@ -441,7 +499,7 @@ class Pipeline:
         ``next_down``: the tier's check, between the cache and the segments, that the
         next tier is known to be down; what it returns (not None) is the request's
         outcome, and nothing runs. The plan's files are held while the request runs
-        here, not while it is sent. ``convoy``: as for :meth:`run`.
+        here, not while it is sent.
         """
         codec_s = 0.0
         as_received: Sequence[tier_pb2.Tensor] = ()
@@ -469,22 +527,21 @@ class Pipeline:
                 known = next_down(runner)
                 if known is not None:
                     return known
-            step = hit or self.run(
-                index,
-                runner,
-                features,
-                segment=segment,
-                key=key,
-                deadline_unix_s=deadline_unix_s,
-                as_received=as_received,
-                checked=request is not None,
-                session=session,
-                convoy=convoy,
+            step = hit or (
+                yield from self.run(
+                    index,
+                    runner,
+                    features,
+                    segment=segment,
+                    key=key,
+                    deadline_unix_s=deadline_unix_s,
+                    as_received=as_received,
+                    checked=request is not None,
+                    session=session,
+                )
             )
         step.codec_s += codec_s
-        if isinstance(step, Answered):
-            return step
-        return send(step)
+        return step
 
     def decode(
         self, index: int, runner: TierRunner, segment: int, tensors: Sequence[tier_pb2.Tensor]
@@ -560,17 +617,15 @@ class Pipeline:
         as_received: Sequence[tier_pb2.Tensor] = (),
         checked: bool = False,
         session: SessionStep | None = None,
-        convoy: tuple[Convoy, int] | None = None,
-    ) -> Answered | Onward:
-        """Steps 2-3 of [Note: one request path] for features entering at ``segment``.
+    ) -> Climb[Answered | Onward]:
+        """Steps 2-3 of [Note: one request path] for features entering at ``segment`` (a
+        part of :meth:`climb`).
 
         ``key``: where the cache keeps this request's answer (from :meth:`cached`).
         ``as_received``: the request's encoded tensors, forwarded unchanged by a tier that
         runs nothing for the plan. ``checked``: :meth:`decode` checked the features.
         ``session``: the request's session step; the tier's state is fed from it and
-        kept for the session's next request. ``convoy``: the batched request the step
-        came in, for the batcher ([Note: a batch in one message] in
-        tierflow/runtime/batch_message.py).
+        kept for the session's next request.
         """
         plan = self.plans.plans[index]
         if self.forwards_as_is(index):
@@ -595,15 +650,20 @@ class Pipeline:
                 session.initial,
                 owner=session.owner,
             )
-        outcome = runner.run(
-            features,
-            checked=checked,
-            state=state,
-            member=f"{session.owner}/{session.session}" if session is not None else "",
-            owner=session.owner if session is not None else "",
-            convoy=convoy,
-            deadline_unix_s=deadline_unix_s,
-        )
+        if runner.batcher is None:
+            outcome = runner.run(features, checked=checked, state=state)
+        else:  # the step goes to the batcher ([Note: the step batcher])
+            pending = runner.pending(
+                features,
+                checked,
+                state,
+                member=f"{session.owner}/{session.session}" if session is not None else "",
+                owner=session.owner if session is not None else "",
+                deadline_unix_s=deadline_unix_s,
+            )
+            start = time.perf_counter()
+            values = yield pending
+            outcome = runner.batched_outcome(values, time.perf_counter() - start)
         if session is not None and runner.states and outcome.state:
             self.states.commit(
                 session.session,

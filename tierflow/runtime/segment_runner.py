@@ -60,7 +60,7 @@ from tierflow.link.spec import TIERS
 from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec
-from tierflow.runtime.batching import Convoy, Outputs, Padding, StepBatcher
+from tierflow.runtime.batching import Outputs, Padding, Pending, StepBatcher
 from tierflow.state.spec import StateSpec
 
 logger = logging.getLogger(__name__)
@@ -366,7 +366,6 @@ class TierRunner:
         member: str = "",
         owner: str = "",
         deadline_unix_s: float = 0.0,
-        convoy: tuple[Convoy, int] | None = None,
     ) -> Outcome:
         """Run this tier's segments on ``tensors``; stop at the first confident exit.
 
@@ -374,19 +373,14 @@ class TierRunner:
         already (a server, before decoding), so the segments need not check again.
         ``state``: the value of each of :attr:`states`' inputs for this step; the outcome
         carries what they become. ``member`` (the step's session), ``owner`` (whose it
-        is), ``deadline_unix_s`` and ``convoy`` (the batched request it came in) are for
-        the batcher, when the tier has one ([Note: the step batcher]).
+        is) and ``deadline_unix_s`` are for the batcher, when the tier has one ([Note:
+        the step batcher]).
         """
-        env = dict(tensors)
-        if self.states:
-            if state is None or set(state) != {s.input for s in self.states}:
-                raise InputError(
-                    f"the {self.tier}'s segments keep state {[s.input for s in self.states]}: "
-                    "a request must name a session"
-                )
-            env.update(state)
         if self.batcher is not None:
-            return self._batched(env, tensors, checked, member, owner, deadline_unix_s, convoy)
+            pending = self.pending(tensors, checked, state, member, owner, deadline_unix_s)
+            start = time.perf_counter()
+            return self.batched_outcome(pending.run(), time.perf_counter() - start)
+        env = self._env(tensors, state)
         last = len(self.plan.segments) - 1
         start = time.perf_counter()
         exits: list[str] = []
@@ -418,30 +412,45 @@ class TierRunner:
             state=self._kept(env),
         )
 
-    def _batched(
+    def _env(
+        self, tensors: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray] | None
+    ) -> dict[str, np.ndarray]:
+        """What the segments are fed: ``tensors`` and the step's ``state``."""
+        env = dict(tensors)
+        if self.states:
+            if state is None or set(state) != {s.input for s in self.states}:
+                raise InputError(
+                    f"the {self.tier}'s segments keep state {[s.input for s in self.states]}: "
+                    "a request must name a session"
+                )
+            env.update(state)
+        return env
+
+    def pending(
         self,
-        env: dict[str, np.ndarray],
         tensors: Mapping[str, np.ndarray],
-        checked: bool,
-        member: str,
-        owner: str,
-        deadline_unix_s: float,
-        convoy: tuple[Convoy, int] | None = None,
-    ) -> Outcome:
-        """:meth:`run` through the batcher: the step's tensors checked here, alone, so a
-        bad one fails its own step before it joins a batch."""
+        checked: bool = False,
+        state: Mapping[str, np.ndarray] | None = None,
+        member: str = "",
+        owner: str = "",
+        deadline_unix_s: float = 0.0,
+    ) -> Pending:
+        """A step for the batcher, as :meth:`run` takes it: its tensors checked here, alone,
+        so a bad one fails its own step before it joins a batch. Its outputs become its
+        :class:`Outcome` with :meth:`batched_outcome`."""
         assert self.batcher is not None
+        env = self._env(tensors, state)
         if not checked:
             for name, spec in self._input_specs.items():
                 if name not in tensors:
                     self.check_names(set(tensors), segment=self.start)  # raises
                 value = tensors[name]
                 spec.check(value.dtype.name, tuple(value.shape), f"the {self.tier}'s")
-        start = time.perf_counter()
-        values = self.batcher.run(
-            env, member=member, owner=owner, deadline_unix_s=deadline_unix_s, convoy=convoy
-        )
-        elapsed = time.perf_counter() - start
+        return Pending(self.batcher, env, member, owner, deadline_unix_s)
+
+    def batched_outcome(self, values: Outputs, elapsed: float) -> Outcome:
+        """A step's :class:`Outcome` from what the batcher returned for it, ``elapsed``
+        seconds after it was handed over."""
         final = self.end >= len(self.plan.segments)
         names = self.plan.outputs if final else self._forwarded
         return Outcome(

@@ -51,14 +51,8 @@ from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2
 from tierflow.runtime import batch_message
 from tierflow.runtime.batch_message import Deposit, MemberReplies, check_members, send_together
-from tierflow.runtime.batching import (
-    BatchStats,
-    Convoy,
-    Departure,
-    departure_seat,
-    join_departure,
-)
-from tierflow.runtime.pipeline import Answered, Onward, Pipeline
+from tierflow.runtime.batching import BatchStats, Outputs, Pending, departure_seat
+from tierflow.runtime.pipeline import Answered, Climb, Onward, Pipeline, drive
 from tierflow.runtime.replies import Send
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, serve_segment
 from tierflow.runtime.session_order import SessionOrder
@@ -308,67 +302,131 @@ class Tier:
         received: float,
         later: Send,
         caller: str = "local",
-        convoy: tuple[Convoy, int] | None = None,
     ) -> tier_pb2.Reply | None:
         """Take one request of ``caller`` ([Note: who a caller is]) through the tier: its
         reply, or None when the next tier's reply will come to ``later`` (from another
-        thread). ``convoy``: the batch the request is a member of, and its seat there
-        ([Note: a batch in one message] in tierflow/runtime/batch_message.py)."""
-        timing = tier_pb2.TierTiming(
-            tier=self.name, queue_ms=(time.perf_counter() - received) * 1e3
-        )
+        thread)."""
+        timing = self._timing(received)
         try:
             if request.members:
                 check_members(request)
                 self.run_members(request, received, later, caller)
                 return None
             try:
-                reply = self._process(request, timing, later, caller, convoy)
+                went = drive(self._climb(request, timing, later, caller))
+                reply = went if isinstance(went, tier_pb2.Reply) else self._go_on(went)
             finally:
                 self._settle_departure()
-        except TierflowError as exc:
-            logger.info("[%s] request %s of %s refused: %s", self.name, request.id, caller, exc)
-            reply = self.error_reply(request.id, exc)
-            reply.timings.append(timing)
-        except Exception as exc:
-            logger.exception("[%s] request %s of %s failed", self.name, request.id, caller)
-            reply = self.error_reply(request.id, exc)
-            reply.timings.append(timing)
+        except BaseException as exc:
+            reply = self._failed(request, caller, timing, exc)
         if reply is not None:
             reply.id = request.id
+        return reply
+
+    def _timing(self, received: float) -> tier_pb2.TierTiming:
+        return tier_pb2.TierTiming(tier=self.name, queue_ms=(time.perf_counter() - received) * 1e3)
+
+    def _failed(
+        self,
+        request: tier_pb2.Request,
+        caller: str,
+        timing: tier_pb2.TierTiming,
+        exc: BaseException,
+    ) -> tier_pb2.Reply:
+        """The reply to ``request``, which failed here with ``exc`` (a bug is logged as one)."""
+        if not isinstance(exc, Exception):
+            raise exc  # KeyboardInterrupt, SystemExit: not the request's
+        if isinstance(exc, TierflowError):
+            logger.info("[%s] request %s of %s refused: %s", self.name, request.id, caller, exc)
+        else:
+            logger.exception("[%s] request %s of %s failed", self.name, request.id, caller)
+        reply = self.error_reply(request.id, exc)
+        reply.timings.append(timing)
         return reply
 
     def run_members(
         self, request: tier_pb2.Request, received: float, later: Send, caller: str
     ) -> None:
-        """Take each member of a batched request through the tier as the request it is, on
-        a thread of its own, their steps batched together; their replies go to ``later``
-        as one (steps 2-3 of [Note: a batch in one message])."""
+        """Take the members of a batched request through the tier together, on this thread
+        (steps 2-3 of [Note: a batch in one message]); their replies go to ``later`` as
+        one. A member whose session has a request here still running waits for it, and
+        then runs alone."""
         replies = MemberReplies(request, later)
-        convoy = Convoy(len(request.members))
-        relay = Departure(len(request.members)) if self._relays(request) else None
+        together: list[tuple[int, tier_pb2.Request]] = []
+        entered: list[tuple[tuple[str, str, str], Callable[[], None]]] = []
         for seat, member in enumerate(request.members):
-            run = functools.partial(
-                self._run_member, member, seat, received, replies, convoy, relay
-            )
-            work: Callable[[], None] = functools.partial(run, caller, _nothing)
-            release, key = _nothing, None
             if member.session:  # [Note: a stream's requests run at once]: a session's in order
                 key = (caller, member.on_behalf_of, member.session)
                 release = self.hold(member, caller)
-                step = functools.partial(run, caller, release)
-                if not self.order.enter(key, step):  # taken along by the one before
+                alone = functools.partial(
+                    self._run_member, member, seat, received, replies, caller, release
+                )
+                if not self.order.enter(key, alone):  # taken along by the one before
                     continue
-                work = functools.partial(self.order.drain, key, step)
-            if not self.pool.submit(work):  # the pool is shut down: the tier is stopping
-                convoy.settle(seat)
-                if relay is not None:
-                    self._depart(relay.settle(seat))
-                stopping = TransportError(f"the {self.name} is stopping")
-                replies.put(seat, self.error_reply(member.id, stopping))
-                release()
-                if key is not None:  # what waits behind it still runs, and is answered
-                    self.order.drain(key, _nothing)
+                entered.append((key, release))
+            together.append((seat, member))
+        try:
+            self._run_together(together, received, replies, caller)
+        finally:
+            for key, release in entered:  # then what waited behind them, on this thread
+                self.order.drain(key, release)
+
+    def _run_together(
+        self,
+        members: list[tuple[int, tier_pb2.Request]],
+        received: float,
+        replies: MemberReplies,
+        caller: str,
+    ) -> None:
+        """Each of ``members`` (seat, request) taken up as far as the tier takes it, their
+        steps run as one batch call (each batcher's, a plan's), and those that go on sent
+        on as one message; each member still the request it is, with its own checks and
+        its own typed error, which fails no other member."""
+        climbs: dict[int, Climb[tier_pb2.Reply | Deposit]] = {}
+        timings: dict[int, tier_pb2.TierTiming] = {}
+        pending: dict[int, Pending] = {}
+        sent: dict[int, Outputs | BaseException | None] = {}
+        went: dict[int, tier_pb2.Reply | Deposit] = {}
+        requests = dict(members)
+        for seat, member in members:
+            timings[seat] = self._timing(received)
+            later = functools.partial(replies.put, seat)
+            climbs[seat] = self._climb(member, timings[seat], later, caller)
+            sent[seat] = None
+        while climbs:
+            for seat, climb in list(climbs.items()):
+                given = sent.pop(seat)
+                try:
+                    if given is None:
+                        pending[seat] = next(climb)
+                    elif isinstance(given, BaseException):
+                        pending[seat] = climb.throw(given)
+                    else:
+                        pending[seat] = climb.send(given)
+                    continue
+                except StopIteration as stop:
+                    went[seat] = stop.value
+                except BaseException as exc:
+                    went[seat] = self._failed(requests[seat], caller, timings[seat], exc)
+                del climbs[seat]
+            by_batcher: dict[int, list[int]] = {}
+            for seat, step in pending.items():
+                by_batcher.setdefault(id(step.batcher), []).append(seat)
+            for seats in by_batcher.values():
+                steps = [pending[seat] for seat in seats]
+                for seat, result in zip(seats, steps[0].batcher.run_all(steps), strict=True):
+                    sent[seat] = result
+            pending.clear()
+        deposits = []
+        for seat, _ in members:
+            outcome = went[seat]
+            if isinstance(outcome, Deposit):
+                deposits.append(outcome)
+            else:
+                replies.put(seat, outcome)
+        if deposits:
+            assert self.forwarder is not None  # _climb checked
+            send_together(self.forwarder, self.name, deposits)
 
     def _run_member(
         self,
@@ -376,83 +434,60 @@ class Tier:
         seat: int,
         received: float,
         replies: MemberReplies,
-        convoy: Convoy,
-        relay: Departure | None,
         caller: str,
         release: Callable[[], None],
     ) -> None:
-        """One member of a batched request, as :meth:`StreamReader._run` runs a request;
-        ``relay``: the members' way on together, where the tier runs nothing for them."""
+        """One member of a batched request, alone, as :meth:`StreamReader._run` runs a
+        request: it waited for its session's request before it."""
         try:
-            if relay is not None:
-                join_departure(relay, seat)
             with self.running:
                 later = functools.partial(replies.put, seat)
-                reply = self.handle(member, received, later, caller, (convoy, seat))
+                reply = self.handle(member, received, later, caller)
         finally:
-            convoy.settle(seat)  # it will not reach the batcher now, if it has not
             release()  # this tier's step of the session is done (its state kept)
         if reply is not None:
             replies.put(seat, reply)
 
-    def _relays(self, request: tier_pb2.Request) -> bool:
-        """Whether the tier runs nothing for ``request``'s plan and passes its tensors on
-        as they came: a batch's members then go on as one message, as they came ([Note: a
-        batch in one message])."""
-        pipeline = self.pipeline
-        if pipeline is None:
-            return False
-        try:
-            index = pipeline.index_of(request.plan_id)
-        except PlanError:  # each member is refused for it, alone
-            return False
-        return pipeline.forwards_as_is(index)
-
-    def _process(
+    def _climb(
         self,
         request: tier_pb2.Request,
         timing: tier_pb2.TierTiming,
         later: Send,
         caller: str,
-        convoy: tuple[Convoy, int] | None = None,
-    ) -> tier_pb2.Reply | None:
-        """Steps 1-2 of [Note: a request at a tier]; None when the reply comes later."""
+    ) -> Climb[tier_pb2.Reply | Deposit]:
+        """Steps 1-2 of [Note: a request at a tier], as far as the tier takes ``request``:
+        its reply, or what goes on to the next tier (its reply to come to ``later``)."""
         pipeline = self.pipeline
         if pipeline is None or not self._ready.is_set():
             raise TransportError(f"the {self.name} is not serving yet (its model is loading)")
         index = pipeline.index_of(request.plan_id)
-        send = functools.partial(self._send_up, pipeline, index, request.id, timing, later)
-        step = pipeline.up(index, send, request=request, caller=caller, convoy=convoy)
-        if not isinstance(step, Answered):
-            return step
+        step = yield from pipeline.climb(index, request=request, caller=caller)
+        if isinstance(step, Onward):
+            timing.compute_ms = step.compute_s * 1e3
+            timing.codec_ms = step.codec_s * 1e3
+            if self.forwarder is None:
+                plan_id = self.plans.plans[index].plan_id
+                raise PlanError(
+                    f"plan {plan_id} runs beyond the {self.name}, which has no --upstream"
+                )
+            return Deposit(pipeline, index, step, request.id, timing, later)
+        assert isinstance(step, Answered)
         timing.compute_ms = step.compute_s * 1e3
         reply = pipeline.answer(index, step)
         timing.codec_ms = step.codec_s * 1e3
         reply.timings.append(timing)
         return reply
 
-    def _send_up(
-        self,
-        pipeline: Pipeline,
-        index: int,
-        request_id: str,
-        timing: tier_pb2.TierTiming,
-        later: Send,
-        onward: Onward,
-    ) -> tier_pb2.Reply | None:
-        """Send ``onward`` to the next tier (with its batch, if it came in one); None when
-        its reply comes to ``later``."""
-        timing.compute_ms = onward.compute_s * 1e3
-        timing.codec_ms = onward.codec_s * 1e3
-        if self.forwarder is None:
-            plan_id = self.plans.plans[index].plan_id
-            raise PlanError(f"plan {plan_id} runs beyond the {self.name}, which has no --upstream")
+    def _go_on(self, deposit: Deposit) -> tier_pb2.Reply | None:
+        """Send ``deposit`` on to the next tier, with its batch if its step ran in one that
+        goes on ([Note: a batch in one message]); None when its reply comes later."""
         seat = departure_seat()
-        if seat is not None:  # [Note: a batch in one message]: it goes on with its batch
-            deposit = Deposit(pipeline, index, onward, request_id, timing, later)
+        if seat is not None:
             self._depart(seat[0].deposit(seat[1], deposit))
             return None
-        return self.forwarder.forward(pipeline, index, onward, request_id, timing, later)
+        assert self.forwarder is not None  # _climb checked
+        d = deposit
+        return self.forwarder.forward(d.pipeline, d.index, d.onward, d.request_id, d.timing, d.send)
 
     def _settle_departure(self) -> None:
         """Settle the batch seat of this thread's step, if it has one still: it goes no

@@ -1,10 +1,11 @@
 """A batch in one message ([Note: a batch in one message]): what a batched request may
-carry, its members' replies sent as one in order, a convoy's steps sharing one call, and
+carry, its members' replies sent as one in order, their steps sharing one call, and
 a batch's members that go on sent as one request and answered each."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,7 +21,7 @@ from tierflow.runtime.batch_message import (
     check_members,
     send_together,
 )
-from tierflow.runtime.batching import Convoy, Departure, StepBatcher
+from tierflow.runtime.batching import Departure, Pending, StepBatcher, departure_seat
 from tierflow.runtime.pipeline import Onward
 
 
@@ -84,55 +85,84 @@ def double(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {"y": feeds["x"] * 2}
 
 
-def convoy_run(size: int, arriving: list[int]) -> tuple[list[int], list[object]]:
-    """``arriving`` members of a convoy of ``size`` run through a batcher, each on its own
-    thread, the others settled without arriving; each call's rows and each result."""
+def counting() -> tuple[list[int], Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]]:
+    """A step function that doubles ``x``, and the rows of each call it made; a row of
+    -1 fails its call."""
     calls: list[int] = []
 
     def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         calls.append(int(feeds["x"].shape[0]))
+        if (feeds["x"] < 0).any():
+            raise ValueError("a bad tensor")
         return double(feeds)
 
-    batcher = StepBatcher(run, name="test", max_batch=8, convoy_wait_s=30)
-    convoy = Convoy(size)
-    results: list[object] = [None] * size
-
-    def go(seat: int) -> None:
-        feeds = {"x": np.full((1, 2), seat, dtype=np.float32)}
-        results[seat] = batcher.run(feeds, member=seat, convoy=(convoy, seat))
-
-    threads = [threading.Thread(target=go, args=(seat,)) for seat in arriving]
-    for thread in threads:
-        thread.start()
-    for seat in set(range(size)) - set(arriving):
-        convoy.settle(seat)  # failed before the batcher, say
-    for thread in threads:
-        thread.join(30)
-    return calls, results
+    return calls, run
 
 
-def test_a_convoys_steps_share_one_call_however_they_arrive() -> None:
-    calls, results = convoy_run(4, [0, 1, 2, 3])
-    assert calls == [4]  # the first to arrive found the batcher idle, and waited for them
+def steps(batcher: StepBatcher, *values: float) -> list[Pending]:
+    return [
+        Pending(batcher, {"x": np.full((1, 2), v, dtype=np.float32)}, member=f"s{i}")
+        for i, v in enumerate(values)
+    ]
+
+
+def test_a_batched_requests_steps_share_one_call_from_one_thread() -> None:
+    calls, run = counting()
+    batcher = StepBatcher(run, name="test", max_batch=8)
+    results = batcher.run_all(steps(batcher, 0, 1, 2, 3))
+    assert calls == [4]
     for seat, result in enumerate(results):
         assert isinstance(result, dict) and result["y"].tolist() == [[2.0 * seat] * 2]
 
 
-def test_a_convoy_member_that_will_not_arrive_holds_nothing_up() -> None:
-    calls, results = convoy_run(4, [0, 2, 3])
-    assert calls == [3]
-    assert results[1] is None and all(isinstance(results[s], dict) for s in (0, 2, 3))
+def test_a_batched_requests_failing_step_fails_alone() -> None:
+    calls, run = counting()
+    batcher = StepBatcher(run, name="test", max_batch=8)
+    results = batcher.run_all(steps(batcher, 0, -1, 2))
+    assert calls == [3, 1, 1, 1]  # the batch, then each step alone
+    assert isinstance(results[1], ValueError)
+    assert isinstance(results[0], dict) and isinstance(results[2], dict)
 
 
-def test_a_convoy_settles_each_member_once_and_wakes_its_listeners() -> None:
-    convoy = Convoy(2)
-    woken: list[int] = []
-    convoy.listen(lambda: woken.append(1))
-    convoy.settle(0)
-    convoy.settle(0)
-    assert not convoy.complete() and woken == [1]
-    convoy.settle(1)
-    assert convoy.complete() and woken == [1, 1]
+def test_steps_that_came_alone_go_on_without_those_of_a_batched_request() -> None:
+    """A call with a step that came alone and the steps of a batched request: the lone
+    step's departure is its own (the batched request's steps go on with their request),
+    so it leaves at once, waiting for no one."""
+    calls, run = counting()
+    running, release = threading.Event(), threading.Event()
+
+    def held(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if not calls:
+            running.set()
+            release.wait(30)
+        return run(feeds)
+
+    batcher = StepBatcher(held, name="test", max_batch=8)
+    first = threading.Thread(target=batcher.run, args=({"x": np.ones((1, 2), np.float32)},))
+    first.start()  # the batcher is busy with it
+    assert running.wait(30)
+    seats: list[object] = []
+
+    def alone() -> None:
+        batcher.run({"x": np.ones((1, 2), np.float32)}, member="alone")
+        seats.append(departure_seat())
+
+    lone = threading.Thread(target=alone)
+    lone.start()
+    while batcher.queued() < 1:
+        time.sleep(0.001)
+    together = threading.Thread(target=batcher.run_all, args=(steps(batcher, 5, 6),))
+    together.start()
+    while batcher.queued() < 3:
+        time.sleep(0.001)
+    release.set()
+    for thread in (first, lone, together):
+        thread.join(30)
+    assert calls == [1, 3]
+    (seat,) = seats
+    assert isinstance(seat, tuple)
+    departure, index = seat
+    assert departure.deposit(index, "mine") == ["mine"]
 
 
 class AnsweringForwarder:

@@ -18,8 +18,8 @@ import pytest
 from tierflow.errors import DeadlineError, InputError, ModelError
 from tierflow.options import RuntimeOptions
 from tierflow.runtime.batching import (
-    Convoy,
     Padding,
+    Pending,
     StepBatcher,
     group_key,
     pad,
@@ -377,6 +377,11 @@ class Delayed:
             )
             return len(self.batcher._queue) >= count
 
+    def wake(self) -> None:
+        """Wake a leader waiting for company, to read the clock again."""
+        with self.batcher._cond:
+            self.batcher._cond.notify_all()
+
     def finish(self, *threads: threading.Thread) -> bool:
         """Whether ``threads`` end by themselves (within 30 s); if not, the delay is let
         pass on the clock so that they end all the same."""
@@ -385,7 +390,7 @@ class Delayed:
         ended = not any(thread.is_alive() for thread in threads)
         if not ended:
             self.clock.now += 3600
-            self.batcher._wake()
+            self.wake()
             for thread in threads:
                 thread.join(30)
         return ended
@@ -420,7 +425,7 @@ def test_with_a_delay_sessions_that_start_together_start_as_one_batch(
     """A session's first step waits for company too ([Note: the step batcher]): the first
     steps of a, b and c, coming one after another to an idle tier, run as one call once
     their group is full; a lone session's first step waits at most the delay; the first
-    steps of a batched request (a convoy) are their own company and do not wait."""
+    steps of a batched request are their own company and do not wait."""
     tier = Delayed(runner, max_batch=3, first_waits=True)
     tier.clock.now = 5.0
     first = tier.start("a", step(4, 1, 0))
@@ -434,22 +439,16 @@ def test_with_a_delay_sessions_that_start_together_start_as_one_batch(
     lone = tier.start("d", step(7, 4, 3))
     assert tier.queued(1, lone)
     tier.clock.now += 60.0  # the delay passed and no one came
-    tier.batcher._wake()
+    tier.wake()
     lone.join(30)
     assert not lone.is_alive() and tier.calls == [3, 1]
 
-    convoy = Convoy(2)
-    members = [
-        threading.Thread(
-            target=tier.batcher.run,
-            args=(step(9, 5 + seat, 4 + seat),),
-            kwargs={"member": f"e{seat}", "convoy": (convoy, seat)},
-        )
-        for seat in range(2)
+    pendings = [
+        Pending(tier.batcher, step(9, 5 + seat, 4 + seat), member=f"e{seat}") for seat in range(2)
     ]
-    for member in members:
-        member.start()
-    assert tier.finish(*members), "a convoy's first steps waited for company"
+    together = threading.Thread(target=tier.batcher.run_all, args=(pendings,))
+    together.start()
+    assert tier.finish(together), "a batched request's first steps waited for company"
     assert tier.calls == [3, 1, 2]
 
 
@@ -461,7 +460,7 @@ def test_a_lone_sessions_later_steps_never_wait_however_far_apart(runner: Segmen
     first = tier.start("a", step(4, 1, 0))
     assert tier.queued(1, first)
     tier.clock.now = 60.0  # its first step waited the delay out: no one came
-    tier.batcher._wake()
+    tier.wake()
     first.join(30)
     tier.at(60.01, ("a", step(5, 2, 1)))
     tier.clock.now = 60.5
@@ -477,7 +476,7 @@ def test_with_a_delay_a_step_waits_for_company_at_most_the_delay(runner: Segment
     first = tier.start("a", step(5, 3, 2))
     assert tier.queued(1, first)
     tier.clock.now = 0.1 + 60.0  # the delay passed and b's step did not come
-    tier.batcher._wake()
+    tier.wake()
     first.join(30)
     assert not first.is_alive() and tier.calls == [1, 1, 1]
 

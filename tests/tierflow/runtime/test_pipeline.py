@@ -35,6 +35,7 @@ from tierflow.runtime.pipeline import (
     Pipeline,
     check_decoder_step,
     check_initial_state,
+    drive,
     next_tier_gone,
     reply_codec,
 )
@@ -225,7 +226,7 @@ def test_an_edge_that_runs_nothing_forwards_the_tensors_as_they_came(tmp_path: P
     runner = edge.runner(0)
     features, _ = edge.decode(0, runner, up.request.segment, up.request.tensors)
     assert features == {}  # checked, never decoded: nothing runs here and no cache needs them
-    onward = edge.run(0, runner, features, segment=1, as_received=up.request.tensors)
+    onward = drive(edge.run(0, runner, features, segment=1, as_received=up.request.tensors))
     assert isinstance(onward, Onward) and onward.request.segment == 1
     assert list(onward.request.tensors) == list(up.request.tensors)  # not re-encoded
     answered = _up(tiers["cloud"], onward)
@@ -364,7 +365,7 @@ def _edge_onward(tmp_path: Path, cache: MemoryCache) -> tuple[Pipeline, Onward]:
     runner = edge.runner(0)
     features, _ = edge.decode(0, runner, up.request.segment, up.request.tensors)
     _, key = edge.cached(0, up.request.segment, features)
-    onward = edge.run(0, runner, features, segment=1, key=key)
+    onward = drive(edge.run(0, runner, features, segment=1, key=key))
     assert isinstance(onward, Onward) and onward.key is not None
     onward.unconfident = ("exit_edge", np.array([[0.4, 0.6]], np.float32))
     return edge, onward
