@@ -396,6 +396,61 @@ def test_a_member_fails_alone_with_its_own_error(models: dict[str, Path]) -> Non
     assert batcher.stats.largest >= 3  # the good ones (and the bad) shared a call
 
 
+def test_a_member_whose_session_is_busy_waits_for_it_then_runs_alone(
+    models: dict[str, Path],
+) -> None:
+    """A batched request arrives while one member's session has a request still running
+    at the tier: the other member runs at once, that one waits for its session's request
+    ([Note: a stream's requests run at once]) and then runs alone; the request's one reply
+    carries both answers, each the model's own."""
+    prompt = PROMPTS[0]
+    with serving(models["cloud"], RuntimeOptions(workers=2, max_batch=8)) as (_, cloud, _edge):
+        tier = cloud.tier
+        decoder = tier.plan.decoder
+        assert decoder is not None
+
+        def batch(steps: list[tuple[str, list[int], int]]) -> tier_pb2.Request:
+            request = tier_pb2.Request(id="batch", plan_id=tier.plan_id)
+            for session, tokens, position in steps:
+                request.members.add(
+                    id=session,
+                    plan_id=tier.plan_id,
+                    session=session,
+                    position=position,
+                    tensors=encode_tensors(decoder.step_feeds(tokens, position), "raw"),
+                    keep_last=1,
+                    choices_only=True,
+                )
+            return request
+
+        def choices(reply: tier_pb2.Reply) -> list[int]:
+            assert [r.id for r in reply.members] == ["s0", "s1"]
+            for member in reply.members:
+                assert not member.HasField("error"), member.error
+            return [
+                int(decode_tensors(list(m.outputs))["logits"].reshape(-1)[-1])
+                for m in reply.members
+            ]
+
+        replies: list[tier_pb2.Reply] = []
+        prefill = batch([("s0", list(prompt), 0), ("s1", list(prompt), 0)])
+        tier.run_members(prefill, time.perf_counter(), replies.append, "me")
+        first = choices(replies.pop())
+
+        ran: list[str] = []
+        key = ("me", "", "s1")
+        assert tier.order.enter(key, lambda: ran.append("earlier"))  # s1's request runs
+        position = len(prompt)
+        steps = batch([("s0", [first[0]], position), ("s1", [first[1]], position)])
+        tier.run_members(steps, time.perf_counter(), replies.append, "me")
+        assert replies == [], "s1's step ran before its session's request ended"
+        tier.order.drain(key, lambda: ran.append("earlier"))  # it ends; s1's step runs
+        second = choices(replies.pop())
+    expected = reference_generate(models["model"], prompt, 2, context=CONTEXT).tokens
+    assert ran == ["earlier"]
+    assert first == [expected[0]] * 2 and second == [expected[1]] * 2
+
+
 def test_a_batch_in_one_message_runs_as_one_call_and_is_answered_in_one_reply(
     models: dict[str, Path],
 ) -> None:
