@@ -193,6 +193,9 @@ ALLOWED_DTYPES: tuple[str, ...] = (
     "complex128",
 )
 _FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
+#: Each allowed dtype in the wire's byte order, and its name: an array of one of these
+#: travels ``raw`` as its own bytes.
+_WIRE_NAMES = {wire_dtype(name): name for name in ALLOWED_DTYPES}
 
 
 # --------------------------------------------------------------------------- tensors
@@ -230,6 +233,17 @@ def encode(
     """
     codec = CodecSpec.of(spec)
     arr = np.asarray(array)
+    if str(codec) == "raw" and arr.dtype in _WIRE_NAMES:
+        # No stage to apply: the array's bytes, C-ordered, are the payload. The general
+        # way below takes 2-3 times as long for a decode step's few small tensors.
+        return EncodedTensor(
+            name=name,
+            dtype=_WIRE_NAMES[arr.dtype],
+            shape=arr.shape,
+            codec="raw",
+            params=b"",
+            data=arr.tobytes(),
+        )
     dtype = arr.dtype.name
     if dtype not in ALLOWED_DTYPES:
         raise CodecError(
