@@ -3,12 +3,15 @@ and its token agreement, measured like a lossy codec's."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from benchmarks.batching import (
     Setting,
     agreement,
     choose_delay,
+    fastest,
     goals,
     padding_table,
     prompts,
@@ -107,6 +110,23 @@ def test_goals_judge_each_plan_against_its_own_ceiling() -> None:
         for line in said
     )
     assert not any(line.startswith("- cloud, not batched") for line in said)
+
+
+def test_the_ceiling_is_each_batch_sizes_faster_measurement() -> None:
+    """Measured before and after a plan's runs, the ceiling keeps each batch size's faster
+    step (the slower would flatter the tiers' share) and both figures, in order."""
+
+    def measured(*steps: float) -> dict[str, Any]:
+        rows = [
+            {"sessions": n, "step_ms": ms, "tokens_per_s": n * 1e3 / ms}
+            for n, ms in zip((1, 8), steps, strict=True)
+        ]
+        return {"rows": rows, "peak_rss": 1}
+
+    both = fastest(measured(30.0, 50.0), measured(33.0, 44.0))
+    assert [r["step_ms"] for r in both["rows"]] == [30.0, 44.0]
+    assert [r["measured_ms"] for r in both["rows"]] == [[30.0, 33.0], [50.0, 44.0]]
+    assert both["rows"][1]["tokens_per_s"] == 8e3 / 44.0
 
 
 def test_one_sessions_p50_is_judged_side_by_side_when_measured_so() -> None:
