@@ -5,8 +5,8 @@
 metrics (``--metrics-port 0``), and stops both on the way out, whatever happened inside:
 no suite leaves a tier process behind. What a suite reads of them is what an operator
 reads: the step batchers' calls by size from the metrics endpoint
-(``tierflow_batch_calls_total``, :func:`batch_calls`) and each process's peak resident
-memory (:func:`peak_rss`).
+(``tierflow_batch_calls_total`` and the seconds they took, :func:`batch_calls`) and each
+process's peak resident memory (:func:`peak_rss`).
 """
 
 from __future__ import annotations
@@ -73,23 +73,34 @@ def _metrics_url(process: ServeProcess) -> str:
     return line.rsplit(" on ", 1)[1].strip()
 
 
-def batch_calls(url: str) -> dict[int, int]:
-    """The tier's step batcher calls so far, scraped from its metrics endpoint at ``url``
-    (:func:`batch_sizes`)."""
+def batch_calls(url: str) -> tuple[dict[int, int], dict[int, float]]:
+    """The tier's step batcher calls so far and the seconds they took, scraped from its
+    metrics endpoint at ``url`` (:func:`batch_sizes`, :func:`batch_seconds`)."""
     with urllib.request.urlopen(url, timeout=10) as response:
-        return batch_sizes(response.read().decode())
+        text = response.read().decode()
+    return batch_sizes(text), batch_seconds(text)
 
 
 def batch_sizes(exposition: str) -> dict[int, int]:
     """The calls by the steps each ran, from a tier's metrics text
     (``tierflow_batch_calls_total{size=...}``; empty when it batches nothing)."""
+    return {size: int(value) for size, value in _by_size(exposition, "calls").items()}
+
+
+def batch_seconds(exposition: str) -> dict[int, float]:
+    """The seconds those calls took, by the steps each ran
+    (``tierflow_batch_call_seconds_total{size=...}``)."""
+    return _by_size(exposition, "call_seconds")
+
+
+def _by_size(exposition: str, what: str) -> dict[int, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     return {
-        int(sample.labels["size"]): int(sample.value)
+        int(sample.labels["size"]): sample.value
         for family in text_string_to_metric_families(exposition)
         for sample in family.samples
-        if sample.name == "tierflow_batch_calls_total"
+        if sample.name == f"tierflow_batch_{what}_total"
     }
 
 

@@ -13,6 +13,7 @@ from benchmarks.batching import (
     choose_delay,
     fastest,
     goals,
+    in_ort,
     padding_table,
     prompts,
     side_by_side_table,
@@ -127,6 +128,17 @@ def test_the_ceiling_is_each_batch_sizes_faster_measurement() -> None:
     assert [r["step_ms"] for r in both["rows"]] == [30.0, 44.0]
     assert [r["measured_ms"] for r in both["rows"]] == [[30.0, 33.0], [50.0, 44.0]]
     assert both["rows"][1]["tokens_per_s"] == 8e3 / 44.0
+
+
+def test_the_share_in_ort_calls_adds_each_running_tiers_call_against_the_round() -> None:
+    """8 sessions at 100 tokens/s take 80 ms a round: a split plan's tiers' calls of all
+    eight steps, 10 + 20 + 30 ms, are 75% of it; cloud-only, the cloud's 60 ms call is
+    (the device's call runs nothing). A tier that made no call of every step: no share."""
+    row = {"sessions": 8, "tokens_per_s": 100.0, "call_ms": {"device": 10.0, "edge": 20.0}}
+    assert in_ort(row, "split") is None  # the cloud's rounds fragmented
+    row["call_ms"]["cloud"] = 30.0
+    assert in_ort(row, "split") == pytest.approx(0.75)
+    assert in_ort({**row, "call_ms": {"device": 0.1, "cloud": 60.0}}, "cloud") == 0.75
 
 
 def test_one_sessions_p50_is_judged_side_by_side_when_measured_so() -> None:

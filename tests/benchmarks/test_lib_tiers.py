@@ -11,7 +11,7 @@ import pytest
 from onnx import helper
 
 from benchmarks.lib.plans import Stage, chain_plan
-from benchmarks.lib.tiers import batch_calls, batch_sizes, peak_rss, served
+from benchmarks.lib.tiers import batch_calls, batch_seconds, batch_sizes, peak_rss, served
 from tierflow.runtime.batching import BatchStats
 
 prometheus = pytest.importorskip("prometheus_client")
@@ -20,10 +20,14 @@ prometheus = pytest.importorskip("prometheus_client")
 def test_batch_sizes_are_the_tiers_calls_by_steps_from_its_metrics_text() -> None:
     from tierflow.runtime.metrics import TierMetrics
 
-    stats = [BatchStats(sizes={1: 3, 8: 2}), BatchStats(sizes={8: 1})]  # two plans' batchers
+    stats = [  # two plans' batchers
+        BatchStats(sizes={1: 3, 8: 2}, seconds={1: 0.25, 8: 1.0}),
+        BatchStats(sizes={8: 1}, seconds={8: 0.5}),
+    ]
     metrics = TierMetrics("cloud", lambda: 0, batches=lambda: stats)
     text = prometheus.generate_latest(metrics.registry).decode()
     assert batch_sizes(text) == {1: 3, 8: 3}
+    assert batch_seconds(text) == {1: 0.25, 8: 1.5}
     quiet = TierMetrics("edge", lambda: 0, batches=lambda: [])
     assert batch_sizes(prometheus.generate_latest(quiet.registry).decode()) == {}
 
@@ -63,7 +67,7 @@ def test_served_tiers_answer_metrics_and_are_stopped_even_on_failure(tmp_path: P
         pids = [tier.pid for tier in tiers.tiers.values()]
         assert set(tiers.tiers) == {"cloud", "edge"} and tiers.edge.startswith("127.0.0.1:")
         assert all(_alive(pid) for pid in pids)
-        assert batch_calls(tiers.tiers["cloud"].metrics) == {}  # not a decoder: no batcher
+        assert batch_calls(tiers.tiers["cloud"].metrics) == ({}, {})  # not a decoder: no batcher
         assert peak_rss(tiers.tiers["cloud"].pid) > 0
         raise RuntimeError("the suite failed")
     assert not any(_alive(pid) for pid in pids)

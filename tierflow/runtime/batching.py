@@ -335,13 +335,19 @@ class _Seen:
 
 @dataclass
 class BatchStats:
-    """What a batcher did: calls made, steps run, the largest batch, steps run in batches."""
+    """What a batcher did: calls made, steps run, the largest batch, steps run in batches;
+    the calls by the steps each ran (``sizes``) and the seconds they took (``seconds``)."""
 
     calls: int = 0
     steps: int = 0
     largest: int = 0
     batched: int = 0
     sizes: dict[int, int] = field(default_factory=dict)
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def took(self, size: int, seconds: float) -> None:
+        """A call of ``size`` steps took ``seconds``."""
+        self.seconds[size] = self.seconds.get(size, 0.0) + seconds
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -350,6 +356,7 @@ class BatchStats:
             "largest": self.largest,
             "batched": self.batched,
             "sizes": {str(k): v for k, v in sorted(self.sizes.items())},
+            "seconds": {str(k): v for k, v in sorted(self.seconds.items())},
         }
 
 
@@ -409,7 +416,7 @@ class StepBatcher:
             _departing.seat = None
             try:
                 with lent():  # [Note: a worker lent while a step queues]
-                    return self._run(feeds)  # the tier was idle: at once, alone
+                    return self._timed(1, feeds)  # the tier was idle: at once, alone
             finally:
                 self._free()
         if key is None:
@@ -647,7 +654,7 @@ class StepBatcher:
         extras = [0] * len(batch)
         if self.padding is not None:
             feeds, extras = pad(feeds, self.padding)
-        parts = split(self._run(stack(feeds)), [step.rows for step in batch])
+        parts = split(self._timed(len(batch), stack(feeds)), [step.rows for step in batch])
         if self.padding is not None:
             parts = [
                 unpad(part, step.feeds, extra, self.padding)
@@ -655,9 +662,17 @@ class StepBatcher:
             ]
         return parts
 
+    def _timed(self, size: int, feeds: Feeds) -> Outputs:
+        """``run`` on a call of ``size`` steps, its time kept in the stats."""
+        start = time.perf_counter()
+        try:
+            return self._run(feeds)
+        finally:
+            self.stats.took(size, time.perf_counter() - start)
+
     def _alone(self, step: _Step) -> None:
         try:
-            result = self._run(step.feeds)
+            result = self._timed(1, step.feeds)
         except BaseException as exc:  # the step's own error, for its own caller
             self._finish(step, error=exc)
             return

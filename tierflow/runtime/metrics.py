@@ -38,7 +38,8 @@ prefixed ``tierflow_``; labels in brackets):
   ``tierflow.state.store``).
 - ``batch_calls_total{tier, size}``: the step batcher's ONNX Runtime calls by the steps each
   ran (``size`` 1: a step alone), every plan's together ([Note: the step batcher] in
-  ``tierflow.runtime.batching``).
+  ``tierflow.runtime.batching``); ``batch_call_seconds_total{tier, size}``: the time they
+  took.
 """
 
 from __future__ import annotations
@@ -313,13 +314,23 @@ class _BatchCollector:
             "The step batcher's ONNX Runtime calls, by the steps each ran",
             labels=["tier", "size"],
         )
+        seconds = core.CounterMetricFamily(
+            "tierflow_batch_call_seconds",
+            "The time the step batcher's ONNX Runtime calls took, by the steps each ran",
+            labels=["tier", "size"],
+        )
         sizes: dict[int, int] = {}
+        took: dict[int, float] = {}
         for stats in self.batches():
             for size, count in dict(stats.sizes).items():
                 sizes[size] = sizes.get(size, 0) + count
+            for size, spent in dict(stats.seconds).items():
+                took[size] = took.get(size, 0.0) + spent
         for size in sorted(sizes):
             calls.add_metric([self.tier, str(size)], sizes[size])
+            seconds.add_metric([self.tier, str(size)], took.get(size, 0.0))
         yield calls
+        yield seconds
 
     def describe(self) -> list[Any]:
         return []  # collected at each scrape only: the sizes change

@@ -195,6 +195,7 @@ def test_queued_steps_of_one_group_share_one_call_and_match_running_alone(
         for name in runner.output_names:  # bit for bit, logits and new caches alike
             assert np.array_equal(result[name], alone[name]), name
     assert batcher.stats.largest == 4 and batcher.stats.batched == 4
+    assert set(batcher.stats.seconds) == {1, 4} and min(batcher.stats.seconds.values()) > 0
 
 
 def test_other_groups_wait_for_the_next_call_and_the_oldest_goes_first(

@@ -39,13 +39,18 @@ def test_state_bytes_and_sessions_are_shown_by_owner() -> None:
 
 
 def test_batch_calls_are_counted_by_size_over_every_plans_batcher() -> None:
-    one, two = BatchStats(sizes={1: 5, 4: 2}), BatchStats(sizes={4: 1, 16: 3})
+    one = BatchStats(sizes={1: 5, 4: 2}, seconds={1: 0.5, 4: 0.25})
+    two = BatchStats(sizes={4: 1, 16: 3}, seconds={4: 0.125, 16: 1.5})
     metrics = TierMetrics("cloud", lambda: 0.0, batches=lambda: [one, two])
     text = prometheus.generate_latest(metrics.registry).decode()
-    samples = {
-        s.labels["size"]: s.value
-        for family in parser.text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "tierflow_batch_calls_total"
-    }
-    assert samples == {"1": 5, "4": 3, "16": 3}
+
+    def samples(name: str) -> dict[str, float]:
+        return {
+            s.labels["size"]: s.value
+            for family in parser.text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == name
+        }
+
+    assert samples("tierflow_batch_calls_total") == {"1": 5, "4": 3, "16": 3}
+    assert samples("tierflow_batch_call_seconds_total") == {"1": 0.5, "4": 0.375, "16": 1.5}
