@@ -61,6 +61,7 @@ from tierflow.runtime.pipeline import (
     SessionStep,
     check_initial_state,
     split_first_state,
+    up,
 )
 from tierflow.runtime.segment_runner import TierRunner
 from tierflow.runtime.segment_store import tier_files
@@ -312,14 +313,14 @@ class DeviceClient:
                 self._send, request_id, started, arrays, index, stateful=step is not None
             )
             try:
-                done = self.pipeline.up(
+                climb = self.pipeline.climb(
                     index,
-                    send,
                     inputs=arrays,
                     session=step,
                     deadline_unix_s=self.deadline.expires_unix_s(time.time()),
                     next_down=functools.partial(self._edge_down, request_id, started, arrays),
                 )
+                done = up(climb, send)
             finally:  # a step of a batch call that did not go up settles its seat
                 self._leave(departure_seat())
         except TierflowError as exc:

@@ -13,7 +13,7 @@ streams (``tierflow.runtime.service``).
 A request reaches a tier as tensors: the device's own inputs, or the encoded tensors of a
 request from the tier below, which are checked against what the tier's segments expect
 before any payload is decoded (:meth:`Pipeline.decode`). Then, for every tier alike,
-in the order :meth:`Pipeline.up` keeps (:meth:`Pipeline.run` for steps 2-3):
+in the order :meth:`Pipeline.climb` keeps (:meth:`Pipeline.run` for steps 2-3):
 
 1. the feature cache, if the tier has one, is looked up with the features: a hit is the
    answer, nothing runs; on a miss, a tier that knows its next tier is down may answer
@@ -29,8 +29,8 @@ in the order :meth:`Pipeline.up` keeps (:meth:`Pipeline.run` for steps 2-3):
 
 The way up is one generator, :meth:`Pipeline.climb` (a :data:`Climb`): it stops where a
 step goes to the tier's step batcher ([Note: the step batcher] in
-tierflow/runtime/batching.py) and goes on with the step's outputs. :meth:`Pipeline.up`
-takes one request up on its own thread (:func:`drive`); a tier takes the members of a
+tierflow/runtime/batching.py) and goes on with the step's outputs. :func:`up` takes one
+request up on its own thread (:func:`drive`); a tier takes the members of a
 batched request up together on one, their steps in one call ([Note: a batch in one
 message] in tierflow/runtime/batch_message.py).
 
@@ -126,7 +126,7 @@ logger = logging.getLogger(__name__)
 
 #: A first state value as a tier holds it: an array on the device, a wire tensor above.
 Value = TypeVar("Value")
-#: What a tier makes of a request it sends up (:meth:`Pipeline.up`).
+#: What a tier makes of a request it sends up (:func:`up`).
 SentUp = TypeVar("SentUp")
 #: What a way up returns (:func:`drive`).
 Reached = TypeVar("Reached")
@@ -134,6 +134,16 @@ Reached = TypeVar("Reached")
 #: yields its step for the tier's batcher, if it has one, is sent the step's outputs (or
 #: has the step's error thrown into it), and returns where the request got to.
 Climb = Generator[Pending, Outputs, Reached]
+
+
+def up(
+    climb: Climb[Answered | Onward | SentUp], send: Callable[[Onward], SentUp]
+) -> Answered | SentUp:
+    """A request's way up at a tier (:meth:`Pipeline.climb`), taken on this thread: the
+    tier's answer (:class:`Answered`), or what ``send`` made of the request it sent up (its
+    reply comes down to :meth:`Pipeline.came_down`)."""
+    step = drive(climb)
+    return send(step) if isinstance(step, Onward) else step
 
 
 def drive(climb: Climb[Reached]) -> Reached:
@@ -449,35 +459,6 @@ class Pipeline:
                     logger.info("[%s] plan %s closed: segment %s evicted", self.tier, plan_id, file)
 
     # ------------------------------------------------------------------ the path
-
-    def up(
-        self,
-        index: int,
-        send: Callable[[Onward], SentUp],
-        *,
-        request: tier_pb2.Request | None = None,
-        caller: str = "",
-        inputs: dict[str, np.ndarray] | None = None,
-        session: SessionStep | None = None,
-        deadline_unix_s: float = 0.0,
-        next_down: Callable[[TierRunner], SentUp | None] | None = None,
-    ) -> Answered | SentUp:
-        """The way up for plan ``index``, in the order of [Note: one request path], for
-        every tier: the tier's answer (:class:`Answered`), or what ``send`` made of the
-        request it sent up (its reply comes down to :meth:`came_down`). The arguments but
-        ``send`` are :meth:`climb`'s."""
-        step = drive(
-            self.climb(
-                index,
-                request=request,
-                caller=caller,
-                inputs=inputs,
-                session=session,
-                deadline_unix_s=deadline_unix_s,
-                next_down=next_down,
-            )
-        )
-        return send(step) if isinstance(step, Onward) else step
 
     def climb(
         self,

@@ -38,6 +38,7 @@ from tierflow.runtime.pipeline import (
     drive,
     next_tier_gone,
     reply_codec,
+    up,
 )
 from tierflow.state.spec import DecoderSpec, StateSpec
 from tierflow.transport.wire import put_tensors
@@ -113,9 +114,9 @@ def _pipelines(
 
 
 def _up(pipeline: Pipeline, onward: Onward) -> Answered | Onward:
-    """What a server's pipeline makes of a request from the tier below (:meth:`Pipeline.up`);
+    """What a server's pipeline makes of a request from the tier below (:func:`up`);
     what it would send up is returned as it is."""
-    return pipeline.up(0, _kept, request=onward.request, caller="local")
+    return up(pipeline.climb(0, request=onward.request, caller="local"), _kept)
 
 
 def _kept(onward: Onward) -> Onward:
@@ -123,7 +124,7 @@ def _kept(onward: Onward) -> Onward:
 
 
 def _device(pipeline: Pipeline, x: np.ndarray) -> Onward:
-    onward = pipeline.up(0, _kept, inputs={"x": x})
+    onward = up(pipeline.climb(0, inputs={"x": x}), _kept)
     assert isinstance(onward, Onward)
     return onward
 
@@ -192,15 +193,15 @@ def test_the_way_up_looks_up_then_asks_the_hook_then_runs_then_sends(tmp_path: P
 
     x = np.ones((1, WIDTHS[0]), np.float32)
     request = _device(device, x).request
-    assert edge.up(0, send, request=request, next_down=hook("down")) == "down"
+    assert up(edge.climb(0, request=request, next_down=hook("down")), send) == "down"
     assert (len(asked), sent, cache.stats().entries) == (1, [], 0)  # nothing ran
-    assert edge.up(0, send, request=request, next_down=hook(None)) == "sent"
+    assert up(edge.climb(0, request=request, next_down=hook(None)), send) == "sent"
     assert len(asked) == 2 and len(sent) == 1 and sent[0].request.segment == 2
     assert sent[0].codec_s > 0.0  # the request's decoding is counted with the encoding
     # The cloud's answer, stored as it comes down: the same request is a hit, no hook asked.
     y = np.full((1, WIDTHS[3]), 3.0, np.float32)
     edge.came_down(0, sent[0], tier_pb2.Reply(answered_by="cloud"), outputs={"y": y})
-    hit = edge.up(0, send, request=request, next_down=hook("down"))
+    hit = up(edge.climb(0, request=request, next_down=hook("down")), send)
     assert isinstance(hit, Answered) and hit.cache_hit and len(asked) == 2 and len(sent) == 1
     assert hit.outputs["y"].tobytes() == y.tobytes()
     edge.close()
@@ -213,7 +214,7 @@ def test_a_request_past_its_deadline_is_refused_before_it_is_decoded(tmp_path: P
     request.deadline_unix_s = 1.0  # long past
     del request.tensors[:]  # never looked at
     with pytest.raises(DeadlineError, match="deadline passed before the edge ran it"):
-        tiers["edge"].up(0, _kept, request=request)
+        up(tiers["edge"].climb(0, request=request), _kept)
 
 
 def test_an_edge_that_runs_nothing_forwards_the_tensors_as_they_came(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from tierflow.link.spec import LinkSpec
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet, load_plan_set, save_plan
 from tierflow.rpc import tier_pb2
-from tierflow.runtime.pipeline import Down, Onward, Pipeline
+from tierflow.runtime.pipeline import Down, Onward, Pipeline, up
 from tierflow.runtime.replies import Send
 from tierflow.runtime.tier import Tier
 from tierflow.runtime.upstream import LocalUpstream, StreamUpstream, connect, segment_source
@@ -160,7 +160,7 @@ def test_the_pipeline_sends_up_and_a_next_tier_known_down_comes_down_at_once(
     next tier known to be down, what came down for that at once (it is gone)."""
     device = Pipeline("device", edge.plans, tmp_path, RuntimeOptions())
     upstream = LocalUpstream(edge, me="device")
-    onward = device.up(0, _kept, inputs={"x": np.full((1, 4), 5.0, np.float32)})
+    onward = up(device.climb(0, inputs={"x": np.full((1, 4), 5.0, np.float32)}), _kept)
     assert isinstance(onward, Onward)
     sent = device.send(upstream, 0, onward, deadline=None)
     assert isinstance(sent, Sent)
