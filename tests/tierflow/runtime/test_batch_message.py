@@ -5,7 +5,6 @@ a batch's members that go on sent as one request and answered each."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -147,14 +146,16 @@ def test_steps_that_came_alone_go_on_without_those_of_a_batched_request() -> Non
         batcher.run({"x": np.ones((1, 2), np.float32)}, member="alone")
         seats.append(departure_seat())
 
+    def queued(count: int) -> bool:
+        with batcher._cond:
+            return batcher._cond.wait_for(lambda: len(batcher._queue) >= count, 30)
+
     lone = threading.Thread(target=alone)
     lone.start()
-    while batcher.queued() < 1:
-        time.sleep(0.001)
+    assert queued(1)
     together = threading.Thread(target=batcher.run_all, args=(steps(batcher, 5, 6),))
     together.start()
-    while batcher.queued() < 3:
-        time.sleep(0.001)
+    assert queued(3)
     release.set()
     for thread in (first, lone, together):
         thread.join(30)
