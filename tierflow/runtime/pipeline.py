@@ -152,17 +152,27 @@ def drive(climb: Climb[Reached]) -> Reached:
     batcher] in tierflow/runtime/batching.py). Another thread's steps may share the call;
     the steps of a batched request share one, from one thread ([Note: a batch in one
     message] in tierflow/runtime/batch_message.py)."""
+    given: Outputs | BaseException | None = None
     try:
-        pending = next(climb)
         while True:
+            pending = resume(climb, given)
             try:
-                values = pending.run()
+                given = pending.run()
             except BaseException as exc:  # the step's own error, raised where it ran
-                pending = climb.throw(exc)
-            else:
-                pending = climb.send(values)
+                given = exc
     except StopIteration as stop:
         return stop.value
+
+
+def resume(climb: Climb[Reached], given: Outputs | BaseException | None) -> Pending:
+    """Take ``climb`` on to its next step for the batcher: started (``given`` None), sent
+    its last step's outputs, or thrown its last step's error. Raises ``StopIteration``,
+    carrying where the request got to, when it yields no more."""
+    if given is None:
+        return next(climb)
+    if isinstance(given, BaseException):
+        return climb.throw(given)
+    return climb.send(given)
 
 
 @dataclass

@@ -52,7 +52,7 @@ from tierflow.rpc import tier_pb2
 from tierflow.runtime import batch_message
 from tierflow.runtime.batch_message import Deposit, MemberReplies, check_members, send_together
 from tierflow.runtime.batching import BatchStats, Outputs, Pending, departure_seat
-from tierflow.runtime.pipeline import Answered, Climb, Onward, Pipeline, drive
+from tierflow.runtime.pipeline import Answered, Climb, Onward, Pipeline, drive, resume
 from tierflow.runtime.replies import Send
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, serve_segment
 from tierflow.runtime.session_order import SessionOrder
@@ -317,7 +317,7 @@ class Tier:
                 reply = went if isinstance(went, tier_pb2.Reply) else self._go_on(went)
             finally:
                 self._settle_departure()
-        except BaseException as exc:
+        except Exception as exc:
             reply = self._failed(request, caller, timing, exc)
         if reply is not None:
             reply.id = request.id
@@ -331,11 +331,9 @@ class Tier:
         request: tier_pb2.Request,
         caller: str,
         timing: tier_pb2.TierTiming,
-        exc: BaseException,
+        exc: Exception,
     ) -> tier_pb2.Reply:
         """The reply to ``request``, which failed here with ``exc`` (a bug is logged as one)."""
-        if not isinstance(exc, Exception):
-            raise exc  # KeyboardInterrupt, SystemExit: not the request's
         if isinstance(exc, TierflowError):
             logger.info("[%s] request %s of %s refused: %s", self.name, request.id, caller, exc)
         else:
@@ -395,18 +393,12 @@ class Tier:
             sent[seat] = None
         while climbs:
             for seat, climb in list(climbs.items()):
-                given = sent.pop(seat)
                 try:
-                    if given is None:
-                        pending[seat] = next(climb)
-                    elif isinstance(given, BaseException):
-                        pending[seat] = climb.throw(given)
-                    else:
-                        pending[seat] = climb.send(given)
+                    pending[seat] = resume(climb, sent.pop(seat))
                     continue
                 except StopIteration as stop:
                     went[seat] = stop.value
-                except BaseException as exc:
+                except Exception as exc:
                     went[seat] = self._failed(requests[seat], caller, timings[seat], exc)
                 del climbs[seat]
             by_batcher: dict[int, list[int]] = {}
