@@ -49,6 +49,13 @@ measured twice for each plan, before the plan's runs and after them, and each ba
 size's faster step is the ceiling: the same steps in two processes minutes apart differ
 by up to 20% on a shared machine, and the slower would flatter the tiers' share of it.
 
+The whole run keeps the machine's CPUs awake where it may (the kernel's CPU latency setting
+held at 0, as ``tierflow serve --cpus-awake`` holds it; ``--let-cpus-sleep`` not): a
+pipeline of tiers leaves each CPU idle between its calls, and on this machine a call that
+follows an idle spell ran up to a third slower than the ceiling's calls back to back
+([Note: CPUs that sleep between steps] in tierflow/tuning.py). The ceiling runs under the
+same setting, and the report says which it was.
+
 ``--batch-padding`` is measured like a lossy codec: 8 sessions whose prompts differ in
 length (16, 15, ..., 9 tokens: their past lengths never match, so the exact default runs
 each step alone), cloud-only, with and without padding; its token agreement is the share
@@ -93,6 +100,7 @@ import numpy as np
 from benchmarks.lib import RESULTS as FOLDER
 from benchmarks.lib.report import load_average, load_span, load_words
 from benchmarks.lib.tiers import ServedTiers, batch_calls, peak_rss, served
+from tierflow.tuning import cpus_awake
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = FOLDER / "batching.json"
@@ -978,7 +986,15 @@ def render(results: dict[str, Any]) -> None:
         "`tierflow serve` process, the device and its sessions a third, ONNX Runtime "
         f"{settings['threads']} intra-op threads on every tier, --workers "
         f"{settings['workers']}, prompts of {settings['prompt']} tokens, {settings['tokens']} "
-        "tokens per session.",
+        "tokens per session. The machine's CPUs "
+        + (
+            "were kept awake for the whole run (ceiling included), as `tierflow serve "
+            "--cpus-awake` keeps them ([Note: CPUs that sleep between steps] in "
+            "tierflow/tuning.py)."
+            if settings.get("cpus_awake")
+            else "were let sleep between steps (`--let-cpus-sleep`, or the kernel's CPU "
+            "latency setting could not be written)."
+        ),
         "",
         "![tokens/s](batching.png)",
         "",
@@ -1028,6 +1044,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_false",
         help="skip the --batch-padding runs (prompts of different lengths, cloud-only)",
     )
+    parser.add_argument(
+        "--let-cpus-sleep",
+        dest="cpus_awake",
+        action="store_false",
+        help="measure without keeping the machine's CPUs awake (by default the run holds "
+        "the kernel's CPU latency at 0 where it may, as `tierflow serve --cpus-awake` does)",
+    )
     parser.add_argument("--render", action="store_true", help="re-render the saved results")
     # A child's own arguments.
     parser.add_argument("--child", choices=("sessions", "ceiling", "references", "side-by-side"))
@@ -1064,7 +1087,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM (a timeout, a service manager) unwinds like ^C: the tiers are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    results = measure(args)
+    with cpus_awake() if args.cpus_awake else contextlib.nullcontext(False) as awake:
+        results = measure(args)
+    results["settings"]["cpus_awake"] = awake
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     plot(results, PLOT)
     render(results)

@@ -44,4 +44,4 @@ def _serve(args: argparse.Namespace) -> int:
     server = TierServer.from_plan(
         "cloud", args.plan, args.listen, cache=build_server_cache(args.cache), options=options
     )
-    return serve_until_stopped(server, args.grace, args.metrics_port)
+    return serve_until_stopped(server, args.grace, args.metrics_port, args.cpus_awake)

@@ -113,7 +113,7 @@ def _serve(args: argparse.Namespace) -> int:
         cache=build_server_cache(args.cache),
         options=options,
     )
-    return serve_until_stopped(server, args.grace, args.metrics_port)
+    return serve_until_stopped(server, args.grace, args.metrics_port, args.cpus_awake)
 
 
 def _probe(args: argparse.Namespace) -> int:

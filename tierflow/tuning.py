@@ -1,7 +1,10 @@
-"""Process settings the runtime commands apply for low latency: GIL hand-overs, large buffers.
+"""Settings the runtime commands apply for low latency: GIL hand-overs, large buffers, and
+(when asked) CPUs kept from sleeping.
 
 ``tierflow serve``, ``tierflow run`` and the demo (its device) call :func:`tune_for_latency`; a
 library user decides for their own process. Both settings are explained below.
+``tierflow serve --cpus-awake`` also holds :func:`cpus_awake`, a setting of the whole
+machine ([Note: CPUs that sleep between steps]).
 
 [Note: GIL switch interval]
 A request crosses several threads in each process (gRPC's, the stream reader, a worker,
@@ -22,13 +25,45 @@ Raising the mmap and trim thresholds lets freed buffers be reused: that stream w
 round trips of 1 MB from 0.80 to 0.71 ms. What a process holds at its peak it then
 keeps instead of returning it; peak memory is unchanged. On a C library without
 ``mallopt`` (musl, macOS) nothing is changed.
+
+[Note: CPUs that sleep between steps]
+A tier waits for its next message between its steps, and a CPU with nothing to run goes to
+sleep (a C-state; on a virtual machine, the virtual CPU halts and the host may run something
+else). Waking it takes time, and an ONNX Runtime call wakes its pool's threads many times:
+the tiers' threads never spin (tierflow/onnxrt/inference.py), so each operator's parallel
+work is handed over through the kernel. A call that follows an idle spell runs slower than
+the same call back to back. Measured on this project's 2-core virtual machine (a KVM guest,
+``haltpoll`` idle driver), 2026-12-06:
+
+* bare ONNX Runtime, the batching benchmark's split decoder in three processes passing a
+  byte round a ring of pipes, 16 rows: the three calls took 62-88 ms a round back to back
+  (the machine's speed moved that much within the hour) and 99-114 ms with each call after
+  20 ms asleep; in one pair of runs, 80 ms with the CPUs kept awake against 114 ms not;
+* served (``benchmarks/batching.py``'s tiers, 16 lockstep sessions, runs in pairs): cloud-only,
+  the cloud's batch call took 67 and 70 ms with the CPUs kept awake against 89 and 89 ms
+  not, and the sessions made 195 and 178 tokens/s against 154 and 155; split, 160 tokens/s
+  against 153 in one pair.
+
+:func:`cpus_awake` asks the kernel, through its CPU latency setting (PM QoS,
+``/dev/cpu_dma_latency``: 0 µs while the file is held open), to keep every CPU out of any
+sleep state it cannot leave at once, as tuned's ``latency-performance`` profile does. It is
+a setting of the whole machine, held while the block runs: an idle CPU polls instead of
+sleeping, which costs power (and, on a virtual machine, the host's CPU time). So it is
+asked for (``tierflow serve --cpus-awake``), never on by default, and not for a device on
+battery. Writing the file needs root (or the file's permission); where it is missing or
+refused, nothing changes and a warning says why.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import struct
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +77,8 @@ TRIM_THRESHOLD_BYTES = 256 * 1024 * 1024
 # glibc's mallopt parameter numbers (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+#: The kernel's CPU latency setting ([Note: CPUs that sleep between steps]).
+CPU_LATENCY_FILE = Path("/dev/cpu_dma_latency")
 
 
 def tune_for_latency() -> None:
@@ -66,3 +103,21 @@ def keep_freed_buffers() -> bool:
     if not done:
         logger.debug("the C library refused the malloc thresholds; keeping its defaults")
     return done
+
+
+@contextmanager
+def cpus_awake(path: Path = CPU_LATENCY_FILE) -> Iterator[bool]:
+    """Keep every CPU of the machine from sleeping while the block runs ([Note: CPUs that
+    sleep between steps]); yields whether the kernel took the setting (False, with a
+    warning, where ``path`` is missing or may not be written)."""
+    try:
+        held = os.open(path, os.O_WRONLY)
+    except OSError as exc:
+        logger.warning("cannot keep the CPUs awake: %s (%s)", exc.strerror, path)
+        yield False
+        return
+    try:
+        os.write(held, struct.pack("=i", 0))  # a 32-bit latency in µs
+        yield True
+    finally:
+        os.close(held)

@@ -1,15 +1,19 @@
-"""Per-process tuning: a short GIL switch interval, freed buffers kept for reuse."""
+"""Per-process tuning: a short GIL switch interval, freed buffers kept for reuse; and the
+machine's CPUs kept awake when asked ([Note: CPUs that sleep between steps])."""
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tierflow.tuning import SWITCH_INTERVAL_S
+from tierflow.tuning import SWITCH_INTERVAL_S, cpus_awake
 
 pytestmark = pytest.mark.integration
 
@@ -58,3 +62,27 @@ def test_tuned_processes_reuse_freed_buffers_instead_of_faulting_new_pages() -> 
     assert untuned > pages // 2  # freed buffers went back to the system (measured: 49,621)
     assert tuned < untuned // 10  # the first round's pages, then reuse (measured: 977)
     assert float(interval) == pytest.approx(SWITCH_INTERVAL_S)
+
+
+def test_cpus_awake_writes_a_zero_latency_and_lets_it_go_after_the_block(tmp_path: Path) -> None:
+    latency = tmp_path / "cpu_dma_latency"
+    latency.write_bytes(b"")
+    with cpus_awake(latency) as held:
+        assert held
+        assert latency.read_bytes() == struct.pack("=i", 0)
+        assert str(latency) in _open_files()
+    assert str(latency) not in _open_files()  # let go: the kernel's request ends with it
+
+
+def test_cpus_awake_where_the_setting_may_not_be_written_changes_nothing_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING), cpus_awake(tmp_path / "missing") as held:
+        assert not held
+    assert "cannot keep the CPUs awake" in caplog.text and "missing" in caplog.text
+
+
+def _open_files() -> set[str]:
+    """What this process holds open (Linux)."""
+    folder = Path("/proc/self/fd")
+    return {os.readlink(entry) for entry in folder.iterdir() if entry.exists()}

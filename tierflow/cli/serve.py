@@ -85,6 +85,13 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve Prometheus metrics on http://HOST:N/metrics, HOST as in --listen "
         "(0 picks a port; needs pip install 'tierflow[metrics]')",
     )
+    parser.add_argument(
+        "--cpus-awake",
+        action="store_true",
+        help="keep every CPU of the machine from sleeping while serving (the kernel's CPU "
+        "latency setting, /dev/cpu_dma_latency; needs root): a step that follows an idle "
+        "spell runs at full speed, at the cost of power",
+    )
 
 
 def _cache_argument(text: str) -> Any:

@@ -24,6 +24,7 @@ anything still holds it then (a segment still running, a stuck writer), it exits
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -46,7 +47,7 @@ from tierflow.runtime.tier import Forwarder, Tier
 from tierflow.state.store import describe_state_budget
 from tierflow.transport.security import bind, server_options
 from tierflow.transport.wire import add_tier_servicer, grpc_options
-from tierflow.tuning import tune_for_latency
+from tierflow.tuning import cpus_awake, tune_for_latency
 
 if TYPE_CHECKING:
     from tierflow.runtime.metrics import TierMetrics
@@ -223,13 +224,27 @@ def watch_metrics(tier: Tier) -> TierMetrics:
     return metrics
 
 
-def serve_until_stopped(server: TierServer, grace: float, metrics_port: int | None = None) -> int:
+def serve_until_stopped(
+    server: TierServer,
+    grace: float,
+    metrics_port: int | None = None,
+    awake: bool = False,
+) -> int:
     """Start ``server``, say where it serves, and run until SIGTERM or SIGINT (the CLI).
 
     With ``metrics_port`` the tier also serves Prometheus metrics (``tierflow.runtime.metrics``)
-    on the host it listens on, and says where on a second line.
+    on the host it listens on, and says where on a second line. With ``awake`` it keeps
+    the machine's CPUs from sleeping while it serves (``--cpus-awake``: [Note: CPUs that
+    sleep between steps] in tierflow/tuning.py).
     """
     tune_for_latency()
+    with cpus_awake() if awake else contextlib.nullcontext(False) as held:
+        return _serve(server, grace, metrics_port, held)
+
+
+def _serve(server: TierServer, grace: float, metrics_port: int | None, awake: bool) -> int:
+    """:func:`serve_until_stopped` once the process is set; ``awake``: the CPUs are kept
+    awake (said on a line of its own, after the first)."""
     tier = server.tier
     metrics = None
     if metrics_port is not None:
@@ -251,6 +266,8 @@ def serve_until_stopped(server: TierServer, grace: float, metrics_port: int | No
                 server.stop(0)
                 raise
             print(f"tierflow {tier.name} metrics on http://{host}:{port}/metrics", flush=True)
+        if awake:
+            print(f"tierflow {tier.name} keeps the machine's CPUs awake while serving", flush=True)
         if any(plan.states for plan in tier.plans.plans):
             budget = describe_state_budget(tier.options.state_budget, tier.options.state_share)
             print(f"tierflow {tier.name} session state: {budget}", flush=True)
