@@ -18,11 +18,13 @@ import pytest
 from tierflow.errors import DeadlineError, InputError, ModelError
 from tierflow.options import RuntimeOptions
 from tierflow.runtime.batching import (
+    IN_PLACE_BYTES,
     Padding,
     Pending,
     StepBatcher,
     group_key,
     pad,
+    row_order,
     split,
     stack,
     unpad,
@@ -98,6 +100,33 @@ def test_stack_and_split_are_inverse_and_split_checks_the_batch_axis() -> None:
         split({"x": np.zeros((2, 4))}, [1, 1, 1])
     with pytest.raises(ModelError, match="expected 2 rows"):
         split({"scalar": np.float32(1.0) * np.ones(())}, [1, 1])
+
+
+def test_members_that_are_one_arrays_rows_back_to_back_stack_as_those_rows() -> None:
+    # An array of its own, as ONNX Runtime's outputs are (not a view of another's).
+    cache = np.arange(4 * 2 * 8 * 64, dtype=np.float32).reshape(4, 2, 8, 64).copy()
+    ids = np.arange(4, dtype=np.int64).reshape(4, 1).copy()
+    assert cache[:1].nbytes >= IN_PLACE_BYTES > ids[:1].nbytes
+    parts = split({"cache": cache, "ids": ids}, [1, 2, 1])
+    for members, rows in ((parts, cache), (parts[1:], cache[1:])):
+        stacked = stack(members)
+        assert np.shares_memory(stacked["cache"], cache)  # no copy
+        assert np.array_equal(stacked["cache"], rows)
+    assert not np.shares_memory(stack(parts)["ids"], ids)  # too small to look for
+    other = split({"cache": cache.copy(), "ids": ids}, [1, 3])[1]
+    for members in ([parts[1], parts[0], parts[2]], [parts[0], parts[2]], [parts[0], other]):
+        stacked = stack(members)  # out of order, a row missing, another array: a copy
+        assert not np.shares_memory(stacked["cache"], cache)
+        assert np.array_equal(stacked["cache"], np.concatenate([m["cache"] for m in members]))
+
+
+def test_row_order_puts_the_rows_of_one_call_back_in_that_calls_order() -> None:
+    cache = np.zeros((3, 2, 8, 64), np.float32)
+    parts = split({"cache": cache, "ids": np.zeros((3, 1), np.int64)}, [1, 1, 1])
+    shuffled = [parts[2], parts[0], parts[1]]
+    order = row_order(shuffled)
+    assert order == [1, 2, 0]
+    assert np.shares_memory(stack([shuffled[i] for i in order])["cache"], cache)
 
 
 def test_padding_fills_the_front_and_unpad_gives_each_member_its_own_back() -> None:
@@ -198,6 +227,38 @@ def test_queued_steps_of_one_group_share_one_call_and_match_running_alone(
     assert set(batcher.stats.seconds) == {1, 4} and min(batcher.stats.seconds.values()) > 0
 
 
+def test_steps_whose_caches_are_an_earlier_calls_rows_run_in_place_as_if_alone(
+    runner: SegmentRunner,
+) -> None:
+    batcher = StepBatcher(runner.run, name="test", max_batch=8)
+    firsts = [step(130, t, t) for t in range(1, 4)]  # caches of 130 x 8 floats: looked for
+    outs = batcher.run_all([Pending(batcher, f, member=t) for t, f in enumerate(firsts)])
+    nexts = []
+    for first, out in zip(firsts, outs, strict=True):  # each session's next step, its
+        assert isinstance(out, dict)  # caches its rows of the call's new ones, as a tier keeps
+        feeds = step(131, 7, 0)
+        for name in first:
+            if name.startswith("past_key_values."):
+                feeds[name] = out[name.replace("past_key_values", "present")]
+        nexts.append(feeds)
+    given: list[Mapping[str, np.ndarray]] = []
+
+    def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        given.append(feeds)
+        return runner.run(feeds)
+
+    batcher._run = run
+    shuffled = [nexts[2], nexts[0], nexts[1]]
+    results = batcher.run_all([Pending(batcher, f, member=i) for i, f in enumerate(shuffled)])
+    present = outs[0]["present.0.key"].base  # the first call's whole array
+    assert np.shares_memory(given[0]["past_key_values.0.key"], present)
+    for result, feeds in zip(results, shuffled, strict=True):
+        assert isinstance(result, dict)
+        alone = runner.run(feeds)
+        for name in runner.output_names:
+            assert np.array_equal(result[name], alone[name]), name
+
+
 def test_other_groups_wait_for_the_next_call_and_the_oldest_goes_first(
     runner: SegmentRunner,
 ) -> None:
@@ -222,7 +283,7 @@ def test_a_full_batch_gives_each_owner_a_place_before_any_owner_a_second(
     rows: list[list[int]] = []
 
     def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        rows.append(feeds["input_ids"][:, 0].tolist())
+        rows.append(sorted(feeds["input_ids"][:, 0].tolist()))  # a call's rows, in any order
         return runner.run(feeds)
 
     calls: list[int] = []
