@@ -29,6 +29,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
@@ -174,8 +175,15 @@ class TierServer:
         self.tier.close(timeout=0.2)
         logger.info("[%s] stopped", self.tier.name)
 
-    def serve_until_signal(self, grace: float = 5.0) -> None:
-        """Block until SIGTERM or SIGINT, then stop gracefully (for the CLI)."""
+    def serve_until_signal(
+        self, grace: float = 5.0, ready: Callable[[], None] | None = None
+    ) -> None:
+        """Block until SIGTERM or SIGINT, then stop gracefully (for the CLI).
+
+        ``ready`` (the CLI's lines saying where the tier serves) runs once the signals are
+        handled: a SIGTERM sent as soon as the tier says it serves stops it gracefully,
+        instead of killing it before its handler was in place.
+        """
         stop = threading.Event()
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -186,6 +194,8 @@ class TierServer:
 
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
+            if ready is not None:
+                ready()
             while not stop.wait(1.0):
                 pass
         finally:
@@ -251,8 +261,8 @@ def _serve(server: TierServer, grace: float, metrics_port: int | None, awake: bo
         if not 0 <= metrics_port <= 65535:
             raise UsageError(f"--metrics-port must be a port number, got {metrics_port}")
         metrics = watch_metrics(tier)
-    server.start()
-    try:
+
+    def say_serving() -> None:
         # One line on stdout, so that scripts (and tests) can learn a port picked by the OS.
         print(
             f"tierflow {tier.name} serving plan {tier.plan_id} on {server.address}",
@@ -271,7 +281,10 @@ def _serve(server: TierServer, grace: float, metrics_port: int | None, awake: bo
         if any(plan.states for plan in tier.plans.plans):
             budget = describe_state_budget(tier.options.state_budget, tier.options.state_share)
             print(f"tierflow {tier.name} session state: {budget}", flush=True)
-        server.serve_until_signal(grace=grace)
+
+    server.start()
+    try:
+        server.serve_until_signal(grace=grace, ready=say_serving)
     finally:
         if metrics is not None:
             metrics.stop()
