@@ -20,6 +20,9 @@ already in flight get up to ``grace`` seconds to be answered; then the streams s
 open (idle devices keep theirs open) are cancelled and the tier releases its model and
 its stream to the next tier. The CLI process always exits within ``grace`` + 1 s: if
 anything still holds it then (a segment still running, a stuck writer), it exits anyway.
+It handles SIGTERM and SIGINT before it prints where it serves, so a signal sent as soon
+as a script has read that line stops it this way too (one sent in the moment after the
+lines, before the handlers were in place, used to kill it outright).
 """
 
 from __future__ import annotations
