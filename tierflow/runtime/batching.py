@@ -204,8 +204,10 @@ def in_place(parts: Sequence[np.ndarray]) -> np.ndarray | None:
     if any(part.base is not base for part in parts):
         return None
     row = base.itemsize * math.prod(base.shape[1:])
+    if row == 0:
+        return None
     origin = base.ctypes.data
-    start, off_row = divmod(parts[0].ctypes.data - origin, row) if row else (0, 1)
+    start, off_row = divmod(parts[0].ctypes.data - origin, row)
     if off_row:
         return None
     end = start
