@@ -1091,7 +1091,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM (a timeout, a service manager) unwinds like ^C: the tiers are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    with cpus_awake() if args.cpus_awake else contextlib.nullcontext(False) as awake:
+    with cpus_awake(args.cpus_awake) as awake:
         results = measure(args)
     results["settings"]["cpus_awake"] = awake
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")

@@ -106,10 +106,13 @@ def keep_freed_buffers() -> bool:
 
 
 @contextmanager
-def cpus_awake(path: Path = CPU_LATENCY_FILE) -> Iterator[bool]:
-    """Keep every CPU of the machine from sleeping while the block runs ([Note: CPUs that
-    sleep between steps]); yields whether the kernel took the setting (False, with a
-    warning, where ``path`` is missing or may not be written)."""
+def cpus_awake(asked: bool = True, *, path: Path = CPU_LATENCY_FILE) -> Iterator[bool]:
+    """Keep every CPU of the machine from sleeping while the block runs, if ``asked``
+    ([Note: CPUs that sleep between steps]); yields whether they are kept awake (False
+    where not asked, and with a warning where ``path`` is missing or may not be written)."""
+    if not asked:
+        yield False
+        return
     try:
         held = os.open(path, os.O_WRONLY)
     except OSError as exc:

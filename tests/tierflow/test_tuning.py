@@ -67,17 +67,25 @@ def test_tuned_processes_reuse_freed_buffers_instead_of_faulting_new_pages() -> 
 def test_cpus_awake_writes_a_zero_latency_and_lets_it_go_after_the_block(tmp_path: Path) -> None:
     latency = tmp_path / "cpu_dma_latency"
     latency.write_bytes(b"")
-    with cpus_awake(latency) as held:
+    with cpus_awake(path=latency) as held:
         assert held
         assert latency.read_bytes() == struct.pack("=i", 0)
         assert str(latency) in _open_files()
     assert str(latency) not in _open_files()  # let go: the kernel's request ends with it
 
 
+def test_cpus_awake_not_asked_for_leaves_the_setting_alone(tmp_path: Path) -> None:
+    latency = tmp_path / "cpu_dma_latency"
+    latency.write_bytes(b"")
+    with cpus_awake(False, path=latency) as held:
+        assert not held
+        assert latency.read_bytes() == b"" and str(latency) not in _open_files()
+
+
 def test_cpus_awake_where_the_setting_may_not_be_written_changes_nothing_and_says_why(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING), cpus_awake(tmp_path / "missing") as held:
+    with caplog.at_level(logging.WARNING), cpus_awake(path=tmp_path / "missing") as held:
         assert not held
     assert "cannot keep the CPUs awake" in caplog.text and "missing" in caplog.text
 

@@ -27,7 +27,6 @@ lines, before the handlers were in place, used to kill it outright).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -251,7 +250,7 @@ def serve_until_stopped(
     sleep between steps] in tierflow/tuning.py).
     """
     tune_for_latency()
-    with cpus_awake() if awake else contextlib.nullcontext(False) as held:
+    with cpus_awake(awake) as held:
         return _serve(server, grace, metrics_port, held)
 
 
