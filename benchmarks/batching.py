@@ -63,13 +63,15 @@ of generated tokens equal, position by position, to the unsplit model's own gree
 for the same prompt, and the sessions whose every token is.
 
 Per configuration and session count: aggregate decode tokens/s (every session's tokens
-after its first, over the time from the first session's first token to the last session's
-end), p50/p99 ms per token (each decode step's round trip, every session's steps
+after its first, over the time from when every session has its first token to the last
+session's end), p50/p99 ms per token (each decode step's round trip, every session's steps
 together; each session's own p50 is kept too), the batches each tier ran (the device's
 from its batcher, the edge's and the cloud's from their metrics endpoint,
 ``tierflow_batch_calls_total``), the share of a round spent in the tiers' ONNX Runtime
-calls of every session's step, each tier's mean call as timed while it ran
-(``tierflow_batch_call_seconds_total``: unlike the ceiling, measured in the same moment
+calls of every session's decode step, each tier's mean decode call as timed while it ran
+(``tierflow_batch_call_seconds_total``, counted from when every session has its first
+token: the prefill call of every session's prompt at once, of the same size, takes ten
+times a decode step's and once counted in; unlike the ceiling, measured in the same moment
 as the round), each process's peak resident memory (VmHWM), and whether
 every session's tokens equal the unsplit model's own greedy output
 (``tierflow.greedy.reference_generate``).
@@ -91,7 +93,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -239,12 +241,19 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
             mine = (dict(batcher.stats.sizes), dict(batcher.stats.seconds)) if batcher else ({}, {})
             return {"device": mine, **at}
 
+        decoding: list[dict[str, tuple[dict[int, int], dict[int, float]]]] = []
+
+        def at_decode() -> None:  # every session has its first token
+            decoding.append(calls())
+
         for count in counts:
             # The sessions before are no longer active for --batch-delay (ACTIVE_S):
             # a row's sessions wait for no one who has left.
             time.sleep(ACTIVE_S + 0.1)
-            before = calls()
-            row = _generate(client, texts[:count], args.tokens)
+            # The calls counted are the decode steps' alone: a prefill call of the same
+            # size (every session's prompt at once) takes ten times a decode step's.
+            row = _generate(client, texts[:count], args.tokens, prefilled=at_decode)
+            before = decoding.pop()
             after = calls()
             row["batches"] = {
                 name: {
@@ -268,18 +277,27 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
     return {"rows": rows}
 
 
-def _generate(client: Any, texts: list[list[int]], tokens: int) -> dict[str, Any]:
-    """``len(texts)`` sessions generating ``tokens`` tokens each at once, a thread each."""
+def _generate(
+    client: Any,
+    texts: list[list[int]],
+    tokens: int,
+    *,
+    prefilled: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """``len(texts)`` sessions generating ``tokens`` tokens each at once, a thread each;
+    ``prefilled`` is called once every session has its first token, before any decodes."""
     from tierflow.device.generation import TierDecoder
 
     out: list[dict[str, Any]] = [{} for _ in texts]
     start = threading.Barrier(len(texts))
+    decoding = threading.Barrier(len(texts), action=prefilled)
 
     def session(i: int) -> None:
         decoder = TierDecoder(client)
         start.wait()
         sequence = list(texts[i])
         token = int(decoder.choose(sequence, 0, keep=1)[-1])
+        decoding.wait()
         first = time.perf_counter()
         made, steps = [token], []
         for _ in range(tokens - 1):

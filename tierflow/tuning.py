@@ -40,9 +40,8 @@ the same call back to back. Measured on this project's 2-core virtual machine (a
   (the machine's speed moved that much within the hour) and 99-114 ms with each call after
   20 ms asleep; in one pair of runs, 80 ms with the CPUs kept awake against 114 ms not;
 * served (``benchmarks/batching.py``'s tiers, 16 lockstep sessions, runs in pairs): cloud-only,
-  the cloud's batch call took 67 and 70 ms with the CPUs kept awake against 89 and 89 ms
-  not, and the sessions made 195 and 178 tokens/s against 154 and 155; split, 160 tokens/s
-  against 153 in one pair.
+  the sessions made 195 and 178 tokens/s with the CPUs kept awake against 154 and 155
+  not; split, 160 tokens/s against 153 in one pair.
 
 :func:`cpus_awake` asks the kernel, through its CPU latency setting (PM QoS,
 ``/dev/cpu_dma_latency``: 0 µs while the file is held open), to keep every CPU out of any
