@@ -53,8 +53,8 @@ session new to the batch, a step decoded from the wire, a padded batch) is copie
 before. Which row a step has in a call changes nothing in its answer ([Note: batching
 exactness]). What it saves: at 16 lockstep sessions on the cloud-only plan of
 ``benchmarks/batching.py``'s decoder, 9.4 MB of KV caches copied each round; in two pairs
-of served runs (2026-12-06, CPUs kept awake) 195 and 200 tokens/s against 187 and 187, the
-cloud's call 65-66 ms against 68. On the split plan, whose tiers each hold a third of the
+of served runs (2026-12-06, CPUs kept awake) 195 and 200 tokens/s against 187 and 187.
+On the split plan, whose tiers each hold a third of the
 caches, two pairs came out 151/176 against 167/176: no difference the machine resolves.
 Looking costs about 3 µs a tensor, so tensors under ``IN_PLACE_BYTES`` are copied without.
 
@@ -163,14 +163,14 @@ def group_key(feeds: Feeds, padding: Padding | None = None) -> Hashable:
     grows = {name: axis for name, _, axis in padding.states} if padding else {}
     if padding is not None:
         grows[padding.mask] = 1
-    key = []
+    key: list[tuple[str, object, tuple[int, ...]]] = []
     for name in sorted(feeds):
         value = feeds[name]
-        dims = list(value.shape[1:])
+        dims = value.shape[1:]
         axis = grows.get(name)
         if axis is not None:
-            dims[axis - 1] = -1
-        key.append((name, value.dtype.str, tuple(dims)))
+            dims = (*dims[: axis - 1], -1, *dims[axis:])
+        key.append((name, value.dtype, dims))
     if padding is not None:  # the step's length: the mask minus a state's past
         mask = feeds.get(padding.mask)
         state = feeds.get(padding.states[0][0]) if padding.states else None

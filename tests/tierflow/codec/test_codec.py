@@ -26,6 +26,7 @@ from tierflow.codec.base import (
     CodecStats,
     EncodedTensor,
     channel_axis,
+    check,
     decode,
     encode,
     measure,
@@ -489,6 +490,22 @@ def test_decode_refuses_malformed_headers(change: dict[str, object], message: st
     tensor = dataclasses.replace(valid_tensor(), **change)  # type: ignore[arg-type]
     with pytest.raises(CodecError, match=message):
         decode(tensor)
+
+
+def test_a_header_passed_once_is_not_checked_again_and_a_refused_one_is_every_time() -> None:
+    """[Note: headers seen before]: what a check found is kept for the same header (the
+    payload is not part of it); a refused header raises again; long parameters (a
+    quantiser's per-channel scales) are checked each time."""
+    tensor = valid_tensor()
+    assert check(dataclasses.replace(tensor, data=b"another payload")) is check(tensor)
+    refused = dataclasses.replace(tensor, dtype="object")
+    for _ in range(2):
+        with pytest.raises(CodecError, match="dtype"):
+            check(refused)
+    scales = encode("t", np.arange(64, dtype=np.float32).reshape(4, 16), CodecSpec.parse("int8c"))
+    assert len(scales.params) == 16 * 8  # more than a header keeps
+    assert check(scales) is not check(scales)
+    assert check(scales) == check(scales)
 
 
 def test_decode_refuses_quantised_non_floats_and_bad_params() -> None:
