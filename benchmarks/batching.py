@@ -222,7 +222,6 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
     from tierflow.runtime.batching import ACTIVE_S
     from tierflow.tuning import tune_for_latency
 
-    tune_for_latency()  # as `tierflow generate` does
     options = RuntimeOptions(
         threads=args.threads,
         max_batch=args.max_batch,
@@ -250,6 +249,9 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
             # The sessions before are no longer active for --batch-delay (ACTIVE_S):
             # a row's sessions wait for no one who has left.
             time.sleep(ACTIVE_S + 0.1)
+            # One session as `tierflow generate` runs it; several, a thread each, with the
+            # longer switch interval of [Note: GIL switch interval].
+            tune_for_latency(sessions=count)
             # The calls counted are the decode steps' alone: a prefill call of the same
             # size (every session's prompt at once) takes ten times a decode step's.
             row = _generate(client, texts[:count], args.tokens, prefilled=at_decode)

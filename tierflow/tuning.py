@@ -13,6 +13,21 @@ Python, it waits up to the interpreter's switch interval (5 ms by default) befor
 GIL is handed over; on a busy machine that wait showed up on almost every hop (median
 end-to-end 9 ms instead of 2 ms for 100 KB features over three local processes).
 
+A process that drives several sessions at once, a thread each (a device serving local
+sessions whose steps it batches: [Note: the step batcher] in tierflow/runtime/batching.py),
+is the other way round. When a round's answers come, every session's thread wakes at once
+and each runs a few hundred microseconds of Python; at 0.2 ms they take the GIL from each
+other over and over, and every hand-over forced that way costs two thread switches. 16
+lockstep sessions of a tiny decoder (the batching benchmark's Qwen2 shape with hidden 128,
+so a round is all overhead; 2026-12-06, runs in pairs) cost the device process 18.7-19.1
+ms of CPU a round at 0.2 ms against 14.4-15.9 at 1 ms on the split plan, and 9.7-10.0
+against 7.8-7.9 cloud-only; rounds were up to 1.5 ms shorter (the full decoder's 80 ms
+rounds moved less than the machine's noise), and the tiers' CPU did not move with their
+own interval. So ``tune_for_latency(sessions=N)`` keeps 1 ms for N above one.
+A tier keeps 0.2 ms: at 1 ms its hops took 4% longer for 1 MB features, and the same for
+100 KB (``benchmarks.transport``'s :func:`against`, the tiers at 1 ms against 0.2 ms,
+side by side).
+
 [Note: keeping freed buffers]
 Every request allocates a few buffers the size of its features: the serialised message,
 gRPC's copy of it, the received bytes, the decoded tensor. glibc's malloc serves large
@@ -68,6 +83,8 @@ logger = logging.getLogger(__name__)
 
 #: See [Note: GIL switch interval].
 SWITCH_INTERVAL_S = 2e-4
+#: ... for a process that drives several sessions at once, a thread each.
+SESSIONS_SWITCH_INTERVAL_S = 1e-3
 #: Blocks below this size come from the heap, not from fresh mmap pages
 #: ([Note: keeping freed buffers]).
 MMAP_THRESHOLD_BYTES = 64 * 1024 * 1024
@@ -80,9 +97,11 @@ _M_MMAP_THRESHOLD = -3
 CPU_LATENCY_FILE = Path("/dev/cpu_dma_latency")
 
 
-def tune_for_latency() -> None:
-    """Shorten the GIL switch interval and keep freed buffers for reuse, for this process."""
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+def tune_for_latency(sessions: int = 1) -> None:
+    """Shorten the GIL switch interval (less so where this process drives several
+    ``sessions`` at once, a thread each) and keep freed buffers for reuse, for this
+    process ([Note: GIL switch interval])."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S if sessions <= 1 else SESSIONS_SWITCH_INTERVAL_S)
     keep_freed_buffers()
 
 

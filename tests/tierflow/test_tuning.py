@@ -13,19 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from tierflow.tuning import SWITCH_INTERVAL_S, cpus_awake
+from tierflow.tuning import SESSIONS_SWITCH_INTERVAL_S, SWITCH_INTERVAL_S, cpus_awake
 
 pytestmark = pytest.mark.integration
 
 # 50 times, as a request's buffers would: allocates and fills four 1 MiB buffers (the
 # serialised message, gRPC's copy, the received bytes, the decoded tensor), then frees
-# them; prints the minor page faults that took. With TUNE set, after tune_for_latency().
+# them; prints the minor page faults that took. With TUNE set, after
+# tune_for_latency(sessions=TUNE).
 _CHURN = """
 import os, resource, sys
 import numpy as np
 from tierflow.tuning import tune_for_latency
 if os.environ.get("TUNE"):
-    tune_for_latency()
+    tune_for_latency(sessions=int(os.environ["TUNE"]))
     print(sys.getswitchinterval(), file=sys.stderr)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(50):
@@ -37,11 +38,11 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _faults(tune: bool) -> tuple[int, str]:
+def _faults(tune: bool, sessions: int = 1) -> tuple[int, str]:
     """Page faults of the churn in a fresh process, and its switch interval when tuned."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     if tune:
-        env["TUNE"] = "1"
+        env["TUNE"] = str(sessions)
     done = subprocess.run(
         [sys.executable, "-c", _CHURN],
         capture_output=True,
@@ -62,6 +63,13 @@ def test_tuned_processes_reuse_freed_buffers_instead_of_faulting_new_pages() -> 
     assert untuned > pages // 2  # freed buffers went back to the system (measured: 49,621)
     assert tuned < untuned // 10  # the first round's pages, then reuse (measured: 977)
     assert float(interval) == pytest.approx(SWITCH_INTERVAL_S)
+
+
+def test_a_process_driving_several_sessions_keeps_a_longer_switch_interval() -> None:
+    """[Note: GIL switch interval]: a thread a session, woken together each round."""
+    _, interval = _faults(tune=True, sessions=16)
+    assert float(interval) == pytest.approx(SESSIONS_SWITCH_INTERVAL_S)
+    assert SESSIONS_SWITCH_INTERVAL_S > SWITCH_INTERVAL_S
 
 
 def test_cpus_awake_writes_a_zero_latency_and_lets_it_go_after_the_block(tmp_path: Path) -> None:
