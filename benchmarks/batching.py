@@ -296,9 +296,13 @@ def _generate(
 
     def session(i: int) -> None:
         decoder = TierDecoder(client)
-        start.wait()
         sequence = list(texts[i])
-        token = int(decoder.choose(sequence, 0, keep=1)[-1])
+        try:
+            start.wait()
+            token = int(decoder.choose(sequence, 0, keep=1)[-1])
+        except BaseException:
+            decoding.abort()  # the others stop at the barrier too: a failed row, not a hang
+            raise
         decoding.wait()
         first = time.perf_counter()
         made, steps = [token], []

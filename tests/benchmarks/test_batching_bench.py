@@ -3,12 +3,14 @@ and its token agreement, measured like a lossy codec's."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 
 from benchmarks.batching import (
     Setting,
+    _generate,
     agreement,
     choose_delay,
     fastest,
@@ -208,3 +210,53 @@ def test_the_sweep_chooses_the_shortest_delay_that_gathers_whole_rounds_at_every
     assert whole_rounds(rows[2]) == pytest.approx(248 / 256)
     assert choose_delay(rows) == 10.0
     assert choose_delay(rows[:2]) == 5.0  # none whole: the most tokens/s at 16 sessions
+
+
+class _Decoder:
+    """A session's decoder that logs each step; the third session's prefill fails when
+    ``failing``."""
+
+    made: ClassVar[int] = 0
+    log: ClassVar[list[tuple[int, int]]] = []
+    failing: ClassVar[bool] = False
+
+    def __init__(self, client: object) -> None:
+        self.number = _Decoder.made
+        _Decoder.made += 1
+
+    def choose(self, tokens: list[int], position: int, keep: int = 0) -> np.ndarray:
+        if position == 0 and self.number == 2 and _Decoder.failing:
+            raise RuntimeError("the prefill failed")
+        _Decoder.log.append((self.number, position))
+        return np.array([7])
+
+
+def _sessions(monkeypatch: pytest.MonkeyPatch, *, failing: bool) -> None:
+    import tierflow.device.generation
+
+    monkeypatch.setattr(tierflow.device.generation, "TierDecoder", _Decoder)
+    monkeypatch.setattr(_Decoder, "made", 0)
+    monkeypatch.setattr(_Decoder, "log", [])
+    monkeypatch.setattr(_Decoder, "failing", failing)
+
+
+def test_the_calls_are_counted_once_every_session_has_its_first_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _sessions(monkeypatch, failing=False)
+    seen: list[list[tuple[int, int]]] = []
+    row = _generate(None, [[1, 2]] * 4, 3, prefilled=lambda: seen.append(list(_Decoder.log)))
+    assert len(seen) == 1 and sorted(seen[0]) == [(i, 0) for i in range(4)]  # prefills only
+    assert len(_Decoder.log) == 4 * 3
+    assert row["tokens"] == [[7, 7, 7]] * 4
+
+
+# The failed session's thread ends with its exception, as in the benchmark (which prints it).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.timeout(30)  # what it guards against is a hang
+def test_a_session_whose_prefill_fails_ends_the_row_instead_of_stopping_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _sessions(monkeypatch, failing=True)
+    with pytest.raises(RuntimeError, match="a session failed"):
+        _generate(None, [[1, 2]] * 4, 3, prefilled=lambda: None)
