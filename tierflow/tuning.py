@@ -24,7 +24,7 @@ ms of CPU a round at 0.2 ms against 14.4-15.9 at 1 ms on the split plan, and 9.7
 against 7.8-7.9 cloud-only; rounds were up to 1.5 ms shorter (the full decoder's 80 ms
 rounds moved less than the machine's noise), and the tiers' CPU did not move with their
 own interval. So ``tune_for_latency(sessions=N)`` keeps 1 ms for N above one.
-A tier keeps 0.2 ms: at 1 ms its hops took 4% longer for 1 MB features, and the same for
+A tier keeps 0.2 ms: at 1 ms its hops took 4% longer for 1 MB features, and no longer for
 100 KB (``benchmarks.transport``'s :func:`against`, the tiers at 1 ms against 0.2 ms,
 side by side).
 

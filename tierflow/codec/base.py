@@ -363,10 +363,10 @@ def _checked(
 # codec, and the stage parameters of codecs that have none per tensor), request after
 # request, so what a header's check found is kept: receiving a decoder step's six tensors
 # took 58-61 µs with every header checked, 25 µs with the checks kept (2026-12-06), for
-# each member of a batch at each tier. Only the checks that passed are kept (an error is raised
-# again each time), a bounded number of them, and only for parameters short enough that
-# no header makes the cache large: a quantiser's per-channel scales change with every
-# tensor, and are checked each time.
+# each member of a batch at each tier. Only the checks that passed are kept (an error is
+# raised again each time), a bounded number of them, and only for parameters short
+# enough that no header makes the cache large: a quantiser's per-channel scales change
+# with every tensor, and are checked each time.
 _REMEMBERED_PARAMS_BYTES = 64
 _remembered = functools.lru_cache(maxsize=1024)(_checked)
 

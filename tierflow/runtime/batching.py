@@ -53,9 +53,9 @@ session new to the batch, a step decoded from the wire, a padded batch) is copie
 before. Which row a step has in a call changes nothing in its answer ([Note: batching
 exactness]). What it saves: at 16 lockstep sessions on the cloud-only plan of
 ``benchmarks/batching.py``'s decoder, 9.4 MB of KV caches copied each round; in two pairs
-of served runs (2026-12-06, CPUs kept awake) 195 and 200 tokens/s against 187 and 187.
-On the split plan, whose tiers each hold a third of the
-caches, two pairs came out 151/176 against 167/176: no difference the machine resolves.
+of served runs (2026-12-06, CPUs kept awake) 195 and 200 tokens/s against 187 and 187. On
+the split plan, whose tiers each hold a third of the caches, two pairs came out 151/176
+against 167/176: no difference the machine resolves.
 Looking costs about 3 µs a tensor, so tensors under ``IN_PLACE_BYTES`` are copied without.
 
 [Note: the step batcher]
