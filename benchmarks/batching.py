@@ -71,8 +71,9 @@ from its batcher, the edge's and the cloud's from their metrics endpoint,
 calls of every session's decode step, each tier's mean decode call as timed while it ran
 (``tierflow_batch_call_seconds_total``, counted from when every session has its first
 token: the prefill call of every session's prompt at once, of the same size, takes ten
-times a decode step's and once counted in; unlike the ceiling, measured in the same moment
-as the round), each process's peak resident memory (VmHWM), and whether
+times a decode step's, and runs before 2026-12-06 counted it in; unlike the ceiling,
+measured in the same moment as the round), each process's peak resident memory (VmHWM),
+and whether
 every session's tokens equal the unsplit model's own greedy output
 (``tierflow.greedy.reference_generate``).
 """

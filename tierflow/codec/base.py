@@ -320,40 +320,35 @@ def _check(tensor: EncodedTensor, max_bytes: int) -> tuple[CodecSpec, Layout | N
 def _checked(
     name: str, dtype: str, shape: tuple[int, ...], codec_text: str, params: bytes, max_bytes: int
 ) -> tuple[CodecSpec, Layout | None]:
-    tensor = EncodedTensor(name, dtype, shape, codec_text, params, b"")
-    what = f"tensor {tensor.name!r}"
-    if tensor.dtype not in ALLOWED_DTYPES:
-        raise CodecError(
-            f"{what} has dtype {tensor.dtype!r}: expected one of {', '.join(ALLOWED_DTYPES)}"
-        )
+    """The check of a header's fields (:func:`_check`)."""
+    what = f"tensor {name!r}"
+    if dtype not in ALLOWED_DTYPES:
+        raise CodecError(f"{what} has dtype {dtype!r}: expected one of {', '.join(ALLOWED_DTYPES)}")
     try:
-        codec = CodecSpec.parse(tensor.codec)
+        codec = CodecSpec.parse(codec_text)
     except UsageError as exc:
         raise CodecError(f"{what}: {exc}") from exc
-    if (codec.quant != "none" or codec.sparse or codec.drop) and tensor.dtype not in _FLOAT_DTYPES:
-        raise CodecError(
-            f"{what}: codec {codec} quantises, but its dtype {tensor.dtype} is not float"
-        )
-    shape = tensor.shape
+    if (codec.quant != "none" or codec.sparse or codec.drop) and dtype not in _FLOAT_DTYPES:
+        raise CodecError(f"{what}: codec {codec} quantises, but its dtype {dtype} is not float")
     if len(shape) > MAX_NDIM:
         raise CodecError(f"{what} has {len(shape)} dimensions, expected at most {MAX_NDIM}")
     if not all(isinstance(d, int) and d >= 0 for d in shape):
         raise CodecError(f"{what} has shape {shape}: dimensions must be non-negative integers")
-    size = math.prod(shape) * np.dtype(tensor.dtype).itemsize
+    size = math.prod(shape) * np.dtype(dtype).itemsize
     if size > max_bytes:
         raise CodecError(
-            f"{what} of shape {shape} and dtype {tensor.dtype} would decode to {size} bytes, "
+            f"{what} of shape {shape} and dtype {dtype} would decode to {size} bytes, "
             f"more than the limit of {max_bytes}"
         )
     # numpy refuses shapes whose dimensions multiply past its index range even when one
     # of them is zero, so the nonzero ones must fit the bound too.
-    if math.prod(d for d in shape if d) * np.dtype(tensor.dtype).itemsize > max(max_bytes, 1):
+    if math.prod(d for d in shape if d) * np.dtype(dtype).itemsize > max(max_bytes, 1):
         raise CodecError(f"{what} has shape {shape}: its dimensions are too large")
     if codec.image:
-        check_image_shape(shape, ImageNorm.from_params(tensor.params))
+        check_image_shape(shape, ImageNorm.from_params(params))
         return codec, None
     try:
-        return codec, layout(codec, shape, tensor.dtype, tensor.params)
+        return codec, layout(codec, shape, dtype, params)
     except CodecError as exc:
         raise CodecError(f"{what}: {exc}") from exc
 
