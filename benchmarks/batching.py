@@ -25,7 +25,11 @@ three tiers and the sessions so share the machine's two cores as three processes
 with its own interpreter, not one GIL.
 
 The settings, per plan: batched with ``--batch-delay 0`` (the default), batched with one
-positive delay, and not batched (``--max-batch 1``: each step its own ONNX Runtime call).
+positive delay, both with a thread a session; batched with ``--batch-delay 0`` and the
+sessions "stepped together", one thread stepping them all (``TierDecoder.choose_together``,
+[Note: sessions stepped together] in device/client.py), as a gateway that serves its
+users' sessions in one loop would; and not batched (``--max-batch 1``: each step its own
+ONNX Runtime call), a thread a session.
 With a delay D > 0 a step that reaches a tier while other sessions are active waits up to
 D for their steps ([Note: the step batcher]); the positive delay is chosen per plan by a
 sweep in the same run, before the measured rows: ``SWEEP_DELAYS_MS`` (2 to 100 ms, the
@@ -65,18 +69,16 @@ for the same prompt, and the sessions whose every token is.
 Per configuration and session count: aggregate decode tokens/s (every session's tokens
 after its first, over the time from when every session has its first token to the last
 session's end), p50/p99 ms per token (each decode step's round trip, every session's steps
-together; each session's own p50 is kept too), the batches each tier ran (the device's
-from its batcher, the edge's and the cloud's from their metrics endpoint,
-``tierflow_batch_calls_total``), the share of a round spent in the tiers' ONNX Runtime
-calls of every session's decode step, each tier's mean decode call as timed while it ran
-(``tierflow_batch_call_seconds_total``, counted from when every session has its first
-token: the prefill call of every session's prompt at once, of the same size, takes ten
-times a decode step's, and runs before 2026-12-06 counted it in; unlike the ceiling,
-measured in the same moment as the round), each process's peak resident memory (VmHWM),
-and whether
-every session's tokens equal the unsplit model's own greedy output
-(``tierflow.greedy.reference_generate``).
-"""
+together, stepped together each round's; each session's own p50 is kept too), the batches
+each tier ran (the device's from its batcher, the edge's and the cloud's from their metrics
+endpoint, ``tierflow_batch_calls_total``), the share of a round spent in the tiers' ONNX
+Runtime calls of every session's decode step, each tier's mean decode call as timed while
+it ran (``tierflow_batch_call_seconds_total``, counted from when every session has its
+first token: the prefill call of every session's prompt at once, of the same size, takes
+ten times a decode step's, and runs before 2026-12-06 counted it in; unlike the ceiling,
+measured in the same moment as the round), each process's peak resident memory (VmHWM), and
+whether every session's tokens equal the unsplit model's own greedy output
+(``tierflow.greedy.reference_generate``)."""
 
 from __future__ import annotations
 
@@ -134,12 +136,18 @@ class Setting:
     max_batch: int = 16
     delay_ms: float = 0.0
     padding: bool = False
+    #: The device steps its sessions from one thread (``TierDecoder.choose_together``),
+    #: not a thread each.
+    together: bool = False
 
     @property
     def name(self) -> str:
         if self.max_batch == 1:
             return "not batched"
-        return "--batch-padding" if self.padding else f"batched, delay {self.delay_ms:g} ms"
+        if self.padding:
+            return "--batch-padding"
+        named = f"batched, delay {self.delay_ms:g} ms"
+        return f"{named}, stepped together" if self.together else named
 
     def flags(self) -> list[str]:
         """As ``tierflow serve`` (and the device's child) take them."""
@@ -255,7 +263,8 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
             tune_for_latency(sessions=count)
             # The calls counted are the decode steps' alone: a prefill call of the same
             # size (every session's prompt at once) takes ten times a decode step's.
-            row = _generate(client, texts[:count], args.tokens, prefilled=at_decode)
+            generate = _generate_together if args.together else _generate
+            row = generate(client, texts[:count], args.tokens, prefilled=at_decode)
             before = decoding.pop()
             after = calls()
             row["batches"] = {
@@ -331,6 +340,54 @@ def _generate(
         "session_p50_ms": [statistics.median(o["steps"]) for o in out],
         "session_p99_ms": [float(np.percentile(o["steps"], 99)) for o in out],
         "tokens": [o["tokens"] for o in out],
+    }
+
+
+def _generate_together(
+    client: Any,
+    texts: list[list[int]],
+    tokens: int,
+    *,
+    prefilled: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """``len(texts)`` sessions generating ``tokens`` tokens each, stepped together from
+    this thread (``TierDecoder.choose_together``): every session's prefill at once, then
+    each decode step of them all at once; ``prefilled`` is called between. A step's ms
+    per token is its round's, for every session."""
+    from tierflow.device.generation import TierDecoder
+
+    decoders = [TierDecoder(client) for _ in texts]
+
+    def step(steps: list[tuple[Any, list[int], int]]) -> list[int]:
+        chosen = []
+        for answer in TierDecoder.choose_together(steps, keep=1):
+            if isinstance(answer, Exception):
+                raise answer
+            chosen.append(int(answer[-1]))
+        return chosen
+
+    made = [[token] for token in step([(d, t, 0) for d, t in zip(decoders, texts, strict=True)])]
+    if prefilled is not None:
+        prefilled()
+    first = time.perf_counter()
+    rounds = []
+    for _ in range(tokens - 1):
+        began = time.perf_counter()
+        steps = [
+            (d, [m[-1]], len(t) + len(m) - 1) for d, t, m in zip(decoders, texts, made, strict=True)
+        ]
+        for m, token in zip(made, step(steps), strict=True):
+            m.append(token)
+        rounds.append((time.perf_counter() - began) * 1e3)
+    span = time.perf_counter() - first
+    return {
+        "sessions": len(texts),
+        "tokens_per_s": len(texts) * (tokens - 1) / span,
+        "p50_ms": float(np.percentile(rounds, 50)),
+        "p99_ms": float(np.percentile(rounds, 99)),
+        "session_p50_ms": [statistics.median(rounds)] * len(texts),
+        "session_p99_ms": [float(np.percentile(rounds, 99))] * len(texts),
+        "tokens": made,
     }
 
 
@@ -516,6 +573,7 @@ def generate_through(
             args,
             *setting.flags(),
             *(["--vary"] if vary else []),
+            *(["--together"] if setting.together else []),
             "--edge",
             tiers.edge,
             "--tiers",
@@ -609,7 +667,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         delay = args.delay_ms
         if delay is None:
             delay = sweep(paths[where], where, args, results["sweep"])
-        for setting in (Setting(16, 0.0), Setting(16, delay), Setting(1, 0.0)):
+        for setting in (
+            Setting(16, 0.0),
+            Setting(16, delay),
+            Setting(16, 0.0, together=True),
+            Setting(1, 0.0),
+        ):
             name = f"{where}, {setting.name}"
             progress(f"{name} ...")
             run = generate_through(paths[where], counts, args, setting)
@@ -933,6 +996,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     for name, run in results["runs"].items():
         delay = run["setting"]["delay_ms"]
         style = ":x" if run["setting"]["max_batch"] == 1 else ("-o" if delay else "-s")
+        if run["setting"].get("together"):
+            style = "-^"
         axis.plot(
             [r["sessions"] for r in run["rows"]],
             [r["tokens_per_s"] for r in run["rows"]],
@@ -1087,6 +1152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-delay", default="0ms", help=argparse.SUPPRESS)
     parser.add_argument("--batch-padding", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--vary", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--together", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         counts = [int(c) for c in args.sessions.split(",")]

@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from tierflow.device.client import DeviceClient
-from tierflow.device.results import Result
+from tierflow.device.client import DeviceClient, SessionRequest
+from tierflow.device.results import Result, Ticket
 from tierflow.device.speculation import AcceptanceMeter, sample, verify_greedy, verify_sampled
 from tierflow.errors import (
     InputError,
@@ -45,6 +45,7 @@ from tierflow.errors import (
     StateError,
     TierflowError,
     TransportError,
+    UsageError,
     is_missing,
     is_state_lost,
 )
@@ -104,25 +105,59 @@ class TierDecoder:
         positions, ``[keep]``: the tiers answer the choices alone (tier.proto:
         Request.choices_only), 8 bytes a position where the logits take 4 a vocabulary
         entry."""
-        answer = self._answer(tokens, position, keep, choices_only=True)
+        return self._choices(self._answer(tokens, position, keep, choices_only=True), tokens, keep)
+
+    @staticmethod
+    def choose_together(
+        steps: Sequence[tuple[TierDecoder, Sequence[int], int]], keep: int = 0
+    ) -> list[np.ndarray | TierflowError]:
+        """:meth:`choose` for several sessions of one client at once, from this thread
+        ([Note: sessions stepped together] in device/client.py): each step's
+        ``(decoder, tokens, position)``. Each session's choices, or its own error. A
+        step whose tier lost its session, or is missing, is taken on alone, as
+        :meth:`choose` takes it (replayed, tried again)."""
+        if len({id(decoder.client) for decoder, _, _ in steps}) > 1:
+            raise UsageError("sessions stepped together share one DeviceClient")
+        answers: dict[int, np.ndarray | TierflowError] = {}
+        requests, seats = [], []
+        for seat, (decoder, tokens, position) in enumerate(steps):
+            try:
+                decoder._check(tokens, position)
+            except StateError as exc:
+                answers[seat] = exc
+                continue
+            requests.append(decoder._request(tokens, position, keep or len(tokens), True))
+            seats.append(seat)
+        tickets = steps[0][0].client.submit_together(requests) if requests else []
+        for seat, ticket in zip(seats, tickets, strict=True):
+            decoder, tokens, position = steps[seat]
+            try:
+                answer = decoder._answer(tokens, position, keep, choices_only=True, sent=ticket)
+                answers[seat] = decoder._choices(answer, tokens, keep)
+            except TierflowError as exc:
+                answers[seat] = exc
+        return [answers[seat] for seat in range(len(steps))]
+
+    @staticmethod
+    def _choices(answer: np.ndarray, tokens: Sequence[int], keep: int) -> np.ndarray:
         if np.issubdtype(answer.dtype, np.floating):  # answered on a path that kept logits
             answer = np.argmax(answer, axis=-1)
         return answer.reshape(-1).astype(np.int64)[-(keep or len(tokens)) :]
 
     def _answer(
-        self, tokens: Sequence[int], position: int, keep: int, *, choices_only: bool
+        self,
+        tokens: Sequence[int],
+        position: int,
+        keep: int,
+        *,
+        choices_only: bool,
+        sent: Ticket | None = None,
     ) -> np.ndarray:
         """The decoder's answer to ``tokens`` fed after ``position``, replayed once if a
-        tier lost the session."""
+        tier lost the session. ``sent``: the step's ticket, if it was sent already."""
         keep = keep or len(tokens)
-        if position > len(self.fed):
-            raise StateError(f"position {position} is past the {len(self.fed)} tokens fed")
-        if position + len(tokens) > self.decoder.context:
-            raise StateError(
-                f"{position + len(tokens)} tokens do not fit the decoder's context of "
-                f"{self.decoder.context} (plan --context)"
-            )
-        result = self._submit(tokens, position, keep, choices_only)
+        self._check(tokens, position)
+        result = self._submit(tokens, position, keep, choices_only, sent)
         if is_state_lost(result.error):
             # [Note: replaying a session]: every token so far again, from position 0.
             self.replays += 1
@@ -133,25 +168,56 @@ class TierDecoder:
                 position + len(tokens),
             )
             result = self._submit([*self.fed[:position], *tokens], 0, keep, choices_only)
+        return self._finish(result, tokens, position)
+
+    def _check(self, tokens: Sequence[int], position: int) -> None:
+        if position > len(self.fed):
+            raise StateError(f"position {position} is past the {len(self.fed)} tokens fed")
+        if position + len(tokens) > self.decoder.context:
+            raise StateError(
+                f"{position + len(tokens)} tokens do not fit the decoder's context of "
+                f"{self.decoder.context} (plan --context)"
+            )
+
+    def _finish(self, result: Result, tokens: Sequence[int], position: int) -> np.ndarray:
+        """The answer of a step's result (raising its error); the session has its tokens."""
         result.unwrap()
         self.fed[position:] = list(tokens)
         return np.asarray(result.outputs[self.decoder.logits])
 
-    def _submit(
+    def _request(
         self, tokens: Sequence[int], position: int, keep: int, choices_only: bool
+    ) -> SessionRequest:
+        return SessionRequest(
+            self.decoder.step_feeds(list(tokens), position),
+            self.session,
+            position,
+            keep,
+            choices_only,
+        )
+
+    def _submit(
+        self,
+        tokens: Sequence[int],
+        position: int,
+        keep: int,
+        choices_only: bool,
+        sent: Ticket | None = None,
     ) -> Result:
-        """One step; while a tier is missing, tried again (with backoff) for ``retry_s``."""
-        feeds = self.decoder.step_feeds(list(tokens), position)
+        """One step (``sent``: its first try's ticket); while a tier is missing, tried
+        again (with backoff) for ``retry_s``."""
+        request = self._request(tokens, position, keep, choices_only)
         ends = time.monotonic() + self.retry_s
         wait = _FIRST_RETRY_S
         while True:
-            ticket = self.client.submit(
-                feeds,
+            ticket = sent or self.client.submit(
+                request.inputs,
                 session=self.session,
                 position=position,
                 keep_last=keep,
                 choices_only=choices_only,
             )
+            sent = None
             result = ticket.result()
             self.results.append(result)
             if not is_missing(result.error) or time.monotonic() + wait > ends:

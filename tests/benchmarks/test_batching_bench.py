@@ -11,6 +11,7 @@ import pytest
 from benchmarks.batching import (
     Setting,
     _generate,
+    _generate_together,
     agreement,
     choose_delay,
     fastest,
@@ -68,6 +69,9 @@ def test_a_setting_is_the_flags_tierflow_serve_takes_and_names_its_row() -> None
     assert Setting(1).name == "not batched"
     padded = Setting(16, 0.0, padding=True)
     assert padded.flags()[-1] == "--batch-padding" and padded.name == "--batch-padding"
+    together = Setting(16, 0.0, together=True)  # the device's way, not the tiers' flags
+    assert together.flags() == Setting().flags()
+    assert together.name == "batched, delay 0 ms, stepped together"
 
 
 def _row(sessions: int, tokens_per_s: float, p50: float = 50.0) -> dict[str, object]:
@@ -230,6 +234,18 @@ class _Decoder:
         _Decoder.log.append((self.number, position))
         return np.array([7])
 
+    @staticmethod
+    def choose_together(
+        steps: list[tuple[_Decoder, list[int], int]], keep: int = 0
+    ) -> list[np.ndarray | Exception]:
+        answers: list[np.ndarray | Exception] = []
+        for decoder, tokens, position in steps:
+            try:
+                answers.append(decoder.choose(tokens, position, keep))
+            except RuntimeError as exc:
+                answers.append(exc)
+        return answers
+
 
 def _sessions(monkeypatch: pytest.MonkeyPatch, *, failing: bool) -> None:
     import tierflow.device.generation
@@ -260,3 +276,24 @@ def test_a_session_whose_prefill_fails_ends_the_row_instead_of_stopping_the_othe
     _sessions(monkeypatch, failing=True)
     with pytest.raises(RuntimeError, match="a session failed"):
         _generate(None, [[1, 2]] * 4, 3, prefilled=lambda: None)
+
+
+def test_sessions_stepped_together_count_their_calls_after_every_prefill(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _sessions(monkeypatch, failing=False)
+    seen: list[list[tuple[int, int]]] = []
+    row = _generate_together(
+        None, [[1, 2]] * 4, 3, prefilled=lambda: seen.append(list(_Decoder.log))
+    )
+    assert seen == [[(i, 0) for i in range(4)]]  # the prefills, together
+    assert _Decoder.log[4:] == [(i, 2) for i in range(4)] + [(i, 3) for i in range(4)]
+    assert row["tokens"] == [[7, 7, 7]] * 4 and row["sessions"] == 4
+
+
+def test_a_session_stepped_together_that_fails_fails_the_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _sessions(monkeypatch, failing=True)
+    with pytest.raises(RuntimeError, match="the prefill failed"):
+        _generate_together(None, [[1, 2]] * 4, 3, prefilled=lambda: None)

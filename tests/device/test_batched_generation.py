@@ -25,7 +25,7 @@ import pytest
 from tierflow.device.client import DeviceClient
 from tierflow.device.generation import Generator, TierDecoder
 from tierflow.edge.forwarding import Forwarding
-from tierflow.errors import RemoteError
+from tierflow.errors import InputError, RemoteError, StateError, UsageError
 from tierflow.greedy import reference_generate
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.decoder_graph import load_decoder, split_decoder
@@ -580,3 +580,98 @@ def test_a_devices_batch_goes_up_to_the_edge_as_one_message(
     assert 3 in received["edge"], received  # the device's batch of three, in one message
     assert 3 in received["cloud"], received  # and on from the edge as one
     assert all(r.bytes["device-edge"] > 0 and r.bytes["edge-cloud"] > 0 for r in results)
+
+
+def counting_members(*servers: tuple[str, TierServer]) -> dict[str, list[int]]:
+    """Each tier's batched messages, by how many members each carried."""
+    received: dict[str, list[int]] = {name: [] for name, _ in servers}
+    for name, server in servers:
+        run_members = server.tier.run_members
+
+        def counted(
+            request: tier_pb2.Request, *args: Any, _n: str = name, _r: Any = run_members
+        ) -> None:
+            received[_n].append(len(request.members))
+            _r(request, *args)
+
+        server.tier.run_members = counted  # type: ignore[method-assign]
+    return received
+
+
+@pytest.mark.parametrize("where", ["split", "cloud"])
+def test_sessions_stepped_together_run_as_one_call_on_every_tier(
+    models: dict[str, Path], where: str
+) -> None:
+    """Four sessions of one device stepped from one thread ([Note: sessions stepped
+    together] in device/client.py): each step of the four is one message to the edge and
+    on to the cloud, one call on every tier that runs a segment, and every session's
+    output is the model's own. No delay, no gate: they are each other's company."""
+    options = RuntimeOptions(workers=2, max_batch=8)
+    prompts = PROMPTS[:4]
+    with serving(models[where], options) as (plan, cloud, edge):
+        received = counting_members(("edge", edge), ("cloud", cloud))
+        with DeviceClient(plan, edge.address, options=options) as client:
+            decoders = [TierDecoder(client) for _ in prompts]
+            made = [
+                [int(d.choose(p, 0, keep=1)[-1])] for d, p in zip(decoders, prompts, strict=True)
+            ]
+            for _ in range(TOKENS - 1):
+                steps = [
+                    (d, [m[-1]], len(p) + len(m) - 1)
+                    for d, p, m in zip(decoders, prompts, made, strict=True)
+                ]
+                for m, chosen in zip(made, TierDecoder.choose_together(steps, keep=1), strict=True):
+                    assert isinstance(chosen, np.ndarray), chosen
+                    m.append(int(chosen[-1]))
+            device = client.pipeline.runner(0).batcher
+        cloud_sizes = batcher_of(cloud).stats.sizes
+    for prompt, tokens in zip(prompts, made, strict=True):
+        expected = reference_generate(models["model"], prompt, TOKENS, context=CONTEXT).tokens
+        assert tokens == list(expected)
+    assert received["edge"] == [4] * (TOKENS - 1), received
+    assert received["cloud"] == [4] * (TOKENS - 1), received
+    assert cloud_sizes.get(4) == TOKENS - 1, cloud_sizes
+    if where == "split":
+        assert device is not None and device.stats.sizes.get(4) == TOKENS - 1
+
+
+def test_a_session_stepped_together_fails_or_replays_alone(models: dict[str, Path]) -> None:
+    """Five sessions stepped together: one asks past the tokens it fed (its StateError),
+    one feeds a token past the vocabulary (the device's segment refuses it), and one lost
+    its cloud state (replayed alone); the other two, and the replayed one, get the
+    model's own token."""
+    options = RuntimeOptions(workers=2, max_batch=8)
+    prompt = PROMPTS[0]
+    with (
+        serving(models["split"], options) as (plan, cloud, edge),
+        DeviceClient(plan, edge.address, options=options) as client,
+    ):
+        decoders = [TierDecoder(client) for _ in range(5)]
+        first = [int(d.choose(prompt, 0, keep=1)[-1]) for d in decoders]
+        pipeline = cloud.tier.pipeline
+        assert pipeline is not None
+        pipeline.states.drop(decoders[2].session)
+        steps = [(d, [first[i]], len(prompt)) for i, d in enumerate(decoders)]
+        steps[3] = (decoders[3], [first[3]], len(prompt) + 5)
+        steps[4] = (decoders[4], [VOCAB + 7], len(prompt))
+        answers = TierDecoder.choose_together(steps, keep=1)
+    expected = reference_generate(models["model"], prompt, 2, context=CONTEXT).tokens
+    for i in (0, 1, 2):
+        chosen = answers[i]
+        assert isinstance(chosen, np.ndarray), chosen
+        assert [first[i], int(chosen[-1])] == list(expected)
+    assert [d.replays for d in decoders] == [0, 0, 1, 0, 0]
+    assert isinstance(answers[3], StateError), answers[3]
+    assert isinstance(answers[4], InputError), answers[4]
+    assert "refused its inputs" in str(answers[4])
+
+
+def test_sessions_stepped_together_share_one_client(models: dict[str, Path]) -> None:
+    with (
+        serving(models["cloud"], RuntimeOptions()) as (plan, _, edge),
+        DeviceClient(plan, edge.address) as one,
+        DeviceClient(plan, edge.address) as other,
+    ):
+        steps = [(TierDecoder(one), [1], 0), (TierDecoder(other), [1], 0)]
+        with pytest.raises(UsageError, match="one DeviceClient"):
+            TierDecoder.choose_together(steps)

@@ -77,7 +77,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,6 +130,8 @@ Value = TypeVar("Value")
 SentUp = TypeVar("SentUp")
 #: What a way up returns (:func:`drive`).
 Reached = TypeVar("Reached")
+#: What names each of several requests taken up together (:func:`drive_together`).
+Key = TypeVar("Key", bound=Hashable)
 #: A request's way up at a tier, as :meth:`Pipeline.climb` takes it: a generator that
 #: yields its step for the tier's batcher, if it has one, is sent the step's outputs (or
 #: has the step's error thrown into it), and returns where the request got to.
@@ -162,6 +164,34 @@ def drive(climb: Climb[Reached]) -> Reached:
                 given = exc
     except StopIteration as stop:
         return stop.value
+
+
+def drive_together(climbs: Mapping[Key, Climb[Reached]]) -> dict[Key, Reached | Exception]:
+    """Take several requests up together on this thread: each as far as it gets, their
+    steps for one batcher run as one call (:meth:`StepBatcher.run_all
+    <tierflow.runtime.batching.StepBatcher.run_all>`), then each on with its own outputs
+    or its own error. Where each got to, or the error its way up raised, by key."""
+    left = dict(climbs)
+    went: dict[Key, Reached | Exception] = {}
+    sent: dict[Key, Outputs | BaseException | None] = dict.fromkeys(left)
+    while left:
+        pending: dict[Key, Pending] = {}
+        for key, climb in list(left.items()):
+            try:
+                pending[key] = resume(climb, sent.pop(key))
+                continue
+            except StopIteration as stop:
+                went[key] = stop.value
+            except Exception as exc:
+                went[key] = exc
+            del left[key]
+        by_batcher: dict[int, list[Key]] = {}
+        for key, step in pending.items():
+            by_batcher.setdefault(id(step.batcher), []).append(key)
+        for keys in by_batcher.values():
+            steps = [pending[key] for key in keys]
+            sent.update(zip(keys, steps[0].batcher.run_all(steps), strict=True))
+    return went
 
 
 def resume(climb: Climb[Reached], given: Outputs | BaseException | None) -> Pending:

@@ -51,8 +51,8 @@ from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2
 from tierflow.runtime import batch_message
 from tierflow.runtime.batch_message import Deposit, MemberReplies, check_members, send_together
-from tierflow.runtime.batching import BatchStats, Outputs, Pending, departure_seat
-from tierflow.runtime.pipeline import Answered, Climb, Onward, Pipeline, drive, resume
+from tierflow.runtime.batching import BatchStats, departure_seat
+from tierflow.runtime.pipeline import Answered, Climb, Onward, Pipeline, drive, drive_together
 from tierflow.runtime.replies import Send
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, serve_segment
 from tierflow.runtime.session_order import SessionOrder
@@ -380,38 +380,18 @@ class Tier:
         steps run as one batch call (each batcher's, a plan's), and those that go on sent
         on as one message; each member still the request it is, with its own checks and
         its own typed error, which fails no other member."""
-        climbs: dict[int, Climb[tier_pb2.Reply | Deposit]] = {}
         timings: dict[int, tier_pb2.TierTiming] = {}
-        pending: dict[int, Pending] = {}
-        sent: dict[int, Outputs | BaseException | None] = {}
-        went: dict[int, tier_pb2.Reply | Deposit] = {}
-        requests = dict(members)
+        climbs: dict[int, Climb[tier_pb2.Reply | Deposit]] = {}
         for seat, member in members:
             timings[seat] = self._timing(received)
             later = functools.partial(replies.put, seat)
             climbs[seat] = self._climb(member, timings[seat], later, caller)
-            sent[seat] = None
-        while climbs:
-            for seat, climb in list(climbs.items()):
-                try:
-                    pending[seat] = resume(climb, sent.pop(seat))
-                    continue
-                except StopIteration as stop:
-                    went[seat] = stop.value
-                except Exception as exc:
-                    went[seat] = self._failed(requests[seat], caller, timings[seat], exc)
-                del climbs[seat]
-            by_batcher: dict[int, list[int]] = {}
-            for seat, step in pending.items():
-                by_batcher.setdefault(id(step.batcher), []).append(seat)
-            for seats in by_batcher.values():
-                steps = [pending[seat] for seat in seats]
-                for seat, result in zip(seats, steps[0].batcher.run_all(steps), strict=True):
-                    sent[seat] = result
-            pending.clear()
+        went = drive_together(climbs)
         deposits = []
-        for seat, _ in members:
+        for seat, member in members:
             outcome = went[seat]
+            if isinstance(outcome, Exception):
+                outcome = self._failed(member, caller, timings[seat], outcome)
             if isinstance(outcome, Deposit):
                 deposits.append(outcome)
             else:
