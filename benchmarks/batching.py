@@ -259,8 +259,9 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
             # a row's sessions wait for no one who has left.
             time.sleep(ACTIVE_S + 0.1)
             # One session as `tierflow generate` runs it; several, a thread each, with the
-            # longer switch interval of [Note: GIL switch interval].
-            tune_for_latency(sessions=count)
+            # longer switch interval of [Note: GIL switch interval]; stepped together, one
+            # thread drives them all.
+            tune_for_latency(sessions=1 if args.together else count)
             # The calls counted are the decode steps' alone: a prefill call of the same
             # size (every session's prompt at once) takes ten times a decode step's.
             generate = _generate_together if args.together else _generate

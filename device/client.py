@@ -74,7 +74,14 @@ from tierflow.transport.deadline import Deadline
 from tierflow.transport.stream_client import Sent
 from tierflow.transport.wire import put_tensors
 
-__all__ = ["DEFAULT_DEADLINE_S", "DEFAULT_RETRY_S", "DeviceClient", "Result", "Ticket"]
+__all__ = [
+    "DEFAULT_DEADLINE_S",
+    "DEFAULT_RETRY_S",
+    "DeviceClient",
+    "Result",
+    "SessionRequest",
+    "Ticket",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -291,13 +298,16 @@ class DeviceClient:
         tickets: dict[int, Ticket] = {}
         climbs: dict[int, Climb[Answered | Onward | Ticket]] = {}
         begun: dict[int, tuple[str, float, int]] = {}
+        plans_held: set[int] = set()
         with contextlib.ExitStack() as held:
             for i, request in enumerate(requests):
                 request_id, started = str(next(self._ids)), time.perf_counter()
                 index = self._session_plan(request.session, request.position)
                 begun[i] = (request_id, started, index)
                 try:
-                    held.enter_context(self.pipeline.holding(index))
+                    if index not in plans_held:  # its files, fetched if need be
+                        held.enter_context(self.pipeline.holding(index))
+                        plans_held.add(index)
                     step = self._step(
                         index,
                         request.session,
