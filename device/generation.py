@@ -157,7 +157,7 @@ class TierDecoder:
         tier lost the session. ``sent``: the step's ticket, if it was sent already."""
         keep = keep or len(tokens)
         self._check(tokens, position)
-        result = self._submit(tokens, position, keep, choices_only, sent)
+        result = self._submit(self._request(tokens, position, keep, choices_only), sent)
         if is_state_lost(result.error):
             # [Note: replaying a session]: every token so far again, from position 0.
             self.replays += 1
@@ -167,7 +167,8 @@ class TierDecoder:
                 result.error,
                 position + len(tokens),
             )
-            result = self._submit([*self.fed[:position], *tokens], 0, keep, choices_only)
+            replay = self._request([*self.fed[:position], *tokens], 0, keep, choices_only)
+            result = self._submit(replay)
         return self._finish(result, tokens, position)
 
     def _check(self, tokens: Sequence[int], position: int) -> None:
@@ -196,26 +197,18 @@ class TierDecoder:
             choices_only,
         )
 
-    def _submit(
-        self,
-        tokens: Sequence[int],
-        position: int,
-        keep: int,
-        choices_only: bool,
-        sent: Ticket | None = None,
-    ) -> Result:
+    def _submit(self, request: SessionRequest, sent: Ticket | None = None) -> Result:
         """One step (``sent``: its first try's ticket); while a tier is missing, tried
         again (with backoff) for ``retry_s``."""
-        request = self._request(tokens, position, keep, choices_only)
         ends = time.monotonic() + self.retry_s
         wait = _FIRST_RETRY_S
         while True:
             ticket = sent or self.client.submit(
                 request.inputs,
-                session=self.session,
-                position=position,
-                keep_last=keep,
-                choices_only=choices_only,
+                session=request.session,
+                position=request.position,
+                keep_last=request.keep_last,
+                choices_only=request.choices_only,
             )
             sent = None
             result = ticket.result()

@@ -543,45 +543,6 @@ def test_an_edges_batch_goes_on_to_the_cloud_as_one_message(models: dict[str, Pa
     assert max(cloud_batcher.stats.sizes) >= 3, cloud_batcher.stats.sizes
 
 
-@pytest.mark.parametrize("where", ["split", "cloud"])
-def test_a_devices_batch_goes_up_to_the_edge_as_one_message(
-    models: dict[str, Path], where: str
-) -> None:
-    """Four local sessions on one device: the device runs three of their steps as one
-    call and sends them to the edge as one request, which the edge runs as one call and
-    sends on to the cloud as one ([Note: a batch in one message]); every session's output
-    is the model's own, and each step's result has its own share of the link's bytes.
-    Cloud-only, the device and the edge run none of the plan's segments: the device's call
-    runs nothing, and the edge passes the message on whole."""
-    prompt = PROMPTS[0]
-    options = RuntimeOptions(workers=2, max_batch=8)
-    with serving(models[where], options) as (plan, cloud, edge):
-        received: dict[str, list[int]] = {"edge": [], "cloud": []}
-        for name, server in (("edge", edge), ("cloud", cloud)):
-            run_members = server.tier.run_members
-
-            def counted(
-                request: tier_pb2.Request, *args: Any, _n: str = name, _r: Any = run_members
-            ) -> None:
-                received[_n].append(len(request.members))
-                _r(request, *args)
-
-            server.tier.run_members = counted  # type: ignore[method-assign]
-        with DeviceClient(plan, edge.address, options=options) as client:
-            device = client.pipeline.runner(0).batcher
-            assert device is not None
-            arm = gate(device, 4)
-            prefilled = threading.Barrier(4, action=arm)
-            results: list[Any] = []
-
-            outputs = lockstep(4, lambda i: four_tokens(client, prompt, prefilled, results))
-    expected = reference_generate(models["model"], prompt, 4, context=CONTEXT).tokens
-    assert all(outputs[i] == list(expected) for i in range(4)), outputs
-    assert 3 in received["edge"], received  # the device's batch of three, in one message
-    assert 3 in received["cloud"], received  # and on from the edge as one
-    assert all(r.bytes["device-edge"] > 0 and r.bytes["edge-cloud"] > 0 for r in results)
-
-
 def counting_members(*servers: tuple[str, TierServer]) -> dict[str, list[int]]:
     """Each tier's batched messages, by how many members each carried."""
     received: dict[str, list[int]] = {name: [] for name, _ in servers}
@@ -596,6 +557,35 @@ def counting_members(*servers: tuple[str, TierServer]) -> dict[str, list[int]]:
 
         server.tier.run_members = counted  # type: ignore[method-assign]
     return received
+
+
+@pytest.mark.parametrize("where", ["split", "cloud"])
+def test_a_devices_batch_goes_up_to_the_edge_as_one_message(
+    models: dict[str, Path], where: str
+) -> None:
+    """Four local sessions on one device: the device runs three of their steps as one
+    call and sends them to the edge as one request, which the edge runs as one call and
+    sends on to the cloud as one ([Note: a batch in one message]); every session's output
+    is the model's own, and each step's result has its own share of the link's bytes.
+    Cloud-only, the device and the edge run none of the plan's segments: the device's call
+    runs nothing, and the edge passes the message on whole."""
+    prompt = PROMPTS[0]
+    options = RuntimeOptions(workers=2, max_batch=8)
+    with serving(models[where], options) as (plan, cloud, edge):
+        received = counting_members(("edge", edge), ("cloud", cloud))
+        with DeviceClient(plan, edge.address, options=options) as client:
+            device = client.pipeline.runner(0).batcher
+            assert device is not None
+            arm = gate(device, 4)
+            prefilled = threading.Barrier(4, action=arm)
+            results: list[Any] = []
+
+            outputs = lockstep(4, lambda i: four_tokens(client, prompt, prefilled, results))
+    expected = reference_generate(models["model"], prompt, 4, context=CONTEXT).tokens
+    assert all(outputs[i] == list(expected) for i in range(4)), outputs
+    assert 3 in received["edge"], received  # the device's batch of three, in one message
+    assert 3 in received["cloud"], received  # and on from the edge as one
+    assert all(r.bytes["device-edge"] > 0 and r.bytes["edge-cloud"] > 0 for r in results)
 
 
 @pytest.mark.parametrize("where", ["split", "cloud"])
