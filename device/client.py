@@ -103,8 +103,10 @@ _SESSIONS_KEPT = 10_000
 # session step, their device steps in one batch call (StepBatcher.run_all: they are each
 # other's company, so none waits for a --batch-delay), and the steps that go on as one
 # message to the edge, which runs them as one call and sends them on as one. Each still
-# gets its own ticket and its own typed error; a step whose tier lost its session, or is
-# missing, is taken on alone (replayed, tried again) by TierDecoder.choose_together.
+# gets its own ticket and its own typed error. TierDecoder.choose_together tries the
+# steps that a missing tier failed again together, with backoff, while each decoder's
+# retry_s lasts (one session's tries after another's would take N times as long to give
+# up), and replays a step whose tier lost its session alone.
 #
 # What it saves is the threads. When a round's answers come, a thread a session means
 # each thread wakes in turn for its own, makes its next step and waits again at the

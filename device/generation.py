@@ -28,7 +28,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,29 +113,34 @@ class TierDecoder:
     ) -> list[np.ndarray | TierflowError]:
         """:meth:`choose` for several sessions of one client at once, from this thread
         ([Note: sessions stepped together] in device/client.py): each step's
-        ``(decoder, tokens, position)``. Each session's choices, or its own error. A
-        step whose tier lost its session, or is missing, is taken on alone, as
-        :meth:`choose` takes it (replayed, tried again)."""
+        ``(decoder, tokens, position)``. Each session's choices, or its own error. Steps
+        that a missing tier failed are tried again together (each while its decoder's
+        ``retry_s`` lasts); a step whose tier lost its session is replayed alone, as
+        :meth:`choose` replays it."""
         if len({id(decoder.client) for decoder, _, _ in steps}) > 1:
             raise UsageError("sessions stepped together share one DeviceClient")
         answers: dict[int, np.ndarray | TierflowError] = {}
-        requests, seats = [], []
+        requests: dict[int, SessionRequest] = {}
         for seat, (decoder, tokens, position) in enumerate(steps):
             try:
                 decoder._check(tokens, position)
             except StateError as exc:
                 answers[seat] = exc
                 continue
-            requests.append(decoder._request(tokens, position, keep or len(tokens), True))
-            seats.append(seat)
-        tickets = steps[0][0].client.submit_together(requests) if requests else []
-        for seat, ticket in zip(seats, tickets, strict=True):
-            decoder, tokens, position = steps[seat]
-            try:
-                answer = decoder._answer(tokens, position, keep, choices_only=True, sent=ticket)
-                answers[seat] = decoder._choices(answer, tokens, keep)
-            except TierflowError as exc:
-                answers[seat] = exc
+            requests[seat] = decoder._request(tokens, position, keep or len(tokens), True)
+        if requests:
+            client = steps[0][0].client
+            decoders = {seat: steps[seat][0] for seat in requests}
+            tried = _tries(decoders, requests, client.submit_together)
+            for seat, result in tried.items():
+                decoder, tokens, position = steps[seat]
+                try:
+                    answer = decoder._answer(
+                        tokens, position, keep, choices_only=True, tried=result
+                    )
+                    answers[seat] = decoder._choices(answer, tokens, keep)
+                except TierflowError as exc:
+                    answers[seat] = exc
         return [answers[seat] for seat in range(len(steps))]
 
     @staticmethod
@@ -151,13 +156,15 @@ class TierDecoder:
         keep: int,
         *,
         choices_only: bool,
-        sent: Ticket | None = None,
+        tried: Result | None = None,
     ) -> np.ndarray:
         """The decoder's answer to ``tokens`` fed after ``position``, replayed once if a
-        tier lost the session. ``sent``: the step's ticket, if it was sent already."""
+        tier lost the session. ``tried``: the step's result, if it was sent already."""
         keep = keep or len(tokens)
         self._check(tokens, position)
-        result = self._submit(self._request(tokens, position, keep, choices_only), sent)
+        result = tried
+        if result is None:
+            result = self._submit(self._request(tokens, position, keep, choices_only))
         if is_state_lost(result.error):
             # [Note: replaying a session]: every token so far again, from position 0.
             self.replays += 1
@@ -197,28 +204,51 @@ class TierDecoder:
             choices_only,
         )
 
-    def _submit(self, request: SessionRequest, sent: Ticket | None = None) -> Result:
-        """One step (``sent``: its first try's ticket); while a tier is missing, tried
-        again (with backoff) for ``retry_s``."""
-        ends = time.monotonic() + self.retry_s
-        wait = _FIRST_RETRY_S
-        while True:
-            ticket = sent or self.client.submit(
-                request.inputs,
-                session=request.session,
-                position=request.position,
-                keep_last=request.keep_last,
-                choices_only=request.choices_only,
-            )
-            sent = None
-            result = ticket.result()
-            self.results.append(result)
-            if not is_missing(result.error) or time.monotonic() + wait > ends:
-                return result
-            self.retries += 1
-            logger.info("[device] session %s: %s; trying again", self.session, result.error)
+    def _submit(self, request: SessionRequest) -> Result:
+        """One step; while a tier is missing, tried again (with backoff) for ``retry_s``."""
+
+        def alone(requests: Sequence[SessionRequest]) -> list[Ticket]:
+            return [
+                self.client.submit(
+                    request.inputs,
+                    session=request.session,
+                    position=request.position,
+                    keep_last=request.keep_last,
+                    choices_only=request.choices_only,
+                )
+            ]
+
+        return _tries({0: self}, {0: request}, alone)[0]
+
+
+def _tries(
+    decoders: Mapping[int, TierDecoder],
+    requests: Mapping[int, SessionRequest],
+    submit: Callable[[Sequence[SessionRequest]], list[Ticket]],
+) -> dict[int, Result]:
+    """Each step's result, by seat: the steps sent with ``submit``, and those a missing tier
+    failed sent again together, with backoff, while their decoder's ``retry_s`` lasts."""
+    ends = {seat: time.monotonic() + decoders[seat].retry_s for seat in requests}
+    results: dict[int, Result] = {}
+    left = dict(requests)
+    wait = _FIRST_RETRY_S
+    while left:
+        again = {}
+        tickets = submit(list(left.values()))
+        for (seat, request), ticket in zip(left.items(), tickets, strict=True):
+            decoder, result = decoders[seat], ticket.result()
+            decoder.results.append(result)
+            if is_missing(result.error) and time.monotonic() + wait <= ends[seat]:
+                decoder.retries += 1
+                logger.info("[device] session %s: %s; trying again", decoder.session, result.error)
+                again[seat] = request
+            else:
+                results[seat] = result
+        if again:
             time.sleep(wait)
             wait = min(wait * 2, _LAST_RETRY_S)
+        left = again
+    return results
 
 
 #: Backoff between tries of a step while a tier is missing.

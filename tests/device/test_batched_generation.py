@@ -25,7 +25,7 @@ import pytest
 from tierflow.device.client import DeviceClient
 from tierflow.device.generation import Generator, TierDecoder
 from tierflow.edge.forwarding import Forwarding
-from tierflow.errors import InputError, RemoteError, StateError, UsageError
+from tierflow.errors import InputError, RemoteError, StateError, UsageError, is_missing
 from tierflow.greedy import reference_generate
 from tierflow.options import RuntimeOptions
 from tierflow.partitioner.decoder_graph import load_decoder, split_decoder
@@ -665,3 +665,32 @@ def test_sessions_stepped_together_share_one_client(models: dict[str, Path]) -> 
         steps = [(TierDecoder(one), [1], 0), (TierDecoder(other), [1], 0)]
         with pytest.raises(UsageError, match="one DeviceClient"):
             TierDecoder.choose_together(steps)
+
+
+def test_sessions_stepped_together_are_tried_again_together_while_a_tier_is_missing(
+    models: dict[str, Path],
+) -> None:
+    """The cloud gone after the prefills: three sessions' steps fail as missing, and are
+    sent again together (one message of three each try) until their ``retry_s`` ends,
+    not one session's tries after another's; each ends with its own missing error."""
+    options = RuntimeOptions(workers=2, max_batch=8)
+    with (
+        serving(models["cloud"], options) as (plan, cloud, edge),
+        DeviceClient(plan, edge.address, options=options) as client,
+    ):
+        decoders = [TierDecoder(client, retry_s=4.0) for _ in range(3)]
+        first = [int(d.choose(PROMPTS[0], 0, keep=1)[-1]) for d in decoders]
+        cloud.stop(0)
+        tries: list[int] = []
+        submit_together = client.submit_together
+
+        def counted(requests: Sequence[Any]) -> Any:
+            tries.append(len(requests))
+            return submit_together(requests)
+
+        client.submit_together = counted  # type: ignore[method-assign]
+        steps = [(d, [first[i]], len(PROMPTS[0])) for i, d in enumerate(decoders)]
+        answers = TierDecoder.choose_together(steps, keep=1)
+    assert all(is_missing(answer) for answer in answers), answers  # type: ignore[arg-type]
+    assert len(tries) >= 2 and set(tries) == {3}, tries
+    assert [d.retries for d in decoders] == [len(tries) - 1] * 3
