@@ -208,13 +208,14 @@ class TierDecoder:
         """One step; while a tier is missing, tried again (with backoff) for ``retry_s``."""
 
         def alone(requests: Sequence[SessionRequest]) -> list[Ticket]:
+            (step,) = requests
             return [
                 self.client.submit(
-                    request.inputs,
-                    session=request.session,
-                    position=request.position,
-                    keep_last=request.keep_last,
-                    choices_only=request.choices_only,
+                    step.inputs,
+                    session=step.session,
+                    position=step.position,
+                    keep_last=step.keep_last,
+                    choices_only=step.choices_only,
                 )
             ]
 
