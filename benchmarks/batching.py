@@ -332,15 +332,24 @@ def _generate(
     if not all(out):
         raise RuntimeError("a session failed (its thread's traceback is above)")
     span = max(o["end"] for o in out) - min(o["first"] for o in out)
-    steps = [s for o in out for s in o["steps"]]
+    each = [o["steps"] for o in out]
+    return _row([o["tokens"] for o in out], span, each, [s for steps in each for s in steps])
+
+
+def _row(
+    made: list[list[int]], span: float, each: list[list[float]], pooled: list[float]
+) -> dict[str, Any]:
+    """A row of ``len(made)`` sessions' tokens, their decode steps taking ``span``
+    seconds: ``each`` session's step times (ms), and ``pooled``, those the row's
+    p50/p99 are of."""
     return {
-        "sessions": len(texts),
-        "tokens_per_s": len(texts) * (tokens - 1) / span,
-        "p50_ms": float(np.percentile(steps, 50)),
-        "p99_ms": float(np.percentile(steps, 99)),
-        "session_p50_ms": [statistics.median(o["steps"]) for o in out],
-        "session_p99_ms": [float(np.percentile(o["steps"], 99)) for o in out],
-        "tokens": [o["tokens"] for o in out],
+        "sessions": len(made),
+        "tokens_per_s": sum(len(tokens) - 1 for tokens in made) / span,
+        "p50_ms": float(np.percentile(pooled, 50)),
+        "p99_ms": float(np.percentile(pooled, 99)),
+        "session_p50_ms": [statistics.median(steps) for steps in each],
+        "session_p99_ms": [float(np.percentile(steps, 99)) for steps in each],
+        "tokens": made,
     }
 
 
@@ -380,16 +389,7 @@ def _generate_together(
         for m, token in zip(made, step(steps), strict=True):
             m.append(token)
         rounds.append((time.perf_counter() - began) * 1e3)
-    span = time.perf_counter() - first
-    return {
-        "sessions": len(texts),
-        "tokens_per_s": len(texts) * (tokens - 1) / span,
-        "p50_ms": float(np.percentile(rounds, 50)),
-        "p99_ms": float(np.percentile(rounds, 99)),
-        "session_p50_ms": [statistics.median(rounds)] * len(texts),
-        "session_p99_ms": [float(np.percentile(rounds, 99))] * len(texts),
-        "tokens": made,
-    }
+    return _row(made, time.perf_counter() - first, [rounds] * len(texts), rounds)
 
 
 def side_by_side_child(plan: Path, args: argparse.Namespace) -> dict[str, Any]:
