@@ -212,9 +212,9 @@ def build(workdir: Path, prompt: int) -> dict[str, Path]:
         if graph is None:
             progress("analysing the decoder ...")
             graph = load_decoder(model, settings)
-        cuts = tuple(block_cut(graph.prefill.cuts, b) for b in thirds)
-        if where == "cloud":
-            cuts = (0, 0)
+        cuts = (
+            (0, 0) if where == "cloud" else tuple(block_cut(graph.prefill.cuts, b) for b in thirds)
+        )
         save_split_plan(
             graph.prefill,
             split_decoder(graph, cuts),
@@ -494,30 +494,21 @@ class Ceiling:
         its token). Each segment's median call and their sum (``step_ms``); ``cpu_ms``,
         the same for the calls' CPU time, every ONNX Runtime thread's (what the machine's
         load does not stretch); ``tokens``, each session's."""
+        from tierflow.greedy import initial_state
+        from tierflow.runtime.batching import stack
+
         decoder = self.decoder
         step = np.array(prompts(count, self.prompt, decoder.vocab), dtype=np.int64)
-        past = {
-            state.input: np.zeros(
-                [
-                    count if axis == 0 else 0 if axis == state.grows else int(size or 1)
-                    for axis, size in enumerate(state.shape)
-                ],
-                dtype=state.dtype,
-            )
-            for state in self.plan.states
-        }
+        # Each session's empty caches, and each step's companions, as one sequence has
+        # them (greedy_generate's), stacked as a tier's batcher stacks its steps.
+        past = stack([{state.input: initial_state(state) for state in self.plan.states}] * count)
         made: list[list[int]] = [[] for _ in range(count)]
         times: dict[str, list[float]] = {spec.tier: [] for spec, _ in self.runs}
         cpu: dict[str, list[float]] = {spec.tier: [] for spec, _ in self.runs}
         length = 0
         for token in range(self.tokens):
-            seq = step.shape[1]
-            tensors: dict[str, np.ndarray] = {decoder.tokens: step, **past}
-            if decoder.attention_mask is not None:
-                tensors[decoder.attention_mask] = np.ones((count, length + seq), dtype=np.int64)
-            if decoder.position_ids is not None:
-                positions = np.arange(length, length + seq, dtype=np.int64)
-                tensors[decoder.position_ids] = np.tile(positions, (count, 1))
+            steps = stack([decoder.step_feeds(ids, length) for ids in step])
+            tensors: dict[str, np.ndarray] = {**steps, **past}
             for spec, session in self.runs:
                 feeds = {name: tensors[name] for name in spec.inputs}
                 began, used = time.perf_counter(), time.process_time()
@@ -528,7 +519,7 @@ class Ceiling:
                 names = [o.name for o in session.get_outputs()]
                 tensors.update(zip(names, values, strict=True))
             past = {state.input: tensors[state.output] for state in self.plan.states}
-            length += seq
+            length += step.shape[1]
             chosen = tensors[decoder.logits][:, -1].argmax(axis=-1)
             for tokens, value in zip(made, chosen.tolist(), strict=True):
                 tokens.append(int(value))
