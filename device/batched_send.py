@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from tierflow.errors import TierflowError, TransportError
 from tierflow.link.emulation import Transfer
 from tierflow.rpc import tier_pb2
-from tierflow.runtime.pipeline import Onward
+from tierflow.runtime.batch_message import combine
+from tierflow.runtime.pipeline import Onward, encode_onward
 from tierflow.runtime.upstream import Upstream
 from tierflow.transport.stream_client import Sent
 from tierflow.transport.wire import error_to_proto
@@ -53,20 +54,9 @@ def send_up(
     deadlines = [d.deadline for d in deposits]
     deadline = None if None in deadlines else max(d for d in deadlines if d is not None)
     if len(deposits) == 1:
-        request = deposits[0].onward.request
+        request = encode_onward(deposits[0].onward).request
     else:
-        first = deposits[0].onward.request
-        request = tier_pb2.Request(
-            plan_id=first.plan_id,
-            segment=first.segment,
-            deadline_unix_s=max(d.onward.request.deadline_unix_s for d in deposits),
-        )
-        if not all(d.onward.request.deadline_unix_s for d in deposits):
-            request.deadline_unix_s = 0.0
-        for seat, deposit in enumerate(deposits):
-            member = request.members.add()
-            member.CopyFrom(deposit.onward.request)
-            member.id = str(seat)
+        request = combine([d.onward for d in deposits])
     nbytes = sum(d.onward.nbytes for d in deposits)
     try:
         sent = upstream.submit(request, deadline=deadline, nbytes=nbytes)

@@ -325,20 +325,22 @@ class DeviceClient:
                         session=step,
                         deadline_unix_s=self.deadline.expires_unix_s(time.time()),
                         next_down=functools.partial(self._edge_down, request_id, started, arrays),
+                        together=True,
                     )
                 except TierflowError as exc:
                     tickets[i] = self._local(request_id, started, error=exc)
-            deposits = []
+            going: dict[int, DeviceDeposit] = {}
             for i, reached in drive_together(climbs).items():
-                request_id, started, index = begun[i]
                 if isinstance(reached, Onward):
-                    deposit = self._deposit(reached)
-                    deposits.append(deposit)
-                    tickets[i] = self._going(request_id, started, index, reached, deposit.sent)
+                    going[i] = self._deposit(reached)
                 else:
+                    request_id, started, _ = begun[i]
                     tickets[i] = self._reached(request_id, started, reached)
-        if deposits and self.upstream is not None:
-            send_up(self.upstream, deposits, self.adaptation.sent)
+        if going and self.upstream is not None:  # encoded as one message here
+            send_up(self.upstream, list(going.values()), self.adaptation.sent)
+        for i, deposit in going.items():
+            request_id, started, index = begun[i]
+            tickets[i] = self._going(request_id, started, index, deposit.onward, deposit.sent)
         plan = self.plans.plans
         for i, ticket in tickets.items():
             ticket.plan = plan[begun[i][2]].plan_id
@@ -375,15 +377,17 @@ class DeviceClient:
                 f"session {session!r}: a state value ({sorted(given)}) comes with the first "
                 f"request (position 0) only, this one is at position {position}"
             )
-        check_initial_state(
-            self.plans.plans[index].states,
-            [(k, v.dtype.name, tuple(v.shape)) for k, v in given.items()],
-            f"session {session!r}",
-        )
-        mine, others = split_first_state(self.pipeline.runner(index), given)
+        mine: dict[str, np.ndarray] = {}
         passed = tier_pb2.Request()
-        if others:  # a first request's state for the tiers above (a decode step has none)
-            put_tensors(passed.initial_state, others, _INITIAL_STATE_CODEC)
+        if given:  # a first request's state values
+            check_initial_state(
+                self.plans.plans[index].states,
+                [(k, v.dtype.name, tuple(v.shape)) for k, v in given.items()],
+                f"session {session!r}",
+            )
+            mine, others = split_first_state(self.pipeline.runner(index), given)
+            if others:  # for the tiers above
+                put_tensors(passed.initial_state, others, _INITIAL_STATE_CODEC)
         return SessionStep(
             session,
             position,

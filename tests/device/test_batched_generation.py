@@ -32,7 +32,7 @@ from tierflow.partitioner.decoder_graph import load_decoder, split_decoder
 from tierflow.partitioner.decoder_points import DecoderSettings
 from tierflow.partitioner.split import save_split_plan
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
-from tierflow.runtime.batching import StepBatcher
+from tierflow.runtime.batching import StepBatcher, stack
 from tierflow.runtime.server import TierServer
 from tierflow.transport.wire import decode_tensors, encode_tensors, grpc_options
 from tierflow.zoo.tiny_stateful import tiny_decoder
@@ -396,13 +396,15 @@ def test_a_member_fails_alone_with_its_own_error(models: dict[str, Path]) -> Non
     assert batcher.stats.largest >= 3  # the good ones (and the bad) shared a call
 
 
+@pytest.mark.parametrize("stacked", [False, True])
 def test_a_member_whose_session_is_busy_waits_for_it_then_runs_alone(
-    models: dict[str, Path],
+    models: dict[str, Path], stacked: bool
 ) -> None:
     """A batched request arrives while one member's session has a request still running
     at the tier: the other member runs at once, that one waits for its session's request
     ([Note: a stream's requests run at once]) and then runs alone; the request's one reply
-    carries both answers, each the model's own."""
+    carries both answers, each the model's own. The same when the members' tensors come
+    stacked ([Note: a batch's tensors stacked]): the one that runs alone takes its rows."""
     prompt = PROMPTS[0]
     with serving(models["cloud"], RuntimeOptions(workers=2, max_batch=8)) as (_, cloud, _edge):
         tier = cloud.tier
@@ -411,16 +413,19 @@ def test_a_member_whose_session_is_busy_waits_for_it_then_runs_alone(
 
         def batch(steps: list[tuple[str, list[int], int]]) -> tier_pb2.Request:
             request = tier_pb2.Request(id="batch", plan_id=tier.plan_id)
-            for session, tokens, position in steps:
+            feeds = [decoder.step_feeds(tokens, position) for _, tokens, position in steps]
+            for (session, _, position), step in zip(steps, feeds, strict=True):
                 request.members.add(
                     id=session,
                     plan_id=tier.plan_id,
                     session=session,
                     position=position,
-                    tensors=encode_tensors(decoder.step_feeds(tokens, position), "raw"),
+                    tensors=[] if stacked else encode_tensors(step, "raw"),
                     keep_last=1,
                     choices_only=True,
                 )
+            if stacked:
+                request.tensors.extend(encode_tensors(stack(feeds), "raw"))
             return request
 
         def choices(reply: tier_pb2.Reply) -> list[int]:

@@ -56,8 +56,10 @@ exactness]). What it saves: at 16 lockstep sessions on the cloud-only plan of
 of served runs (2026-12-06, CPUs kept awake) 195 and 200 tokens/s against 187 and 187. On
 the split plan, whose tiers each hold a third of the caches, two pairs came out 151/176
 against 167/176: no difference the machine resolves.
-Looking costs about 1.5 µs a member's tensor (numpy's ``.ctypes.data``, measured
-2026-12-06), so tensors under ``IN_PLACE_BYTES`` are copied without.
+Looking costs about 1-1.5 µs a member's tensor (where it lies, read from numpy's
+``__array_interface__``, which is a third faster than ``.ctypes.data``: 37 against 65 µs
+for a tensor of 16 members, measured 2026-12-07), so tensors under ``IN_PLACE_BYTES`` are
+copied without.
 
 [Note: the step batcher]
 A tier's steps of one plan reach :meth:`StepBatcher.run` from its worker threads, and the
@@ -207,16 +209,21 @@ def in_place(parts: Sequence[np.ndarray]) -> np.ndarray | None:
     row = base.itemsize * math.prod(base.shape[1:])
     if row == 0:
         return None
-    origin = base.ctypes.data
-    start, off_row = divmod(parts[0].ctypes.data - origin, row)
+    origin = _address(base)
+    start, off_row = divmod(_address(parts[0]) - origin, row)
     if off_row:
         return None
     end = start
     for part in parts:  # each a whole row or rows of base's, right after the one before
-        if not part.flags.c_contiguous or part.ctypes.data != origin + end * row:
+        if not part.flags.c_contiguous or _address(part) != origin + end * row:
             return None
         end += part.shape[0]
     return base[start:end] if end <= base.shape[0] else None
+
+
+def _address(array: np.ndarray) -> int:
+    """Where ``array``'s first element lies (``array.ctypes.data``, a third faster)."""
+    return int(array.__array_interface__["data"][0])
 
 
 def row_order(members: Sequence[Feeds]) -> list[int]:
@@ -227,7 +234,7 @@ def row_order(members: Sequence[Feeds]) -> list[int]:
     if not first:
         return list(range(len(members)))
     name = max(first, key=lambda n: first[n].nbytes)
-    return sorted(range(len(members)), key=lambda i: members[i][name].ctypes.data)
+    return sorted(range(len(members)), key=lambda i: _address(members[i][name]))
 
 
 def split(outputs: Mapping[str, np.ndarray], sizes: Sequence[int]) -> list[Outputs]:

@@ -235,6 +235,23 @@ class Onward:
     codec_s: float = 0.0
     key: bytes | None = None
     features: dict[str, np.ndarray] = field(default_factory=dict)
+    #: The tensors still to encode, with ``codec`` (bit-exact): a step of a batch that
+    #: goes on as one message, whose tensors it carries stacked ([Note: a batch's
+    #: tensors stacked] in tierflow/runtime/batch_message.py). :func:`encode_onward`
+    #: encodes them into ``request`` when the step goes on alone.
+    arrays: dict[str, np.ndarray] | None = None
+    codec: CodecSpec | None = None
+
+
+def encode_onward(onward: Onward) -> Onward:
+    """``onward`` with its tensors in its request (a no-op when they are there already)."""
+    if onward.arrays is not None:
+        assert onward.codec is not None
+        start = time.perf_counter()
+        onward.nbytes = put_tensors(onward.request.tensors, onward.arrays, onward.codec)
+        onward.codec_s += time.perf_counter() - start
+        onward.arrays = None
+    return onward
 
 
 @dataclass
@@ -289,17 +306,20 @@ class SessionStep:
                 f"session {request.session!r}: initial state comes with position 0 only, "
                 f"the request is at {request.position}"
             )
-        check_initial_state(
-            runner.plan.states,
-            [(t.name, t.dtype, tuple(t.shape)) for t in request.initial_state],
-            f"session {request.session!r}",
-        )
-        # Named once each: check_initial_state refused a state named twice.
-        mine, passed = split_first_state(runner, {t.name: t for t in request.initial_state})
-        initial = decode_tensors(list(mine.values()), max_bytes=max_bytes) if mine else {}
-        passed_on = list(passed.values())
         if request.keep_last < 0:
             raise StateError(f"keep_last must not be negative, got {request.keep_last}")
+        initial: dict[str, np.ndarray] = {}
+        passed_on: list[tier_pb2.Tensor] = []
+        if request.initial_state:  # a first request that brings state values
+            check_initial_state(
+                runner.plan.states,
+                [(t.name, t.dtype, tuple(t.shape)) for t in request.initial_state],
+                f"session {request.session!r}",
+            )
+            # Named once each: check_initial_state refused a state named twice.
+            mine, passed = split_first_state(runner, {t.name: t for t in request.initial_state})
+            initial = decode_tensors(list(mine.values()), max_bytes=max_bytes) if mine else {}
+            passed_on = list(passed.values())
         return cls(
             request.session,
             request.position,
@@ -370,8 +390,13 @@ def check_decoder_step(
     elif ids is not None and ids.ndim == 2:
         length = int(ids.shape[1])
     if ids is not None:
-        expected = np.arange(position, position + (length or 0), dtype=np.int64)
-        if ids.ndim != 2 or ids.shape[1] != length or not np.array_equal(ids[0], expected):
+        fits = ids.ndim == 2 and ids.shape[1] == length
+        if fits and length == 1:  # a decode step's: a lot cheaper than array_equal
+            fits = int(ids[0, 0]) == position
+        elif fits:
+            expected = np.arange(position, position + (length or 0), dtype=np.int64)
+            fits = np.array_equal(ids[0], expected)
+        if not fits:
             raise StateError(
                 f"a step at position {position} of {length} token(s) has position_ids "
                 f"[[{position} .. {position + (length or 0) - 1}]], found shape "
@@ -510,17 +535,23 @@ class Pipeline:
         session: SessionStep | None = None,
         deadline_unix_s: float = 0.0,
         next_down: Callable[[TierRunner], SentUp | None] | None = None,
+        together: bool = False,
     ) -> Climb[Answered | Onward | SentUp]:
         """The way up for plan ``index`` as far as this tier takes it (a :data:`Climb`):
         the tier's answer (:class:`Answered`), or what to send up (:class:`Onward`).
 
         A request enters as the ``request`` of ``caller`` from the tier below (checked
         and decoded here, its session step read from it), or as the device's own
-        ``inputs`` at segment 0 with its ``session`` step and ``deadline_unix_s``.
+        ``inputs`` at segment 0 with its ``session`` step and ``deadline_unix_s``. A
+        member of a batch whose tensors came stacked enters as its ``request`` with its
+        rows of them as ``inputs``, decoded already and checked here ([Note: a batch's
+        tensors stacked] in tierflow/runtime/batch_message.py).
         ``next_down``: the tier's check, between the cache and the segments, that the
         next tier is known to be down; what it returns (not None) is the request's
-        outcome, and nothing runs. The plan's files are held while the request runs
-        here, not while it is sent.
+        outcome, and nothing runs. ``together``: the request goes on with its batch's
+        others as one message, so its onward tensors are left for that message to
+        encode, stacked, when its link's codec is bit-exact. The plan's files are held
+        while the request runs here, not while it is sent.
         """
         codec_s = 0.0
         as_received: Sequence[tier_pb2.Tensor] = ()
@@ -536,7 +567,10 @@ class Pipeline:
         with self.holding(index):  # its segment files stay while it runs
             runner = self.runner(index)
             if request is not None:
-                features, codec_s = self.decode(index, runner, segment, request.tensors)
+                if inputs is None:
+                    features, codec_s = self.decode(index, runner, segment, request.tensors)
+                else:
+                    features = self.check_rows(runner, segment, inputs)
                 owner = owner_of(caller, request.on_behalf_of)
                 limit = self.options.max_tensor_bytes
                 session = SessionStep.of_request(request, runner, limit, owner)
@@ -559,6 +593,7 @@ class Pipeline:
                     as_received=as_received,
                     checked=request is not None,
                     session=session,
+                    together=together,
                 )
             )
         step.codec_s += codec_s
@@ -602,6 +637,19 @@ class Pipeline:
         emulate_slower(self.options.slowdown, cpu, self._cpu)
         return features, time.perf_counter() - start
 
+    def check_rows(
+        self, runner: TierRunner, segment: int, rows: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """A member's rows of a batch's stacked tensors, checked as :meth:`decode` checks
+        a request's tensors: the segment, the names, and each one's dtype and shape."""
+        runner.check_names(set(rows), segment=segment)
+        specs = runner.input_specs()
+        for name, value in rows.items():
+            spec = specs.get(name)
+            if spec is not None:
+                spec.check(value.dtype.name, value.shape, f"the {self.tier}'s")
+        return dict(rows)
+
     def forwards_as_is(self, index: int) -> bool:
         """Whether this tier runs nothing for plan ``index`` and passes its tensors on as
         they came ([Note: an edge that runs nothing] in tierflow/plan.py)."""
@@ -638,6 +686,7 @@ class Pipeline:
         as_received: Sequence[tier_pb2.Tensor] = (),
         checked: bool = False,
         session: SessionStep | None = None,
+        together: bool = False,
     ) -> Climb[Answered | Onward]:
         """Steps 2-3 of [Note: one request path] for features entering at ``segment`` (a
         part of :meth:`climb`).
@@ -646,11 +695,14 @@ class Pipeline:
         ``as_received``: the request's encoded tensors, forwarded unchanged by a tier that
         runs nothing for the plan. ``checked``: :meth:`decode` checked the features.
         ``session``: the request's session step; the tier's state is fed from it and
-        kept for the session's next request.
+        kept for the session's next request. ``together``: see :meth:`climb`.
         """
         plan = self.plans.plans[index]
         if self.forwards_as_is(index):
             forward = _onward(plan.plan_id, runner.start, deadline_unix_s, session)
+            if not as_received and features:  # its rows of a stacked batch, on as they came
+                codec = plan.link_codec(self.up_link)
+                return Onward(forward, 0, key=key, features=features, arrays=features, codec=codec)
             forward.tensors.extend(as_received)
             nbytes = sum(len(t.data) + len(t.params) for t in as_received)
             return Onward(forward, nbytes, key=key, features=features)
@@ -704,9 +756,20 @@ class Pipeline:
             return Answered(outputs, outcome.exit, compute_s=outcome.compute_s)
         if self.up_link is None:
             raise PlanError(f"plan {plan.plan_id} runs beyond the {self.tier}")
-        start, cpu = time.perf_counter(), self._cpu()
         forward = _onward(plan.plan_id, outcome.next_segment, deadline_unix_s, session)
         codec = plan.link_codec(self.up_link)
+        if together and codec.bit_exact and self.options.slowdown <= 1.0:
+            return Onward(  # encoded with its batch's others ([Note: a batch's tensors stacked])
+                forward,
+                0,
+                outcome.unconfident,
+                compute_s=outcome.compute_s,
+                key=key,
+                features=features,
+                arrays=outcome.tensors,
+                codec=codec,
+            )
+        start, cpu = time.perf_counter(), self._cpu()
         nbytes = put_tensors(forward.tensors, outcome.tensors, codec, plan.images)
         emulate_slower(self.options.slowdown, cpu, self._cpu)
         return Onward(
@@ -749,6 +812,7 @@ class Pipeline:
         to :meth:`came_down` when it comes (``on_reply``, or when read). A next tier known
         to be down refuses it at once, and what came down is then that (the next tier
         gone: this tier's answer without it, if any)."""
+        encode_onward(onward)
         try:
             return upstream.submit(
                 onward.request, deadline=deadline, nbytes=onward.nbytes, on_reply=on_reply

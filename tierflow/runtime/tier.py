@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
+import numpy as np
 
 from tierflow.cache.base import FeatureCache
 from tierflow.errors import PlanError, TierflowError, TransportError, UsageError
@@ -50,7 +51,13 @@ from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2
 from tierflow.runtime import batch_message
-from tierflow.runtime.batch_message import Deposit, MemberReplies, check_members, send_together
+from tierflow.runtime.batch_message import (
+    Deposit,
+    MemberReplies,
+    check_members,
+    member_rows,
+    send_together,
+)
 from tierflow.runtime.batching import BatchStats, departure_seat
 from tierflow.runtime.pipeline import Answered, Climb, Onward, Pipeline, drive, drive_together
 from tierflow.runtime.replies import Send
@@ -58,7 +65,7 @@ from tierflow.runtime.segment_store import SegmentSource, SegmentStore, serve_se
 from tierflow.runtime.session_order import SessionOrder
 from tierflow.runtime.workers import WorkerPool, WorkerSlots
 from tierflow.transport.callers import MAX_BEHALF_BYTES, owner_of
-from tierflow.transport.wire import error_to_proto
+from tierflow.transport.wire import RAW, error_to_proto, put_tensors
 
 if TYPE_CHECKING:
     from tierflow.runtime.metrics import TierMetrics
@@ -350,6 +357,7 @@ class Tier:
         one. A member whose session has a request here still running waits for it, and
         then runs alone."""
         replies = MemberReplies(request, later)
+        rows, decoded_ms = self._rows(request)
         together: list[tuple[int, tier_pb2.Request]] = []
         entered: list[tuple[tuple[str, str, str], Callable[[], None]]] = []
         for seat, member in enumerate(request.members):
@@ -357,17 +365,30 @@ class Tier:
                 key = (caller, member.on_behalf_of, member.session)
                 release = self.hold(member, caller)
                 alone = functools.partial(
-                    self._run_member, member, seat, received, replies, caller, release
+                    self._run_member, member, seat, received, replies, caller, release, rows
                 )
                 if not self.order.enter(key, alone):  # taken along by the one before
                     continue
                 entered.append((key, release))
             together.append((seat, member))
         try:
-            self._run_together(together, received, replies, caller)
+            self._run_together(together, received, replies, caller, rows, decoded_ms)
         finally:
             for key, release in entered:  # then what waited behind them, on this thread
                 self.order.drain(key, release)
+
+    def _rows(self, request: tier_pb2.Request) -> tuple[list[dict[str, np.ndarray]] | None, float]:
+        """Each member's rows of a batch's stacked tensors, if they came stacked ([Note: a
+        batch's tensors stacked] in tierflow/runtime/batch_message.py), and each member's
+        share of decoding them (ms)."""
+        pipeline = self.pipeline
+        if not request.tensors or pipeline is None:
+            return None, 0.0
+        start = time.perf_counter()
+        index = pipeline.index_of(request.plan_id)
+        needs = len(pipeline.runner(index).needs)
+        rows = member_rows(request, pipeline.options.max_tensor_bytes, needs)
+        return rows, (time.perf_counter() - start) * 1e3 / len(rows)
 
     def _run_together(
         self,
@@ -375,17 +396,22 @@ class Tier:
         received: float,
         replies: MemberReplies,
         caller: str,
+        rows: list[dict[str, np.ndarray]] | None = None,
+        decoded_ms: float = 0.0,
     ) -> None:
         """Each of ``members`` (seat, request) taken up as far as the tier takes it, their
         steps run as one batch call (each batcher's, a plan's), and those that go on sent
         on as one message; each member still the request it is, with its own checks and
-        its own typed error, which fails no other member."""
+        its own typed error, which fails no other member. ``rows``: each seat's tensors,
+        when they came stacked."""
         timings: dict[int, tier_pb2.TierTiming] = {}
         climbs: dict[int, Climb[tier_pb2.Reply | Deposit]] = {}
         for seat, member in members:
             timings[seat] = self._timing(received)
+            timings[seat].codec_ms = decoded_ms
             later = functools.partial(replies.put, seat)
-            climbs[seat] = self._climb(member, timings[seat], later, caller)
+            inputs = None if rows is None else rows[seat]
+            climbs[seat] = self._climb(member, timings[seat], later, caller, inputs, True)
         went = drive_together(climbs)
         deposits = []
         for seat, member in members:
@@ -408,9 +434,13 @@ class Tier:
         replies: MemberReplies,
         caller: str,
         release: Callable[[], None],
+        rows: list[dict[str, np.ndarray]] | None = None,
     ) -> None:
         """One member of a batched request, alone, as :meth:`StreamReader._run` runs a
-        request: it waited for its session's request before it."""
+        request: it waited for its session's request before it. Its rows of the batch's
+        stacked tensors (``rows``), if they came so, go with it as its own tensors."""
+        if rows is not None:
+            put_tensors(member.tensors, rows[seat], RAW)
         try:
             with self.running:
                 later = functools.partial(replies.put, seat)
@@ -426,17 +456,24 @@ class Tier:
         timing: tier_pb2.TierTiming,
         later: Send,
         caller: str,
+        rows: dict[str, np.ndarray] | None = None,
+        together: bool = False,
     ) -> Climb[tier_pb2.Reply | Deposit]:
         """Steps 1-2 of [Note: a request at a tier], as far as the tier takes ``request``:
-        its reply, or what goes on to the next tier (its reply to come to ``later``)."""
+        its reply, or what goes on to the next tier (its reply to come to ``later``).
+        ``rows``: a member's tensors, decoded from its batch's stacked ones; ``together``:
+        it goes on with its batch's others ([Note: a batch's tensors stacked] in
+        tierflow/runtime/batch_message.py)."""
         pipeline = self.pipeline
         if pipeline is None or not self._ready.is_set():
             raise TransportError(f"the {self.name} is not serving yet (its model is loading)")
         index = pipeline.index_of(request.plan_id)
-        step = yield from pipeline.climb(index, request=request, caller=caller)
+        step = yield from pipeline.climb(
+            index, request=request, caller=caller, inputs=rows, together=together
+        )
         if isinstance(step, Onward):
             timing.compute_ms = step.compute_s * 1e3
-            timing.codec_ms = step.codec_s * 1e3
+            timing.codec_ms += step.codec_s * 1e3
             if self.forwarder is None:
                 plan_id = self.plans.plans[index].plan_id
                 raise PlanError(
@@ -446,7 +483,7 @@ class Tier:
         assert isinstance(step, Answered)
         timing.compute_ms = step.compute_s * 1e3
         reply = pipeline.answer(index, step)
-        timing.codec_ms = step.codec_s * 1e3
+        timing.codec_ms += step.codec_s * 1e3
         reply.timings.append(timing)
         return reply
 

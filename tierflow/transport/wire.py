@@ -99,6 +99,9 @@ def grpc_options(max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> list[tuple[s
 #: What every tierflow server and channel uses.
 GRPC_OPTIONS: list[tuple[str, int]] = grpc_options()
 
+#: The codec that carries a tensor's bytes as they are.
+RAW = CodecSpec.parse("raw")
+
 
 def to_proto(tensor: EncodedTensor) -> tier_pb2.Tensor:
     """The wire message for an encoded tensor."""

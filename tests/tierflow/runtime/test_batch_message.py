@@ -11,17 +11,21 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tierflow.errors import InputError
+from tierflow.codec.spec import CodecSpec
+from tierflow.errors import CodecError, InputError
 from tierflow.rpc import tier_pb2
 from tierflow.runtime.batch_message import (
     MAX_MEMBERS,
     Deposit,
     MemberReplies,
     check_members,
+    combine,
+    member_rows,
     send_together,
 )
 from tierflow.runtime.batching import Departure, Pending, StepBatcher, departure_seat
 from tierflow.runtime.pipeline import Onward
+from tierflow.transport.wire import put_tensors
 
 
 def batch(*members: tier_pb2.Request) -> tier_pb2.Request:
@@ -60,7 +64,7 @@ def test_anything_else_is_refused_whole(request_: tier_pb2.Request, why: str) ->
 def test_a_batch_carries_nothing_of_its_own() -> None:
     request = batch(member(0))
     request.session = "mine"
-    with pytest.raises(InputError, match="carries its members only"):
+    with pytest.raises(InputError, match=r"carries its members .* only"):
         check_members(request)
 
 
@@ -261,3 +265,82 @@ def test_a_departure_hands_every_deposit_to_the_last_to_settle() -> None:
     assert departure.settle(0) is None  # settled already
     assert departure.deposit(2, "c") == ["b", "c"]
     assert departure.settle(2) is None
+
+
+# [Note: a batch's tensors stacked]
+
+
+def onward(i: int, arrays: dict[str, np.ndarray] | None, codec: str = "raw") -> Onward:
+    request = tier_pb2.Request(plan_id="p", segment=2, session=f"s{i}")
+    return Onward(request, 0, arrays=arrays, codec=CodecSpec.parse(codec))
+
+
+def rows(i: int, width: int = 3) -> dict[str, np.ndarray]:
+    return {
+        "h": np.arange(width, dtype=np.float32)[None] / (i + 3),
+        "ids": np.array([[i]], dtype=np.int64),
+    }
+
+
+def test_members_go_on_stacked_and_come_back_apart_bit_for_bit() -> None:
+    onwards = [onward(i, rows(i)) for i in range(3)]
+    combined = combine(onwards)
+    check_members(combined)
+    assert not any(m.tensors for m in combined.members)
+    assert {t.name: list(t.shape) for t in combined.tensors} == {"h": [3, 3], "ids": [3, 1]}
+    assert sum(o.nbytes for o in onwards) == sum(len(t.data) for t in combined.tensors)
+    assert all(o.arrays is None for o in onwards)
+    back = member_rows(combined, max_tensor_bytes=1 << 20, tensors=2)
+    for i, got in enumerate(back):
+        for name, value in rows(i).items():
+            assert got[name].dtype == value.dtype
+            assert got[name].tobytes() == value.tobytes()
+
+
+@pytest.mark.parametrize(
+    "onwards",
+    [
+        [onward(i, rows(i), "int8") for i in range(2)],  # lossy: each member its own scale
+        [onward(0, rows(0)), onward(1, rows(1, width=4))],  # shapes differ
+        [onward(0, rows(0)), onward(1, None)],  # encoded already
+        [onward(i, {"h": np.zeros((2, 3), np.float32)}) for i in range(2)],  # two rows each
+        [onward(0, rows(0))],  # alone
+    ],
+)
+def test_members_that_do_not_stack_carry_their_own(onwards: list[Onward]) -> None:
+    own = [len(o.arrays or {}) for o in onwards]
+    combined = combine(onwards)
+    assert not combined.tensors
+    assert [len(m.tensors) for m in combined.members] == own
+
+
+def stacked(count: int, rows_: int) -> tier_pb2.Request:
+    request = batch(*[member(i) for i in range(count)])
+    put_tensors(request.tensors, {"h": np.zeros((rows_, 3), np.float32)}, CodecSpec.parse("raw"))
+    return request
+
+
+@pytest.mark.parametrize(
+    "request_, tensors, error, why",
+    [
+        (stacked(2, 3), 1, InputError, "one row a member"),
+        (stacked(2, 2), 2, InputError, "the tier expects 2"),
+    ],
+)
+def test_stacked_tensors_of_the_wrong_shape_or_count_are_refused_whole(
+    request_: tier_pb2.Request, tensors: int, error: type[Exception], why: str
+) -> None:
+    with pytest.raises(error, match=why):
+        member_rows(request_, max_tensor_bytes=1 << 20, tensors=tensors)
+
+
+def test_a_stacked_batch_whose_member_carries_tensors_is_refused() -> None:
+    request = stacked(2, 2)
+    put_tensors(request.members[1].tensors, rows(1), CodecSpec.parse("raw"))
+    with pytest.raises(InputError, match="carries tensors of its own"):
+        check_members(request)
+
+
+def test_stacked_rows_are_each_no_larger_than_a_members_limit() -> None:
+    with pytest.raises(CodecError):
+        member_rows(stacked(2, 2), max_tensor_bytes=8, tensors=1)  # 12 bytes a row
