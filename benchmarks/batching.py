@@ -50,11 +50,15 @@ the row's N sessions (the same prompts) generate the same number of tokens greed
 one batch through each segment graph the plan ships (cloud-only: the one, the whole
 decoder; split: the device's, the edge's and the cloud's), opened with the same threads
 and optimization as the tiers, each call fed by the segment before it and by the step
-before (its KV caches and its token) (:class:`Ceiling`). Its step time is the sum of the
-segments' median decode calls. A row's share of the ceiling is against the ceiling at its
-own batch size measured beside it: a process of its own (:class:`Bursts`; the device's
-memory stays the device's) generates just before the row's sessions start and again just
-after they end, while the tiers wait, and the faster of the two is the row's ceiling.
+before (its KV caches and its token) (:class:`Ceiling`). Its step time is its decode
+steps' calls, every segment's, over the steps: a mean, as a row's round is its decode
+span over its rounds. (Until 2026-12-07 it was the sum of the segments' median calls,
+which set a row's mean against the ceiling's medians: a call slowed by the machine
+counted in the row and not in the ceiling.) A row's share of the ceiling is against the
+ceiling at its own batch size measured beside it: a process of its own (:class:`Bursts`;
+the device's memory stays the device's) generates just before the row's sessions start
+and again just after they end, while the tiers wait, and the faster of the two is the
+row's ceiling.
 
 Why beside each row: the machine's speed drifts by more than the goal's margin within
 minutes. In the run of 2026-12-06 21:02 the ceiling measured before a plan's runs and the
@@ -104,6 +108,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import signal
 import statistics
 import subprocess
@@ -437,6 +442,7 @@ def side_by_side_child(plan: Path, args: argparse.Namespace) -> dict[str, Any]:
 
     tune_for_latency()
     sets = json.loads(args.sets)
+    together = [bool(tier_set["setting"]["together"]) for tier_set in sets]
     texts = prompts(SIDE_BY_SIDE_SESSIONS, args.prompt)
     steps: list[list[list[float]]] = [[] for _ in sets]  # by set, by session
     made: list[list[list[int]]] = [[] for _ in sets]
@@ -461,9 +467,15 @@ def side_by_side_child(plan: Path, args: argparse.Namespace) -> dict[str, Any]:
                 for k in range(len(sets)):  # each set first, middle and last in turn
                     i = (t + k) % len(sets)
                     began = time.perf_counter()
-                    token = int(decoders[i].choose([tokens[i][-1]], position, keep=1)[-1])
+                    if together[i]:  # a program that steps its sessions together, with one
+                        step = [(decoders[i], [tokens[i][-1]], position)]
+                        (answer,) = TierDecoder.choose_together(step, keep=1)
+                        if isinstance(answer, Exception):
+                            raise answer
+                    else:
+                        answer = decoders[i].choose([tokens[i][-1]], position, keep=1)
                     times[i].append((time.perf_counter() - began) * 1e3)
-                    tokens[i].append(token)
+                    tokens[i].append(int(answer[-1]))
             for i in range(len(sets)):
                 steps[i].append(times[i])
                 made[i].append(tokens[i])
@@ -491,7 +503,7 @@ class Ceiling:
         """``count`` sessions, each from the prompt a row's session of that index has,
         generating the row's tokens greedily as one batch: every decode step's call of
         each segment, fed by the segment before it and by the step before (its KV caches,
-        its token). Each segment's median call and their sum (``step_ms``); ``cpu_ms``,
+        its token). Each segment's mean decode call and their sum (``step_ms``); ``cpu_ms``,
         the same for the calls' CPU time, every ONNX Runtime thread's (what the machine's
         load does not stretch); ``tokens``, each session's."""
         from tierflow.greedy import initial_state
@@ -524,13 +536,13 @@ class Ceiling:
             for tokens, value in zip(made, chosen.tolist(), strict=True):
                 tokens.append(int(value))
             step = chosen.astype(np.int64)[:, None]
-        segments = {tier: statistics.median(t) * 1e3 for tier, t in times.items()}
+        segments = {tier: statistics.fmean(t) * 1e3 for tier, t in times.items()}
         step_ms = sum(segments.values())
         return {
             "sessions": count,
             "step_ms": step_ms,
             "segments_ms": segments,
-            "cpu_ms": sum(statistics.median(c) * 1e3 for c in cpu.values()),
+            "cpu_ms": sum(statistics.fmean(c) * 1e3 for c in cpu.values()),
             "tokens_per_s": count * 1e3 / step_ms,
             "tokens": made,
         }
@@ -731,6 +743,8 @@ def side_by_side(
             {
                 "setting": setting.name,
                 "p50_ms": statistics.median(ms for session in each for ms in session),
+                # Every setting's steps in the same order: step i of each measured together.
+                "steps_ms": [ms for session in each for ms in session],
                 "session_p50_ms": [statistics.median(session) for session in each],
                 "identical": all(  # each start's sessions run prompts 0, 1, ... again
                     m == expected[j % SIDE_BY_SIDE_SESSIONS][: len(m)] for j, m in enumerate(tokens)
@@ -796,7 +810,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 )
             results["runs"][name] = {"plan": where, **run}
         progress(f"{where}: one session, side by side ...")
-        settings = (Setting(16, 0.0), Setting(16, delay), Setting(1, 0.0))
+        settings = (
+            Setting(16, 0.0),
+            Setting(16, delay),
+            Setting(16, 0.0, together=True),
+            Setting(1, 0.0),
+        )
         results["side_by_side"][where] = side_by_side(paths[where], settings, args, expected)
         progress(f"{where}: the ORT ceiling again ...")
         again = child("ceiling", paths[where], counts, args)
@@ -1046,9 +1065,20 @@ def goals(results: dict[str, Any]) -> list[str]:
         setting = name.split(", ", 1)[1]
         if setting in side and "not batched" in side:
             a, b = side[setting]["p50_ms"], side["not batched"]["p50_ms"]
+            paired = paired_change(side[setting], side["not batched"])
+            if paired is None:  # results from before the steps were kept
+                no_worse, why = a <= b, ""
+            else:
+                middle, low, high = paired
+                no_worse = low <= 0.0  # not measurably slower
+                why = (
+                    f"; step by step {100 * middle:+.1f}%, 95% CI {100 * low:+.1f}% to "
+                    f"{100 * high:+.1f}%"
+                )
+            verdict = "met" if no_worse else "NOT met"
             out.append(
                 f"- {name}: one session's p50 {a:.2f} ms/token, {b:.2f} not batched, side by "
-                f"side (no worse: {'met' if a <= b else 'NOT met'}, {100 * (a / b - 1):+.1f}%)"
+                f"side (no worse: {verdict}, {100 * (a / b - 1):+.1f}%{why})"
             )
         elif 1 in batched and 1 in plain:
             a, b = batched[1]["p50_ms"], plain[1]["p50_ms"]
@@ -1057,6 +1087,28 @@ def goals(results: dict[str, Any]) -> list[str]:
                 f"(no worse: {'met' if a <= b else 'NOT met'}, {100 * (a / b - 1):+.1f}%)"
             )
     return out
+
+
+def paired_change(
+    row: dict[str, Any], plain: dict[str, Any], level: float = 0.95
+) -> tuple[float, float, float] | None:
+    """How much slower ``row``'s steps were than ``plain``'s, step by step (each pair
+    measured one after the other, side by side): the median of ``row / plain - 1`` over
+    the pairs, and its ``level`` confidence interval (a sign test's: the order statistics
+    that a binomial's tails put it between). None when the steps were not kept."""
+    ours, theirs = row.get("steps_ms"), plain.get("steps_ms")
+    if not ours or not theirs or len(ours) != len(theirs):
+        return None
+    changes = sorted(a / b - 1.0 for a, b in zip(ours, theirs, strict=True))
+    n = len(changes)
+    tail, cut, below = (1.0 - level) / 2, -1, 0.0
+    for k in range(n):  # the most order statistics each end that the tail allows
+        below += math.comb(n, k) / 2**n
+        if below > tail:
+            break
+        cut = k
+    low, high = (changes[cut], changes[n - 1 - cut]) if cut >= 0 else (changes[0], changes[-1])
+    return statistics.median(changes), low, high
 
 
 def side_by_side_table(results: dict[str, Any]) -> list[str]:
@@ -1070,17 +1122,24 @@ def side_by_side_table(results: dict[str, Any]) -> list[str]:
         "their decode steps alternating (the order rotated each token), "
         f"{next(iter(sides.values()))['sessions']} sessions in turn:",
         "",
-        "| plan | tiers' setting | p50 ms/token | x not batched | each session's p50 | "
-        "token-identical |",
-        "|---|---|---:|---:|---|---|",
+        "| plan | tiers' setting | p50 ms/token | x not batched | step by step against not "
+        "batched, median (95% CI) | each session's p50 | token-identical |",
+        "|---|---|---:|---:|---|---|---|",
     ]
     for where, side in sides.items():
-        plain = next(r for r in side["rows"] if r["setting"] == "not batched")["p50_ms"]
+        plain = next(r for r in side["rows"] if r["setting"] == "not batched")
         for row in side["rows"]:
             each = " / ".join(f"{ms:.2f}" for ms in row["session_p50_ms"])
+            paired = paired_change(row, plain) if row is not plain else None
+            change = (
+                "-"
+                if paired is None
+                else "{:+.1f}% ({:+.1f}% to {:+.1f}%)".format(*(100 * x for x in paired))
+            )
             lines.append(
                 f"| {where} | {row['setting']} | {row['p50_ms']:.2f} | "
-                f"{row['p50_ms'] / plain:.3f} | {each} | {'yes' if row['identical'] else 'NO'} |"
+                f"{row['p50_ms'] / plain['p50_ms']:.3f} | {change} | {each} | "
+                f"{'yes' if row['identical'] else 'NO'} |"
             )
     return lines
 

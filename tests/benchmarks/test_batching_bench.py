@@ -23,6 +23,7 @@ from benchmarks.batching import (
     goals,
     in_ort,
     padding_table,
+    paired_change,
     prompts,
     side_by_side_table,
     whole_rounds,
@@ -195,7 +196,9 @@ def test_one_sessions_p50_is_judged_side_by_side_when_measured_so() -> None:
         for line in said
     ), said
     lines = side_by_side_table({"side_by_side": side})
-    assert "| cloud | batched, delay 0 ms | 40.00 | 0.990 | 40.00 / 40.50 / 39.50 | yes |" in lines
+    assert (
+        "| cloud | batched, delay 0 ms | 40.00 | 0.990 | - | 40.00 / 40.50 / 39.50 | yes |" in lines
+    )
     assert side_by_side_table({}) == []
 
 
@@ -356,3 +359,44 @@ def test_the_split_cuts_between_blocks_where_one_activation_crosses() -> None:
     assert block_cut(cuts, 4) == 2
     with pytest.raises(StopIteration):
         block_cut(cuts, 5)
+
+
+def test_one_sessions_p50_is_no_worse_unless_its_steps_are_measurably_slower() -> None:
+    """With each step kept, the p50 goal asks whether batched steps were slower than the
+    not-batched steps measured beside them, pair by pair: a median 0.5% higher from noise
+    either way is not; every step 5% slower is."""
+    rng = np.random.default_rng(0)
+    plain = 40.0 + rng.normal(0.0, 2.0, 186)
+    even = plain * (1.0 + rng.normal(0.0, 0.03, 186))  # as fast, noisy
+
+    def said(steps: np.ndarray) -> str:
+        runs = {
+            "cloud, batched, delay 0 ms": {
+                "plan": "cloud",
+                "setting": {"max_batch": 16, "delay_ms": 0.0, "padding": False},
+                "rows": [_row(1, 20.0, 52.0)],
+            },
+            "cloud, not batched": {
+                "plan": "cloud",
+                "setting": {"max_batch": 1, "delay_ms": 0.0, "padding": False},
+                "rows": [_row(1, 20.0, 49.0)],
+            },
+        }
+        side = {
+            "cloud": {
+                "sessions": 6,
+                "rows": [
+                    {"setting": name, "p50_ms": float(np.median(v)), "steps_ms": list(v)}
+                    for name, v in (("batched, delay 0 ms", steps), ("not batched", plain))
+                ],
+            }
+        }
+        (line,) = [x for x in goals({"runs": runs, "side_by_side": side}) if "p50" in x]
+        return line
+
+    middle, low, high = paired_change({"steps_ms": list(even)}, {"steps_ms": list(plain)})
+    assert low < middle < high and low < 0.0
+    assert "(no worse: met" in said(even)
+    slower = said(plain * 1.05)
+    assert "(no worse: NOT met, +5.0%; step by step +5.0%, 95% CI +5.0% to +5.0%)" in slower
+    assert paired_change({"steps_ms": [1.0]}, {}) is None
