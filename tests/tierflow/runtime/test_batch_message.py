@@ -267,7 +267,7 @@ def test_a_departure_hands_every_deposit_to_the_last_to_settle() -> None:
     assert departure.settle(2) is None
 
 
-# [Note: a batch's tensors stacked]
+# A batch's members' tensors, stacked ([Note: a batch's tensors stacked]).
 
 
 def onward(i: int, arrays: dict[str, np.ndarray] | None, codec: str = "raw") -> Onward:
