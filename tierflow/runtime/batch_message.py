@@ -68,8 +68,8 @@ rows, which it checks as it checks a request's own tensors; a member that goes o
 four step tensors of a member was a header to check and a payload to decode at every
 tier, and a tensor to encode at every sender: at 8 members, 32 tensors a message where
 there are now 4. Measured on ``benchmarks/batching.py``'s split plan (16 lockstep
-sessions, three pairs of runs, 2026-12-07): 83.9 against 87.8 ms a round; at 8 sessions
-62.0 against 60.5, no difference the machine resolved that hour.
+sessions, three pairs of runs, 2026-12-07): 83.8 against 87.8 ms a round; at 8 sessions
+62.0 against 60.4, no difference the machine resolved that hour.
 
 What the receiver reads is what each member would have carried: the stack is only made of
 tensors still to encode (:attr:`Onward.arrays <tierflow.runtime.pipeline.Onward.arrays>`:
