@@ -158,10 +158,9 @@ def test_the_share_in_ort_calls_adds_each_running_tiers_call_against_the_round()
     assert in_ort({**row, "call_ms": {"device": 0.1, "cloud": 60.0}}, "cloud") == 0.75
 
 
-def test_one_sessions_p50_is_judged_side_by_side_when_measured_so() -> None:
-    """The p50 goal takes the side-by-side measurement (every setting's tiers at once,
-    steps alternating) over the rows' one-session p50s, which ran minutes apart."""
-    runs = {
+def _one_session_runs() -> dict[str, Any]:
+    """A batched setting's and the not-batched one's rows of one session, cloud-only."""
+    return {
         "cloud, batched, delay 0 ms": {
             "plan": "cloud",
             "setting": {"max_batch": 16, "delay_ms": 0.0, "padding": False},
@@ -173,6 +172,12 @@ def test_one_sessions_p50_is_judged_side_by_side_when_measured_so() -> None:
             "rows": [_row(1, 20.0, 49.0)],
         },
     }
+
+
+def test_one_sessions_p50_is_judged_side_by_side_when_measured_so() -> None:
+    """The p50 goal takes the side-by-side measurement (every setting's tiers at once,
+    steps alternating) over the rows' one-session p50s, which ran minutes apart."""
+    runs = _one_session_runs()
     side = {
         "cloud": {
             "sessions": 3,
@@ -370,18 +375,6 @@ def test_one_sessions_p50_is_no_worse_unless_its_steps_are_measurably_slower() -
     even = plain * (1.0 + rng.normal(0.0, 0.03, 186))  # as fast, noisy
 
     def said(steps: np.ndarray) -> str:
-        runs = {
-            "cloud, batched, delay 0 ms": {
-                "plan": "cloud",
-                "setting": {"max_batch": 16, "delay_ms": 0.0, "padding": False},
-                "rows": [_row(1, 20.0, 52.0)],
-            },
-            "cloud, not batched": {
-                "plan": "cloud",
-                "setting": {"max_batch": 1, "delay_ms": 0.0, "padding": False},
-                "rows": [_row(1, 20.0, 49.0)],
-            },
-        }
         side = {
             "cloud": {
                 "sessions": 6,
@@ -391,7 +384,8 @@ def test_one_sessions_p50_is_no_worse_unless_its_steps_are_measurably_slower() -
                 ],
             }
         }
-        (line,) = [x for x in goals({"runs": runs, "side_by_side": side}) if "p50" in x]
+        said = goals({"runs": _one_session_runs(), "side_by_side": side})
+        (line,) = [x for x in said if "p50" in x]
         return line
 
     middle, low, high = paired_change({"steps_ms": list(even)}, {"steps_ms": list(plain)})
