@@ -625,11 +625,7 @@ class Pipeline:
         if len(names) != len(encoded):
             raise CodecError(f"tensor names repeat in one request: {sorted(names)}")
         runner.check_names(names, segment=segment)
-        specs = runner.input_specs()
-        for tensor, _ in encoded:
-            spec = specs.get(tensor.name)
-            if spec is not None:
-                spec.check(tensor.dtype, tensor.shape, f"the {self.tier}'s")
+        runner.check_specs(((t.name, t.dtype, t.shape) for t, _ in encoded), f"the {self.tier}'s")
         features: dict[str, np.ndarray] = {}
         if not (self.forwards_as_is(index) and self.cache is None):
             # Read-only views: ONNX Runtime only reads them.
@@ -643,11 +639,8 @@ class Pipeline:
         """A member's rows of a batch's stacked tensors, checked as :meth:`decode` checks
         a request's tensors: the segment, the names, and each one's dtype and shape."""
         runner.check_names(set(rows), segment=segment)
-        specs = runner.input_specs()
-        for name, value in rows.items():
-            spec = specs.get(name)
-            if spec is not None:
-                spec.check(value.dtype.name, value.shape, f"the {self.tier}'s")
+        given = ((name, value.dtype.name, value.shape) for name, value in rows.items())
+        runner.check_specs(given, f"the {self.tier}'s")
         return dict(rows)
 
     def forwards_as_is(self, index: int) -> bool:

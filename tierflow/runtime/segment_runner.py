@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -343,9 +343,13 @@ class TierRunner:
         """Tensors a request entering at segment ``index`` must carry (``Plan.carried``)."""
         return self.plan.carried(index)
 
-    def input_specs(self) -> dict[str, InputSpec]:
-        """Dtype and shape of the incoming tensors this tier's segments read directly."""
-        return dict(self._input_specs)
+    def check_specs(self, given: Iterable[tuple[str, str, tuple[int, ...]]], owner: str) -> None:
+        """Raise an :class:`InputError` unless each incoming tensor (name, dtype, shape) that
+        this tier's segments read directly fits the input it feeds."""
+        for name, dtype, shape in given:
+            spec = self._input_specs.get(name)
+            if spec is not None:
+                spec.check(dtype, shape, owner)
 
     def check_names(self, names: set[str], *, segment: int) -> None:
         """Raise unless a request names segment ``start`` and carries exactly ``needs``."""
@@ -373,7 +377,7 @@ class TierRunner:
     ) -> Outcome:
         """Run this tier's segments on ``tensors``; stop at the first confident exit.
 
-        ``checked``: the caller has checked every tensor against :meth:`input_specs`
+        ``checked``: the caller has checked every tensor against :meth:`check_specs`
         already (a server, before decoding), so the segments need not check again.
         ``state``: the value of each of :attr:`states`' inputs for this step; the outcome
         carries what they become. ``member`` (the step's session), ``owner`` (whose it
