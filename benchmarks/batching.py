@@ -392,6 +392,19 @@ def _row(
     }
 
 
+def chosen_together(steps: Sequence[tuple[Any, list[int], int]]) -> list[int]:
+    """Each ``(decoder, tokens, position)`` step's greedy token, the steps taken together
+    (``TierDecoder.choose_together``); a step's error raised."""
+    from tierflow.device.generation import TierDecoder
+
+    chosen = []
+    for answer in TierDecoder.choose_together(steps, keep=1):
+        if isinstance(answer, Exception):
+            raise answer
+        chosen.append(int(answer[-1]))
+    return chosen
+
+
 def _generate_together(
     client: Any,
     texts: list[list[int]],
@@ -406,16 +419,8 @@ def _generate_together(
     from tierflow.device.generation import TierDecoder
 
     decoders = [TierDecoder(client) for _ in texts]
-
-    def step(steps: list[tuple[Any, list[int], int]]) -> list[int]:
-        chosen = []
-        for answer in TierDecoder.choose_together(steps, keep=1):
-            if isinstance(answer, Exception):
-                raise answer
-            chosen.append(int(answer[-1]))
-        return chosen
-
-    made = [[token] for token in step([(d, t, 0) for d, t in zip(decoders, texts, strict=True)])]
+    prefills = [(d, t, 0) for d, t in zip(decoders, texts, strict=True)]
+    made = [[token] for token in chosen_together(prefills)]
     if prefilled is not None:
         prefilled()
     first = time.perf_counter()
@@ -425,7 +430,7 @@ def _generate_together(
         steps = [
             (d, [m[-1]], len(t) + len(m) - 1) for d, t, m in zip(decoders, texts, made, strict=True)
         ]
-        for m, token in zip(made, step(steps), strict=True):
+        for m, token in zip(made, chosen_together(steps), strict=True):
             m.append(token)
         rounds.append((time.perf_counter() - began) * 1e3)
     return _row(made, time.perf_counter() - first, [rounds] * len(texts), rounds)
@@ -467,15 +472,13 @@ def side_by_side_child(plan: Path, args: argparse.Namespace) -> dict[str, Any]:
                 for k in range(len(sets)):  # each set first, middle and last in turn
                     i = (t + k) % len(sets)
                     began = time.perf_counter()
+                    last = [tokens[i][-1]]
                     if together[i]:  # a program that steps its sessions together, with one
-                        step = [(decoders[i], [tokens[i][-1]], position)]
-                        (answer,) = TierDecoder.choose_together(step, keep=1)
-                        if isinstance(answer, Exception):
-                            raise answer
+                        (token,) = chosen_together([(decoders[i], last, position)])
                     else:
-                        answer = decoders[i].choose([tokens[i][-1]], position, keep=1)
+                        token = int(decoders[i].choose(last, position, keep=1)[-1])
                     times[i].append((time.perf_counter() - began) * 1e3)
-                    tokens[i].append(int(answer[-1]))
+                    tokens[i].append(token)
             for i in range(len(sets)):
                 steps[i].append(times[i])
                 made[i].append(tokens[i])
@@ -493,10 +496,10 @@ class Ceiling:
         self.plan = load_plan(plan_dir)
         assert self.plan.decoder is not None, "a decoder plan"
         self.decoder = self.plan.decoder
-        self.runs = [
-            (spec, open_session(plan_dir / spec.file, threads=args.threads, what=spec.file))
-            for spec in self.plan.segments
-        ]
+        self.runs = []  # each segment's spec, session and output names
+        for spec in self.plan.segments:
+            session = open_session(plan_dir / spec.file, threads=args.threads, what=spec.file)
+            self.runs.append((spec, session, [o.name for o in session.get_outputs()]))
         self.prompt, self.tokens = args.prompt, args.tokens
 
     def step(self, count: int) -> dict[str, Any]:
@@ -515,20 +518,19 @@ class Ceiling:
         # them (greedy_generate's), stacked as a tier's batcher stacks its steps.
         past = stack([{state.input: initial_state(state) for state in self.plan.states}] * count)
         made: list[list[int]] = [[] for _ in range(count)]
-        times: dict[str, list[float]] = {spec.tier: [] for spec, _ in self.runs}
-        cpu: dict[str, list[float]] = {spec.tier: [] for spec, _ in self.runs}
+        times: dict[str, list[float]] = {spec.tier: [] for spec, _, _ in self.runs}
+        cpu: dict[str, list[float]] = {spec.tier: [] for spec, _, _ in self.runs}
         length = 0
         for token in range(self.tokens):
             steps = stack([decoder.step_feeds(ids, length) for ids in step])
             tensors: dict[str, np.ndarray] = {**steps, **past}
-            for spec, session in self.runs:
+            for spec, session, names in self.runs:
                 feeds = {name: tensors[name] for name in spec.inputs}
                 began, used = time.perf_counter(), time.process_time()
                 values = session.run(None, feeds)
                 if token:  # decode steps only: the prefill is not what a row times
                     times[spec.tier].append(time.perf_counter() - began)
                     cpu[spec.tier].append(time.process_time() - used)
-                names = [o.name for o in session.get_outputs()]
                 tensors.update(zip(names, values, strict=True))
             past = {state.input: tensors[state.output] for state in self.plan.states}
             length += step.shape[1]
