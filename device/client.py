@@ -370,7 +370,7 @@ class DeviceClient:
         if session is None:
             return None
         check_session_id(session)  # it travels with every request of the session
-        states = {s.input for s in self.plans.plans[index].states}
+        states = self.plans.plans[index].state_inputs
         given = {name: np.asarray(v) for name, v in inputs.items() if name in states}
         if given and position != 0:
             raise StateError(
@@ -435,7 +435,7 @@ class DeviceClient:
 
     def _model_inputs(self, inputs: Mapping[str, np.ndarray], index: int) -> dict[str, np.ndarray]:
         """``inputs`` without the first state values (the session step carries those)."""
-        states = {s.input for s in self.plans.plans[index].states}
+        states = self.plans.plans[index].state_inputs
         return {n: np.asarray(v) for n, v in inputs.items() if n not in states}
 
     def _reached(

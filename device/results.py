@@ -181,7 +181,8 @@ class Ticket:
             self._result = self._finish()
         if self.plan is not None:  # a fallback answer already names the device-only plan
             plan = self._result.plan or self.plan
-            self._result = dataclasses.replace(self._result, plan=plan, switch=self.switch)
+            if (self._result.plan, self._result.switch) != (plan, self.switch):
+                self._result = dataclasses.replace(self._result, plan=plan, switch=self.switch)
         result = self._result
         if self.avoided is not None and result.ok and not (result.fallback or result.cache_hit):
             reason = f"{self.avoided}; answered with plan {self.plan}"
@@ -258,6 +259,8 @@ class Ticket:
             links=links,
             fallback=bool(reply.fallback),
             fallback_reason=reply.fallback or None,
+            plan=self.plan,
+            switch=self.switch,
         )
 
     def _without_outputs(

@@ -337,6 +337,11 @@ class Plan:
         """Every segment's state pairs, in segment order (read on every request's way)."""
         return tuple(s for segment in self.segments for s in segment.state)
 
+    @functools.cached_property
+    def state_inputs(self) -> frozenset[str]:
+        """The names of :attr:`states`' inputs."""
+        return frozenset(s.input for s in self.states)
+
     def _check_state(self) -> None:
         """Each pair on exactly one segment, never crossing; the decoder's tensors exist."""
         owned = {

@@ -1,8 +1,8 @@
-"""Settings the runtime commands apply for low latency: GIL hand-overs, large buffers, and
-(when asked) CPUs kept from sleeping.
+"""Settings the runtime commands apply for low latency: GIL hand-overs, large buffers, the
+garbage collector, and (when asked) CPUs kept from sleeping.
 
 ``tierflow serve``, ``tierflow run`` and the demo (its device) call :func:`tune_for_latency`; a
-library user decides for their own process. Both settings are explained below.
+library user decides for their own process. Each setting is explained below.
 ``tierflow serve --cpus-awake`` also holds :func:`cpus_awake`, a setting of the whole
 machine ([Note: CPUs that sleep between steps]).
 
@@ -41,6 +41,20 @@ round trips of 1 MB from 0.80 to 0.71 ms. What a process holds at its peak it th
 keeps instead of returning it; peak memory is unchanged. On a C library without
 ``mallopt`` (musl, macOS) nothing is changed.
 
+[Note: garbage collection between steps]
+Python's cyclic garbage collector runs when allocations outnumber deallocations by 700
+(its youngest generation), and every tenth and hundredth time it also walks the older
+generations: the oldest holds every object the process has made to last, its imported
+modules' functions, classes and dicts among them. Walking that took 12 ms each time on the
+edge and on the device of ``benchmarks/batching.py``'s split plan, about once in 60
+rounds of 8 lockstep sessions: 0.2 ms a round each on average, and a stall in one round
+(cloud-only one too; measured 2026-12-07 with ``gc.callbacks``, 60 rounds of 55 ms).
+:func:`tune_for_latency` collects once and then freezes what is there (``gc.freeze``):
+the objects made by then, mostly the imports, are never walked again, and never freed,
+which they would not be anyway. The youngest generations are left as they are: at 20,000
+instead of 700, the collector ran 20 times less often and each run took 20 times longer
+(what a step makes lasts a round or two), no less in all.
+
 [Note: CPUs that sleep between steps]
 A tier waits for its next message between its steps, and a CPU with nothing to run goes to
 sleep (a C-state; on a virtual machine, the virtual CPU halts and the host may run something
@@ -71,6 +85,7 @@ refused, nothing changes and a warning says why.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import struct
@@ -99,10 +114,13 @@ CPU_LATENCY_FILE = Path("/dev/cpu_dma_latency")
 
 def tune_for_latency(sessions: int = 1) -> None:
     """Shorten the GIL switch interval (less so where this process drives several
-    ``sessions`` at once, a thread each) and keep freed buffers for reuse, for this
-    process ([Note: GIL switch interval])."""
+    ``sessions`` at once, a thread each), keep freed buffers for reuse, and leave the
+    objects made so far out of garbage collection, for this process ([Note: GIL switch
+    interval], [Note: garbage collection between steps])."""
     sys.setswitchinterval(SWITCH_INTERVAL_S if sessions <= 1 else SESSIONS_SWITCH_INTERVAL_S)
     keep_freed_buffers()
+    gc.collect()
+    gc.freeze()
 
 
 def keep_freed_buffers() -> bool:

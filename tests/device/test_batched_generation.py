@@ -456,6 +456,38 @@ def test_a_member_whose_session_is_busy_waits_for_it_then_runs_alone(
     assert first == [expected[0]] * 2 and second == [expected[1]] * 2
 
 
+def test_stacked_rows_that_do_not_fit_refuse_the_whole_message_with_one_typed_error(
+    models: dict[str, Path],
+) -> None:
+    """Every member's rows are slices of the same stacked tensors, so the tier checks them
+    once for all ([Note: a batch's tensors stacked]): token ids of the wrong dtype refuse
+    the message whole, with one INVALID_INPUT that names what was expected, before
+    anything runs; the next batch is answered."""
+    prompt = list(PROMPTS[0])
+    with serving(models["cloud"], RuntimeOptions(workers=2, max_batch=8)) as (_, cloud, _edge):
+        tier = cloud.tier
+        decoder = tier.plan.decoder
+        assert decoder is not None
+
+        def batch(dtype: type) -> tier_pb2.Request:
+            request = tier_pb2.Request(id="batch", plan_id=tier.plan_id)
+            for session in ("s0", "s1"):
+                request.members.add(id=session, plan_id=tier.plan_id, session=session, keep_last=1)
+            feeds = stack([decoder.step_feeds(prompt, 0)] * 2)
+            feeds[decoder.tokens] = feeds[decoder.tokens].astype(dtype)
+            request.tensors.extend(encode_tensors(feeds, "raw"))
+            return request
+
+        later: list[tier_pb2.Reply] = []
+        refused = tier.handle(batch(np.int32), time.perf_counter(), later.append, "me")
+        assert refused is not None and not later
+        assert tier_pb2.ErrorCode.Name(refused.error.code) == "INVALID_INPUT"
+        assert decoder.tokens in refused.error.message and "int64" in refused.error.message
+        assert batcher_of(cloud).stats.calls == 0  # nothing ran
+        assert tier.handle(batch(np.int64), time.perf_counter(), later.append, "me") is None
+    assert [not m.HasField("error") for m in later[0].members] == [True, True]
+
+
 def test_a_batch_in_one_message_runs_as_one_call_and_is_answered_in_one_reply(
     models: dict[str, Path],
 ) -> None:

@@ -63,7 +63,8 @@ of the same tensors (a session's step is one sequence). They then leave with the
 tensors stacked, one tensor each in the message itself (``Request.tensors``, a member's
 row at its seat on axis 0), and the members carry none (:func:`combine`). The tier that
 receives them decodes each tensor once (:func:`member_rows`) and gives each member its
-rows, which it checks as it checks a request's own tensors; a member that goes on alone
+rows, checked as a request's own tensors are, once for them all (every member's rows are
+slices of the same tensors: ``Tier._rows``); a member that goes on alone
 (its session busy here) takes its rows as its own tensors. Member by member, each of the
 four step tensors of a member was a header to check and a payload to decode at every
 tier, and a tensor to encode at every sender: at 8 members, 32 tensors a message where
@@ -304,9 +305,9 @@ def member_rows(
     """Each member's rows of a batch's stacked tensors, in member order, decoded once
     ([Note: a batch's tensors stacked]). The headers are checked before anything is
     decoded: ``tensors`` of them at most (what the tier's segments need), no name twice,
-    each one row a member, each no larger than ``max_tensor_bytes`` a member. Each
-    member's rows are then checked as a request's tensors are (its dtypes and shapes,
-    :meth:`Pipeline.climb <tierflow.runtime.pipeline.Pipeline.climb>`)."""
+    each one row a member, each no larger than ``max_tensor_bytes`` a member. The rows
+    are then checked as a request's tensors are (their dtypes and shapes,
+    :meth:`Pipeline.check_rows <tierflow.runtime.pipeline.Pipeline.check_rows>`)."""
     count = len(request.members)
     if len(request.tensors) != tensors:
         raise InputError(

@@ -544,8 +544,8 @@ class Pipeline:
         and decoded here, its session step read from it), or as the device's own
         ``inputs`` at segment 0 with its ``session`` step and ``deadline_unix_s``. A
         member of a batch whose tensors came stacked enters as its ``request`` with its
-        rows of them as ``inputs``, decoded already and checked here ([Note: a batch's
-        tensors stacked] in tierflow/runtime/batch_message.py).
+        rows of them as ``inputs``, decoded and checked already (:meth:`check_rows`;
+        [Note: a batch's tensors stacked] in tierflow/runtime/batch_message.py).
         ``next_down``: the tier's check, between the cache and the segments, that the
         next tier is known to be down; what it returns (not None) is the request's
         outcome, and nothing runs. ``together``: the request goes on with its batch's
@@ -569,8 +569,8 @@ class Pipeline:
             if request is not None:
                 if inputs is None:
                     features, codec_s = self.decode(index, runner, segment, request.tensors)
-                else:
-                    features = self.check_rows(runner, segment, inputs)
+                else:  # a batch's rows, checked for the batch (Tier._rows)
+                    features = dict(inputs)
                 owner = owner_of(caller, request.on_behalf_of)
                 limit = self.options.max_tensor_bytes
                 session = SessionStep.of_request(request, runner, limit, owner)
@@ -633,15 +633,13 @@ class Pipeline:
         emulate_slower(self.options.slowdown, cpu, self._cpu)
         return features, time.perf_counter() - start
 
-    def check_rows(
-        self, runner: TierRunner, segment: int, rows: Mapping[str, np.ndarray]
-    ) -> dict[str, np.ndarray]:
-        """A member's rows of a batch's stacked tensors, checked as :meth:`decode` checks
-        a request's tensors: the segment, the names, and each one's dtype and shape."""
+    def check_rows(self, runner: TierRunner, segment: int, rows: Mapping[str, np.ndarray]) -> None:
+        """Raise unless a member's rows of a batch's stacked tensors fit, as :meth:`decode`
+        checks a request's tensors: the segment, the names, and each one's dtype and
+        shape."""
         runner.check_names(set(rows), segment=segment)
         given = ((name, value.dtype.name, value.shape) for name, value in rows.items())
         runner.check_specs(given, f"the {self.tier}'s")
-        return dict(rows)
 
     def forwards_as_is(self, index: int) -> bool:
         """Whether this tier runs nothing for plan ``index`` and passes its tensors on as

@@ -379,15 +379,17 @@ class Tier:
 
     def _rows(self, request: tier_pb2.Request) -> tuple[list[dict[str, np.ndarray]] | None, float]:
         """Each member's rows of a batch's stacked tensors, if they came stacked ([Note: a
-        batch's tensors stacked] in tierflow/runtime/batch_message.py), and each member's
-        share of decoding them (ms)."""
+        batch's tensors stacked] in tierflow/runtime/batch_message.py), checked, and each
+        member's share of decoding them (ms). Every member's rows are slices of the same
+        tensors (names, dtypes, shapes), so one member's check is every member's."""
         pipeline = self.pipeline
         if not request.tensors or pipeline is None:
             return None, 0.0
         start = time.perf_counter()
         index = pipeline.index_of(request.plan_id)
-        needs = len(pipeline.runner(index).needs)
-        rows = member_rows(request, pipeline.options.max_tensor_bytes, needs)
+        runner = pipeline.runner(index)
+        rows = member_rows(request, pipeline.options.max_tensor_bytes, len(runner.needs))
+        pipeline.check_rows(runner, request.segment, rows[0])
         return rows, (time.perf_counter() - start) * 1e3 / len(rows)
 
     def _run_together(

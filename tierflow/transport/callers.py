@@ -23,6 +23,7 @@ logs and metrics; tokens never do.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -47,6 +48,7 @@ def caller_of(context: Any, tokens: TokenTable | None) -> str:
     return " ".join(parts) or "peer:" + context.peer()
 
 
+@functools.lru_cache(maxsize=4096)  # every step of a session asks, on every tier
 def owner_of(caller: str, behalf: str) -> str:
     """The owner of a request's session: its caller, or what the caller vouches for within
     the caller's own name ([Note: who a caller is]).
