@@ -111,6 +111,24 @@ length, were no one's company (``benchmarks/batching.py``, 16 sessions at D = 20
 (its prefill) waits up to D at each tier it crosses, when no other session starts with
 it. What D still does not mend: groups that drift further apart than D once running.
 
+The calls themselves run on one thread of the batcher's own (``own_thread``; a tier's
+runner with segments to run has it), whichever thread leads the batch. A tier's requests
+come to it on the threads of its pool in turn ([Note: a stream's requests run at once] in
+tierflow/runtime/streams.py), and the same ONNX Runtime call ran slower from threads
+that take turns than from one. The cloud's segment of ``benchmarks/batching.py``'s split
+plan, 8 rows, called every 40 ms in one process (2026-12-07, sets of 40 calls in turn):
+22.3, 24.6 and 22.9 ms by mean from one thread against 27.6, 26.1 and 25.5 from two
+threads in turn; in a second run 25.1, 24.3 and 26.2 from one, 26.9, 28.3 and 27.7 from
+two in turn, and 23.7, 25.6 and 26.8 from two in turn that hand the call to one thread.
+(Where it comes from was not found: the caller's thread works in the call beside the
+pool's, and its caches are the colder the longer since its last call.) Served, the tiers
+whose requests take turns were the slow ones: their calls ran 4-10% longer than the same
+calls in the ceiling's one thread (8 sessions stepped together), the device's (always on
+the thread that steps its sessions) no longer. Handing a call over costs two thread
+wake-ups. With it, 8 split sessions stepped together took 60.9, 60.9 and 63.1 ms a round
+against 64.4, 62.2 and 66.4 without (three pairs, run in turn); 16 took 87.3, 79.6 and
+79.8 against 95.5, 83.5 and 77.1, while the machine's speed drifted by a fifth.
+
 A step whose deadline passed while it queued fails alone (DEADLINE_EXCEEDED); a batch
 whose call fails is run again one step at a time, so the step with the bad tensor fails
 alone, with its own typed error, and the others get their answers. When more steps of
@@ -127,6 +145,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -439,7 +458,9 @@ class StepBatcher:
     ``max_batch`` steps at most share a call; ``delay_s`` is ``--batch-delay``;
     ``padding`` (``--batch-padding``) groups steps of different past lengths;
     ``first_waits``: with a delay, a session's first step here waits for company too (for
-    other sessions starting with it), not only its later steps ([Note: the step batcher]).
+    other sessions starting with it), not only its later steps; ``own_thread``: ``run``
+    runs on one thread of the batcher's own, whichever thread leads ([Note: the step
+    batcher]).
     """
 
     def __init__(
@@ -452,6 +473,7 @@ class StepBatcher:
         padding: Padding | None = None,
         clock: Callable[[], float] = time.monotonic,
         first_waits: bool = True,
+        own_thread: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -470,6 +492,11 @@ class StepBatcher:
         self._busy = False
         self._seen: dict[Hashable, _Seen] = {}  # with --batch-delay: each session's last step
         self.stats = BatchStats()
+        self._calls = (
+            ThreadPoolExecutor(1, thread_name_prefix=f"{name.removeprefix('the ')}-calls")
+            if own_thread
+            else None
+        )
 
     def run(
         self,
@@ -742,7 +769,13 @@ class StepBatcher:
         return outputs
 
     def _timed(self, size: int, feeds: Feeds) -> Outputs:
-        """``run`` on a call of ``size`` steps, its time kept in the stats."""
+        """``run`` on a call of ``size`` steps (on the batcher's thread, if it has one), its
+        time kept in the stats."""
+        if self._calls is not None:
+            return self._calls.submit(self._timed_here, size, feeds).result()
+        return self._timed_here(size, feeds)
+
+    def _timed_here(self, size: int, feeds: Feeds) -> Outputs:
         start = time.perf_counter()
         try:
             return self._run(feeds)

@@ -330,6 +330,7 @@ class TierRunner:
             max_batch=options.max_batch,
             delay_s=options.batch_delay_s,
             padding=padding,
+            own_thread=bool(self.segments),  # [Note: the step batcher]
         )
 
     def _through(self, env: Mapping[str, np.ndarray]) -> Outputs:

@@ -209,6 +209,41 @@ def test_an_idle_batcher_runs_a_step_at_once_alone(runner: SegmentRunner) -> Non
     assert np.array_equal(out["logits"], runner.run(feeds)["logits"])
 
 
+@pytest.mark.parametrize("own_thread", [True, False])
+def test_with_a_thread_of_its_own_every_call_runs_there_whoever_leads(
+    runner: SegmentRunner, own_thread: bool
+) -> None:
+    """[Note: the step batcher]: a tier's requests come on its pool's threads in turn;
+    the calls run on one thread (with ``own_thread``), and a failing call's error still
+    reaches its step's caller."""
+    threads: list[int] = []
+
+    def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        threads.append(threading.get_ident())
+        return runner.run(feeds)
+
+    batcher = StepBatcher(run, name="the test", max_batch=8, own_thread=own_thread)
+    feeds = step(4, 3, 0)
+    callers: list[int] = []
+
+    def caller() -> None:
+        callers.append(threading.get_ident())
+        out = batcher.run(feeds, member="s")
+        assert np.array_equal(out["logits"], runner.run(feeds)["logits"])
+
+    for _ in range(3):  # one after the other, each from a thread of its own
+        worker = threading.Thread(target=caller)
+        worker.start()
+        worker.join()
+    assert len(threads) == 3 and batcher.stats.calls == 3
+    if own_thread:
+        assert len(set(threads)) == 1 and not set(threads) & set(callers)
+    else:
+        assert threads == callers
+    with pytest.raises((InputError, ModelError)):
+        batcher.run(step(4, VOCAB + 50, 9), member="bad")  # past the vocabulary
+
+
 def test_queued_steps_of_one_group_share_one_call_and_match_running_alone(
     runner: SegmentRunner,
 ) -> None:
