@@ -48,12 +48,13 @@ generations: the oldest holds every object the process has made to last, its imp
 modules' functions, classes and dicts among them. Walking that took 12 ms each time on the
 edge and on the device of ``benchmarks/batching.py``'s split plan, about once in 60
 rounds of 8 lockstep sessions: 0.2 ms a round each on average, and a stall in one round
-(cloud-only one too; measured 2026-12-07 with ``gc.callbacks``, 60 rounds of 55 ms).
-:func:`tune_for_latency` collects once and then freezes what is there (``gc.freeze``):
-the objects made by then, mostly the imports, are never walked again, and never freed,
-which they would not be anyway. The youngest generations are left as they are: at 20,000
-instead of 700, the collector ran 20 times less often and each run took 20 times longer
-(what a step makes lasts a round or two), no less in all.
+(measured 2026-12-07 with ``gc.callbacks``, 60 rounds of 55 ms). :func:`tune_for_latency`
+collects once and then freezes what is there (``gc.freeze``): the objects made by then,
+mostly the imports, are never walked again, and never freed, which they would not be
+anyway. After it, the device's one such walk in 60 rounds took 2 ms. The youngest
+generation is left as it is: at 20,000 instead of 700, at 16 sessions, the device's
+collector ran 2 times in 60 rounds instead of 39 (and 3 of the next generation), and
+took 0.24 ms a round against 0.22 (what a step makes lasts a round or two).
 
 [Note: CPUs that sleep between steps]
 A tier waits for its next message between its steps, and a CPU with nothing to run goes to
