@@ -89,7 +89,7 @@ def test_a_tuned_process_leaves_what_it_made_before_out_of_garbage_collection() 
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
     )
     before, frozen, after, threshold = json.loads(done.stdout)
-    assert before == 0 and frozen > 10_000  # the imports (measured: about 60,000)
+    assert before == 0 and frozen > 1_000  # the imports (measured: about 10,000)
     assert after == frozen  # what is made later is collected as before
     assert threshold == 700  # the youngest generation as Python has it
 
