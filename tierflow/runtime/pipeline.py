@@ -338,7 +338,7 @@ def split_first_state(
     """A session's first state values by name, split into those of the states ``runner``
     holds on this tier (kept here) and the rest (passed on to the tiers after it); each
     in the order given. The device splits arrays, the tiers above it the wire tensors."""
-    owned = {s.input for s in runner.states}
+    owned = runner.state_inputs
     mine = {name: value for name, value in given.items() if name in owned}
     return mine, {name: value for name, value in given.items() if name not in owned}
 

@@ -285,7 +285,8 @@ class TierRunner:
         self.states: tuple[StateSpec, ...] = tuple(
             state for _, spec, _ in self.segments for state in spec.state
         )
-        self._state_inputs = {s.input for s in self.states}
+        #: Their inputs' names.
+        self.state_inputs = frozenset(s.input for s in self.states)
         self.needs = self.required_names(self.start)
         self._needed = set(self.needs)
         # What a request leaving this tier carries ([Note: what crosses to the next tier]).
@@ -428,7 +429,7 @@ class TierRunner:
         """What the segments are fed: ``tensors`` and the step's ``state``."""
         env = dict(tensors)
         if self.states:
-            if state is None or state.keys() != self._state_inputs:
+            if state is None or state.keys() != self.state_inputs:
                 raise InputError(
                     f"the {self.tier}'s segments keep state {[s.input for s in self.states]}: "
                     "a request must name a session"
