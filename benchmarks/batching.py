@@ -71,6 +71,25 @@ machine's drift: at 8 sessions split, in one process on 2026-12-06, 49.1 and 50.
 step generating, 44.6 and 54.4 repeated.) The plan's whole ceiling is still measured
 before its runs and after them (the segments' table), which shows the drift.
 
+[Note: a round outside the calls]
+What a row has and its ceiling has not is the tiers' work between their calls: each
+message read, decoded and checked; each session's state found and kept; the batch
+stacked and split; the answers encoded and sent; and four hops. The results' round table
+sets each tier's call against the same segment's in the ceiling beside the row, and gives
+each process's CPU time a round. Traced on each process's timeline (``time.perf_counter``,
+one clock for every process; 2026-12-07, split, 8 sessions stepped together, medians of 60
+rounds of 70 ms): the device 1.0 ms from a round's start to its call, 0.8 from its call
+to its message leaving, and 1.0 from the edge's reply to the round's end; the edge and
+the cloud 1.4-1.5 ms from a message's arrival to their call and 0.9-1.2 from the call to
+the message or the answer leaving; each hop up 0.7-0.9 ms, each down 0.4-0.5 with its
+write; handing a call to the batcher's thread and back, 0.2 ms of it. Most of that is
+Python running with cold caches: a call reads its segment's weights, hundreds of MB,
+through every cache, and the work after it finds none of its own there. Decoding a batch
+message's stacked rows for 8 members (``member_rows``) took 0.21 ms served, on the edge
+and on the cloud alike; the same request decoded in a loop in one process took 0.04 ms,
+and 0.35 ms when each turn first read 64 MB. So what is left of the ceiling is in doing
+less between calls, not in any one step of it.
+
 The whole run keeps the machine's CPUs awake where it may (the kernel's CPU latency setting
 held at 0, as ``tierflow serve --cpus-awake`` holds it; ``--let-cpus-sleep`` not): a
 pipeline of tiers leaves each CPU idle between its calls, and on this machine a call that
@@ -123,7 +142,7 @@ import numpy as np
 
 from benchmarks.lib import RESULTS as FOLDER
 from benchmarks.lib.report import load_average, load_span, load_words
-from benchmarks.lib.tiers import ServedTiers, batch_calls, peak_rss, served
+from benchmarks.lib.tiers import ServedTiers, batch_calls, cpu_seconds, peak_rss, served
 from tierflow.tuning import cpus_awake
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,10 +305,17 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
             mine = (dict(batcher.stats.sizes), dict(batcher.stats.seconds)) if batcher else ({}, {})
             return {"device": mine, **at}
 
+        pids = {"device": "self", **{name: tier["pid"] for name, tier in tiers.items()}}
+
+        def cpu() -> dict[str, float]:
+            return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
         decoding: list[dict[str, tuple[dict[int, int], dict[int, float]]]] = []
+        decoding_cpu: list[dict[str, float]] = []
 
         def at_decode() -> None:  # every session has its first token
             decoding.append(calls())
+            decoding_cpu.append(cpu())
 
         for count in counts:
             # The sessions before are no longer active for --batch-delay (ACTIVE_S):
@@ -304,6 +330,8 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
             # size (every session's prompt at once) takes ten times a decode step's.
             generate = _generate_together if args.together else _generate
             row = generate(client, texts[:count], args.tokens, prefilled=at_decode)
+            used = cpu()
+            decoded = {name: used[name] - seconds for name, seconds in decoding_cpu.pop().items()}
             before = decoding.pop()
             after = calls()
             row["batches"] = {
@@ -314,13 +342,22 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
                 }
                 for name in after
             }
-            row["ceiling_ms"] = [alone, bursts.step(count)]
+            after_row = bursts.step(count)
+            row["ceiling_ms"] = [alone["step_ms"], after_row["step_ms"]]
+            # Each segment's call in the faster of the two, against the tiers' calls.
+            faster = min(alone, after_row, key=lambda r: r["step_ms"])
+            row["ceiling_segments_ms"] = faster["segments_ms"]
+            row["ceiling_cpu_ms"] = faster["cpu_ms"]
             row["call_ms"] = {}  # each tier's mean call of every session's step
             for name in after:
                 made = after[name][0].get(count, 0) - before[name][0].get(count, 0)
                 took = after[name][1].get(count, 0.0) - before[name][1].get(count, 0.0)
                 if made:
                     row["call_ms"][name] = 1e3 * took / made
+            # Each process's CPU time, every thread's, a decode round.
+            row["cpu_ms_per_round"] = {
+                name: 1e3 * seconds / (args.tokens - 1) for name, seconds in decoded.items()
+            }
             row["peak_rss"] = {
                 "device": peak_rss(),
                 **{name: peak_rss(tier["pid"]) for name, tier in tiers.items()},
@@ -583,11 +620,13 @@ class Bursts:
         )
         self._read()
 
-    def step(self, count: int) -> float:
+    def step(self, count: int) -> dict[str, Any]:
         assert self.process.stdin is not None
         self.process.stdin.write(f"{count}\n")
         self.process.stdin.flush()
-        return float(json.loads(self._read())["step_ms"])
+        row: dict[str, Any] = json.loads(self._read())
+        row.pop("tokens")
+        return row
 
     def _read(self) -> str:
         assert self.process.stdout is not None
@@ -984,6 +1023,40 @@ def table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def round_table(results: dict[str, Any]) -> list[str]:
+    """Where a round of the sessions stepped together went, at 8 and 16 sessions: each
+    tier's ONNX Runtime call against the same segment's in the ceiling beside the row,
+    the rest of the round, and each process's CPU time a round against the ceiling's."""
+    lines = [
+        "| plan | sessions | round ms | ceiling ms | tiers' calls ms | the ceiling's calls ms "
+        "| outside the calls ms | each process's CPU ms a round | the ceiling's CPU ms |",
+        "|---|---:|---:|---:|---|---|---:|---|---:|",
+    ]
+    for run in results["runs"].values():
+        if not run["setting"].get("together") or run["setting"]["max_batch"] == 1:
+            continue
+        tiers = ("cloud",) if run["plan"] == "cloud" else ("device", "edge", "cloud")
+        for row in run["rows"]:
+            if row["sessions"] not in (8, 16) or "ceiling_segments_ms" not in row:
+                continue
+            calls, alone = row["call_ms"], row["ceiling_segments_ms"]
+            if not all(tier in calls for tier in tiers):
+                continue
+            round_ms = 1e3 * row["sessions"] / row["tokens_per_s"]
+            cpu = row["cpu_ms_per_round"]
+            lines.append(
+                f"| {run['plan']} | {row['sessions']} | {round_ms:.1f} | "
+                f"{min(row['ceiling_ms']):.1f} | "
+                + " / ".join(f"{tier} {calls[tier]:.1f}" for tier in tiers)
+                + " | "
+                + " / ".join(f"{alone[tier]:.1f}" for tier in tiers)
+                + f" | {round_ms - sum(calls[tier] for tier in tiers):.1f} | "
+                + " / ".join(f"{name} {cpu[name]:.1f}" for name in ("device", "edge", "cloud"))
+                + f" | {row['ceiling_cpu_ms']:.1f} |"
+            )
+    return lines if len(lines) > 2 else []
+
+
 def sweep_table(results: dict[str, Any]) -> list[str]:
     """The --batch-delay sweep that chose each plan's positive delay."""
     if not results.get("sweep"):
@@ -1266,6 +1339,8 @@ def render(results: dict[str, Any]) -> None:
         "",
         *table(results),
         "",
+        *round_table(results),
+        "",
         *sweep_table(results),
         "",
         *side_by_side_table(results),
@@ -1365,7 +1440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     plot(results, PLOT)
     render(results)
-    print("\n".join([*table(results), "", *sweep_table(results), ""]))
+    print("\n".join([*table(results), "", *round_table(results), "", *sweep_table(results), ""]))
     print("\n".join([*side_by_side_table(results), "", *goals(results)]))
     print("\n".join(padding_table(results)))
     return 0

@@ -12,6 +12,7 @@ process's peak resident memory (:func:`peak_rss`).
 from __future__ import annotations
 
 import contextlib
+import os
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -102,6 +103,12 @@ def _by_size(exposition: str, what: str) -> dict[int, float]:
         for sample in family.samples
         if sample.name == f"tierflow_batch_{what}_total"
     }
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """A process's CPU time so far, every thread's, user and system, in seconds (/proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def peak_rss(pid: int | str = "self") -> int:

@@ -25,6 +25,7 @@ from benchmarks.batching import (
     padding_table,
     paired_change,
     prompts,
+    round_table,
     side_by_side_table,
     whole_rounds,
 )
@@ -156,6 +157,38 @@ def test_the_share_in_ort_calls_adds_each_running_tiers_call_against_the_round()
     row["call_ms"]["cloud"] = 30.0
     assert in_ort(row, "split") == pytest.approx(0.75)
     assert in_ort({**row, "call_ms": {"device": 0.1, "cloud": 60.0}}, "cloud") == 0.75
+
+
+def test_the_round_table_sets_each_tiers_call_against_the_ceilings_beside_the_row() -> None:
+    """Stepped together, at 8 sessions: 100 tokens/s is an 80 ms round, of which the
+    tiers' calls took 10 + 20 + 30 ms, so 20 outside them; rows without the figures
+    (results of earlier runs) and settings not stepped together are left out."""
+    row = {
+        "sessions": 8,
+        "tokens_per_s": 100.0,
+        "ceiling_ms": [58.0, 55.0],
+        "call_ms": {"device": 10.0, "edge": 20.0, "cloud": 30.0},
+        "ceiling_segments_ms": {"device": 9.0, "edge": 18.0, "cloud": 28.0},
+        "cpu_ms_per_round": {"device": 15.0, "cloud": 50.0, "edge": 30.0},
+        "ceiling_cpu_ms": 90.0,
+    }
+    together = {"max_batch": 16, "delay_ms": 0.0, "together": True}
+    runs = {
+        "split, together": {"plan": "split", "setting": together, "rows": [row, _row(4, 1, 1)]},
+        "split, delay": {
+            "plan": "split",
+            "setting": {**together, "together": False},
+            "rows": [row],
+        },
+    }
+    lines = round_table({"runs": runs})
+    assert len(lines) == 3
+    cells = [cell.strip() for cell in lines[2].strip("|").split("|")]
+    assert cells == [
+        "split", "8", "80.0", "55.0", "device 10.0 / edge 20.0 / cloud 30.0", "9.0 / 18.0 / 28.0",
+        "20.0", "device 15.0 / edge 30.0 / cloud 50.0", "90.0",
+    ]  # fmt: skip
+    assert round_table({"runs": {"split, delay": runs["split, delay"]}}) == []
 
 
 def _one_session_runs() -> dict[str, Any]:
@@ -345,8 +378,12 @@ def test_the_ceiling_generates_the_rows_tokens_in_a_process_of_its_own(tmp_path:
     ]
     assert step["tokens"] == expected
     with Bursts(plan, args) as bursts:
-        assert [bursts.step(n) > 0 for n in (1, 3, 1)] == [True] * 3
+        burst = [bursts.step(n) for n in (1, 3, 1)]
         process = bursts.process
+    assert [b["sessions"] for b in burst] == [1, 3, 1]
+    assert all(
+        b["step_ms"] > 0 and list(b["segments_ms"]) == list(step["segments_ms"]) for b in burst
+    )
     assert process.returncode == 0  # it ends when asked no more
 
 

@@ -4,6 +4,7 @@ operator reads them (batch calls from the metrics text, peak memory), always sto
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,14 @@ import pytest
 from onnx import helper
 
 from benchmarks.lib.plans import Stage, chain_plan
-from benchmarks.lib.tiers import batch_calls, batch_seconds, batch_sizes, peak_rss, served
+from benchmarks.lib.tiers import (
+    batch_calls,
+    batch_seconds,
+    batch_sizes,
+    cpu_seconds,
+    peak_rss,
+    served,
+)
 from tierflow.runtime.batching import BatchStats
 
 prometheus = pytest.importorskip("prometheus_client")
@@ -30,6 +38,15 @@ def test_batch_sizes_are_the_tiers_calls_by_steps_from_its_metrics_text() -> Non
     assert batch_seconds(text) == {1: 0.25, 8: 1.5}
     quiet = TierMetrics("edge", lambda: 0, batches=lambda: [])
     assert batch_sizes(prometheus.generate_latest(quiet.registry).decode()) == {}
+
+
+def test_cpu_seconds_count_what_a_process_has_run() -> None:
+    before = cpu_seconds()
+    ends = time.process_time() + 0.05
+    while time.process_time() < ends:  # 50 ms of work on this thread
+        pass
+    assert cpu_seconds() - before >= 0.03  # clock ticks of 10 ms
+    assert cpu_seconds(os.getpid()) >= cpu_seconds() - 0.02
 
 
 def test_peak_rss_is_this_process_high_water_mark() -> None:

@@ -128,6 +128,13 @@ the thread that steps its sessions) no longer. Handing a call over costs two thr
 wake-ups. With it, 8 split sessions stepped together took 60.9, 60.9 and 63.1 ms a round
 against 64.4, 62.2 and 66.4 without (three pairs, run in turn); 16 took 87.3, 79.6 and
 79.8 against 95.5, 83.5 and 77.1, while the machine's speed drifted by a fifth.
+Until a second thread leads a call, though, the calls run on the one that has led them
+all: a device whose sessions are stepped together from one loop ([Note: sessions stepped
+together] in device/client.py) already calls from one thread, and handing its calls over
+cost it the two wake-ups for nothing. 8 split sessions stepped together spent 8.9, 8.8
+and 8.9 ms a round outside the tiers' calls against 9.5, 9.2 and 9.1 (three pairs in
+turn, 2026-12-07); at 16, 11.4, 11.0 and 12.7 against 12.1, 11.5 and 11.8. Once another
+thread has led one, every call goes to the batcher's own thread for good.
 
 A step whose deadline passed while it queued fails alone (DEADLINE_EXCEEDED); a batch
 whose call fails is run again one step at a time, so the step with the bad tensor fails
@@ -459,8 +466,8 @@ class StepBatcher:
     ``padding`` (``--batch-padding``) groups steps of different past lengths;
     ``first_waits``: with a delay, a session's first step here waits for company too (for
     other sessions starting with it), not only its later steps; ``own_thread``: ``run``
-    runs on one thread of the batcher's own, whichever thread leads ([Note: the step
-    batcher]).
+    runs on one thread, whichever thread leads: the only one to have led so far, else
+    one of the batcher's own ([Note: the step batcher]).
     """
 
     def __init__(
@@ -497,6 +504,10 @@ class StepBatcher:
             if own_thread
             else None
         )
+        #: With ``own_thread``: the thread that has led every call so far (they ran on it,
+        #: with no hand-over), until another leads one (``_many_leaders``).
+        self._leader: int | None = None
+        self._many_leaders = False
 
     def run(
         self,
@@ -769,11 +780,22 @@ class StepBatcher:
         return outputs
 
     def _timed(self, size: int, feeds: Feeds) -> Outputs:
-        """``run`` on a call of ``size`` steps (on the batcher's thread, if it has one), its
-        time kept in the stats."""
-        if self._calls is not None:
+        """``run`` on a call of ``size`` steps, its time kept in the stats: on the batcher's
+        own thread, if it has one, unless one thread has led every call so far."""
+        if self._calls is not None and not self._one_leader():
             return self._calls.submit(self._timed_here, size, feeds).result()
         return self._timed_here(size, feeds)
+
+    def _one_leader(self) -> bool:
+        """Whether this thread, leading a call, is the one that led every call before it
+        (``own_thread``; [Note: the step batcher]). Only the leader calls it."""
+        if self._many_leaders:
+            return False
+        me = threading.get_ident()
+        if self._leader is None:
+            self._leader = me
+        self._many_leaders = self._leader != me
+        return not self._many_leaders
 
     def _timed_here(self, size: int, feeds: Feeds) -> Outputs:
         start = time.perf_counter()

@@ -210,12 +210,13 @@ def test_an_idle_batcher_runs_a_step_at_once_alone(runner: SegmentRunner) -> Non
 
 
 @pytest.mark.parametrize("own_thread", [True, False])
-def test_with_a_thread_of_its_own_every_call_runs_there_whoever_leads(
+def test_with_a_thread_of_its_own_every_call_runs_there_once_threads_take_turns(
     runner: SegmentRunner, own_thread: bool
 ) -> None:
     """[Note: the step batcher]: a tier's requests come on its pool's threads in turn;
-    the calls run on one thread (with ``own_thread``), and a failing call's error still
-    reaches its step's caller."""
+    with ``own_thread`` the calls run on one thread: the caller's while one thread has
+    led every call, the batcher's own from the first call another thread leads. A
+    failing call's error still reaches its step's caller."""
     threads: list[int] = []
 
     def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -231,15 +232,20 @@ def test_with_a_thread_of_its_own_every_call_runs_there_whoever_leads(
         out = batcher.run(feeds, member="s")
         assert np.array_equal(out["logits"], runner.run(feeds)["logits"])
 
+    caller()
+    caller()  # this thread leads every call so far: they run here
+    assert threads == [threading.get_ident()] * 2
     for _ in range(3):  # one after the other, each from a thread of its own
         worker = threading.Thread(target=caller)
         worker.start()
         worker.join()
-    assert len(threads) == 3 and batcher.stats.calls == 3
+    caller()  # this thread again, no longer the only one to lead
+    assert len(threads) == 6 and batcher.stats.calls == 6
+    later = threads[2:]
     if own_thread:
-        assert len(set(threads)) == 1 and not set(threads) & set(callers)
+        assert len(set(later)) == 1 and not set(later) & set(callers)
     else:
-        assert threads == callers
+        assert later == callers[2:]
     with pytest.raises((InputError, ModelError)):
         batcher.run(step(4, VOCAB + 50, 9), member="bad")  # past the vocabulary
 
