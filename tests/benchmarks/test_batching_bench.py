@@ -182,8 +182,8 @@ def test_the_round_table_sets_each_tiers_call_against_the_ceilings_beside_the_ro
         },
     }
     lines = round_table({"runs": runs})
-    assert len(lines) == 3
-    cells = [cell.strip() for cell in lines[2].strip("|").split("|")]
+    assert len(lines) == 5
+    cells = [cell.strip() for cell in lines[4].strip("|").split("|")]
     assert cells == [
         "split", "8", "80.0", "55.0", "device 10.0 / edge 20.0 / cloud 30.0", "9.0 / 18.0 / 28.0",
         "20.0", "device 15.0 / edge 30.0 / cloud 50.0", "90.0",
