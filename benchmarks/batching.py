@@ -310,12 +310,12 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
         def cpu() -> dict[str, float]:
             return {name: cpu_seconds(pid) for name, pid in pids.items()}
 
-        decoding: list[dict[str, tuple[dict[int, int], dict[int, float]]]] = []
-        decoding_cpu: list[dict[str, float]] = []
+        # What the calls and the CPU times were once every session had its first token.
+        decoding: list[tuple[dict[str, tuple[dict[int, int], dict[int, float]]], dict[str, float]]]
+        decoding = []
 
         def at_decode() -> None:  # every session has its first token
-            decoding.append(calls())
-            decoding_cpu.append(cpu())
+            decoding.append((calls(), cpu()))
 
         for count in counts:
             # The sessions before are no longer active for --batch-delay (ACTIVE_S):
@@ -331,8 +331,8 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
             generate = _generate_together if args.together else _generate
             row = generate(client, texts[:count], args.tokens, prefilled=at_decode)
             used = cpu()
-            decoded = {name: used[name] - seconds for name, seconds in decoding_cpu.pop().items()}
-            before = decoding.pop()
+            before, used_before = decoding.pop()
+            decoded = {name: used[name] - seconds for name, seconds in used_before.items()}
             after = calls()
             row["batches"] = {
                 name: {
