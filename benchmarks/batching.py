@@ -1,6 +1,7 @@
 """Batched decoding benchmark: 1-16 concurrent generate sessions through served tiers, against ORT.
 
-    python -m benchmarks.batching            # 1, 2, 4, 8, 16 sessions (~8 min)
+    python -m benchmarks.batching            # 1, 2, 4, 8, 16 sessions (~25 min)
+    python -m benchmarks.batching --repeats 1   # the goals' rows once each, not three times
     python -m benchmarks.batching --quick    # 1, 4, 8 sessions, fewer tokens
     python -m benchmarks.batching --render   # the committed results rendered again
     python -m benchmarks.batching --sessions 1,8 --tokens 8 --configs cloud --delay-ms 5  # smoke
@@ -70,6 +71,16 @@ the call before wrote and that grow each step. (The two differed by less than th
 machine's drift: at 8 sessions split, in one process on 2026-12-06, 49.1 and 50.5 ms a
 step generating, 44.6 and 54.4 repeated.) The plan's whole ceiling is still measured
 before its runs and after them (the segments' table), which shows the drift.
+
+Why the goals' rows three times: a row is a few seconds of the machine, and even beside
+its own ceiling its share moved by several points from one run of the same code to the
+next (2026-12-07, split at 16 sessions stepped together: 81%, 77.7% and 80.6% in three
+runs), more than the margin it is judged by. So each batched setting's rows at
+``GOAL_SESSIONS`` are measured ``--repeats`` times, one after another, each beside its
+own ceiling, and the row kept, every figure of it, is the one whose share is the median
+(:func:`median_of`); the table gives the range of the tries' shares, the goals each one.
+A median of three moves less from run to run than one try does; it does not raise the
+mean.
 
 [Note: a round outside the calls]
 What a row has and its ceiling has not is the tiers' work between their calls: each
@@ -177,6 +188,12 @@ SWEEP_SESSIONS = (8, 16)
 #: The share of the cloud's steps that must run in calls of every session's step for a
 #: delay to gather whole rounds.
 WHOLE_ROUNDS = 0.9
+#: The session counts the goals judge: each batched setting's rows there are measured
+#: ``--repeats`` times (by default ``REPEATS``), each beside its own ceiling, and the row
+#: kept is the one whose share of its ceiling is the median ([Note: the ceiling beside
+#: each row]).
+GOAL_SESSIONS = (8, 16)
+REPEATS = 3
 #: The most tokens a session generates: the plans' --max-tokens (their context is the
 #: prompt's length and this), built once for every run's --tokens.
 MAX_TOKENS = 64
@@ -336,7 +353,7 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
         def at_decode() -> None:  # every session has its first token
             decoding.append((calls(), cpu()))
 
-        for count in counts:
+        def measured(count: int) -> dict[str, Any]:
             # The sessions before are no longer active for --batch-delay (ACTIVE_S):
             # a row's sessions wait for no one who has left.
             time.sleep(ACTIVE_S + 0.1)
@@ -381,7 +398,11 @@ def run_sessions(plan: Path, counts: Sequence[int], args: argparse.Namespace) ->
                 "device": peak_rss(),
                 **{name: peak_rss(tier["pid"]) for name, tier in tiers.items()},
             }
-            rows.append(row)
+            return row
+
+        for count in counts:
+            repeats = args.repeats if count in GOAL_SESSIONS else 1
+            rows.append(median_of([measured(count) for _ in range(repeats)]))
     return {"rows": rows}
 
 
@@ -747,9 +768,11 @@ def generate_through(
     setting: Setting,
     *,
     vary: bool = False,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     """Serve ``plan_dir``'s cloud and edge with ``setting``, and run the device and its
-    sessions in a child process against them; the tiers are stopped at the end."""
+    sessions in a child process against them; the tiers are stopped at the end. Rows at
+    ``GOAL_SESSIONS`` are measured ``repeats`` times (:func:`median_of`)."""
     flags = ["--threads", str(args.threads), *setting.flags()]
     with served(plan_dir, flags, _logs(args, plan_dir, setting.name)) as tiers:
         run = child(
@@ -760,6 +783,8 @@ def generate_through(
             *setting.flags(),
             *(["--vary"] if vary else []),
             *(["--together"] if setting.together else []),
+            "--repeats",
+            str(repeats),
             "--edge",
             tiers.edge,
             "--tiers",
@@ -839,6 +864,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "model_bytes": paths["model"].stat().st_size,
             "sweep": {"delays_ms": list(SWEEP_DELAYS_MS), "sessions": list(SWEEP_SESSIONS)},
+            "repeats": args.repeats,
         },
         "ceiling": {},
         "sweep": {},
@@ -862,11 +888,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         ):
             name = f"{where}, {setting.name}"
             progress(f"{name} ...")
-            run = generate_through(paths[where], counts, args, setting)
+            repeats = args.repeats if setting.max_batch > 1 else 1
+            run = generate_through(paths[where], counts, args, setting, repeats=repeats)
             for row in run["rows"]:
-                made = row.pop("tokens")
+                tries = [row.pop("tokens")] + [r.pop("tokens") for r in row.get("repeats", [])]
                 row["identical"] = all(
-                    a == b for a, b in zip(made, expected[: len(made)], strict=True)
+                    a == b for made in tries for a, b in zip(made, expected, strict=False)
                 )
             results["runs"][name] = {"plan": where, **run}
         progress(f"{where}: one session, side by side ...")
@@ -959,6 +986,13 @@ def agreement(made: list[list[int]], expected: list[list[int]]) -> dict[str, Any
 # ---------------------------------------------------------------------- the report
 
 
+def _share_cell(row: dict[str, Any]) -> str:
+    """A row's share of its ceiling; measured several times, the range of its tries too."""
+    each = shares(row)
+    spread = f" ({100 * each[0]:.0f}-{100 * each[-1]:.0f})" if len(each) > 1 else ""
+    return f"{100 * of_ceiling(row):.0f}%{spread}"
+
+
 def _sizes(sizes: dict[str, int] | None) -> str:
     """A tier's batches as ``size:calls`` pairs (``-``: it batched nothing)."""
     if not sizes:
@@ -976,6 +1010,25 @@ def of_ceiling(row: dict[str, Any]) -> float:
     the faster of the steps just before and just after the row ([Note: the ceiling beside
     each row])."""
     return row["tokens_per_s"] * min(row["ceiling_ms"]) / (1e3 * row["sessions"])
+
+
+def median_of(tries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The row of ``tries`` (one row's measurements, each beside its own ceiling) whose
+    share of its ceiling is the median, the lower of the two middle ones for an even
+    count; with several, it keeps each try's tokens/s, ceiling and tokens as ``repeats``
+    ([Note: the ceiling beside each row])."""
+    kept = sorted(tries, key=of_ceiling)[(len(tries) - 1) // 2]
+    if len(tries) > 1:
+        kept["repeats"] = [
+            {key: row[key] for key in ("sessions", "tokens_per_s", "ceiling_ms", "tokens")}
+            for row in tries
+        ]
+    return kept
+
+
+def shares(row: dict[str, Any]) -> list[float]:
+    """A row's share of its ceiling in each of its tries, lowest first (one: its own)."""
+    return sorted(of_ceiling(r) for r in row.get("repeats", [row]))
 
 
 def in_ort(row: dict[str, Any], where: str) -> float | None:
@@ -1005,7 +1058,7 @@ def table(results: dict[str, Any]) -> list[str]:
             in_calls = in_ort(row, run["plan"])
             lines.append(
                 f"| {name} | {row['sessions']} | {row['tokens_per_s']:.1f} | "
-                f"{row['tokens_per_s'] / one:.2f} | {100 * of_ceiling(row):.0f}% | "
+                f"{row['tokens_per_s'] / one:.2f} | {_share_cell(row)} | "
                 f"{'-' if in_calls is None else f'{100 * in_calls:.0f}%'} | "
                 f"{row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {_sizes(batches['device'])} | "
                 f"{_sizes(batches['edge'])} | {_sizes(batches['cloud'])} | "
@@ -1148,8 +1201,14 @@ def goals(results: dict[str, Any]) -> list[str]:
                 met = "met" if share >= 0.8 else "NOT met"
                 in_calls = in_ort(batched[n], where)
                 during = "" if in_calls is None else f"; {100 * in_calls:.0f}% in its ORT calls"
+                each = shares(batched[n])
+                tries = (
+                    f" (the median of {len(each)}: {', '.join(f'{100 * x:.1f}%' for x in each)})"
+                    if len(each) > 1
+                    else ""
+                )
                 out.append(
-                    f"- {name}: {n} sessions at {100 * share:.0f}% of the ORT ceiling "
+                    f"- {name}: {n} sessions at {100 * share:.1f}% of the ORT ceiling{tries} "
                     f"(>= 80%): {met}{during}"
                 )
         same = all(r["identical"] for r in batched.values())
@@ -1341,7 +1400,15 @@ def render(results: dict[str, Any]) -> None:
         "`tierflow serve` process, the device and its sessions a third, ONNX Runtime "
         f"{settings['threads']} intra-op threads on every tier, --workers "
         f"{settings['workers']}, prompts of {settings['prompt']} tokens, {settings['tokens']} "
-        "tokens per session. The machine's CPUs "
+        "tokens per session"
+        + (
+            f"; each batched setting's rows at {' and '.join(map(str, GOAL_SESSIONS))} "
+            f"sessions measured {settings['repeats']} times, each beside its own ceiling, the "
+            "median's kept (the range of their shares in brackets)"
+            if settings.get("repeats", 1) > 1
+            else ""
+        )
+        + ". The machine's CPUs "
         + (
             "were kept awake for the whole run (ceiling included), as `tierflow serve "
             "--cpus-awake` keeps them ([Note: CPUs that sleep between steps] in "
@@ -1407,6 +1474,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="measure without keeping the machine's CPUs awake (by default the run holds "
         "the kernel's CPU latency at 0 where it may, as `tierflow serve --cpus-awake` does)",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=REPEATS,
+        help="measure each batched setting's rows at "
+        + " and ".join(map(str, GOAL_SESSIONS))
+        + " sessions this many times, each beside its own ceiling, and keep the median "
+        "(--quick: 1)",
+    )
     parser.add_argument("--render", action="store_true", help="re-render the saved results")
     # A child's own arguments.
     parser.add_argument(
@@ -1446,7 +1522,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         render(results)
         return 0
     if args.quick:
-        args.sessions, args.tokens = "1,4,8", 12
+        args.sessions, args.tokens, args.repeats = "1,4,8", 12, 1
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     # SIGTERM (a timeout, a service manager) unwinds like ^C: the tiers are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     Path(args.workdir).mkdir(parents=True, exist_ok=True)

@@ -22,11 +22,13 @@ from benchmarks.batching import (
     fastest,
     goals,
     in_ort,
+    median_of,
     padding_table,
     paired_change,
     prompts,
     round_table,
     side_by_side_table,
+    table,
     whole_rounds,
 )
 
@@ -115,10 +117,10 @@ def test_goals_judge_each_row_against_the_faster_ceiling_measured_beside_it() ->
         "- cloud, batched, delay 0 ms: 8 sessions 4.50x one session's tokens/s (>= 3x): met" in said
     )
     assert (
-        "- cloud, batched, delay 0 ms: 8 sessions at 90% of the ORT ceiling (>= 80%): met" in said
+        "- cloud, batched, delay 0 ms: 8 sessions at 90.0% of the ORT ceiling (>= 80%): met" in said
     )
     assert (
-        "- split, batched, delay 0 ms: 8 sessions at 45% of the ORT ceiling (>= 80%): NOT met"
+        "- split, batched, delay 0 ms: 8 sessions at 45.0% of the ORT ceiling (>= 80%): NOT met"
         in said
     )
     assert any(
@@ -129,6 +131,49 @@ def test_goals_judge_each_row_against_the_faster_ceiling_measured_beside_it() ->
         for line in said
     )
     assert not any(line.startswith("- cloud, not batched") for line in said)
+
+
+def test_a_goal_row_measured_three_times_keeps_the_try_whose_share_is_the_median() -> None:
+    """Three tries of 8 sessions, each beside its own ceiling: 90 tokens/s against a 80 ms
+    step (90%), 80 against 80 (80%) and 85 against 90 (95.6%). The 90% try is kept, every
+    figure of it, with each try's share for the goals and their range for the table."""
+    tries = [_row(8, 90.0, ceiling=(80, 85)), _row(8, 80.0, ceiling=(80, 80))]
+    tries.append(_row(8, 85.0, ceiling=(95, 90)))
+    for i, row in enumerate(tries):
+        row["tokens"] = [[i]]
+        row["p50_ms"] = 60.0 + i
+    kept = median_of(tries)
+    assert kept is tries[0] and kept["p50_ms"] == 60.0
+    assert [r["tokens"] for r in kept["repeats"]] == [[[0]], [[1]], [[2]]]
+    assert median_of(tries[:2]) is tries[1]  # of two, the lower
+    single = _row(8, 90.0, ceiling=(80, 85))
+    assert median_of([single]) is single and "repeats" not in single
+    for row in kept["repeats"]:
+        row.pop("tokens")
+    runs = {
+        "cloud, batched, delay 0 ms": {
+            "plan": "cloud",
+            "setting": {"max_batch": 16, "delay_ms": 0.0, "padding": False},
+            "rows": [_row(1, 20.0), kept],
+        },
+        "cloud, not batched": {
+            "plan": "cloud",
+            "setting": {"max_batch": 1, "delay_ms": 0.0, "padding": False},
+            "rows": [_row(1, 20.0), _row(8, 20.0)],
+        },
+    }
+    for run in runs.values():
+        for row in run["rows"]:
+            row.update(p99_ms=70.0, batches={"device": {}, "edge": {}, "cloud": {}})
+            row["peak_rss"] = {"device": 2**30, "edge": 2**30, "cloud": 2**30}
+    said = goals({"runs": runs})
+    assert (
+        "- cloud, batched, delay 0 ms: 8 sessions at 90.0% of the ORT ceiling (the median of 3: "
+        "80.0%, 90.0%, 95.6%) (>= 80%): met" in said
+    )
+    lines = table({"runs": runs, "ceiling": {}})
+    assert any("| cloud, batched, delay 0 ms | 8 | 90.0 | 4.50 | 90% (80-96) |" in x for x in lines)
+    assert any("| cloud, not batched | 8 | 20.0 | 1.00 | 12% |" in x for x in lines)  # once
 
 
 def test_the_ceiling_is_each_batch_sizes_faster_measurement() -> None:
