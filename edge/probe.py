@@ -30,7 +30,7 @@ from tierflow.errors import TransportError, UsageError, shown
 from tierflow.link.spec import LinkSpec, check_link
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.transport.address import Address
-from tierflow.transport.reach import connect
+from tierflow.transport.reach import close_when_unwatched, connect
 from tierflow.transport.security import Security, open_channel
 from tierflow.transport.stream_client import channel_options
 from tierflow.units import format_duration, format_rate
@@ -159,7 +159,7 @@ def probe(
         code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
         raise TransportError(f"probing {address} failed: {code}") from exc
     finally:
-        channel.close()
+        close_when_unwatched(channel)  # connect watched it
     name = link or _LINK_OF_TIER.get(tier)
     if name is None:
         raise UsageError(f"the tier at {address} did not say which it is; give --link NAME")

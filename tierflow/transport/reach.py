@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import threading
 import time
 
 import grpc
@@ -34,6 +35,20 @@ from tierflow.transport.wire import grpc_options
 
 #: Seconds a command waits for a tier to accept its connection before its first request.
 CONNECT_TIMEOUT_S = 10.0
+
+# [Note: closing a watched channel]
+# ``channel.subscribe`` (:func:`connect`'s wait, a stream client's watch of its replicas)
+# starts a grpc thread that watches the channel's state. After ``unsubscribe`` it stops at
+# its next wake-up (at most 0.2 s later), but if the channel changes state in that window
+# and is closed meanwhile, the thread calls into the closed channel and dies with "Channel
+# closed!": a traceback on stderr, and a failed test under load (in
+# tests/edge/test_plan_switching.py, whose only channel closed that way was ``tierflow
+# run``'s check of its edge, closed right after connecting). So a watched channel is
+# closed by :func:`close_when_unwatched`, from a small daemon thread, once grpc's watcher
+# has ended: that thread is found by its first argument, the channel's connectivity state,
+# and joined (for at most _WATCHER_STOP_S); the caller does not wait. Where grpc's
+# internals are not as expected (no such state or thread), the channel is closed at once.
+_WATCHER_STOP_S = 1.0
 
 
 def connect(
@@ -80,7 +95,35 @@ def check_reachable(
     except TransportError as exc:
         raise TransportError(f"{option} {exc}" if option else str(exc)) from None
     finally:
+        close_when_unwatched(channel)  # connect watched it
+
+
+def close_when_unwatched(channel: grpc.Channel) -> None:
+    """Close ``channel`` once grpc's thread watching its state has ended, without waiting
+    here ([Note: closing a watched channel])."""
+    watcher = _watcher(getattr(channel, "_connectivity_state", None))
+    if watcher is None:
         channel.close()
+        return
+
+    def close() -> None:
+        watcher.join(_WATCHER_STOP_S)
+        channel.close()
+
+    threading.Thread(target=close, name="tierflow-channel-close", daemon=True).start()
+
+
+def _watcher(state: object) -> threading.Thread | None:
+    """grpc's thread watching a channel whose connectivity state is ``state``, while it
+    runs: the thread whose first argument that state is (``grpc._channel``'s
+    ``_poll_connectivity``)."""
+    if state is None or not getattr(state, "polling", False):
+        return None
+    for thread in threading.enumerate():
+        args = getattr(thread, "_args", ())
+        if args and args[0] is state:
+            return thread
+    return None
 
 
 def diagnose(address: str, security: Security | None = None, timeout: float = 2.0) -> str:

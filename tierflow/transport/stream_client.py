@@ -67,19 +67,11 @@ from tierflow.errors import DeadlineError, InputError, RemoteError, TransportErr
 from tierflow.link.emulation import LinkShaper, ShapedQueue, Transfer
 from tierflow.rpc import tier_pb2, tier_pb2_grpc
 from tierflow.transport.peer_warnings import WARNINGS
+from tierflow.transport.reach import close_when_unwatched
 from tierflow.transport.security import Security, open_channel
 from tierflow.transport.wire import DEFAULT_MESSAGE_BYTES, clean_figures, grpc_options
 
 logger = logging.getLogger(__name__)
-
-# [Note: closing a watched channel]
-# ``channel.subscribe`` starts a grpc thread that watches the channel's state. After
-# ``unsubscribe`` it stops at its next wake-up (at most 0.2 s later), but if the channel
-# changes state in that window and is closed meanwhile, the thread calls into the closed
-# channel and dies with "Channel closed!" (a traceback on stderr; seen under load in the
-# test suite). So a subscribed channel is closed from a small daemon thread once the
-# watcher has stopped (bounded by _WATCHER_STOP_S); the caller does not wait.
-_WATCHER_STOP_S = 1.0
 
 # What a request's ids, shapes, names and timings may add around its tensor bytes.
 _FRAMING_MARGIN = 64 * 1024
@@ -290,25 +282,6 @@ def check_figures(reply: tier_pb2.Reply, me: str, peer: str, address: str) -> No
             address,
             "; ".join(problems),
         )
-
-
-def close_when_unwatched(channel: grpc.Channel) -> None:
-    """Close ``channel`` once grpc's connectivity watcher has stopped, without waiting here.
-
-    See [Note: closing a watched channel].
-    """
-    state = getattr(channel, "_connectivity_state", None)
-    if state is None or not getattr(state, "polling", False):
-        channel.close()
-        return
-
-    def close() -> None:
-        ends = time.monotonic() + _WATCHER_STOP_S
-        while getattr(state, "polling", False) and time.monotonic() < ends:
-            time.sleep(0.01)
-        channel.close()
-
-    threading.Thread(target=close, name="tierflow-channel-close", daemon=True).start()
 
 
 class StreamClient:

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
 from tierflow.cli.main import main
 from tierflow.errors import TransportError
 from tierflow.plan import Plan, save_plan
+from tierflow.transport import reach
 from tierflow.transport.reach import _host_port, check_reachable
 
 from ...tiny_plans import matmul_chain
@@ -88,3 +93,38 @@ def test_a_dead_edge_fails_the_command_once_before_any_request(
         assert "nothing listens there" in line["error"]
     else:
         assert captured.out == ""
+
+
+@pytest.mark.integration
+def test_a_reachable_tier_is_let_go_only_once_grpc_stops_watching_the_channel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """[Note: closing a watched channel]: the check's channel is closed only after grpc's
+    thread watching it, which connecting started, has ended (right after unsubscribing it
+    is still waiting on the channel; closing then could kill it with "Channel closed!")."""
+    server = grpc.server(ThreadPoolExecutor(1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    watched_at_close: list[bool] = []
+    closed = threading.Event()
+    opened = reach.open_channel
+
+    def recording(*args: Any, **kwargs: Any) -> grpc.Channel:
+        channel = opened(*args, **kwargs)
+        close = channel.close
+
+        def close_and_record() -> None:
+            watched_at_close.append(channel._connectivity_state.polling)
+            close()
+            closed.set()
+
+        channel.close = close_and_record  # type: ignore[method-assign]
+        return channel
+
+    monkeypatch.setattr(reach, "open_channel", recording)
+    try:
+        check_reachable(f"127.0.0.1:{port}")
+        assert closed.wait(5.0)
+    finally:
+        server.stop(0)
+    assert watched_at_close == [False]
