@@ -1113,7 +1113,7 @@ def round_table(results: dict[str, Any]) -> list[str]:
             continue
         tiers = ("cloud",) if run["plan"] == "cloud" else ("device", "edge", "cloud")
         for row in run["rows"]:
-            if row["sessions"] not in (8, 16) or "ceiling_segments_ms" not in row:
+            if row["sessions"] not in GOAL_SESSIONS or "ceiling_segments_ms" not in row:
                 continue
             calls, alone = row["call_ms"], row["ceiling_segments_ms"]
             if not all(tier in calls for tier in tiers):
@@ -1195,7 +1195,7 @@ def goals(results: dict[str, Any]) -> list[str]:
             gain = batched[8]["tokens_per_s"] / batched[1]["tokens_per_s"]
             met = "met" if gain >= 3 else "NOT met"
             out.append(f"- {name}: 8 sessions {gain:.2f}x one session's tokens/s (>= 3x): {met}")
-        for n in (8, 16):
+        for n in GOAL_SESSIONS:
             if n in batched:
                 share = of_ceiling(batched[n])
                 met = "met" if share >= 0.8 else "NOT met"
