@@ -556,17 +556,18 @@ def test_a_batch_in_one_message_runs_as_one_call_and_is_answered_in_one_reply(
 
 def test_an_edges_batch_goes_on_to_the_cloud_as_one_message(models: dict[str, Path]) -> None:
     """Four sessions over three tiers: the edge runs three of their steps as one call and
-    sends them on as one request ([Note: a batch in one message]), which the cloud runs as
-    one call of its own; every session's output is the model's own."""
+    sends them on as one request ([Note: a batch in one message]), their tensors stacked
+    ([Note: a batch's tensors stacked]), which the cloud runs as one call of its own;
+    every session's output is the model's own."""
     prompt = PROMPTS[0]
     with serving(models["split"], RuntimeOptions(workers=2, max_batch=8)) as (plan, cloud, edge):
         arm = gate(batcher_of(edge), 4)
         cloud_batcher = batcher_of(cloud)
-        received: list[int] = []
+        received: list[tuple[int, bool]] = []
         run_members = cloud.tier.run_members
 
         def counted(request: tier_pb2.Request, *args: Any) -> None:
-            received.append(len(request.members))
+            received.append((len(request.members), bool(request.tensors)))
             run_members(request, *args)
 
         cloud.tier.run_members = counted  # type: ignore[method-assign]
@@ -576,20 +577,21 @@ def test_an_edges_batch_goes_on_to_the_cloud_as_one_message(models: dict[str, Pa
             outputs = lockstep(4, lambda i: four_tokens(client, prompt, prefilled))
     expected = reference_generate(models["model"], prompt, 4, context=CONTEXT).tokens
     assert all(outputs[i] == list(expected) for i in range(4)), outputs
-    assert 3 in received, received  # the edge's batch of three, in one message
+    assert (3, True) in received, received  # the edge's batch of three, in one message
     assert max(cloud_batcher.stats.sizes) >= 3, cloud_batcher.stats.sizes
 
 
-def counting_members(*servers: tuple[str, TierServer]) -> dict[str, list[int]]:
-    """Each tier's batched messages, by how many members each carried."""
-    received: dict[str, list[int]] = {name: [] for name, _ in servers}
+def counting_members(*servers: tuple[str, TierServer]) -> dict[str, list[tuple[int, bool]]]:
+    """Each tier's batched messages: how many members each carried, and whether their
+    tensors came stacked ([Note: a batch's tensors stacked])."""
+    received: dict[str, list[tuple[int, bool]]] = {name: [] for name, _ in servers}
     for name, server in servers:
         run_members = server.tier.run_members
 
         def counted(
             request: tier_pb2.Request, *args: Any, _n: str = name, _r: Any = run_members
         ) -> None:
-            received[_n].append(len(request.members))
+            received[_n].append((len(request.members), bool(request.tensors)))
             _r(request, *args)
 
         server.tier.run_members = counted  # type: ignore[method-assign]
@@ -620,8 +622,10 @@ def test_a_devices_batch_goes_up_to_the_edge_as_one_message(
             outputs = lockstep(4, lambda i: four_tokens(client, prompt, prefilled, results))
     expected = reference_generate(models["model"], prompt, 4, context=CONTEXT).tokens
     assert all(outputs[i] == list(expected) for i in range(4)), outputs
-    assert 3 in received["edge"], received  # the device's batch of three, in one message
-    assert 3 in received["cloud"], received  # and on from the edge as one
+    # The device's batch of three, in one message, their tensors stacked; and on from the
+    # edge as one.
+    assert (3, True) in received["edge"], received
+    assert (3, True) in received["cloud"], received
     assert all(r.bytes["device-edge"] > 0 and r.bytes["edge-cloud"] > 0 for r in results)
 
 
@@ -655,8 +659,8 @@ def test_sessions_stepped_together_run_as_one_call_on_every_tier(
     for prompt, tokens in zip(prompts, made, strict=True):
         expected = reference_generate(models["model"], prompt, TOKENS, context=CONTEXT).tokens
         assert tokens == list(expected)
-    assert received["edge"] == [4] * (TOKENS - 1), received
-    assert received["cloud"] == [4] * (TOKENS - 1), received
+    assert received["edge"] == [(4, True)] * (TOKENS - 1), received
+    assert received["cloud"] == [(4, True)] * (TOKENS - 1), received
     assert cloud_sizes.get(4) == TOKENS - 1, cloud_sizes
     if where == "split":
         assert device is not None and device.stats.sizes.get(4) == TOKENS - 1

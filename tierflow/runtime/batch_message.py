@@ -40,7 +40,9 @@ cloud, and from the call's end to the message leaving, from 3.3 to 1.7 and from 
 
 The sending side, for a batch the tier's batcher formed of steps that came one by one (a
 server tier's steps from several devices, or a device's sessions'): each step's thread
-encodes its own onward request after the call, as alone; the call's
+takes its own step on after the call, leaving its onward tensors unencoded, as a batched
+request's members do (:func:`~tierflow.runtime.batching.departs_together`; one that goes
+alone after all is encoded as it is sent); the call's
 :class:`~tierflow.runtime.batching.Departure` collects them, each step settling its seat
 once (depositing its onward request, or going no further: answered here, or failed; the
 tier settles a seat left unsettled whatever happened, so none is waited for in vain), and
@@ -70,7 +72,11 @@ four step tensors of a member was a header to check and a payload to decode at e
 tier, and a tensor to encode at every sender: at 8 members, 32 tensors a message where
 there are now 4. Measured on ``benchmarks/batching.py``'s split plan (16 lockstep
 sessions, three pairs of runs, 2026-12-07): 83.8 against 87.8 ms a round; at 8 sessions
-62.0 against 60.4, no difference the machine resolved that hour.
+62.0 against 60.4, no difference the machine resolved that hour. A batch of steps that
+came one by one stacks its tensors too (until 2026-12-07 each step's thread encoded its
+own): 16 sessions a thread each on one device, split, ``--batch-delay 20ms``, three pairs
+of runs in turn: 12.5, 13.0 and 13.7 ms a round outside the tiers' calls against 13.3,
+14.6 and 13.7, rounds of 70.0, 71.1 and 72.7 ms against 71.4, 73.7 and 72.5.
 
 What the receiver reads is what each member would have carried: the stack is only made of
 tensors still to encode (:attr:`Onward.arrays <tierflow.runtime.pipeline.Onward.arrays>`:

@@ -381,6 +381,14 @@ class Departure:
 _departing = threading.local()
 
 
+def departs_together() -> bool:
+    """Whether this thread's last step ran in a batch call whose steps go on together, its
+    seat not yet asked for (:func:`departure_seat`): what the step sends on is encoded
+    with the others', stacked ([Note: a batch's tensors stacked] in
+    tierflow/runtime/batch_message.py)."""
+    return getattr(_departing, "seat", None) is not None
+
+
 def departure_seat() -> tuple[Departure, int] | None:
     """The batch call that this thread's last step ran in, and its seat there (None: it
     ran alone, or this was asked already): what the thread must settle."""

@@ -105,7 +105,7 @@ from tierflow.link.spec import TIERS, downstream_link, upstream_link
 from tierflow.options import RuntimeOptions
 from tierflow.plan import Plan, PlanSet
 from tierflow.rpc import tier_pb2
-from tierflow.runtime.batching import Outputs, Pending
+from tierflow.runtime.batching import Outputs, Pending, departs_together
 from tierflow.runtime.segment_runner import SegmentRunner, TierRunner, emulate_slower
 from tierflow.runtime.segment_store import SegmentSource, SegmentStore, tier_files
 from tierflow.runtime.upstream import Upstream
@@ -550,8 +550,9 @@ class Pipeline:
         next tier is known to be down; what it returns (not None) is the request's
         outcome, and nothing runs. ``together``: the request goes on with its batch's
         others as one message, so its onward tensors are left for that message to
-        encode, stacked, when its link's codec is bit-exact. The plan's files are held
-        while the request runs here, not while it is sent.
+        encode, stacked, when its link's codec is bit-exact; so are those of a step that
+        came alone and ran in a batch call whose steps go on together. The plan's files
+        are held while the request runs here, not while it is sent.
         """
         codec_s = 0.0
         as_received: Sequence[tier_pb2.Tensor] = ()
@@ -727,6 +728,7 @@ class Pipeline:
             )
             start = time.perf_counter()
             values = yield pending
+            together = together or departs_together()  # on with its batch call's steps
             outcome = runner.batched_outcome(values, time.perf_counter() - start)
         if session is not None and runner.states and outcome.state:
             self.states.commit(
