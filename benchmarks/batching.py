@@ -1193,8 +1193,10 @@ def padding_table(results: dict[str, Any]) -> list[str]:
 
 
 def goals(results: dict[str, Any]) -> list[str]:
-    """Issue 29's goals, judged on each batched run (delay 0 and the positive one)."""
+    """Issue 29's goals, judged on each batched run (delay 0 and the positive one); first,
+    per plan, the settings that meet every goal and those that do not."""
     out = []
+    every: dict[str, dict[str, bool]] = {}  # plan -> setting -> each of its goals met
     runs = results["runs"]
     for name, run in runs.items():
         where = run["plan"]
@@ -1202,14 +1204,18 @@ def goals(results: dict[str, Any]) -> list[str]:
             continue
         plain = {r["sessions"]: r for r in runs[f"{where}, not batched"]["rows"]}
         batched = {r["sessions"]: r for r in run["rows"]}
+        setting = name.split(", ", 1)[1]
+        checks: list[bool] = []  # each goal, met or not
         if 8 in batched and 1 in batched:
             gain = batched[8]["tokens_per_s"] / batched[1]["tokens_per_s"]
-            met = "met" if gain >= 3 else "NOT met"
+            checks.append(gain >= 3)
+            met = "met" if checks[-1] else "NOT met"
             out.append(f"- {name}: 8 sessions {gain:.2f}x one session's tokens/s (>= 3x): {met}")
         for n in GOAL_SESSIONS:
             if n in batched:
                 share = of_ceiling(batched[n])
-                met = "met" if share >= 0.8 else "NOT met"
+                checks.append(share >= 0.8)
+                met = "met" if checks[-1] else "NOT met"
                 in_calls = in_ort(batched[n], where)
                 during = "" if in_calls is None else f"; {100 * in_calls:.0f}% in its ORT calls"
                 each = shares(batched[n])
@@ -1223,6 +1229,7 @@ def goals(results: dict[str, Any]) -> list[str]:
                     f"(>= 80%): {met}{during}"
                 )
         same = all(r["identical"] for r in batched.values())
+        checks.append(same)
         out.append(
             f"- {name}: every session token-identical to the unsplit model: "
             f"{'met' if same else 'NOT met'}"
@@ -1230,7 +1237,6 @@ def goals(results: dict[str, Any]) -> list[str]:
         side = {
             r["setting"]: r for r in results.get("side_by_side", {}).get(where, {}).get("rows", [])
         }
-        setting = name.split(", ", 1)[1]
         if setting in side and "not batched" in side:
             a, b = side[setting]["p50_ms"], side["not batched"]["p50_ms"]
             paired = paired_change(side[setting], side["not batched"])
@@ -1243,6 +1249,7 @@ def goals(results: dict[str, Any]) -> list[str]:
                     f"; step by step {100 * middle:+.1f}%, 95% CI {100 * low:+.1f}% to "
                     f"{100 * high:+.1f}%"
                 )
+            checks.append(no_worse)
             verdict = "met" if no_worse else "NOT met"
             out.append(
                 f"- {name}: one session's p50 {a:.2f} ms/token, {b:.2f} not batched, side by "
@@ -1250,11 +1257,21 @@ def goals(results: dict[str, Any]) -> list[str]:
             )
         elif 1 in batched and 1 in plain:
             a, b = batched[1]["p50_ms"], plain[1]["p50_ms"]
+            checks.append(a <= b)
             out.append(
                 f"- {name}: one session's p50 {a:.1f} ms/token, {b:.1f} not batched "
                 f"(no worse: {'met' if a <= b else 'NOT met'}, {100 * (a / b - 1):+.1f}%)"
             )
-    return out
+        every.setdefault(where, {})[setting] = all(checks)
+    summary = []
+    for where, settings in every.items():
+        meeting = [setting for setting, ok in settings.items() if ok]
+        missed = [setting for setting, ok in settings.items() if not ok]
+        summary.append(
+            f"- {where}: every goal met by {' and '.join(meeting) or 'no setting'}"
+            + (f"; not by {' and '.join(missed)}" if missed else "")
+        )
+    return summary + out
 
 
 def paired_change(

@@ -133,6 +133,30 @@ def test_goals_judge_each_row_against_the_faster_ceiling_measured_beside_it() ->
     assert not any(line.startswith("- cloud, not batched") for line in said)
 
 
+def test_goals_begin_with_the_settings_that_meet_every_goal_on_each_plan() -> None:
+    """Per plan: a setting is named as meeting every goal only when each of its goals is
+    met (here the delay's 8 sessions at 90% of the ceiling and 4.5x one session); one that
+    misses any (45% of the ceiling) is named as not."""
+    runs = {}
+    for where in ("cloud", "split"):
+        for delay, ceiling in ((0.0, (40.0, 40.0)), (5.0, (80.0, 80.0))):
+            runs[f"{where}, batched, delay {delay:g} ms"] = {
+                "plan": where,
+                "setting": {"max_batch": 16, "delay_ms": delay, "padding": False},
+                "rows": [_row(1, 20.0, 48.0), _row(8, 90.0, ceiling=ceiling)],
+            }
+        runs[f"{where}, not batched"] = {
+            "plan": where,
+            "setting": {"max_batch": 1, "delay_ms": 0.0, "padding": False},
+            "rows": [_row(1, 20.0, 49.0), _row(8, 20.0)],
+        }
+    said = goals({"runs": runs})
+    assert said[:2] == [
+        f"- {where}: every goal met by batched, delay 5 ms; not by batched, delay 0 ms"
+        for where in ("cloud", "split")
+    ]
+
+
 def test_a_goal_row_measured_three_times_keeps_the_try_whose_share_is_the_median() -> None:
     """Three tries of 8 sessions, each beside its own ceiling: 90 tokens/s against a 80 ms
     step (90%), 80 against 80 (80%) and 85 against 90 (95.6%). The 90% try is kept, every
