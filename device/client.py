@@ -116,7 +116,14 @@ _SESSIONS_KEPT = 10_000
 # with a thread a session against 17.8-19.1 stepped together; on the 0.95 GB decoder
 # (benchmarks/batching.py's), the device's CPU a round went from 8.3-10.0 ms to 5.2-5.7.
 # And with no delay to wait for company, the default --batch-delay 0 batches whole
-# rounds on every tier.
+# rounds on every tier. In that benchmark's run of 2026-12-07 09:18, 16 sessions of the
+# split plan took 67.8 ms a round stepped together and 71.4 a thread each (--batch-delay
+# 10ms, every round whole on every tier). What the threads cost is CPU, not order:
+# having the thread that led the device's call take every member on and send the message
+# before waking any (tried that day) let the message leave 1.0 ms sooner after the call,
+# and rounds were no shorter (three pairs in turn: 69.3, 68.7 and 70.1 ms against 69.3,
+# 70.0 and 68.6), since the woken threads then ran while the message was away, on the two
+# cores the edge's and the cloud's calls use.
 
 
 @dataclasses.dataclass(frozen=True)
