@@ -95,6 +95,25 @@ def _row(
     }
 
 
+def _plan_runs(where: str, batched: dict[float, list[dict[str, object]]]) -> dict[str, Any]:
+    """A plan's batched runs, one a --batch-delay (ms) with its rows, and its run not
+    batched: 20 tokens/s at 1 and 8 sessions, one session's p50 49 ms."""
+    runs: dict[str, Any] = {
+        f"{where}, batched, delay {delay:g} ms": {
+            "plan": where,
+            "setting": {"max_batch": 16, "delay_ms": float(delay), "padding": False},
+            "rows": rows,
+        }
+        for delay, rows in batched.items()
+    }
+    runs[f"{where}, not batched"] = {
+        "plan": where,
+        "setting": {"max_batch": 1, "delay_ms": 0.0, "padding": False},
+        "rows": [_row(1, 20.0, 49.0), _row(8, 20.0)],
+    }
+    return runs
+
+
 def test_goals_judge_each_row_against_the_faster_ceiling_measured_beside_it() -> None:
     """A row's share is of the ceiling at its batch size measured just before and just
     after it, the faster of the two (the slower would flatter the tiers), whichever came
@@ -102,16 +121,7 @@ def test_goals_judge_each_row_against_the_faster_ceiling_measured_beside_it() ->
     90%, against one of 40 ms, 45%."""
     runs = {}
     for where, ceiling in (("cloud", (80.0, 95.0)), ("split", (44.0, 40.0))):
-        runs[f"{where}, batched, delay 0 ms"] = {
-            "plan": where,
-            "setting": {"max_batch": 16, "delay_ms": 0.0, "padding": False},
-            "rows": [_row(1, 20.0, 50.0), _row(8, 90.0, ceiling=ceiling)],
-        }
-        runs[f"{where}, not batched"] = {
-            "plan": where,
-            "setting": {"max_batch": 1, "delay_ms": 0.0, "padding": False},
-            "rows": [_row(1, 20.0, 49.0), _row(8, 20.0)],
-        }
+        runs |= _plan_runs(where, {0.0: [_row(1, 20.0, 50.0), _row(8, 90.0, ceiling=ceiling)]})
     said = goals({"runs": runs})
     assert (
         "- cloud, batched, delay 0 ms: 8 sessions 4.50x one session's tokens/s (>= 3x): met" in said
@@ -139,17 +149,10 @@ def test_goals_begin_with_the_settings_that_meet_every_goal_on_each_plan() -> No
     misses any (45% of the ceiling) is named as not."""
     runs = {}
     for where in ("cloud", "split"):
-        for delay, ceiling in ((0.0, (40.0, 40.0)), (5.0, (80.0, 80.0))):
-            runs[f"{where}, batched, delay {delay:g} ms"] = {
-                "plan": where,
-                "setting": {"max_batch": 16, "delay_ms": delay, "padding": False},
-                "rows": [_row(1, 20.0, 48.0), _row(8, 90.0, ceiling=ceiling)],
-            }
-        runs[f"{where}, not batched"] = {
-            "plan": where,
-            "setting": {"max_batch": 1, "delay_ms": 0.0, "padding": False},
-            "rows": [_row(1, 20.0, 49.0), _row(8, 20.0)],
+        rows = {
+            d: [_row(1, 20.0, 48.0), _row(8, 90.0, ceiling=(c, c))] for d, c in ((0, 40), (5, 80))
         }
+        runs |= _plan_runs(where, rows)
     said = goals({"runs": runs})
     assert said[:2] == [
         f"- {where}: every goal met by batched, delay 5 ms; not by batched, delay 0 ms"
