@@ -29,6 +29,7 @@ from tierflow.partitioner.split import Segment, VerifyResult, save_split_plan, v
 from tierflow.partitioner.state_verify import StatefulCheck, verify_stream_split
 from tierflow.partitioner.tier_profiles import DecoderProfiles, Profiles
 from tierflow.plan import Plan
+from tierflow.state.spec import DecoderSpec, StateSpec
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ def estimate_dict(
             **graph.settings.to_dict(),
             "points": {p.name: {"seq": p.seq, "past": p.past} for p in graph.points},
             **best.to_dict(),
+            "batching": batching_dict(graph.decoder, graph.states),
         }
         data["latency_s"] = best.generation_s
         return data
@@ -61,6 +63,29 @@ def estimate_dict(
             "device-edge": list(graph.cuts[a].tensors) if best.links["device-edge"].used else [],
             "edge-cloud": list(graph.cuts[b].tensors) if best.links["edge-cloud"].used else [],
         },
+    }
+
+
+def batching_dict(decoder: DecoderSpec, states: Sequence[StateSpec]) -> dict[str, str]:
+    """How the tiers may batch the decoder's steps of different sessions, and what each
+    way costs ([Note: batching exactness] in tierflow/runtime/batching.py): the exact
+    default, and ``--batch-padding`` where the decoder has what it pads (an attention
+    mask, and every state a KV cache)."""
+    if decoder.attention_mask is None:
+        padding = "does not apply: the decoder has no attention mask to pad"
+    elif any(state.grows is None for state in states):
+        padding = "does not apply: a state of the decoder is not a KV cache"
+    else:
+        padding = (
+            "opt-in (serve --batch-padding): steps of different past lengths also share a "
+            "call, left-padded to the longest; each pays for the padding's compute, and its "
+            "logits differ from its step alone (about 3e-6), so greedy tokens can differ; "
+            "only for decoders whose mask covers cache positions, as Hugging Face's do"
+        )
+    return {
+        "exact": "steps of the same past and step length share one call (serve --max-batch, "
+        "--batch-delay), each answered bit for bit as alone",
+        "padding": padding,
     }
 
 

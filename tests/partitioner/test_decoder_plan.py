@@ -22,7 +22,9 @@ from tierflow.partitioner.decoder_graph import (
     split_decoder,
 )
 from tierflow.partitioner.decoder_points import DecoderSettings, analysis_points
+from tierflow.partitioner.plan_writing import batching_dict
 from tierflow.plan import load_plan
+from tierflow.state.spec import DecoderSpec, StateSpec
 from tierflow.zoo.tiny_stateful import tiny_decoder
 
 SETTINGS = DecoderSettings(context=64, max_tokens=8, prompt_tokens=5)
@@ -122,6 +124,10 @@ def test_plan_writes_a_decoder_plan_that_generates_like_the_model(
     )
     estimate = plan.estimate
     assert estimate["decoder"]["ttft_s"] > 0 and estimate["decoder"]["per_token_s"] > 0
+    batching = estimate["decoder"]["batching"]  # the exact default, and padding's costs
+    assert "bit for bit" in batching["exact"]
+    assert batching["padding"].startswith("opt-in (serve --batch-padding)")
+    assert "compute" in batching["padding"] and "3e-6" in batching["padding"]
     assert estimate["memory_bytes"]["device"] <= 8 * 1024
     # The written segment files, chained with their caches fed back, generate exactly what
     # the unsplit model generates (the same ORT settings on both sides, also the
@@ -359,6 +365,22 @@ def test_sessions_profile_the_decode_step_at_several_batch_sizes(decoder_path: P
         assert len(ratios) > 1  # timed unit by unit, no one factor
     step_s = profiles.step_s_by_batch()
     assert sorted(step_s) == [1, 2, 4] and all(s > 0 for s in step_s.values())
+
+
+def test_a_plan_says_batch_padding_does_not_apply_where_the_decoder_has_nothing_to_pad() -> None:
+    """No attention mask to pad, or a state that is not a KV cache (a recurrent state):
+    ``--batch-padding`` changes nothing there, and plan.json says so."""
+    cache = StateSpec("past", "present", "float32", (None, 2, None, 4), grows=2)
+    recurrent = StateSpec("h", "h_out", "float32", (None, 8))
+    masked = DecoderSpec("input_ids", "logits", "attention_mask", None, 32, 64, 8)
+    unmasked = dataclasses.replace(masked, attention_mask=None)
+    assert batching_dict(masked, [cache])["padding"].startswith("opt-in")
+    assert batching_dict(unmasked, [cache])["padding"] == (
+        "does not apply: the decoder has no attention mask to pad"
+    )
+    assert batching_dict(masked, [cache, recurrent])["padding"] == (
+        "does not apply: a state of the decoder is not a KV cache"
+    )
 
 
 def test_plan_for_sessions_reports_their_aggregate_tokens_per_second(
