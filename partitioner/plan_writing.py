@@ -29,6 +29,7 @@ from tierflow.partitioner.split import Segment, VerifyResult, save_split_plan, v
 from tierflow.partitioner.state_verify import StatefulCheck, verify_stream_split
 from tierflow.partitioner.tier_profiles import DecoderProfiles, Profiles
 from tierflow.plan import Plan
+from tierflow.runtime.batching import unpaddable
 from tierflow.state.spec import DecoderSpec, StateSpec
 
 logger = logging.getLogger(__name__)
@@ -70,11 +71,11 @@ def batching_dict(decoder: DecoderSpec, states: Sequence[StateSpec]) -> dict[str
     """How the tiers may batch the decoder's steps of different sessions, and what each
     way costs ([Note: batching exactness] in tierflow/runtime/batching.py): the exact
     default, and ``--batch-padding`` where the decoder has what it pads (an attention
-    mask, and every state a KV cache)."""
-    if decoder.attention_mask is None:
-        padding = "does not apply: the decoder has no attention mask to pad"
-    elif any(state.grows is None for state in states):
-        padding = "does not apply: a state of the decoder is not a KV cache"
+    mask, and every state a KV cache: :func:`~tierflow.runtime.batching.unpaddable`, as
+    the tiers decide it)."""
+    refused = unpaddable(decoder.attention_mask, states)
+    if refused is not None:
+        padding = f"does not apply: {refused}"
     else:
         padding = (
             "opt-in (serve --batch-padding): steps of different past lengths also share a "

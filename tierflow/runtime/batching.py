@@ -159,6 +159,7 @@ import numpy as np
 
 from tierflow.errors import DeadlineError, ModelError
 from tierflow.runtime.workers import lent
+from tierflow.state.spec import StateSpec
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +173,17 @@ IN_PLACE_BYTES = 4096
 ACTIVE_S = 2.0
 #: A session counts as active for this many of its own round times after its last step.
 ROUNDS = 2.0
+
+
+def unpaddable(mask: str | None, states: Sequence[StateSpec]) -> str | None:
+    """Why ``--batch-padding`` cannot pad a decoder's steps, given its attention mask and
+    its states (None: it can): it left-pads the mask and every state as a KV cache
+    ([Note: batching exactness])."""
+    if mask is None:
+        return "the decoder has no attention mask to pad"
+    if any(state.grows is None for state in states):
+        return "a state of the decoder is not a KV cache"
+    return None
 
 
 @dataclass(frozen=True)

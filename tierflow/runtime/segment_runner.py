@@ -60,7 +60,7 @@ from tierflow.link.spec import TIERS
 from tierflow.onnxrt.inference import open_session
 from tierflow.options import RuntimeOptions
 from tierflow.plan import ExitSpec, Plan, SegmentSpec
-from tierflow.runtime.batching import Outputs, Padding, Pending, StepBatcher
+from tierflow.runtime.batching import Outputs, Padding, Pending, StepBatcher, unpaddable
 from tierflow.state.spec import StateSpec
 
 logger = logging.getLogger(__name__)
@@ -315,10 +315,16 @@ class TierRunner:
         if not all(runner.symbolic_batch for _, _, runner in self.segments):
             return None
         padding = None
-        growing = tuple((s.input, s.output, s.grows) for s in self.states if s.grows is not None)
         mask = decoder.attention_mask
-        whole = len(growing) == len(self.states)  # every state a KV cache
-        if options.batch_padding and mask is not None and mask in self._needed and whole:
+        if (
+            options.batch_padding
+            and mask is not None
+            and mask in self._needed
+            and unpaddable(mask, self.states) is None
+        ):
+            growing = tuple(
+                (s.input, s.output, s.grows) for s in self.states if s.grows is not None
+            )
             padding = Padding(mask, growing)
         final = self.end >= len(self.plan.segments)
         self._returned = (
